@@ -1,0 +1,29 @@
+# Two entry points: `make demo` runs the main job on built-in defaults, `make test` runs the tests.
+# Both create .venv on first use with pinned dependencies (torch first: the pinned CPU wheel).
+PY := .venv/bin/python
+VENV_STAMP := .venv/.installed
+
+.PHONY: demo test test-fast bench clean
+
+$(VENV_STAMP): requirements.txt pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(VENV_STAMP)
+
+demo: $(VENV_STAMP)
+	$(PY) -m recycle demo --out out/demo
+
+test: $(VENV_STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(VENV_STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(VENV_STAMP)
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf .venv out

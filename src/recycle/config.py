@@ -1,0 +1,447 @@
+"""Job configuration: TOML -> frozen dataclasses, validated with messages that name the key, the rule and the fix."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recycle.errors import ConfigError
+
+__all__ = [
+    "Topology",
+    "Workload",
+    "StageCosts",
+    "Memory",
+    "Communication",
+    "ModelSpec",
+    "Training",
+    "Config",
+    "load_config",
+    "parse_config",
+    "TIME_UNITS",
+    "uniform_config",
+]
+
+TIME_UNITS = ("slot", "us")
+
+Floats = tuple[float, ...]
+Ints = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Topology:
+    num_replicas: int
+    num_stages: int
+    gpus_per_worker: int = 1  # a worker may be a tensor-parallel group; losing any GPU loses the worker
+
+    @property
+    def num_workers(self) -> int:
+        return self.num_replicas * self.num_stages
+
+    def rank(self, replica: int, stage: int) -> int:
+        return replica * self.num_stages + stage
+
+    def worker(self, rank: int) -> tuple[int, int]:
+        return divmod(rank, self.num_stages)
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_microbatches: int  # per pipeline per iteration
+    microbatch_size: int = 1  # samples per micro-batch
+    seq_len: int = 64  # tokens per sample (runtime and throughput in tokens)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per-stage durations in the config's time unit."""
+
+    forward: Floats
+    backward_input: Floats
+    backward_weight: Floats
+    optimizer: Floats
+    backward_fused: Floats  # B+W in one action; defaults to backward_input + backward_weight
+
+    def backward(self, stage: int) -> float:
+        return self.backward_input[stage] + self.backward_weight[stage]
+
+
+@dataclass(frozen=True)
+class Memory:
+    activation_bytes: Ints  # per micro-batch, held from F start to W end (BW end when coupled)
+    capacity_bytes: int  # activation budget per worker; 0 = unlimited
+    parameter_bytes: Ints  # per stage, for re-join state transfer and all-reduce size
+    optimizer_state_bytes: Ints  # per stage (e.g. Adam moments, fp32 master weights)
+
+
+@dataclass(frozen=True)
+class Communication:
+    p2p_latency: float  # time units per message
+    p2p_bandwidth: float  # bytes per time unit; 0 = infinite
+    activation_message_bytes: Ints  # per stage: size of stage s's forward output (= input-gradient sent back to s)
+    allreduce_latency: float  # time units per ring step
+    allreduce_bandwidth: float  # bytes per time unit; 0 = infinite
+    gradient_bytes: Ints  # per stage: bytes all-reduced by the stage's DP group
+
+    def p2p_time(self, stage_boundary: int) -> float:
+        """Time to send stage `stage_boundary`'s forward output (or the matching input-gradient back)."""
+        size = self.activation_message_bytes[stage_boundary]
+        transfer = size / self.p2p_bandwidth if self.p2p_bandwidth > 0 else 0.0
+        return self.p2p_latency + transfer
+
+    def allreduce_time(self, stage: int, num_live: int) -> float:
+        """Ring all-reduce cost over `num_live` replicas: 2(n-1) steps, each moving 1/n of the buffer."""
+        if num_live <= 1:
+            return 0.0
+        steps = 2 * (num_live - 1)
+        size = self.gradient_bytes[stage]
+        transfer = steps / num_live * size / self.allreduce_bandwidth if self.allreduce_bandwidth > 0 else 0.0
+        return steps * self.allreduce_latency + transfer
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The built-in GPT used by the runtime (ignored by planner and simulator)."""
+
+    preset: str = "tiny"
+    vocab_size: int = 256
+    n_layer: int = 4
+    n_head: int = 2
+    n_embd: int = 32
+    dropout: float = 0.0
+
+
+@dataclass(frozen=True)
+class Training:
+    """Runtime training settings."""
+
+    steps: int = 4
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 0.0  # 0 = no clipping
+    seed: int = 0
+    dtype: str = "float32"
+    dataset: str = "builtin"  # "builtin" or a path to a UTF-8 text file
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    time_unit: str
+    topology: Topology
+    workload: Workload
+    costs: StageCosts
+    memory: Memory
+    communication: Communication
+    model: ModelSpec = field(default_factory=ModelSpec)
+    training: Training = field(default_factory=Training)
+    source: str = ""  # path the config was read from, for messages
+
+    @property
+    def num_replicas(self) -> int:
+        return self.topology.num_replicas
+
+    @property
+    def num_stages(self) -> int:
+        return self.topology.num_stages
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.workload.num_microbatches
+
+    def planning_dict(self) -> dict[str, Any]:
+        """Everything that affects plans and their timing (not the runtime's model or training settings)."""
+        return {
+            "time_unit": self.time_unit,
+            "topology": asdict(self.topology),
+            "workload": asdict(self.workload),
+            "costs": asdict(self.costs),
+            "memory": asdict(self.memory),
+            "communication": asdict(self.communication),
+        }
+
+    def fingerprint(self) -> str:
+        """A stable hash of the planning-relevant config; plan stores carry it."""
+        blob = json.dumps(self.planning_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def with_topology(self, num_replicas: int | None = None, num_stages: int | None = None,
+                      num_microbatches: int | None = None) -> "Config":
+        """A copy with a new D, S or M; per-stage lists must then be uniform (or S unchanged)."""
+        raw = self.to_dict()
+        if num_replicas is not None:
+            raw["topology"]["num_replicas"] = num_replicas
+        if num_stages is not None and num_stages != self.num_stages:
+            for section, keys in _PER_STAGE_KEYS.items():
+                for key in keys:
+                    values = raw[section][key]
+                    if len(set(values)) != 1:
+                        raise ConfigError(
+                            f"cannot change num_stages of {self.name!r}: [{section}] {key} = {list(values)} differs "
+                            "per stage; give per-stage values for the new stage count instead"
+                        )
+                    raw[section][key] = values[0]
+            raw["topology"]["num_stages"] = num_stages
+        if num_microbatches is not None:
+            raw["workload"]["num_microbatches"] = num_microbatches
+        return parse_config(raw, name=self.name, source=self.source)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self.planning_dict()
+        d["model"] = asdict(self.model)
+        d["training"] = asdict(self.training)
+        d["name"] = self.name
+        for section in d.values():
+            if isinstance(section, dict):
+                for k, v in section.items():
+                    if isinstance(v, tuple):
+                        section[k] = list(v)
+        return d
+
+
+_PER_STAGE_KEYS = {
+    "costs": ("forward", "backward_input", "backward_weight", "optimizer", "backward_fused"),
+    "memory": ("activation_bytes", "parameter_bytes", "optimizer_state_bytes"),
+    "communication": ("activation_message_bytes", "gradient_bytes"),
+}
+
+_SCHEMA: dict[str, dict[str, str]] = {
+    "topology": {"num_replicas": "int", "num_stages": "int", "gpus_per_worker": "int"},
+    "workload": {"num_microbatches": "int", "microbatch_size": "int", "seq_len": "int"},
+    "costs": {
+        "forward": "stagefloat", "backward_input": "stagefloat", "backward_weight": "stagefloat",
+        "optimizer": "stagefloat", "backward_fused": "stagefloat",
+    },
+    "memory": {
+        "activation_bytes": "stageint", "capacity_bytes": "int", "parameter_bytes": "stageint",
+        "optimizer_state_bytes": "stageint",
+    },
+    "communication": {
+        "p2p_latency": "float", "p2p_bandwidth": "float", "activation_message_bytes": "stageint",
+        "allreduce_latency": "float", "allreduce_bandwidth": "float", "gradient_bytes": "stageint",
+    },
+    "model": {"preset": "str", "vocab_size": "int", "n_layer": "int", "n_head": "int", "n_embd": "int",
+              "dropout": "float"},
+    "training": {"steps": "int", "lr": "float", "weight_decay": "float", "grad_clip": "float", "seed": "int",
+                 "dtype": "str", "dataset": "str"},
+}
+_TOP_LEVEL = {"name": "str", "time_unit": "str"}
+_REQUIRED = {
+    "topology": ("num_replicas", "num_stages"),
+    "workload": ("num_microbatches",),
+    "costs": ("forward", "backward_input", "backward_weight"),
+}
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a TOML config file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass --config with a path to a TOML file "
+                          "(e.g. configs/toy.toml)")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}; fix the syntax at that line") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text; pass a TOML file") from None
+    return parse_config(raw, name=raw.get("name", path.stem), source=str(path))
+
+
+def _where(source: str, section: str, key: str) -> str:
+    prefix = f"{source}: " if source else ""
+    return f"{prefix}[{section}] {key}" if section else f"{prefix}{key}"
+
+
+def _check_type(value: Any, kind: str, where: str) -> Any:
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def is_num(v: Any) -> bool:
+        return (is_int(v) or isinstance(v, float)) and not isinstance(v, bool)
+
+    if kind == "int":
+        if not is_int(value):
+            raise ConfigError(f"{where} = {value!r} must be an integer; write it without quotes or decimals")
+        return value
+    if kind == "float":
+        if not is_num(value):
+            raise ConfigError(f"{where} = {value!r} must be a number")
+        if not math.isfinite(float(value)):
+            raise ConfigError(f"{where} = {value!r} must be finite; use 0 to mean 'infinite bandwidth'")
+        return float(value)
+    if kind == "str":
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} = {value!r} must be a string in quotes")
+        return value
+    if kind in ("stagefloat", "stageint"):
+        check = is_int if kind == "stageint" else is_num
+        conv = int if kind == "stageint" else float
+        what = "an integer" if kind == "stageint" else "a number"
+        if isinstance(value, list):
+            for v in value:
+                if not check(v):
+                    raise ConfigError(f"{where} = {value!r}: every entry must be {what}")
+            return [conv(v) for v in value]
+        if not check(value):
+            raise ConfigError(f"{where} = {value!r} must be {what} for all stages or a list with one per stage")
+        return conv(value)
+    raise AssertionError(kind)
+
+
+def _per_stage(value: Any, num_stages: int, where: str) -> tuple:
+    if isinstance(value, list):
+        if len(value) != num_stages:
+            raise ConfigError(
+                f"{where} has {len(value)} entries but num_stages = {num_stages}; give one value per stage "
+                "or a single number for all stages"
+            )
+        return tuple(value)
+    return (value,) * num_stages
+
+
+def parse_config(raw: dict[str, Any], name: str = "config", source: str = "") -> Config:
+    """Validate a raw TOML mapping and build the frozen Config."""
+    checked: dict[str, dict[str, Any]] = {s: {} for s in _SCHEMA}
+    top: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in _TOP_LEVEL:
+            top[key] = _check_type(value, _TOP_LEVEL[key], _where(source, "", key))
+            continue
+        if key not in _SCHEMA:
+            known = ", ".join(sorted([*_SCHEMA, *_TOP_LEVEL]))
+            raise ConfigError(f"{_where(source, '', key)}: unknown section or key {key!r}; known: {known}")
+        if not isinstance(value, dict):
+            raise ConfigError(f"{_where(source, '', key)} must be a table; write it as [{key}]")
+        for sub, v in value.items():
+            if sub not in _SCHEMA[key]:
+                known = ", ".join(sorted(_SCHEMA[key]))
+                raise ConfigError(f"{_where(source, key, sub)}: unknown key {sub!r} in [{key}]; known keys: {known}")
+            checked[key][sub] = _check_type(v, _SCHEMA[key][sub], _where(source, key, sub))
+    for section, keys in _REQUIRED.items():
+        for key in keys:
+            if key not in checked[section]:
+                raise ConfigError(f"{_where(source, section, key)} is missing; it is required, add it under [{section}]")
+
+    time_unit = top.get("time_unit", "slot")
+    if time_unit not in TIME_UNITS:
+        raise ConfigError(f"{_where(source, '', 'time_unit')} = {time_unit!r} must be one of {list(TIME_UNITS)}")
+
+    t = checked["topology"]
+    topology = Topology(t["num_replicas"], t["num_stages"], t.get("gpus_per_worker", 1))
+    for key in ("num_replicas", "num_stages", "gpus_per_worker"):
+        if getattr(topology, key) < 1:
+            raise ConfigError(f"{_where(source, 'topology', key)} = {getattr(topology, key)} must be >= 1")
+    S = topology.num_stages
+
+    w = checked["workload"]
+    workload = Workload(w["num_microbatches"], w.get("microbatch_size", 1), w.get("seq_len", 64))
+    for key in ("num_microbatches", "microbatch_size", "seq_len"):
+        if getattr(workload, key) < 1:
+            raise ConfigError(f"{_where(source, 'workload', key)} = {getattr(workload, key)} must be >= 1")
+
+    def stage_list(section: str, key: str, default: Any) -> tuple:
+        value = checked[section].get(key, default)
+        out = _per_stage(value, S, _where(source, section, key))
+        for v in out:
+            if v < 0:
+                raise ConfigError(f"{_where(source, section, key)} = {value!r} must be >= 0 (durations and sizes "
+                                  "cannot be negative)")
+        return out
+
+    c = checked["costs"]
+    forward = stage_list("costs", "forward", None)
+    backward_input = stage_list("costs", "backward_input", None)
+    backward_weight = stage_list("costs", "backward_weight", None)
+    optimizer = stage_list("costs", "optimizer", 0.0)
+    fused_default = [bi + bw for bi, bw in zip(backward_input, backward_weight)]
+    backward_fused = stage_list("costs", "backward_fused", c.get("backward_fused", fused_default))
+    for s in range(S):
+        if forward[s] <= 0:
+            raise ConfigError(f"{_where(source, 'costs', 'forward')}: stage {s} has forward = {forward[s]}; "
+                              "a forward must take positive time")
+        if backward_input[s] + backward_weight[s] <= 0:
+            raise ConfigError(f"{_where(source, 'costs', 'backward_input')}: stage {s} has zero backward time; "
+                              "backward_input + backward_weight must be positive")
+    costs = StageCosts(forward, backward_input, backward_weight, optimizer, backward_fused)
+
+    m = checked["memory"]
+    capacity = m.get("capacity_bytes", 0)
+    if capacity < 0:
+        raise ConfigError(f"{_where(source, 'memory', 'capacity_bytes')} = {capacity} must be >= 0 (0 = unlimited)")
+    memory = Memory(
+        stage_list("memory", "activation_bytes", 0),
+        capacity,
+        stage_list("memory", "parameter_bytes", 0),
+        stage_list("memory", "optimizer_state_bytes", 0),
+    )
+    if capacity > 0:
+        for s in range(S):
+            if memory.activation_bytes[s] == 0:
+                raise ConfigError(f"{_where(source, 'memory', 'activation_bytes')} is 0 for stage {s} but "
+                                  f"capacity_bytes = {capacity}; give activation bytes per micro-batch or set "
+                                  "capacity_bytes = 0 (unlimited)")
+            if memory.activation_bytes[s] > capacity:
+                raise ConfigError(f"{_where(source, 'memory', 'activation_bytes')}: stage {s} needs "
+                                  f"{memory.activation_bytes[s]} bytes per micro-batch, more than capacity_bytes = "
+                                  f"{capacity}; raise capacity_bytes, use more stages or smaller micro-batches")
+
+    cm = checked["communication"]
+    comm = Communication(
+        cm.get("p2p_latency", 0.0),
+        cm.get("p2p_bandwidth", 0.0),
+        stage_list("communication", "activation_message_bytes", 0),
+        cm.get("allreduce_latency", 0.0),
+        cm.get("allreduce_bandwidth", 0.0),
+        stage_list("communication", "gradient_bytes", 0),
+    )
+    for key in ("p2p_latency", "p2p_bandwidth", "allreduce_latency", "allreduce_bandwidth"):
+        if getattr(comm, key) < 0:
+            raise ConfigError(f"{_where(source, 'communication', key)} = {getattr(comm, key)} must be >= 0")
+
+    model = ModelSpec(**checked["model"])
+    if model.n_embd % model.n_head != 0:
+        raise ConfigError(f"{_where(source, 'model', 'n_embd')} = {model.n_embd} must be divisible by n_head = "
+                          f"{model.n_head}")
+    if model.n_layer < 1:
+        raise ConfigError(f"{_where(source, 'model', 'n_layer')} = {model.n_layer} must be >= 1")
+    training = Training(**checked["training"])
+    if training.dtype not in ("float32", "float64"):
+        raise ConfigError(f"{_where(source, 'training', 'dtype')} = {training.dtype!r} must be 'float32' or "
+                          "'float64'")
+    if training.steps < 0 or training.lr <= 0 or training.grad_clip < 0:
+        raise ConfigError(f"{_where(source, 'training', 'steps/lr/grad_clip')}: need steps >= 0, lr > 0, "
+                          f"grad_clip >= 0 (got {training.steps}, {training.lr}, {training.grad_clip})")
+
+    return Config(
+        name=top.get("name", name),
+        time_unit=time_unit,
+        topology=topology,
+        workload=workload,
+        costs=costs,
+        memory=memory,
+        communication=comm,
+        model=model,
+        training=training,
+        source=source,
+    )
+
+
+def uniform_config(num_replicas: int, num_stages: int, num_microbatches: int, forward: float = 1.0,
+                   backward_input: float = 1.0, backward_weight: float = 1.0, optimizer: float = 0.0,
+                   name: str = "uniform") -> Config:
+    """A slot-unit config with equal stages and free communication, for sweeps and tests."""
+    raw = {
+        "topology": {"num_replicas": num_replicas, "num_stages": num_stages},
+        "workload": {"num_microbatches": num_microbatches},
+        "costs": {"forward": forward, "backward_input": backward_input, "backward_weight": backward_weight,
+                  "optimizer": optimizer},
+    }
+    return parse_config(raw, name=name)
+
+

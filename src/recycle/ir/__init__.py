@@ -1,0 +1,8 @@
+"""Plan IR: actions, the plan container, validation, text/CSV forms (no torch import)."""
+
+from recycle.ir.actions import BACKWARD_KINDS, COMPUTE_KINDS, Action, Kind
+from recycle.ir.plan import Plan, PlanMeta, derive_host
+from recycle.ir.validate import dependencies, format_grid, opt_group, validate_plan
+
+__all__ = ["Action", "Kind", "COMPUTE_KINDS", "BACKWARD_KINDS", "Plan", "PlanMeta", "derive_host",
+           "validate_plan", "format_grid", "dependencies", "opt_group"]

@@ -1,0 +1,207 @@
+"""The one plan validator used at every boundary: routing, coverage, per-worker order, and a deadlock dry run."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+from recycle.errors import PlanError
+from recycle.ir.actions import Action, Kind
+from recycle.ir.plan import Plan
+
+__all__ = ["validate_plan", "format_grid", "dependencies", "opt_group"]
+
+
+def format_grid(plan: Plan, marks: Iterable[tuple[int, int]] = (), max_cols: int = 40) -> str:
+    """The per-worker action lists as a grid (one row per worker); cells in `marks` (rank, index) get >< around."""
+    marked = set(marks)
+    lines = []
+    for rank in range(plan.num_workers):
+        replica, stage = plan.worker(rank)
+        acts = plan.actions[rank]
+        label = f"({replica},{stage})"
+        if (replica, stage) in plan.failed:
+            lines.append(f"{label:>9} DOWN")
+            continue
+        cells = []
+        for i, a in enumerate(acts):
+            token = str(a)
+            cells.append(f">{token}<" if (rank, i) in marked else token)
+        focus = [i for (r, i) in marked if r == rank]
+        start = 0
+        if focus and len(cells) > max_cols:
+            start = max(0, min(focus) - max_cols // 2)
+        shown = cells[start:start + max_cols]
+        prefix = "... " if start > 0 else ""
+        suffix = " ..." if start + max_cols < len(cells) else ""
+        lines.append(f"{label:>9} {prefix}{' '.join(shown)}{suffix}")
+    return "\n".join(lines)
+
+
+def _fail(plan: Plan, message: str, marks: Iterable[tuple[int, int]] = ()) -> PlanError:
+    return PlanError(f"{message}\nplan (offending cells marked >like this<):\n{format_grid(plan, marks)}")
+
+
+def dependencies(plan: Plan, action: Action) -> list[tuple[int, Action, int]]:
+    """Cross-worker inputs of a compute action: (producer rank, producer action, stage boundary of the message).
+
+    F of mb at stage s needs stage s-1's forward output; B/BW at stage s needs stage s+1's input-gradient. Same-worker
+    order (F before B before W) is the list order, checked separately.
+    """
+    s, mb = action.stage, action.mb
+    if action.kind is Kind.F and s > 0:
+        src = plan.rank(plan.host[s - 1][mb], s - 1)
+        return [(src, Action(Kind.F, s - 1, mb), s - 1)]
+    if action.kind in (Kind.B, Kind.BW) and s < plan.num_stages - 1:
+        nxt = plan.host[s + 1][mb]
+        src = plan.rank(nxt, s + 1)
+        kind = _backward_kind(plan, src, s + 1, mb)
+        return [(src, Action(kind, s + 1, mb), s)]
+    return []
+
+
+def _backward_kind(plan: Plan, rank: int, stage: int, mb: int) -> Kind:
+    """Whether (stage, mb) is decoupled (B then W) or fused (BW) on its host."""
+    return Kind.B if (stage, mb) in plan.decoupled_pairs else Kind.BW
+
+
+def opt_group(plan: Plan, rank: int) -> list[int]:
+    """Ranks whose OPT must all be reached before this rank's OPT runs (its stage's all-reduce, or all if coupled)."""
+    if plan.staggered:
+        _, stage = plan.worker(rank)
+        return [plan.rank(p, stage) for p in plan.live_replicas(stage)]
+    return plan.live_ranks()
+
+
+def validate_plan(plan: Plan) -> Plan:
+    """Raise PlanError (with the grid, offending cells marked) unless the plan is well formed; return it."""
+    D, S, M = plan.num_replicas, plan.num_stages, plan.num_microbatches
+    total = D * M
+    if D < 1 or S < 1 or M < 1:
+        raise PlanError(f"plan has num_replicas={D}, num_stages={S}, num_microbatches={M}; all must be >= 1")
+    if len(plan.actions) != D * S:
+        raise PlanError(f"plan has {len(plan.actions)} worker lists but D*S = {D * S}; give one list per worker")
+    if len(plan.host) != S or any(len(row) != total for row in plan.host):
+        raise PlanError(f"plan routing must be host[stage][mb] with {S} rows of {total} entries")
+    for p, s in plan.failed:
+        if not (0 <= p < D and 0 <= s < S):
+            raise PlanError(f"failed worker ({p},{s}) is outside the {D}x{S} topology")
+    for s in range(S):
+        if not plan.live_replicas(s):
+            raise PlanError(f"stage {s} has no live replica; its weights are lost and a checkpoint restore is needed")
+
+    # Per-worker checks: stage, range, live host, order F < B < W, exactly one OPT at the end.
+    seen: dict[tuple[Kind, int, int], tuple[int, int]] = {}
+    for rank, acts in enumerate(plan.actions):
+        replica, stage = plan.worker(rank)
+        if (replica, stage) in plan.failed:
+            if acts:
+                raise _fail(plan, f"worker ({replica},{stage}) is failed but has {len(acts)} actions; a failed "
+                                  "worker's list must be empty", [(rank, 0)])
+            continue
+        pos: dict[tuple[Kind, int], int] = {}
+        opts = [i for i, a in enumerate(acts) if a.kind is Kind.OPT]
+        if len(opts) != 1 or opts[0] != len(acts) - 1:
+            raise _fail(plan, f"worker ({replica},{stage}) must end with exactly one {stage}OPT (found "
+                              f"{len(opts)} at positions {opts} of {len(acts)})", [(rank, i) for i in opts])
+        for i, a in enumerate(acts):
+            if a.stage != stage:
+                raise _fail(plan, f"action {a} on worker ({replica},{stage}) is for stage {a.stage}; a worker "
+                                  "only runs its own stage", [(rank, i)])
+            if a.kind is Kind.OPT:
+                continue
+            if not 0 <= a.mb < total:
+                raise _fail(plan, f"action {a}: micro-batch {a.mb} is outside [0, {total})", [(rank, i)])
+            key = (a.kind, stage, a.mb)
+            if key in seen:
+                other = seen[key]
+                raise _fail(plan, f"micro-batch {a.mb} is processed twice at stage {stage}: {a} appears on worker "
+                                  f"{plan.worker(other[0])} and worker ({replica},{stage})", [other, (rank, i)])
+            seen[key] = (rank, i)
+            if plan.host[stage][a.mb] != replica:
+                raise _fail(plan, f"action {a} runs on replica {replica} but host[{stage}][{a.mb}] = "
+                                  f"{plan.host[stage][a.mb]}; all actions of a micro-batch at a stage run on its "
+                                  "host", [(rank, i)])
+            pos[(a.kind, a.mb)] = i
+        for (kind, mb), i in pos.items():
+            if kind in (Kind.B, Kind.BW, Kind.W):
+                f = pos.get((Kind.F, mb))
+                if f is None or f > i:
+                    raise _fail(plan, f"{stage}{kind.value}{mb} on worker ({replica},{stage}) comes before its "
+                                      f"forward {stage}F{mb}; order must be F before B before W", [(rank, i)])
+            if kind is Kind.W:
+                b = pos.get((Kind.B, mb))
+                if b is None or b > i:
+                    raise _fail(plan, f"{stage}W{mb} on worker ({replica},{stage}) needs {stage}B{mb} earlier on "
+                                      "the same worker", [(rank, i)])
+            if kind is Kind.B and (Kind.W, mb) not in pos:
+                raise _fail(plan, f"{stage}B{mb} on worker ({replica},{stage}) has no matching {stage}W{mb}; a "
+                                  "decoupled backward needs both halves", [(rank, i)])
+            if kind is Kind.BW and (Kind.B, mb) in pos:
+                raise _fail(plan, f"micro-batch {mb} at stage {stage} has both a fused BW and a B", [(rank, i)])
+
+    # Coverage: every micro-batch exactly once per stage, routed to a live replica.
+    for s in range(S):
+        for mb in range(total):
+            h = plan.host[s][mb]
+            if h < 0 or h >= D:
+                raise _fail(plan, f"micro-batch {mb} has no forward at stage {s} (host[{s}][{mb}] = {h}); every "
+                                  "micro-batch must be processed exactly once per stage")
+            if (h, s) in plan.failed:
+                raise _fail(plan, f"host[{s}][{mb}] = {h} but worker ({h},{s}) is failed; route it to a live "
+                                  f"replica of stage {s}: {plan.live_replicas(s)}")
+            if (Kind.F, s, mb) not in seen:
+                raise _fail(plan, f"micro-batch {mb} has no forward {s}F{mb} on its host ({h},{s})")
+            if (Kind.BW, s, mb) not in seen and (Kind.B, s, mb) not in seen:
+                raise _fail(plan, f"micro-batch {mb} has no backward ({s}B{mb} or {s}BW{mb}) at stage {s}",
+                            [seen[(Kind.F, s, mb)]])
+    _dry_run(plan)
+    return plan
+
+
+def _dry_run(plan: Plan) -> None:
+    """Execute the lists in order, ignoring time; raise with the blocked heads marked if no worker can progress."""
+    n = plan.num_workers
+    ptr = [0] * n
+    done: set[tuple[int, Action]] = set()
+    waiting: dict[tuple[int, Action], list[int]] = defaultdict(list)
+    at_opt: set[int] = set()
+    ready = [r for r in range(n) if plan.actions[r]]
+    finished = 0
+    live = [r for r in range(n) if plan.actions[r]]
+    while ready:
+        rank = ready.pop()
+        acts = plan.actions[rank]
+        while ptr[rank] < len(acts):
+            a = acts[ptr[rank]]
+            if a.kind is Kind.OPT:
+                at_opt.add(rank)
+                group = opt_group(plan, rank)
+                if all(g in at_opt for g in group):
+                    for g in group:
+                        ptr[g] += 1
+                        finished += 1
+                break
+            blocked = False
+            for src, dep, _ in dependencies(plan, a):
+                if (src, dep) not in done:
+                    waiting[(src, dep)].append(rank)
+                    blocked = True
+                    break
+            if blocked:
+                break
+            done.add((rank, a))
+            ptr[rank] += 1
+            for w in waiting.pop((rank, a), ()):
+                ready.append(w)
+    if finished != len(live):
+        heads = [(r, ptr[r]) for r in live if ptr[r] < len(plan.actions[r])]
+        detail = []
+        for r, i in heads[:6]:
+            a = plan.actions[r][i]
+            if a.kind is Kind.OPT:
+                detail.append(f"{plan.worker(r)} waits at {a} for its all-reduce group")
+            else:
+                deps = ", ".join(f"{d} on {plan.worker(src)}" for src, d, _ in dependencies(plan, a))
+                detail.append(f"{plan.worker(r)} waits at {a} for {deps}")
+        raise _fail(plan, "plan deadlocks: no worker can make progress. " + "; ".join(detail), heads)
