@@ -1,0 +1,107 @@
+"""Failure states: a set of failed workers -> normalized key (failed replicas per stage) + mapping onto real ranks."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, replace
+from typing import Iterable, Iterator
+
+from recycle.errors import FailureStateError
+from recycle.ir.plan import Plan
+
+__all__ = ["FailureState", "normalize", "parse_worker", "enumerate_keys", "count_failure_sets"]
+
+_WORKER = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+
+
+def parse_worker(text: str, num_replicas: int, num_stages: int) -> tuple[int, int]:
+    """Parse 'R:S' (replica:stage) and check it against the topology."""
+    match = _WORKER.match(text)
+    if not match:
+        raise FailureStateError(f"worker {text!r} is malformed; write REPLICA:STAGE, e.g. --fail 1:2")
+    replica, stage = int(match.group(1)), int(match.group(2))
+    if replica >= num_replicas or stage >= num_stages:
+        raise FailureStateError(
+            f"worker {text!r} is outside the topology: replicas are 0..{num_replicas - 1} and stages are "
+            f"0..{num_stages - 1}; pick a worker inside it"
+        )
+    return replica, stage
+
+
+@dataclass(frozen=True)
+class FailureState:
+    """A real failure set, its normalized key and the per-stage relabelling.
+
+    Canonical layout of key k: at stage s the failed replicas are 0..k_s-1 and the live ones k_s..D-1.
+    `perm[s][c]` is the real replica playing canonical replica c at stage s (failed ones first, each sorted).
+    """
+
+    num_replicas: int
+    num_stages: int
+    failed: frozenset[tuple[int, int]]
+    key: tuple[int, ...]
+    perm: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_failed(self) -> int:
+        return len(self.failed)
+
+    def canonical_failed(self) -> frozenset[tuple[int, int]]:
+        return frozenset((c, s) for s, k in enumerate(self.key) for c in range(k))
+
+    def to_real(self, plan: Plan) -> Plan:
+        """Map a plan made for the canonical layout of this key onto the real ranks."""
+        D, S = self.num_replicas, self.num_stages
+        if plan.failed != self.canonical_failed():
+            raise FailureStateError(f"plan is for failed workers {sorted(plan.failed)}, not the canonical layout "
+                                    f"of key {self.key}; look the plan up by this key")
+        actions: list[tuple] = [()] * (D * S)
+        for c in range(D):
+            for s in range(S):
+                actions[self.perm[s][c] * S + s] = plan.actions[c * S + s]
+        host = tuple(tuple(self.perm[s][c] for c in row) for s, row in enumerate(plan.host))
+        return replace(plan, host=host, actions=tuple(actions), failed=self.failed)
+
+
+def normalize(failed: Iterable[tuple[int, int]], num_replicas: int, num_stages: int) -> FailureState:
+    """Normalize a failure set; a stage with no live replica is an error (its weights need a checkpoint)."""
+    failed_set = frozenset(failed)
+    for p, s in failed_set:
+        if not (0 <= p < num_replicas and 0 <= s < num_stages):
+            raise FailureStateError(f"failed worker {p}:{s} is outside the {num_replicas}x{num_stages} topology")
+    key = []
+    perm = []
+    for s in range(num_stages):
+        dead = sorted(p for p, st in failed_set if st == s)
+        if len(dead) == num_replicas:
+            raise FailureStateError(
+                f"stage {s} has lost all {num_replicas} replicas ({', '.join(f'{p}:{s}' for p in dead)}); its "
+                "weights and optimizer state are gone, so pipeline adaptation cannot continue: restore from a "
+                "checkpoint (or bring a replica of that stage back)"
+            )
+        alive = [p for p in range(num_replicas) if p not in dead]
+        key.append(len(dead))
+        perm.append(tuple(dead + alive))
+    return FailureState(num_replicas, num_stages, failed_set, tuple(key), tuple(perm))
+
+
+def enumerate_keys(num_replicas: int, num_stages: int, max_failures: int) -> Iterator[tuple[int, ...]]:
+    """Every normalized key with at most `max_failures` failures and a live replica in every stage."""
+    cap = min(num_replicas - 1, max_failures)
+    for key in itertools.product(range(cap + 1), repeat=num_stages):
+        if sum(key) <= max_failures:
+            yield key
+
+
+def count_failure_sets(num_replicas: int, num_stages: int, max_failures: int) -> int:
+    """How many raw failure sets the keys stand for (each stage keeps at least one replica)."""
+    from math import comb
+
+    total = 0
+    for key in enumerate_keys(num_replicas, num_stages, max_failures):
+        n = 1
+        for k in key:
+            n *= comb(num_replicas, k)
+        total += n
+    return total

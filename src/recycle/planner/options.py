@@ -1,0 +1,18 @@
+"""Planner options: which ReCycle techniques are on and the activation-memory cap."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PlannerOptions"]
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """decoupled: split backward into B and W; staggered: per-stage optimizer step (no cross-stage barrier);
+    memory_cap: max live micro-batches per worker, one entry per stage (None = the config's memory capacity,
+    which is unlimited when capacity_bytes = 0)."""
+
+    decoupled: bool = True
+    staggered: bool = True
+    memory_cap: tuple[int, ...] | None = None
