@@ -1,0 +1,1 @@
+"""Reports: text grids, Gantt charts, Chrome traces, plots and tables."""

@@ -1,0 +1,1 @@
+"""The runtime: launcher/coordinator, worker executor, data, reference run on torch.distributed."""

@@ -1,0 +1,1 @@
+"""Timing simulation of plans on a cost model."""

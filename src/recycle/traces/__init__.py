@@ -1,0 +1,1 @@
+"""Failure traces, the trace-driven job simulator and baseline models."""
