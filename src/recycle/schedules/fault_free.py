@@ -25,7 +25,12 @@ def stage_order_gpipe(stage: int, num_stages: int, num_microbatches: int, decoup
 
 
 def stage_order_1f1b(stage: int, num_stages: int, num_microbatches: int, decoupled: bool = False) -> StageOrder:
-    """Warm-up of S-s-1 forwards, then one forward / one backward, then the cool-down backwards."""
+    """Warm-up of S-s-1 forwards, then one forward / one backward, then the cool-down backwards.
+
+    The order torch.distributed.pipelining's Schedule1F1B executes (its warm-up loop runs S-s forwards before the
+    first backward: the same sequence). With `decoupled`, W follows its B at once: same memory, but the
+    input-gradient leaves W time earlier, which shortens the makespan by (S-1)*W.
+    """
     warmup = min(num_stages - stage - 1, num_microbatches)
     order: StageOrder = [(Kind.F, j) for j in range(warmup)]
 
@@ -41,30 +46,35 @@ def stage_order_1f1b(stage: int, num_stages: int, num_microbatches: int, decoupl
 
 
 def stage_order_zb_h1(stage: int, num_stages: int, num_microbatches: int, decoupled: bool = True) -> StageOrder:
-    """Zero Bubble H1: 1F1B's forwards and input-gradients, with stage s deferring its first s weight-gradients.
+    """Zero Bubble H1 (ZB1P, Qi et al. ICLR'24): 1F1B's F/B order, with stage s deferring its first s W's.
 
-    Deferring W lets each B reach the previous stage sooner (the critical path only carries F and B), so the
-    cool-down bubble shrinks from (S-1)(F+B+W) to (S-1)(F+B) - ... while in-flight micro-batches (F done, W not
-    done) stay at 1F1B's S-s peak: a stage only starts a new forward when it also retires a W.
+    The F and B sequence is exactly 1F1B's, so B stays on the critical path; W's are the filler. Stage s emits a W
+    right after its k-th B (k counted from 0) only once k >= s, and the s deferred W's run at the end, in the
+    cool-down bubble that 1F1B leaves idle. This is the order torch.distributed.pipelining's
+    ScheduleInterleavedZeroBubble produces with one stage per rank (tests/unit/test_peer_pipelining.py).
+
+    Memory, counted from F start to W end: stage s holds (S-s-1 warm-up) + (s deferred) + 1 = S micro-batches, on
+    every stage. That equals 1F1B's peak over workers (stage 0 holds S), which is the ZB paper's "same peak memory
+    as 1F1B"; per stage it is more than 1F1B's S-s for s > 0 (the last stage holds S instead of 1).
+    `decoupled` is accepted for a uniform signature; ZB-H1 is always decoupled.
     """
     warmup = min(num_stages - stage - 1, num_microbatches)
     order: StageOrder = [(Kind.F, j) for j in range(warmup)]
     next_w = 0
-    deferred = min(stage, num_microbatches)  # W's held back on stage s (s of them) to fill the cool-down
+
+    def backward_then_maybe_w(k: int) -> None:
+        nonlocal next_w
+        order.append((Kind.B, k))
+        if k >= stage:  # the first `stage` W's are held back for the cool-down
+            order.append((Kind.W, next_w))
+            next_w += 1
+
     for i in range(num_microbatches - warmup):
         order.append((Kind.F, warmup + i))
-        order.append((Kind.B, i))
-        if i >= deferred:
-            order.append((Kind.W, next_w))
-            next_w += 1
-    for j in range(num_microbatches - warmup, num_microbatches):
-        order.append((Kind.B, j))
-        if next_w < num_microbatches and j >= deferred + (num_microbatches - warmup) - (num_microbatches - warmup):
-            order.append((Kind.W, next_w))
-            next_w += 1
-    while next_w < num_microbatches:
-        order.append((Kind.W, next_w))
-        next_w += 1
+        backward_then_maybe_w(i)
+    for k in range(num_microbatches - warmup, num_microbatches):
+        backward_then_maybe_w(k)
+    order += [(Kind.W, j) for j in range(next_w, num_microbatches)]
     return order
 
 

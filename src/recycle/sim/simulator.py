@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +75,13 @@ def _check_matches(plan: Plan, config: Config) -> None:
                         "from this config")
 
 
+# Integer codes for the kinds: the flattened arrays in simulate() hold these instead of Kind members.
+_KINDS = (Kind.F, Kind.B, Kind.W, Kind.BW, Kind.OPT)
+_CODE = {k: i for i, k in enumerate(_KINDS)}
+_F, _B, _W, _BW, _OPT = range(5)
+_HELD_DELTA = (1, 0, -1, -1, 0)  # an activation slot is taken at F and released at W or BW
+
+
 def simulate(plan: Plan, config: Config, iterations: int = 4, record: bool = False) -> SimResult:
     """Run `iterations` back-to-back iterations of the plan and measure them.
 
@@ -91,110 +97,140 @@ def simulate(plan: Plan, config: Config, iterations: int = 4, record: bool = Fal
     n = plan.num_workers
     comm = config.communication
 
-    # Flatten each worker's list into parallel arrays; index every compute action by (kind, stage, mb).
-    kinds: list[list[Kind]] = []
-    durations: list[list[float]] = []
-    deps: list[list[tuple[int, int, float]]] = []  # per action: (producer rank, producer position, message time)
-    where: dict[tuple[Kind, int, int], tuple[int, int]] = {}
+    # Flatten every worker's list into one array of actions (global index g); worker r owns g in
+    # [first[r], stop[r]). One pass reads the Action objects; everything after works on flat lists of ints and
+    # floats (no tuple keys), which keeps the cost per action low from a few thousand to ~400k actions.
+    TM = plan.total_microbatches
     live_per_stage = [len(plan.live_replicas(s)) for s in range(S)]
+    duration_of = [[action_duration(config, k, s, live_per_stage[s]) for s in range(S)] for k in _KINDS]
+    first: list[int] = []
+    stop: list[int] = []
+    code: list[int] = []
+    stage_of: list[int] = []
+    mb_of: list[int] = []
+    rank_of: list[int] = []
+    # where[(kind code * S + stage) * TM + mb] = g of that compute action (-1: not in the plan)
+    where = [-1] * (len(_KINDS) * S * TM)
+    code_of = _CODE
     for rank, acts in enumerate(plan.actions):
-        kinds.append([a.kind for a in acts])
-        durations.append([action_duration(config, a.kind, a.stage, live_per_stage[a.stage]) for a in acts])
-        for i, a in enumerate(acts):
-            if a.kind is not Kind.OPT:
-                where[(a.kind, a.stage, a.mb)] = (rank, i)
-    decoupled = plan.decoupled_pairs
-    p2p = [comm.p2p_time(s) for s in range(S)]
-    for rank, acts in enumerate(plan.actions):
-        row: list[tuple[int, int, float]] = []
+        first.append(len(code))
         for a in acts:
-            dep: tuple[int, int, float] = (-1, -1, 0.0)
-            s, mb = a.stage, a.mb
-            if a.kind is Kind.F and s > 0:
-                src, pos = where[(Kind.F, s - 1, mb)]
-                dep = (src, pos, p2p[s - 1] if src != rank else 0.0)
-            elif a.kind in (Kind.B, Kind.BW) and s < S - 1:
-                kind = Kind.B if (s + 1, mb) in decoupled else Kind.BW
-                src, pos = where[(kind, s + 1, mb)]
-                dep = (src, pos, p2p[s] if src != rank else 0.0)
-            row.append(dep)
-        deps.append(row)
+            c, st, mb = code_of[a.kind], a.stage, a.mb
+            if c != _OPT:
+                where[(c * S + st) * TM + mb] = len(code)
+            code.append(c)
+            stage_of.append(st)
+            mb_of.append(mb)
+            rank_of.append(rank)
+        stop.append(len(code))
+    total = len(code)
+    dur = [duration_of[c][st] for c, st in zip(code, stage_of)]
+    is_opt = [c == _OPT for c in code]
+    held_delta = [_HELD_DELTA[c] for c in code]  # activation slots: +1 at F, -1 at W / BW
+    dep = [-1] * total  # global index of the action whose output this one needs, -1 if none
+    msg = [0.0] * total  # message time added when producer and consumer are different workers
+    p2p = [comm.p2p_time(s) for s in range(S)]
+    for g in range(total):
+        c, st = code[g], stage_of[g]
+        if c == _F and st > 0:
+            src = where[(_F * S + st - 1) * TM + mb_of[g]]
+            boundary = st - 1
+        elif (c == _B or c == _BW) and st < S - 1:
+            # The next stage's input-gradient comes from its B when decoupled there, else from its fused BW.
+            src = where[(_B * S + st + 1) * TM + mb_of[g]]
+            if src < 0:
+                src = where[(_BW * S + st + 1) * TM + mb_of[g]]
+            boundary = st
+        else:
+            continue
+        dep[g] = src
+        if rank_of[src] != rank_of[g]:
+            msg[g] = p2p[boundary]
 
     live = [r for r in range(n) if plan.actions[r]]
     if plan.staggered:
-        groups = {r: tuple(plan.rank(p, plan.worker(r)[1]) for p in plan.live_replicas(plan.worker(r)[1]))
-                  for r in live}
+        by_stage = {s: tuple(plan.rank(p, s) for p in plan.live_replicas(s)) for s in range(S)}
+        groups = {r: by_stage[plan.worker(r)[1]] for r in live}
     else:
         everyone = tuple(live)
         groups = {r: everyone for r in live}
+    compute_span = {}  # rank -> (first compute g, last compute g): the per-worker makespan endpoints
+    for r in live:
+        comp = [g for g in range(first[r], stop[r]) if not is_opt[g]]
+        if comp:
+            compute_span[r] = (comp[0], comp[-1])
 
+    staggered = plan.staggered
     free = [0.0] * n
     starts_it: list[float] = []
     makespans: list[float] = []
     timeline: list[tuple[int, int, str, float, float]] = []
-    tokens = [[str(a) for a in acts] for acts in plan.actions] if record else []
+    tokens = [str(a) for acts in plan.actions for a in acts] if record else []
     for it in range(iterations):
-        start = [[math.nan] * len(k) for k in kinds]
-        end = [[math.nan] * len(k) for k in kinds]
-        ptr = [0] * n
-        waiting: dict[tuple[int, int], list[int]] = defaultdict(list)
+        start = [0.0] * total
+        end = [-1.0] * total  # -1: not run yet (times are never negative)
+        ptr = list(first)
+        waiting: dict[int, list[int]] = {}
         arrived: dict[tuple[int, ...], list[int]] = defaultdict(list)
         ready = list(live)
         while ready:
             rank = ready.pop()
-            k_row, d_row, dep_row, s_row, e_row = kinds[rank], durations[rank], deps[rank], start[rank], end[rank]
             i = ptr[rank]
+            last = stop[rank]
             t = free[rank]
-            while i < len(k_row):
-                if k_row[i] is Kind.OPT:
+            while i < last:
+                if is_opt[i]:
+                    ptr[rank] = i
+                    free[rank] = t
                     group = groups[rank]
                     members = arrived[group]
                     members.append(rank)
                     if len(members) == len(group):
-                        begin = max(free[g] for g in group)
-                        longest = max(durations[g][ptr[g]] for g in group)
-                        for g in group:
-                            j = ptr[g]
-                            start[g][j] = begin
-                            end[g][j] = begin + durations[g][j]
+                        begin = max(free[m] for m in group)
+                        longest = max(dur[ptr[m]] for m in group)
+                        for m in group:
+                            j = ptr[m]
+                            start[j] = begin
+                            end[j] = begin + dur[j]
                             # Coupled: nobody starts the next iteration before the slowest step ends.
-                            free[g] = begin + (durations[g][j] if plan.staggered else longest)
-                            ptr[g] = j + 1
+                            free[m] = begin + (dur[j] if staggered else longest)
+                            ptr[m] = j + 1
                     break
-                src, pos, msg = dep_row[i]
-                if src >= 0:
-                    dep_end = end[src][pos]
-                    if dep_end != dep_end:  # NaN: producer not done yet
-                        waiting[(src, pos)].append(rank)
+                d = dep[i]
+                if d >= 0:
+                    produced = end[d]
+                    if produced < 0.0:  # producer not done yet: park until it is
+                        ptr[rank] = i
+                        free[rank] = t
+                        if d in waiting:
+                            waiting[d].append(rank)
+                        else:
+                            waiting[d] = [rank]
                         break
-                    arrival = dep_end + msg
+                    arrival = produced + msg[i]
                     if arrival > t:
                         t = arrival
-                s_row[i] = t
-                t += d_row[i]
-                e_row[i] = t
+                start[i] = t
+                t += dur[i]
+                end[i] = t
+                woken = waiting.pop(i, None)
+                if woken:
+                    ready.extend(woken)
                 i += 1
+            else:
                 ptr[rank] = i
                 free[rank] = t
-                for w in waiting.pop((rank, i - 1), ()):
-                    ready.append(w)
-        unfinished = [r for r in live if ptr[r] < len(kinds[r])]
+        unfinished = [r for r in live if ptr[r] < stop[r]]
         if unfinished:
-            heads = [(r, ptr[r]) for r in unfinished]
+            heads = [(r, ptr[r] - first[r]) for r in unfinished]
             raise PlanError("plan deadlocks in simulation (validate it first); blocked heads marked:\n"
                             + format_grid(plan, heads))
-        it_start = min(start[r][0] for r in live)
-        starts_it.append(it_start)
-        span = 0.0
-        for r in live:
-            comp = [j for j, k in enumerate(kinds[r]) if k is not Kind.OPT]
-            if comp:
-                span = max(span, end[r][comp[-1]] - start[r][comp[0]])
-        makespans.append(span)
+        starts_it.append(min(start[first[r]] for r in live))
+        makespans.append(max((end[b] - start[a] for a, b in compute_span.values()), default=0.0))
         if record:
             for r in live:
-                for j, tok in enumerate(tokens[r]):
-                    timeline.append((r, it, tok, start[r][j], end[r][j]))
+                for j in range(first[r], stop[r]):
+                    timeline.append((r, it, tokens[j], start[j], end[j]))
 
     if iterations >= 3:
         period = (starts_it[-1] - starts_it[1]) / (iterations - 2)
@@ -212,15 +248,13 @@ def simulate(plan: Plan, config: Config, iterations: int = 4, record: bool = Fal
             peaks.append(0)
             peak_bytes.append(0)
             continue
-        busy = sum(durations[r])
+        busy = sum(dur[first[r]:stop[r]])
         idle.append(max(0.0, 1.0 - busy / period) if period > 0 else 0.0)
         held = peak = 0
-        for k in kinds[r]:
-            if k is Kind.F:
-                held += 1
-                peak = max(peak, held)
-            elif k is Kind.W or k is Kind.BW:
-                held -= 1
+        for delta in held_delta[first[r]:stop[r]]:
+            held += delta
+            if held > peak:
+                peak = held
         peaks.append(peak)
         peak_bytes.append(peak * config.memory.activation_bytes[plan.worker(r)[1]])
     live_idle = [idle[r] for r in live]
