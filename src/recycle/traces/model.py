@@ -1,0 +1,113 @@
+"""Shared vocabulary of the job simulator: cost knobs, the job context, a system's decision, the system protocol."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from recycle.config import Config
+from recycle.errors import ConfigError
+
+__all__ = ["JobCosts", "JobContext", "Decision", "SystemModel", "CAUSES"]
+
+# Causes of lost time, in report order. Each is in seconds of fault-free-equivalent training time.
+CAUSES = (
+    "degraded",  # running slower than fault-free because workers are missing
+    "redundant computation",  # Bamboo's fault-free overhead
+    "detection",  # noticing a failure (heartbeat timeout)
+    "plan switch",  # ReCycle: plan lookup + communicator rebuild
+    "reconfiguration",  # Oobleck / Bamboo: re-instantiate pipelines, copy layers, rebalance
+    "restart",  # restart from a checkpoint (relaunch + load)
+    "checkpoint",  # writing periodic checkpoints
+    "lost work",  # progress since the last checkpoint, rolled back
+    "down",  # no progress possible (too few workers, or the model does not fit)
+)
+
+
+@dataclass(frozen=True)
+class JobCosts:
+    """Per-event costs and policies, in seconds. Defaults and their sources are listed in docs/traces.md."""
+
+    detect_s: float = 10.0  # failure detection (heartbeat timeout); assumption
+    plan_switch_s: float = 2.0  # ReCycle: look the plan up, rebuild communicators; assumption
+    restart_s: float = 701.0  # checkpoint restart: Oobleck artifact, Varuna GPT-3 6.7B rendezvous (701,000 ms)
+    checkpoint_interval_s: float = 1800.0  # checkpoint-restart baseline: one checkpoint every 30 min; assumption
+    checkpoint_cost_s: float = 120.0  # Oobleck artifact, Varuna GPT-3 6.7B checkpointing overhead (120,000 ms)
+    fallback_checkpoint_interval_s: float = 3600.0  # adaptive systems checkpoint too, as a fallback; assumption
+    fallback_checkpoint_cost_s: float = 0.0  # ... asynchronously (CheckFreq-style): no pause; assumption
+    oobleck_reconfig_s: float = 10.0  # Oobleck artifact, GPT-3 6.7B reconfiguration (10,000 ms)
+    bamboo_reconfig_s: float = 450.0  # Oobleck artifact, Bamboo GPT-3 6.7B local rendezvous (450,000 ms)
+    bamboo_rc_overhead: float = 0.2785  # Oobleck artifact bamboo_simulator redundant_ratio (6 h trace)
+    device_memory_bytes: int = 80 * 10**9  # A100 80 GB (the paper's testbed GPU)
+
+    def __post_init__(self) -> None:
+        for name, value in self.__dict__.items():
+            if value < 0:
+                raise ConfigError(f"job cost {name} = {value} must be >= 0")
+        if self.checkpoint_interval_s <= 0 or self.fallback_checkpoint_interval_s <= 0:
+            raise ConfigError("checkpoint intervals must be > 0 seconds")
+        if not 0 <= self.bamboo_rc_overhead < 1:
+            raise ConfigError(f"bamboo_rc_overhead = {self.bamboo_rc_overhead} must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """Everything a system model needs: the job config, its fault-free rate and the cost knobs."""
+
+    config: Config
+    fault_free_rate: float  # samples per second with every worker live (ReCycle's fault-free plan)
+    seconds_per_unit: float  # seconds per config time unit
+    costs: JobCosts = field(default_factory=JobCosts)
+
+    @property
+    def num_workers(self) -> int:
+        return self.config.num_replicas * self.config.num_stages
+
+    @property
+    def worker_memory_bytes(self) -> int:
+        """Device memory of one worker: a worker is a TP group of gpus_per_worker devices."""
+        return self.costs.device_memory_bytes * self.config.topology.gpus_per_worker
+
+    def stage_state_bytes(self, stage: int) -> int:
+        m = self.config.memory
+        return m.parameter_bytes[stage] + m.optimizer_state_bytes[stage]
+
+    def transfer_s(self, nbytes: float) -> float:
+        """Seconds to move `nbytes` over one p2p link (the config's communication section); 0 if infinite."""
+        comm = self.config.communication
+        if comm.p2p_bandwidth <= 0 or nbytes <= 0:
+            return 0.0
+        return (comm.p2p_latency + nbytes / comm.p2p_bandwidth) * self.seconds_per_unit
+
+    def stage_transfer_s(self, stage: int) -> float:
+        """A re-joining worker copies its stage's parameters and optimizer state from a live peer."""
+        return self.transfer_s(self.stage_state_bytes(stage))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a system does after a change: its running rate, pauses to serve first, and bookkeeping."""
+
+    rate: float  # samples/s while running in this state (0 = cannot run)
+    pauses: tuple[tuple[str, float], ...] = ()  # (cause, seconds), served in order after any ongoing pause
+    rollback: bool = False  # lose the progress since the last checkpoint
+    checkpoint_now: bool = False  # a checkpoint is written now (its pause is in `pauses`): nothing to lose after
+    wake_at: float | None = None  # call on_wake at this time (e.g. a state transfer ends)
+    down_cause: str = "down"  # cause for time with rate 0 outside pauses
+    overhead: tuple[tuple[str, float], ...] = ()  # (cause, samples/s) explaining part of fault_free - rate
+    note: str = ""  # for the event log (e.g. "fatal: stage 2 lost every replica")
+
+
+class SystemModel(Protocol):
+    """A training system replayed over a trace. Implementations keep their own state between calls."""
+
+    name: str
+    label: str  # e.g. "ReCycle (planner)", "Oobleck-like (model)"
+    checkpoint: tuple[float, float] | None  # (interval_s, cost_s) of periodic checkpoints, or None
+
+    def start(self, now: float, live: frozenset[int]) -> Decision: ...
+
+    def on_change(self, now: float, live: frozenset[int], lost: frozenset[int], joined: frozenset[int]) -> Decision:
+        ...
+
+    def on_wake(self, now: float) -> Decision: ...

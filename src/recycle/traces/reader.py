@@ -1,0 +1,352 @@
+"""Read failure traces: `time_ms,add|remove,node` event logs and `time_ms,live` availability logs, messy input included."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from recycle.errors import TraceError
+
+__all__ = [
+    "TraceEvent",
+    "TraceNotes",
+    "EventTrace",
+    "AvailabilityTrace",
+    "parse_event_lines",
+    "parse_availability_lines",
+    "read_trace",
+    "availability_to_events",
+]
+
+ADD, REMOVE = "add", "remove"
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One node joining (`add`) or leaving (`remove`) the job at `time_ms`."""
+
+    time_ms: int
+    action: str  # "add" or "remove"
+    node: str
+
+
+@dataclass(frozen=True)
+class TraceNotes:
+    """What the reader did to messy input, counted, so that nothing is fixed silently."""
+
+    blank_lines: int = 0
+    comment_lines: int = 0
+    header: bool = False
+    out_of_order: int = 0  # lines whose time is earlier than the line before (the trace was sorted stably)
+    repeated_removes: int = 0  # remove of a node that is not present (dropped)
+    repeated_adds: int = 0  # add of a node that is already present (dropped)
+    simultaneous_groups: int = 0  # timestamps carrying more than one event (applied together, as one change)
+    cancelled_pairs: int = 0  # remove and re-add (or add and remove) of one node at one timestamp (no change)
+
+    def messages(self) -> list[str]:
+        """Human-readable warnings, one per kind of fix that was applied."""
+        out = []
+        if self.out_of_order:
+            out.append(f"{self.out_of_order} line(s) were out of time order; the trace was sorted stably by time")
+        if self.repeated_removes:
+            out.append(f"{self.repeated_removes} 'remove' event(s) named a node that was not present; ignored")
+        if self.repeated_adds:
+            out.append(f"{self.repeated_adds} 'add' event(s) named a node that was already present; ignored")
+        if self.cancelled_pairs:
+            out.append(f"{self.cancelled_pairs} node(s) left and re-joined at the same instant; counted as no change")
+        if self.blank_lines:
+            out.append(f"{self.blank_lines} blank line(s) skipped")
+        return out
+
+
+@dataclass(frozen=True)
+class EventTrace:
+    """A cleaned event trace: events sorted by time, every event a real change of the live node set.
+
+    `initial` holds the nodes present at time 0 (a trace that starts by adding every node at t=0 describes the
+    initial cluster, not re-joins). `end_ms` is the end of the observation window (the last event unless given).
+    """
+
+    events: tuple[TraceEvent, ...]
+    initial: frozenset[str]
+    end_ms: int
+    source: str = ""
+    notes: TraceNotes = field(default_factory=TraceNotes)
+
+    @property
+    def nodes(self) -> frozenset[str]:
+        return frozenset(self.initial) | frozenset(e.node for e in self.events)
+
+    def change_points(self) -> list[tuple[int, frozenset[str]]]:
+        """(time_ms, live node set) at 0 and after each group of simultaneous events."""
+        live = set(self.initial)
+        points: list[tuple[int, frozenset[str]]] = [(0, frozenset(live))]
+        i = 0
+        while i < len(self.events):
+            t = self.events[i].time_ms
+            while i < len(self.events) and self.events[i].time_ms == t:
+                e = self.events[i]
+                (live.add if e.action == ADD else live.discard)(e.node)
+                i += 1
+            if t == 0:
+                points[0] = (0, frozenset(live))
+            else:
+                points.append((t, frozenset(live)))
+        return points
+
+    def max_live(self) -> int:
+        return max(len(live) for _, live in self.change_points())
+
+    def num_removals(self) -> int:
+        return sum(1 for e in self.events if e.action == REMOVE)
+
+
+@dataclass(frozen=True)
+class AvailabilityTrace:
+    """A count of live nodes over time: `live[i]` nodes from `times_ms[i]` until the next sample."""
+
+    times_ms: tuple[int, ...]
+    live: tuple[int, ...]
+    end_ms: int
+    source: str = ""
+    notes: TraceNotes = field(default_factory=TraceNotes)
+
+
+def _where(source: str, lineno: int) -> str:
+    return f"{source or 'trace'}:{lineno}"
+
+
+def _split(line: str) -> list[str]:
+    return [part.strip() for part in line.split(",")]
+
+
+def _parse_time(text: str, source: str, lineno: int, line: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        raise TraceError(f"{_where(source, lineno)}: time {text!r} in line {line!r} is not a number; the first "
+                         "column must be milliseconds since the start of the trace (e.g. 3600000)") from None
+    if value != value or value < 0 or value in (float("inf"), float("-inf")):
+        raise TraceError(f"{_where(source, lineno)}: time {text!r} must be a finite number >= 0 (milliseconds); "
+                         "fix or delete that line")
+    return int(round(value))
+
+
+def _content_lines(lines: Iterable[str]) -> tuple[list[tuple[int, str]], int, int]:
+    """Non-blank, non-comment lines with their 1-based numbers, plus the counts of skipped ones."""
+    blank = comments = 0
+    kept = []
+    for lineno, raw in enumerate(lines, start=1):
+        line = raw.strip()
+        if not line:
+            blank += 1
+        elif line.startswith("#"):
+            comments += 1
+        else:
+            kept.append((lineno, line))
+    return kept, blank, comments
+
+
+def parse_event_lines(lines: Iterable[str], source: str = "", strict: bool = False,
+                      end_ms: int | None = None) -> EventTrace:
+    """Parse `time_ms,add|remove,node` lines into a cleaned EventTrace.
+
+    Messy input is handled deliberately and counted in `notes`: blank and `#` lines are skipped; a header line is
+    recognised; out-of-order lines are sorted stably by time; at one timestamp the events are applied in file
+    order as one change; a remove of an absent node or an add of a present node is dropped. With `strict=True`
+    every one of those fixes (except blank lines, comments and the header) is a TraceError instead.
+    Malformed lines always raise a TraceError naming the line number, the value and the fix.
+    """
+    kept, blank, comments = _content_lines(lines)
+    header = False
+    if kept and not kept[0][1].split(",")[0].strip().replace(".", "", 1).isdigit():
+        first = [p.lower() for p in _split(kept[0][1])]
+        if len(first) == 3 and first[0].startswith("time"):
+            header = True
+            kept = kept[1:]
+    parsed: list[tuple[int, int, TraceEvent]] = []
+    out_of_order = 0
+    last_time = -1
+    for lineno, line in kept:
+        parts = _split(line)
+        if len(parts) != 3:
+            raise TraceError(f"{_where(source, lineno)}: line {line!r} has {len(parts)} field(s); an event trace "
+                             "line is time_ms,add|remove,node (e.g. 60000,remove,node7)")
+        t = _parse_time(parts[0], source, lineno, line)
+        action = parts[1].lower()
+        if action not in (ADD, REMOVE):
+            raise TraceError(f"{_where(source, lineno)}: action {parts[1]!r} in line {line!r} must be 'add' or "
+                             "'remove'")
+        if not parts[2]:
+            raise TraceError(f"{_where(source, lineno)}: line {line!r} has an empty node name; name the node "
+                             "(e.g. node7)")
+        if t < last_time:
+            out_of_order += 1
+            if strict:
+                raise TraceError(f"{_where(source, lineno)}: time {t} is earlier than the line before ({last_time});"
+                                 " sort the trace by time (or read it without --strict)")
+        last_time = max(last_time, t)
+        parsed.append((t, lineno, TraceEvent(t, action, parts[2])))
+    parsed.sort(key=lambda item: item[0])  # stable: simultaneous events keep their file order
+    if not parsed:
+        raise TraceError(f"{source or 'trace'}: no events found; an event trace has lines time_ms,add|remove,node")
+
+    live: set[str] = set()
+    initial: set[str] = set()
+    events: list[TraceEvent] = []
+    repeated_adds = repeated_removes = groups = cancelled = 0
+    i = 0
+    while i < len(parsed):
+        t = parsed[i][0]
+        j = i
+        while j < len(parsed) and parsed[j][0] == t:
+            j += 1
+        if j - i > 1:
+            groups += 1
+        before = set(live)
+        for _, lineno, e in parsed[i:j]:
+            if e.action == ADD and e.node in live:
+                repeated_adds += 1
+                if strict:
+                    raise TraceError(f"{_where(source, lineno)}: node {e.node!r} is added at {t} ms but is already "
+                                     "present; delete the repeated add (or read the trace without --strict)")
+                continue
+            if e.action == REMOVE and e.node not in live:
+                repeated_removes += 1
+                if strict:
+                    raise TraceError(f"{_where(source, lineno)}: node {e.node!r} is removed at {t} ms but is not "
+                                     "present; delete the repeated remove (or read the trace without --strict)")
+                continue
+            (live.add if e.action == ADD else live.discard)(e.node)
+        # Collapse the group to its net effect: one change of the live set per timestamp.
+        touched = {e.node for _, _, e in parsed[i:j]}
+        cancelled += sum(1 for n in touched if (n in before) == (n in live) and
+                         sum(1 for _, _, e in parsed[i:j] if e.node == n) >= 2)
+        if t == 0:
+            initial = set(live)
+        else:
+            for node in sorted(before - live):
+                events.append(TraceEvent(t, REMOVE, node))
+            for node in sorted(live - before):
+                events.append(TraceEvent(t, ADD, node))
+        i = j
+    last = parsed[-1][0]
+    end = last if end_ms is None else end_ms
+    if end < last:
+        raise TraceError(f"{source or 'trace'}: the trace ends at {end} ms but has events up to {last} ms; give an "
+                         "end time at or after the last event")
+    notes = TraceNotes(blank, comments, header, out_of_order, repeated_removes, repeated_adds, groups, cancelled)
+    return EventTrace(tuple(events), frozenset(initial), end, source, notes)
+
+
+def parse_availability_lines(lines: Iterable[str], source: str = "", strict: bool = False,
+                             end_ms: int | None = None) -> AvailabilityTrace:
+    """Parse `time_ms,live` lines (live = number of available nodes from that time on)."""
+    kept, blank, comments = _content_lines(lines)
+    header = False
+    if kept and not kept[0][1].split(",")[0].strip().replace(".", "", 1).isdigit():
+        header = True
+        kept = kept[1:]
+    rows: list[tuple[int, int]] = []
+    out_of_order = 0
+    last_time = -1
+    for lineno, line in kept:
+        parts = _split(line)
+        if len(parts) != 2:
+            raise TraceError(f"{_where(source, lineno)}: line {line!r} has {len(parts)} field(s); an availability "
+                             "line is time_ms,live (e.g. 3600000,22)")
+        t = _parse_time(parts[0], source, lineno, line)
+        try:
+            count = int(parts[1])
+        except ValueError:
+            raise TraceError(f"{_where(source, lineno)}: live count {parts[1]!r} in line {line!r} must be a whole "
+                             "number of nodes >= 0") from None
+        if count < 0:
+            raise TraceError(f"{_where(source, lineno)}: live count {count} must be >= 0")
+        if t < last_time:
+            out_of_order += 1
+            if strict:
+                raise TraceError(f"{_where(source, lineno)}: time {t} is earlier than the line before; sort the "
+                                 "trace by time (or read it without --strict)")
+        last_time = max(last_time, t)
+        rows.append((t, count))
+    if not rows:
+        raise TraceError(f"{source or 'trace'}: no samples found; an availability trace has lines time_ms,live")
+    rows.sort(key=lambda r: r[0])
+    times: list[int] = []
+    live: list[int] = []
+    groups = 0
+    for t, count in rows:
+        if times and times[-1] == t:
+            groups += 1
+            live[-1] = count  # the last sample at a timestamp wins, as in an event log applied in order
+        elif live and live[-1] == count:
+            continue  # no change
+        else:
+            times.append(t)
+            live.append(count)
+    if times[0] != 0:
+        raise TraceError(f"{source or 'trace'}: the first sample is at {times[0]} ms; an availability trace must "
+                         "say how many nodes are live at time 0 (add a line 0,N)")
+    end = rows[-1][0] if end_ms is None else end_ms
+    notes = TraceNotes(blank, comments, header, out_of_order, 0, 0, groups, 0)
+    return AvailabilityTrace(tuple(times), tuple(live), end, source, notes)
+
+
+def availability_to_events(trace: AvailabilityTrace, seed: int = 0, capacity: int | None = None) -> EventTrace:
+    """Turn counts into node events: a drop removes randomly chosen live nodes (seeded), a rise re-adds the
+    lowest-numbered absent nodes. Which nodes fail matters to ReCycle (it decides the stages hit); an
+    availability trace does not say, so the choice is random and reproducible."""
+    rng = random.Random(seed)
+    total = capacity if capacity is not None else max(trace.live)
+    if max(trace.live) > total:
+        raise TraceError(f"{trace.source or 'trace'}: {max(trace.live)} live nodes exceed the capacity {total}")
+    names = [f"node{i + 1}" for i in range(total)]
+    live = set(names[: trace.live[0]])
+    events: list[TraceEvent] = []
+    for t, count in zip(trace.times_ms[1:], trace.live[1:]):
+        if count < len(live):
+            for node in sorted(rng.sample(sorted(live, key=_node_order), len(live) - count), key=_node_order):
+                live.discard(node)
+                events.append(TraceEvent(t, REMOVE, node))
+        elif count > len(live):
+            absent = [n for n in names if n not in live][: count - len(live)]
+            for node in absent:
+                live.add(node)
+                events.append(TraceEvent(t, ADD, node))
+    initial = frozenset(names[: trace.live[0]])
+    return EventTrace(tuple(events), initial, trace.end_ms, trace.source, trace.notes)
+
+
+def _node_order(name: str) -> tuple[int, str]:
+    digits = "".join(ch for ch in name if ch.isdigit())
+    return (int(digits) if digits else 0, name)
+
+
+def read_trace(path: str | Path, strict: bool = False, end_ms: int | None = None, seed: int = 0) -> EventTrace:
+    """Read an event trace (3 columns) or an availability trace (2 columns) from a file, as an EventTrace."""
+    path = Path(path)
+    if not path.is_file():
+        raise TraceError(f"trace file {str(path)!r} does not exist; pass --trace with a CSV of time_ms,add|remove,"
+                         "node lines (e.g. ../shared/data/traces/bamboo-ec2-p3.csv) or use --generate")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise TraceError(f"trace file {str(path)!r} is not UTF-8 text; pass a CSV file") from None
+    lines = text.splitlines()
+    kept, _, _ = _content_lines(lines)
+    columns = _columns(kept)
+    if columns == 2:
+        return availability_to_events(parse_availability_lines(lines, str(path), strict, end_ms), seed=seed)
+    return parse_event_lines(lines, str(path), strict, end_ms)
+
+
+def _columns(kept: Sequence[tuple[int, str]]) -> int:
+    """The column count of the first data line (after an optional header)."""
+    for lineno, line in kept:
+        first = line.split(",")[0].strip()
+        if first.replace(".", "", 1).isdigit():
+            return len(line.split(","))
+    return 3

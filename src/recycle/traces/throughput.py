@@ -1,0 +1,181 @@
+"""ReCycle's throughput per failure state: the planner's period per normalized key (cached), or a documented estimate."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from recycle.config import Config
+from recycle.errors import ConfigError, RecycleError
+from recycle.planner.failures import normalize
+from recycle.planner.options import PlannerOptions
+
+__all__ = [
+    "PeriodFn",
+    "ThroughputModel",
+    "seconds_per_unit",
+    "fault_free_period_sim",
+    "estimate_period",
+    "planner_period_fn",
+    "estimate_period_fn",
+    "reference_period",
+    "make_period_fn",
+]
+
+PeriodFn = Callable[[tuple[int, ...]], float]
+
+
+def seconds_per_unit(config: Config, slot_seconds: float = 1.0) -> float:
+    """Seconds per config time unit: 1e-6 for "us"; `slot_seconds` for abstract "slot" configs."""
+    if config.time_unit == "us":
+        return 1e-6
+    if slot_seconds <= 0:
+        raise ConfigError(f"slot length {slot_seconds} s must be > 0 (used to turn slot-unit periods into seconds)")
+    return slot_seconds
+
+
+def fault_free_period_sim(config: Config, schedule: str = "1f1b") -> float:
+    """The simulator's period of the fault-free plan (staggered optimizer) in config time units."""
+    from recycle.schedules.fault_free import build_schedule
+    from recycle.sim.simulator import simulate
+
+    plan = build_schedule(config, schedule, staggered=True)
+    return simulate(plan, config, iterations=4).period
+
+
+def estimate_period(config: Config, key: tuple[int, ...], fault_free_period: float) -> float:
+    """A cheap stand-in for the planner at sizes where planning every state is too slow.
+
+    period(k) = max(T_ff, max_s [ceil(M*D/(D-k_s)) * (F_s + B_s + W_s) + opt_s + allreduce_s(D-k_s)])
+
+    The second term is the busiest surviving stage-s worker's own work per iteration (it runs every action of
+    every micro-batch it hosts plus its stage's step): no schedule can beat it, and T_ff (the fault-free
+    period) is what the planner reaches when bubbles absorb the extra work (§3.4 of the paper digest). It is
+    therefore optimistic (a lower bound under the zero-overhead assumption); tests check it against the real
+    planner on small sizes.
+    """
+    D, S, M = config.num_replicas, config.num_stages, config.num_microbatches
+    c = config.costs
+    worst = fault_free_period
+    for s, k in enumerate(key):
+        if k >= D:
+            return math.inf
+        if k == 0:
+            continue
+        per_worker = math.ceil(M * D / (D - k))
+        work = per_worker * (c.forward[s] + c.backward_input[s] + c.backward_weight[s])
+        work += c.optimizer[s] + config.communication.allreduce_time(s, D - k)
+        worst = max(worst, work)
+    return worst
+
+
+def planner_period_fn(config: Config, options: PlannerOptions = PlannerOptions(),
+                      solver: str = "heuristic") -> PeriodFn:
+    """The planner's period per key: `recycle.planner.api.plan_for_key` when present, else the heuristic list
+    scheduler directly (raises ImportError if neither is there). Plans without a predicted period are simulated."""
+    try:
+        from recycle.planner.api import plan_for_key  # imported lazily: the planner is optional for this module
+    except ImportError:
+        from recycle.planner.heuristic import schedule_heuristic
+
+        def plan_for_key(config, key, options, solver):  # type: ignore[no-redef]
+            return schedule_heuristic(config, key, options)
+
+    def period(key: tuple[int, ...]) -> float:
+        plan = plan_for_key(config, key, options=options, solver=solver)
+        if plan.meta.predicted_period is not None:
+            return float(plan.meta.predicted_period)
+        from recycle.sim.simulator import simulate
+
+        return simulate(plan, config).period
+
+    return period
+
+
+def reference_period(config: Config) -> float:
+    """The paper's fault-free reference: the 1F1B period (DeepSpeed's schedule, which ReCycle runs when nothing
+    has failed, S29) -- `recycle.planner.api.fault_free_period` when present, else the simulated 1F1B plan."""
+    cached = _REFERENCE_CACHE.get(config.fingerprint())
+    if cached is not None:
+        return cached
+    try:
+        from recycle.planner.api import baseline_1f1b_period
+    except ImportError:
+        value = fault_free_period_sim(config)
+    else:
+        value = float(baseline_1f1b_period(config))
+    _REFERENCE_CACHE[config.fingerprint()] = value
+    return value
+
+
+_REFERENCE_CACHE: dict[str, float] = {}  # the 1F1B simulation takes seconds at 16k-GPU sizes: do it once
+
+
+def estimate_period_fn(config: Config, fault_free_period: float | None = None) -> PeriodFn:
+    ff = reference_period(config) if fault_free_period is None else fault_free_period
+    return lambda key: estimate_period(config, key, ff)
+
+
+def make_period_fn(config: Config, model: str = "auto", options: PlannerOptions = PlannerOptions(),
+                   solver: str = "heuristic") -> tuple[PeriodFn, str]:
+    """Pick the period source: "planner", "estimate", or "auto" (planner when importable). Returns (fn, label)."""
+    if model not in ("auto", "planner", "estimate"):
+        raise ConfigError(f"period model {model!r} is unknown; use auto, planner or estimate")
+    if model in ("auto", "planner"):
+        try:
+            return planner_period_fn(config, options, solver), f"planner ({solver})"
+        except ImportError:
+            if model == "planner":
+                raise RecycleError("the planner (recycle.planner) is not available; use --period-model "
+                                   "estimate") from None
+            print("note: the planner is not available; ReCycle's throughput uses the closed-form estimate "
+                  "(see docs/traces.md)", file=sys.stderr)
+    return estimate_period_fn(config), "closed-form estimate"
+
+
+@dataclass
+class ThroughputModel:
+    """Samples per second of ReCycle for a set of failed workers; the period is cached per normalized key."""
+
+    config: Config
+    period_fn: PeriodFn
+    seconds_per_unit: float = 1.0
+    label: str = ""
+    floor_period: float | None = None  # never faster than this period (the reference fault-free schedule)
+
+    def __post_init__(self) -> None:
+        self._cache: dict[tuple[int, ...], float] = {}
+
+    @property
+    def samples_per_iteration(self) -> int:
+        return self.config.num_replicas * self.config.num_microbatches * self.config.workload.microbatch_size
+
+    def period(self, key: tuple[int, ...]) -> float:
+        key = tuple(key)
+        if key not in self._cache:
+            value = float(self.period_fn(key))
+            if not value > 0:
+                raise RecycleError(f"period {value} for key {key} must be > 0")
+            if self.floor_period is not None:
+                value = max(value, self.floor_period)
+            self._cache[key] = value
+        return self._cache[key]
+
+    def key_for(self, failed: Iterable[tuple[int, int]]) -> tuple[int, ...]:
+        return normalize(failed, self.config.num_replicas, self.config.num_stages).key
+
+    def throughput_for_key(self, key: tuple[int, ...]) -> float:
+        period = self.period(key)
+        return 0.0 if math.isinf(period) else self.samples_per_iteration / (period * self.seconds_per_unit)
+
+    def throughput(self, failed: Iterable[tuple[int, int]]) -> float:
+        return self.throughput_for_key(self.key_for(failed))
+
+    def fault_free(self) -> float:
+        return self.throughput_for_key((0,) * self.config.num_stages)
+
+    @property
+    def keys_planned(self) -> int:
+        return len(self._cache)

@@ -1,0 +1,55 @@
+"""`recycle simulate`: report files, the --json summary, and exit 2 with a clear message on a bad trace."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from recycle.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TOY = str(ROOT / "configs" / "toy.toml")
+
+
+def test_simulate_writes_report_plot_and_json(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    code = main(["simulate", "--config", TOY, "--generate", "poisson:nodes=14,hours=6,mtbf_h=4,repair_h=0.5,seed=2",
+                 "--out", str(out), "--json", "--slot-seconds", "0.01", "--period-model", "estimate"])
+    assert code == 0
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out)
+    assert set(printed) == {"fault_free_throughput", "recycle", "fault-free", "fault-scaled", "checkpoint-restart",
+                            "oobleck", "bamboo"}
+    assert abs(printed["fault-free"]["goodput"] - 1.0) < 1e-9
+    assert 0 < printed["recycle"]["goodput"] <= 1.0
+    assert "replaying" in captured.err  # progress goes to stderr
+    for name in ("report.md", "throughput.png", "summary.json"):
+        assert (out / name).stat().st_size > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["series"]) == set(printed) - {"fault_free_throughput"} and summary["live_workers"][0][0] == 0
+    assert summary["systems"]["recycle"]["mean_throughput"] == printed["recycle"]["mean_throughput"]
+    report = (out / "report.md").read_text()
+    assert "throughput.png" in report and "Time lost by cause" in report and "ReCycle" in report
+
+
+def test_simulate_selected_systems_with_a_messy_trace_file(tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text("0,add,n1\n0,add,n2\n0,add,n3\n0,add,n4\n\n20000,remove,n2\n10000,remove,n1\n"
+                     "10000,remove,n1\n40000,add,n1\n")
+    code = main(["simulate", "--config", TOY, "--trace", str(trace), "--out", str(tmp_path / "o"), "--json",
+                 "--systems", "recycle", "fault-scaled", "--replicas", "auto", "--period-model", "estimate"])
+    assert code == 0
+    captured = capsys.readouterr()
+    assert set(json.loads(captured.out)) == {"fault_free_throughput", "recycle", "fault-scaled"}
+    assert "out of time order" in captured.err and "not present" in captured.err
+
+
+def test_bad_trace_exits_2_with_line_number(tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "bad.csv"
+    trace.write_text("0,add,n1\n0,add,n2\n5000,explode,n1\n")
+    code = main(["simulate", "--config", TOY, "--trace", str(trace), "--out", str(tmp_path / "o")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "bad.csv:3" in err and "'explode'" in err and "Traceback" not in err
+    code = main(["simulate", "--config", TOY, "--generate", "poisson:nodes=3", "--out", str(tmp_path / "o")])
+    assert code == 2 and "mtbf_h" in capsys.readouterr().err
