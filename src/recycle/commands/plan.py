@@ -1,0 +1,174 @@
+"""`recycle plan`: plan one failure state (print, JSON, Gantt) or precompute a plan store for up to F failures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from recycle.config import Config, load_config
+from recycle.errors import PlanError
+from recycle.ir.plan import Plan
+from recycle.ir.validate import format_grid
+from recycle.planner.api import (SOLVERS, baseline_1f1b_period, fault_free_period, make_plan, resolve_memory_cap,
+                                 resolve_options)
+from recycle.planner.bounds import bound_parts
+from recycle.planner.failures import normalize, parse_worker
+from recycle.planner.options import PlannerOptions
+from recycle.sim.simulator import SimResult, simulate
+
+__all__ = ["register", "run", "plan_summary"]
+
+_GRID_MAX_WORKERS = 32  # larger plans are left out of the text output (use --gantt or --json)
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "plan", help="adaptive plan for failed workers, or a plan store for up to F failures",
+        description="Plan a failure state: re-route the failed workers' micro-batches to surviving peers of the "
+                    "same stage and schedule every worker (decoupled backward and staggered optimizer on by "
+                    "default). With --max-failures F --out DIR, precompute the plan of every normalized failure "
+                    "state with at most F failures into a plan store.")
+    parser.add_argument("--config", required=True, help="TOML config file, e.g. configs/toy.toml")
+    parser.add_argument("--fail", action="append", default=[], metavar="R:S",
+                        help="failed worker replica:stage (repeat for several), e.g. --fail 1:2")
+    parser.add_argument("--solver", choices=SOLVERS, default="heuristic",
+                        help="heuristic list scheduler (ms) or exact CP-SAT warm-started from it (default heuristic)")
+    parser.add_argument("--time-limit", type=float, default=10.0, metavar="S",
+                        help="seconds per state for the exact solver (default 10)")
+    parser.add_argument("--no-decouple", action="store_true", help="fused backward only (no B/W split)")
+    parser.add_argument("--no-stagger", action="store_true",
+                        help="all stages step together after all work (default: staggered per-stage step)")
+    parser.add_argument("--memory-cap", default=None, metavar="{N,1f1b,none}",
+                        help="live micro-batches per worker: N, '1f1b' (fault-free 1F1B peak per stage) or 'none' "
+                             "(the config's memory budget; the default)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
+    parser.add_argument("--gantt", metavar="PNG", help="write a Gantt chart of the simulated iterations")
+    parser.add_argument("--save", metavar="JSON", help="write the plan (real ranks) as JSON for the runtime")
+    parser.add_argument("--max-failures", type=int, metavar="F", help="build a plan store for up to F failures")
+    parser.add_argument("--out", metavar="DIR", help="plan store folder (with --max-failures)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N", help="processes for building a store")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _options(args: argparse.Namespace, config: Config) -> PlannerOptions:
+    return PlannerOptions(decoupled=not args.no_decouple, staggered=not args.no_stagger,
+                          memory_cap=resolve_memory_cap(config, args.memory_cap))
+
+
+def plan_summary(plan: Plan, config: Config, result: SimResult, options: PlannerOptions) -> dict[str, Any]:
+    """The numbers `recycle plan --json` prints: all timing from the simulator, bound and fault-free references."""
+    S = plan.num_stages
+    free = fault_free_period(config, options)
+    baseline = baseline_1f1b_period(config, options)
+    lb = plan.meta.lower_bound
+    return {
+        "config": config.name,
+        "time_unit": config.time_unit,
+        "num_replicas": plan.num_replicas,
+        "num_stages": S,
+        "num_microbatches": plan.num_microbatches,
+        "failed": sorted([list(w) for w in plan.failed]),
+        "failure_key": list(plan.meta.failure_key),
+        "solver": plan.meta.solver,
+        "status": plan.meta.status,
+        "decoupled": options.decoupled,
+        "staggered": options.staggered,
+        "memory_cap": list(options.memory_cap) if options.memory_cap is not None else None,
+        "period": result.period,
+        "makespan": result.makespan,
+        "lower_bound": lb,
+        "gap": (result.period - lb) / result.period if lb is not None and result.period > 0 else None,
+        "steady_state_lower_bound": bound_parts(config, plan.meta.failure_key, options).steady_state,
+        "fault_free_period": free,
+        "slowdown": result.period / free if free > 0 else None,
+        "baseline_1f1b_period": baseline,
+        "slowdown_vs_1f1b": result.period / baseline if baseline > 0 else None,
+        "throughput_mb_per_unit": plan.total_microbatches / result.period if result.period > 0 else None,
+        "bubble_fraction": result.bubble_fraction,
+        "peak_activations": list(result.peak_activations),
+        "peak_activations_per_stage": [max(result.peak_activations[r] for r in range(s, plan.num_workers, S))
+                                       for s in range(S)],
+        "decoupled_backwards": len(plan.decoupled_pairs),
+        "notes": plan.meta.notes,
+    }
+
+
+def _summary_text(d: dict[str, Any]) -> str:
+    cap = "none" if d["memory_cap"] is None else "/".join(map(str, d["memory_cap"]))
+    failed = " ".join(f"{p}:{s}" for p, s in d["failed"]) or "none"
+    rows = [
+        ("config", f"{d['config']}: D={d['num_replicas']} S={d['num_stages']} M={d['num_microbatches']}, "
+                   f"time unit {d['time_unit']}"),
+        ("failed", f"{failed} (key {tuple(d['failure_key'])})"),
+        ("options", f"{'decoupled' if d['decoupled'] else 'fused'} backward, "
+                    f"{'staggered' if d['staggered'] else 'coupled'} optimizer, memory cap {cap}"),
+        ("solver", f"{d['solver']} ({d['status']}); {d['notes']}"),
+        ("period", f"{d['period']:g}  (slowdown {d['slowdown']:.3f}x vs fault-free plan {d['fault_free_period']:g}; "
+                   f"{d['slowdown_vs_1f1b']:.3f}x vs fault-free 1F1B {d['baseline_1f1b_period']:g})"),
+        ("makespan", f"{d['makespan']:g}"),
+        ("lower bound", f"{d['lower_bound']:g}  (gap {100 * d['gap']:.1f}%; steady state >= "
+                        f"{d['steady_state_lower_bound']:g})"),
+        ("peak activations", "/".join(map(str, d["peak_activations_per_stage"]))
+         + " micro-batches per stage (max over replicas)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _build_store(args: argparse.Namespace, config: Config, options: PlannerOptions) -> int:
+    from recycle.planner.store import build_store
+
+    if args.fail:
+        raise PlanError("--fail and --max-failures are exclusive: --fail plans one state, --max-failures F --out "
+                        "DIR precomputes every state with up to F failures")
+    if not args.out:
+        raise PlanError("--max-failures needs --out DIR, the folder to write the plan store to")
+    index = build_store(config, args.max_failures, args.out, options, args.solver, args.time_limit, args.jobs,
+                        progress=sys.stderr)
+    print(f"wrote plan store: {index}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    options = _options(args, config)
+    if args.max_failures is not None:
+        return _build_store(args, config, options)
+    if args.out:
+        raise PlanError("--out is for building a plan store and needs --max-failures F; to save one plan use "
+                        "--save FILE")
+    failed = [parse_worker(text, config.num_replicas, config.num_stages) for text in args.fail]
+    normalize(failed, config.num_replicas, config.num_stages)  # a stage without survivors fails here, clearly
+    plan = make_plan(config, failed, options, args.solver, args.time_limit)
+    options = resolve_options(config, options)
+    result = simulate(plan, config, record=bool(args.gantt))
+    summary = plan_summary(plan, config, result, options)
+    written: dict[str, str] = {}
+    if args.save:
+        from recycle.fileio import atomic_write_text
+
+        written["plan"] = str(atomic_write_text(args.save, plan.to_json()))
+    if args.gantt:
+        try:
+            from recycle.report.gantt import write_gantt
+        except ImportError as exc:
+            raise PlanError(f"--gantt needs recycle.report.gantt, which is not available ({exc}); drop --gantt "
+                            "or use --json") from None
+        title = (f"{config.name}: failed {' '.join(args.fail) or 'none'}, {summary['solver']}; period "
+                 f"{result.period:g} {config.time_unit}")
+        written["gantt"] = str(write_gantt(result, plan, args.gantt, title=title, time_unit=config.time_unit))
+    if args.json:
+        summary["written"] = written
+        print(json.dumps(summary))
+        return 0
+    print(_summary_text(summary))
+    if plan.num_workers <= _GRID_MAX_WORKERS:
+        print()
+        print(format_grid(plan, max_cols=60))
+    for what, path in written.items():
+        print(f"wrote {what}: {Path(path)}")
+    return 0

@@ -1,0 +1,139 @@
+"""Public planner API: resolve memory caps, plan a failure key (cached) or a real failure set, fault-free period."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterable, Sequence
+
+from recycle.config import Config
+from recycle.errors import PlanError
+from recycle.ir.plan import Plan
+from recycle.planner.bounds import period_lower_bound
+from recycle.planner.failures import normalize
+from recycle.planner.heuristic import capacity_cap, schedule_heuristic, stage_caps
+from recycle.planner.options import PlannerOptions
+from recycle.planner.routing import check_key
+from recycle.sim.simulator import simulate
+
+__all__ = ["SOLVERS", "resolve_memory_cap", "resolve_options", "plan_for_key", "make_plan", "fault_free_period",
+           "baseline_1f1b_period", "clear_cache"]
+
+SOLVERS = ("heuristic", "exact")
+_CACHE: dict[tuple, Plan] = {}
+_CACHE_LIMIT = 512  # plans kept in-process; a D=6, S=4, f=3 store is 35
+
+
+def resolve_memory_cap(config: Config, spec: str | int | None) -> tuple[int, ...] | None:
+    """Activation cap per stage from a user spec.
+
+    None or "none": the config's budget (capacity_bytes // activation_bytes[s], or None when unlimited); an integer
+    N (or its text): N live micro-batches on every worker; "1f1b": each stage's fault-free 1F1B peak min(S - s, M).
+    """
+    S, M = config.num_stages, config.num_microbatches
+    if spec is None or (isinstance(spec, str) and spec.strip().lower() == "none"):
+        return capacity_cap(config)
+    if isinstance(spec, str):
+        text = spec.strip().lower()
+        if text == "1f1b":
+            return tuple(min(S - s, M) for s in range(S))
+        try:
+            spec = int(text)
+        except ValueError:
+            raise PlanError(f"memory cap {spec!r} is not understood; give a whole number of live micro-batches per "
+                            "worker (e.g. 4), '1f1b' (the fault-free 1F1B peak per stage) or 'none' (the config's "
+                            "memory budget)") from None
+    if isinstance(spec, bool) or not isinstance(spec, int) or spec < 1:
+        raise PlanError(f"memory cap {spec!r} must be at least 1 live micro-batch per worker (a worker must hold "
+                        "the micro-batch it works on); pass e.g. --memory-cap 4, 1f1b or none")
+    return (spec,) * S
+
+
+def resolve_options(config: Config, options: PlannerOptions) -> PlannerOptions:
+    """The options with the memory cap made explicit (the config's budget when the options leave it open)."""
+    return replace(options, memory_cap=stage_caps(config, options))
+
+
+def clear_cache() -> None:
+    """Forget the plans cached in this process (tests and benchmarks use it to time cold planning)."""
+    _CACHE.clear()
+
+
+def _schedule_exact(config: Config, key: tuple[int, ...], options: PlannerOptions, time_limit_s: float,
+                    hint: Plan) -> Plan:
+    try:
+        from recycle.planner.exact import schedule_exact
+    except ImportError as exc:
+        raise PlanError(f"the exact solver is unavailable ({exc}); use --solver heuristic, or install the pinned "
+                        "requirements (ortools) with `make test`") from None
+    return schedule_exact(config, key, options, time_limit_s, hint=hint)
+
+
+def plan_for_key(config: Config, key: Sequence[int], options: PlannerOptions = PlannerOptions(),
+                 solver: str = "heuristic", time_limit_s: float = 10.0) -> Plan:
+    """The canonical-layout plan for `key`, its meta filled with the simulator's numbers and the lower bound.
+
+    solver="exact" runs the CP-SAT model warm-started from the heuristic plan and keeps whichever of the two has
+    the better simulated period. Results are cached per (config fingerprint, key, options, solver, time limit).
+    """
+    if solver not in SOLVERS:
+        raise PlanError(f"solver {solver!r} is unknown; choose one of {list(SOLVERS)}")
+    if time_limit_s <= 0:
+        raise PlanError(f"time limit {time_limit_s} s must be positive; pass e.g. --time-limit 10")
+    key = check_key(config, key)
+    options = resolve_options(config, options)
+    fingerprint = config.fingerprint()
+    cache_key = (fingerprint, key, options, solver, float(time_limit_s) if solver == "exact" else 0.0)
+    cached = _CACHE.get(cache_key)
+    if cached is not None:
+        return cached
+
+    plan = schedule_heuristic(config, key, options)
+    result = simulate(plan, config)
+    notes = plan.meta.notes
+    lower_bound = period_lower_bound(config, key, options)
+    if solver == "exact":
+        exact = _schedule_exact(config, key, options, time_limit_s, plan)
+        exact_result = simulate(exact, config)
+        if exact_result.period <= result.period:
+            plan, result = exact, exact_result
+            notes = exact.meta.notes or f"exact solver (status {exact.meta.status})"
+        else:
+            notes = (f"{notes}; exact solver returned period {exact_result.period:g} (status "
+                     f"{exact.meta.status}), worse than the heuristic's {result.period:g}, so the heuristic plan "
+                     "was kept")
+        theirs = exact.meta.lower_bound
+        if theirs is not None and theirs <= result.period + 1e-9:  # only a bound on this same simulated period
+            lower_bound = max(lower_bound, theirs)
+    if result.period < lower_bound <= result.period * (1 + 1e-9):
+        lower_bound = result.period  # the same sum added in another order: float noise, not a broken bound
+    plan = plan.with_meta(
+        schedule="adaptive", decoupled=options.decoupled, failure_key=key,
+        solver=plan.meta.solver or solver, status=plan.meta.status or "FEASIBLE",
+        predicted_period=result.period, predicted_makespan=result.makespan, lower_bound=lower_bound,
+        memory_cap=options.memory_cap or (), config_fingerprint=fingerprint, notes=notes,
+    )
+    if len(_CACHE) >= _CACHE_LIMIT:
+        _CACHE.pop(next(iter(_CACHE)))  # oldest first
+    _CACHE[cache_key] = plan
+    return plan
+
+
+def make_plan(config: Config, failed: Iterable[tuple[int, int]] = (), options: PlannerOptions = PlannerOptions(),
+              solver: str = "heuristic", time_limit_s: float = 10.0) -> Plan:
+    """A plan on the real ranks for a set of failed (replica, stage) workers."""
+    state = normalize(failed, config.num_replicas, config.num_stages)
+    return state.to_real(plan_for_key(config, state.key, options, solver, time_limit_s))
+
+
+def fault_free_period(config: Config, options: PlannerOptions = PlannerOptions()) -> float:
+    """The simulated period of the planner's own plan for key (0, ..., 0) under the same options and cap."""
+    period = plan_for_key(config, (0,) * config.num_stages, options).meta.predicted_period
+    assert period is not None
+    return period
+
+
+def baseline_1f1b_period(config: Config, options: PlannerOptions = PlannerOptions()) -> float:
+    """The simulated period of plain fault-free 1F1B (fused backward): the reference the paper's overheads use."""
+    from recycle.schedules.fault_free import build_schedule
+
+    return simulate(build_schedule(config, "1f1b", staggered=options.staggered), config).period

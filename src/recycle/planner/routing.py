@@ -1,0 +1,60 @@
+"""Balanced routing: which live replica of each stage hosts each micro-batch in the canonical layout of a key."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from recycle.config import Config
+from recycle.errors import FailureStateError
+
+__all__ = ["balanced_routing", "check_key", "worker_loads"]
+
+
+def check_key(config: Config, key: Sequence[int]) -> tuple[int, ...]:
+    """Return `key` as a tuple after checking it fits the config: one entry per stage, 0 <= k_s < D."""
+    D, S = config.num_replicas, config.num_stages
+    key = tuple(int(k) for k in key)
+    if len(key) != S:
+        raise FailureStateError(f"failure key {key} has {len(key)} entries but the config has {S} stages; give "
+                                "one failed-replica count per stage")
+    for s, k in enumerate(key):
+        if k < 0:
+            raise FailureStateError(f"failure key {key}: stage {s} has {k} failed replicas; counts must be >= 0")
+        if k >= D:
+            raise FailureStateError(
+                f"failure key {key}: stage {s} has lost {k} of {D} replicas, so no replica holds its weights; "
+                "pipeline adaptation cannot continue: restore from a checkpoint"
+            )
+    return key
+
+
+def balanced_routing(config: Config, key: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """host[stage][mb] for the canonical layout of `key` (failed replicas of stage s are 0..k_s-1).
+
+    A live replica keeps its own micro-batches. The orphans of stage s (the micro-batches owned by its failed
+    replicas, in id order) are dealt round-robin over the live replicas k_s..D-1 with one pointer for the whole
+    stage, so every live worker of the stage hosts floor or ceil of D*M/(D-k_s) micro-batches: loads differ by at
+    most one. Canonical failures share low replica ids, so a micro-batch orphaned at several stages is dealt the
+    same way at each of them and stays on one surviving pipeline (fewer cross-pipeline hops).
+    """
+    key = check_key(config, key)
+    D, M = config.num_replicas, config.num_microbatches
+    host = []
+    for k in key:
+        live = list(range(k, D))
+        row = [mb // M for mb in range(D * M)]
+        for i, mb in enumerate(range(k * M)):  # orphans: owners 0..k-1, in id order
+            row[mb] = live[i % len(live)]
+        host.append(tuple(row))
+    return tuple(host)
+
+
+def worker_loads(host: Sequence[Sequence[int]], num_replicas: int) -> tuple[tuple[int, ...], ...]:
+    """loads[stage][replica]: how many micro-batches each worker hosts under a routing."""
+    loads = []
+    for row in host:
+        counts = [0] * num_replicas
+        for replica in row:
+            counts[replica] += 1
+        loads.append(tuple(counts))
+    return tuple(loads)

@@ -1,0 +1,197 @@
+"""Plan store: precompute one plan per normalized failure key into a folder; map real failure sets to plans fast."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, TextIO
+
+from recycle.config import Config
+from recycle.errors import PlanError
+from recycle.fileio import atomic_write_text
+from recycle.ir.plan import Plan
+from recycle.planner.api import plan_for_key, resolve_options
+from recycle.planner.failures import enumerate_keys, normalize
+from recycle.planner.options import PlannerOptions
+
+__all__ = ["INDEX_NAME", "FORMAT_VERSION", "StoreEntry", "PlanStore", "build_store", "key_name"]
+
+INDEX_NAME = "index.json"
+FORMAT_VERSION = 1
+_PLANS_DIR = "plans"
+
+
+def key_name(key: Iterable[int]) -> str:
+    """File stem for a key: (0, 1, 0, 0) -> 'k0-1-0-0'."""
+    return "k" + "-".join(str(int(k)) for k in key)
+
+
+@dataclass(frozen=True)
+class StoreEntry:
+    """One line of the index: where a key's plan lives and what it measured."""
+
+    key: tuple[int, ...]
+    file: str
+    period: float
+    makespan: float
+    lower_bound: float
+    solver: str
+    status: str
+
+
+def _options_dict(options: PlannerOptions) -> dict[str, Any]:
+    return {"decoupled": options.decoupled, "staggered": options.staggered,
+            "memory_cap": list(options.memory_cap) if options.memory_cap is not None else None}
+
+
+def _options_from(d: dict[str, Any]) -> PlannerOptions:
+    cap = d.get("memory_cap")
+    return PlannerOptions(decoupled=bool(d["decoupled"]), staggered=bool(d["staggered"]),
+                          memory_cap=tuple(int(x) for x in cap) if cap is not None else None)
+
+
+def _plan_job(job: tuple[Config, tuple[int, ...], PlannerOptions, str, float]) -> tuple[tuple[int, ...], str, float]:
+    """Pool worker: plan one key; returns the plan as JSON (plans travel between processes as text)."""
+    config, key, options, solver, time_limit_s = job
+    start = time.perf_counter()
+    plan = plan_for_key(config, key, options, solver, time_limit_s)
+    return key, plan.to_json(), time.perf_counter() - start
+
+
+def build_store(config: Config, max_failures: int, out_dir: str | Path, options: PlannerOptions = PlannerOptions(),
+                solver: str = "heuristic", time_limit_s: float = 10.0, jobs: int = 1,
+                progress: TextIO | None = None) -> Path:
+    """Plan every key with at most `max_failures` failures into `out_dir`; return the index path.
+
+    Each plan is written atomically as plans/<key>.json as soon as it is done, and index.json (config fingerprint,
+    options, per-key period) last, so a reader never sees an index pointing at missing plans. One progress line per
+    key goes to `progress` (the CLI passes stderr).
+    """
+    if max_failures < 0:
+        raise PlanError(f"--max-failures = {max_failures} must be >= 0")
+    if jobs < 1:
+        raise PlanError(f"--jobs = {jobs} must be >= 1")
+    D, S = config.num_replicas, config.num_stages
+    options = resolve_options(config, options)
+    keys = list(enumerate_keys(D, S, max_failures))
+    out = Path(out_dir)
+    jobs_list = [(config, key, options, solver, time_limit_s) for key in keys]
+    entries: dict[tuple[int, ...], StoreEntry] = {}
+    started = time.perf_counter()
+
+    def record(key: tuple[int, ...], text: str, seconds: float) -> None:
+        plan = Plan.from_json(text)
+        name = f"{_PLANS_DIR}/{key_name(key)}.json"
+        atomic_write_text(out / name, text)
+        meta = plan.meta
+        entries[key] = StoreEntry(key, name, float(meta.predicted_period or 0.0), float(meta.predicted_makespan or 0.0),
+                                  float(meta.lower_bound or 0.0), meta.solver, meta.status)
+        if progress is not None:
+            print(f"[{len(entries)}/{len(keys)}] key=({','.join(map(str, key))}) period={meta.predicted_period:g} "
+                  f"lower_bound={meta.lower_bound:g} {meta.solver}/{meta.status} ({seconds:.2f}s)",
+                  file=progress, flush=True)
+
+    if jobs > 1 and len(keys) > 1:
+        # spawn: the children import only the planner, whatever the parent process has loaded (torch, threads).
+        with multiprocessing.get_context("spawn").Pool(min(jobs, len(keys))) as pool:
+            for key, text, seconds in pool.imap_unordered(_plan_job, jobs_list):
+                record(key, text, seconds)
+    else:
+        for job in jobs_list:
+            record(*_plan_job(job))
+
+    index = {
+        "format": FORMAT_VERSION,
+        "config_name": config.name,
+        "config_fingerprint": config.fingerprint(),
+        "num_replicas": D,
+        "num_stages": S,
+        "num_microbatches": config.num_microbatches,
+        "max_failures": max_failures,
+        "solver": solver,
+        "time_limit_s": time_limit_s,
+        "options": _options_dict(options),
+        "build_seconds": round(time.perf_counter() - started, 3),
+        "plans": {key_name(k): {"key": list(k), "file": e.file, "period": e.period, "makespan": e.makespan,
+                                "lower_bound": e.lower_bound, "solver": e.solver, "status": e.status}
+                  for k, e in sorted(entries.items())},
+    }
+    return atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=1) + "\n")
+
+
+class PlanStore:
+    """A loaded plan store: every plan in memory, so a lookup is a normalization plus a relabelling."""
+
+    def __init__(self, directory: Path, config: Config, options: PlannerOptions, max_failures: int,
+                 entries: dict[tuple[int, ...], StoreEntry], plans: dict[tuple[int, ...], Plan]) -> None:
+        self.directory = directory
+        self.config = config
+        self.options = options
+        self.max_failures = max_failures
+        self.entries = entries
+        self._plans = plans
+
+    @classmethod
+    def load(cls, directory: str | Path, config: Config) -> "PlanStore":
+        """Read a store made for `config`; a store made for another config is a PlanError."""
+        directory = Path(directory)
+        index_path = directory / INDEX_NAME
+        if not index_path.is_file():
+            raise PlanError(f"{index_path} does not exist; build the store with `recycle plan --config FILE "
+                            f"--max-failures F --out {directory}`")
+        try:
+            index = json.loads(index_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise PlanError(f"{index_path} is not valid JSON ({exc}); rebuild the store") from None
+        if index.get("format") != FORMAT_VERSION:
+            raise PlanError(f"{index_path} has format {index.get('format')!r}, this version reads {FORMAT_VERSION}; "
+                            "rebuild the store with `recycle plan ... --out`")
+        want = config.fingerprint()
+        if index.get("config_fingerprint") != want:
+            raise PlanError(
+                f"plan store {directory} was built for config {index.get('config_name')!r} (fingerprint "
+                f"{index.get('config_fingerprint')}), but the current config {config.name!r} has fingerprint {want}: "
+                "its plans would time and route work wrongly; rebuild the store with `recycle plan --config "
+                f"{config.source or 'FILE'} --max-failures F --out {directory}`"
+            )
+        try:
+            options = _options_from(index["options"])
+            entries: dict[tuple[int, ...], StoreEntry] = {}
+            plans: dict[tuple[int, ...], Plan] = {}
+            for item in index["plans"].values():
+                key = tuple(int(k) for k in item["key"])
+                entries[key] = StoreEntry(key, item["file"], float(item["period"]), float(item["makespan"]),
+                                          float(item["lower_bound"]), item["solver"], item["status"])
+                plans[key] = Plan.from_json((directory / item["file"]).read_text())
+        except (KeyError, TypeError, ValueError, OSError) as exc:
+            raise PlanError(f"plan store {directory} is incomplete or damaged ({type(exc).__name__}: {exc}); "
+                            "rebuild it with `recycle plan ... --out`") from None
+        return cls(directory, config, options, int(index.get("max_failures", 0)), entries, plans)
+
+    def keys(self) -> list[tuple[int, ...]]:
+        return sorted(self._plans)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def plan_for_key(self, key: tuple[int, ...]) -> Plan | None:
+        """The stored canonical plan of a key, or None."""
+        return self._plans.get(tuple(key))
+
+    def lookup(self, failed_workers: Iterable[tuple[int, int]]) -> Plan:
+        """The plan for a real set of failed (replica, stage) workers, on real ranks.
+
+        A key the store lacks (more failures than it was built for) is planned online by the heuristic with the
+        store's options; the returned plan says so in meta.notes.
+        """
+        state = normalize(failed_workers, self.config.num_replicas, self.config.num_stages)
+        plan = self._plans.get(state.key)
+        if plan is None:
+            online = plan_for_key(self.config, state.key, self.options, "heuristic")
+            plan = online.with_meta(notes=f"key {state.key} not in store {self.directory} (built for up to "
+                                          f"{self.max_failures} failures): planned online by the heuristic; "
+                                          f"{online.meta.notes}")
+        return state.to_real(plan)
