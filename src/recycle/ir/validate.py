@@ -104,40 +104,46 @@ def validate_plan(plan: Plan) -> Plan:
         if len(opts) != 1 or opts[0] != len(acts) - 1:
             raise _fail(plan, f"worker ({replica},{stage}) must end with exactly one {stage}OPT (found "
                               f"{len(opts)} at positions {opts} of {len(acts)})", [(rank, i) for i in opts])
+        host_row = plan.host[stage]
+        F, B, W, BW, OPT = Kind.F, Kind.B, Kind.W, Kind.BW, Kind.OPT
         for i, a in enumerate(acts):
+            kind, mb = a.kind, a.mb
             if a.stage != stage:
                 raise _fail(plan, f"action {a} on worker ({replica},{stage}) is for stage {a.stage}; a worker "
                                   "only runs its own stage", [(rank, i)])
-            if a.kind is Kind.OPT:
+            if kind is OPT:
                 continue
-            if not 0 <= a.mb < total:
-                raise _fail(plan, f"action {a}: micro-batch {a.mb} is outside [0, {total})", [(rank, i)])
-            key = (a.kind, stage, a.mb)
+            if not 0 <= mb < total:
+                raise _fail(plan, f"action {a}: micro-batch {mb} is outside [0, {total})", [(rank, i)])
+            key = (kind, stage, mb)
             if key in seen:
                 other = seen[key]
-                raise _fail(plan, f"micro-batch {a.mb} is processed twice at stage {stage}: {a} appears on worker "
+                raise _fail(plan, f"micro-batch {mb} is processed twice at stage {stage}: {a} appears on worker "
                                   f"{plan.worker(other[0])} and worker ({replica},{stage})", [other, (rank, i)])
             seen[key] = (rank, i)
-            if plan.host[stage][a.mb] != replica:
-                raise _fail(plan, f"action {a} runs on replica {replica} but host[{stage}][{a.mb}] = "
-                                  f"{plan.host[stage][a.mb]}; all actions of a micro-batch at a stage run on its "
-                                  "host", [(rank, i)])
-            pos[(a.kind, a.mb)] = i
+            if host_row[mb] != replica:
+                raise _fail(plan, f"action {a} runs on replica {replica} but host[{stage}][{mb}] = "
+                                  f"{host_row[mb]}; all actions of a micro-batch at a stage run on its host",
+                            [(rank, i)])
+            # Same-worker order: F before B/BW, B before W (checked as each action is met in list order).
+            if kind is F:
+                pos[(F, mb)] = i
+                continue
+            if (F, mb) not in pos:
+                raise _fail(plan, f"{stage}{kind.value}{mb} on worker ({replica},{stage}) comes before its "
+                                  f"forward {stage}F{mb} (or has none here); order must be F before B before W",
+                            [(rank, i)])
+            if kind is W and (B, mb) not in pos:
+                raise _fail(plan, f"{stage}W{mb} on worker ({replica},{stage}) needs {stage}B{mb} earlier on "
+                                  "the same worker", [(rank, i)])
+            if kind is BW and (B, mb) in pos:
+                raise _fail(plan, f"micro-batch {mb} at stage {stage} has both a fused BW and a B", [(rank, i)])
+            pos[(kind, mb)] = i
         for (kind, mb), i in pos.items():
-            if kind in (Kind.B, Kind.BW, Kind.W):
-                f = pos.get((Kind.F, mb))
-                if f is None or f > i:
-                    raise _fail(plan, f"{stage}{kind.value}{mb} on worker ({replica},{stage}) comes before its "
-                                      f"forward {stage}F{mb}; order must be F before B before W", [(rank, i)])
-            if kind is Kind.W:
-                b = pos.get((Kind.B, mb))
-                if b is None or b > i:
-                    raise _fail(plan, f"{stage}W{mb} on worker ({replica},{stage}) needs {stage}B{mb} earlier on "
-                                      "the same worker", [(rank, i)])
             if kind is Kind.B and (Kind.W, mb) not in pos:
                 raise _fail(plan, f"{stage}B{mb} on worker ({replica},{stage}) has no matching {stage}W{mb}; a "
                                   "decoupled backward needs both halves", [(rank, i)])
-            if kind is Kind.BW and (Kind.B, mb) in pos:
+            if kind is Kind.B and (Kind.BW, mb) in pos:
                 raise _fail(plan, f"micro-batch {mb} at stage {stage} has both a fused BW and a B", [(rank, i)])
 
     # Coverage: every micro-batch exactly once per stage, routed to a live replica.
@@ -161,39 +167,49 @@ def validate_plan(plan: Plan) -> Plan:
 
 def _dry_run(plan: Plan) -> None:
     """Execute the lists in order, ignoring time; raise with the blocked heads marked if no worker can progress."""
-    n = plan.num_workers
+    n, S = plan.num_workers, plan.num_stages
+    decoupled = plan.decoupled_pairs
     ptr = [0] * n
-    done: set[tuple[int, Action]] = set()
-    waiting: dict[tuple[int, Action], list[int]] = defaultdict(list)
-    at_opt: set[int] = set()
-    ready = [r for r in range(n) if plan.actions[r]]
-    finished = 0
+    done: set[tuple[Kind, int, int]] = set()  # compute actions are unique per (kind, stage, mb) in a valid plan
+    waiting: dict[tuple[Kind, int, int], list[int]] = defaultdict(list)
     live = [r for r in range(n) if plan.actions[r]]
+    stage_groups = {s: [plan.rank(p, s) for p in plan.live_replicas(s)] for s in range(S)}
+    groups = {r: (stage_groups[plan.worker(r)[1]] if plan.staggered else live) for r in live}
+    at_opt: dict[int, int] = defaultdict(int)  # group id -> members waiting at their OPT
+    ready = list(live)
+    finished = 0
     while ready:
         rank = ready.pop()
         acts = plan.actions[rank]
-        while ptr[rank] < len(acts):
-            a = acts[ptr[rank]]
-            if a.kind is Kind.OPT:
-                at_opt.add(rank)
-                group = opt_group(plan, rank)
-                if all(g in at_opt for g in group):
+        i = ptr[rank]
+        while i < len(acts):
+            a = acts[i]
+            kind, s, mb = a.kind, a.stage, a.mb
+            if kind is Kind.OPT:
+                group = groups[rank]
+                gid = id(group)
+                at_opt[gid] += 1
+                if at_opt[gid] == len(group):
                     for g in group:
                         ptr[g] += 1
                         finished += 1
                 break
-            blocked = False
-            for src, dep, _ in dependencies(plan, a):
-                if (src, dep) not in done:
-                    waiting[(src, dep)].append(rank)
-                    blocked = True
-                    break
-            if blocked:
+            if kind is Kind.F:
+                dep = (Kind.F, s - 1, mb) if s > 0 else None
+            elif kind is not Kind.W and s < S - 1:
+                dep = (Kind.B if (s + 1, mb) in decoupled else Kind.BW, s + 1, mb)
+            else:
+                dep = None
+            if dep is not None and dep not in done:
+                waiting[dep].append(rank)
                 break
-            done.add((rank, a))
-            ptr[rank] += 1
-            for w in waiting.pop((rank, a), ()):
-                ready.append(w)
+            key = (kind, s, mb)
+            done.add(key)
+            i += 1
+            ptr[rank] = i
+            woken = waiting.pop(key, None)
+            if woken:
+                ready.extend(woken)
     if finished != len(live):
         heads = [(r, ptr[r]) for r in live if ptr[r] < len(plan.actions[r])]
         detail = []

@@ -26,9 +26,8 @@ class BoundParts:
       does) over iterations 1..3: stage 0 runs all of its work and step between two iteration starts; any other
       stage's busiest worker fits one whole iteration (work and step) plus its forwards and input-gradients of
       the next, and the chains around them, in two periods.
-    steady_state: the bound on the period iterations settle into: every worker's work plus its step (and every
-      term above). A plan whose first iterations run ahead of its steady state can measure below it over 4
-      iterations (seen on the GPT-3 config, by 0.2 %), so it is reported, not used in the bound.
+    steady_state: every worker's work plus its step, and every term above. `simulate` measures the period once the
+      schedule has settled (equal gaps between iteration starts), so this is the bound reported with every plan.
     """
 
     chain: float
@@ -38,7 +37,7 @@ class BoundParts:
 
     @property
     def value(self) -> float:
-        return max(self.chain, self.span, self.cycle)
+        return self.steady_state
 
 
 def bound_parts(config: Config, key: Sequence[int], options: PlannerOptions = PlannerOptions()) -> BoundParts:
@@ -95,12 +94,13 @@ def bound_parts(config: Config, key: Sequence[int], options: PlannerOptions = Pl
 
 
 def period_lower_bound(config: Config, key: Sequence[int], options: PlannerOptions = PlannerOptions()) -> float:
-    """A lower bound on `simulate(plan, config).period` (4 iterations) for every plan of `key` under `options`.
+    """A lower bound on `simulate(plan, config).period` (the settled period) for every plan of `key` under `options`.
 
     Coupled optimizer: iterations do not overlap, so the period is one iteration's compute span plus the slowest
     step; the span is at least the busiest worker's earliest start plus its work, and at least any chain that ends
     at stage 0's last input-gradient. Staggered: the next iteration starts when stage 0 has stepped, which needs
     stage 0's last input-gradient (the same chains), and the busiest workers' work bounds the period as explained
-    in BoundParts.cycle. Memory caps only make plans slower, so the bound ignores them.
+    in BoundParts.cycle; in the settled regime every worker also repeats its whole work and step once per period.
+    Memory caps only make plans slower, so the bound ignores them.
     """
     return bound_parts(config, key, options).value

@@ -82,14 +82,34 @@ _F, _B, _W, _BW, _OPT = range(5)
 _HELD_DELTA = (1, 0, -1, -1, 0)  # an activation slot is taken at F and released at W or BW
 
 
-def simulate(plan: Plan, config: Config, iterations: int = 4, record: bool = False) -> SimResult:
-    """Run `iterations` back-to-back iterations of the plan and measure them.
+MIN_ITERATIONS = 4
+MAX_ITERATIONS = 32
+
+
+def _converged(starts: list[float]) -> bool:
+    """True once the last three gaps between iteration starts are equal (the schedule has become periodic)."""
+    if len(starts) < MIN_ITERATIONS:
+        return False
+    gaps = [b - a for a, b in zip(starts[-4:], starts[-3:])]
+    tol = 1e-9 * max(1.0, abs(gaps[-1]))
+    return max(gaps) - min(gaps) <= tol
+
+
+def simulate(plan: Plan, config: Config, iterations: int | None = None, record: bool = False) -> SimResult:
+    """Run back-to-back iterations of the plan and measure them.
+
+    `iterations=None` (the default) runs until the schedule is periodic (three equal gaps between iteration starts;
+    staggered plans can take several iterations to settle) or MAX_ITERATIONS, and the period is the last gap (the
+    mean of the last half of the gaps if it never settled). A fixed `iterations` runs exactly that many.
 
     Each worker runs its list in order; an action starts when its worker is free and its inputs have arrived
     (producer end + p2p latency + bytes / bandwidth when producer and consumer differ). OPT waits for the whole
     all-reduce group (its stage's live replicas when staggered; every live worker when coupled, and then every
     worker's next iteration waits for the slowest step). The plan is assumed valid (see validate_plan).
     """
+    adaptive = iterations is None
+    if iterations is None:
+        iterations = MAX_ITERATIONS
     if iterations < 1:
         raise ValueError("iterations must be >= 1")
     _check_matches(plan, config)
@@ -231,8 +251,16 @@ def simulate(plan: Plan, config: Config, iterations: int = 4, record: bool = Fal
             for r in live:
                 for j in range(first[r], stop[r]):
                     timeline.append((r, it, tokens[j], start[j], end[j]))
+        if adaptive and _converged(starts_it):
+            break
 
-    if iterations >= 3:
+    iterations = len(starts_it)
+    if adaptive and _converged(starts_it):
+        period = starts_it[-1] - starts_it[-2]
+    elif adaptive:
+        half = len(starts_it) // 2
+        period = (starts_it[-1] - starts_it[half]) / (len(starts_it) - 1 - half)
+    elif iterations >= 3:
         period = (starts_it[-1] - starts_it[1]) / (iterations - 2)
     elif iterations == 2:
         period = starts_it[1] - starts_it[0]
