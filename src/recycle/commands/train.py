@@ -1,0 +1,115 @@
+"""`recycle train`: real D x S pipeline-parallel training of the built-in GPT with a fault-free schedule, a plan file,
+or an adaptive plan for workers marked down."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from recycle.config import Config, load_config
+from recycle.errors import ConfigError, PlanError, RecycleError
+from recycle.ir import Plan
+from recycle.runtime.emulate import DEFAULT_SLOT_MS, Emulation
+from recycle.runtime.launcher import LaunchOptions, launch
+
+__all__ = ["register", "run", "select_plan"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("train", help="train the built-in GPT on real processes (gloo on CPU, NCCL on CUDA)",
+                              description=__doc__)
+    p.add_argument("--config", required=True, help="TOML config, e.g. configs/tiny-gpt.toml")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--schedule", help="fault-free schedule: gpipe, 1f1b, 1f1b-decoupled, zb-h1 "
+                        "(default: zb-h1, or 1f1b with --no-decouple)")
+    source.add_argument("--plan", help="a plan JSON file (from `recycle plan` / `recycle schedule`)")
+    p.add_argument("--down", action="append", default=[], metavar="R:S",
+                   help="a worker (replica:stage) that is down from the start; repeatable; its micro-batches are "
+                        "re-routed to the surviving replicas of its stage by the planner")
+    p.add_argument("--steps", type=int, help="total number of steps (default: [training] steps)")
+    p.add_argument("--no-stagger", action="store_true", help="coupled optimizer: all stages step together")
+    p.add_argument("--no-decouple", action="store_true", help="fused backward (no B/W split)")
+    p.add_argument("--save", help="write the final parameters (one state dict of the whole model) here")
+    p.add_argument("--metrics", help="write per-step metrics here as JSON lines")
+    p.add_argument("--checkpoint-dir", default="", help="write checkpoints here")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="checkpoint every K steps")
+    p.add_argument("--resume", default="", metavar="DIR", help="resume from the latest checkpoint in DIR")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds before a silent peer counts as failed")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="number of launcher nodes (node 0 hosts the store; --save and checkpoints need a shared "
+                        "filesystem)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index; node 0 hosts the store")
+    p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
+    p.add_argument("--master-port", type=int, default=0, help="store port on node 0 (0: any free port, 1 node)")
+    p.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn",
+                   help="how workers start: spawn (fresh interpreter each) or forkserver (torch imported once per "
+                        "launcher process; faster for repeated launches)")
+    p.add_argument("--model-factory", default="", metavar="MODULE:FUNC",
+                   help="bring your own model: a function (config, num_stages) -> list of stage modules "
+                        "(see docs/runtime.md); default: the built-in GPT of [model]")
+    p.add_argument("--emulate-costs", action="store_true",
+                   help="pad every action to the config's cost after its real work (timing studies that follow "
+                        "the plan, not CPU contention); see docs/runtime-performance.md")
+    p.add_argument("--slot-ms", type=float, default=DEFAULT_SLOT_MS, metavar="MS",
+                   help=f"with --emulate-costs: milliseconds per slot of a slot-unit config (default {DEFAULT_SLOT_MS:g})")
+    p.add_argument("--cost-scale", type=float, default=1.0, metavar="X",
+                   help="with --emulate-costs: factor on the durations of a microsecond (\"us\") config (default 1)")
+    p.set_defaults(func=run)
+    return p
+
+
+def select_plan(config: Config, schedule: str | None, plan_file: str | None, down: list[str], decoupled: bool,
+                staggered: bool) -> Plan:
+    """The plan to run: a plan file, an adaptive plan for `down` workers, or a fault-free schedule."""
+    from recycle.planner.failures import parse_worker  # commands may use the planner; the runtime may not
+
+    failed = frozenset(parse_worker(w, config.num_replicas, config.num_stages) for w in down)
+    if plan_file:
+        path = Path(plan_file)
+        if not path.is_file():
+            raise ConfigError(f"--plan {plan_file!r} does not exist; pass a plan JSON file")
+        plan = Plan.from_json(path.read_text())
+        if failed and plan.failed != failed:
+            raise PlanError(f"--plan {plan_file!r} is for failed workers {sorted(plan.failed)} but --down names "
+                            f"{sorted(failed)}; drop --down or pass the plan for that failure state")
+        return plan
+    if failed:
+        if schedule:
+            raise ConfigError("--schedule names a fault-free schedule; with --down the planner makes the plan, so "
+                              "drop --schedule")
+        try:
+            from recycle.planner.api import make_plan
+            from recycle.planner.options import PlannerOptions
+        except ImportError as exc:
+            raise RecycleError(f"the planner is not available ({exc}); pass an adaptive plan with --plan") from None
+        return make_plan(config, failed, options=PlannerOptions(decoupled=decoupled, staggered=staggered),
+                         solver="heuristic")
+    from recycle.schedules.fault_free import build_schedule
+
+    name = schedule or ("zb-h1" if decoupled else "1f1b")
+    return build_schedule(config, name, staggered=staggered)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
+                       staggered=not args.no_stagger)
+    if plan.failed:
+        print(f"workers down: {' '.join(f'{p}:{s}' for p, s in sorted(plan.failed))}; running plan "
+              f"{plan.meta.schedule or 'adaptive'} ({'staggered' if plan.staggered else 'coupled'} optimizer)")
+    options = LaunchOptions(steps=args.steps, checkpoint_dir=args.checkpoint_dir,
+                            checkpoint_every=args.checkpoint_every, resume_dir=args.resume, save_path=args.save or "",
+                            metrics_path=args.metrics or "", timeout_s=args.timeout, master_addr=args.master_addr,
+                            master_port=args.master_port, nnodes=args.nnodes, node_rank=args.node_rank,
+                            model_factory=args.model_factory, start_method=args.start_method,
+                            emulation=Emulation(args.slot_ms, args.cost_scale) if args.emulate_costs else None)
+    result = launch(config, plan, options)
+    if result.steps:
+        last = result.steps[-1]
+        print(f"trained steps {result.start_step + 1}..{result.end_step} in {result.wall_s:.1f} s; final loss "
+              f"{last.loss:.4f}")
+    else:
+        print(f"nothing to do: already at step {result.end_step}")
+    if args.save:
+        print(f"saved final parameters to {args.save}")
+    return 0

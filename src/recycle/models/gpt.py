@@ -1,0 +1,215 @@
+"""The built-in nanoGPT-like model, its presets and its partitioning into pipeline stages by layers.
+
+Stage call contract (the runtime relies on nothing else, so any list of S modules that keeps it can be trained --
+"bring your own model"):
+  * stage 0 takes a LongTensor of token ids [batch, seq]; every other stage takes the previous stage's output;
+  * every stage but the last returns one floating tensor whose shape is `boundary_shape(batch, seq)`;
+  * the last stage is called as `stage(x, targets)` and returns the scalar mean loss of the micro-batch;
+  * with one stage, stage 0 is also the last: `stage(tokens, targets)`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from recycle.config import ModelSpec
+from recycle.errors import ConfigError
+
+__all__ = ["PRESETS", "GPTShape", "resolve_shape", "GPTStage", "full_model", "build_stages", "stage_layers",
+           "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """The architecture actually built: a ModelSpec resolved against its preset, plus the context length."""
+
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    block_size: int
+    dropout: float = 0.0
+
+    @property
+    def num_parameters(self) -> int:
+        per_layer = 12 * self.n_embd * self.n_embd + 13 * self.n_embd
+        embed = self.vocab_size * self.n_embd + self.block_size * self.n_embd
+        head = 2 * self.n_embd + self.vocab_size * self.n_embd + self.vocab_size
+        return self.n_layer * per_layer + embed + head
+
+
+# Byte-level vocabulary everywhere: the built-in data and user text files are UTF-8 bytes.
+PRESETS: dict[str, ModelSpec] = {
+    "tiny": ModelSpec(preset="tiny", vocab_size=256, n_layer=4, n_head=2, n_embd=32),
+    "small": ModelSpec(preset="small", vocab_size=256, n_layer=8, n_head=4, n_embd=128),
+    "medium": ModelSpec(preset="medium", vocab_size=256, n_layer=12, n_head=8, n_embd=256),
+    "gpt2": ModelSpec(preset="gpt2", vocab_size=256, n_layer=12, n_head=12, n_embd=768),
+}
+
+
+def resolve_shape(spec: ModelSpec, seq_len: int) -> GPTShape:
+    """Apply the preset; a field that differs from ModelSpec's default overrides the preset's value."""
+    if spec.preset not in PRESETS and spec.preset != "custom":
+        raise ConfigError(f"[model] preset = {spec.preset!r} is unknown; choose one of {sorted(PRESETS)} or "
+                          "'custom' (then n_layer, n_head, n_embd, vocab_size are used as given)")
+    default = ModelSpec()
+    base = spec if spec.preset == "custom" else PRESETS[spec.preset]
+    fields = {}
+    for name in ("vocab_size", "n_layer", "n_head", "n_embd", "dropout"):
+        value = getattr(spec, name)
+        # The config cannot tell "unset" from "set to the default", so only a non-default value overrides.
+        fields[name] = value if value != getattr(default, name) else getattr(base, name)
+    shape = GPTShape(block_size=seq_len, **fields)
+    if shape.vocab_size < 256:
+        raise ConfigError(f"[model] vocab_size = {shape.vocab_size} is below 256; the data is byte-level, so use "
+                          "vocab_size >= 256")
+    if shape.n_embd % shape.n_head != 0:
+        raise ConfigError(f"[model] n_embd = {shape.n_embd} is not divisible by n_head = {shape.n_head}; pick "
+                          "n_head dividing n_embd")
+    return shape
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, shape: GPTShape) -> None:
+        super().__init__()
+        self.n_head = shape.n_head
+        self.c_attn = nn.Linear(shape.n_embd, 3 * shape.n_embd)
+        self.c_proj = nn.Linear(shape.n_embd, shape.n_embd)
+        self.dropout = shape.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, shape: GPTShape) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(shape.n_embd)
+        self.attn = CausalSelfAttention(shape)
+        self.ln_2 = nn.LayerNorm(shape.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(shape.n_embd, 4 * shape.n_embd), nn.GELU(),
+                                 nn.Linear(4 * shape.n_embd, shape.n_embd), nn.Dropout(shape.dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPTStage(nn.Module):
+    """Layers [first, last) of the GPT, with the embedding if first == 0 and the head + loss if last == n_layer.
+
+    Blocks are kept under their global index ("blocks.5.attn...") so the state dicts of all stages partition the
+    whole model's state dict: the union of the stage state dicts loads into `full_model` as is.
+    """
+
+    def __init__(self, shape: GPTShape, first: int, last: int) -> None:
+        super().__init__()
+        self.shape = shape
+        self.first, self.last = first, last
+        self.has_embedding = first == 0
+        self.has_head = last == shape.n_layer
+        if self.has_embedding:
+            self.wte = nn.Embedding(shape.vocab_size, shape.n_embd)
+            self.wpe = nn.Embedding(shape.block_size, shape.n_embd)
+            self.drop = nn.Dropout(shape.dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(shape) for i in range(first, last)})
+        if self.has_head:
+            self.ln_f = nn.LayerNorm(shape.n_embd)
+            self.lm_head = nn.Linear(shape.n_embd, shape.vocab_size)
+
+    def boundary_shape(self, batch: int, seq: int) -> tuple[int, ...]:
+        """Shape of the activation this stage sends downstream (and of the gradient it receives back)."""
+        return (batch, seq, self.shape.n_embd)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if self.has_embedding:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(positions))
+        for block in self.blocks.values():
+            x = block(x)
+        if not self.has_head:
+            return x
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _init_weights(model: nn.Module, generator: torch.Generator, n_layer: int) -> None:
+    """nanoGPT's init (normal 0.02, scaled residual projections), drawn from one generator in module order."""
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            std = 0.02
+            if name.endswith("c_proj") or name.endswith("mlp.2"):
+                std = 0.02 / math.sqrt(2 * n_layer)
+            with torch.no_grad():
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator,
+                                                dtype=torch.float64).mul_(std))
+                if isinstance(module, nn.Linear) and module.bias is not None:
+                    module.bias.zero_()
+
+
+def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def full_model(spec: ModelSpec, seq_len: int, seed: int, dtype: str | torch.dtype = "float32") -> GPTStage:
+    """The whole model as one module (the reference); initialised from `seed` independently of the global RNG."""
+    shape = resolve_shape(spec, seq_len)
+    model = GPTStage(shape, 0, shape.n_layer).to(_dtype(dtype))
+    generator = torch.Generator().manual_seed(seed)
+    _init_weights(model, generator, shape.n_layer)
+    return model
+
+
+def stage_layers(n_layer: int, num_stages: int) -> list[tuple[int, int]]:
+    """[first, last) layers per stage, as even as possible (earlier stages get the extra layer: they also embed,
+    but the last stage holds the head, which for a byte vocabulary is small)."""
+    if num_stages < 1:
+        raise ConfigError(f"num_stages = {num_stages} must be >= 1")
+    if n_layer < num_stages:
+        raise ConfigError(f"the model has n_layer = {n_layer} layers but num_stages = {num_stages}; every stage "
+                          f"needs at least one layer: use n_layer >= {num_stages} or fewer stages")
+    base, extra = divmod(n_layer, num_stages)
+    bounds, start = [], 0
+    for s in range(num_stages):
+        size = base + (1 if s < extra else 0)
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def build_stages(spec: ModelSpec, num_stages: int, seed: int, dtype: str | torch.dtype = "float32",
+                 seq_len: int = 64) -> list[GPTStage]:
+    """The S stage modules, with exactly the weights of `full_model(spec, seq_len, seed, dtype)` sliced by layers."""
+    whole = full_model(spec, seq_len, seed, dtype)
+    shape = whole.shape
+    state = whole.state_dict()
+    stages = []
+    for first, last in stage_layers(shape.n_layer, num_stages):
+        stage = GPTStage(shape, first, last).to(_dtype(dtype))
+        own = stage.state_dict()
+        stage.load_state_dict({k: state[k] for k in own})
+        stages.append(stage)
+    return stages
+
+
+def with_preset(spec: ModelSpec, preset: str) -> ModelSpec:
+    """A copy of `spec` that uses `preset` (handy in tests and benchmarks)."""
+    return replace(spec, preset=preset)

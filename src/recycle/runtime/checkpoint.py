@@ -1,0 +1,117 @@
+"""Atomic per-stage checkpoints (model, optimizer, step, RNG), the `latest` pointer, and merged final weights.
+
+Layout: DIR/step000004/stage0.pt ... stage{S-1}.pt, and DIR/latest containing "step000004". A step directory is
+only named by `latest` after every stage file of that step is complete, so a crash mid-save never corrupts resume.
+Replicas of a stage hold identical state, so one live replica per stage writes it; the files are per stage, not
+per worker, which lets a run resume under any failure state.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recycle.errors import ConfigError
+from recycle.runtime.optim import StageOptimizer
+
+__all__ = ["atomic_torch_save", "atomic_write_text", "step_dir", "stage_file", "save_stage", "load_stage",
+           "mark_latest", "latest_step", "merge_stage_parts", "part_file"]
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def atomic_torch_save(obj: Any, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step{step:06d}"
+
+
+def stage_file(root: str | Path, step: int, stage: int) -> Path:
+    return step_dir(root, step) / f"stage{stage}.pt"
+
+
+def save_stage(root: str | Path, step: int, stage: int, layers: tuple[int, int], model: torch.nn.Module,
+               optimizer: StageOptimizer) -> None:
+    atomic_torch_save({
+        "step": step,
+        "stage": stage,
+        "layers": layers,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "rng": torch.get_rng_state(),
+    }, stage_file(root, step, stage))
+
+
+def mark_latest(root: str | Path, step: int) -> None:
+    atomic_write_text(Path(root) / "latest", step_dir(root, step).name + "\n")
+
+
+def latest_step(root: str | Path) -> int:
+    """The step of the last complete checkpoint in `root`."""
+    pointer = Path(root) / "latest"
+    if not pointer.is_file():
+        raise ConfigError(f"--resume {str(root)!r}: no checkpoint there (no 'latest' file); pass a directory "
+                          "written by --checkpoint-dir")
+    name = pointer.read_text().strip()
+    try:
+        return int(name.removeprefix("step"))
+    except ValueError:
+        raise ConfigError(f"{pointer}: holds {name!r}, not a step directory name like 'step000004'; the "
+                          "checkpoint directory is damaged") from None
+
+
+def load_stage(root: str | Path, step: int, stage: int, layers: tuple[int, int], model: torch.nn.Module,
+               optimizer: StageOptimizer) -> None:
+    path = stage_file(root, step, stage)
+    if not path.is_file():
+        raise ConfigError(f"checkpoint file {path} is missing; the checkpoint was made with fewer stages or is "
+                          "incomplete")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if tuple(state["layers"]) != tuple(layers):
+        raise ConfigError(f"checkpoint {path} holds layers {tuple(state['layers'])} for stage {stage} but this run "
+                          f"puts layers {tuple(layers)} there; resume with the same model and num_stages")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+
+
+def part_file(path: str | Path, stage: int) -> Path:
+    return Path(f"{path}.stage{stage}.part")
+
+
+def merge_stage_parts(path: str | Path, num_stages: int, extra: dict[str, Any]) -> None:
+    """Merge the per-stage parameter files written by the workers into one file at `path`: "stages" holds each
+    stage's state dict and "model" their union (the whole model's state dict for the built-in GPT; None when two
+    stages use the same parameter name, as a user model's stages may)."""
+    stages = [torch.load(part_file(path, stage), map_location="cpu", weights_only=True) for stage in range(num_stages)]
+    merged: dict[str, torch.Tensor] | None = {}
+    for state in stages:
+        if merged is not None and merged.keys() & state.keys():
+            merged = None
+        elif merged is not None:
+            merged.update(state)
+    atomic_torch_save({"model": merged, "stages": stages, **extra}, path)
+    for stage in range(num_stages):
+        part_file(path, stage).unlink(missing_ok=True)

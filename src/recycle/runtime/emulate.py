@@ -1,0 +1,186 @@
+"""Emulated costs: pad every action a worker runs to the config's duration, so wall-clock timing follows the plan's
+cost model instead of the host's CPU contention (timing studies of 12 workers on a 2-core machine)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from recycle.config import Config
+from recycle.errors import ConfigError
+from recycle.ir import Action, Kind, Plan
+from recycle.runtime.messages import Message
+
+__all__ = ["Emulation", "DEFAULT_SLOT_MS", "seconds_per_unit", "action_cost", "PacedComm", "CostPacer",
+           "install_pacing", "PacingStats"]
+
+DEFAULT_SLOT_MS = 40.0  # one slot of a slot-unit config; far above a tiny model's real action time on a CPU
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """How to turn config durations into seconds: `slot_ms` per slot ("slot" configs), or the microseconds as given
+    times `scale` ("us" configs; e.g. scale 10 stretches a profiled model so contention noise stays small)."""
+
+    slot_ms: float = DEFAULT_SLOT_MS
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.slot_ms > 0 and math.isfinite(self.slot_ms)):
+            raise ConfigError(f"--slot-ms {self.slot_ms} must be a positive number of milliseconds (e.g. 40)")
+        if not (self.scale > 0 and math.isfinite(self.scale)):
+            raise ConfigError(f"--cost-scale {self.scale} must be a positive factor (e.g. 1 or 10)")
+
+
+def seconds_per_unit(config: Config, emulation: Emulation) -> float:
+    """Seconds per unit of the config's durations."""
+    if config.time_unit == "slot":
+        return emulation.slot_ms / 1e3
+    return 1e-6 * emulation.scale
+
+
+def _opt_units(config: Config, plan: Plan, stage: int) -> float:
+    """OPT = the stage's all-reduce over its live replicas plus its optimizer step (the simulator's model)."""
+    live = len(plan.live_replicas(stage))
+    return config.communication.allreduce_time(stage, live) + config.costs.optimizer[stage]
+
+
+def action_cost(config: Config, plan: Plan, action: Action) -> float:
+    """Duration of `action` in config units. With a coupled optimizer every worker leaves the joint step when the
+    slowest stage's OPT ends, so a coupled OPT lasts as long as the longest one."""
+    costs = config.costs
+    s = action.stage
+    if action.kind is Kind.F:
+        return costs.forward[s]
+    if action.kind is Kind.B:
+        return costs.backward_input[s]
+    if action.kind is Kind.W:
+        return costs.backward_weight[s]
+    if action.kind is Kind.BW:
+        return costs.backward_fused[s]
+    if plan.staggered:
+        return _opt_units(config, plan, s)
+    return max(_opt_units(config, plan, stage) for stage in range(plan.num_stages) if plan.live_replicas(stage))
+
+
+class PacedComm:
+    """A transport wrapper for pacing: sends are held back until the action's padded end (a message must not
+    reach its consumer before the emulated producer is done), and the moment each blocking receive or collective
+    returns is noted (that is when the action's inputs were there)."""
+
+    def __init__(self, inner: object, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.inner = inner
+        self.clock = clock
+        self.held: list[tuple[Message, torch.Tensor]] = []
+        # When this action's inputs were there: the return of its last receive (the message it waited for comes
+        # last) or of its first collective (the group's meeting point; later collectives are the action's work).
+        self.last_arrival: float | None = None
+        self.met_group = False
+
+    def send(self, message: Message, tensor: torch.Tensor) -> None:
+        # Detached: holding the message must not keep the micro-batch's autograd graph alive.
+        self.held.append((message, tensor.detach()))
+
+    def release(self) -> None:
+        for message, tensor in self.held:
+            self.inner.send(message, tensor)
+        self.held.clear()
+
+    def recv(self, message: Message, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        tensor = self.inner.recv(message, shape, dtype)
+        self.last_arrival = self.clock()
+        return tensor
+
+    def start_action(self) -> None:
+        self.last_arrival = None
+        self.met_group = False
+
+    def _met(self) -> None:
+        if not self.met_group:
+            self.met_group = True
+            self.last_arrival = self.clock()
+
+    def flush(self) -> None:
+        self.release()
+        self.inner.flush()
+
+    def stage_allreduce_sum(self, stage: int, tensor: torch.Tensor) -> None:
+        self.inner.stage_allreduce_sum(stage, tensor)
+        self._met()
+
+    def world_allreduce_sum(self, tensor: torch.Tensor) -> None:
+        self.inner.world_allreduce_sum(tensor)
+        self._met()
+
+    def barrier(self) -> None:
+        self.inner.barrier()
+        self._met()
+
+
+@dataclass
+class PacingStats:
+    """What pacing saw on one worker: how often the real work outlasted the emulated cost, and by how much."""
+
+    actions: int = 0
+    overruns: int = 0  # actions whose real work took longer than their emulated cost
+    worst_overrun_s: float = 0.0
+
+
+class CostPacer:
+    """Runs each action, then sleeps until its emulated end = start + cost, then releases its messages.
+
+    start = max(the worker's previous emulated end, the arrival of the action's inputs): a virtual clock per worker,
+    so sleep overshoot does not add up along a worker's list; only cross-worker hand-offs see real wake-up and
+    transport latency. An action whose real work outlasts its cost ends when the work ends (counted as an overrun).
+    """
+
+    def __init__(self, config: Config, plan: Plan, rank: int, emulation: Emulation, comm: PacedComm,
+                 clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        unit = seconds_per_unit(config, emulation)
+        self.cost_s = {action: action_cost(config, plan, action) * unit for action in plan.actions[rank]}
+        self.comm = comm
+        self.clock = clock
+        self.sleep = sleep
+        self.emulated_end: float | None = None  # previous action's emulated end on this worker
+        self.stats = PacingStats()
+
+    def run(self, action: Action, work: Callable[[Action], None]) -> None:
+        begin = self.clock()
+        self.comm.start_action()
+        work(action)
+        done = self.clock()
+        start = begin if self.emulated_end is None else min(begin, self.emulated_end)
+        if self.comm.last_arrival is not None:
+            start = max(start, self.comm.last_arrival)
+        target = start + self.cost_s[action]
+        if done > target:
+            self.stats.overruns += 1
+            self.stats.worst_overrun_s = max(self.stats.worst_overrun_s, done - target)
+            target = done
+        while True:  # sleep() may wake early on a signal; loop until the target has passed
+            left = target - self.clock()
+            if left <= 0:
+                break
+            self.sleep(left)
+        self.emulated_end = target
+        self.stats.actions += 1
+        self.comm.release()
+
+
+def install_pacing(executor: object, config: Config, emulation: Emulation) -> CostPacer:
+    """Make a StageExecutor pace its actions: its transport is wrapped and each run_action is padded."""
+    comm = PacedComm(executor.comm)
+    pacer = CostPacer(config, executor.plan, executor.rank, emulation, comm)
+    work = executor.run_action
+    executor.comm = comm
+
+    def run_action(action: Action) -> None:
+        pacer.run(action, work)
+
+    executor.run_action = run_action
+    return pacer

@@ -1,0 +1,279 @@
+"""The worker executor: runs one worker's action list of a plan, one method per action kind, for one iteration."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+from recycle.ir import Action, Kind, Plan
+from recycle.runtime.optim import StageOptimizer
+from recycle.runtime.messages import Channel, Message, incoming, outgoing, send_order
+
+__all__ = ["StageExecutor", "IterationProgress", "IterationResult", "Comm", "ActionTiming", "dropout_seed"]
+
+
+class Comm(Protocol):
+    """What the executor needs from a transport (see runtime.transport.Transport)."""
+
+    def send(self, message: Message, tensor: torch.Tensor) -> None: ...
+    def recv(self, message: Message, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+    def flush(self) -> None: ...
+    def stage_allreduce_sum(self, stage: int, tensor: torch.Tensor) -> None: ...
+    def world_allreduce_sum(self, tensor: torch.Tensor) -> None: ...
+    def barrier(self) -> None: ...
+
+
+@dataclass
+class IterationProgress:
+    """Where a worker is: the iteration and the index of the next action in its list. Kept explicit so that a
+    coordinator can abort an iteration after a failure and resume from a known point."""
+
+    iteration: int = 0
+    index: int = 0
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class ActionTiming:
+    action: str
+    start: float  # time.perf_counter() seconds
+    end: float
+
+
+@dataclass
+class IterationResult:
+    iteration: int
+    start: float  # wall clock (time.time())
+    end: float
+    loss_sum: float | None  # sum of this worker's scaled micro-batch losses (last stage only)
+    grad_norm: float | None  # global gradient norm before clipping (only computed when clipping)
+    timings: list[ActionTiming] = field(default_factory=list)
+
+
+def dropout_seed(seed: int, iteration: int, mb: int, stage: int) -> int:
+    """The RNG seed for a forward: a function of (iteration, mb, stage) only, so a re-routed micro-batch draws the
+    same dropout masks whichever replica runs it."""
+    return (seed * 1_000_003 + iteration * 7_919 + mb * 104_729 + stage * 15_485_863) % (2 ** 63 - 1)
+
+
+@dataclass
+class _Stash:
+    """What a micro-batch keeps on its host between F and W."""
+
+    inp: torch.Tensor | None  # the stage input (requires grad), None on stage 0 (token ids)
+    out: torch.Tensor  # the stage output (the scaled loss on the last stage)
+    grad_out: torch.Tensor | None = None  # the output-gradient, kept from B for W (None on the last stage)
+
+
+class StageExecutor:
+    """Executes `plan.actions[rank]` for one worker each iteration.
+
+    Message order: a worker takes messages from each peer in the order that peer sends them (derived from the
+    peer's action list); a message that arrives before it is needed is parked. On gloo every message also carries
+    a (channel, micro-batch) tag.
+    """
+
+    def __init__(self, plan: Plan, rank: int, module: nn.Module, optimizer: StageOptimizer, comm: Comm,
+                 load_microbatch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+                 input_shape: tuple[int, ...] | None, output_shape: tuple[int, ...] | None, dtype: torch.dtype,
+                 grad_clip: float = 0.0, seed: int = 0,
+                 device: torch.device | None = None, record_timings: bool = False) -> None:
+        self.rank = rank
+        self.module = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer = optimizer
+        self.comm = comm
+        self.load_microbatch = load_microbatch
+        # Received activations have the previous stage's output shape; received gradients our own output's.
+        self.receive_shapes = {Channel.ACTIVATION: input_shape, Channel.GRADIENT: output_shape}
+        self.dtype = dtype
+        self.grad_clip = grad_clip
+        self.seed = seed
+        self.device = device or torch.device("cpu")
+        self.record_timings = record_timings
+        self.progress = IterationProgress()
+        self._next_from: dict[int, int] = defaultdict(int)
+        self._parked: dict[Message, torch.Tensor] = {}
+        self._stash: dict[int, _Stash] = {}
+        self._loss_sum = 0.0
+        self._grad_norm: float | None = None
+        self.set_plan(plan, comm)
+
+    def set_plan(self, plan: Plan, comm: Comm | None = None) -> None:
+        """Run `plan` (and talk over `comm`) from the next iteration on: the switch a coordinator makes after a
+        failure. The worker keeps its rank, weights and optimizer state; the plan must keep it live."""
+        replica, stage = plan.worker(self.rank)
+        if (replica, stage) in plan.failed:
+            raise ValueError(f"worker {replica}:{stage} is failed in the new plan; a failed worker cannot run it")
+        self.plan = plan
+        self.comm = comm or self.comm
+        self.replica, self.stage = replica, stage
+        self.scale = 1.0 / plan.total_microbatches
+        self.is_first = stage == 0
+        self.is_last = stage == plan.num_stages - 1
+        self.actions = plan.actions[self.rank]
+        # Expected arrival order from each peer (its send order), for the in-order receive.
+        self._expected: dict[int, list[Message]] = {}
+        for action in self.actions:
+            message = incoming(plan, self.rank, action)
+            if message is not None and message.src not in self._expected:
+                self._expected[message.src] = send_order(plan, message.src, self.rank)
+
+    def abort_iteration(self) -> None:
+        """Forget the current iteration's partial work (stashed graphs, parked messages, accumulated gradients) so
+        the iteration can be re-run from its first action, e.g. under a new plan after a peer failed. Only valid
+        before this worker's OPT of the iteration ran: after it, the weights already moved on."""
+        self._stash.clear()
+        self._parked.clear()
+        self._next_from.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.progress = IterationProgress(self.progress.iteration, 0)
+
+    # -- one iteration --------------------------------------------------------------------------------------------
+    def run_iteration(self, iteration: int) -> IterationResult:
+        self.progress = IterationProgress(iteration, 0)
+        self._loss_sum = 0.0
+        self._grad_norm = None
+        self._next_from.clear()
+        timings: list[ActionTiming] = []
+        start = time.time()
+        for index, action in enumerate(self.actions):
+            self.progress.index = index
+            t0 = time.perf_counter()
+            self.run_action(action)
+            if self.record_timings:
+                timings.append(ActionTiming(str(action), t0, time.perf_counter()))
+        self.comm.flush()
+        self.progress.index = len(self.actions)
+        self.progress.finished = True
+        if self._stash or self._parked:
+            raise RuntimeError(f"worker {self.replica}:{self.stage} ended iteration {iteration} with unfinished "
+                               f"micro-batches {sorted(self._stash)} or unread messages; the plan is inconsistent")
+        return IterationResult(iteration, start, time.time(), self._loss_sum if self.is_last else None,
+                               self._grad_norm, timings)
+
+    def run_action(self, action: Action) -> None:
+        handler = {Kind.F: self.forward, Kind.B: self.backward_input, Kind.W: self.backward_weight,
+                   Kind.BW: self.backward_fused, Kind.OPT: self.optimizer_step}[action.kind]
+        handler(action)
+
+    # -- compute, one method per kind (easy to time or pad) -------------------------------------------------------
+    def forward(self, action: Action) -> None:
+        mb = action.mb
+        tokens, targets = self.load_microbatch(self.progress.iteration, mb) if (self.is_first or self.is_last) \
+            else (None, None)
+        if self.is_first:
+            inp = None
+            x = tokens.to(self.device)
+        else:
+            inp = self._receive(incoming(self.plan, self.rank, action)).requires_grad_()
+            x = inp
+        torch.manual_seed(dropout_seed(self.seed, self.progress.iteration, mb, self.stage))
+        if self.is_last:
+            loss = self.module(x, targets.to(self.device))
+            out = loss * self.scale
+            self._loss_sum += float(out.detach())
+        else:
+            out = self.module(x)
+            self.comm.send(outgoing(self.plan, self.rank, action), out)
+        self._stash[mb] = _Stash(inp, out)
+
+    def backward_input(self, action: Action) -> None:
+        """B: the input-gradient only (sent upstream at once); the graph is kept for W."""
+        stash = self._stash[action.mb]
+        stash.grad_out = self._output_grad(action)
+        if self.is_first:
+            return  # token ids have no gradient: stage 0's B only takes delivery of the output-gradient
+        (grad_in,) = torch.autograd.grad(stash.out, [stash.inp], stash.grad_out, retain_graph=True)
+        self.comm.send(outgoing(self.plan, self.rank, action), grad_in)
+
+    def backward_weight(self, action: Action) -> None:
+        """W: the weight-gradient, accumulated into .grad; frees the micro-batch's graph."""
+        stash = self._stash.pop(action.mb)
+        grads = torch.autograd.grad(stash.out, self.params, stash.grad_out, allow_unused=True)
+        self._accumulate(grads)
+
+    def backward_fused(self, action: Action) -> None:
+        """BW: input- and weight-gradient in one backward pass."""
+        stash = self._stash.pop(action.mb)
+        grad_out = self._output_grad(action)
+        inputs = self.params if self.is_first else [stash.inp, *self.params]
+        grads = torch.autograd.grad(stash.out, inputs, grad_out, allow_unused=True)
+        if not self.is_first:
+            self.comm.send(outgoing(self.plan, self.rank, action), grads[0])
+            grads = grads[1:]
+        self._accumulate(grads)
+
+    def optimizer_step(self, action: Action) -> None:
+        """OPT: SUM all-reduce of the stage's gradients over its live replicas, optional clipping, AdamW step."""
+        if not self.plan.staggered:
+            self.comm.barrier()  # coupled: no stage steps before every worker has finished its backward work
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+        self.comm.stage_allreduce_sum(self.stage, flat)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p))
+            offset += n
+        if self.grad_clip > 0:
+            self._clip_global_norm()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # -- helpers --------------------------------------------------------------------------------------------------
+    def _clip_global_norm(self) -> None:
+        """Exact global-norm clipping: every stage's squared norm is summed over all stages before any step.
+
+        This is a world all-reduce, so with clipping even the staggered optimizer waits for the slowest stage's
+        reduce (a cross-stage sync point per iteration); without clipping no such point exists.
+        """
+        squares = torch.zeros(self.plan.num_stages, dtype=torch.float64, device=self.device)
+        # Only the lowest live replica of each stage contributes, so the world sum counts each stage once.
+        if self.replica == self.plan.live_replicas(self.stage)[0]:
+            squares[self.stage] = sum(float(p.grad.detach().double().pow(2).sum()) for p in self.params)
+        self.comm.world_allreduce_sum(squares)
+        total = float(squares.sum()) ** 0.5
+        self._grad_norm = total
+        coefficient = self.grad_clip / (total + 1e-6)  # the same formula as torch.nn.utils.clip_grad_norm_
+        if coefficient < 1.0:
+            for p in self.params:
+                p.grad.mul_(coefficient)
+
+    def _output_grad(self, action: Action) -> torch.Tensor | None:
+        if self.is_last:
+            return None  # the scaled loss is a scalar: autograd seeds it with 1
+        return self._receive(incoming(self.plan, self.rank, action))
+
+    def _receive(self, wanted: Message) -> torch.Tensor:
+        """Take messages from `wanted.src` in its send order until `wanted` arrives; park the earlier ones."""
+        if wanted in self._parked:
+            return self._parked.pop(wanted)
+        order = self._expected[wanted.src]
+        while True:
+            position = self._next_from[wanted.src]
+            if position >= len(order):
+                raise RuntimeError(f"worker {self.replica}:{self.stage} expected {wanted} but its sender has no "
+                                   "such message in its plan")
+            message = order[position]
+            self._next_from[wanted.src] = position + 1
+            tensor = self.comm.recv(message, self.receive_shapes[message.channel], self.dtype)
+            if message == wanted:
+                return tensor
+            self._parked[message] = tensor
+
+    def _accumulate(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        for p, g in zip(self.params, grads):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g.detach().clone()
+            else:
+                p.grad.add_(g)

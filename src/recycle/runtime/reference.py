@@ -1,0 +1,43 @@
+"""Single-process reference training: the whole model, the same D*M micro-batches per step, loss scaled 1/(D*M)
+and summed, optional global-norm clipping, AdamW. Pipeline runs must end with the same parameters."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from recycle.config import Config
+from recycle.errors import ConfigError
+from recycle.models.gpt import full_model
+from recycle.runtime.data import load_dataset, microbatch
+from recycle.runtime.worker import make_optimizer
+
+__all__ = ["reference_train"]
+
+
+def reference_train(config: Config, steps: int | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """(final state dict, loss per step) of `steps` steps (default: [training] steps) on one process."""
+    if config.model.dropout > 0:
+        raise ConfigError("the reference needs [model] dropout = 0: the pipeline seeds dropout per stage, which a "
+                          "whole-model forward cannot reproduce")
+    training, workload = config.training, config.workload
+    steps = training.steps if steps is None else steps
+    model = full_model(config.model, workload.seq_len, training.seed, training.dtype)
+    optimizer = make_optimizer(model, training.lr, training.weight_decay)
+    dataset = load_dataset(training.dataset, workload.seq_len, base_dir=os.path.dirname(config.source) or None)
+    total = config.num_replicas * config.num_microbatches
+    losses = []
+    for step in range(steps):
+        step_loss = 0.0
+        for mb in range(total):
+            tokens, targets = microbatch(dataset, step, mb, workload.microbatch_size, workload.seq_len)
+            loss = model(tokens, targets) * (1.0 / total)
+            loss.backward()
+            step_loss += float(loss.detach())
+        if training.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses

@@ -1,0 +1,106 @@
+"""A worker that dies (SIGKILL) or raises mid-iteration stops the whole run within seconds, with a non-zero
+outcome naming that worker, and leaves no worker process behind."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+
+from recycle.config import parse_config
+from recycle.errors import RuntimeFailure
+from recycle.runtime.launcher import LaunchOptions, launch
+from recycle.runtime.worker import FaultInjection
+from recycle.schedules.fault_free import build_schedule
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def tiny_config():
+    return parse_config({
+        "topology": {"num_replicas": 2, "num_stages": 2},
+        "workload": {"num_microbatches": 2, "microbatch_size": 2, "seq_len": 8},
+        "costs": {"forward": 1, "backward_input": 1, "backward_weight": 1},
+        "training": {"steps": 6},
+    }, name="failures")
+
+
+@pytest.mark.parametrize("mode,expected", [("kill", r"worker 1:1 \(rank 3, pid \d+\) died \(killed by signal 9\)"),
+                                           ("raise", r"worker 1:1 \(rank 3, pid \d+\) raised ValueError: injected")])
+def test_failing_worker_stops_the_run_and_is_named(mode: str, expected: str) -> None:
+    config = tiny_config()
+    plan = build_schedule(config, "zb-h1", staggered=True)
+    reported: list[float] = []
+    options = LaunchOptions(faults=((3, FaultInjection(step=2, index=2, mode=mode)),), timeout_s=60,
+                            progress=lambda line: reported.append(time.monotonic()), start_method="forkserver")
+    with pytest.raises(RuntimeFailure, match=expected) as info:
+        launch(config, plan, options)
+    stopped = time.monotonic()
+    assert len(reported) == 2  # steps 1 and 2 completed, the fault hit inside step 3
+    assert "during step 3" in str(info.value)
+    # The survivors see the dead peer at once; the stop takes the grace period plus reaping, not the 60 s timeout.
+    assert stopped - reported[-1] < 15
+    assert not mp.active_children()
+
+
+def test_frozen_worker_is_caught_by_the_timeout_and_named() -> None:
+    config = tiny_config()
+    plan = build_schedule(config, "1f1b", staggered=True)
+    options = LaunchOptions(faults=((2, FaultInjection(step=1, index=1, mode="freeze")),), timeout_s=3,
+                            progress=None, start_method="forkserver")
+    began = time.monotonic()
+    with pytest.raises(RuntimeFailure, match=r"worker 1:0 \(rank 2, pid \d+\) stopped responding"):
+        launch(config, plan, options)
+    assert time.monotonic() - began < 30
+    assert not mp.active_children()
+
+
+def _children(pid: int) -> list[int]:
+    from pathlib import Path
+
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a reaped-later zombie holds no resources)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_workers_exit_when_the_launcher_is_killed(tmp_path) -> None:
+    """No orphans: workers watch the launcher and exit within seconds of its death."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    launcher = subprocess.Popen([sys.executable, "-m", "recycle", "train", "--config", "configs/tiny-gpt.toml",
+                                 "--steps", "100000"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True)
+    try:
+        line = launcher.stdout.readline()  # the first progress line: every worker is up and training
+        assert line.startswith("step 1/"), line
+        workers = _children(launcher.pid)
+        assert len(workers) >= 4
+    finally:
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+    deadline = time.monotonic() + 15
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in alive if _running(p)]
+    assert not alive, f"workers {alive} outlived the launcher"
