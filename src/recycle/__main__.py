@@ -4,4 +4,6 @@ import sys
 
 from recycle.cli import main
 
-sys.exit(main())
+# The guard matters: spawned worker processes import the parent's __main__ module as __mp_main__.
+if __name__ == "__main__":
+    sys.exit(main())

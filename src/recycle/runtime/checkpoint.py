@@ -8,40 +8,25 @@ per worker, which lets a run resume under any failure state.
 
 from __future__ import annotations
 
-import os
-import tempfile
+import io
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from recycle.errors import ConfigError
+from recycle.fileio import atomic_write_bytes, atomic_write_text
 from recycle.runtime.optim import StageOptimizer
 
 __all__ = ["atomic_torch_save", "atomic_write_text", "step_dir", "stage_file", "save_stage", "load_stage",
            "mark_latest", "latest_step", "merge_stage_parts", "part_file"]
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
-
-
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """torch.save, atomically (serialised in memory, then written with fileio's temp-file-and-rename)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def step_dir(root: str | Path, step: int) -> Path:
