@@ -53,3 +53,21 @@ def test_bad_trace_exits_2_with_line_number(tmp_path: Path, capsys) -> None:
     assert err.startswith("error: ") and "bad.csv:3" in err and "'explode'" in err and "Traceback" not in err
     code = main(["simulate", "--config", TOY, "--generate", "poisson:nodes=3", "--out", str(tmp_path / "o")])
     assert code == 2 and "mtbf_h" in capsys.readouterr().err
+
+
+def test_simulate_places_availability_failures_on_the_jobs_grid(tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "avail.csv"
+    trace.write_text("time_ms,live\n0,12\n60000,9\n120000,12\n")
+    for placement in ("spread", "worst"):
+        out = tmp_path / placement
+        code = main(["simulate", "--config", TOY, "--trace", str(trace), "--out", str(out), "--json",
+                     "--systems", "recycle", "fault-scaled", "--period-model", "estimate", "--slot-seconds", "0.01",
+                     "--placement", placement, "--seed", "1"])
+        assert code == 0
+        assert f"placement {placement} (seed 1; grid D=3 x S=4" in capsys.readouterr().err
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["placement"].startswith(placement)
+    code = main(["simulate", "--config", TOY, "--generate", "paper-gcp:placement=spread", "--out",
+                 str(tmp_path / "gcp"), "--systems", "fault-scaled", "--period-model", "estimate",
+                 "--slot-seconds", "0.01"])
+    assert code == 0 and "placement spread (seed 0; grid D=3 x S=4" in capsys.readouterr().err

@@ -75,3 +75,21 @@ def test_generate_spec_strings() -> None:
                           ("poisson:mtbf_h=-1", "must be > 0"), ("llama3:nodes", "not key=value")]:
         with pytest.raises(TraceError, match=fragment):
             parse_generate_spec(bad)
+
+
+def test_paper_gcp_spec_takes_a_placement_and_a_seed() -> None:
+    spread = parse_generate_spec("paper-gcp:placement=spread,seed=1")
+    assert spread.placement.startswith("spread (seed 1")
+    assert spread.source == "generated:paper-gcp:placement=spread,seed=1"
+    assert spread.events == paper_gcp_shape(seed=1, placement="spread").events
+    assert parse_generate_spec("paper-gcp").events == paper_gcp_shape(seed=0).events  # default: random, seed 0
+    # the caller's defaults (recycle simulate's --placement / --seed) apply when the spec names none
+    assert parse_generate_spec("paper-gcp", placement="worst", seed=2).events == \
+        paper_gcp_shape(seed=2, placement="worst").events
+    assert parse_generate_spec("paper-gcp:placement=spread", placement="worst").placement.startswith("spread")
+    # every placement keeps the counts (only which workers differs)
+    for placement in ("random", "spread", "worst"):
+        counts = [len(s) for s in map_trace_to_units(paper_gcp_shape(placement=placement)).live]
+        assert max(counts) == 24 and min(counts) == 15
+    with pytest.raises(TraceError, match="unknown"):
+        parse_generate_spec("paper-gcp:placement=clustered")

@@ -8,11 +8,12 @@ import sys
 
 from recycle.config import load_config
 from recycle.errors import ConfigError
-from recycle.traces.experiments import SYSTEM_NAMES, JobSetup, run_job
+from recycle.traces.experiments import SYSTEM_NAMES, JobSetup, job_grid, run_job
 from recycle.traces.generate import GENERATE_HELP, parse_generate_spec
 from recycle.traces.jobsim import stderr_progress
 from recycle.traces.model import JobCosts
-from recycle.traces.reader import read_trace
+from recycle.traces.mapping import PLACEMENTS
+from recycle.traces.reader import PLACEMENT_HELP, read_trace
 from recycle.traces.report import write_report
 
 __all__ = ["register", "run"]
@@ -44,7 +45,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="fault-free reference: plain 1F1B as in the paper (ReCycle capped at it), or ReCycle's "
                         "own fault-free plan")
     p.add_argument("--slot-seconds", type=float, default=1.0, help="seconds per slot for slot-unit configs")
-    p.add_argument("--seed", type=int, default=0, help="seed for availability traces (which nodes fail)")
+    p.add_argument("--seed", type=int, default=0, help="seed for availability traces (which nodes fail; also the "
+                   "default seed of --generate paper-gcp)")
+    p.add_argument("--placement", choices=PLACEMENTS, default="random",
+                   help=f"availability traces (a time_ms,live --trace, or --generate paper-gcp without a placement "
+                        f"key): {PLACEMENT_HELP}. Default random (reproducible with --seed); spread and worst act on "
+                        "the job's grid (config stages and replicas, --gpus-per-node, --replicas)")
     costs = JobCosts()
     for name in ("detect_s", "plan_switch_s", "restart_s", "checkpoint_interval_s", "checkpoint_cost_s",
                  "oobleck_reconfig_s", "bamboo_reconfig_s", "bamboo_rc_overhead"):
@@ -58,8 +64,14 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if args.gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node {args.gpus_per_node} must be >= 1")
-    trace = read_trace(args.trace, strict=args.strict, seed=args.seed) if args.trace else \
-        parse_generate_spec(args.generate)
+    grid = job_grid(config, args.gpus_per_node, args.replicas)
+    if args.trace:
+        trace = read_trace(args.trace, strict=args.strict, seed=args.seed, placement=args.placement, grid=grid)
+    else:
+        trace = parse_generate_spec(args.generate, grid=grid, placement=args.placement, seed=args.seed)
+    if trace.placement:
+        print(f"note: {trace.source}: availability counts -> failing workers: placement {trace.placement}",
+              file=sys.stderr)
     for message in trace.notes.messages():
         print(f"warning: {trace.source}: {message}", file=sys.stderr)
     costs = JobCosts(**{name: getattr(args, name) for name in (

@@ -11,7 +11,7 @@ from recycle.errors import ConfigError
 from recycle.planner.options import PlannerOptions
 from recycle.traces.baselines import BambooLike, CheckpointRestart, FaultFree, FaultScaled, OobleckLike
 from recycle.traces.jobsim import JobResult, replay_all
-from recycle.traces.mapping import UnitTimeline, map_trace_to_units
+from recycle.traces.mapping import UnitTimeline, WorkerGrid, map_trace_to_units
 from recycle.traces.model import JobContext, JobCosts
 from recycle.traces.reader import EventTrace
 from recycle.traces.recycle_system import ReCycleSystem
@@ -21,6 +21,7 @@ __all__ = [
     "SYSTEM_NAMES",
     "JobSetup",
     "size_to_trace",
+    "job_grid",
     "run_job",
     "TRACES_DIR",
     "find_traces_dir",
@@ -82,6 +83,32 @@ def size_to_trace(config: Config, timeline: UnitTimeline, replicas: str) -> Conf
     return config.with_topology(num_replicas=d)
 
 
+def job_grid(config: Config, gpus_per_node: int = 1, replicas: str = "keep") -> WorkerGrid:
+    """The worker grid a grid-aware placement of an availability trace must act on for this job (`replicas`
+    "auto": D is sized to the trace, as `size_to_trace` does)."""
+    if replicas not in ("keep", "auto"):
+        raise ConfigError(f"replicas mode {replicas!r} is unknown; use keep or auto")
+    return WorkerGrid(num_stages=config.num_stages,
+                      num_replicas=config.num_replicas if replicas == "keep" else None,
+                      gpus_per_node=gpus_per_node, gpus_per_worker=config.topology.gpus_per_worker)
+
+
+def _check_placement_grid(trace: EventTrace, config: Config, gpus_per_node: int,
+                          timeline: UnitTimeline) -> None:
+    """A grid-aware placement chose its nodes for one grid; replaying it on another would hit other stages."""
+    grid = trace.placement_grid
+    if grid is None:
+        return
+    placed_d = grid.num_replicas if grid.num_replicas is not None else timeline.max_live // max(grid.num_stages, 1)
+    if placed_d != config.num_replicas or grid.num_stages != config.num_stages or grid.gpus_per_node != gpus_per_node or \
+            grid.gpus_per_worker != config.topology.gpus_per_worker:
+        raise ConfigError(
+            f"{trace.source or 'trace'}: its failures were placed ({trace.placement}) for the grid "
+            f"{grid.describe()}, but the job is D={config.num_replicas} x S={config.num_stages}, {gpus_per_node} "
+            f"GPU(s) per node, {config.topology.gpus_per_worker} per worker; place them for the job's grid "
+            "(job_grid(config, ...); `recycle simulate` does this)")
+
+
 def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_NAMES,
             costs: JobCosts = JobCosts(), setup: JobSetup = JobSetup(), period_fn: PeriodFn | None = None,
             period_label: str = "", options: PlannerOptions = PlannerOptions(),
@@ -92,6 +119,7 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
         raise ConfigError(f"unknown system(s) {unknown}; choose from {list(SYSTEM_NAMES)}")
     timeline = map_trace_to_units(trace, setup.gpus_per_node, config.topology.gpus_per_worker)
     config = size_to_trace(config, timeline, setup.replicas)
+    _check_placement_grid(trace, config, setup.gpus_per_node, timeline)
     if setup.reference not in ("1f1b", "planner"):
         raise ConfigError(f"reference {setup.reference!r} is unknown; use 1f1b (the paper's) or planner")
     if period_fn is None:
@@ -117,6 +145,7 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
         "num_stages": config.num_stages,
         "trace": trace.source,
         "trace_notes": trace.notes.messages(),
+        "placement": trace.placement or "events given by the trace",
         "period_model": period_label,
         "reference": setup.reference,
         "keys_planned": throughput.keys_planned,

@@ -5,9 +5,13 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 from recycle.errors import TraceError
 from recycle.traces.reader import ADD, REMOVE, AvailabilityTrace, EventTrace, TraceEvent, availability_to_events
+
+if TYPE_CHECKING:
+    from recycle.traces.mapping import WorkerGrid
 
 __all__ = [
     "FailureModel",
@@ -19,6 +23,7 @@ __all__ = [
     "paper_gcp_shape",
     "PAPER_GCP_PROFILE",
     "PAPER_GCP_HOURS",
+    "paper_gcp_grid",
     "parse_generate_spec",
     "GENERATE_HELP",
 ]
@@ -140,27 +145,43 @@ PAPER_GCP_PROFILE: tuple[tuple[float, int], ...] = (
 PAPER_GCP_HOURS = 6.3
 
 
-def paper_gcp_shape(seed: int = 0, scale_nodes: int = 24) -> EventTrace:
-    """The deterministic availability trace shaped like the paper's GCP trace, as node events (seeded choice of
-    which nodes fail)."""
+def paper_gcp_grid() -> WorkerGrid:
+    """The paper's job: D=6 x S=4 workers, one GPU per trace node and per worker (GPT-3 6.7B on 24 A100s)."""
+    from recycle.traces.mapping import WorkerGrid  # mapping imports the reader, which this module imports
+
+    return WorkerGrid(num_stages=4, num_replicas=6)
+
+
+def paper_gcp_shape(seed: int = 0, scale_nodes: int = 24, placement: str = "random",
+                    grid: WorkerGrid | None = None) -> EventTrace:
+    """The deterministic availability trace shaped like the paper's GCP trace, as node events. Which nodes fail is
+    not in the trace: `placement` (random | spread | worst, see `availability_to_events`) and `seed` choose them;
+    the grid-aware placements act on `grid` (default: the paper's D=6 x S=4, one GPU per node and worker)."""
     if scale_nodes != 24:
         raise TraceError(f"paper-gcp: nodes = {scale_nodes}; the shape is defined for 24 workers only")
     times = tuple(int(h * HOUR_MS) for h, _ in PAPER_GCP_PROFILE)
     live = tuple(n for _, n in PAPER_GCP_PROFILE)
     avail = AvailabilityTrace(times, live, int(PAPER_GCP_HOURS * HOUR_MS), source="generated:paper-gcp-shape")
-    return availability_to_events(avail, seed=seed, capacity=24)
+    if placement != "random" and grid is None:
+        grid = paper_gcp_grid()
+    return availability_to_events(avail, seed=seed, capacity=24, placement=placement, grid=grid)
 
 
 GENERATE_HELP = (
     "SPEC is KIND[:key=value,...]. Kinds: 'poisson' / 'weibull' (keys: nodes, hours or days, mtbf_h, repair_h, "
     "repair=exponential|fixed|lognormal, repair_sigma, shape (weibull), seed); 'llama3' (Llama 3's 419 "
     "interruptions / 54 days / 16,384 GPUs: keys nodes (default 2048 8-GPU nodes), days, gpus_per_node, repair_h, "
-    "seed); 'paper-gcp' (24 workers over 6.3 h dipping to 15, shaped like the ReCycle paper's trace; key seed)."
+    "seed); 'paper-gcp' (24 workers over 6.3 h dipping to 15, shaped like the ReCycle paper's trace: an "
+    "availability trace; keys placement=random|spread|worst (default: --placement, else random) and seed "
+    "(default: --seed, else 0), e.g. paper-gcp:placement=spread,seed=0)."
 )
 
 
-def parse_generate_spec(spec: str) -> EventTrace:
-    """Build a trace from a --generate SPEC string (see GENERATE_HELP)."""
+def parse_generate_spec(spec: str, grid: WorkerGrid | None = None, placement: str = "random",
+                        seed: int = 0) -> EventTrace:
+    """Build a trace from a --generate SPEC string (see GENERATE_HELP). For the availability kind (paper-gcp),
+    `placement` and `seed` are the defaults when the spec names none, and `grid` is the job's worker grid the
+    grid-aware placements act on (default: the paper's D=6 x S=4)."""
     kind, _, rest = spec.partition(":")
     kind = kind.strip().lower()
     opts: dict[str, str] = {}
@@ -179,8 +200,8 @@ def parse_generate_spec(spec: str) -> EventTrace:
             raise TraceError(f"--generate {spec!r}: {key} must be a number") from None
 
     if kind == "paper-gcp":
-        seed = int(num("seed", 0))
-        trace = paper_gcp_shape(seed=seed)
+        chosen = opts.pop("placement", placement).strip().lower()
+        trace = paper_gcp_shape(seed=int(num("seed", seed)), placement=chosen, grid=grid)
     elif kind == "llama3":
         gpn = int(num("gpus_per_node", 8))
         model = llama3_model(num_nodes=int(num("nodes", LLAMA3_GPUS // gpn)), days=num("days", LLAMA3_DAYS),

@@ -5,9 +5,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from recycle.errors import TraceError
+
+if TYPE_CHECKING:
+    from recycle.traces.mapping import WorkerGrid
 
 __all__ = [
     "TraceEvent",
@@ -18,6 +21,7 @@ __all__ = [
     "parse_availability_lines",
     "read_trace",
     "availability_to_events",
+    "PLACEMENT_HELP",
 ]
 
 ADD, REMOVE = "add", "remove"
@@ -67,6 +71,8 @@ class EventTrace:
 
     `initial` holds the nodes present at time 0 (a trace that starts by adding every node at t=0 describes the
     initial cluster, not re-joins). `end_ms` is the end of the observation window (the last event unless given).
+    For a trace made from availability counts, `placement` says how the failing nodes were chosen and
+    `placement_grid` is the worker grid a grid-aware placement was made for (None for random placement).
     """
 
     events: tuple[TraceEvent, ...]
@@ -74,6 +80,8 @@ class EventTrace:
     end_ms: int
     source: str = ""
     notes: TraceNotes = field(default_factory=TraceNotes)
+    placement: str = ""
+    placement_grid: WorkerGrid | None = None
 
     @property
     def nodes(self) -> frozenset[str]:
@@ -295,10 +303,31 @@ def parse_availability_lines(lines: Iterable[str], source: str = "", strict: boo
     return AvailabilityTrace(tuple(times), tuple(live), end, source, notes)
 
 
-def availability_to_events(trace: AvailabilityTrace, seed: int = 0, capacity: int | None = None) -> EventTrace:
-    """Turn counts into node events: a drop removes randomly chosen live nodes (seeded), a rise re-adds the
-    lowest-numbered absent nodes. Which nodes fail matters to ReCycle (it decides the stages hit); an
-    availability trace does not say, so the choice is random and reproducible."""
+PLACEMENT_HELP = (
+    "which workers an availability trace's drops remove (the trace has only counts): 'random' (seeded random live "
+    "nodes, whatever their stages), 'spread' (one at a time, a worker of the stage with the most live replicas; "
+    "ties by the seed), 'worst' (concentrated on one stage while it keeps >= 1 replica: an adversarial bound)"
+)
+
+
+def availability_to_events(trace: AvailabilityTrace, seed: int = 0, capacity: int | None = None,
+                           placement: str = "random", grid: WorkerGrid | None = None) -> EventTrace:
+    """Turn counts into node events. Which nodes fail matters to ReCycle (it decides the stages hit); an
+    availability trace does not say, so `placement` decides, reproducibly (`seed`):
+
+    * `random` (default): a drop removes randomly chosen live nodes; a rise re-adds the lowest-numbered absent ones.
+    * `spread` / `worst`: grid-aware (`recycle.traces.mapping.place_availability`); they need the job's worker
+      `grid`, because which node holds which stage depends on it.
+    """
+    if placement != "random":
+        from recycle.traces.mapping import PLACEMENTS, place_availability  # mapping imports this module
+
+        if placement not in PLACEMENTS:
+            raise TraceError(f"placement {placement!r} is unknown; use one of {', '.join(PLACEMENTS)}")
+        if grid is None:
+            raise TraceError(f"placement {placement!r} acts on the job's worker grid; pass grid= (the job's "
+                             "stages, replicas and GPUs per node/worker)")
+        return place_availability(trace, placement, grid, seed=seed, capacity=capacity)
     rng = random.Random(seed)
     total = capacity if capacity is not None else max(trace.live)
     if max(trace.live) > total:
@@ -317,7 +346,8 @@ def availability_to_events(trace: AvailabilityTrace, seed: int = 0, capacity: in
                 live.add(node)
                 events.append(TraceEvent(t, ADD, node))
     initial = frozenset(names[: trace.live[0]])
-    return EventTrace(tuple(events), initial, trace.end_ms, trace.source, trace.notes)
+    return EventTrace(tuple(events), initial, trace.end_ms, trace.source, trace.notes,
+                      placement=f"random (seed {seed})")
 
 
 def _node_order(name: str) -> tuple[int, str]:
@@ -325,8 +355,10 @@ def _node_order(name: str) -> tuple[int, str]:
     return (int(digits) if digits else 0, name)
 
 
-def read_trace(path: str | Path, strict: bool = False, end_ms: int | None = None, seed: int = 0) -> EventTrace:
-    """Read an event trace (3 columns) or an availability trace (2 columns) from a file, as an EventTrace."""
+def read_trace(path: str | Path, strict: bool = False, end_ms: int | None = None, seed: int = 0,
+               placement: str = "random", grid: WorkerGrid | None = None) -> EventTrace:
+    """Read an event trace (3 columns) or an availability trace (2 columns) from a file, as an EventTrace.
+    `seed`, `placement` and `grid` choose the failing nodes of an availability trace (`availability_to_events`)."""
     path = Path(path)
     if not path.is_file():
         raise TraceError(f"trace file {str(path)!r} does not exist; pass --trace with a CSV of time_ms,add|remove,"
@@ -339,7 +371,8 @@ def read_trace(path: str | Path, strict: bool = False, end_ms: int | None = None
     kept, _, _ = _content_lines(lines)
     columns = _columns(kept)
     if columns == 2:
-        return availability_to_events(parse_availability_lines(lines, str(path), strict, end_ms), seed=seed)
+        return availability_to_events(parse_availability_lines(lines, str(path), strict, end_ms), seed=seed,
+                                      placement=placement, grid=grid)
     return parse_event_lines(lines, str(path), strict, end_ms)
 
 
