@@ -83,7 +83,7 @@ def test_console_script_runs_without_traceback_on_errors(tmp_path) -> None:
 
 
 def test_demo_writes_a_gantt_per_schedule(tmp_path, capsys) -> None:
-    assert main(["demo", "--out", str(tmp_path / "demo")]) == 0
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--only", "1"]) == 0
     out = capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == [
         "gantt-toy-1f1b-decoupled.png", "gantt-toy-1f1b.png", "gantt-toy-gpipe.png", "gantt-toy-zb-h1.png"]
@@ -91,6 +91,11 @@ def test_demo_writes_a_gantt_per_schedule(tmp_path, capsys) -> None:
     assert rows[("1f1b", "coupled")][:3] == ["27", "30", "0.300"]
     assert rows[("zb-h1", "staggered")][:3] == ["21", "24", "0.125"]
     assert rows[("gpipe", "coupled")][3] == "6/6/6/6"
+
+
+def test_demo_rejects_unknown_sections(capsys) -> None:
+    assert main(["demo", "--only", "9"]) == 2
+    assert "--only '9' must list section numbers" in capsys.readouterr().err
 
 
 def test_builtin_toy_equals_the_toy_file() -> None:

@@ -14,7 +14,6 @@ from recycle.ir.plan import Plan
 from recycle.ir.validate import format_grid
 from recycle.planner.api import (SOLVERS, baseline_1f1b_period, fault_free_period, make_plan, resolve_memory_cap,
                                  resolve_options)
-from recycle.planner.bounds import bound_parts
 from recycle.planner.failures import normalize, parse_worker
 from recycle.planner.options import PlannerOptions
 from recycle.sim.simulator import SimResult, simulate
@@ -82,11 +81,13 @@ def plan_summary(plan: Plan, config: Config, result: SimResult, options: Planner
         "makespan": result.makespan,
         "lower_bound": lb,
         "gap": (result.period - lb) / result.period if lb is not None and result.period > 0 else None,
-        "steady_state_lower_bound": bound_parts(config, plan.meta.failure_key, options).steady_state,
-        "fault_free_period": free,
-        "slowdown": result.period / free if free > 0 else None,
-        "baseline_1f1b_period": baseline,
-        "slowdown_vs_1f1b": result.period / baseline if baseline > 0 else None,
+        # The paper's fault-free reference: 1F1B with a fused backward (what ReCycle runs with nothing failed, at
+        # 1F1B's memory). The planner's own plan for no failures under the same options is reported beside it: with
+        # decoupling and no memory cap it is a zero-bubble-like schedule that leaves fewer bubbles to absorb work.
+        "fault_free_period": baseline,
+        "slowdown": result.period / baseline if baseline > 0 else None,
+        "planner_fault_free_period": free,
+        "slowdown_vs_planner_fault_free": result.period / free if free > 0 else None,
         "throughput_mb_per_unit": plan.total_microbatches / result.period if result.period > 0 else None,
         "bubble_fraction": result.bubble_fraction,
         "peak_activations": list(result.peak_activations),
@@ -107,11 +108,11 @@ def _summary_text(d: dict[str, Any]) -> str:
         ("options", f"{'decoupled' if d['decoupled'] else 'fused'} backward, "
                     f"{'staggered' if d['staggered'] else 'coupled'} optimizer, memory cap {cap}"),
         ("solver", f"{d['solver']} ({d['status']}); {d['notes']}"),
-        ("period", f"{d['period']:g}  (slowdown {d['slowdown']:.3f}x vs fault-free plan {d['fault_free_period']:g}; "
-                   f"{d['slowdown_vs_1f1b']:.3f}x vs fault-free 1F1B {d['baseline_1f1b_period']:g})"),
+        ("period", f"{d['period']:g}  (slowdown {d['slowdown']:.3f}x vs fault-free 1F1B {d['fault_free_period']:g}; "
+                   f"{d['slowdown_vs_planner_fault_free']:.3f}x vs the planner's fault-free plan "
+                   f"{d['planner_fault_free_period']:g})"),
         ("makespan", f"{d['makespan']:g}"),
-        ("lower bound", f"{d['lower_bound']:g}  (gap {100 * d['gap']:.1f}%; steady state >= "
-                        f"{d['steady_state_lower_bound']:g})"),
+        ("lower bound", f"{d['lower_bound']:g}  (gap {100 * d['gap']:.1f}%)"),
         ("peak activations", "/".join(map(str, d["peak_activations_per_stage"]))
          + " micro-batches per stage (max over replicas)"),
     ]

@@ -20,7 +20,10 @@ class SimResult:
     """What one simulation measured. Per-worker tuples are in rank order; failed workers get 0 / 0.0."""
 
     period: float  # steady-state time between the starts of consecutive iterations
-    makespan: float  # steady-state iteration: max over workers of (last compute end - first compute start)
+    # Steady-state iteration length, optimizer excluded. Coupled: first compute start to last compute end over all
+    # workers (everyone waits for the barrier). Staggered: each stage runs its iteration on its own clock, so the
+    # longest stage span (first compute start to last compute end among the stage's live replicas).
+    makespan: float
     first_makespan: float  # the same for the first iteration (cold start)
     idle_fraction: tuple[float, ...]  # per worker: 1 - busy / period (busy includes the optimizer step)
     bubble_fraction: float  # mean idle fraction over live workers
@@ -93,6 +96,15 @@ def _converged(starts: list[float]) -> bool:
     gaps = [b - a for a, b in zip(starts[-4:], starts[-3:])]
     tol = 1e-9 * max(1.0, abs(gaps[-1]))
     return max(gaps) - min(gaps) <= tol
+
+
+def _makespan(plan: Plan, compute_span: dict[int, tuple[int, int]], start: list[float], end: list[float]) -> float:
+    """One iteration's makespan (see SimResult.makespan): over all workers when coupled, per stage when staggered."""
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for rank, span in compute_span.items():
+        groups.setdefault(plan.worker(rank)[1] if plan.staggered else 0, []).append(span)
+    return max((max(end[b] for _, b in spans) - min(start[a] for a, _ in spans) for spans in groups.values()),
+               default=0.0)
 
 
 def simulate(plan: Plan, config: Config, iterations: int | None = None, record: bool = False) -> SimResult:
@@ -246,7 +258,7 @@ def simulate(plan: Plan, config: Config, iterations: int | None = None, record: 
             raise PlanError("plan deadlocks in simulation (validate it first); blocked heads marked:\n"
                             + format_grid(plan, heads))
         starts_it.append(min(start[first[r]] for r in live))
-        makespans.append(max((end[b] - start[a] for a, b in compute_span.values()), default=0.0))
+        makespans.append(_makespan(plan, compute_span, start, end))
         if record:
             for r in live:
                 for j in range(first[r], stop[r]):
