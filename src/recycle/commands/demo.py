@@ -20,6 +20,18 @@ def toy_config() -> Config:
     return uniform_config(3, 4, 6, forward=1, backward_input=1, backward_weight=1, optimizer=3, name="toy")
 
 
+_REPO = Path(__file__).resolve().parents[3]
+
+
+def _repo_config(name: str) -> Config | None:
+    """A config shipped in the checkout's configs/ folder, or None (with a note) when the demo runs elsewhere."""
+    path = _REPO / "configs" / name
+    if not path.is_file():
+        print(f"{path} not found (run the demo from a checkout); section skipped")
+        return None
+    return load_config(path)
+
+
 @dataclass
 class DemoContext:
     """What every section gets: the output folder, the config, and a record of the files written."""
@@ -118,11 +130,9 @@ def degradation_section(ctx: DemoContext) -> None:
     from recycle.planner.api import baseline_1f1b_period, make_plan
     from recycle.planner.options import PlannerOptions
 
-    path = _REPO / "configs" / "gpt3-6.7b-a100.toml"
-    if not path.is_file():
-        print(f"{path} not found (run the demo from a checkout); skipped")
+    cfg = _repo_config("gpt3-6.7b-a100.toml")
+    if cfg is None:
         return
-    cfg = load_config(path)
     D, S = cfg.num_replicas, cfg.num_stages
     fault_free = baseline_1f1b_period(cfg)
     print(f"{cfg.name}: D={D} S={S} M={cfg.num_microbatches}; throughput relative to fault-free 1F1B")
@@ -144,11 +154,9 @@ def training_section(ctx: DemoContext) -> None:
     from recycle.commands.train import select_plan
     from recycle.runtime.launcher import LaunchOptions, launch
 
-    path = _REPO / "configs" / "tiny-gpt.toml"
-    if not path.is_file():
-        print(f"{path} not found (run the demo from a checkout); skipped")
+    cfg = _repo_config("tiny-gpt.toml")
+    if cfg is None:
         return
-    cfg = load_config(path)
     saved = {}
     for label, down in (("fault-free 1F1B", []), ("worker 1:1 down, adaptive plan", ["1:1"])):
         plan = select_plan(cfg, None if down else "1f1b", None, down, decoupled=True, staggered=True)
@@ -166,19 +174,16 @@ def trace_section(ctx: DemoContext) -> None:
     """Replay a trace shaped like the paper's GCP trace (24 workers dipping to 15) for ReCycle and the baselines."""
     from recycle.cli import build_parser
 
-    path = _REPO / "configs" / "gpt3-6.7b-a100.toml"
-    if not path.is_file():
-        print(f"{path} not found (run the demo from a checkout); skipped")
+    cfg = _repo_config("gpt3-6.7b-a100.toml")
+    if cfg is None:
         return
     out = ctx.out_dir / "trace"
     # Same code path and defaults as `recycle simulate` (failures spread over stages; see docs/traces.md).
-    args = build_parser().parse_args(["simulate", "--config", str(path), "--generate", "paper-gcp",
+    args = build_parser().parse_args(["simulate", "--config", cfg.source, "--generate", "paper-gcp",
                                       "--placement", "spread", "--out", str(out)])
     args.func(args)
     ctx.written += [out / "report.md", out / "throughput.png", out / "summary.json"]
 
-
-_REPO = Path(__file__).resolve().parents[3]
 
 SECTIONS: list[Section] = [
     Section("Fault-free schedules (settled period; Gantt charts of the coupled-optimizer runs)", fault_free_section),
