@@ -23,7 +23,7 @@ test-fast: $(VENV_STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 bench: $(VENV_STAMP)
-	$(PY) benchmarks/run_all.py
+	@for script in benchmarks/bench_*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
 
 clean:
 	rm -rf .venv out

@@ -2,31 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from recycle.fileio import atomic_write_bytes, atomic_write_text
 
 from recycle.traces.jobsim import JobResult, binned, compare_series
 from recycle.traces.model import CAUSES
 
-__all__ = ["write_report", "summary_dict", "atomic_write", "markdown_table"]
-
-
-def atomic_write(path: Path, data: bytes | str) -> None:
-    """Write to a temp file in the same folder, then rename over the target."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    raw = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(raw)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+__all__ = ["write_report", "summary_dict", "markdown_table"]
 
 
 def summary_dict(result: JobResult) -> dict[str, Any]:
@@ -90,15 +76,12 @@ def _plot(result: JobResult, path: Path, title: str) -> None:
     ax2.set_xlabel("time (h)")
     ax2.grid(alpha=0.3)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
+    buffer = io.BytesIO()
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
+        fig.savefig(buffer, format="png", dpi=110)
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def write_report(result: JobResult, out_dir: str | Path, title: str = "Trace replay") -> dict[str, Any]:
@@ -106,7 +89,7 @@ def write_report(result: JobResult, out_dir: str | Path, title: str = "Trace rep
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = summary_dict(result)
-    atomic_write(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
     _plot(result, out / "throughput.png", title)
 
     ff = result.fault_free_rate
@@ -165,5 +148,5 @@ def write_report(result: JobResult, out_dir: str | Path, title: str = "Trace rep
             "time",
             "",
         ]
-    atomic_write(out / "report.md", "\n".join(lines))
+    atomic_write_text(out / "report.md", "\n".join(lines))
     return summary
