@@ -81,3 +81,29 @@ def test_bad_worker_text_is_rejected(text: str) -> None:
 
 def test_parse_worker_reads_replica_then_stage() -> None:
     assert parse_worker(" 1:2 ", 3, 4) == (1, 2)
+
+
+@pytest.mark.parametrize("failed, symmetric", [
+    ([(1, 2)], True),  # the paper's toy failure
+    ([(2, 0), (2, 3)], True),  # two stages of one pipeline
+    ([(0, 1), (2, 1)], True),  # two replicas of one stage
+    ([(0, 1), (1, 2)], False),  # different pipelines at different stages: no single relabelling exists
+])
+def test_only_failed_workers_microbatches_leave_their_pipeline(failed, symmetric) -> None:
+    toy = load_config(TOY)
+    M = toy.num_microbatches
+    state = normalize(failed, toy.num_replicas, toy.num_stages)
+    assert state.symmetric is symmetric
+    plan = validate_plan(make_plan(toy, failed))
+    canonical = plan_for_key(toy, state.key)
+    assert simulate(plan, toy).period == simulate(canonical, toy).period
+    moved = {(s, mb) for s in range(toy.num_stages) for mb in range(plan.total_microbatches)
+             if plan.host[s][mb] != mb // M}
+    # A re-route is needed exactly where the owner's worker at that stage is down.
+    needed = {(s, mb) for s in range(toy.num_stages) for mb in range(plan.total_microbatches)
+              if (mb // M, s) in plan.failed}
+    assert needed <= moved
+    if symmetric:
+        assert moved == needed
+    else:
+        assert len(moved) > len(needed)  # the per-stage fallback also moves some healthy micro-batches

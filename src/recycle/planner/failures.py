@@ -34,7 +34,13 @@ class FailureState:
     """A real failure set, its normalized key and the per-stage relabelling.
 
     Canonical layout of key k: at stage s the failed replicas are 0..k_s-1 and the live ones k_s..D-1.
-    `perm[s][c]` is the real replica playing canonical replica c at stage s (failed ones first, each sorted).
+    `perm[s][c]` is the real replica playing canonical replica c at stage s. When one relabelling of the replicas
+    maps the canonical failures onto the real ones at every stage (one failure; several in one stage; several in
+    one pipeline: whenever the real failed sets are nested), `perm` is that single permutation at every stage and
+    `symmetric` is True: the real plan is then the canonical plan with pipelines and their micro-batches renamed, so
+    only the failed workers' micro-batches leave their pipeline, as in the paper. Otherwise each stage is relabelled
+    on its own (failed first, then live, each keeping its order), which is equally fast in the cost model but can
+    route some healthy micro-batches through another pipeline's worker.
     """
 
     num_replicas: int
@@ -42,6 +48,7 @@ class FailureState:
     failed: frozenset[tuple[int, int]]
     key: tuple[int, ...]
     perm: tuple[tuple[int, ...], ...]
+    symmetric: bool = False
 
     @property
     def num_failed(self) -> int:
@@ -57,6 +64,23 @@ class FailureState:
             raise FailureStateError(f"plan is for failed workers {sorted(plan.failed)}, not the canonical layout "
                                     f"of key {self.key}; look the plan up by this key")
         actions: list[tuple] = [()] * (D * S)
+        if self.symmetric:
+            # Rename pipelines everywhere and micro-batches with their owner: mb of canonical owner c becomes the
+            # same-index mb of real owner perm[c]. A pure symmetry of the problem: same validity, same timing.
+            M = plan.num_microbatches
+            pi = self.perm[0]
+            rename = [pi[mb // M] * M + mb % M for mb in range(D * M)]
+            for c in range(D):
+                for s in range(S):
+                    actions[pi[c] * S + s] = tuple(a if a.mb < 0 else replace(a, mb=rename[a.mb])
+                                                   for a in plan.actions[c * S + s])
+            host_rows = []
+            for row in plan.host:
+                real = [0] * (D * M)
+                for mb, c in enumerate(row):
+                    real[rename[mb]] = pi[c]
+                host_rows.append(tuple(real))
+            return replace(plan, host=tuple(host_rows), actions=tuple(actions), failed=self.failed)
         for c in range(D):
             for s in range(S):
                 actions[self.perm[s][c] * S + s] = plan.actions[c * S + s]
@@ -83,7 +107,26 @@ def normalize(failed: Iterable[tuple[int, int]], num_replicas: int, num_stages: 
         alive = [p for p in range(num_replicas) if p not in dead]
         key.append(len(dead))
         perm.append(tuple(dead + alive))
+    single = _global_permutation(failed_set, num_replicas, num_stages)
+    if single is not None:
+        return FailureState(num_replicas, num_stages, failed_set, tuple(key), (single,) * num_stages, True)
     return FailureState(num_replicas, num_stages, failed_set, tuple(key), tuple(perm))
+
+
+def _global_permutation(failed: frozenset[tuple[int, int]], num_replicas: int,
+                        num_stages: int) -> tuple[int, ...] | None:
+    """One replica permutation mapping {0..k_s-1} onto the real failed replicas of every stage s, if one exists.
+
+    It exists exactly when the real failed sets are nested (a chain under inclusion): list the replicas by how
+    many stages they failed in (most first); each stage's failed set must then be a prefix of that list.
+    """
+    per_stage = [frozenset(p for p, st in failed if st == s) for s in range(num_stages)]
+    count = {p: sum(p in f for f in per_stage) for p in range(num_replicas)}
+    order = sorted(range(num_replicas), key=lambda p: (-count[p], p))
+    for dead in per_stage:
+        if frozenset(order[:len(dead)]) != dead:
+            return None
+    return tuple(order)
 
 
 def enumerate_keys(num_replicas: int, num_stages: int, max_failures: int) -> Iterator[tuple[int, ...]]:
