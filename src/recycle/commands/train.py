@@ -51,7 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="pad every action to the config's cost after its real work (timing studies that follow "
                         "the plan, not CPU contention); see docs/runtime-performance.md")
     p.add_argument("--slot-ms", type=float, default=DEFAULT_SLOT_MS, metavar="MS",
-                   help=f"with --emulate-costs: milliseconds per slot of a slot-unit config (default {DEFAULT_SLOT_MS:g})")
+                   help="with --emulate-costs: milliseconds per slot of a slot-unit config "
+                        f"(default {DEFAULT_SLOT_MS:g})")
     p.add_argument("--cost-scale", type=float, default=1.0, metavar="X",
                    help="with --emulate-costs: factor on the durations of a microsecond (\"us\") config (default 1)")
     p.set_defaults(func=run)

@@ -141,18 +141,28 @@ class CostPacer:
     def __init__(self, config: Config, plan: Plan, rank: int, emulation: Emulation, comm: PacedComm,
                  clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep) -> None:
-        unit = seconds_per_unit(config, emulation)
-        self.cost_s = {action: action_cost(config, plan, action) * unit for action in plan.actions[rank]}
+        self.config, self.rank = config, rank
+        self.unit_s = seconds_per_unit(config, emulation)
+        self.set_plan(plan)
         self.comm = comm
         self.clock = clock
         self.sleep = sleep
         self.emulated_end: float | None = None  # previous action's emulated end on this worker
         self.stats = PacingStats()
 
+    def set_plan(self, plan: Plan) -> None:
+        """Use `plan`'s costs from now on (a coordinator may switch plans after a failure)."""
+        self.plan = plan
+        self.cost_s = {a: action_cost(self.config, plan, a) * self.unit_s for a in plan.actions[self.rank]}
+
     def run(self, action: Action, work: Callable[[Action], None]) -> None:
         begin = self.clock()
         self.comm.start_action()
-        work(action)
+        try:
+            work(action)
+        except BaseException:
+            self.comm.held.clear()  # a failed action's messages must never reach a later (recovered) transport
+            raise
         done = self.clock()
         start = begin if self.emulated_end is None else min(begin, self.emulated_end)
         if self.comm.last_arrival is not None:
@@ -180,6 +190,12 @@ def install_pacing(executor: object, config: Config, emulation: Emulation) -> Co
     executor.comm = comm
 
     def run_action(action: Action) -> None:
+        # After a recovery the executor may hold a new plan or a new transport: follow them.
+        if executor.plan is not pacer.plan:
+            pacer.set_plan(executor.plan)
+        if executor.comm is not comm:
+            comm.inner = executor.comm
+            executor.comm = comm
         pacer.run(action, work)
 
     executor.run_action = run_action

@@ -1,0 +1,59 @@
+"""`recycle profile`: measure the real model's per-stage costs on this machine and write them as a "us" config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from recycle.config import load_config
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "profile", help="measure per-stage F/B/W/optimizer times, memory and comm costs into a config",
+        description="Measure the config's model stage by stage on this machine (one thread, like a worker): "
+                    "forward, backward-input, backward-weight, fused backward and optimizer times (medians), "
+                    "activation bytes per micro-batch, message sizes, parameter and optimizer-state bytes, and "
+                    "gloo p2p/all-reduce costs between 2 processes. Writes the input config with time_unit = "
+                    "\"us\" and the measured [costs], [memory] and [communication] sections, ready for "
+                    "`recycle plan --config OUT` and `recycle train --emulate-costs`.")
+    p.add_argument("--config", required=True, help="TOML config whose [model] and [workload] to profile")
+    p.add_argument("--out", required=True, metavar="COSTS.toml", help="where to write the profiled config")
+    p.add_argument("--repeats", type=int, default=20, metavar="N", help="timed repeats per action (default 20)")
+    p.add_argument("--warmup", type=int, default=3, metavar="N", help="untimed warm-up repeats (default 3)")
+    p.add_argument("--comm", choices=("measure", "defaults"), default="measure",
+                   help="measure p2p/all-reduce with 2 gloo processes (a few seconds), or use documented "
+                        "loopback defaults")
+    p.add_argument("--json", action="store_true", help="print the measurements as one JSON object")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from recycle.runtime.profiler import profile_config, write_profile  # imports torch: only when used
+
+    config = load_config(args.config)
+    profile = profile_config(config, repeats=args.repeats, warmup=args.warmup, comm=args.comm)
+    path, _ = write_profile(config, profile, args.out)
+    if args.json:
+        print(json.dumps({"out": str(path), "stages": [asdict(s) for s in profile.stages],
+                          "comm": asdict(profile.comm), "repeats": profile.repeats, "warmup": profile.warmup}))
+        return 0
+    print(f"{config.name}: D={config.num_replicas} S={config.num_stages} M={config.num_microbatches}, "
+          f"micro-batch {config.workload.microbatch_size} x {config.workload.seq_len} tokens, "
+          f"{config.training.dtype}; median of {profile.repeats} repeats, 1 thread")
+    header = f"{'stage':>5} {'F us':>8} {'B us':>8} {'W us':>8} {'BW us':>8} {'OPT us':>8} {'act KiB':>9} " \
+             f"{'msg KiB':>8} {'param KiB':>10}"
+    print(header)
+    for s, st in enumerate(profile.stages):
+        print(f"{s:>5} {st.forward_us:8.0f} {st.backward_input_us:8.0f} {st.backward_weight_us:8.0f} "
+              f"{st.backward_fused_us:8.0f} {st.optimizer_us:8.0f} {st.activation_bytes / 1024:9.1f} "
+              f"{st.message_bytes / 1024:8.1f} {st.parameter_bytes / 1024:10.1f}")
+    c = profile.comm
+    print(f"comm ({c.source}): p2p {c.p2p_latency_us:.1f} us + bytes / {c.p2p_bandwidth:.0f} B/us; all-reduce "
+          f"{c.allreduce_latency_us:.1f} us per ring step + bytes / {c.allreduce_bandwidth:.0f} B/us")
+    print(f"wrote {path}")
+    return 0
