@@ -133,6 +133,8 @@ def _their_worker(rank: int, config: Config, port: int, steps: int, results: mp.
         ends.append(time.time())
         cpu.append(time.process_time() - cpu0)  # all threads of this process, gloo's included
     results.put((rank, ends, cpu))
+    results.close()
+    results.join_thread()  # the queue's feeder thread must flush before os._exit, or the parent waits forever
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)  # skip gloo teardown in the interpreter's exit (seconds)
@@ -150,7 +152,7 @@ def run_theirs(config: Config, steps: int, warmup: int) -> tuple[list[float], li
     for p in procs:
         p.start()
     try:
-        reports = [results.get(timeout=600) for _ in range(workers)]
+        reports = [results.get(timeout=300) for _ in range(workers)]
     finally:
         for p in procs:
             p.join(30)

@@ -7,6 +7,7 @@ import datetime
 import functools
 import json
 import multiprocessing as mp
+from multiprocessing import connection as mp_connection
 import os
 import signal
 import time
@@ -211,7 +212,12 @@ def _monitor(config: Config, plan: Plan, options: LaunchOptions, gen_store: dist
             return steps
         if not processes and next_step >= end_step:
             return steps
-        time.sleep(0.02)
+        # Sleep until a worker exits (seen at once) or the next poll of the step records; a busy poll would take
+        # CPU from the workers on a small machine.
+        if processes:
+            mp_connection.wait([p.sentinel for p in processes.values() if p.exitcode is None], timeout=0.1)
+        else:
+            time.sleep(0.1)
 
 
 def _step_metrics(step: int, records: list[dict], tokens_per_step: int, previous_end: float | None,
