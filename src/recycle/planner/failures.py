@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Iterator
 
 from recycle.errors import FailureStateError
+from recycle.ir.actions import Action, Kind
 from recycle.ir.plan import Plan
 
 __all__ = ["FailureState", "normalize", "parse_worker", "enumerate_keys", "count_failure_sets"]
@@ -72,7 +73,7 @@ class FailureState:
             rename = [pi[mb // M] * M + mb % M for mb in range(D * M)]
             for c in range(D):
                 for s in range(S):
-                    actions[pi[c] * S + s] = tuple(a if a.mb < 0 else replace(a, mb=rename[a.mb])
+                    actions[pi[c] * S + s] = tuple(a if a.mb < 0 else _action(a.kind, a.stage, rename[a.mb])
                                                    for a in plan.actions[c * S + s])
             host_rows = []
             for row in plan.host:
@@ -86,6 +87,22 @@ class FailureState:
                 actions[self.perm[s][c] * S + s] = plan.actions[c * S + s]
         host = tuple(tuple(self.perm[s][c] for c in row) for s, row in enumerate(plan.host))
         return replace(plan, host=host, actions=tuple(actions), failed=self.failed)
+
+
+_ACTIONS: dict[tuple[Kind, int, int], Action] = {}
+_ACTIONS_LIMIT = 1 << 20
+
+
+def _action(kind: Kind, stage: int, mb: int) -> Action:
+    """A shared Action instance: renaming a stored plan then costs dict look-ups, not object construction, which
+    keeps a plan-store lookup well under a millisecond."""
+    key = (kind, stage, mb)
+    action = _ACTIONS.get(key)
+    if action is None:
+        if len(_ACTIONS) >= _ACTIONS_LIMIT:
+            _ACTIONS.clear()
+        action = _ACTIONS[key] = Action(kind, stage, mb)
+    return action
 
 
 def normalize(failed: Iterable[tuple[int, int]], num_replicas: int, num_stages: int) -> FailureState:
