@@ -124,6 +124,8 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     plan_json = plan.to_json()
     context = _context(options.start_method)
     processes: dict[int, mp.process.BaseProcess] = {}
+    # Workers block reading this pipe; only the launcher holds the write end, so they see EOF the moment it dies.
+    launcher_alive, alive_writer = context.Pipe(duplex=False)
     wall0 = time.time()
     try:
         for local_index, rank in enumerate(mine):
@@ -135,11 +137,11 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
                 checkpoint_dir=options.checkpoint_dir, checkpoint_every=options.checkpoint_every,
                 resume_dir=options.resume_dir, save_path=options.save_path,
                 record_timings=options.record_timings, verify_replicas=options.verify_replicas,
-                model_factory=options.model_factory, parent_pid=os.getpid(), fault=faults.get(rank),
+                model_factory=options.model_factory, fault=faults.get(rank),
                 emulation=options.emulation)
             replica, stage = plan.worker(rank)
-            process = context.Process(target=worker_main, args=(spec,), name=f"recycle-worker-{replica}:{stage}",
-                                      daemon=True)
+            process = context.Process(target=worker_main, args=(spec, launcher_alive),
+                                      name=f"recycle-worker-{replica}:{stage}", daemon=True)
             process.start()
             processes[rank] = process
         steps = _monitor(config, plan, options, gen_store, processes, live, start_step, end_step, wall0)
@@ -147,6 +149,8 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
             _finish_nodes(gen_store, options)
     finally:
         _stop(processes)
+        alive_writer.close()
+        launcher_alive.close()
     if options.save_path and is_master and end_step > start_step:
         checkpoint.merge_stage_parts(options.save_path, plan.num_stages,
                                      {"step": end_step, "config": config.to_dict()})

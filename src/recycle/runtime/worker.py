@@ -12,6 +12,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,6 @@ class WorkerSpec:
     record_timings: bool = False
     model_factory: str = ""  # "package.module:function" (runtime.stage); "" = the built-in GPT
     verify_replicas: bool = False  # report a digest of the stage parameters after every step
-    parent_pid: int = 0
     fault: FaultInjection | None = None
     emulation: Emulation | None = None  # pad every action to the config's cost (runtime.emulate)
 
@@ -88,26 +88,23 @@ def parameter_digest(module: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def _watch_parent(launcher_pid: int) -> None:
-    """Exit if the launcher disappears, so no worker outlives its job (the launcher may not be our parent:
-    with forkserver the server is)."""
-    while True:
-        try:
-            os.kill(launcher_pid, 0)
-        except ProcessLookupError:
-            os._exit(3)
-        except PermissionError:
-            pass
-        time.sleep(0.5)
+def _watch_launcher(launcher_alive: Connection) -> None:
+    """Exit as soon as the launcher disappears, so no worker outlives its job. The thread sleeps in a blocking read
+    of a pipe whose only writer is the launcher: no polling, and EOF arrives the moment the launcher dies."""
+    try:
+        launcher_alive.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    os._exit(3)
 
 
-def worker_main(spec: WorkerSpec) -> None:
+def worker_main(spec: WorkerSpec, launcher_alive: Connection | None = None) -> None:
     """Process entry point; exits non-zero after writing an error record to the store if anything fails."""
     torch.set_num_threads(1)
     if spec.backend == "gloo" and spec.store_host in ("127.0.0.1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # single machine: keep gloo on loopback
-    if spec.parent_pid:
-        threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
+    if launcher_alive is not None:
+        threading.Thread(target=_watch_launcher, args=(launcher_alive,), daemon=True).start()
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
                           timeout=datetime.timedelta(seconds=max(spec.timeout_s, 30.0)))
     gen_store = dist.PrefixStore(f"gen{spec.generation}", store)
