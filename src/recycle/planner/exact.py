@@ -11,11 +11,12 @@ from ortools.linear_solver import pywraplp
 from ortools.sat.python import cp_model
 
 from recycle.config import Config
-from recycle.errors import ConfigError, FailureStateError, PlanError, RecycleError
+from recycle.errors import ConfigError, PlanError, RecycleError
 from recycle.ir.actions import Action, Kind
 from recycle.ir.plan import Plan, PlanMeta
 from recycle.ir.validate import validate_plan
 from recycle.planner.options import PlannerOptions
+from recycle.planner.routing import check_key
 from recycle.sim.simulator import action_duration, simulate
 
 __all__ = ["schedule_exact", "steady_state_period", "TimeScale", "time_scale", "memory_cap_slots", "ExactSolverError"]
@@ -136,19 +137,6 @@ def _scale_for(config: Config, key: tuple[int, ...]) -> TimeScale:
         values.append(comm.p2p_time(s))
         values.append(comm.allreduce_time(s, D - key[s]) + c.optimizer[s])
     return time_scale(values)
-
-
-def _check_key(config: Config, key: tuple[int, ...]) -> tuple[int, ...]:
-    D, S = config.num_replicas, config.num_stages
-    key = tuple(int(k) for k in key)
-    if len(key) != S:
-        raise FailureStateError(f"failure key {key} has {len(key)} entries but the config has {S} stages; give the "
-                                "number of failed replicas per stage")
-    for s, k in enumerate(key):
-        if not 0 <= k < D:
-            raise FailureStateError(f"failure key {key}: stage {s} has {k} failed replicas, outside 0..{D - 1}; a "
-                                    "stage that lost all replicas needs a checkpoint restore")
-    return key
 
 
 class _PeriodModel:
@@ -544,7 +532,7 @@ def schedule_exact(config: Config, key: tuple[int, ...], options: PlannerOptions
     orders are returned when CP-SAT finds nothing better.
     """
     began = time.perf_counter()
-    key = _check_key(config, key)
+    key = check_key(config, key)
     scale = _scale_for(config, key)
     inst = _instance(config, key, options, scale)
     model = _PeriodModel(inst, options.staggered)
