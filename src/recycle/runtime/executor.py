@@ -173,7 +173,7 @@ class StageExecutor:
         else:
             inp = self._receive(incoming(self.plan, self.rank, action)).requires_grad_()
             x = inp
-        torch.manual_seed(dropout_seed(self.seed, self.progress.iteration, mb, self.stage))
+        self._seed_dropout(dropout_seed(self.seed, self.progress.iteration, mb, self.stage))
         if self.is_last:
             loss = self.module(x, targets.to(self.device))
             out = loss * self.scale
@@ -195,19 +195,18 @@ class StageExecutor:
     def backward_weight(self, action: Action) -> None:
         """W: the weight-gradient, accumulated into .grad; frees the micro-batch's graph."""
         stash = self._stash.pop(action.mb)
-        grads = torch.autograd.grad(stash.out, self.params, stash.grad_out, allow_unused=True)
-        self._accumulate(grads)
+        self._backward_into_grad(stash.out, stash.grad_out, self.params)
 
     def backward_fused(self, action: Action) -> None:
         """BW: input- and weight-gradient in one backward pass."""
         stash = self._stash.pop(action.mb)
         grad_out = self._output_grad(action)
-        inputs = self.params if self.is_first else [stash.inp, *self.params]
-        grads = torch.autograd.grad(stash.out, inputs, grad_out, allow_unused=True)
-        if not self.is_first:
-            self.comm.send(outgoing(self.plan, self.rank, action), grads[0])
-            grads = grads[1:]
-        self._accumulate(grads)
+        if self.is_first:
+            self._backward_into_grad(stash.out, grad_out, self.params)
+            return
+        self._backward_into_grad(stash.out, grad_out, [stash.inp, *self.params])
+        # stash.inp is this micro-batch's own leaf (a fresh receive buffer): its .grad is exactly the input-gradient.
+        self.comm.send(outgoing(self.plan, self.rank, action), stash.inp.grad)
 
     def optimizer_step(self, action: Action) -> None:
         """OPT: SUM all-reduce of the stage's gradients over its live replicas, optional clipping, AdamW step."""
@@ -269,11 +268,21 @@ class StageExecutor:
                 return tensor
             self._parked[message] = tensor
 
-    def _accumulate(self, grads: tuple[torch.Tensor | None, ...]) -> None:
-        for p, g in zip(self.params, grads):
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g.detach().clone()
-            else:
-                p.grad.add_(g)
+    def _seed_dropout(self, seed: int) -> None:
+        """Seed the generators this stage's dropout draws from: the CPU one, and the device's on CUDA.
+
+        Not torch.manual_seed: on a process whose CUDA (or XPU/MTIA) is not initialised that queues a lazy seeding
+        call per backend and captures a formatted stack trace for each (traceback + linecache stat()s, ~0.1 ms per
+        forward: measurably more CPU per step than the compute it seeds). The generators used are seeded the same.
+        """
+        torch.default_generator.manual_seed(seed)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)  # the current device (worker_main sets it); CUDA is initialised there
+
+    @staticmethod
+    def _backward_into_grad(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: list[torch.Tensor]) -> None:
+        """Accumulate d(out)/d(inputs) into the inputs' .grad, as loss.backward() would: autograd's AccumulateGrad
+        adopts the first micro-batch's gradient and adds the later ones in place, in C++ (the same sums, in the same
+        micro-batch order, as a Python clone-then-add_ loop over autograd.grad's results, without the copies and
+        the per-parameter Python calls). Frees the graph. Inputs the graph does not reach keep their .grad."""
+        torch.autograd.backward(out, grad_out, inputs=inputs)
