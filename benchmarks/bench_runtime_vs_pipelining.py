@@ -30,6 +30,7 @@ from recycle.config import Config, parse_config
 from recycle.models.gpt import DTYPES, build_stages
 from recycle.runtime.data import load_dataset, microbatch
 from recycle.runtime.launcher import LaunchOptions, launch
+from recycle.runtime.optim import allreduce_grads
 from recycle.runtime.worker import make_optimizer
 from recycle.schedules.fault_free import build_schedule
 
@@ -118,16 +119,8 @@ def _their_worker(rank: int, config: Config, port: int, steps: int, results: mp.
         else:
             schedule.step()
         # The data-parallel reduce and step, as our OPT does it: one flat SUM all-reduce, AdamW.
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        if D > 1:
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_groups[stage])
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        allreduce_grads(params, lambda flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_groups[stage])
+                        if D > 1 else None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ends.append(time.time())

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from recycle.ir import Action, Kind, Plan
-from recycle.runtime.optim import StageOptimizer
+from recycle.runtime.optim import StageOptimizer, allreduce_grads
 from recycle.runtime.messages import Channel, Message, incoming, outgoing, send_order
 
 __all__ = ["StageExecutor", "IterationProgress", "IterationResult", "Comm", "ActionTiming", "dropout_seed"]
@@ -212,16 +212,7 @@ class StageExecutor:
         """OPT: SUM all-reduce of the stage's gradients over its live replicas, optional clipping, AdamW step."""
         if not self.plan.staggered:
             self.comm.barrier()  # coupled: no stage steps before every worker has finished its backward work
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
-        self.comm.stage_allreduce_sum(self.stage, flat)
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p))
-            offset += n
+        allreduce_grads(self.params, lambda flat: self.comm.stage_allreduce_sum(self.stage, flat))
         if self.grad_clip > 0:
             self._clip_global_norm()
         self.optimizer.step()

@@ -3,11 +3,26 @@ process, which on a 2-core machine would dominate the start-up of a small job)."
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
-__all__ = ["AdamW", "StageOptimizer"]
+__all__ = ["AdamW", "StageOptimizer", "allreduce_grads"]
+
+
+def allreduce_grads(params: list[torch.nn.Parameter], allreduce: Callable[[torch.Tensor], None]) -> None:
+    """The data-parallel half of an OPT: flatten the stage's gradients (zeros for unused parameters) into one buffer,
+    SUM-all-reduce it with `allreduce`, and copy the result back into every .grad."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    allreduce(flat)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p))
+        offset += n
 
 
 class StageOptimizer(Protocol):

@@ -22,6 +22,7 @@ from recycle.errors import ConfigError
 from recycle.fileio import atomic_write_text
 from recycle.models.gpt import DTYPES, build_stages
 from recycle.runtime.data import BUILTIN, load_dataset, microbatch
+from recycle.runtime.optim import allreduce_grads
 from recycle.runtime.worker import make_optimizer
 
 __all__ = ["StageProfile", "CommProfile", "Profile", "DEFAULT_COMM", "profile_stages", "measure_comm",
@@ -148,11 +149,7 @@ def profile_stages(config: Config, repeats: int = 10, warmup: int = 3) -> tuple[
             for p, g in zip(params, grads):
                 p.grad = torch.zeros_like(p) if g is None else g
             t6 = time.perf_counter()
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            allreduce_grads(params, lambda flat: None)  # the all-reduce itself is timed separately
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             t7 = time.perf_counter()
