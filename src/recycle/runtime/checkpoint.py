@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -38,15 +38,27 @@ def stage_file(root: str | Path, step: int, stage: int) -> Path:
 
 
 def save_stage(root: str | Path, step: int, stage: int, layers: tuple[int, int], model: torch.nn.Module,
-               optimizer: StageOptimizer) -> None:
-    atomic_torch_save({
+               optimizer: StageOptimizer, before_write: Callable[[], None] | None = None) -> None:
+    """Write one stage's file atomically. `before_write` (a fault-injection hook) runs when half of the file is on
+    disk under its temporary name: a crash there leaves only a temp file that no reader ever takes for the stage."""
+    buffer = io.BytesIO()
+    torch.save({
         "step": step,
         "stage": stage,
         "layers": layers,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "rng": torch.get_rng_state(),
-    }, stage_file(root, step, stage))
+    }, buffer)
+    path = stage_file(root, step, stage)
+    if before_write is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = buffer.getvalue()
+        (path.parent / f".{path.name}.interrupted.tmp").write_bytes(data[:len(data) // 2])
+        before_write()
+    atomic_write_bytes(path, buffer.getvalue())
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a writer that died mid-save
+        stale.unlink(missing_ok=True)
 
 
 def mark_latest(root: str | Path, step: int) -> None:

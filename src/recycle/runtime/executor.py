@@ -13,6 +13,7 @@ from torch import nn
 from recycle.ir import Action, Kind, Plan
 from recycle.runtime.optim import StageOptimizer, allreduce_grads
 from recycle.runtime.messages import Channel, Message, incoming, outgoing, send_order
+from recycle.runtime.rollback import StageSnapshot
 
 __all__ = ["StageExecutor", "IterationProgress", "IterationResult", "Comm", "ActionTiming", "dropout_seed"]
 
@@ -36,6 +37,7 @@ class IterationProgress:
     iteration: int = 0
     index: int = 0
     finished: bool = False
+    busy_s: float = 0.0  # time spent in this iteration's finished actions
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class IterationResult:
     loss_sum: float | None  # sum of this worker's scaled micro-batch losses (last stage only)
     grad_norm: float | None  # global gradient norm before clipping (only computed when clipping)
     timings: list[ActionTiming] = field(default_factory=list)
+    stage_loss: float | None = None  # the whole batch's loss, summed over the last stage's replicas in its OPT
 
 
 def dropout_seed(seed: int, iteration: int, mb: int, stage: int) -> int:
@@ -82,7 +85,8 @@ class StageExecutor:
                  load_microbatch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
                  input_shape: tuple[int, ...] | None, output_shape: tuple[int, ...] | None, dtype: torch.dtype,
                  grad_clip: float = 0.0, seed: int = 0,
-                 device: torch.device | None = None, record_timings: bool = False) -> None:
+                 device: torch.device | None = None, record_timings: bool = False,
+                 before_action: Callable[[Action], None] | None = None) -> None:
         self.rank = rank
         self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -97,6 +101,13 @@ class StageExecutor:
         self.device = device or torch.device("cpu")
         self.record_timings = record_timings
         self.progress = IterationProgress()
+        # The last iteration whose optimizer step this worker applied, and how much work that iteration took (a
+        # recovery that rolls it back reports it as redone).
+        self.applied_iteration: int | None = None
+        self.completed = IterationProgress(finished=True)
+        self.snapshot = StageSnapshot(module, optimizer)
+        self.before_action = before_action  # e.g. the check that the generation was aborted
+        self._stage_loss: float | None = None
         self._next_from: dict[int, int] = defaultdict(int)
         self._parked: dict[Message, torch.Tensor] = {}
         self._stash: dict[int, _Stash] = {}
@@ -139,23 +150,29 @@ class StageExecutor:
         self.progress = IterationProgress(iteration, 0)
         self._loss_sum = 0.0
         self._grad_norm = None
+        self._stage_loss = None
         self._next_from.clear()
         timings: list[ActionTiming] = []
         start = time.time()
         for index, action in enumerate(self.actions):
             self.progress.index = index
+            if self.before_action is not None:
+                self.before_action(action)
             t0 = time.perf_counter()
             self.run_action(action)
+            t1 = time.perf_counter()
+            self.progress.busy_s += t1 - t0
             if self.record_timings:
-                timings.append(ActionTiming(str(action), t0, time.perf_counter()))
+                timings.append(ActionTiming(str(action), t0, t1))
         self.comm.flush()
         self.progress.index = len(self.actions)
         self.progress.finished = True
+        self.completed = self.progress
         if self._stash or self._parked:
             raise RuntimeError(f"worker {self.replica}:{self.stage} ended iteration {iteration} with unfinished "
                                f"micro-batches {sorted(self._stash)} or unread messages; the plan is inconsistent")
         return IterationResult(iteration, start, time.time(), self._loss_sum if self.is_last else None,
-                               self._grad_norm, timings)
+                               self._grad_norm, timings=timings, stage_loss=self._stage_loss)
 
     def run_action(self, action: Action) -> None:
         handler = {Kind.F: self.forward, Kind.B: self.backward_input, Kind.W: self.backward_weight,
@@ -212,11 +229,28 @@ class StageExecutor:
         """OPT: SUM all-reduce of the stage's gradients over its live replicas, optional clipping, AdamW step."""
         if not self.plan.staggered:
             self.comm.barrier()  # coupled: no stage steps before every worker has finished its backward work
-        allreduce_grads(self.params, lambda flat: self.comm.stage_allreduce_sum(self.stage, flat))
+        # The last stage's losses ride along in the same all-reduce, so every replica knows the batch's loss.
+        loss = torch.tensor([self._loss_sum], dtype=self.params[0].dtype, device=self.device) if self.is_last \
+            else None
+        allreduce_grads(self.params, lambda flat: self.comm.stage_allreduce_sum(self.stage, flat), extra=loss)
+        if loss is not None:
+            self._stage_loss = float(loss[0])
         if self.grad_clip > 0:
             self._clip_global_norm()
+        self.snapshot.take(self.progress.iteration)
         self.optimizer.step()
+        self.applied_iteration = self.progress.iteration
         self.optimizer.zero_grad(set_to_none=True)
+
+    def roll_back(self, redo_iteration: int) -> bool:
+        """Return to the state before the optimizer step of `redo_iteration` if this worker already applied it;
+        forget any partial iteration. Returns whether weights were rolled back."""
+        self.abort_iteration()
+        if self.applied_iteration is not None and self.applied_iteration >= redo_iteration:
+            self.snapshot.restore(redo_iteration)
+            self.applied_iteration = redo_iteration - 1
+            return True
+        return False
 
     # -- helpers --------------------------------------------------------------------------------------------------
     def _clip_global_norm(self) -> None:

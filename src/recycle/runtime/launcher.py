@@ -1,18 +1,18 @@
-"""The launcher/coordinator: hosts the TCPStore, spawns one process per live worker, gathers per-step metrics,
-and stops the whole job within seconds (naming the culprit) when a worker raises or dies."""
+"""The launcher: hosts the job's store (node 0), spawns one process per live worker of its node, and on node 0 runs
+the coordinator that keeps the job going when workers die: it detects the failure, fences the worker, picks the
+plan for the new failure state and announces the next generation; it also gathers per-step metrics."""
 
 from __future__ import annotations
 
-import datetime
 import functools
 import json
 import multiprocessing as mp
-from multiprocessing import connection as mp_connection
 import os
 import signal
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from multiprocessing import connection as mp_connection
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -21,14 +21,34 @@ from recycle.config import Config
 from recycle.errors import ConfigError, RuntimeFailure
 from recycle.ir import Plan, validate_plan
 from recycle.runtime import checkpoint
+from recycle.runtime.control import (Announcement, Keys, StoppedReport, connect_store, decode, encode, host_store,
+                                     job_store, new_token)
+from recycle.runtime.coordinator import (AbortGeneration, Announce, Command, Coordinator, FailRun, Fence,
+                                         RecoveryFacts, describe_exit, stale_heartbeats)
 from recycle.runtime.data import load_dataset
 from recycle.runtime.emulate import Emulation
+from recycle.runtime.faults import FaultInjection
 from recycle.runtime.messages import check_plan_matches
 from recycle.runtime.stage import check_model
 from recycle.runtime.transport import default_backend
-from recycle.runtime.worker import FaultInjection, WorkerSpec, error_key, metrics_key, worker_main
+from recycle.runtime.worker import EXIT_FENCED, WorkerSpec, worker_main
 
-__all__ = ["LaunchOptions", "StepMetrics", "TrainResult", "launch", "node_ranks"]
+__all__ = ["LaunchOptions", "StepMetrics", "Recovery", "TrainResult", "PlanChoice", "PlanProvider", "launch",
+           "node_ranks"]
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """A plan for a failure state, where it came from ("store" or "heuristic") and how long getting it took."""
+
+    plan: Plan
+    source: str
+    seconds: float
+
+
+# Given every (replica, stage) that is down, the plan to run. The command layer builds it from the planner's plan
+# store; the runtime never imports the planner.
+PlanProvider = Callable[[frozenset[tuple[int, int]]], PlanChoice]
 
 
 @dataclass(frozen=True)
@@ -39,21 +59,24 @@ class LaunchOptions:
     resume_dir: str = ""
     save_path: str = ""
     metrics_path: str = ""
-    timeout_s: float = 30.0  # every collective and p2p op; catches frozen peers
-    master_addr: str = "127.0.0.1"
+    timeout_s: float = 30.0  # every collective and p2p op; catches peers that are alive but stuck
+    heartbeat_timeout_s: float = 5.0  # a worker whose heartbeat stops this long is hung: fenced and replaced
+    heartbeat_s: float = 0.5
+    master_addr: str = "127.0.0.1"  # node 0's store listens on this address only
     master_port: int = 0  # 0: pick a free port (single node only)
     nnodes: int = 1
     node_rank: int = 0
+    token: str = ""  # the job secret; "" = a fresh one (single node); multi-node runs must share one
     backend: str = ""  # "" = nccl with CUDA, else gloo
     record_timings: bool = False
     model_factory: str = ""  # "package.module:function" returning the S stage modules; "" = the built-in GPT
     verify_replicas: bool = False  # check after every step that all live replicas of a stage are bit-identical
-    faults: tuple[tuple[int, FaultInjection], ...] = ()  # (topology rank, fault): test hook
+    faults: tuple[tuple[int, FaultInjection], ...] = ()  # (topology rank, fault); a rank may have several
+    plan_provider: PlanProvider | None = None  # None: a worker failure stops the run (nothing to switch to)
     emulation: Emulation | None = None  # pad every action to the config's cost (--emulate-costs)
     # "spawn": a fresh interpreter per worker. "forkserver": workers fork from one clean server process that has
     # imported torch once (per launcher process), so repeated launches (tests, benchmarks) skip ~2 s of imports each.
     start_method: str = "spawn"
-    grace_s: float = 1.0  # after a failure, how long survivors get to report their own errors
     progress: Callable[[str], None] | None = functools.partial(print, flush=True)  # None: silent
 
 
@@ -69,6 +92,39 @@ class StepMetrics:
     worker_time_s: dict[str, float] = field(default_factory=dict)  # "replica:stage" -> busy span of the iteration
     worker_cpu_s: dict[str, float] = field(default_factory=dict)  # "replica:stage" -> CPU seconds of the iteration
     digests: dict[str, str] = field(default_factory=dict)  # "replica:stage" -> parameter digest (verify_replicas)
+    generation: int = 0
+    end_time: float = 0.0  # wall clock when the last worker finished the step
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One survived failure, as measured."""
+
+    generation: int  # the generation it started
+    step: int  # 1-based step that was redone first
+    workers: tuple[str, ...]  # "replica:stage" of the workers lost
+    causes: tuple[str, ...]  # one line per worker lost
+    failed: tuple[tuple[int, int], ...]  # every worker down after it
+    failure_time: float  # the injected fault's time when known, else when it was detected
+    detected_s: float | None  # fault -> coordinator knows (None: an outside kill, whose moment is unknown)
+    plan_source: str
+    plan_lookup_s: float
+    formed_s: float  # announcement -> every worker joined the new groups
+    resumed_s: float  # failure -> every worker started its first action of the new plan
+    redone_actions: int
+    redone_s: float
+
+    def line(self) -> str:
+        detected = f"detected in {self.detected_s:.2f} s; " if self.detected_s is not None else ""
+        down: dict[int, int] = {}
+        for _, stage in self.failed:
+            down[stage] = down.get(stage, 0) + 1
+        state = ", ".join(f"stage {s}: {k} down" for s, k in sorted(down.items()))
+        source = "from the store" if self.plan_source == "store" else f"planned by the {self.plan_source}"
+        return (f"step {self.step}: {'; '.join(self.causes)}; {detected}plan for {{{state}}} {source} "
+                f"({self.plan_lookup_s * 1e3:.1f} ms); generation {self.generation} in {self.formed_s:.2f} s; "
+                f"redid {self.redone_actions} actions ({self.redone_s:.2f} s of work); training resumed "
+                f"{self.resumed_s:.2f} s after the failure")
 
 
 @dataclass(frozen=True)
@@ -77,6 +133,8 @@ class TrainResult:
     end_step: int
     steps: tuple[StepMetrics, ...]
     wall_s: float
+    recoveries: tuple[Recovery, ...] = ()
+    failed: tuple[tuple[int, int], ...] = ()  # workers down at the end
 
 
 def node_ranks(live: list[int], nnodes: int, node_rank: int) -> list[int]:
@@ -99,6 +157,16 @@ def _check_options(config: Config, plan: Plan, options: LaunchOptions) -> tuple[
         raise ConfigError(f"--node-rank {options.node_rank} must be in [0, --nnodes {options.nnodes})")
     if options.nnodes > 1 and options.master_port == 0:
         raise ConfigError("--nnodes > 1 needs a fixed --master-port that every node uses")
+    if options.nnodes > 1 and not options.token:
+        raise ConfigError("--nnodes > 1 needs a job secret shared by every node: set RECYCLE_JOB_TOKEN (48 hex "
+                          "digits, e.g. from `python -c 'import secrets; print(secrets.token_hex(24))'`) or pass "
+                          "--token-file FILE (mode 600) on every node")
+    if options.timeout_s <= 0 or options.heartbeat_timeout_s <= 0:
+        raise ConfigError(f"--timeout {options.timeout_s:g} and --heartbeat-timeout {options.heartbeat_timeout_s:g} "
+                          "must be > 0 seconds")
+    if options.heartbeat_timeout_s < 2 * options.heartbeat_s:
+        raise ConfigError(f"--heartbeat-timeout {options.heartbeat_timeout_s:g} s must be at least twice the "
+                          f"heartbeat interval ({options.heartbeat_s:g} s), or a busy worker counts as hung")
     # Catch model and data errors here, with a clear message, rather than in every worker.
     check_model(config, options.model_factory)
     load_dataset(config.training.dataset, config.workload.seq_len, base_dir=os.path.dirname(config.source) or None)
@@ -110,18 +178,19 @@ def _check_options(config: Config, plan: Plan, options: LaunchOptions) -> tuple[
 
 
 def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions()) -> TrainResult:
-    """Train `config`'s model with `plan` for the requested steps; raise RuntimeFailure if any worker fails."""
+    """Train `config`'s model with `plan` for the requested steps, surviving worker failures when a plan provider
+    is given; raise RuntimeFailure when the run cannot continue."""
     start_step, end_step = _check_options(config, plan, options)
     backend = options.backend or default_backend()
-    is_master = options.node_rank == 0
-    store = dist.TCPStore(options.master_addr, options.master_port, is_master=is_master,
-                          wait_for_workers=False, timeout=datetime.timedelta(seconds=max(options.timeout_s, 60.0)))
-    generation = 0
-    gen_store = dist.PrefixStore(f"gen{generation}", store)
+    token = options.token or new_token()
+    store_timeout_s = max(options.timeout_s, 60.0)
+    if options.node_rank == 0:
+        root = host_store(options.master_addr, options.master_port, store_timeout_s)
+    else:
+        root = connect_store(options.master_addr, options.master_port, store_timeout_s)
+    store = job_store(root, token)
     live = plan.live_ranks()
     mine = node_ranks(live, options.nnodes, options.node_rank)
-    faults = dict(options.faults)
-    plan_json = plan.to_json()
     context = _context(options.start_method)
     processes: dict[int, mp.process.BaseProcess] = {}
     # Workers block reading this pipe; only the launcher holds the write end, so they see EOF the moment it dies.
@@ -130,31 +199,35 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     try:
         for local_index, rank in enumerate(mine):
             spec = WorkerSpec(
-                rank=rank, config=config, plan_json=plan_json, store_host=options.master_addr,
-                store_port=store.port, generation=generation, start_step=start_step, end_step=end_step,
+                rank=rank, config=config, plan_json=plan.to_json(), store_host=options.master_addr,
+                store_port=root.port, token=token, start_step=start_step, end_step=end_step,
                 timeout_s=options.timeout_s, backend=backend,
-                device_index=local_index % max(torch.cuda.device_count(), 1),
+                device_index=local_index % max(torch.cuda.device_count(), 1), heartbeat_s=options.heartbeat_s,
                 checkpoint_dir=options.checkpoint_dir, checkpoint_every=options.checkpoint_every,
                 resume_dir=options.resume_dir, save_path=options.save_path,
                 record_timings=options.record_timings, verify_replicas=options.verify_replicas,
-                model_factory=options.model_factory, fault=faults.get(rank),
+                model_factory=options.model_factory, faults=tuple(f for r, f in options.faults if r == rank),
                 emulation=options.emulation)
             replica, stage = plan.worker(rank)
             process = context.Process(target=worker_main, args=(spec, launcher_alive),
                                       name=f"recycle-worker-{replica}:{stage}", daemon=True)
             process.start()
             processes[rank] = process
-        steps = _monitor(config, plan, options, gen_store, processes, live, start_step, end_step, wall0)
-        if options.nnodes > 1:
-            _finish_nodes(gen_store, options)
+        if options.node_rank == 0:
+            run = _Coordination(config, plan, options, store, processes, start_step, end_step, wall0)
+            steps, recoveries, failed = run.run()
+        else:
+            _follow(store, processes, options)
+            steps, recoveries, failed = [], [], plan.failed
     finally:
         _stop(processes)
         alive_writer.close()
         launcher_alive.close()
-    if options.save_path and is_master and end_step > start_step:
+    if options.save_path and options.node_rank == 0 and end_step > start_step:
         checkpoint.merge_stage_parts(options.save_path, plan.num_stages,
                                      {"step": end_step, "config": config.to_dict()})
-    return TrainResult(start_step, end_step, tuple(steps), time.time() - wall0)
+    return TrainResult(start_step, end_step, tuple(steps), time.time() - wall0, tuple(recoveries),
+                       tuple(sorted(failed)))
 
 
 def _context(start_method: str) -> mp.context.BaseContext:
@@ -167,151 +240,301 @@ def _context(start_method: str) -> mp.context.BaseContext:
     return context
 
 
-def _monitor(config: Config, plan: Plan, options: LaunchOptions, gen_store: dist.Store,
-             processes: dict[int, mp.process.BaseProcess], live: list[int], start_step: int, end_step: int,
-             wall0: float) -> list[StepMetrics]:
-    tokens_per_step = plan.total_microbatches * config.workload.microbatch_size * config.workload.seq_len
-    steps: list[StepMetrics] = []
-    previous_end: float | None = None
-    next_step = start_step
+class _Coordination:
+    """Node 0's loop: feed facts from processes and the store to the Coordinator, carry out its commands, report
+    steps and recoveries."""
 
-    def drain() -> None:
-        """Report every step all live workers have finished, in order."""
-        nonlocal previous_end, next_step
-        while next_step < end_step and gen_store.check([metrics_key(next_step, r) for r in live]):
-            records = [json.loads(gen_store.get(metrics_key(next_step, r))) for r in live]
-            metrics = _step_metrics(next_step, records, tokens_per_step, previous_end, wall0)
-            previous_end = max(r["end"] for r in records)
-            if options.verify_replicas:
-                _check_replicas(plan, metrics)
-            steps.append(metrics)
-            if options.checkpoint_dir and sum(r["checkpointed"] for r in records) == plan.num_stages:
-                checkpoint.mark_latest(options.checkpoint_dir, next_step + 1)
-            if options.progress:
-                options.progress(f"step {metrics.step}/{end_step} loss {metrics.loss:.4f} "
-                                 f"tokens/s {metrics.tokens_per_s:,.0f} period {metrics.period_s * 1e3:.1f} ms")
-            if options.metrics_path:
-                checkpoint.atomic_write_text(options.metrics_path,
-                                             "".join(json.dumps(asdict(m)) + "\n" for m in steps))
-            next_step += 1
+    def __init__(self, config: Config, plan: Plan, options: LaunchOptions, store: dist.Store,
+                 processes: dict[int, mp.process.BaseProcess], start_step: int, end_step: int, wall0: float) -> None:
+        self.config, self.plan, self.options, self.store = config, plan, options, store
+        self.processes = processes
+        self.start_step, self.end_step, self.wall0 = start_step, end_step, wall0
+        self.coordinator = Coordinator(plan.num_replicas, plan.num_stages, frozenset(plan.live_ranks()), plan.failed,
+                                       end_step, report_timeout_s=options.timeout_s + 5.0)
+        self.remote = sorted(set(plan.live_ranks()) - set(processes))
+        self.tokens_per_step = plan.total_microbatches * config.workload.microbatch_size * config.workload.seq_len
+        self.steps: list[StepMetrics] = []
+        self.records: list[dict[str, Any]] = []  # steps and events, for --metrics
+        self.recoveries: list[Recovery] = []
+        self.next_step = start_step
+        self.previous_end: float | None = None
+        self.exited: set[int] = set()
+        self.done: set[int] = set()  # exited cleanly after the last step
+        self.pids: dict[int, int | None] = {r: p.pid for r, p in processes.items()}
+        self.beats: dict[int, int] = {}
+        self.last_beat: dict[int, float] = {}
+        self.next_beat_check = 0.0
+        self.stopped_seen = 0
+        self.pending: dict[str, Any] | None = None  # the recovery being completed
+        self.pending_checkpoints = [d for d in range(start_step + 1, end_step + 1)
+                                    if options.checkpoint_dir and options.checkpoint_every > 0
+                                    and d % options.checkpoint_every == 0]
 
-    while True:
-        failed = [r for r, p in processes.items() if p.exitcode not in (None, 0)]
-        if failed:
-            # Survivors see a dead peer within milliseconds: give them a moment to record their own (secondary)
-            # errors and to finish reporting steps that completed before the failure.
-            deadline = time.time() + options.grace_s
-            while time.time() < deadline and any(p.exitcode is None for p in processes.values()):
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def run(self) -> tuple[list[StepMetrics], list[Recovery], frozenset[tuple[int, int]]]:
+        while True:
+            now = time.time()
+            self._execute(self._exits(now))
+            self._execute(self._heartbeats(now))
+            self._execute(self._stopped_reports(now))
+            self._execute(self.coordinator.on_tick(now))
+            self._drain()
+            self._mark_checkpoints()
+            self._complete_recovery()
+            if self.next_step >= self.end_step and self._all_local_exited() and not self.coordinator.state.recovering:
+                self.coordinator.on_finished()
+                self._complete_recovery(final=True)
+                self._finish_nodes()
+                return self.steps, self.recoveries, self.coordinator.state.failed
+            waiting = [p.sentinel for p in self.processes.values() if p.exitcode is None]
+            if waiting:
+                # Sleep until a worker exits (seen at once) or the next poll of the store; a busy poll would take
+                # CPU from the workers on a small machine.
+                mp_connection.wait(waiting, timeout=0.02 if self.coordinator.state.recovering else 0.05)
+            else:
                 time.sleep(0.05)
-            drain()
-            _fail(plan, gen_store, processes, next_step, options)
-        if options.nnodes > 1 and gen_store.check(["abort"]):
-            _stop(processes)
-            raise RuntimeFailure(gen_store.get("abort").decode())
-        drain()
-        if processes and all(p.exitcode == 0 for p in processes.values()):
-            drain()  # the last step's records may have landed after the poll above
-            if next_step < end_step and options.nnodes == 1:
-                raise RuntimeFailure(f"all workers exited but only {next_step} of {end_step} steps were reported")
-            return steps
-        if not processes and next_step >= end_step:
-            return steps
-        # Sleep until a worker exits (seen at once) or the next poll of the step records; a busy poll would take
-        # CPU from the workers on a small machine.
-        if processes:
-            mp_connection.wait([p.sentinel for p in processes.values() if p.exitcode is None], timeout=0.1)
+
+    def _all_local_exited(self) -> bool:
+        return all(p.exitcode is not None for p in self.processes.values())
+
+    def _name(self, rank: int) -> str:
+        replica, stage = self.plan.worker(rank)
+        pid = self.pids.get(rank)
+        return f"worker {replica}:{stage} (rank {rank}{f', pid {pid}' if pid else ''})"
+
+    # -- facts ---------------------------------------------------------------------------------------------------
+    def _exits(self, now: float) -> list[Command]:
+        commands: list[Command] = []
+        codes = {r: p.exitcode for r, p in self.processes.items() if p.exitcode is not None}
+        for rank in self.remote:
+            if rank not in self.exited and self.store.check([Keys.exited(rank)]):
+                codes[rank] = int(self.store.get(Keys.exited(rank)))
+        for rank, code in sorted(codes.items()):
+            if rank in self.exited:
+                continue
+            self.exited.add(rank)
+            if code == 0:
+                self.done.add(rank)
+                commands += self.coordinator.on_done(rank, now)
+            elif code != EXIT_FENCED:
+                commands += self._failed_exit(rank, code, now)
+        return commands
+
+    def _failed_exit(self, rank: int, code: int, now: float) -> list[Command]:
+        record = json.loads(self.store.get(Keys.error(rank))) if self.store.check([Keys.error(rank)]) else None
+        if record is not None and not record["comm"]:
+            return self.coordinator.on_error(rank, f"{self._name(rank)} raised {record['type']}: {record['message']}")
+        if code == 3:
+            cause = "lost its launcher (node gone)"
+        elif record is not None:
+            cause = f"failed on a communication error ({record['message']})"
         else:
-            time.sleep(0.1)
+            cause = f"died ({describe_exit(code)})"
+        return self.coordinator.on_death(rank, f"{self._name(rank)} {cause}", now)
 
+    def _heartbeats(self, now: float) -> list[Command]:
+        if now < self.next_beat_check:
+            return []
+        self.next_beat_check = now + self.options.heartbeat_s / 2
+        live = self.coordinator.state.live - self.exited
+        for rank in live:
+            beats = self.store.add(Keys.heartbeat(rank), 0)
+            if beats > 0 and beats != self.beats.get(rank):
+                self.beats[rank] = beats
+                self.last_beat[rank] = now
+        commands: list[Command] = []
+        for rank in stale_heartbeats(self.last_beat, frozenset(live), now, self.options.heartbeat_timeout_s):
+            commands += self.coordinator.on_death(
+                rank, f"{self._name(rank)} stopped responding (no heartbeat for "
+                      f"{now - self.last_beat[rank]:.1f} s; fenced)", now, fence=True)
+        return commands
 
-def _step_metrics(step: int, records: list[dict], tokens_per_step: int, previous_end: float | None,
-                  wall0: float) -> StepMetrics:
-    first = min(r["start"] for r in records)
-    last = max(r["end"] for r in records)
-    # Steady-state period: time between the completions of consecutive iterations (the first step: its span).
-    period = last - previous_end if previous_end is not None else last - first
-    loss = sum(r["loss_sum"] for r in records if r["loss_sum"] is not None)
-    norms = [r["grad_norm"] for r in records if r["grad_norm"] is not None]
-    return StepMetrics(step=step + 1, loss=loss, tokens_per_s=tokens_per_step / period if period > 0 else 0.0,
-                       period_s=period, step_time_s=last - first, elapsed_s=time.time() - wall0,
-                       grad_norm=norms[0] if norms else None,
-                       worker_time_s={f"{r['replica']}:{r['stage']}": r["end"] - r["start"] for r in records},
-                       digests={f"{r['replica']}:{r['stage']}": r["digest"] for r in records if r["digest"]},
-                       worker_cpu_s={f"{r['replica']}:{r['stage']}": r["cpu_s"] for r in records if "cpu_s" in r})
+    def _stopped_reports(self, now: float) -> list[Command]:
+        state = self.coordinator.state
+        commands: list[Command] = []
+        for rank in sorted(state.live - set(state.reports) - state.done):
+            key = Keys.stopped(state.generation, rank)
+            if self.store.check([key]):
+                commands += self.coordinator.on_stopped(decode(StoppedReport, self.store.get(key)), now)
+        return commands
 
+    # -- commands ------------------------------------------------------------------------------------------------
+    def _execute(self, commands: list[Command]) -> None:
+        for command in commands:
+            if isinstance(command, Fence):
+                process = self.processes.get(command.rank)
+                if process is not None and process.exitcode is None:
+                    os.kill(process.pid, signal.SIGKILL)  # works on a SIGSTOPped process too
+                elif process is None:
+                    self.store.set(Keys.fence(command.rank), command.reason)  # its node's launcher kills it
+            elif isinstance(command, AbortGeneration):
+                self.store.set(Keys.abort(command.generation), command.reason)
+            elif isinstance(command, Announce):
+                self._announce(command)
+            elif isinstance(command, FailRun):
+                self._fail(command.message)
 
-def _check_replicas(plan: Plan, metrics: StepMetrics) -> None:
-    """Raise RuntimeFailure if two live replicas of a stage hold different parameters after this step."""
-    for stage in range(plan.num_stages):
-        seen = {f"{p}:{stage}": metrics.digests[f"{p}:{stage}"] for p in plan.live_replicas(stage)}
-        if len(set(seen.values())) > 1:
-            raise RuntimeFailure(f"after step {metrics.step} the replicas of stage {stage} differ "
-                                 f"({', '.join(f'{w}={d[:12]}' for w, d in seen.items())}); the data-parallel "
-                                 "all-reduce or the optimizer is not deterministic across replicas")
+    def _announce(self, command: Announce) -> None:
+        facts = command.facts
+        if self.options.plan_provider is None:
+            self._fail(f"{'; '.join(d.cause for d in facts.deaths) or 'a worker failed'}; this run has no plan "
+                       "provider to switch plans with (recycle train always has one; a library caller passes "
+                       "LaunchOptions.plan_provider). Restart with --resume from the last checkpoint")
+        if self.pending is not None:
+            self._complete_recovery(final=True)  # a failure during a recovery: report the first one as it ended
+        choice = self.options.plan_provider(facts.failed)
+        plan = choice.plan
+        if set(plan.live_ranks()) != set(command.live) | self.done:
+            self._fail(f"the plan provider returned a plan whose live workers {plan.live_ranks()} are not the "
+                       f"live workers {sorted(command.live)}")
+        self.store.set(Keys.plan(facts.generation), plan.to_json())
+        self.store.set(Keys.announce(facts.generation), encode(Announcement(
+            facts.generation, tuple(sorted(command.live)), facts.redo_step, self.end_step,
+            "; ".join(d.cause for d in facts.deaths))))
+        self.plan = plan
+        self.pending = {"facts": facts, "choice": choice, "announced": time.time(), "live": command.live}
 
+    def _fail(self, message: str) -> None:
+        _stop(self.processes)
+        if self.options.nnodes > 1:
+            self.store.set(Keys.ABORT_RUN, message)  # the other nodes' launchers stop their workers and report this
+        raise RuntimeFailure(message)
 
-def _finish_nodes(gen_store: dist.Store, options: LaunchOptions) -> None:
-    """Multi-node: say this node is done; node 0 keeps the store up until every node has said so."""
-    gen_store.set(f"node_done/{options.node_rank}", "1")
-    if options.node_rank == 0:
-        keys = [f"node_done/{n}" for n in range(options.nnodes)]
-        deadline = time.time() + max(options.timeout_s, 60.0)
-        while not gen_store.check(keys):
-            if gen_store.check(["abort"]):
-                raise RuntimeFailure(gen_store.get("abort").decode())
-            if time.time() > deadline:
-                raise RuntimeFailure(f"node 0 finished but not every node reported done within "
-                                     f"{max(options.timeout_s, 60.0):g} s")
+    # -- reports -------------------------------------------------------------------------------------------------
+    def _complete_recovery(self, final: bool = False) -> None:
+        """Once every worker of the new generation has started its first action, report the recovery."""
+        pending = self.pending
+        if pending is None:
+            return
+        facts: RecoveryFacts = pending["facts"]
+        live = sorted(pending["live"])
+        generation = facts.generation
+        resumed_keys = [Keys.resumed(generation, r) for r in live]
+        if facts.redo_step < self.end_step and not self.store.check(resumed_keys) and not final:
+            return
+        self.pending = None
+        joined = [json.loads(self.store.get(Keys.joined(generation, r)))
+                  for r in live if self.store.check([Keys.joined(generation, r)])]
+        resumed = [json.loads(self.store.get(k)) for k in resumed_keys if self.store.check([k])]
+        causes, fault_times = [], []
+        for death in facts.deaths:
+            cause = death.cause
+            if self.store.check([Keys.fault(death.rank)]):
+                fault = json.loads(self.store.get(Keys.fault(death.rank)))
+                if fault["time"] >= self.wall0:
+                    cause += f" during {fault['where']}"
+                    fault_times.append(fault["time"])
+            causes.append(cause)
+        failure_time = min(fault_times) if fault_times else facts.started
+        choice: PlanChoice = pending["choice"]
+        end = max(resumed) if resumed else time.time()
+        recovery = Recovery(
+            generation=generation, step=facts.redo_step + 1,
+            workers=tuple("%d:%d" % self.plan.worker(d.rank) for d in facts.deaths), causes=tuple(causes),
+            failed=tuple(sorted(facts.failed)), failure_time=failure_time,
+            detected_s=(min(d.time for d in facts.deaths) - min(fault_times)) if fault_times and facts.deaths else None,
+            plan_source=choice.source, plan_lookup_s=choice.seconds,
+            formed_s=(max(joined) - pending["announced"]) if joined else 0.0,
+            resumed_s=end - failure_time, redone_actions=facts.redone_actions, redone_s=facts.redone_s)
+        if os.environ.get("RECYCLE_DEBUG"):
+            print("DEBUG", [(r.rank, round(r.time - failure_time, 3), r.error[:60]) for r in facts.reports],
+                  "announced", round(pending["announced"] - failure_time, 3), "joined",
+                  [round(j - failure_time, 3) for j in joined], "resumed", [round(x - failure_time, 3) for x in resumed])
+        self.recoveries.append(recovery)
+        if self.options.progress:
+            self.options.progress(recovery.line())
+        self.records.append({"event": "recovery", **asdict(recovery)})
+        self._write_metrics()
+
+    def _drain(self) -> None:
+        """Report every step all live workers have finished, in order."""
+        state = self.coordinator.state
+        live = sorted(state.live)
+        while self.next_step < self.end_step and live and \
+                self.store.check([Keys.metrics(self.next_step, r) for r in live]):
+            records = [json.loads(self.store.get(Keys.metrics(self.next_step, r))) for r in live]
+            metrics = self._step_metrics(self.next_step, records)
+            self.previous_end = max(r["end"] for r in records)
+            if self.options.verify_replicas:
+                _check_replicas(self.plan, metrics, self._fail)
+            self.steps.append(metrics)
+            self.records.append(asdict(metrics))
+            if self.options.progress:
+                self.options.progress(f"step {metrics.step}/{self.end_step} loss {metrics.loss:.4f} "
+                                      f"tokens/s {metrics.tokens_per_s:,.0f} period {metrics.period_s * 1e3:.1f} ms")
+            self._write_metrics()
+            self.next_step += 1
+
+    def _write_metrics(self) -> None:
+        if self.options.metrics_path:
+            checkpoint.atomic_write_text(self.options.metrics_path,
+                                         "".join(json.dumps(r) + "\n" for r in self.records))
+
+    def _step_metrics(self, step: int, records: list[dict]) -> StepMetrics:
+        first = min(r["start"] for r in records)
+        last = max(r["end"] for r in records)
+        # Steady-state period: time between the completions of consecutive iterations (the first step: its span).
+        period = last - self.previous_end if self.previous_end is not None else last - first
+        losses = [r["stage_loss"] for r in records if r.get("stage_loss") is not None]
+        norms = [r["grad_norm"] for r in records if r["grad_norm"] is not None]
+        return StepMetrics(
+            step=step + 1, loss=losses[0] if losses else 0.0,
+            tokens_per_s=self.tokens_per_step / period if period > 0 else 0.0,
+            period_s=period, step_time_s=last - first, elapsed_s=time.time() - self.wall0,
+            grad_norm=norms[0] if norms else None,
+            worker_time_s={f"{r['replica']}:{r['stage']}": r["end"] - r["start"] for r in records},
+            digests={f"{r['replica']}:{r['stage']}": r["digest"] for r in records if r["digest"]},
+            worker_cpu_s={f"{r['replica']}:{r['stage']}": r["cpu_s"] for r in records if "cpu_s" in r},
+            generation=max(r.get("generation", 0) for r in records), end_time=last)
+
+    def _mark_checkpoints(self) -> None:
+        """Point `latest` at a step once every stage's file of it is written (never at a partial one)."""
+        while self.pending_checkpoints and self.store.check(
+                [Keys.checkpointed(self.pending_checkpoints[0], s) for s in range(self.plan.num_stages)]):
+            checkpoint.mark_latest(self.options.checkpoint_dir, self.pending_checkpoints.pop(0))
+
+    def _finish_nodes(self) -> None:
+        """Multi-node: say the run is over; keep the store up until every node has said it is done."""
+        if self.options.nnodes == 1:
+            return
+        self.store.set(Keys.FINISHED, "1")
+        keys = [Keys.node_done(n) for n in range(1, self.options.nnodes)]
+        deadline = time.time() + max(self.options.timeout_s, 60.0)
+        while not self.store.check(keys) and time.time() < deadline:
             time.sleep(0.05)
 
 
-def _fail(plan: Plan, gen_store: dist.Store, processes: dict[int, mp.process.BaseProcess], step: int,
-          options: LaunchOptions) -> None:
-    """Find the worker that caused the failure, stop everyone, raise RuntimeFailure naming it (the caller has
-    already given the survivors their grace period)."""
-    timeout_s = options.timeout_s
-    exitcodes = {r: p.exitcode for r, p in processes.items()}
-    _stop(processes)
-    errors = {}
-    for r in processes:
-        if gen_store.check([error_key(r)]):
-            errors[r] = json.loads(gen_store.get(error_key(r)))
+def _check_replicas(plan: Plan, metrics: StepMetrics, fail: Callable[[str], None]) -> None:
+    """Fail the run if two live replicas of a stage hold different parameters after this step."""
+    for stage in range(plan.num_stages):
+        seen = {w: d for w, d in metrics.digests.items() if int(w.split(":")[1]) == stage}
+        if len(set(seen.values())) > 1:
+            fail(f"after step {metrics.step} the replicas of stage {stage} differ "
+                 f"({', '.join(f'{w}={d[:12]}' for w, d in seen.items())}); the data-parallel all-reduce or the "
+                 "optimizer is not deterministic across replicas")
 
-    def name(r: int) -> str:
-        replica, stage = plan.worker(r)
-        return f"worker {replica}:{stage} (rank {r}, pid {processes[r].pid})"
 
-    killed = [r for r, code in exitcodes.items() if code is not None and code < 0]
-    raised = sorted((e["time"], r) for r, e in errors.items() if not e["comm"])
-    silent = [r for r, code in exitcodes.items() if code not in (None, 0) and code > 0 and r not in errors]
-    comm = sorted((e["time"], r) for r, e in errors.items() if e["comm"])
-    hung = [r for r, code in exitcodes.items() if code is None]  # still running after its peers gave up on it
-    if killed:
-        r = killed[0]
-        reason = f"{name(r)} died (killed by signal {-exitcodes[r]})"
-    elif raised:
-        r = raised[0][1]
-        reason = f"{name(r)} raised {errors[r]['type']}: {errors[r]['message']}"
-    elif silent:
-        r = silent[0]
-        reason = f"{name(r)} exited with code {exitcodes[r]} without reporting an error (see its stderr above)"
-    elif hung and comm:
-        r = hung[0]
-        reason = (f"{name(r)} stopped responding (its peers timed out after {timeout_s:g} s waiting for it: "
-                  f"{errors[comm[0][1]]['message']})")
-    elif comm:
-        r = comm[0][1]
-        reason = f"{name(r)} lost contact with a peer: {errors[r]['message']}"
-    else:
-        reason = "a worker failed without a record"
-    others = sorted(set(errors) - ({r} if (killed or raised or silent or comm) else set()))
-    detail = f"; {len(others)} other worker(s) stopped on communication errors as a result" if others else ""
-    message = (f"{reason} during step {step + 1}; the run was stopped{detail}. Restart with --resume from the "
-               "last checkpoint, or mark the worker down with --down R:S")
-    if options.nnodes > 1:
-        message = f"node {options.node_rank}: {message}"
-        gen_store.set("abort", message)  # the other nodes' launchers stop their workers and report this
-    raise RuntimeFailure(message)
+def _follow(store: dist.Store, processes: dict[int, mp.process.BaseProcess], options: LaunchOptions) -> None:
+    """A node other than 0: report its workers' exits, carry out fences, and stop when the run ends."""
+    reported: set[int] = set()
+    while True:
+        for rank, process in processes.items():
+            if process.exitcode is not None and rank not in reported:
+                store.set(Keys.exited(rank), str(process.exitcode))
+                reported.add(rank)
+            elif process.exitcode is None and store.check([Keys.fence(rank)]):
+                os.kill(process.pid, signal.SIGKILL)
+        if store.check([Keys.ABORT_RUN]):
+            _stop(processes)
+            raise RuntimeFailure(store.get(Keys.ABORT_RUN).decode())
+        if store.check([Keys.FINISHED]) and all(p.exitcode is not None for p in processes.values()):
+            store.set(Keys.node_done(options.node_rank), "1")
+            return
+        waiting = [p.sentinel for p in processes.values() if p.exitcode is None]
+        if waiting:
+            mp_connection.wait(waiting, timeout=0.1)
+        else:
+            time.sleep(0.1)
 
 
 def _stop(processes: dict[int, mp.process.BaseProcess]) -> None:

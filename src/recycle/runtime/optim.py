@@ -10,14 +10,19 @@ import torch
 __all__ = ["AdamW", "StageOptimizer", "allreduce_grads"]
 
 
-def allreduce_grads(params: list[torch.nn.Parameter], allreduce: Callable[[torch.Tensor], None]) -> None:
+def allreduce_grads(params: list[torch.nn.Parameter], allreduce: Callable[[torch.Tensor], None],
+                    extra: torch.Tensor | None = None) -> None:
     """The data-parallel half of an OPT: flatten the stage's gradients (zeros for unused parameters) into one buffer,
-    SUM-all-reduce it with `allreduce`, and copy the result back into every .grad."""
+    SUM-all-reduce it with `allreduce`, and copy the result back into every .grad. `extra` (a small 1-D tensor of
+    the gradients' dtype) is summed in the same all-reduce and updated in place."""
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    pieces = [p.grad.reshape(-1) for p in params]
+    flat = torch.cat(pieces if extra is None else [*pieces, extra.reshape(-1)])
     allreduce(flat)
+    if extra is not None:
+        extra.copy_(flat[flat.numel() - extra.numel():].view_as(extra))
     offset = 0
     for p in params:
         n = p.numel()

@@ -98,7 +98,18 @@ class Transport:
         """All live workers meet here (a one-element all-reduce: works on every backend and honours the timeout)."""
         self.world_allreduce_sum(torch.zeros(1, device=self.device))
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Leave this generation's groups. `abort`: after a failure, drop in-flight work first (NCCL would otherwise
+        wait on a dead peer in its destructor); on gloo, destroying the group closes its sockets, which is also how
+        every peer still blocked on this worker learns at once that the generation is over."""
         self._pending.clear()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if not dist.is_initialized():
+            return
+        if abort and self.backend == "nccl":
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        dist.destroy_process_group()
+        # gloo closes a group's sockets only when its last reference goes: drop ours (the caller must not keep the
+        # exception whose traceback holds the failed op either).
+        self.groups.stage_groups.clear()

@@ -1,45 +1,39 @@
-"""The worker process: joins the launcher's store, builds its stage, runs the plan step by step and reports."""
+"""The worker process: joins the job's store, builds its stage, runs the plan step by step, and when a peer fails
+leaves the broken generation, reports, and continues in the next one on the coordinator's new plan."""
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import os
-import signal
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from recycle.config import Config
-from recycle.ir import Plan
+from recycle.ir import Action, Plan
 from recycle.models.gpt import DTYPES
 from recycle.runtime import checkpoint
+from recycle.runtime.control import Announcement, Keys, StoppedReport, connect_store, decode, encode, job_store
 from recycle.runtime.data import load_dataset, microbatch
 from recycle.runtime.emulate import Emulation, install_pacing
 from recycle.runtime.executor import StageExecutor
+from recycle.runtime.faults import FaultInjection, fire
 from recycle.runtime.optim import AdamW
 from recycle.runtime.stage import build_stage
 from recycle.runtime.transport import Transport, is_comm_error
 
-__all__ = ["WorkerSpec", "FaultInjection", "worker_main", "metrics_key", "error_key", "make_optimizer",
-           "parameter_digest"]
+__all__ = ["WorkerSpec", "FaultInjection", "GenerationAborted", "worker_main", "make_optimizer", "parameter_digest",
+           "EXIT_FENCED"]
 
-
-@dataclass(frozen=True)
-class FaultInjection:
-    """Test hook: at (step, action index) the worker SIGKILLs itself ("kill"), raises ("raise") or freezes
-    ("freeze": SIGSTOP, a hung worker that only the timeout can catch)."""
-
-    step: int
-    index: int
-    mode: str = "kill"
+EXIT_FENCED = 4  # the coordinator left this worker out of the new generation
 
 
 @dataclass(frozen=True)
@@ -49,12 +43,13 @@ class WorkerSpec:
     plan_json: str
     store_host: str
     store_port: int
-    generation: int
+    token: str  # the job secret: every key lives under it
     start_step: int
     end_step: int  # exclusive
     timeout_s: float
     backend: str
     device_index: int = 0
+    heartbeat_s: float = 0.5  # how often the worker says it is alive
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
     resume_dir: str = ""
@@ -62,16 +57,12 @@ class WorkerSpec:
     record_timings: bool = False
     model_factory: str = ""  # "package.module:function" (runtime.stage); "" = the built-in GPT
     verify_replicas: bool = False  # report a digest of the stage parameters after every step
-    fault: FaultInjection | None = None
+    faults: tuple[FaultInjection, ...] = ()
     emulation: Emulation | None = None  # pad every action to the config's cost (runtime.emulate)
 
 
-def metrics_key(step: int, rank: int) -> str:
-    return f"metrics/{step}/{rank}"
-
-
-def error_key(rank: int) -> str:
-    return f"error/{rank}"
+class GenerationAborted(Exception):
+    """The coordinator ended the current generation (a peer failed); stop at this action and report."""
 
 
 def make_optimizer(module: torch.nn.Module, lr: float, weight_decay: float) -> AdamW:
@@ -98,104 +89,272 @@ def _watch_launcher(launcher_alive: Connection) -> None:
     os._exit(3)
 
 
+class _Heartbeat(threading.Thread):
+    """Beats every `interval_s` and watches for the abort of the current generation, on a store connection of its
+    own (a blocking wait must not hold the main thread's connection). A frozen process stops beating: that is how
+    the coordinator tells a hung worker from a slow one."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__(daemon=True, name="recycle-heartbeat")
+        self.store = job_store(connect_store(spec.store_host, spec.store_port, max(spec.timeout_s, 30.0)), spec.token)
+        self.rank = spec.rank
+        self.interval_s = spec.heartbeat_s
+        self.generation = 0
+        self.aborted = -1  # the newest generation seen aborted
+        self.poll_s = min(0.05, spec.heartbeat_s)  # how soon a computing worker notices an abort
+
+    def run(self) -> None:
+        next_beat = 0.0
+        while True:
+            try:
+                now = time.monotonic()
+                if now >= next_beat:
+                    self.store.add(Keys.heartbeat(self.rank), 1)
+                    next_beat = now + self.interval_s
+                generation = self.generation
+                if self.aborted < generation and self.store.check([Keys.abort(generation)]):
+                    self.aborted = generation
+                time.sleep(self.poll_s)
+            except Exception:
+                time.sleep(self.interval_s)  # the store is the one component that cannot fail; keep trying
+
+
 def worker_main(spec: WorkerSpec, launcher_alive: Connection | None = None) -> None:
     """Process entry point; exits non-zero after writing an error record to the store if anything fails."""
     torch.set_num_threads(1)
-    if spec.backend == "gloo" and spec.store_host in ("127.0.0.1", "localhost"):
+    if spec.backend == "gloo" and spec.store_host in ("127.0.0.1", "localhost", "::1"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # single machine: keep gloo on loopback
     if launcher_alive is not None:
         threading.Thread(target=_watch_launcher, args=(launcher_alive,), daemon=True).start()
-    store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
-                          timeout=datetime.timedelta(seconds=max(spec.timeout_s, 30.0)))
-    gen_store = dist.PrefixStore(f"gen{spec.generation}", store)
+    store = job_store(connect_store(spec.store_host, spec.store_port, max(spec.timeout_s, 30.0)), spec.token)
     try:
-        _run(spec, gen_store, store)
+        _Worker(spec, store).run()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # skip interpreter teardown of gloo's threads (seconds); everything is flushed and closed
+    except _Fenced:
+        os._exit(EXIT_FENCED)
     except BaseException as exc:  # report every failure, including a KeyboardInterrupt/SystemExit, then exit 1
-        comm = is_comm_error(exc)
         record = {"type": type(exc).__name__, "message": str(exc).splitlines()[0] if str(exc) else "",
-                  "comm": comm, "time": time.time(), "traceback": traceback.format_exc()}
+                  "comm": is_comm_error(exc), "time": time.time(), "traceback": traceback.format_exc()}
         try:
-            gen_store.set(error_key(spec.rank), json.dumps(record))
+            store.set(Keys.error(spec.rank), json.dumps(record))
         except Exception:
             pass
-        if not comm:
-            traceback.print_exc()
+        traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # skip interpreter teardown: a broken process group can hang in its destructor
 
 
-def _run(spec: WorkerSpec, gen_store: dist.Store, root_store: dist.Store) -> None:
-    config = spec.config
-    plan = Plan.from_json(spec.plan_json)
-    replica, stage = plan.worker(spec.rank)
-    S = plan.num_stages
-    training, workload = config.training, config.workload
-    device = torch.device(f"cuda:{spec.device_index}") if spec.backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dtype = DTYPES[training.dtype]
+class _Fenced(Exception):
+    """This worker is not in the new generation."""
 
-    built = build_stage(config, stage, spec.model_factory)
-    module, layers = built.module.to(device), built.layout
-    optimizer = make_optimizer(module, training.lr, training.weight_decay)
-    if spec.resume_dir:
-        checkpoint.load_stage(spec.resume_dir, spec.start_step, stage, layers, module, optimizer)
-    dataset = load_dataset(training.dataset, workload.seq_len, base_dir=os.path.dirname(config.source) or None)
 
-    def load(iteration: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return microbatch(dataset, iteration, mb, workload.microbatch_size, workload.seq_len)
+def _recoverable(exc: BaseException) -> bool:
+    return isinstance(exc, GenerationAborted) or is_comm_error(exc)
 
-    stage_ranks = {s: [plan.rank(p, s) for p in plan.live_replicas(s)] for s in range(S)}
-    transport = Transport(root_store, spec.generation, spec.rank, plan.live_ranks(), stage_ranks, spec.timeout_s,
-                          spec.backend, device)
-    executor = StageExecutor(plan, spec.rank, module, optimizer, transport, load,
-                             built.input_shape, built.output_shape, dtype,
-                             grad_clip=training.grad_clip, seed=training.seed, device=device,
-                             record_timings=spec.record_timings)
-    if spec.emulation is not None:
-        install_pacing(executor, config, spec.emulation)
-    if spec.fault is not None:
-        _arm_fault(executor, spec.fault)
-    writer = replica == plan.live_replicas(stage)[0]  # one replica per stage writes stage files
-    for step in range(spec.start_step, spec.end_step):
+
+class _Worker:
+    """One worker's life: generations of (join, run steps) separated by recoveries."""
+
+    def __init__(self, spec: WorkerSpec, store: dist.Store) -> None:
+        self.spec = spec
+        self.store = store
+        self.config = config = spec.config
+        self.plan = Plan.from_json(spec.plan_json)
+        self.replica, self.stage = self.plan.worker(spec.rank)
+        self.generation = 0
+        training, workload = config.training, config.workload
+        self.device = torch.device(f"cuda:{spec.device_index}") if spec.backend == "nccl" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        built = build_stage(config, self.stage, spec.model_factory)
+        self.built = built
+        self.module, self.layers = built.module.to(self.device), built.layout
+        self.optimizer = make_optimizer(self.module, training.lr, training.weight_decay)
+        if spec.resume_dir:
+            checkpoint.load_stage(spec.resume_dir, spec.start_step, self.stage, self.layers, self.module,
+                                  self.optimizer)
+        self.dataset = load_dataset(training.dataset, workload.seq_len,
+                                    base_dir=os.path.dirname(config.source) or None)
+        self.heartbeat = _Heartbeat(spec)
+        self.transport: Transport | None = None
+        self.executor: StageExecutor | None = None
+        self._fired: set[FaultInjection] = set()
+        self._resumed_pending = False
+
+    # -- the life of a worker ------------------------------------------------------------------------------------
+    def run(self) -> None:
+        spec = self.spec
+        self.heartbeat.start()
+        step = spec.start_step
+        while True:
+            try:
+                if step >= spec.end_step and self.generation > 0:
+                    # A failure in the final barrier: every step is applied everywhere; nothing left to run together.
+                    self._save_final()
+                    return
+                self._join()
+                while step < spec.end_step:
+                    self._run_step(step)
+                    step += 1
+                self._finish()
+                return
+            except Exception as exc:
+                if not _recoverable(exc):
+                    raise
+                error = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+            # Outside the except block: the traceback (which holds the failed op and so the broken group's
+            # sockets) is gone before the groups are torn down, so peers still blocked on us see the close at once.
+            step = self._recover(step, error)
+
+    def _join(self) -> None:
+        """Form this generation's process groups and take its plan."""
+        generation = self.generation
+        self.heartbeat.generation = generation
+        if self.store.check([Keys.abort(generation)]):
+            raise GenerationAborted(f"generation {generation} was aborted before it formed")
+        stage_ranks = {s: [self.plan.rank(p, s) for p in self.plan.live_replicas(s)]
+                       for s in range(self.plan.num_stages)}
+        self.transport = Transport(self.store, generation, self.spec.rank, self.plan.live_ranks(), stage_ranks,
+                                   self.spec.timeout_s, self.spec.backend, self.device)
+        self.store.set(Keys.joined(generation, self.spec.rank), json.dumps(time.time()))
+        if self.executor is None:
+            self.executor = self._make_executor()
+        else:
+            self.executor.set_plan(self.plan, self.transport)
+        self._resumed_pending = generation > 0
+
+    def _make_executor(self) -> StageExecutor:
+        config, built = self.config, self.built
+        workload = config.workload
+
+        def load(iteration: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return microbatch(self.dataset, iteration, mb, workload.microbatch_size, workload.seq_len)
+
+        executor = StageExecutor(self.plan, self.spec.rank, self.module, self.optimizer, self.transport, load,
+                                 built.input_shape, built.output_shape, DTYPES[config.training.dtype],
+                                 grad_clip=config.training.grad_clip, seed=config.training.seed, device=self.device,
+                                 record_timings=self.spec.record_timings, before_action=self._before_action)
+        if self.spec.emulation is not None:
+            install_pacing(executor, config, self.spec.emulation)
+        return executor
+
+    def _before_action(self, action: Action) -> None:
+        if self.heartbeat.aborted >= self.generation:
+            raise GenerationAborted(f"generation {self.generation} was aborted by the coordinator")
+        if self._resumed_pending:
+            self._resumed_pending = False
+            self.store.set(Keys.resumed(self.generation, self.spec.rank), json.dumps(time.time()))
+        progress = self.executor.progress
+        for fault in self.spec.faults:
+            if fault.point == "action" and fault.step == progress.iteration and fault.index == progress.index:
+                self._fire(fault, str(action))
+
+    def _fire(self, fault: FaultInjection, where: str) -> None:
+        if fault in self._fired:
+            return
+        self._fired.add(fault)
+        self.store.set(Keys.fault(self.spec.rank), json.dumps({"time": time.time(), "where": where,
+                                                               "mode": fault.mode}))
+        fire(fault, where)
+
+    def _run_step(self, step: int) -> None:
+        spec = self.spec
         cpu0 = time.process_time()
-        result = executor.run_iteration(step)
+        result = self.executor.run_iteration(step)
         cpu_s = time.process_time() - cpu0  # all threads of this process, gloo's included
         done = step + 1
-        saved = False
-        if writer and spec.checkpoint_dir and spec.checkpoint_every > 0 and done % spec.checkpoint_every == 0:
-            checkpoint.save_stage(spec.checkpoint_dir, done, stage, layers, module, optimizer)
-            saved = True
-        gen_store.set(metrics_key(step, spec.rank), json.dumps({
-            "start": result.start, "end": result.end, "loss_sum": result.loss_sum, "grad_norm": result.grad_norm,
-            "checkpointed": saved, "replica": replica, "stage": stage, "cpu_s": cpu_s,
-            "digest": parameter_digest(module) if spec.verify_replicas else "",
+        if spec.checkpoint_dir and spec.checkpoint_every > 0 and done % spec.checkpoint_every == 0:
+            self._save_checkpoint(done)
+        self.store.set(Keys.metrics(step, spec.rank), json.dumps({
+            "start": result.start, "end": result.end, "loss_sum": result.loss_sum, "stage_loss": result.stage_loss,
+            "grad_norm": result.grad_norm, "replica": self.replica, "stage": self.stage, "cpu_s": cpu_s,
+            "generation": self.generation,
+            "digest": parameter_digest(self.module) if spec.verify_replicas else "",
             "timings": [[t.action, t.start, t.end] for t in result.timings],
         }))
-    if writer and spec.save_path:
-        checkpoint.atomic_torch_save({k: v.detach().cpu() for k, v in module.state_dict().items()},
-                                     checkpoint.part_file(spec.save_path, stage))
-    transport.flush()
-    transport.barrier()  # nobody tears its connections down while a peer may still be talking to it
-    transport.close()
 
+    def _is_writer(self) -> bool:
+        """One live replica per stage writes the stage's files."""
+        return self.replica == self.plan.live_replicas(self.stage)[0]
 
-def _arm_fault(executor: StageExecutor, fault: FaultInjection) -> None:
-    """Wrap run_action so the fault fires exactly at (step, action index)."""
-    original = executor.run_action
+    def _save_checkpoint(self, done: int) -> None:
+        if not self._is_writer():
+            return
+        spec = self.spec
+        faults = [f for f in spec.faults if f.point == "ckpt" and f.step == done - 1]
+        before_write = (lambda: self._fire(faults[0], f"the checkpoint of step {done}")) if faults else None
+        checkpoint.save_stage(spec.checkpoint_dir, done, self.stage, self.layers, self.module, self.optimizer,
+                              before_write=before_write)
+        self.store.set(Keys.checkpointed(done, self.stage), "1")
 
-    def run_action(action):  # type: ignore[no-untyped-def]
-        progress = executor.progress
-        if progress.iteration == fault.step and progress.index == fault.index:
-            if fault.mode == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif fault.mode == "freeze":
-                os.kill(os.getpid(), signal.SIGSTOP)  # if ever continued, carry on as a slow worker would
-            else:
-                raise ValueError(f"injected fault at step {fault.step}, action {fault.index} ({action})")
-        original(action)
+    def _save_final(self) -> None:
+        if self._is_writer() and self.spec.save_path:
+            checkpoint.atomic_torch_save({k: v.detach().cpu() for k, v in self.module.state_dict().items()},
+                                         checkpoint.part_file(self.spec.save_path, self.stage))
 
-    executor.run_action = run_action  # type: ignore[method-assign]
+    def _finish(self) -> None:
+        self._save_final()
+        self.transport.flush()
+        self.transport.barrier()  # nobody tears its connections down while a peer may still be talking to it
+        self.transport.close()
+
+    # -- recovery ------------------------------------------------------------------------------------------------
+    def _recover(self, step: int, error: str) -> int:
+        """Leave the broken generation, report, wait for the next one, roll back, and return the step to redo."""
+        spec = self.spec
+        for fault in spec.faults:
+            if fault.point == "recovery" and step >= fault.step:
+                self._fire(fault, f"the recovery from generation {self.generation}")
+        executor = self.executor
+        if self.transport is not None:
+            try:
+                self.transport.close(abort=True)
+            except Exception:
+                pass  # the group is broken either way; what matters is that its sockets are closed
+            self.transport = None
+            if executor is not None:
+                executor.comm = None  # type: ignore[assignment]  # set again by set_plan in the next generation
+        if executor is not None:
+            progress, completed = executor.progress, executor.completed
+            applied = executor.applied_iteration if executor.applied_iteration is not None else spec.start_step - 1
+            current = (progress.index, progress.busy_s) if not progress.finished else (0, 0.0)
+            report = StoppedReport(spec.rank, self.generation, applied, progress.iteration, current[0], current[1],
+                                   completed.index if applied >= spec.start_step else 0,
+                                   completed.busy_s if applied >= spec.start_step else 0.0,
+                                   error, time.time())
+        else:  # failed while forming the first generation: nothing done yet
+            report = StoppedReport(spec.rank, self.generation, spec.start_step - 1, spec.start_step, 0, 0.0, 0, 0.0,
+                                   error, time.time())
+        self.store.set(Keys.stopped(self.generation, spec.rank), encode(report))
+        announcement = self._await_announcement(self.generation + 1)
+        if spec.rank not in announcement.live:
+            raise _Fenced()
+        self.generation = announcement.generation
+        self.plan = Plan.from_json(self.store.get(Keys.plan(announcement.generation)).decode())
+        redo = announcement.redo_step
+        if executor is not None:
+            executor.roll_back(redo)
+        self._repair_checkpoint(redo)
+        return redo
+
+    def _await_announcement(self, generation: int) -> Announcement:
+        import datetime
+
+        self.heartbeat.generation = generation
+        while True:
+            try:
+                self.store.wait([Keys.announce(generation)], datetime.timedelta(seconds=5))
+                return decode(Announcement, self.store.get(Keys.announce(generation)))
+            except dist.DistStoreError:
+                continue  # the coordinator is still collecting reports; it fences us if it ever gives up on us
+
+    def _repair_checkpoint(self, redo: int) -> None:
+        """A checkpoint due at the step we roll back to may have lost its writer mid-save: write it again from the
+        rolled-back state (which is exactly that step's state)."""
+        spec = self.spec
+        if (spec.checkpoint_dir and spec.checkpoint_every > 0 and redo > spec.start_step
+                and redo % spec.checkpoint_every == 0 and self._is_writer()
+                and not self.store.check([Keys.checkpointed(redo, self.stage)])):
+            self._save_checkpoint(redo)

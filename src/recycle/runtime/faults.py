@@ -1,0 +1,78 @@
+"""Scripted faults (`recycle train --inject kill:1:1@3.5`): parsing, and arming them in a worker so they fire at an
+exact point of its work. An outside `kill -9` is handled the same way; these only make the point reproducible."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from dataclasses import dataclass
+
+from recycle.errors import ConfigError
+
+__all__ = ["FaultInjection", "MODES", "POINTS", "parse_fault", "fire"]
+
+MODES = ("kill", "hang", "raise")
+POINTS = ("action", "ckpt", "recovery")
+
+_SPEC = re.compile(r"^(?P<mode>[a-z]+):(?P<replica>\d+):(?P<stage>\d+)@(?P<step>\d+)(?:\.(?P<point>\d+|[a-z]+))?$")
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """At iteration `step` (0-based) the worker SIGKILLs itself ("kill"), freezes with SIGSTOP ("hang": only a
+    heartbeat or the timeout can catch it) or raises ("raise"). `point` says where: before action `index` of its
+    action list ("action"), in the middle of writing its checkpoint file after the step ("ckpt"), or as soon as it
+    stops for a recovery in that iteration or later ("recovery": a failure during a recovery)."""
+
+    step: int
+    index: int = 0
+    mode: str = "kill"
+    point: str = "action"
+
+    def __post_init__(self) -> None:
+        if self.mode == "freeze":  # the name older callers use
+            object.__setattr__(self, "mode", "hang")
+        if self.mode not in MODES:
+            raise ConfigError(f"fault mode {self.mode!r} is unknown; use one of {', '.join(MODES)}")
+        if self.point not in POINTS:
+            raise ConfigError(f"fault point {self.point!r} is unknown; use an action index or one of "
+                              f"{', '.join(POINTS[1:])}")
+
+    def describe(self) -> str:
+        where = f"action {self.index}" if self.point == "action" else self.point
+        return f"{self.mode} at step {self.step + 1}, {where}"
+
+
+def parse_fault(spec: str, num_replicas: int, num_stages: int) -> tuple[tuple[int, int], FaultInjection]:
+    """'kill:1:1@3.5' -> ((1, 1), FaultInjection(step=2, index=5)); STEP is 1-based as the progress lines print it;
+    the part after the dot is an action index (0-based, in the worker's action list), 'ckpt' or 'recovery'."""
+    match = _SPEC.match(spec.strip())
+    rule = ("--inject takes MODE:REPLICA:STAGE@STEP[.ACTION], e.g. kill:1:1@3.5 (MODE kill, hang or raise; STEP "
+            "1-based; ACTION an index into the worker's action list, or 'ckpt' or 'recovery')")
+    if not match:
+        raise ConfigError(f"--inject {spec!r}: {rule}")
+    mode, replica, stage, step = match["mode"], int(match["replica"]), int(match["stage"]), int(match["step"])
+    if mode not in MODES:
+        raise ConfigError(f"--inject {spec!r}: mode {mode!r} is unknown; {rule}")
+    if not (0 <= replica < num_replicas and 0 <= stage < num_stages):
+        raise ConfigError(f"--inject {spec!r}: worker {replica}:{stage} is outside the topology (D={num_replicas}, "
+                          f"S={num_stages}); use REPLICA < {num_replicas} and STAGE < {num_stages}")
+    if step < 1:
+        raise ConfigError(f"--inject {spec!r}: STEP {step} must be >= 1 (steps count from 1)")
+    point_text = match["point"] or "0"
+    if point_text.isdigit():
+        return (replica, stage), FaultInjection(step - 1, int(point_text), mode, "action")
+    if point_text not in POINTS[1:]:
+        raise ConfigError(f"--inject {spec!r}: {point_text!r} is not an action index, 'ckpt' or 'recovery'")
+    return (replica, stage), FaultInjection(step - 1, 0, mode, point_text)
+
+
+def fire(fault: FaultInjection, where: str) -> None:
+    """Carry the fault out now."""
+    if fault.mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.mode == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)  # if ever continued, it carries on as a slow worker would
+    else:
+        raise ValueError(f"injected fault ({fault.describe()}) at {where}")
