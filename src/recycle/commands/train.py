@@ -4,13 +4,16 @@ or an adaptive plan for workers marked down."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from recycle.config import Config, load_config
 from recycle.errors import ConfigError, PlanError, RecycleError
 from recycle.ir import Plan
 from recycle.runtime.emulate import DEFAULT_SLOT_MS, Emulation
-from recycle.runtime.launcher import LaunchOptions, launch
+from recycle.runtime.control import read_token
+from recycle.runtime.faults import parse_fault
+from recycle.runtime.launcher import LaunchOptions, PlanChoice, PlanProvider, launch
 
 __all__ = ["register", "run", "select_plan"]
 
@@ -34,7 +37,26 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default="", help="write checkpoints here")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="checkpoint every K steps")
     p.add_argument("--resume", default="", metavar="DIR", help="resume from the latest checkpoint in DIR")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds before a silent peer counts as failed")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds a collective or message may take before the peer counts as stuck (default 30)")
+    recovery = p.add_argument_group("surviving failures")
+    recovery.add_argument("--max-failures", type=int, default=2, metavar="F",
+                          help="plan every failure state with up to F workers down before training starts (default "
+                               "2); a state beyond is planned online by the heuristic when it happens")
+    recovery.add_argument("--plan-store", default="", metavar="DIR",
+                          help="use the plans of a store made by `recycle plan --max-failures F --out DIR`")
+    recovery.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="S",
+                          help="a worker that sends no heartbeat for S seconds is hung: it is killed and its "
+                               "micro-batches re-routed (default 5)")
+    recovery.add_argument("--inject", action="append", default=[], metavar="MODE:R:S@STEP[.ACTION]",
+                          help="scripted fault, repeatable: kill:1:1@3.5 SIGKILLs worker 1:1 before action 5 of "
+                               "step 3; hang: freezes it (SIGSTOP); raise: raises; ACTION may also be 'ckpt' (during "
+                               "its checkpoint write) or 'recovery' (while a recovery is under way)")
+    recovery.add_argument("--no-recover", action="store_true",
+                          help="stop the run at the first worker failure instead of re-routing around it")
+    p.add_argument("--token-file", default="", metavar="FILE",
+                   help="multi-node: the job secret (mode 600, the same file on every node); or set "
+                        "RECYCLE_JOB_TOKEN")
     p.add_argument("--nnodes", type=int, default=1,
                    help="number of launcher nodes (node 0 hosts the store; --save and checkpoints need a shared "
                         "filesystem)")
@@ -91,10 +113,31 @@ def select_plan(config: Config, schedule: str | None, plan_file: str | None, dow
     return build_schedule(config, name, staggered=staggered)
 
 
+def plan_provider(config: Config, args: argparse.Namespace) -> PlanProvider | None:
+    """The plans the launcher switches to when workers fail: a store (built now or loaded), heuristic beyond it."""
+    if args.no_recover:
+        return None
+    from recycle.planner.options import PlannerOptions  # commands may use the planner; the runtime may not
+    from recycle.planner.provider import PlanLibrary
+
+    if args.max_failures < 0:
+        raise ConfigError(f"--max-failures {args.max_failures} must be >= 0 (0: plan every failure when it happens)")
+    if args.plan_store:
+        library = PlanLibrary.load(args.plan_store, config)
+    else:
+        options = PlannerOptions(decoupled=not args.no_decouple, staggered=not args.no_stagger)
+        library = PlanLibrary.build(config, options, args.max_failures, progress=sys.stdout)
+    return library.provider(PlanChoice)
+
+
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
                        staggered=not args.no_stagger)
+    faults = []
+    for spec in args.inject:
+        (replica, stage), fault = parse_fault(spec, config.num_replicas, config.num_stages)
+        faults.append((replica * config.num_stages + stage, fault))
     if plan.failed:
         print(f"workers down: {' '.join(f'{p}:{s}' for p, s in sorted(plan.failed))}; running plan "
               f"{plan.meta.schedule or 'adaptive'} ({'staggered' if plan.staggered else 'coupled'} optimizer)")
@@ -103,12 +146,17 @@ def run(args: argparse.Namespace) -> int:
                             metrics_path=args.metrics or "", timeout_s=args.timeout, master_addr=args.master_addr,
                             master_port=args.master_port, nnodes=args.nnodes, node_rank=args.node_rank,
                             model_factory=args.model_factory, start_method=args.start_method,
+                            heartbeat_timeout_s=args.heartbeat_timeout, faults=tuple(faults),
+                            token=read_token(args.token_file), plan_provider=plan_provider(config, args),
                             emulation=Emulation(args.slot_ms, args.cost_scale) if args.emulate_costs else None)
     result = launch(config, plan, options)
     if result.steps:
         last = result.steps[-1]
         print(f"trained steps {result.start_step + 1}..{result.end_step} in {result.wall_s:.1f} s; final loss "
               f"{last.loss:.4f}")
+    if result.recoveries:
+        down = " ".join(f"{p}:{s}" for p, s in result.failed)
+        print(f"survived {len(result.recoveries)} failure(s) without a restart; workers down at the end: {down}")
     else:
         print(f"nothing to do: already at step {result.end_step}")
     if args.save:

@@ -63,6 +63,7 @@ class RecoveryFacts:
     redo_step: int
     redone_actions: int  # finished actions that the roll-back throws away
     redone_s: float
+    rolled_back: int  # survivors that had already applied redo_step's optimizer step and restored their snapshot
     started: float  # when the coordinator first learned of the failure
     reports: tuple[StoppedReport, ...]
 
@@ -212,6 +213,7 @@ class Coordinator:
         redone_s = sum(r.current_s + (r.previous_s if r.applied >= redo else 0.0) for r in reports)
         generation = state.generation + 1
         facts = RecoveryFacts(generation, state.deaths, state.failed, redo, redone, redone_s,
+                              sum(r.applied >= redo for r in reports),
                               state.recovery_started if state.recovery_started is not None else now, tuple(reports))
         live = state.live - state.done  # finished workers exited: the rest only need to finish too (redo = end)
         self.state = RunState(generation=generation, live=live, failed=state.failed, retries=retries)

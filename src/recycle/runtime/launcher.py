@@ -113,6 +113,7 @@ class Recovery:
     resumed_s: float  # failure -> every worker started its first action of the new plan
     redone_actions: int
     redone_s: float
+    rolled_back: int  # survivors whose stage had already stepped the redone iteration (restored from a snapshot)
 
     def line(self) -> str:
         detected = f"detected in {self.detected_s:.2f} s; " if self.detected_s is not None else ""
@@ -247,6 +248,7 @@ class _Coordination:
     def __init__(self, config: Config, plan: Plan, options: LaunchOptions, store: dist.Store,
                  processes: dict[int, mp.process.BaseProcess], start_step: int, end_step: int, wall0: float) -> None:
         self.config, self.plan, self.options, self.store = config, plan, options, store
+        self.plan_at_start = plan
         self.processes = processes
         self.start_step, self.end_step, self.wall0 = start_step, end_step, wall0
         self.coordinator = Coordinator(plan.num_replicas, plan.num_stages, frozenset(plan.live_ranks()), plan.failed,
@@ -435,7 +437,8 @@ class _Coordination:
             detected_s=(min(d.time for d in facts.deaths) - min(fault_times)) if fault_times and facts.deaths else None,
             plan_source=choice.source, plan_lookup_s=choice.seconds,
             formed_s=(max(joined) - pending["announced"]) if joined else 0.0,
-            resumed_s=end - failure_time, redone_actions=facts.redone_actions, redone_s=facts.redone_s)
+            resumed_s=end - failure_time, redone_actions=facts.redone_actions, redone_s=facts.redone_s,
+            rolled_back=facts.rolled_back)
         if os.environ.get("RECYCLE_DEBUG"):
             print("DEBUG", [(r.rank, round(r.time - failure_time, 3), r.error[:60]) for r in facts.reports],
                   "announced", round(pending["announced"] - failure_time, 3), "joined",
@@ -498,7 +501,10 @@ class _Coordination:
         if self.options.nnodes == 1:
             return
         self.store.set(Keys.FINISHED, "1")
-        keys = [Keys.node_done(n) for n in range(1, self.options.nnodes)]
+        live = self.coordinator.state.live | self.done
+        initial = self.plan_at_start.live_ranks()
+        keys = [Keys.node_done(n) for n in range(1, self.options.nnodes)
+                if set(node_ranks(initial, self.options.nnodes, n)) & live]  # a node with no live worker is gone
         deadline = time.time() + max(self.options.timeout_s, 60.0)
         while not self.store.check(keys) and time.time() < deadline:
             time.sleep(0.05)

@@ -1,0 +1,125 @@
+"""The control plane (store bound to one address, keys under the job secret), scripted-fault parsing, and the
+pre-step snapshot that recovery rolls back to."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+
+import pytest
+import torch
+
+from recycle.errors import ConfigError
+from recycle.runtime.control import (Announcement, StoppedReport, connect_store, decode, encode, host_store,
+                                     job_store, new_token, read_token)
+from recycle.runtime.faults import FaultInjection, parse_fault
+from recycle.runtime.optim import AdamW
+from recycle.runtime.rollback import StageSnapshot
+
+
+def _non_loopback_address() -> str | None:
+    try:
+        out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=5).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    addresses = [a for a in out if "." in a and not a.startswith("127.")]
+    return addresses[0] if addresses else None
+
+
+def test_store_listens_on_loopback_only() -> None:
+    store = host_store("127.0.0.1", 0, timeout_s=5)
+    port = store.port
+    with socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass
+    other = _non_loopback_address()
+    if other is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to try")
+    with pytest.raises(OSError):
+        socket.create_connection((other, port), timeout=2).close()
+
+
+def test_a_client_without_the_token_cannot_read_or_forge_job_keys() -> None:
+    server = host_store("127.0.0.1", 0, timeout_s=5)
+    token = new_token()
+    job = job_store(server, token)
+    job.set("metrics/0/0", "real")
+    foreign = connect_store("127.0.0.1", server.port, timeout_s=5)
+    assert not foreign.check(["metrics/0/0"])  # the job's keys are not where an outsider can name them
+    foreign.set("metrics/0/0", "forged")
+    foreign.set("gen0/metrics/0/0", "forged")
+    assert job.get("metrics/0/0") == b"real"
+    assert not job_store(foreign, new_token()).check(["metrics/0/0"])  # a wrong token sees nothing either
+
+
+def test_token_file_must_be_private_and_well_formed(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("RECYCLE_JOB_TOKEN", raising=False)
+    assert read_token() == ""
+    path = tmp_path / "token"
+    path.write_text(new_token() + "\n")
+    os.chmod(path, 0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        read_token(str(path))
+    os.chmod(path, 0o600)
+    assert len(read_token(str(path))) == 48
+    path.write_text("short")
+    with pytest.raises(ConfigError, match="at least 32 hex digits"):
+        read_token(str(path))
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_token(str(tmp_path / "missing"))
+    monkeypatch.setenv("RECYCLE_JOB_TOKEN", "ab" * 20)
+    assert read_token() == "ab" * 20
+
+
+def test_records_round_trip() -> None:
+    report = StoppedReport(3, 1, 4, 5, 2, 0.25, 7, 1.5, "Connection closed by peer", 12.5)
+    assert decode(StoppedReport, encode(report)) == report
+    announcement = Announcement(2, (0, 1, 2), 5, 10, "worker 1:1 died")
+    assert decode(Announcement, encode(announcement)) == announcement
+
+
+@pytest.mark.parametrize("spec,worker,fault", [
+    ("kill:1:1@3.5", (1, 1), FaultInjection(2, 5, "kill", "action")),
+    ("hang:0:2@1", (0, 2), FaultInjection(0, 0, "hang", "action")),
+    ("raise:2:0@4.ckpt", (2, 0), FaultInjection(3, 0, "raise", "ckpt")),
+    ("kill:0:0@2.recovery", (0, 0), FaultInjection(1, 0, "kill", "recovery")),
+])
+def test_fault_specs_parse(spec: str, worker: tuple[int, int], fault: FaultInjection) -> None:
+    assert parse_fault(spec, num_replicas=3, num_stages=3) == (worker, fault)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("kill:1:1", "MODE:REPLICA:STAGE@STEP"),
+    ("explode:1:1@2", "mode 'explode' is unknown"),
+    ("kill:3:0@2", "outside the topology"),
+    ("kill:0:0@0", "must be >= 1"),
+    ("kill:0:0@2.later", "not an action index"),
+])
+def test_bad_fault_specs_name_the_rule(spec: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_fault(spec, num_replicas=3, num_stages=3)
+
+
+def test_snapshot_restores_parameters_and_optimizer_state_exactly() -> None:
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 3).double()
+    optimizer = AdamW(module.parameters(), lr=0.1, weight_decay=0.01)
+
+    def step() -> None:
+        module(torch.randn(5, 4, dtype=torch.float64)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    moments = [t.clone() for t in optimizer.exp_avg]
+    snapshot = StageSnapshot(module, optimizer)
+    snapshot.take(iteration=1)
+    step()
+    assert not torch.equal(module.weight, before["weight"])
+    with pytest.raises(RuntimeError, match="iteration 2"):
+        snapshot.restore(2)
+    snapshot.restore(1)
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in before.items())
+    assert all(torch.equal(a, b) for a, b in zip(optimizer.exp_avg, moments))
+    assert optimizer.step_count == 1

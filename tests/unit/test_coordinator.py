@@ -1,0 +1,162 @@
+"""The coordinator's decisions with plain facts (no processes), in the style of torchft's manager tests: who is
+fenced, when a generation is announced, from which step everyone redoes, and when the run must stop."""
+
+from __future__ import annotations
+
+import pytest
+
+from recycle.runtime.control import StoppedReport
+from recycle.runtime.coordinator import (AbortGeneration, Announce, Coordinator, FailRun, Fence, describe_exit,
+                                         stale_heartbeats)
+
+D, S = 3, 2  # ranks: replica * S + stage -> (0,0)=0 (0,1)=1 (1,0)=2 (1,1)=3 (2,0)=4 (2,1)=5
+ALL = frozenset(range(D * S))
+
+
+def coordinator(live=ALL, failed=frozenset(), end_step=10) -> Coordinator:
+    return Coordinator(D, S, live, failed, end_step=end_step, report_timeout_s=10.0)
+
+
+def report(rank: int, applied: int, generation: int = 0, iteration: int | None = None, current: int = 2,
+           previous: int = 7) -> StoppedReport:
+    return StoppedReport(rank, generation, applied, applied + 1 if iteration is None else iteration, current, 0.5,
+                         previous, 1.0, "Connection closed by peer", 100.0)
+
+
+def kinds(commands) -> list[type]:
+    return [type(c) for c in commands]
+
+
+def test_a_death_aborts_the_generation_and_waits_for_every_survivor() -> None:
+    c = coordinator()
+    commands = c.on_death(3, "worker 1:1 died (killed by SIGKILL)", now=1.0)
+    assert kinds(commands) == [AbortGeneration]
+    assert commands[0].generation == 0
+    assert c.state.live == ALL - {3} and c.state.failed == {(1, 1)} and c.state.recovering
+    for rank in (0, 1, 2, 4):
+        assert c.on_stopped(report(rank, applied=4), now=1.1) == []  # still waiting for rank 5
+    (announce,) = c.on_stopped(report(5, applied=4), now=1.2)
+    assert isinstance(announce, Announce)
+    assert announce.live == ALL - {3}
+    assert announce.facts.generation == 1 and announce.facts.failed == {(1, 1)} and announce.facts.redo_step == 5
+    assert c.state.generation == 1 and not c.state.recovering
+
+
+def test_redo_starts_at_the_oldest_unapplied_iteration_and_counts_rolled_back_work() -> None:
+    """Staggered optimizer: stage 1 already stepped iteration 5, stage 0 had not; everyone redoes iteration 5."""
+    c = coordinator()
+    c.on_death(3, "died", now=0.0)
+    c.on_stopped(report(0, applied=4, current=3), 0.1)  # stage 0: in iteration 5, 3 actions done
+    c.on_stopped(report(2, applied=4, current=3), 0.1)
+    c.on_stopped(report(4, applied=4, current=3), 0.1)
+    c.on_stopped(report(1, applied=5, current=1, previous=7), 0.1)  # stage 1: stepped 5, 1 action into 6
+    (announce,) = c.on_stopped(report(5, applied=5, current=1, previous=7), 0.1)
+    facts = announce.facts
+    assert facts.redo_step == 5
+    assert facts.rolled_back == 2
+    assert facts.redone_actions == 3 * 3 + 2 * (1 + 7)
+
+
+def test_late_report_of_an_old_generation_is_ignored() -> None:
+    c = coordinator()
+    c.on_death(3, "died", 0.0)
+    for rank in (0, 1, 2, 4, 5):
+        c.on_stopped(report(rank, applied=1), 0.1)
+    assert c.state.generation == 1
+    assert c.on_stopped(report(0, applied=1, generation=0), 0.2) == []
+    assert not c.state.recovering
+
+
+def test_a_second_death_during_a_recovery_joins_it() -> None:
+    c = coordinator()
+    c.on_death(3, "died", 0.0)
+    c.on_stopped(report(0, applied=2), 0.1)
+    assert c.on_death(5, "died", 0.2) == []  # same recovery: no second abort
+    for rank in (1, 2):
+        assert c.on_stopped(report(rank, applied=2), 0.3) == []
+    (announce,) = c.on_stopped(report(4, applied=2), 0.3)
+    assert announce.facts.failed == {(1, 1), (2, 1)}
+    assert [d.rank for d in announce.facts.deaths] == [3, 5]
+    assert announce.live == frozenset({0, 1, 2, 4})
+
+
+def test_a_dead_worker_that_reported_before_dying_is_not_waited_for() -> None:
+    c = coordinator()
+    c.on_stopped(report(0, applied=1), 0.0)  # rank 0 saw the failure first
+    assert c.state.recovering
+    c.on_death(3, "died", 0.1)
+    for rank in (1, 2, 4):
+        c.on_stopped(report(rank, applied=1), 0.1)
+    (announce,) = c.on_stopped(report(5, applied=1), 0.1)
+    assert announce.live == ALL - {3}
+
+
+def test_losing_the_last_replica_of_a_stage_fails_the_run() -> None:
+    c = coordinator(live=frozenset({0, 1, 3, 5}), failed=frozenset({(1, 0), (2, 0)}))
+    (fail,) = c.on_death(0, "worker 0:0 died (killed by SIGKILL)", 0.0)
+    assert isinstance(fail, FailRun)
+    assert "last live replica of stage 0" in fail.message and "--resume" in fail.message
+    assert c.state.finished
+    assert c.on_death(1, "died", 0.1) == []  # nothing after the end
+
+
+def test_a_hung_worker_is_fenced_and_one_that_never_reports_is_fenced_at_the_deadline() -> None:
+    c = coordinator()
+    commands = c.on_death(2, "stopped responding", 0.0, fence=True)
+    assert kinds(commands) == [Fence, AbortGeneration]
+    for rank in (0, 1, 3, 4):
+        c.on_stopped(report(rank, applied=0), 1.0)
+    assert c.on_tick(5.0) == []  # within the report timeout
+    commands = c.on_tick(10.5)  # rank 5 never reported
+    assert kinds(commands) == [Fence, Announce]
+    assert commands[0].rank == 5
+    assert commands[1].live == frozenset({0, 1, 3, 4})
+
+
+def test_an_ordinary_exception_fails_the_run() -> None:
+    c = coordinator()
+    (fail,) = c.on_error(3, "worker 1:1 raised ValueError: bad")
+    assert fail == FailRun("worker 1:1 raised ValueError: bad")
+
+
+def test_recoveries_without_a_death_are_retried_then_fail() -> None:
+    c = coordinator()
+    for attempt in range(4):
+        g = c.state.generation
+        commands = []
+        for rank in sorted(ALL):
+            commands += c.on_stopped(report(rank, applied=3, generation=g), float(attempt))
+        if attempt < 3:
+            assert kinds(commands) == [AbortGeneration, Announce]
+            assert commands[1].live == ALL and commands[1].facts.deaths == ()
+        else:
+            assert kinds(commands) == [AbortGeneration, FailRun]
+            assert "without any worker failing" in commands[1].message
+
+
+def test_workers_that_finished_count_as_reported_with_every_step_applied() -> None:
+    """A death in the final barrier: some workers already exited 0; the rest only need to finish."""
+    c = coordinator(end_step=10)
+    c.on_done(0, 0.0)
+    c.on_done(1, 0.0)
+    c.on_death(3, "died", 0.1)
+    for rank in (2, 4):
+        c.on_stopped(report(rank, applied=9), 0.2)
+    (announce,) = c.on_stopped(report(5, applied=9), 0.2)
+    assert announce.facts.redo_step == 10
+    assert announce.live == frozenset({2, 4, 5})
+
+
+def test_exit_descriptions_and_stale_heartbeats() -> None:
+    assert describe_exit(-9) == "killed by SIGKILL"
+    assert describe_exit(-19) == "killed by SIGSTOP"
+    assert describe_exit(3) == "exited with code 3"
+    beats = {0: 10.0, 1: 7.0, 2: 4.0}
+    assert stale_heartbeats(beats, frozenset({0, 1, 2, 3}), now=10.0, timeout_s=5.0) == [2]
+
+
+@pytest.mark.parametrize("rank", [0, 5])
+def test_deaths_of_unknown_or_dead_ranks_change_nothing(rank: int) -> None:
+    c = coordinator(live=ALL - {rank})
+    assert c.on_death(rank, "died", 0.0) == []
+    assert not c.state.recovering
