@@ -1,5 +1,5 @@
-"""A worker that dies (SIGKILL) or raises mid-iteration stops the whole run within seconds, with a non-zero
-outcome naming that worker, and leaves no worker process behind."""
+"""When the run cannot go on (no plan provider, a worker that raises, a lost launcher) it stops within seconds, with
+a non-zero outcome naming the worker, and leaves no worker process behind."""
 
 from __future__ import annotations
 
@@ -26,33 +26,34 @@ def tiny_config():
     }, name="failures")
 
 
-@pytest.mark.parametrize("mode,expected", [("kill", r"worker 1:1 \(rank 3, pid \d+\) died \(killed by signal 9\)"),
+@pytest.mark.parametrize("mode,expected", [("kill", r"worker 1:1 \(rank 3, pid \d+\) died \(killed by SIGKILL\)"),
                                            ("raise", r"worker 1:1 \(rank 3, pid \d+\) raised ValueError: injected")])
-def test_failing_worker_stops_the_run_and_is_named(mode: str, expected: str) -> None:
+def test_without_a_plan_provider_a_failing_worker_stops_the_run_and_is_named(mode: str, expected: str) -> None:
+    """A library caller that passes no plan provider gets the old contract: a clean stop naming the worker. An
+    ordinary exception stops the run even with a provider (it is a bug, not a lost machine)."""
     config = tiny_config()
     plan = build_schedule(config, "zb-h1", staggered=True)
     reported: list[float] = []
     options = LaunchOptions(faults=((3, FaultInjection(step=2, index=2, mode=mode)),), timeout_s=60,
                             progress=lambda line: reported.append(time.monotonic()), start_method="forkserver")
-    with pytest.raises(RuntimeFailure, match=expected) as info:
+    with pytest.raises(RuntimeFailure, match=expected):
         launch(config, plan, options)
     stopped = time.monotonic()
     assert len(reported) == 2  # steps 1 and 2 completed, the fault hit inside step 3
-    assert "during step 3" in str(info.value)
-    # The survivors see the dead peer at once; the stop takes the grace period plus reaping, not the 60 s timeout.
+    # The coordinator sees the death at once; the stop takes reaping, not the 60 s timeout.
     assert stopped - reported[-1] < 15
     assert not mp.active_children()
 
 
-def test_frozen_worker_is_caught_by_the_timeout_and_named() -> None:
+def test_a_frozen_worker_without_a_plan_provider_is_caught_by_its_heartbeat_and_named() -> None:
     config = tiny_config()
     plan = build_schedule(config, "1f1b", staggered=True)
-    options = LaunchOptions(faults=((2, FaultInjection(step=1, index=1, mode="freeze")),), timeout_s=3,
-                            progress=None, start_method="forkserver")
+    options = LaunchOptions(faults=((2, FaultInjection(step=1, index=1, mode="hang")),), timeout_s=30,
+                            heartbeat_timeout_s=2.0, heartbeat_s=0.25, progress=None, start_method="forkserver")
     began = time.monotonic()
     with pytest.raises(RuntimeFailure, match=r"worker 1:0 \(rank 2, pid \d+\) stopped responding"):
         launch(config, plan, options)
-    assert time.monotonic() - began < 30
+    assert time.monotonic() - began < 25  # the heartbeat, not the 30 s collective timeout
     assert not mp.active_children()
 
 
@@ -91,7 +92,9 @@ def test_workers_exit_when_the_launcher_is_killed(tmp_path) -> None:
                                  "--steps", "100000"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 text=True)
     try:
-        line = launcher.stdout.readline()  # the first progress line: every worker is up and training
+        line = launcher.stdout.readline()
+        while line.startswith("plan store"):
+            line = launcher.stdout.readline()  # the first progress line: every worker is up and training
         assert line.startswith("step 1/"), line
         workers = _children(launcher.pid)
         assert len(workers) >= 4

@@ -3,6 +3,8 @@ same parameters as the single-process reference."""
 
 from __future__ import annotations
 
+import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -50,10 +52,11 @@ def test_two_launchers_train_like_the_reference(tmp_path: Path) -> None:
     port = str(free_port())
     common = [sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--nnodes", "2",
               "--master-addr", "127.0.0.1", "--master-port", port, "--save", str(save), "--timeout", "20"]
+    env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
     node0 = subprocess.Popen([*common, "--node-rank", "0"], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+                             stderr=subprocess.PIPE, text=True, env=env)
     node1 = subprocess.Popen([*common, "--node-rank", "1"], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+                             stderr=subprocess.PIPE, text=True, env=env)
     out1, err1 = node1.communicate(timeout=150)
     out0, err0 = node0.communicate(timeout=150)
     assert node0.returncode == 0, err0
@@ -63,3 +66,14 @@ def test_two_launchers_train_like_the_reference(tmp_path: Path) -> None:
     ref, _ = reference_train(load_config(config_file))
     for key in ref:
         assert float((got[key] - ref[key]).abs().max() / ref[key].abs().max().clamp_min(1e-12)) < 1e-9, key
+
+
+def test_a_node_without_the_job_secret_is_refused(tmp_path: Path) -> None:
+    config_file = tmp_path / "cfg.toml"
+    config_file.write_text(CONFIG)
+    env = {k: v for k, v in os.environ.items() if k != "RECYCLE_JOB_TOKEN"}
+    run = subprocess.run([sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--nnodes", "2",
+                          "--node-rank", "0", "--master-port", str(free_port())], cwd=ROOT, capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert run.returncode == 2
+    assert "RECYCLE_JOB_TOKEN" in run.stderr and "Traceback" not in run.stderr

@@ -268,6 +268,7 @@ class _Coordination:
         self.next_beat_check = 0.0
         self.stopped_seen = 0
         self.pending: dict[str, Any] | None = None  # the recovery being completed
+        self.failing = False
         self.pending_checkpoints = [d for d in range(start_step + 1, end_step + 1)
                                     if options.checkpoint_dir and options.checkpoint_every > 0
                                     and d % options.checkpoint_every == 0]
@@ -397,6 +398,9 @@ class _Coordination:
         self.pending = {"facts": facts, "choice": choice, "announced": time.time(), "live": command.live}
 
     def _fail(self, message: str) -> None:
+        if not self.failing:
+            self.failing = True
+            self._drain()  # report the steps that completed before the failure
         _stop(self.processes)
         if self.options.nnodes > 1:
             self.store.set(Keys.ABORT_RUN, message)  # the other nodes' launchers stop their workers and report this

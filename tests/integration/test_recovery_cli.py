@@ -1,0 +1,142 @@
+"""`recycle train` survives what a user would do or suffer: an outside `kill -9` of a worker, and a whole launcher
+node killed in a two-node run; both end with the fault-free parameters and no process left behind."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from recycle.config import load_config
+from recycle.runtime.reference import reference_train
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CONFIG = """
+[topology]
+num_replicas = 2
+num_stages = 2
+[workload]
+num_microbatches = 2
+microbatch_size = 2
+seq_len = 8
+[costs]
+forward = 1
+backward_input = 1
+backward_weight = 1
+[model]
+preset = "tiny"
+[training]
+steps = 8
+lr = 0.01
+dtype = "float64"
+"""
+# --emulate-costs paces each action to 25 ms, so a step lasts ~0.3 s and the test can kill something mid-run.
+PACED = ["--emulate-costs", "--slot-ms", "25"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_pids(launcher_pid: int) -> list[int]:
+    """The launcher's worker processes (spawned interpreters), in start order (= rank order)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == launcher_pid and b"spawn_main" in cmdline:
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
+def wait_for_line(process: subprocess.Popen, prefix: str, lines: list[str]) -> None:
+    while True:
+        line = process.stdout.readline()
+        assert line, f"the run ended before printing {prefix!r}: {''.join(lines)}"
+        lines.append(line)
+        if line.startswith(prefix):
+            return
+
+
+def assert_reference(config_file: Path, save: Path) -> None:
+    got = torch.load(save, weights_only=True)["model"]
+    ref, _ = reference_train(load_config(config_file))
+    for key in ref:
+        assert float((got[key] - ref[key]).abs().max() / ref[key].abs().max().clamp_min(1e-12)) < 1e-9, key
+
+
+def test_an_outside_kill_9_is_survived(tmp_path: Path) -> None:
+    config_file = tmp_path / "cfg.toml"
+    config_file.write_text(CONFIG)
+    save = tmp_path / "final.pt"
+    launcher = subprocess.Popen([sys.executable, "-m", "recycle", "train", "--config", str(config_file),
+                                 "--save", str(save), *PACED], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    try:
+        wait_for_line(launcher, "step 2/", lines)
+        pids = worker_pids(launcher.pid)
+        assert len(pids) == 4
+        os.kill(pids[3], signal.SIGKILL)  # rank 3 = worker 1:1
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    output = "".join(lines) + out
+    assert launcher.returncode == 0, err
+    assert f"worker 1:1 (rank 3, pid {pids[3]}) died (killed by SIGKILL)" in output
+    assert "step 8/8" in output and "survived 1 failure(s)" in output
+    assert_reference(config_file, save)
+    assert not [p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in
+                Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]]
+
+
+def test_a_killed_launcher_node_is_survived(tmp_path: Path) -> None:
+    """Node 1 hosts pipeline 1 (workers 1:0 and 1:1). Its launcher is SIGKILLed: its workers exit with it, node 0
+    stops hearing their heartbeats, and trains on with pipeline 0 alone to the same parameters."""
+    config_file = tmp_path / "cfg.toml"
+    config_file.write_text(CONFIG)
+    save = tmp_path / "final.pt"
+    common = [sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--nnodes", "2",
+              "--master-port", str(free_port()), "--save", str(save), "--heartbeat-timeout", "2", *PACED]
+    env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
+    node0 = subprocess.Popen([*common, "--node-rank", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env)
+    node1 = subprocess.Popen([*common, "--node-rank", "1"], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, env=env)
+    lines: list[str] = []
+    try:
+        wait_for_line(node0, "step 2/", lines)
+        node1_workers = worker_pids(node1.pid)
+        node1.kill()
+        node1.wait()
+        out, err = node0.communicate(timeout=120)
+    finally:
+        for process in (node0, node1):
+            if process.poll() is None:
+                process.kill()
+    output = "".join(lines) + out
+    assert node0.returncode == 0, err
+    assert "stopped responding" in output and "step 8/8" in output
+    assert_reference(config_file, save)
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{p}").exists() for p in node1_workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(node1_workers) == 2
+    assert not [p for p in node1_workers if Path(f"/proc/{p}").exists()], "node 1's workers outlived it"
