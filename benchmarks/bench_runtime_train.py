@@ -69,8 +69,8 @@ def main() -> None:
                                                start_method="forkserver"))
         except RuntimeFailure as exc:
             stop = time.monotonic()
-            print(f"SIGKILL of worker 1:1 in step 3: job stopped {stop - seen[-1]:.2f} s after step 2 was reported "
-                  f"(gloo timeout 60 s, launcher grace 1 s): {str(exc).split(';')[0]}")
+            print(f"SIGKILL of worker 1:1 in step 3 with no plan provider: job stopped {stop - seen[-1]:.2f} s after "
+                  f"step 2 was reported: {str(exc).split(';')[0]} (recovery: benchmarks/bench_recovery.py)")
 
 
 if __name__ == "__main__":
