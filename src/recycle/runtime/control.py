@@ -100,6 +100,10 @@ class Keys:
         return f"gen{generation}/stopped/{rank}"
 
     @staticmethod
+    def stopped_count(generation: int) -> str:
+        return f"gen{generation}/stopped_count"
+
+    @staticmethod
     def joined(generation: int, rank: int) -> str:
         return f"gen{generation}/joined/{rank}"
 

@@ -354,6 +354,8 @@ class _Coordination:
 
     def _stopped_reports(self, now: float) -> list[Command]:
         state = self.coordinator.state
+        if self.store.add(Keys.stopped_count(state.generation), 0) == len(state.reports):
+            return []  # nobody new has stopped in this generation
         commands: list[Command] = []
         for rank in sorted(state.live - set(state.reports) - state.done):
             key = Keys.stopped(state.generation, rank)

@@ -328,6 +328,7 @@ class _Worker:
             report = StoppedReport(spec.rank, self.generation, spec.start_step - 1, spec.start_step, 0, 0.0, 0, 0.0,
                                    error, time.time())
         self.store.set(Keys.stopped(self.generation, spec.rank), encode(report))
+        self.store.add(Keys.stopped_count(self.generation), 1)  # one key for the coordinator to poll
         announcement = self._await_announcement(self.generation + 1)
         if spec.rank not in announcement.live:
             raise _Fenced()
