@@ -123,3 +123,33 @@ def test_snapshot_restores_parameters_and_optimizer_state_exactly() -> None:
     assert all(torch.equal(module.state_dict()[k], v) for k, v in before.items())
     assert all(torch.equal(a, b) for a, b in zip(optimizer.exp_avg, moments))
     assert optimizer.step_count == 1
+
+
+def test_state_transfer_copies_parameters_moments_and_step_count() -> None:
+    from recycle.runtime.state_transfer import transfer_stage_state
+
+    def make(seed: int):
+        torch.manual_seed(seed)
+        module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).double()
+        return module, AdamW(module.parameters(), lr=0.1)
+
+    source, source_opt = make(0)
+    for _ in range(3):
+        source(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+        source_opt.step()
+        source_opt.zero_grad()
+    joiner, joiner_opt = make(1)
+    sent: list[torch.Tensor] = []
+
+    def send(t: torch.Tensor) -> None:
+        sent.append(t.clone())
+
+    step, stats = transfer_stage_state(source, source_opt, 7, True, send, torch.device("cpu"))
+    assert step == 7 and stats.bytes == sum(t.numel() * t.element_size() for t in sent)
+    received = iter(sent)
+    step, _ = transfer_stage_state(joiner, joiner_opt, -1, False, lambda t: t.copy_(next(received)),
+                                   torch.device("cpu"))
+    assert step == 7
+    assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), joiner.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(source_opt.exp_avg_sq, joiner_opt.exp_avg_sq))
+    assert joiner_opt.step_count == source_opt.step_count == 3

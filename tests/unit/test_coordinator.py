@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from recycle.runtime.control import StoppedReport
-from recycle.runtime.coordinator import (AbortGeneration, Announce, Coordinator, FailRun, Fence, describe_exit,
-                                         stale_heartbeats)
+from recycle.runtime.coordinator import (AbortGeneration, Announce, Coordinator, Drain, FailRun, Fence, Respawn,
+                                         describe_exit, stale_heartbeats)
 
 D, S = 3, 2  # ranks: replica * S + stage -> (0,0)=0 (0,1)=1 (1,0)=2 (1,1)=3 (2,0)=4 (2,1)=5
 ALL = frozenset(range(D * S))
@@ -160,3 +160,93 @@ def test_deaths_of_unknown_or_dead_ranks_change_nothing(rank: int) -> None:
     c = coordinator(live=ALL - {rank})
     assert c.on_death(rank, "died", 0.0) == []
     assert not c.state.recovering
+
+
+def test_a_replacement_is_admitted_at_an_iteration_boundary_and_leaves_the_failed_set() -> None:
+    c = coordinator(live=ALL - {3}, failed=frozenset({(1, 1)}))
+    (drain,) = c.on_join_ready(3, now=5.0)
+    assert isinstance(drain, Drain) and drain.generation == 0
+    assert c.on_join_ready(3, now=5.1) == []  # once
+    for rank in (0, 1, 2, 4):
+        assert c.on_stopped(report(rank, applied=6, current=0, previous=7), 5.2) == []
+    (announce,) = c.on_stopped(report(5, applied=6, current=0, previous=7), 5.2)
+    facts = announce.facts
+    assert announce.live == ALL and facts.joining == {3} and facts.failed == frozenset()
+    assert facts.redo_step == 7 and facts.redone_actions == 0 and facts.restore_step is None
+    assert c.state.failed == frozenset() and c.state.live == ALL
+
+
+def test_a_live_or_unknown_rank_cannot_join() -> None:
+    c = coordinator()
+    assert c.on_join_ready(3, 0.0) == []  # live
+    c = coordinator(live=ALL - {3}, failed=frozenset({(1, 1)}))
+    assert c.on_join_ready(5, 0.0) == []  # not down
+
+
+def test_a_death_while_a_joiner_waits_aborts_at_once_and_admits_it_too() -> None:
+    c = coordinator(live=ALL - {3}, failed=frozenset({(1, 1)}))
+    c.on_join_ready(3, 1.0)
+    commands = c.on_death(4, "died", 1.5)
+    assert kinds(commands) == [AbortGeneration]
+    for rank in (0, 1, 2):
+        c.on_stopped(report(rank, applied=2), 1.6)
+    (announce,) = c.on_stopped(report(5, applied=2), 1.6)
+    assert announce.live == ALL - {4} and announce.facts.joining == {3} and announce.facts.failed == {(2, 0)}
+
+
+def test_a_joiner_that_dies_before_admission_is_forgotten() -> None:
+    c = coordinator(live=ALL - {3}, failed=frozenset({(1, 1)}))
+    c.on_join_ready(3, 1.0)
+    assert c.on_death(3, "died", 1.1) == []
+    for rank in (0, 1, 2, 4):
+        c.on_stopped(report(rank, applied=2, current=0), 1.2)
+    (announce,) = c.on_stopped(report(5, applied=2, current=0), 1.2)
+    assert announce.facts.joining == frozenset() and announce.live == ALL - {3}
+
+
+def test_a_lost_stage_restores_the_latest_checkpoint_with_replacements() -> None:
+    c = Coordinator(D, S, ALL - {1, 3}, frozenset({(0, 1), (1, 1)}), end_step=20, report_timeout_s=10.0,
+                    checkpointing=True)
+    c.on_checkpoint(8)
+    c.on_checkpoint(4)  # an older one reported late does not move it back
+    commands = c.on_death(5, "worker 2:1 died", 3.0)
+    assert kinds(commands) == [Respawn, AbortGeneration]
+    assert commands[0].ranks == {1, 3, 5} and "checkpoint step 8" in commands[0].reason
+    for rank in (0, 2, 4):
+        assert c.on_stopped(report(rank, applied=10), 3.1) == []
+    (announce,) = c.on_join_ready(3, 4.0)  # reports are in, and now stage 1 has a replacement
+    facts = announce.facts
+    assert facts.restore_step == 8 and facts.redo_step == 8 and facts.steps_lost == 3
+    assert facts.joining == {3} and announce.live == {0, 2, 3, 4}
+    assert facts.failed == {(0, 1), (2, 1)}
+    (drain,) = c.on_join_ready(5, 4.1)  # a later replacement joins the ordinary way
+    assert isinstance(drain, Drain) and drain.generation == 1
+
+
+@pytest.mark.parametrize("checkpointing,message", [(False, "writes no checkpoints"), (True, "no checkpoint is complete")])
+def test_a_lost_stage_without_a_checkpoint_fails_with_a_clear_message(checkpointing: bool, message: str) -> None:
+    c = Coordinator(D, S, ALL - {1, 3}, frozenset({(0, 1), (1, 1)}), end_step=20, report_timeout_s=10.0,
+                    checkpointing=checkpointing)
+    (fail,) = c.on_death(5, "worker 2:1 died", 3.0)
+    assert isinstance(fail, FailRun) and message in fail.message and "--resume" in fail.message
+
+
+def test_a_restore_without_any_replacement_gives_up_after_the_report_timeout() -> None:
+    c = Coordinator(D, S, ALL - {1, 3}, frozenset({(0, 1), (1, 1)}), end_step=20, report_timeout_s=10.0,
+                    checkpointing=True)
+    c.on_checkpoint(4)
+    c.on_death(5, "died", 0.0)
+    for rank in (0, 2, 4):
+        c.on_stopped(report(rank, applied=5), 0.1)
+    assert c.on_tick(5.0) == []
+    (fail,) = c.on_tick(10.5)
+    assert isinstance(fail, FailRun) and "no replacement worker came up" in fail.message
+
+
+def test_joiners_are_not_admitted_when_no_step_is_left() -> None:
+    c = coordinator(live=ALL - {3}, failed=frozenset({(1, 1)}), end_step=10)
+    c.on_join_ready(3, 0.0)
+    for rank in (0, 1, 2, 4):
+        c.on_done(rank, 0.1)
+    (announce,) = c.on_done(5, 0.1)
+    assert announce.facts.redo_step == 10 and announce.facts.joining == frozenset() and 3 not in announce.live

@@ -18,7 +18,8 @@ from recycle.errors import ConfigError
 from recycle.fileio import atomic_write_bytes, atomic_write_text
 from recycle.runtime.optim import StageOptimizer
 
-__all__ = ["atomic_torch_save", "atomic_write_text", "step_dir", "stage_file", "save_stage", "load_stage",
+__all__ = ["atomic_torch_save", "atomic_write_text", "step_dir", "stage_file", "save_stage", "save_stage_state",
+           "load_stage",
            "mark_latest", "latest_step", "merge_stage_parts", "part_file"]
 
 
@@ -39,16 +40,25 @@ def stage_file(root: str | Path, step: int, stage: int) -> Path:
 
 def save_stage(root: str | Path, step: int, stage: int, layers: tuple[int, int], model: torch.nn.Module,
                optimizer: StageOptimizer, before_write: Callable[[], None] | None = None) -> None:
-    """Write one stage's file atomically. `before_write` (a fault-injection hook) runs when half of the file is on
-    disk under its temporary name: a crash there leaves only a temp file that no reader ever takes for the stage."""
+    """Write one stage's file atomically (see save_stage_state)."""
+    save_stage_state(root, step, stage, layers, model.state_dict(), optimizer.state_dict(), torch.get_rng_state(),
+                     before_write)
+
+
+def save_stage_state(root: str | Path, step: int, stage: int, layers: tuple[int, int], model_state: dict[str, Any],
+                     optimizer_state: dict[str, Any], rng: torch.Tensor,
+                     before_write: Callable[[], None] | None = None) -> None:
+    """Write one stage's file atomically from state dicts. `before_write` (a fault-injection hook) runs when half of
+    the file is on disk under its temporary name: a crash there leaves only a temp file that no reader ever takes for
+    the stage."""
     buffer = io.BytesIO()
     torch.save({
         "step": step,
         "stage": stage,
         "layers": layers,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "rng": torch.get_rng_state(),
+        "model": model_state,
+        "optimizer": optimizer_state,
+        "rng": rng,
     }, buffer)
     path = stage_file(root, step, stage)
     if before_write is not None:

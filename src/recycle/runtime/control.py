@@ -100,6 +100,26 @@ class Keys:
         return f"gen{generation}/stopped/{rank}"
 
     @staticmethod
+    def respawn(rank: int) -> str:
+        return f"respawn/{rank}"
+
+    @staticmethod
+    def drain(generation: int) -> str:
+        return f"gen{generation}/drain"
+
+    @staticmethod
+    def join_ready(rank: int) -> str:
+        return f"join/{rank}/ready"
+
+    @staticmethod
+    def join_generation(rank: int) -> str:
+        return f"join/{rank}/generation"
+
+    @staticmethod
+    def transfer(generation: int, rank: int) -> str:
+        return f"gen{generation}/transfer/{rank}"
+
+    @staticmethod
     def stopped_count(generation: int) -> str:
         return f"gen{generation}/stopped_count"
 
@@ -145,6 +165,7 @@ class Keys:
 
     ABORT_RUN = "abort"
     FINISHED = "finished"
+    RUNNING = "running"  # node 0's coordinator is up: a node launcher that starts now is a repaired node
 
 
 @dataclass(frozen=True)
@@ -173,6 +194,8 @@ class Announcement:
     redo_step: int  # the first iteration to run (state rolls back to the end of redo_step - 1)
     end_step: int
     reason: str
+    joining: tuple[int, ...] = ()  # ranks admitted in this generation (they take their stage's state from a peer)
+    restore_step: int = -1  # >= 0: every worker loads this checkpoint step instead of rolling back
 
 
 def encode(record: Any) -> str:

@@ -10,8 +10,8 @@ from typing import Union
 
 from recycle.runtime.control import StoppedReport
 
-__all__ = ["Death", "Fence", "AbortGeneration", "Announce", "FailRun", "Command", "RecoveryFacts", "RunState",
-           "Coordinator", "describe_exit", "stale_heartbeats"]
+__all__ = ["Death", "Fence", "AbortGeneration", "Drain", "Respawn", "Announce", "FailRun", "Command",
+           "RecoveryFacts", "RunState", "Coordinator", "describe_exit", "stale_heartbeats"]
 
 
 def describe_exit(exitcode: int) -> str:
@@ -54,6 +54,22 @@ class AbortGeneration:
 
 
 @dataclass(frozen=True)
+class Drain:
+    """Ask every worker of `generation` to stop at the next iteration boundary and report (to admit joiners)."""
+
+    generation: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Respawn:
+    """Start replacement workers for these ranks (a stage lost every replica: they restore from a checkpoint)."""
+
+    ranks: frozenset[int]
+    reason: str
+
+
+@dataclass(frozen=True)
 class RecoveryFacts:
     """What one recovery found and decided (the launcher adds timings and prints it)."""
 
@@ -64,8 +80,11 @@ class RecoveryFacts:
     redone_actions: int  # finished actions that the roll-back throws away
     redone_s: float
     rolled_back: int  # survivors that had already applied redo_step's optimizer step and restored their snapshot
-    started: float  # when the coordinator first learned of the failure
+    started: float  # when the coordinator first learned of the failure (or of the joiner)
     reports: tuple[StoppedReport, ...]
+    joining: frozenset[int] = frozenset()  # ranks re-admitted in this generation
+    restore_step: int | None = None  # every worker loads this checkpoint (a stage had lost every replica)
+    steps_lost: int = 0  # applied steps thrown away by the restore
 
 
 @dataclass(frozen=True)
@@ -81,7 +100,7 @@ class FailRun:
     message: str
 
 
-Command = Union[Fence, AbortGeneration, Announce, FailRun]
+Command = Union[Fence, AbortGeneration, Drain, Respawn, Announce, FailRun]
 
 
 @dataclass(frozen=True)
@@ -98,6 +117,10 @@ class RunState:
     done: frozenset[int] = frozenset()  # ranks that finished every step and exited
     recovery_started: float | None = None
     retries: int = 0  # recoveries in a row in which no worker died
+    joining: frozenset[int] = frozenset()  # replacement workers that are up and waiting to be admitted
+    restore: bool = False  # this recovery restores from the latest checkpoint
+    aborted: bool = False  # AbortGeneration was sent for this generation
+    latest_checkpoint: int | None = None  # the newest complete checkpoint (steps done)
 
 
 class Coordinator:
@@ -105,8 +128,11 @@ class Coordinator:
 
     Rules:
     - A worker that dies (any exit but 0, or a missed heartbeat, which is fenced) leaves the live set; its stage's
-      surviving replicas take its micro-batches in the next generation. A stage with no replica left fails the run
-      (nothing holds its weights: restore from a checkpoint).
+      surviving replicas take its micro-batches in the next generation.
+    - A stage with no replica left has lost its weights: with a complete checkpoint, its dead workers are respawned
+      and every worker restores that checkpoint; without one, the run fails with a message that says so.
+    - A replacement worker that is up waits until the others stop at an iteration boundary, then joins the next
+      generation and receives its stage's state from a live replica (or the checkpoint, when restoring).
     - A worker that raises an ordinary exception (not a communication error) fails the run: that is a bug or bad
       input that would recur on whichever replica re-ran the micro-batch.
     - Survivors stop and report; once every live worker of the generation has reported (or died), the next
@@ -117,10 +143,11 @@ class Coordinator:
     """
 
     def __init__(self, num_replicas: int, num_stages: int, live: frozenset[int], failed: frozenset[tuple[int, int]],
-                 end_step: int, report_timeout_s: float, max_retries: int = 3) -> None:
+                 end_step: int, report_timeout_s: float, max_retries: int = 3, checkpointing: bool = False) -> None:
         self.num_replicas = num_replicas
         self.num_stages = num_stages
         self.end_step = end_step
+        self.checkpointing = checkpointing
         self.report_timeout_s = report_timeout_s
         self.max_retries = max_retries
         self.state = RunState(generation=0, live=frozenset(live), failed=frozenset(failed))
@@ -132,6 +159,9 @@ class Coordinator:
     def on_death(self, rank: int, cause: str, now: float, fence: bool = False) -> list[Command]:
         """A live worker is gone: its process ended, or it stopped responding (`fence`: kill it to be sure)."""
         state = self.state
+        if rank not in state.live and rank in state.joining:  # a replacement died before it was admitted
+            self.state = replace(state, joining=state.joining - {rank})
+            return ([Fence(rank, cause)] if fence else []) + self._maybe_announce(now)
         if rank not in state.live or state.finished:
             return []
         commands: list[Command] = [Fence(rank, cause)] if fence else []
@@ -139,21 +169,48 @@ class Coordinator:
         live = state.live - {rank}
         failed = state.failed | {(replica, stage)}
         self.state = replace(state, live=live, failed=failed, deaths=state.deaths + (Death(rank, cause, now),))
-        if not any(divmod(r, self.num_stages)[1] == stage for r in live):
-            self.state = replace(self.state, finished=True)
+        if not any(self.worker(r)[1] == stage for r in live):
             lost = ", ".join(f"{p}:{s}" for p, s in sorted(failed) if s == stage)
-            return commands + [FailRun(
-                f"worker {replica}:{stage} {cause}, and it was the last live replica of stage {stage} (down: {lost}); "
-                "nothing holds that stage's weights any more, so the run cannot continue by re-routing. Restart with "
-                "--resume DIR from the last checkpoint (the workers still down can be left out with --down R:S)")]
-        return commands + self._begin_recovery(now, f"worker {replica}:{stage} {cause}") + self._maybe_announce(now)
+            what = (f"{cause}, and it was the last live replica of stage {stage} (down: {lost}); nothing holds that "
+                    "stage's weights any more")
+            if not self.checkpointing or self.state.latest_checkpoint is None:
+                self.state = replace(self.state, finished=True)
+                why = ("and this run writes no checkpoints (pass --checkpoint-dir DIR to let the run restore by "
+                       "itself)" if not self.checkpointing else "and no checkpoint is complete yet")
+                return commands + [FailRun(
+                    f"{what}, {why}. Restart with --resume DIR from a checkpoint if you have one (workers still down "
+                    "can be left out with --down R:S)")]
+            self.state = replace(self.state, restore=True)
+            respawn = frozenset(p * self.num_stages + s for p, s in failed if s == stage) - self.state.joining
+            commands += [Respawn(respawn, f"{what}: restoring checkpoint step {self.state.latest_checkpoint}")]
+        return commands + self._begin_recovery(now, cause) + self._maybe_announce(now)
+
+    def on_join_ready(self, rank: int, now: float) -> list[Command]:
+        """A replacement worker for `rank` is up. It is admitted at the next iteration boundary."""
+        state = self.state
+        if state.finished or rank in state.live or rank in state.joining:
+            return []
+        if self.worker(rank) not in state.failed:
+            return []
+        self.state = replace(state, joining=state.joining | {rank})
+        if state.recovering:
+            return self._maybe_announce(now)
+        self.state = replace(self.state, recovering=True, recovery_started=now)
+        return [Drain(state.generation, f"worker {'%d:%d' % self.worker(rank)} is back")]
+
+    def on_checkpoint(self, done_steps: int) -> None:
+        """Every stage's file of `done_steps` is complete."""
+        latest = self.state.latest_checkpoint
+        self.state = replace(self.state, latest_checkpoint=done_steps if latest is None else max(latest, done_steps))
 
     def on_stopped(self, report: StoppedReport, now: float) -> list[Command]:
         """A worker left the current generation after a communication error or an abort."""
         state = self.state
         if state.finished or report.generation != state.generation or report.rank not in state.live:
             return []  # a late report of an older generation, or from a worker already counted as dead
-        commands = self._begin_recovery(now, f"worker {'%d:%d' % self.worker(report.rank)} stopped: {report.error}")
+        # While draining for a joiner, reports are expected; otherwise a report is the first sign of a failure.
+        commands = [] if state.recovering else \
+            self._begin_recovery(now, f"worker {'%d:%d' % self.worker(report.rank)} stopped: {report.error}")
         self.state = replace(self.state, reports={**self.state.reports, report.rank: report})
         return commands + self._maybe_announce(now)
 
@@ -184,6 +241,11 @@ class Coordinator:
         for rank in sorted(state.live - set(state.reports) - state.done):
             commands += self.on_death(rank, f"did not stop within {self.report_timeout_s:g} s of the failure", now,
                                       fence=True)
+        if self.state.restore and not self.state.finished and not commands:
+            self.state = replace(self.state, finished=True)
+            return [FailRun(f"a stage lost every replica and no replacement worker came up within "
+                            f"{self.report_timeout_s:g} s to restore checkpoint step {self.state.latest_checkpoint}; "
+                            "restart with --resume from the checkpoint directory")]
         return commands
 
     def on_finished(self) -> None:
@@ -191,16 +253,21 @@ class Coordinator:
 
     # -- transitions ---------------------------------------------------------------------------------------------
     def _begin_recovery(self, now: float, reason: str) -> list[Command]:
-        if self.state.recovering:
+        """Stop the generation now (a drain for a joiner becomes an abort when something fails meanwhile)."""
+        if self.state.aborted:
             return []
-        self.state = replace(self.state, recovering=True, recovery_started=now)
+        started = self.state.recovery_started if self.state.recovering else now
+        self.state = replace(self.state, recovering=True, aborted=True, recovery_started=started)
         return [AbortGeneration(self.state.generation, reason)]
 
     def _maybe_announce(self, now: float) -> list[Command]:
         state = self.state
         if not state.recovering or state.finished or not state.live <= set(state.reports) | state.done:
             return []
-        retries = 0 if state.deaths else state.retries + 1
+        if state.restore and not all(any(self.worker(r)[1] == s for r in state.live | state.joining)
+                                     for s in range(self.num_stages)):
+            return []  # wait for a replacement in every lost stage (on_tick gives up after the report timeout)
+        retries = 0 if state.deaths or state.joining else state.retries + 1
         if retries > self.max_retries:
             self.state = replace(state, finished=True)
             errors = "; ".join(sorted({r.error for r in state.reports.values()}))[:500]
@@ -209,12 +276,23 @@ class Coordinator:
         reports = [state.reports[r] for r in sorted(state.live) if r in state.reports]
         applied = [r.applied for r in reports] + [self.end_step - 1] * len(state.live & state.done - set(state.reports))
         redo = min(applied) + 1
-        redone = sum(r.current_actions + (r.previous_actions if r.applied >= redo else 0) for r in reports)
-        redone_s = sum(r.current_s + (r.previous_s if r.applied >= redo else 0.0) for r in reports)
+        steps_lost = 0
+        if state.restore:
+            assert state.latest_checkpoint is not None
+            steps_lost = max(applied) + 1 - state.latest_checkpoint
+            redo = state.latest_checkpoint
+        rolled = [r for r in reports if r.applied >= redo]
+        redone = sum(r.current_actions for r in reports) + sum(r.previous_actions for r in rolled)
+        redone_s = sum(r.current_s for r in reports) + sum(r.previous_s for r in rolled)
+        # Finished workers exited: the rest only need to finish too (redo = end); a joiner is only worth admitting
+        # while there are steps left to run together.
+        joining = state.joining if redo < self.end_step else frozenset()
+        live = (state.live - state.done) | joining
+        failed = state.failed - {self.worker(r) for r in joining}
         generation = state.generation + 1
-        facts = RecoveryFacts(generation, state.deaths, state.failed, redo, redone, redone_s,
-                              sum(r.applied >= redo for r in reports),
-                              state.recovery_started if state.recovery_started is not None else now, tuple(reports))
-        live = state.live - state.done  # finished workers exited: the rest only need to finish too (redo = end)
-        self.state = RunState(generation=generation, live=live, failed=state.failed, retries=retries)
+        facts = RecoveryFacts(generation, state.deaths, failed, redo, redone, redone_s, len(rolled),
+                              state.recovery_started if state.recovery_started is not None else now, tuple(reports),
+                              joining=joining, restore_step=redo if state.restore else None, steps_lost=steps_lost)
+        self.state = RunState(generation=generation, live=live, failed=failed, retries=retries,
+                              joining=state.joining - joining, latest_checkpoint=state.latest_checkpoint)
         return [Announce(live, facts)]

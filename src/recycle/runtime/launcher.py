@@ -23,8 +23,8 @@ from recycle.ir import Plan, validate_plan
 from recycle.runtime import checkpoint
 from recycle.runtime.control import (Announcement, Keys, StoppedReport, connect_store, decode, encode, host_store,
                                      job_store, new_token)
-from recycle.runtime.coordinator import (AbortGeneration, Announce, Command, Coordinator, FailRun, Fence,
-                                         RecoveryFacts, describe_exit, stale_heartbeats)
+from recycle.runtime.coordinator import (AbortGeneration, Announce, Command, Coordinator, Drain, FailRun, Fence,
+                                         RecoveryFacts, Respawn, describe_exit, stale_heartbeats)
 from recycle.runtime.data import load_dataset
 from recycle.runtime.emulate import Emulation
 from recycle.runtime.faults import FaultInjection
@@ -72,6 +72,8 @@ class LaunchOptions:
     model_factory: str = ""  # "package.module:function" returning the S stage modules; "" = the built-in GPT
     verify_replicas: bool = False  # check after every step that all live replicas of a stage are bit-identical
     faults: tuple[tuple[int, FaultInjection], ...] = ()  # (topology rank, fault); a rank may have several
+    rejoins: tuple[tuple[int, int], ...] = ()  # (topology rank, 0-based step): bring the worker back then (if down)
+    respawn_after_s: float | None = None  # bring every dead worker of this node back after this delay
     plan_provider: PlanProvider | None = None  # None: a worker failure stops the run (nothing to switch to)
     emulation: Emulation | None = None  # pad every action to the config's cost (--emulate-costs)
     # "spawn": a fresh interpreter per worker. "forkserver": workers fork from one clean server process that has
@@ -105,27 +107,40 @@ class Recovery:
     workers: tuple[str, ...]  # "replica:stage" of the workers lost
     causes: tuple[str, ...]  # one line per worker lost
     failed: tuple[tuple[int, int], ...]  # every worker down after it
-    failure_time: float  # the injected fault's time when known, else when it was detected
+    failure_time: float  # the injected fault's time when known, else when it was detected (or the joiner was up)
     detected_s: float | None  # fault -> coordinator knows (None: an outside kill, whose moment is unknown)
     plan_source: str
     plan_lookup_s: float
     formed_s: float  # announcement -> every worker joined the new groups
-    resumed_s: float  # failure -> every worker started its first action of the new plan
+    resumed_s: float  # failure (a join: the survivors' stop) -> every worker started its first action of the new plan
     redone_actions: int
     redone_s: float
     rolled_back: int  # survivors whose stage had already stepped the redone iteration (restored from a snapshot)
+    joined: tuple[str, ...] = ()  # "replica:stage" of workers re-admitted
+    transfer_bytes: int = 0  # state moved to them from live replicas
+    transfer_s: float = 0.0  # the longest transfer
+    restored_step: int | None = None  # every worker loaded this checkpoint (a stage had lost every replica)
+    steps_lost: int = 0
 
     def line(self) -> str:
+        what = list(self.causes)
+        if self.joined:
+            moved = (f"{self.transfer_bytes / 1e6:.2f} MB of state from live replicas in {self.transfer_s:.3f} s"
+                     if self.restored_step is None else "state from the checkpoint")
+            what.append(f"{', '.join(self.joined)} re-joined ({moved})")
+        if self.restored_step is not None:
+            what.append(f"restored checkpoint step {self.restored_step} ({self.steps_lost} steps lost)")
         detected = f"detected in {self.detected_s:.2f} s; " if self.detected_s is not None else ""
         down: dict[int, int] = {}
         for _, stage in self.failed:
             down[stage] = down.get(stage, 0) + 1
         state = ", ".join(f"stage {s}: {k} down" for s, k in sorted(down.items()))
         source = "from the store" if self.plan_source == "store" else f"planned by the {self.plan_source}"
-        return (f"step {self.step}: {'; '.join(self.causes)}; {detected}plan for {{{state}}} {source} "
+        after = "after the failure" if self.causes else "after the others stopped for it"
+        return (f"step {self.step}: {'; '.join(what)}; {detected}plan for {{{state or 'none down'}}} {source} "
                 f"({self.plan_lookup_s * 1e3:.1f} ms); generation {self.generation} in {self.formed_s:.2f} s; "
                 f"redid {self.redone_actions} actions ({self.redone_s:.2f} s of work); training resumed "
-                f"{self.resumed_s:.2f} s after the failure")
+                f"{self.resumed_s:.2f} s {after}")
 
 
 @dataclass(frozen=True)
@@ -197,28 +212,39 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     # Workers block reading this pipe; only the launcher holds the write end, so they see EOF the moment it dies.
     launcher_alive, alive_writer = context.Pipe(duplex=False)
     wall0 = time.time()
+    # A node started again while its job runs (a repaired node) brings its workers back as replacements.
+    rejoining = options.node_rank > 0 and store.check([Keys.RUNNING])
+
+    def spawn(rank: int, joining: bool) -> mp.process.BaseProcess:
+        if joining:
+            for key in (Keys.join_ready(rank), Keys.join_generation(rank), Keys.exited(rank)):
+                store.delete_key(key)  # left by an earlier life of this rank
+        spec = WorkerSpec(
+            rank=rank, config=config, plan_json=plan.to_json(), store_host=options.master_addr,
+            store_port=root.port, token=token, start_step=start_step, end_step=end_step,
+            timeout_s=options.timeout_s, backend=backend,
+            device_index=(mine.index(rank) if rank in mine else rank) % max(torch.cuda.device_count(), 1),
+            heartbeat_s=options.heartbeat_s, checkpoint_dir=options.checkpoint_dir,
+            checkpoint_every=options.checkpoint_every, resume_dir="" if joining else options.resume_dir,
+            save_path=options.save_path, record_timings=options.record_timings,
+            verify_replicas=options.verify_replicas, model_factory=options.model_factory,
+            faults=() if joining else tuple(f for r, f in options.faults if r == rank),
+            emulation=options.emulation, joining=joining)
+        replica, stage = plan.worker(rank)
+        process = context.Process(target=worker_main, args=(spec, launcher_alive),
+                                  name=f"recycle-worker-{replica}:{stage}", daemon=True)
+        process.start()
+        processes[rank] = process
+        return process
+
     try:
-        for local_index, rank in enumerate(mine):
-            spec = WorkerSpec(
-                rank=rank, config=config, plan_json=plan.to_json(), store_host=options.master_addr,
-                store_port=root.port, token=token, start_step=start_step, end_step=end_step,
-                timeout_s=options.timeout_s, backend=backend,
-                device_index=local_index % max(torch.cuda.device_count(), 1), heartbeat_s=options.heartbeat_s,
-                checkpoint_dir=options.checkpoint_dir, checkpoint_every=options.checkpoint_every,
-                resume_dir=options.resume_dir, save_path=options.save_path,
-                record_timings=options.record_timings, verify_replicas=options.verify_replicas,
-                model_factory=options.model_factory, faults=tuple(f for r, f in options.faults if r == rank),
-                emulation=options.emulation)
-            replica, stage = plan.worker(rank)
-            process = context.Process(target=worker_main, args=(spec, launcher_alive),
-                                      name=f"recycle-worker-{replica}:{stage}", daemon=True)
-            process.start()
-            processes[rank] = process
+        for rank in mine:
+            spawn(rank, joining=rejoining)
         if options.node_rank == 0:
-            run = _Coordination(config, plan, options, store, processes, start_step, end_step, wall0)
+            run = _Coordination(config, plan, options, store, processes, start_step, end_step, wall0, spawn)
             steps, recoveries, failed = run.run()
         else:
-            _follow(store, processes, options)
+            _follow(store, processes, options, spawn)
             steps, recoveries, failed = [], [], plan.failed
     finally:
         _stop(processes)
@@ -246,14 +272,22 @@ class _Coordination:
     steps and recoveries."""
 
     def __init__(self, config: Config, plan: Plan, options: LaunchOptions, store: dist.Store,
-                 processes: dict[int, mp.process.BaseProcess], start_step: int, end_step: int, wall0: float) -> None:
+                 processes: dict[int, mp.process.BaseProcess], start_step: int, end_step: int, wall0: float,
+                 spawn: Callable[[int, bool], mp.process.BaseProcess]) -> None:
         self.config, self.plan, self.options, self.store = config, plan, options, store
         self.plan_at_start = plan
         self.processes = processes
         self.start_step, self.end_step, self.wall0 = start_step, end_step, wall0
+        self.spawn = spawn
         self.coordinator = Coordinator(plan.num_replicas, plan.num_stages, frozenset(plan.live_ranks()), plan.failed,
-                                       end_step, report_timeout_s=options.timeout_s + 5.0)
-        self.remote = sorted(set(plan.live_ranks()) - set(processes))
+                                       end_step, report_timeout_s=options.timeout_s + 5.0,
+                                       checkpointing=bool(options.checkpoint_dir and options.checkpoint_every > 0))
+        self.local = set(processes)  # ranks this node starts (and restarts)
+        self.remote = sorted(set(plan.live_ranks()) - self.local)
+        self.member_from: dict[int, int] = {}  # rank -> first step it reports (a replacement: its redo step)
+        self.respawn_at: dict[int, float] = {}  # rank -> when to bring it back (--respawn-after)
+        self.rejoins = sorted(options.rejoins, key=lambda item: item[1])
+        store.set(Keys.RUNNING, "1")
         self.tokens_per_step = plan.total_microbatches * config.workload.microbatch_size * config.workload.seq_len
         self.steps: list[StepMetrics] = []
         self.records: list[dict[str, Any]] = []  # steps and events, for --metrics
@@ -280,7 +314,9 @@ class _Coordination:
             self._execute(self._exits(now))
             self._execute(self._heartbeats(now))
             self._execute(self._stopped_reports(now))
+            self._execute(self._joiners(now))
             self._execute(self.coordinator.on_tick(now))
+            self._respawn_due(now)
             self._drain()
             self._mark_checkpoints()
             self._complete_recovery()
@@ -298,7 +334,9 @@ class _Coordination:
                 time.sleep(0.05)
 
     def _all_local_exited(self) -> bool:
-        return all(p.exitcode is not None for p in self.processes.values())
+        """Every local member of the run has exited (replacements never admitted are stopped afterwards)."""
+        members = self.coordinator.state.live | self.done
+        return all(p.exitcode is not None for r, p in self.processes.items() if r in members)
 
     def _name(self, rank: int) -> str:
         replica, stage = self.plan.worker(rank)
@@ -316,12 +354,46 @@ class _Coordination:
             if rank in self.exited:
                 continue
             self.exited.add(rank)
-            if code == 0:
+            if code == 0 and rank in self.coordinator.state.live:
                 self.done.add(rank)
                 commands += self.coordinator.on_done(rank, now)
-            elif code != EXIT_FENCED:
+            elif code not in (0, EXIT_FENCED):
                 commands += self._failed_exit(rank, code, now)
+            if code not in (0, EXIT_FENCED) and rank in self.local and self.options.respawn_after_s is not None:
+                self.respawn_at[rank] = now + self.options.respawn_after_s
         return commands
+
+    def _joiners(self, now: float) -> list[Command]:
+        """Replacement workers that say they are ready to be admitted."""
+        state = self.coordinator.state
+        commands: list[Command] = []
+        for replica, stage in sorted(state.failed):
+            rank = replica * self.plan.num_stages + stage
+            if rank not in state.joining and self.store.check([Keys.join_ready(rank)]):
+                self.pids[rank] = json.loads(self.store.get(Keys.join_ready(rank)))["pid"]
+                self.exited.discard(rank)
+                commands += self.coordinator.on_join_ready(rank, now)
+        return commands
+
+    def _respawn_due(self, now: float) -> None:
+        """Bring workers back: --respawn-after (a stand-in for repair) and scripted `rejoin:` events."""
+        failed_ranks = {p * self.plan.num_stages + s for p, s in self.coordinator.state.failed}
+        for rank, at in sorted(self.respawn_at.items()):
+            if now >= at:
+                del self.respawn_at[rank]
+                if rank in failed_ranks:
+                    self._respawn(rank)
+        while self.rejoins and self.next_step >= self.rejoins[0][1]:
+            rank, _ = self.rejoins.pop(0)
+            if rank in failed_ranks and rank in self.local:
+                self._respawn(rank)
+
+    def _respawn(self, rank: int) -> None:
+        process = self.processes.get(rank)
+        if process is not None and process.exitcode is None:
+            return  # its replacement is already starting
+        self.exited.discard(rank)
+        self.pids[rank] = self.spawn(rank, True).pid
 
     def _failed_exit(self, rank: int, code: int, now: float) -> list[Command]:
         record = json.loads(self.store.get(Keys.error(rank))) if self.store.check([Keys.error(rank)]) else None
@@ -374,6 +446,15 @@ class _Coordination:
                     self.store.set(Keys.fence(command.rank), command.reason)  # its node's launcher kills it
             elif isinstance(command, AbortGeneration):
                 self.store.set(Keys.abort(command.generation), command.reason)
+            elif isinstance(command, Drain):
+                # Workers stop before this step; every worker is at most in next_step + 1 now.
+                self.store.set(Keys.drain(command.generation), str(self.next_step + 3))
+            elif isinstance(command, Respawn):
+                for rank in sorted(command.ranks):
+                    if rank in self.local:
+                        self._respawn(rank)
+                    else:
+                        self.store.set(Keys.respawn(rank), command.reason)  # its node's launcher starts it
             elif isinstance(command, Announce):
                 self._announce(command)
             elif isinstance(command, FailRun):
@@ -392,12 +473,32 @@ class _Coordination:
         if set(plan.live_ranks()) != set(command.live) | self.done:
             self._fail(f"the plan provider returned a plan whose live workers {plan.live_ranks()} are not the "
                        f"live workers {sorted(command.live)}")
+        if facts.restore_step is not None:
+            self._forget_steps_from(facts.restore_step)
         self.store.set(Keys.plan(facts.generation), plan.to_json())
         self.store.set(Keys.announce(facts.generation), encode(Announcement(
             facts.generation, tuple(sorted(command.live)), facts.redo_step, self.end_step,
-            "; ".join(d.cause for d in facts.deaths))))
+            "; ".join(d.cause for d in facts.deaths), tuple(sorted(facts.joining)),
+            -1 if facts.restore_step is None else facts.restore_step)))
+        for rank in facts.joining:
+            self.member_from[rank] = facts.redo_step
+            self.store.delete_key(Keys.join_ready(rank))
+            self.store.set(Keys.join_generation(rank), str(facts.generation))
         self.plan = plan
         self.pending = {"facts": facts, "choice": choice, "announced": time.time(), "live": command.live}
+
+    def _forget_steps_from(self, step: int) -> None:
+        """A checkpoint restore: steps from `step` on run again, so their records and checkpoint keys are stale."""
+        for later in range(step, self.end_step):
+            for rank in range(self.plan.num_replicas * self.plan.num_stages):
+                self.store.delete_key(Keys.metrics(later, rank))
+        for done in range(step + 1, self.end_step + 1):
+            for stage in range(self.plan.num_stages):
+                self.store.delete_key(Keys.checkpointed(done, stage))
+        every = self.options.checkpoint_every
+        self.pending_checkpoints = [d for d in range(step + 1, self.end_step + 1) if every > 0 and d % every == 0]
+        self.next_step = min(self.next_step, step)
+        self.previous_end = None
 
     def _fail(self, message: str) -> None:
         if not self.failing:
@@ -421,6 +522,8 @@ class _Coordination:
         if facts.redo_step < self.end_step and not self.store.check(resumed_keys) and not final:
             return
         self.pending = None
+        if not facts.deaths and not facts.joining:
+            return  # a drain whose joiner never came in (the run ended first): nothing happened
         joined = [json.loads(self.store.get(Keys.joined(generation, r)))
                   for r in live if self.store.check([Keys.joined(generation, r)])]
         resumed = [json.loads(self.store.get(k)) for k in resumed_keys if self.store.check([k])]
@@ -436,6 +539,10 @@ class _Coordination:
         failure_time = min(fault_times) if fault_times else facts.started
         choice: PlanChoice = pending["choice"]
         end = max(resumed) if resumed else time.time()
+        transfers = [json.loads(self.store.get(Keys.transfer(generation, r))) for r in sorted(facts.joining)
+                     if self.store.check([Keys.transfer(generation, r)])]
+        # A join without a failure: the survivors' pause runs from their stop at the drain to their first action.
+        paused_from = min((r.time for r in facts.reports), default=facts.started)
         recovery = Recovery(
             generation=generation, step=facts.redo_step + 1,
             workers=tuple("%d:%d" % self.plan.worker(d.rank) for d in facts.deaths), causes=tuple(causes),
@@ -443,8 +550,12 @@ class _Coordination:
             detected_s=(min(d.time for d in facts.deaths) - min(fault_times)) if fault_times and facts.deaths else None,
             plan_source=choice.source, plan_lookup_s=choice.seconds,
             formed_s=(max(joined) - pending["announced"]) if joined else 0.0,
-            resumed_s=end - failure_time, redone_actions=facts.redone_actions, redone_s=facts.redone_s,
-            rolled_back=facts.rolled_back)
+            resumed_s=end - (failure_time if facts.deaths else paused_from), redone_actions=facts.redone_actions,
+            redone_s=facts.redone_s, rolled_back=facts.rolled_back,
+            joined=tuple("%d:%d" % self.plan.worker(r) for r in sorted(facts.joining)),
+            transfer_bytes=sum(t["bytes"] for t in transfers),
+            transfer_s=max((t["seconds"] for t in transfers), default=0.0),
+            restored_step=facts.restore_step, steps_lost=facts.steps_lost)
         if os.environ.get("RECYCLE_DEBUG"):
             print("DEBUG", [(r.rank, round(r.time - failure_time, 3), r.error[:60]) for r in facts.reports],
                   "announced", round(pending["announced"] - failure_time, 3), "joined",
@@ -458,9 +569,10 @@ class _Coordination:
     def _drain(self) -> None:
         """Report every step all live workers have finished, in order."""
         state = self.coordinator.state
-        live = sorted(state.live)
-        while self.next_step < self.end_step and live and \
-                self.store.check([Keys.metrics(self.next_step, r) for r in live]):
+        while self.next_step < self.end_step:
+            live = [r for r in sorted(state.live) if self.member_from.get(r, 0) <= self.next_step]
+            if not live or not self.store.check([Keys.metrics(self.next_step, r) for r in live]):
+                return
             records = [json.loads(self.store.get(Keys.metrics(self.next_step, r))) for r in live]
             metrics = self._step_metrics(self.next_step, records)
             self.previous_end = max(r["end"] for r in records)
@@ -500,7 +612,9 @@ class _Coordination:
         """Point `latest` at a step once every stage's file of it is written (never at a partial one)."""
         while self.pending_checkpoints and self.store.check(
                 [Keys.checkpointed(self.pending_checkpoints[0], s) for s in range(self.plan.num_stages)]):
-            checkpoint.mark_latest(self.options.checkpoint_dir, self.pending_checkpoints.pop(0))
+            done = self.pending_checkpoints.pop(0)
+            checkpoint.mark_latest(self.options.checkpoint_dir, done)
+            self.coordinator.on_checkpoint(done)
 
     def _finish_nodes(self) -> None:
         """Multi-node: say the run is over; keep the store up until every node has said it is done."""
@@ -526,16 +640,23 @@ def _check_replicas(plan: Plan, metrics: StepMetrics, fail: Callable[[str], None
                  "optimizer is not deterministic across replicas")
 
 
-def _follow(store: dist.Store, processes: dict[int, mp.process.BaseProcess], options: LaunchOptions) -> None:
-    """A node other than 0: report its workers' exits, carry out fences, and stop when the run ends."""
-    reported: set[int] = set()
+def _follow(store: dist.Store, processes: dict[int, mp.process.BaseProcess], options: LaunchOptions,
+            spawn: Callable[[int, bool], mp.process.BaseProcess]) -> None:
+    """A node other than 0: report its workers' exits, carry out fences and respawns, stop when the run ends."""
+    reported: dict[int, int] = {}  # rank -> pid whose exit was reported
+    for rank in processes:
+        store.delete_key(Keys.fence(rank))
     while True:
-        for rank, process in processes.items():
-            if process.exitcode is not None and rank not in reported:
+        for rank, process in list(processes.items()):
+            if process.exitcode is not None and reported.get(rank) != process.pid:
                 store.set(Keys.exited(rank), str(process.exitcode))
-                reported.add(rank)
+                reported[rank] = process.pid
+                store.delete_key(Keys.fence(rank))
             elif process.exitcode is None and store.check([Keys.fence(rank)]):
                 os.kill(process.pid, signal.SIGKILL)
+            if process.exitcode is not None and store.check([Keys.respawn(rank)]):
+                store.delete_key(Keys.respawn(rank))
+                spawn(rank, True)
         if store.check([Keys.ABORT_RUN]):
             _stop(processes)
             raise RuntimeFailure(store.get(Keys.ABORT_RUN).decode())

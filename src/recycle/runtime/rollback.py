@@ -11,17 +11,17 @@ from torch import nn
 
 from recycle.runtime.optim import StageOptimizer
 
-__all__ = ["StageSnapshot"]
+__all__ = ["StageSnapshot", "copy_state"]
 
 
-def _copy(obj: Any) -> Any:
+def copy_state(obj: Any) -> Any:
     """A deep copy of nested dicts/lists/tuples whose tensors are cloned (detached)."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
     if isinstance(obj, dict):
-        return {k: _copy(v) for k, v in obj.items()}
+        return {k: copy_state(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_copy(v) for v in obj)
+        return type(obj)(copy_state(v) for v in obj)
     return obj
 
 
@@ -47,7 +47,7 @@ class StageSnapshot:
         else:
             for saved, tensor in zip(self._params, tensors):
                 saved.copy_(tensor)
-        self._optimizer_state = _copy(self.optimizer.state_dict())
+        self._optimizer_state = copy_state(self.optimizer.state_dict())
         self.iteration = iteration
 
     def restore(self, iteration: int) -> None:
@@ -58,5 +58,5 @@ class StageSnapshot:
         with torch.no_grad():
             for tensor, saved in zip(self.module.state_dict().values(), self._params):
                 tensor.copy_(saved)
-        self.optimizer.load_state_dict(_copy(self._optimizer_state))
+        self.optimizer.load_state_dict(copy_state(self._optimizer_state))
         self.iteration = None

@@ -21,6 +21,7 @@ from recycle.config import Config
 from recycle.ir import Action, Plan
 from recycle.models.gpt import DTYPES
 from recycle.runtime import checkpoint
+from recycle.runtime.checkpoint_writer import CheckpointWriter
 from recycle.runtime.control import Announcement, Keys, StoppedReport, connect_store, decode, encode, job_store
 from recycle.runtime.data import load_dataset, microbatch
 from recycle.runtime.emulate import Emulation, install_pacing
@@ -28,6 +29,7 @@ from recycle.runtime.executor import StageExecutor
 from recycle.runtime.faults import FaultInjection, fire
 from recycle.runtime.optim import AdamW
 from recycle.runtime.stage import build_stage
+from recycle.runtime.state_transfer import transfer_stage_state
 from recycle.runtime.transport import Transport, is_comm_error
 
 __all__ = ["WorkerSpec", "FaultInjection", "GenerationAborted", "worker_main", "make_optimizer", "parameter_digest",
@@ -59,6 +61,7 @@ class WorkerSpec:
     verify_replicas: bool = False  # report a digest of the stage parameters after every step
     faults: tuple[FaultInjection, ...] = ()
     emulation: Emulation | None = None  # pad every action to the config's cost (runtime.emulate)
+    joining: bool = False  # a replacement: waits to be admitted, then takes its stage's state from a peer
 
 
 class GenerationAborted(Exception):
@@ -101,6 +104,7 @@ class _Heartbeat(threading.Thread):
         self.interval_s = spec.heartbeat_s
         self.generation = 0
         self.aborted = -1  # the newest generation seen aborted
+        self.drain: tuple[int, int] | None = None  # (generation, step): stop before that step (a joiner waits)
         self.poll_s = min(0.05, spec.heartbeat_s)  # how soon a computing worker notices an abort
 
     def run(self) -> None:
@@ -114,6 +118,8 @@ class _Heartbeat(threading.Thread):
                 generation = self.generation
                 if self.aborted < generation and self.store.check([Keys.abort(generation)]):
                     self.aborted = generation
+                if (self.drain is None or self.drain[0] < generation) and self.store.check([Keys.drain(generation)]):
+                    self.drain = (generation, int(self.store.get(Keys.drain(generation))))
                 time.sleep(self.poll_s)
             except Exception:
                 time.sleep(self.interval_s)  # the store is the one component that cannot fail; keep trying
@@ -180,6 +186,10 @@ class _Worker:
         self.heartbeat = _Heartbeat(spec)
         self.transport: Transport | None = None
         self.executor: StageExecutor | None = None
+        self.announcement: Announcement | None = None  # of the current generation (None: generation 0)
+        self.writer = CheckpointWriter(spec.checkpoint_dir, job_store(
+            connect_store(spec.store_host, spec.store_port, max(spec.timeout_s, 30.0)), spec.token)) \
+            if spec.checkpoint_dir and spec.checkpoint_every > 0 else None
         self._fired: set[FaultInjection] = set()
         self._resumed_pending = False
 
@@ -187,7 +197,7 @@ class _Worker:
     def run(self) -> None:
         spec = self.spec
         self.heartbeat.start()
-        step = spec.start_step
+        step = self._admit() if spec.joining else spec.start_step
         while True:
             try:
                 if step >= spec.end_step and self.generation > 0:
@@ -221,9 +231,62 @@ class _Worker:
         self.store.set(Keys.joined(generation, self.spec.rank), json.dumps(time.time()))
         if self.executor is None:
             self.executor = self._make_executor()
+            if self.announcement is not None:  # a replacement: its weights are the state after redo_step - 1
+                self.executor.applied_iteration = self.announcement.redo_step - 1
         else:
             self.executor.set_plan(self.plan, self.transport)
+        self._transfer_state()
         self._resumed_pending = generation > 0
+
+    def _admit(self) -> int:
+        """A replacement worker: say it is ready, wait to be admitted into a generation, take that generation's plan
+        (and its checkpoint, when the run restores one); the stage's live state arrives after the groups form."""
+        import datetime
+
+        spec = self.spec
+        self.store.set(Keys.join_ready(spec.rank), json.dumps({"time": time.time(), "pid": os.getpid()}))
+        key = Keys.join_generation(spec.rank)
+        while True:
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=5))
+                break
+            except dist.DistStoreError:
+                if self.store.check([Keys.FINISHED]):
+                    raise _Fenced() from None  # the run ended before this worker was needed
+        self.generation = int(self.store.get(key))
+        self.announcement = decode(Announcement, self.store.get(Keys.announce(self.generation)))
+        self.plan = Plan.from_json(self.store.get(Keys.plan(self.generation)).decode())
+        if self.announcement.restore_step >= 0:
+            self._load_checkpoint(self.announcement.restore_step)
+        return self.announcement.redo_step
+
+    def _load_checkpoint(self, step: int) -> None:
+        checkpoint.load_stage(self.spec.checkpoint_dir, step, self.stage, self.layers, self.module, self.optimizer)
+
+    def _transfer_state(self) -> None:
+        """If replacements joined this stage in this generation (and no checkpoint is being restored), the first
+        surviving replica broadcasts the stage's state to them over the stage group."""
+        announcement = self.announcement
+        if announcement is None or announcement.generation != self.generation or announcement.restore_step >= 0:
+            return
+        replicas = self.plan.live_replicas(self.stage)
+        joiners = [p for p in replicas if self.plan.rank(p, self.stage) in announcement.joining]
+        if not joiners:
+            return
+        source = self.plan.rank(next(p for p in replicas if p not in joiners), self.stage)
+        transport, executor = self.transport, self.executor
+        group = transport.groups.stage_groups[self.stage]
+        src = transport.groups.group_rank(source)
+
+        def broadcast(tensor: torch.Tensor) -> None:
+            dist.broadcast(tensor, src=src, group=group)
+
+        step, stats = transfer_stage_state(self.module, self.optimizer, announcement.redo_step,
+                                           self.spec.rank == source, broadcast, self.device)
+        if self.spec.rank in announcement.joining:
+            executor.applied_iteration = step - 1
+            self.store.set(Keys.transfer(self.generation, self.spec.rank), json.dumps(
+                {"bytes": stats.bytes, "seconds": stats.seconds, "source": "%d:%d" % self.plan.worker(source)}))
 
     def _make_executor(self) -> StageExecutor:
         config, built = self.config, self.built
@@ -261,6 +324,10 @@ class _Worker:
 
     def _run_step(self, step: int) -> None:
         spec = self.spec
+        drain = self.heartbeat.drain
+        if drain is not None and drain[0] == self.generation and step >= drain[1]:
+            raise GenerationAborted(f"generation {self.generation} drains before step {drain[1] + 1} to admit a "
+                                    "replacement worker")
         cpu0 = time.process_time()
         result = self.executor.run_iteration(step)
         cpu_s = time.process_time() - cpu0  # all threads of this process, gloo's included
@@ -280,14 +347,12 @@ class _Worker:
         return self.replica == self.plan.live_replicas(self.stage)[0]
 
     def _save_checkpoint(self, done: int) -> None:
+        """Hand a copy of the stage's state to the background writer: the step goes on while it is written."""
         if not self._is_writer():
             return
-        spec = self.spec
-        faults = [f for f in spec.faults if f.point == "ckpt" and f.step == done - 1]
+        faults = [f for f in self.spec.faults if f.point == "ckpt" and f.step == done - 1]
         before_write = (lambda: self._fire(faults[0], f"the checkpoint of step {done}")) if faults else None
-        checkpoint.save_stage(spec.checkpoint_dir, done, self.stage, self.layers, self.module, self.optimizer,
-                              before_write=before_write)
-        self.store.set(Keys.checkpointed(done, self.stage), "1")
+        self.writer.submit(done, self.stage, self.layers, self.module, self.optimizer, before_write)
 
     def _save_final(self) -> None:
         if self._is_writer() and self.spec.save_path:
@@ -296,6 +361,8 @@ class _Worker:
 
     def _finish(self) -> None:
         self._save_final()
+        if self.writer is not None:
+            self.writer.wait()  # the last checkpoint is on disk (and reported) before this worker leaves
         self.transport.flush()
         self.transport.barrier()  # nobody tears its connections down while a peer may still be talking to it
         self.transport.close()
@@ -333,9 +400,18 @@ class _Worker:
         if spec.rank not in announcement.live:
             raise _Fenced()
         self.generation = announcement.generation
+        self.announcement = announcement
         self.plan = Plan.from_json(self.store.get(Keys.plan(announcement.generation)).decode())
         redo = announcement.redo_step
-        if executor is not None:
+        if announcement.restore_step >= 0:  # a stage lost every replica: everyone restores the checkpoint
+            if self.writer is not None:
+                self.writer.wait()
+            self._load_checkpoint(announcement.restore_step)
+            if executor is not None:
+                executor.abort_iteration()
+                executor.applied_iteration = redo - 1
+                executor.snapshot.iteration = None
+        elif executor is not None:
             executor.roll_back(redo)
         self._repair_checkpoint(redo)
         return redo
