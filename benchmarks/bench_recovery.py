@@ -122,6 +122,7 @@ def med_max(values: list[float]) -> tuple[float, float]:
 def run_recycle(config: Config, plan: Plan, library: PlanLibrary, kills: list[Kill], steps: int, slot_ms: float,
                 label: str) -> list[KillRow]:
     faults = tuple((plan.rank(*k.worker), FaultInjection(k.step, k.index)) for k in kills)
+
     def progress(line: str) -> None:
         word = line.split()[1] if line.startswith("step ") else ""
         if "/" not in word or int(word.split("/")[0]) % 5 == 0:  # every recovery line, every 5th step line
@@ -227,7 +228,7 @@ def run_torchrun(config: Config, plan: Plan, kill: Kill, steps: int, slot_ms: fl
             if job.process.poll() is not None or time.time() > deadline:
                 raise SystemExit(f"torchrun job ended or stalled before the kill point; log:\n"
                                  f"{(tmp / 'torchrun.log').read_text()[-3000:]}")
-            time.sleep(0.002)
+            time.sleep(0.005)
         pid = int((out / f"pid.rank{rank}.restart0").read_text())
         paused = json.loads(marker.read_text())
         os.kill(pid, signal.SIGKILL)

@@ -236,3 +236,25 @@ def test_install_pacing_follows_plan_and_transport_changes_and_drops_a_failed_ac
     assert pacer.plan is executor.plan and isinstance(executor.comm, PacedComm)
     assert [m for _, m in second.sent] == [message]  # only the new action's message, on the new transport
     assert len(first.sent) == 1
+
+
+def test_a_send_that_fails_at_release_is_never_sent_on_a_later_transport() -> None:
+    """A peer dies while a finished action waits for its padded end: the release raises, and that message must not
+    reach the next generation's transport (found by benchmarks/bench_recovery.py)."""
+    clock = FakeClock()
+    comm = PacedComm(RecordingComm(clock), clock)
+    stale = Message(Channel.ACTIVATION, 0, 0, 1)
+
+    class Broken:
+        def send(self, message: Message, tensor: torch.Tensor) -> None:
+            raise RuntimeError("Connection closed by peer")
+
+    comm.inner = Broken()
+    comm.send(stale, torch.ones(1))
+    with pytest.raises(RuntimeError):
+        comm.release()
+    fresh = RecordingComm(clock)
+    comm.inner = fresh
+    comm.send(Message(Channel.ACTIVATION, 1, 0, 1), torch.ones(1))
+    comm.release()
+    assert [m.mb for _, m in fresh.sent] == [1]

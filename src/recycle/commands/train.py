@@ -12,10 +12,12 @@ from recycle.errors import ConfigError, PlanError, RecycleError
 from recycle.ir import Plan
 from recycle.runtime.emulate import DEFAULT_SLOT_MS, Emulation
 from recycle.runtime.control import read_token
-from recycle.runtime.faults import parse_fault
+from recycle.runtime.faults import parse_fault, parse_rejoin
 from recycle.runtime.launcher import LaunchOptions, PlanChoice, PlanProvider, launch
 
-__all__ = ["register", "run", "select_plan"]
+__all__ = ["register", "run", "select_plan", "DEFAULT_CHECKPOINT_EVERY"]
+
+DEFAULT_CHECKPOINT_EVERY = 10  # steps; a restore loses at most this many
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -35,7 +37,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--save", help="write the final parameters (one state dict of the whole model) here")
     p.add_argument("--metrics", help="write per-step metrics here as JSON lines")
     p.add_argument("--checkpoint-dir", default="", help="write checkpoints here")
-    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="checkpoint every K steps")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
+                   help=f"checkpoint every K steps (default with --checkpoint-dir: {DEFAULT_CHECKPOINT_EVERY}); "
+                        "written in the background, and what the run restores by itself when a stage loses every "
+                        "replica")
     p.add_argument("--resume", default="", metavar="DIR", help="resume from the latest checkpoint in DIR")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds a collective or message may take before the peer counts as stuck (default 30)")
@@ -51,7 +56,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     recovery.add_argument("--inject", action="append", default=[], metavar="MODE:R:S@STEP[.ACTION]",
                           help="scripted fault, repeatable: kill:1:1@3.5 SIGKILLs worker 1:1 before action 5 of "
                                "step 3; hang: freezes it (SIGSTOP); raise: raises; ACTION may also be 'ckpt' (during "
-                               "its checkpoint write) or 'recovery' (while a recovery is under way)")
+                               "its checkpoint write) or 'recovery' (while a recovery is under way); rejoin:1:1@8 "
+                               "starts worker 1:1 again at step 8 (it takes its state from a live replica)")
+    recovery.add_argument("--respawn-after", type=float, default=None, metavar="SECONDS",
+                          help="start every worker that died again after SECONDS (a stand-in for a repair on one "
+                               "machine); it re-joins at an iteration boundary")
     recovery.add_argument("--no-recover", action="store_true",
                           help="stop the run at the first worker failure instead of re-routing around it")
     p.add_argument("--token-file", default="", metavar="FILE",
@@ -134,19 +143,29 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
                        staggered=not args.no_stagger)
-    faults = []
+    faults, rejoins = [], []
     for spec in args.inject:
-        (replica, stage), fault = parse_fault(spec, config.num_replicas, config.num_stages)
-        faults.append((replica * config.num_stages + stage, fault))
+        if spec.strip().startswith("rejoin:"):
+            (replica, stage), step = parse_rejoin(spec, config.num_replicas, config.num_stages)
+            rejoins.append((replica * config.num_stages + stage, step))
+        else:
+            (replica, stage), fault = parse_fault(spec, config.num_replicas, config.num_stages)
+            faults.append((replica * config.num_stages + stage, fault))
+    if args.respawn_after is not None and args.respawn_after < 0:
+        raise ConfigError(f"--respawn-after {args.respawn_after:g} must be >= 0 seconds")
+    checkpoint_every = args.checkpoint_every
+    if checkpoint_every is None:
+        checkpoint_every = DEFAULT_CHECKPOINT_EVERY if args.checkpoint_dir else 0
     if plan.failed:
         print(f"workers down: {' '.join(f'{p}:{s}' for p, s in sorted(plan.failed))}; running plan "
               f"{plan.meta.schedule or 'adaptive'} ({'staggered' if plan.staggered else 'coupled'} optimizer)")
     options = LaunchOptions(steps=args.steps, checkpoint_dir=args.checkpoint_dir,
-                            checkpoint_every=args.checkpoint_every, resume_dir=args.resume, save_path=args.save or "",
+                            checkpoint_every=checkpoint_every, resume_dir=args.resume, save_path=args.save or "",
                             metrics_path=args.metrics or "", timeout_s=args.timeout, master_addr=args.master_addr,
                             master_port=args.master_port, nnodes=args.nnodes, node_rank=args.node_rank,
                             model_factory=args.model_factory, start_method=args.start_method,
-                            heartbeat_timeout_s=args.heartbeat_timeout, faults=tuple(faults),
+                            heartbeat_timeout_s=args.heartbeat_timeout, faults=tuple(faults), rejoins=tuple(rejoins),
+                            respawn_after_s=args.respawn_after,
                             token=read_token(args.token_file), plan_provider=plan_provider(config, args),
                             emulation=Emulation(args.slot_ms, args.cost_scale) if args.emulate_costs else None)
     result = launch(config, plan, options)

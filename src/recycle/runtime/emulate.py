@@ -86,9 +86,9 @@ class PacedComm:
         self.held.append((message, tensor.detach()))
 
     def release(self) -> None:
-        for message, tensor in self.held:
+        held, self.held = self.held, []  # cleared even when a send raises (a dead peer): never sent later
+        for message, tensor in held:
             self.inner.send(message, tensor)
-        self.held.clear()
 
     def recv(self, message: Message, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         tensor = self.inner.recv(message, shape, dtype)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from recycle.errors import ConfigError
 
-__all__ = ["FaultInjection", "MODES", "POINTS", "parse_fault", "fire"]
+__all__ = ["FaultInjection", "MODES", "POINTS", "parse_fault", "parse_rejoin", "fire"]
 
 MODES = ("kill", "hang", "raise")
 POINTS = ("action", "ckpt", "recovery")
@@ -49,7 +49,7 @@ def parse_fault(spec: str, num_replicas: int, num_stages: int) -> tuple[tuple[in
     the part after the dot is an action index (0-based, in the worker's action list), 'ckpt' or 'recovery'."""
     match = _SPEC.match(spec.strip())
     rule = ("--inject takes MODE:REPLICA:STAGE@STEP[.ACTION], e.g. kill:1:1@3.5 (MODE kill, hang or raise; STEP "
-            "1-based; ACTION an index into the worker's action list, or 'ckpt' or 'recovery')")
+            "1-based; ACTION an index into the worker's action list, or 'ckpt' or 'recovery'), or rejoin:R:S@STEP")
     if not match:
         raise ConfigError(f"--inject {spec!r}: {rule}")
     mode, replica, stage, step = match["mode"], int(match["replica"]), int(match["stage"]), int(match["step"])
@@ -66,6 +66,17 @@ def parse_fault(spec: str, num_replicas: int, num_stages: int) -> tuple[tuple[in
     if point_text not in POINTS[1:]:
         raise ConfigError(f"--inject {spec!r}: {point_text!r} is not an action index, 'ckpt' or 'recovery'")
     return (replica, stage), FaultInjection(step - 1, 0, mode, point_text)
+
+
+def parse_rejoin(spec: str, num_replicas: int, num_stages: int) -> tuple[tuple[int, int], int]:
+    """'rejoin:1:1@8' -> ((1, 1), 7): bring worker 1:1 back (if it is down) once 7 steps are done."""
+    match = _SPEC.match(spec.strip())
+    if not match or match["mode"] != "rejoin" or match["point"] is not None:
+        raise ConfigError(f"--inject {spec!r}: a re-join is rejoin:REPLICA:STAGE@STEP, e.g. rejoin:1:1@8 (STEP "
+                          "1-based: the worker is started again when that step begins)")
+    (replica, stage), fault = parse_fault(f"kill:{match['replica']}:{match['stage']}@{match['step']}", num_replicas,
+                                          num_stages)
+    return (replica, stage), fault.step
 
 
 def fire(fault: FaultInjection, where: str) -> None:

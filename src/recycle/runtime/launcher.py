@@ -556,10 +556,6 @@ class _Coordination:
             transfer_bytes=sum(t["bytes"] for t in transfers),
             transfer_s=max((t["seconds"] for t in transfers), default=0.0),
             restored_step=facts.restore_step, steps_lost=facts.steps_lost)
-        if os.environ.get("RECYCLE_DEBUG"):
-            print("DEBUG", [(r.rank, round(r.time - failure_time, 3), r.error[:60]) for r in facts.reports],
-                  "announced", round(pending["announced"] - failure_time, 3), "joined",
-                  [round(j - failure_time, 3) for j in joined], "resumed", [round(x - failure_time, 3) for x in resumed])
         self.recoveries.append(recovery)
         if self.options.progress:
             self.options.progress(recovery.line())

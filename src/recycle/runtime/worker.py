@@ -375,15 +375,16 @@ class _Worker:
             if fault.point == "recovery" and step >= fault.step:
                 self._fire(fault, f"the recovery from generation {self.generation}")
         executor = self.executor
-        if self.transport is not None:
-            try:
+        try:
+            if self.transport is not None:
                 self.transport.close(abort=True)
-            except Exception:
-                pass  # the group is broken either way; what matters is that its sockets are closed
-            self.transport = None
-            if executor is not None:
-                executor.comm = None  # type: ignore[assignment]  # set again by set_plan in the next generation
+            elif dist.is_initialized():  # the groups of a generation that failed while forming
+                dist.destroy_process_group()
+        except Exception:
+            pass  # the group is broken either way; what matters is that its sockets are closed
+        self.transport = None
         if executor is not None:
+            executor.comm = None  # type: ignore[assignment]  # set again by set_plan in the next generation
             progress, completed = executor.progress, executor.completed
             applied = executor.applied_iteration if executor.applied_iteration is not None else spec.start_step - 1
             current = (progress.index, progress.busy_s) if not progress.finished else (0, 0.0)
