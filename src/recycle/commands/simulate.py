@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--slot-seconds", type=float, default=1.0, help="seconds per slot for slot-unit configs")
     p.add_argument("--seed", type=int, default=0, help="seed for availability traces (which nodes fail; also the "
                    "default seed of --generate paper-gcp)")
-    p.add_argument("--placement", choices=PLACEMENTS, default="random",
+    p.add_argument("--placement", choices=PLACEMENTS, default=None,
                    help=f"availability traces (a time_ms,live --trace, or --generate paper-gcp without a placement "
                         f"key): {PLACEMENT_HELP}. Default random (reproducible with --seed); spread and worst act on "
                         "the job's grid (config stages and replicas, --gpus-per-node, --replicas)")
@@ -65,10 +65,14 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node {args.gpus_per_node} must be >= 1")
     grid = job_grid(config, args.gpus_per_node, args.replicas)
+    placement = args.placement or "random"
     if args.trace:
-        trace = read_trace(args.trace, strict=args.strict, seed=args.seed, placement=args.placement, grid=grid)
+        trace = read_trace(args.trace, strict=args.strict, seed=args.seed, placement=placement, grid=grid)
     else:
-        trace = parse_generate_spec(args.generate, grid=grid, placement=args.placement, seed=args.seed)
+        trace = parse_generate_spec(args.generate, grid=grid, placement=placement, seed=args.seed)
+    if args.placement and not trace.placement:
+        raise ConfigError(f"--placement {args.placement} applies to availability traces (counts of live nodes), but "
+                          f"{trace.source} is an event trace that already names the failing nodes; drop --placement")
     if trace.placement:
         print(f"note: {trace.source}: availability counts -> failing workers: placement {trace.placement}",
               file=sys.stderr)
