@@ -44,7 +44,7 @@ def show(result, title: str) -> dict:
           f"placement {summary.get('placement')}")
     print(f"   {'system':28s} {'mean (samples/s)':>16s} {'of fault-free':>13s} {'goodput':>8s} {'ReCycle/x':>10s}")
     for name, run in result.runs.items():
-        ratio = summary["recycle_ratio_to"].get(name)
+        ratio = summary["recycle_mean_ratio_to"].get(name)
         print(f"   {run.label:28s} {run.mean_throughput:16.3f} {run.mean_throughput / ff:13.1%} {run.goodput:8.1%} "
               f"{'-' if name == 'recycle' else fmt_ratio(ratio):>10s}")
     cmp = summary.get("recycle_vs_fault_scaled")
@@ -118,12 +118,12 @@ def main() -> int:
             stats["below"].append(cmp["steady_fraction_below"])
             stats["margin"].append(cmp["steady_worst_margin"])
             stats["below_actual"].append(cmp["actual_fraction_below"])
-            stats["oobleck"].append(sd["recycle_ratio_to"]["oobleck"])
-            stats["bamboo67"].append(sd["recycle_ratio_to"]["bamboo"])
+            stats["oobleck"].append(sd["recycle_mean_ratio_to"]["oobleck"])
+            stats["bamboo67"].append(sd["recycle_mean_ratio_to"]["bamboo"])
             stats["dip"].append(rate_at(r.runs["recycle"].steady, DIP_S)
                                 - rate_at(r.runs["fault-scaled"].steady, DIP_S))
             rs = paper_run(small, placement, seed, systems=["recycle", "bamboo"])
-            stats["bamboo350"].append(summary_dict(rs)["recycle_ratio_to"]["bamboo"])
+            stats["bamboo350"].append(summary_dict(rs)["recycle_mean_ratio_to"]["bamboo"])
         rows[placement] = stats
 
     n = args.seeds
@@ -156,10 +156,10 @@ def main() -> int:
     print("\n== Paper-side comparison (GPT-3 6.7B unless noted; spread, seed 0)")
     print(f"   ReCycle / fault-free:      ours {rc.mean_throughput / paper.fault_free_rate:.3f}   paper "
           f"{PAPER['recycle_vs_fault_free']:.3f}")
-    print(f"   ReCycle / Oobleck-like:    ours {fmt_ratio(s['recycle_ratio_to'].get('oobleck'))}   paper "
+    print(f"   ReCycle / Oobleck-like:    ours {fmt_ratio(s['recycle_mean_ratio_to'].get('oobleck'))}   paper "
           f"{PAPER['recycle_vs_oobleck_trace']}x (up to {PAPER['recycle_vs_oobleck_max']}x)")
-    print(f"   ReCycle / Bamboo-like:     ours {fmt_ratio(s['recycle_ratio_to'].get('bamboo'))} (6.7B), "
-          f"{fmt_ratio(summary_dict(small_run)['recycle_ratio_to'].get('bamboo'))} (350M-like)   paper 0 for 6.7B, "
+    print(f"   ReCycle / Bamboo-like:     ours {fmt_ratio(s['recycle_mean_ratio_to'].get('bamboo'))} (6.7B), "
+          f"{fmt_ratio(summary_dict(small_run)['recycle_mean_ratio_to'].get('bamboo'))} (350M-like)   paper 0 for 6.7B, "
           f"up to {PAPER['recycle_vs_bamboo_max']}x")
     for name, ok in checks.items():
         print(f"   [{'PASS' if ok else 'FAIL'}] {name}")

@@ -30,7 +30,7 @@ class RuntimeFailure(RecycleError):
     """A training run failed (a worker died or raised); the message names the worker."""
 
 
-class CheckpointError(RecycleError):
+class CheckpointError(ConfigError):
     """A checkpoint cannot be resumed from: missing, damaged, unsafe, or made for another model or run."""
 
 

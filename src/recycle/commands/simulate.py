@@ -86,13 +86,21 @@ def run(args: argparse.Namespace) -> int:
     result = run_job(config, trace, systems=args.systems, costs=costs, setup=setup, progress=stderr_progress)
     summary = write_report(result, args.out, title=f"{config.name} over {trace.source}")
     print(f"wrote {args.out}/report.md, throughput.png, summary.json", file=sys.stderr)
+    goodput_ratio, mean_ratio = summary["recycle_goodput_ratio_to"], summary["recycle_mean_ratio_to"]
     if args.json:
-        out = {"fault_free_throughput": summary["fault_free_throughput"]}
+        out: dict = {"fault_free_throughput": summary["fault_free_throughput"]}
         for name, run_summary in summary["systems"].items():
-            out[name] = {"mean_throughput": run_summary["mean_throughput"], "goodput": run_summary["goodput"]}
-        print(json.dumps(out, sort_keys=True))
+            out[name] = {"goodput": run_summary["goodput"], "mean_throughput": run_summary["mean_throughput"],
+                         "recycle_ratio_goodput": goodput_ratio.get(name),
+                         "recycle_ratio_mean": mean_ratio.get(name), "reason": run_summary["reason"]}
+        print(json.dumps(out, sort_keys=True, allow_nan=False))
     else:
         for name, run_summary in summary["systems"].items():
-            print(f"{name:20s} mean {run_summary['mean_throughput']:10.3f} samples/s   goodput "
-                  f"{run_summary['goodput']:6.1%}")
+            line = (f"{name:20s} goodput {run_summary['goodput']:6.1%}   mean {run_summary['mean_throughput']:10.3f} "
+                    "samples/s")
+            if name != "recycle" and goodput_ratio.get(name) is not None:
+                line += f"   ReCycle/this {goodput_ratio[name]:.2f}x by goodput, {mean_ratio[name]:.2f}x by mean"
+            if run_summary["reason"]:
+                line += f"   ({run_summary['reason']})"
+            print(line)
     return 0
