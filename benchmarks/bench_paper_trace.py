@@ -164,7 +164,8 @@ def main() -> int:
     print(f"   ReCycle / Oobleck-like:    ours {fmt_ratio(s['recycle_mean_ratio_to'].get('oobleck'))}   paper "
           f"{PAPER['recycle_vs_oobleck_trace']}x (up to {PAPER['recycle_vs_oobleck_max']}x)")
     print(f"   ReCycle / Bamboo-like:     ours {fmt_ratio(s['recycle_mean_ratio_to'].get('bamboo'))} (6.7B), "
-          f"{fmt_ratio(summary_dict(small_run)['recycle_mean_ratio_to'].get('bamboo'))} (350M-like)   paper 0 for 6.7B, "
+          f"{fmt_ratio(summary_dict(small_run)['recycle_mean_ratio_to'].get('bamboo'))} (350M-like)   "
+          "paper 0 for 6.7B, "
           f"up to {PAPER['recycle_vs_bamboo_max']}x")
     for name, ok in checks.items():
         print(f"   [{'PASS' if ok else 'FAIL'}] {name}")

@@ -104,7 +104,8 @@ def _trace_line(rng: random.Random) -> str:
     if kind < 0.7:
         return f"{t},{rng.choice(['3', '2', '0', '-1', 'x', '2.5', ''])}"
     if kind < 0.8:
-        return f"2021-12-{rng.randint(9, 12)}, {rng.randint(0, 25):02d}:{rng.randint(0, 59):02d}:00, {rng.randint(-1, 9)}"
+        hour, minute = rng.randint(0, 25), rng.randint(0, 59)  # hour 24 and 25 are invalid on purpose
+        return f"2021-12-{rng.randint(9, 12)}, {hour:02d}:{minute:02d}:00, {rng.randint(-1, 9)}"
     return rng.choice(["", "# comment", "time_ms,live", "time_ms,action,node", "\ufeff0,3", "a;b;c", ",,,", "0"])
 
 
