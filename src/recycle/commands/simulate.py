@@ -27,7 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "Writes DIR/report.md, DIR/throughput.png and DIR/summary.json.")
     p.add_argument("--config", required=True, help="job config (TOML), e.g. configs/gpt3-6.7b-a100.toml")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", help="CSV trace: time_ms,add|remove,node lines, or time_ms,live counts")
+    src.add_argument("--trace", help="failure trace (CSV): time_ms,add|remove,node events, time_ms,live counts, or "
+                     "Bamboo's 'YYYY-MM-DD, HH:MM:SS, live' availability logs (detected from the first data line)")
     src.add_argument("--generate", metavar="SPEC", help=GENERATE_HELP)
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--json", action="store_true", help="print one JSON object with the summary on stdout")
