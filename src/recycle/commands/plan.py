@@ -167,8 +167,8 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise PlanError(f"--gantt needs recycle.report.gantt, which is not available ({exc}); drop --gantt "
                             "or use --json") from None
-        title = (f"{config.name}: failed {' '.join(args.fail) or 'none'}, {summary['solver']}; period "
-                 f"{result.period:g} {config.time_unit}")
+        period = human_time(result.period, config.time_unit) + ("" if config.time_unit == "us" else " slots")
+        title = f"{config.name}: failed {' '.join(args.fail) or 'none'}, {summary['solver']}; period {period}"
         written["gantt"] = str(write_gantt(result, plan, args.gantt, title=title, time_unit=config.time_unit))
     if args.json:
         summary["written"] = written
