@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from recycle.config import load_config  # noqa: E402
+from recycle.report.units import percent  # noqa: E402
 from recycle.traces.experiments import PAPER, JobSetup, find_traces_dir, named_config, run_job  # noqa: E402
 from recycle.traces.generate import paper_gcp_shape  # noqa: E402
 from recycle.traces.jobsim import rate_at  # noqa: E402
@@ -30,7 +31,7 @@ DIP_S = 4.6 * 3600  # the paper shape has 15 of 24 workers live from 4.5 h to 4.
 
 
 def fmt_ratio(value: float | None) -> str:
-    return "inf (0 throughput)" if value is None else f"{value:.2f}x"
+    return "n/a (no progress)" if value is None else f"{value:.2f}x"
 
 
 def show(result, title: str) -> dict:
@@ -42,16 +43,20 @@ def show(result, title: str) -> dict:
           f"{result.context.num_workers}, fault-free {ff:.3f} samples/s, ReCycle periods: "
           f"{summary.get('period_model')}, {summary.get('keys_planned')} key(s), reference {summary.get('reference')}, "
           f"placement {summary.get('placement')}")
-    print(f"   {'system':28s} {'mean (samples/s)':>16s} {'of fault-free':>13s} {'goodput':>8s} {'ReCycle/x':>10s}")
+    print(f"   {'system':28s} {'goodput':>8s} {'ReCycle/x':>10s} {'mean (samples/s)':>16s} {'of fault-free':>13s} "
+          f"{'ReCycle/x':>10s}  (ReCycle/x by goodput, then by mean)")
     for name, run in result.runs.items():
-        ratio = summary["recycle_ratio_to"].get(name)
-        print(f"   {run.label:28s} {run.mean_throughput:16.3f} {run.mean_throughput / ff:13.1%} {run.goodput:8.1%} "
-              f"{'-' if name == 'recycle' else fmt_ratio(ratio):>10s}")
+        by_goodput = summary["recycle_goodput_ratio_to"].get(name)
+        by_mean = summary["recycle_mean_ratio_to"].get(name)
+        dash = name == "recycle"
+        print(f"   {run.label:28s} {run.goodput:8.1%} {'-' if dash else fmt_ratio(by_goodput):>10s} "
+              f"{run.mean_throughput:16.3f} {run.mean_throughput / ff:13.1%} {'-' if dash else fmt_ratio(by_mean):>10s}"
+              + (f"  ({run.unable_reason})" if run.unable_reason else ""))
     cmp = summary.get("recycle_vs_fault_scaled")
     if cmp:
         print(f"   ReCycle - fault-scaled, running rate: worst {cmp['steady_worst_margin']:+.3f} samples/s, below "
-              f"{cmp['steady_fraction_below']:.2%} of the time; with pauses/transfers: below "
-              f"{cmp['actual_fraction_below']:.2%} of the time")
+              f"{percent(cmp['steady_fraction_below'])} of the time; with pauses/transfers: below "
+              f"{percent(cmp['actual_fraction_below'])} of the time")
     return summary
 
 
@@ -118,12 +123,12 @@ def main() -> int:
             stats["below"].append(cmp["steady_fraction_below"])
             stats["margin"].append(cmp["steady_worst_margin"])
             stats["below_actual"].append(cmp["actual_fraction_below"])
-            stats["oobleck"].append(sd["recycle_ratio_to"]["oobleck"])
-            stats["bamboo67"].append(sd["recycle_ratio_to"]["bamboo"])
+            stats["oobleck"].append(sd["recycle_mean_ratio_to"]["oobleck"])
+            stats["bamboo67"].append(sd["recycle_mean_ratio_to"]["bamboo"])
             stats["dip"].append(rate_at(r.runs["recycle"].steady, DIP_S)
                                 - rate_at(r.runs["fault-scaled"].steady, DIP_S))
             rs = paper_run(small, placement, seed, systems=["recycle", "bamboo"])
-            stats["bamboo350"].append(summary_dict(rs)["recycle_ratio_to"]["bamboo"])
+            stats["bamboo350"].append(summary_dict(rs)["recycle_mean_ratio_to"]["bamboo"])
         rows[placement] = stats
 
     n = args.seeds
@@ -156,10 +161,11 @@ def main() -> int:
     print("\n== Paper-side comparison (GPT-3 6.7B unless noted; spread, seed 0)")
     print(f"   ReCycle / fault-free:      ours {rc.mean_throughput / paper.fault_free_rate:.3f}   paper "
           f"{PAPER['recycle_vs_fault_free']:.3f}")
-    print(f"   ReCycle / Oobleck-like:    ours {fmt_ratio(s['recycle_ratio_to'].get('oobleck'))}   paper "
+    print(f"   ReCycle / Oobleck-like:    ours {fmt_ratio(s['recycle_mean_ratio_to'].get('oobleck'))}   paper "
           f"{PAPER['recycle_vs_oobleck_trace']}x (up to {PAPER['recycle_vs_oobleck_max']}x)")
-    print(f"   ReCycle / Bamboo-like:     ours {fmt_ratio(s['recycle_ratio_to'].get('bamboo'))} (6.7B), "
-          f"{fmt_ratio(summary_dict(small_run)['recycle_ratio_to'].get('bamboo'))} (350M-like)   paper 0 for 6.7B, "
+    print(f"   ReCycle / Bamboo-like:     ours {fmt_ratio(s['recycle_mean_ratio_to'].get('bamboo'))} (6.7B), "
+          f"{fmt_ratio(summary_dict(small_run)['recycle_mean_ratio_to'].get('bamboo'))} (350M-like)   "
+          "paper 0 for 6.7B, "
           f"up to {PAPER['recycle_vs_bamboo_max']}x")
     for name, ok in checks.items():
         print(f"   [{'PASS' if ok else 'FAIL'}] {name}")

@@ -52,7 +52,7 @@ def main() -> None:
             save = Path(tmp) / "final.pt"
             result = launch(config, plan, LaunchOptions(save_path=str(save), progress=None,
                                                         start_method="forkserver", verify_replicas=True))
-            got = torch.load(save, weights_only=False)["model"]
+            got = torch.load(save, weights_only=True)["model"]
             err = max(float((got[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-12)) for k in ref)
             periods = [s.period_s for s in result.steps[1:]]  # skip the warm-up step
             period = statistics.median(periods)

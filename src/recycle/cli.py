@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from recycle.errors import RecycleError
@@ -12,6 +13,8 @@ __all__ = ["main", "COMMANDS"]
 
 # Each command lives in recycle.commands.<module> and exposes register(subparsers) -> parser with func set.
 COMMANDS = ("schedule", "plan", "train", "profile", "simulate", "demo")
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool whose reader (e.g. `head`) went away
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,13 +39,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        from recycle.outputs import check_command_outputs
+
+        check_command_outputs(args)
         result = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows up here, inside the handler, not at interpreter exit
     except RecycleError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader stopped early (`recycle ... | head`): not an error of ours. Point stdout at /dev/null so the
+        # interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     return int(result or 0)
 
 

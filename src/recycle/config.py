@@ -28,6 +28,8 @@ __all__ = [
 ]
 
 TIME_UNITS = ("slot", "us")
+# Larger magnitudes overflow the simulator's sums to inf (1e15 us is 30 years; 1e15 bytes is a petabyte).
+MAX_MAGNITUDE = 1e15
 
 Floats = tuple[float, ...]
 Ints = tuple[int, ...]
@@ -274,6 +276,8 @@ def _check_type(value: Any, kind: str, where: str) -> Any:
             raise ConfigError(f"{where} = {value!r} must be a number")
         if not math.isfinite(float(value)):
             raise ConfigError(f"{where} = {value!r} must be finite; use 0 to mean 'infinite bandwidth'")
+        if abs(value) > MAX_MAGNITUDE:
+            raise ConfigError(f"{where} = {value!r} is too large (|value| <= {MAX_MAGNITUDE:g}); check the unit")
         return float(value)
     if kind == "str":
         if not isinstance(value, str):
@@ -287,9 +291,15 @@ def _check_type(value: Any, kind: str, where: str) -> Any:
             for v in value:
                 if not check(v):
                     raise ConfigError(f"{where} = {value!r}: every entry must be {what}")
+                if not math.isfinite(v) or abs(v) > MAX_MAGNITUDE:
+                    raise ConfigError(f"{where} = {value!r}: entry {v!r} must be a finite number with |value| <= "
+                                      f"{MAX_MAGNITUDE:g} (nan and inf are not durations or sizes)")
             return [conv(v) for v in value]
         if not check(value):
             raise ConfigError(f"{where} = {value!r} must be {what} for all stages or a list with one per stage")
+        if not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
+            raise ConfigError(f"{where} = {value!r} must be a finite number with |value| <= {MAX_MAGNITUDE:g} "
+                              "(nan and inf are not durations or sizes)")
         return conv(value)
     raise AssertionError(kind)
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["RecycleError", "ConfigError", "PlanError", "FailureStateError", "TraceError", "RuntimeFailure"]
+__all__ = ["RecycleError", "ConfigError", "PlanError", "FailureStateError", "TraceError", "RuntimeFailure",
+           "CheckpointError", "OutputError"]
 
 
 class RecycleError(Exception):
@@ -27,3 +28,11 @@ class TraceError(RecycleError):
 
 class RuntimeFailure(RecycleError):
     """A training run failed (a worker died or raised); the message names the worker."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be resumed from: missing, damaged, unsafe, or made for another model or run."""
+
+
+class OutputError(RecycleError):
+    """An output file or directory cannot be written (unwritable, not a directory, disk full)."""

@@ -63,8 +63,8 @@ def test_train_checkpoint_and_exact_resume(config_file: Path, tmp_path: Path) ->
     code = main(["train", "--config", str(config_file), "--resume", str(ck), "--save", str(resumed),
                  "--start-method", "forkserver"])
     assert code == 0
-    a = torch.load(full, weights_only=False)["model"]
-    b = torch.load(resumed, weights_only=False)["model"]
+    a = torch.load(full, weights_only=True)["model"]
+    b = torch.load(resumed, weights_only=True)["model"]
     assert a.keys() == b.keys()
     for key in a:  # the resumed run's final parameters are bit-identical to the uninterrupted run's
         assert torch.equal(a[key], b[key]), key
@@ -74,7 +74,7 @@ def test_train_checkpoint_and_exact_resume(config_file: Path, tmp_path: Path) ->
     degraded = tmp_path / "degraded.pt"
     assert main(["train", "--config", str(config_file), "--resume", str(ck), "--down", "1:1", "--save",
                  str(degraded), "--start-method", "forkserver"]) == 0
-    c = torch.load(degraded, weights_only=False)["model"]
+    c = torch.load(degraded, weights_only=True)["model"]
     for key in a:
         assert float((a[key] - c[key]).abs().max() / a[key].abs().max()) < 1e-9, key
 

@@ -40,7 +40,7 @@ def train(config, plan: Plan, tmp_path) -> tuple[dict[str, torch.Tensor], TrainR
     # forkserver: torch is imported once per test session instead of once per worker per launch.
     result = launch(config, plan, LaunchOptions(save_path=str(save), verify_replicas=True, timeout_s=30,
                                                 progress=None, start_method="forkserver"))
-    return torch.load(save, weights_only=False)["model"], result
+    return torch.load(save, weights_only=True)["model"], result
 
 
 def max_relative_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:

@@ -62,7 +62,7 @@ def test_two_launchers_train_like_the_reference(tmp_path: Path) -> None:
     assert node0.returncode == 0, err0
     assert node1.returncode == 0, err1
     assert "step 2/2" in out0
-    got = torch.load(save, weights_only=False)["model"]
+    got = torch.load(save, weights_only=True)["model"]
     ref, _ = reference_train(load_config(config_file))
     for key in ref:
         assert float((got[key] - ref[key]).abs().max() / ref[key].abs().max().clamp_min(1e-12)) < 1e-9, key

@@ -16,6 +16,7 @@ from recycle.planner.api import (SOLVERS, baseline_1f1b_period, fault_free_perio
                                  resolve_options)
 from recycle.planner.failures import normalize, parse_worker
 from recycle.planner.options import PlannerOptions
+from recycle.report.units import human_time, speed_words
 from recycle.sim.simulator import SimResult, simulate
 
 __all__ = ["register", "run", "plan_summary"]
@@ -101,6 +102,14 @@ def plan_summary(plan: Plan, config: Config, result: SimResult, options: Planner
 def _summary_text(d: dict[str, Any]) -> str:
     cap = "none" if d["memory_cap"] is None else "/".join(map(str, d["memory_cap"]))
     failed = " ".join(f"{p}:{s}" for p, s in d["failed"]) or "none"
+    unit = d["time_unit"]
+
+    def t(value: float) -> str:
+        return human_time(value, unit)
+
+    gap = f"  (gap {100 * d['gap']:.1f}%)" if d["gap"] is not None else ""
+    versus_1f1b = speed_words(d["period"], d["fault_free_period"], "fault-free 1F1B")
+    versus_own = speed_words(d["period"], d["planner_fault_free_period"], "the planner's fault-free plan")
     rows = [
         ("config", f"{d['config']}: D={d['num_replicas']} S={d['num_stages']} M={d['num_microbatches']}, "
                    f"time unit {d['time_unit']}"),
@@ -108,11 +117,10 @@ def _summary_text(d: dict[str, Any]) -> str:
         ("options", f"{'decoupled' if d['decoupled'] else 'fused'} backward, "
                     f"{'staggered' if d['staggered'] else 'coupled'} optimizer, memory cap {cap}"),
         ("solver", f"{d['solver']} ({d['status']}); {d['notes']}"),
-        ("period", f"{d['period']:g}  (slowdown {d['slowdown']:.3f}x vs fault-free 1F1B {d['fault_free_period']:g}; "
-                   f"{d['slowdown_vs_planner_fault_free']:.3f}x vs the planner's fault-free plan "
-                   f"{d['planner_fault_free_period']:g})"),
-        ("makespan", f"{d['makespan']:g}"),
-        ("lower bound", f"{d['lower_bound']:g}  (gap {100 * d['gap']:.1f}%)"),
+        ("period", f"{t(d['period'])}  ({versus_1f1b} at {t(d['fault_free_period'])}; {versus_own} at "
+                   f"{t(d['planner_fault_free_period'])})"),
+        ("makespan", t(d["makespan"])),
+        ("lower bound", f"{t(d['lower_bound'])}{gap}" if d["lower_bound"] is not None else "none"),
         ("peak activations", "/".join(map(str, d["peak_activations_per_stage"]))
          + " micro-batches per stage (max over replicas)"),
     ]
@@ -159,8 +167,8 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise PlanError(f"--gantt needs recycle.report.gantt, which is not available ({exc}); drop --gantt "
                             "or use --json") from None
-        title = (f"{config.name}: failed {' '.join(args.fail) or 'none'}, {summary['solver']}; period "
-                 f"{result.period:g} {config.time_unit}")
+        period = human_time(result.period, config.time_unit) + ("" if config.time_unit == "us" else " slots")
+        title = f"{config.name}: failed {' '.join(args.fail) or 'none'}, {summary['solver']}; period {period}"
         written["gantt"] = str(write_gantt(result, plan, args.gantt, title=title, time_unit=config.time_unit))
     if args.json:
         summary["written"] = written

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 
-from recycle.config import load_config
+from recycle.config import Config, ModelSpec, load_config
 
 __all__ = ["register", "run"]
 
@@ -32,10 +33,25 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
+def _say_what_is_profiled(config: Config) -> None:
+    """Name the model measured, so that a config without [model] does not silently profile the default one."""
+    from recycle.models.gpt import resolve_shape
+
+    shape = resolve_shape(config.model, config.workload.seq_len)
+    what = (f"the built-in GPT, preset {config.model.preset!r} ({shape.n_layer} layers, n_embd {shape.n_embd}, "
+            f"{shape.num_parameters:,} parameters)")
+    if config.model == ModelSpec():
+        print(f"note: {config.source or config.name} has no [model] settings: profiling {what}; add a [model] "
+              "section to profile another model", file=sys.stderr)
+    else:
+        print(f"profiling {what}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     from recycle.runtime.profiler import profile_config, write_profile  # imports torch: only when used
 
     config = load_config(args.config)
+    _say_what_is_profiled(config)
     profile = profile_config(config, repeats=args.repeats, warmup=args.warmup, comm=args.comm)
     path, _ = write_profile(config, profile, args.out)
     if args.json:

@@ -27,7 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "Writes DIR/report.md, DIR/throughput.png and DIR/summary.json.")
     p.add_argument("--config", required=True, help="job config (TOML), e.g. configs/gpt3-6.7b-a100.toml")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", help="CSV trace: time_ms,add|remove,node lines, or time_ms,live counts")
+    src.add_argument("--trace", help="failure trace (CSV): time_ms,add|remove,node events, time_ms,live counts, or "
+                     "Bamboo's 'YYYY-MM-DD, HH:MM:SS, live' availability logs (detected from the first data line)")
     src.add_argument("--generate", metavar="SPEC", help=GENERATE_HELP)
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--json", action="store_true", help="print one JSON object with the summary on stdout")
@@ -47,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--slot-seconds", type=float, default=1.0, help="seconds per slot for slot-unit configs")
     p.add_argument("--seed", type=int, default=0, help="seed for availability traces (which nodes fail; also the "
                    "default seed of --generate paper-gcp)")
-    p.add_argument("--placement", choices=PLACEMENTS, default="random",
+    p.add_argument("--placement", choices=PLACEMENTS, default=None,
                    help=f"availability traces (a time_ms,live --trace, or --generate paper-gcp without a placement "
                         f"key): {PLACEMENT_HELP}. Default random (reproducible with --seed); spread and worst act on "
                         "the job's grid (config stages and replicas, --gpus-per-node, --replicas)")
@@ -65,10 +66,14 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node {args.gpus_per_node} must be >= 1")
     grid = job_grid(config, args.gpus_per_node, args.replicas)
+    placement = args.placement or "random"
     if args.trace:
-        trace = read_trace(args.trace, strict=args.strict, seed=args.seed, placement=args.placement, grid=grid)
+        trace = read_trace(args.trace, strict=args.strict, seed=args.seed, placement=placement, grid=grid)
     else:
-        trace = parse_generate_spec(args.generate, grid=grid, placement=args.placement, seed=args.seed)
+        trace = parse_generate_spec(args.generate, grid=grid, placement=placement, seed=args.seed)
+    if args.placement and not trace.placement:
+        raise ConfigError(f"--placement {args.placement} applies to availability traces (counts of live nodes), but "
+                          f"{trace.source} is an event trace that already names the failing nodes; drop --placement")
     if trace.placement:
         print(f"note: {trace.source}: availability counts -> failing workers: placement {trace.placement}",
               file=sys.stderr)
@@ -82,13 +87,21 @@ def run(args: argparse.Namespace) -> int:
     result = run_job(config, trace, systems=args.systems, costs=costs, setup=setup, progress=stderr_progress)
     summary = write_report(result, args.out, title=f"{config.name} over {trace.source}")
     print(f"wrote {args.out}/report.md, throughput.png, summary.json", file=sys.stderr)
+    goodput_ratio, mean_ratio = summary["recycle_goodput_ratio_to"], summary["recycle_mean_ratio_to"]
     if args.json:
-        out = {"fault_free_throughput": summary["fault_free_throughput"]}
+        out: dict = {"fault_free_throughput": summary["fault_free_throughput"]}
         for name, run_summary in summary["systems"].items():
-            out[name] = {"mean_throughput": run_summary["mean_throughput"], "goodput": run_summary["goodput"]}
-        print(json.dumps(out, sort_keys=True))
+            out[name] = {"goodput": run_summary["goodput"], "mean_throughput": run_summary["mean_throughput"],
+                         "recycle_ratio_goodput": goodput_ratio.get(name),
+                         "recycle_ratio_mean": mean_ratio.get(name), "reason": run_summary["reason"]}
+        print(json.dumps(out, sort_keys=True, allow_nan=False))
     else:
         for name, run_summary in summary["systems"].items():
-            print(f"{name:20s} mean {run_summary['mean_throughput']:10.3f} samples/s   goodput "
-                  f"{run_summary['goodput']:6.1%}")
+            line = (f"{name:20s} goodput {run_summary['goodput']:6.1%}   mean {run_summary['mean_throughput']:10.3f} "
+                    "samples/s")
+            if name != "recycle" and goodput_ratio.get(name) is not None:
+                line += f"   ReCycle/this {goodput_ratio[name]:.2f}x by goodput, {mean_ratio[name]:.2f}x by mean"
+            if run_summary["reason"]:
+                line += f"   ({run_summary['reason']})"
+            print(line)
     return 0

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from recycle.config import Config, load_config
 from recycle.errors import ConfigError, PlanError, RecycleError
-from recycle.ir import Plan
+from recycle.ir import Plan, read_plan
 from recycle.runtime.emulate import DEFAULT_SLOT_MS, Emulation
 from recycle.runtime.control import read_token
 from recycle.runtime.faults import parse_fault, parse_rejoin
@@ -97,10 +96,7 @@ def select_plan(config: Config, schedule: str | None, plan_file: str | None, dow
 
     failed = frozenset(parse_worker(w, config.num_replicas, config.num_stages) for w in down)
     if plan_file:
-        path = Path(plan_file)
-        if not path.is_file():
-            raise ConfigError(f"--plan {plan_file!r} does not exist; pass a plan JSON file")
-        plan = Plan.from_json(path.read_text())
+        plan = read_plan(plan_file, "--plan")
         if failed and plan.failed != failed:
             raise PlanError(f"--plan {plan_file!r} is for failed workers {sorted(plan.failed)} but --down names "
                             f"{sorted(failed)}; drop --down or pass the plan for that failure state")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from recycle.errors import PlanError
 from recycle.ir.actions import Action, Kind
 
-__all__ = ["PlanMeta", "Plan", "derive_host"]
+__all__ = ["PlanMeta", "Plan", "derive_host", "read_plan"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,9 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        if not isinstance(d, dict):
+            raise PlanError(f"plan data is a JSON {type(d).__name__}, not a plan object ({{\"num_replicas\": ..., "
+                            "\"actions\": ...}); regenerate the plan with `recycle plan --save`")
         try:
             meta_raw = dict(d.get("meta", {}))
             meta_raw["failure_key"] = tuple(meta_raw.get("failure_key", ()))
@@ -127,7 +131,7 @@ class Plan:
                 staggered=bool(d.get("staggered", False)),
                 meta=PlanMeta(**meta_raw),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PlanError(f"plan data is malformed ({type(exc).__name__}: {exc}); regenerate the plan with "
                             "`recycle plan` or `recycle schedule`") from None
 
@@ -147,6 +151,33 @@ class Plan:
         host = derive_host(num_replicas, num_stages, num_microbatches, acts)
         return cls(num_replicas, num_stages, num_microbatches, host, acts, frozenset(failed), staggered,
                    meta or PlanMeta())
+
+
+def read_plan(path: str | Path, flag: str = "--plan") -> Plan:
+    """A plan from a JSON file written by `recycle plan --save`; every failure names the file and the format."""
+    p = Path(path)
+    want = "a plan JSON file written by `recycle plan --save`"
+    if p.is_dir():
+        raise PlanError(f"{flag} {str(path)!r} is a directory; pass {want}")
+    if not p.is_file():
+        raise PlanError(f"{flag} {str(path)!r} does not exist; pass {want}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise PlanError(f"{flag} {str(path)!r} is not UTF-8 text; pass {want}") from None
+    except OSError as exc:
+        raise PlanError(f"{flag} {str(path)!r} cannot be read ({exc.strerror}); pass {want}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        looks_csv = "," in text.splitlines()[0] if text.strip() else False
+        hint = " (it looks like CSV: `--csv` output is for reading, not for the runtime)" if looks_csv else ""
+        raise PlanError(f"{flag} {str(path)!r} is not JSON{hint}: {exc.msg} at line {exc.lineno}; pass "
+                        f"{want}") from None
+    try:
+        return Plan.from_dict(data)
+    except PlanError as exc:
+        raise PlanError(f"{flag} {str(path)!r}: {exc}") from None
 
 
 def derive_host(num_replicas: int, num_stages: int, num_microbatches: int,

@@ -7,6 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from recycle.fileio import atomic_write_bytes
+from recycle.report.units import time_axis
 from recycle.ir.actions import Kind
 from recycle.ir.plan import Plan
 from recycle.report.timeline import timed_actions
@@ -83,7 +84,12 @@ def gantt_figure(result: SimResult, plan: Plan, title: str = "", time_unit: str 
         ax.set_yticks(range(n))
         ax.set_yticklabels([f"({r // plan.num_stages},{r % plan.num_stages})" for r in range(n)], fontsize=7)
     ax.set_ylabel("worker (replica, stage)")
-    ax.set_xlabel(f"time ({time_unit})" if time_unit else "time")
+    divisor, label = time_axis(time_unit, span)
+    if divisor != 1.0:  # ticks in ms or s rather than µs with a x1e7 offset
+        from matplotlib.ticker import FuncFormatter
+
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / divisor:g}"))
+    ax.set_xlabel(label)
     kinds_present = sorted({e.action.kind for e in events}, key=list(KIND_COLOURS).index)
     handles = [Patch(facecolor=KIND_COLOURS[k], label=KIND_NAMES[k]) for k in kinds_present]
     if any(e.rerouted for e in events):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from recycle.config import Config
 from recycle.errors import ConfigError, RuntimeFailure
 from recycle.ir import Plan, validate_plan
-from recycle.runtime import checkpoint
+from recycle.runtime import checkpoint, preflight
 from recycle.runtime.control import (Announcement, Keys, StoppedReport, connect_store, decode, encode, host_store,
                                      job_store, new_token)
 from recycle.runtime.coordinator import (AbortGeneration, Announce, Command, Coordinator, Drain, FailRun, Fence,
@@ -186,7 +186,7 @@ def _check_options(config: Config, plan: Plan, options: LaunchOptions) -> tuple[
     # Catch model and data errors here, with a clear message, rather than in every worker.
     check_model(config, options.model_factory)
     load_dataset(config.training.dataset, config.workload.seq_len, base_dir=os.path.dirname(config.source) or None)
-    start = checkpoint.latest_step(options.resume_dir) if options.resume_dir else 0
+    start = preflight.check_launch(config, options, end)  # options, outputs, checkpoint: before any worker
     if start > end:
         raise ConfigError(f"the checkpoint in {options.resume_dir!r} is at step {start}, past --steps {end}; "
                           f"ask for more steps than {start}")

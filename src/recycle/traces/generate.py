@@ -195,9 +195,12 @@ def parse_generate_spec(spec: str, grid: WorkerGrid | None = None, placement: st
         if key not in opts:
             return default
         try:
-            return float(opts.pop(key))
+            value = float(opts.pop(key))
         except ValueError:
             raise TraceError(f"--generate {spec!r}: {key} must be a number") from None
+        if not math.isfinite(value) or abs(value) > 1e12:
+            raise TraceError(f"--generate {spec!r}: {key} = {value:g} must be a finite number of sensible size")
+        return value
 
     if kind == "paper-gcp":
         chosen = opts.pop("placement", placement).strip().lower()

@@ -51,11 +51,26 @@ class SystemRun:
         denom = self.duration_s * self.fault_free_rate
         return self.useful_samples / denom if denom > 0 else 0.0
 
+    @property
+    def unable_reason(self) -> str:
+        """Why the system made no useful progress over the whole trace ("" when it did)."""
+        if self.useful_samples > 0 or self.duration_s <= 0:
+            return ""
+        if self.processed_samples > 0:
+            return ("all its progress was rolled back: no checkpoint completed before the next failure")
+        first_note = self.notes[0].split(": ", 1)[1] if self.notes else ""
+        cause = max(self.lost_s, key=lambda c: self.lost_s[c]) if self.lost_s else "down"
+        if cause == "down":
+            return f"cannot run: {first_note}" if first_note else "cannot run: too few live workers"
+        return (f"never completes a {cause} pause: the next failure comes first ({self.lost_s[cause]:.0f} s lost to "
+                f"{cause} in all)")
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "label": self.label,
             "mean_throughput": self.mean_throughput,
             "goodput": self.goodput,
+            "reason": self.unable_reason,
             "useful_samples": self.useful_samples,
             "processed_samples": self.processed_samples,
             "lost_s": {k: v for k, v in self.lost_s.items() if v > 0},
@@ -162,7 +177,7 @@ def replay(system: SystemModel, timeline: UnitTimeline, fault_free_rate: float) 
     ledger.apply(first)
     wake = first.wake_at
     events = 0
-    notes: list[str] = []
+    notes: list[str] = [f"0s: {first.note}"] if first.note else []
     i = 1
     end = timeline.end_s
     while True:

@@ -1,11 +1,14 @@
-"""Read failure traces: `time_ms,add|remove,node` event logs and `time_ms,live` availability logs, messy input included."""
+"""Read failure traces: `time_ms,add|remove,node` event logs, `time_ms,live` availability logs and Bamboo's
+`date, time, live` availability logs, messy input included (BOM, header, comments, out-of-order lines)."""
 
 from __future__ import annotations
 
+import datetime
 import random
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable
 
 from recycle.errors import TraceError
 
@@ -19,6 +22,7 @@ __all__ = [
     "AvailabilityTrace",
     "parse_event_lines",
     "parse_availability_lines",
+    "parse_dated_availability_lines",
     "read_trace",
     "availability_to_events",
     "PLACEMENT_HELP",
@@ -48,12 +52,17 @@ class TraceNotes:
     repeated_adds: int = 0  # add of a node that is already present (dropped)
     simultaneous_groups: int = 0  # timestamps carrying more than one event (applied together, as one change)
     cancelled_pairs: int = 0  # remove and re-add (or add and remove) of one node at one timestamp (no change)
+    superseded: int = 0  # availability lines earlier than the line before: they replace the samples from their time
 
     def messages(self) -> list[str]:
         """Human-readable warnings, one per kind of fix that was applied."""
         out = []
         if self.out_of_order:
             out.append(f"{self.out_of_order} line(s) were out of time order; the trace was sorted stably by time")
+        if self.superseded:
+            out.append(f"{self.superseded} sample(s) were earlier than the line before; each replaced the samples "
+                       "recorded from its time on (file order is the order of observation: nothing is reordered, so "
+                       "repeated readings cannot create false flaps)")
         if self.repeated_removes:
             out.append(f"{self.repeated_removes} 'remove' event(s) named a node that was not present; ignored")
         if self.repeated_adds:
@@ -142,12 +151,41 @@ def _parse_time(text: str, source: str, lineno: int, line: str) -> int:
     return int(round(value))
 
 
+_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+_HEADER_FIELD = re.compile(r"^[A-Za-z_#][A-Za-z0-9_ #()/.\-]*$")
+
+
+def _is_number(text: str) -> bool:
+    return bool(_NUMBER.match(text.strip()))
+
+
+def _header(kept: list[tuple[int, str]], source: str, columns: tuple[int, ...]) -> bool:
+    """Whether the first content line is a header (every field a name, e.g. `time_ms,live` or `date, time,
+    #instances`). A first line that is neither a header nor data is an error, never skipped silently."""
+    if not kept:
+        return False
+    lineno, line = kept[0]
+    fields = _split(line)
+    if _is_number(fields[0]) or _DATE.match(fields[0]):
+        return False
+    names = [f.lower() for f in fields]
+    if (len(fields) in columns and all(_HEADER_FIELD.match(f) for f in fields)
+            and (names[0].startswith(("time", "date", "ts", "t_")) or names[0] == "t")
+            and not {"add", "remove"} & set(names)):
+        return True
+    raise TraceError(f"{_where(source, lineno)}: first line {line[:80]!r} is neither data nor a header; a trace is "
+                     "CSV lines time_ms,add|remove,node (events), time_ms,live or YYYY-MM-DD, HH:MM:SS, live "
+                     "(availability), optionally under one header line of column names")
+
+
 def _content_lines(lines: Iterable[str]) -> tuple[list[tuple[int, str]], int, int]:
-    """Non-blank, non-comment lines with their 1-based numbers, plus the counts of skipped ones."""
+    """Non-blank, non-comment lines with their 1-based numbers, plus the counts of skipped ones. A UTF-8 byte-order
+    mark at the start is dropped (editors on Windows write one)."""
     blank = comments = 0
     kept = []
     for lineno, raw in enumerate(lines, start=1):
-        line = raw.strip()
+        line = (raw.lstrip("\ufeff") if lineno == 1 else raw).strip()
         if not line:
             blank += 1
         elif line.startswith("#"):
@@ -168,12 +206,9 @@ def parse_event_lines(lines: Iterable[str], source: str = "", strict: bool = Fal
     Malformed lines always raise a TraceError naming the line number, the value and the fix.
     """
     kept, blank, comments = _content_lines(lines)
-    header = False
-    if kept and not kept[0][1].split(",")[0].strip().replace(".", "", 1).isdigit():
-        first = [p.lower() for p in _split(kept[0][1])]
-        if len(first) == 3 and first[0].startswith("time"):
-            header = True
-            kept = kept[1:]
+    header = _header(kept, source, (3,))
+    if header:
+        kept = kept[1:]
     parsed: list[tuple[int, int, TraceEvent]] = []
     out_of_order = 0
     last_time = -1
@@ -251,55 +286,97 @@ def parse_event_lines(lines: Iterable[str], source: str = "", strict: bool = Fal
 
 def parse_availability_lines(lines: Iterable[str], source: str = "", strict: bool = False,
                              end_ms: int | None = None) -> AvailabilityTrace:
-    """Parse `time_ms,live` lines (live = number of available nodes from that time on)."""
+    """Parse `time_ms,live` lines (live = number of available nodes from that time on); see `_availability`."""
     kept, blank, comments = _content_lines(lines)
-    header = False
-    if kept and not kept[0][1].split(",")[0].strip().replace(".", "", 1).isdigit():
-        header = True
-        kept = kept[1:]
-    rows: list[tuple[int, int]] = []
-    out_of_order = 0
-    last_time = -1
-    for lineno, line in kept:
+    header = _header(kept, source, (2,))
+    rows: list[tuple[int, int, int]] = []
+    for lineno, line in kept[1:] if header else kept:
         parts = _split(line)
         if len(parts) != 2:
             raise TraceError(f"{_where(source, lineno)}: line {line!r} has {len(parts)} field(s); an availability "
                              "line is time_ms,live (e.g. 3600000,22)")
-        t = _parse_time(parts[0], source, lineno, line)
+        rows.append((lineno, _parse_time(parts[0], source, lineno, line), _parse_count(parts[1], source, lineno, line)))
+    return _availability(rows, source, strict, end_ms, TraceNotes(blank, comments, header))
+
+
+def parse_dated_availability_lines(lines: Iterable[str], source: str = "", strict: bool = False,
+                                   end_ms: int | None = None) -> AvailabilityTrace:
+    """Parse Bamboo's availability logs, `YYYY-MM-DD, HH:MM:SS, live` (its published GCP traces); times count
+    from the earliest line. See `_availability` for the treatment of out-of-order lines."""
+    kept, blank, comments = _content_lines(lines)
+    header = _header(kept, source, (3,))
+    stamped: list[tuple[int, datetime.datetime, int]] = []
+    for lineno, line in kept[1:] if header else kept:
+        parts = _split(line)
+        if len(parts) != 3:
+            raise TraceError(f"{_where(source, lineno)}: line {line!r} has {len(parts)} field(s); a dated "
+                             "availability line is YYYY-MM-DD, HH:MM:SS, live (e.g. 2021-12-11, 11:11:30, 55)")
         try:
-            count = int(parts[1])
+            when = datetime.datetime.fromisoformat(f"{parts[0]}T{parts[1]}")
         except ValueError:
-            raise TraceError(f"{_where(source, lineno)}: live count {parts[1]!r} in line {line!r} must be a whole "
-                             "number of nodes >= 0") from None
-        if count < 0:
-            raise TraceError(f"{_where(source, lineno)}: live count {count} must be >= 0")
-        if t < last_time:
-            out_of_order += 1
-            if strict:
-                raise TraceError(f"{_where(source, lineno)}: time {t} is earlier than the line before; sort the "
-                                 "trace by time (or read it without --strict)")
-        last_time = max(last_time, t)
-        rows.append((t, count))
+            raise TraceError(f"{_where(source, lineno)}: {parts[0]!r}, {parts[1]!r} in line {line!r} is not a date "
+                             "and time like 2021-12-11, 11:11:30") from None
+        stamped.append((lineno, when, _parse_count(parts[2], source, lineno, line)))
+    if not stamped:
+        raise TraceError(f"{source or 'trace'}: no samples found; a dated availability trace has lines "
+                         "YYYY-MM-DD, HH:MM:SS, live")
+    origin = min(when for _, when, _ in stamped)
+    rows = [(lineno, int(round((when - origin).total_seconds() * 1000)), count) for lineno, when, count in stamped]
+    return _availability(rows, source, strict, end_ms, TraceNotes(blank, comments, header))
+
+
+def _parse_count(text: str, source: str, lineno: int, line: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        raise TraceError(f"{_where(source, lineno)}: live count {text!r} in line {line!r} must be a whole "
+                         "number of nodes >= 0") from None
+    if count < 0:
+        raise TraceError(f"{_where(source, lineno)}: live count {count} must be >= 0")
+    return count
+
+
+def _availability(rows: list[tuple[int, int, int]], source: str, strict: bool, end_ms: int | None,
+                  notes: TraceNotes) -> AvailabilityTrace:
+    """(line, time_ms, live) rows in file order -> an AvailabilityTrace.
+
+    The file order is taken as the order of observation: a line whose time is earlier than the line before does
+    not get sorted in among older samples (Bamboo's monitors log each reading three times a minute apart, and the
+    next reading can start before the last repeat: sorting turned 80, 79, 80 into 80, 79, 80, 79, 80). Instead it
+    replaces every sample recorded for its time or later, and holds from its time on. Counted in the notes; an
+    error with `strict`. Several samples at one time: the last one in the file wins.
+    """
     if not rows:
         raise TraceError(f"{source or 'trace'}: no samples found; an availability trace has lines time_ms,live")
-    rows.sort(key=lambda r: r[0])
+    samples: list[tuple[int, int]] = []  # (time, live), times strictly increasing
+    superseded = groups = 0
+    last_time = -1
+    for lineno, t, count in rows:
+        if t < last_time:
+            superseded += 1
+            if strict:
+                raise TraceError(f"{_where(source, lineno)}: time {t} ms is earlier than the line before "
+                                 f"({last_time} ms); sort the trace by time (or read it without --strict: then the "
+                                 "later line replaces the samples from its time on)")
+        elif t == last_time:
+            groups += 1
+        while samples and samples[-1][0] >= t:
+            samples.pop()
+        samples.append((t, count))
+        last_time = t
     times: list[int] = []
     live: list[int] = []
-    groups = 0
-    for t, count in rows:
-        if times and times[-1] == t:
-            groups += 1
-            live[-1] = count  # the last sample at a timestamp wins, as in an event log applied in order
-        elif live and live[-1] == count:
+    for t, count in samples:
+        if live and live[-1] == count:
             continue  # no change
-        else:
-            times.append(t)
-            live.append(count)
+        times.append(t)
+        live.append(count)
     if times[0] != 0:
         raise TraceError(f"{source or 'trace'}: the first sample is at {times[0]} ms; an availability trace must "
                          "say how many nodes are live at time 0 (add a line 0,N)")
-    end = rows[-1][0] if end_ms is None else end_ms
-    notes = TraceNotes(blank, comments, header, out_of_order, 0, 0, groups, 0)
+    last = max(t for _, t, _ in rows)
+    end = last if end_ms is None else end_ms
+    notes = replace(notes, simultaneous_groups=groups, superseded=superseded)
     return AvailabilityTrace(tuple(times), tuple(live), end, source, notes)
 
 
@@ -364,22 +441,35 @@ def read_trace(path: str | Path, strict: bool = False, end_ms: int | None = None
         raise TraceError(f"trace file {str(path)!r} does not exist; pass --trace with a CSV of time_ms,add|remove,"
                          "node lines (e.g. ../shared/data/traces/bamboo-ec2-p3.csv) or use --generate")
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is not part of the first line
     except UnicodeDecodeError:
         raise TraceError(f"trace file {str(path)!r} is not UTF-8 text; pass a CSV file") from None
     lines = text.splitlines()
+    kind = _detect(lines, str(path))
+    if kind == "event":
+        return parse_event_lines(lines, str(path), strict, end_ms)
+    parse = parse_availability_lines if kind == "availability" else parse_dated_availability_lines
+    return availability_to_events(parse(lines, str(path), strict, end_ms), seed=seed, placement=placement,
+                                  grid=grid)
+
+
+def _detect(lines: list[str], source: str) -> str:
+    """'event', 'availability' or 'dated' from the first data line (after an optional header)."""
     kept, _, _ = _content_lines(lines)
-    columns = _columns(kept)
-    if columns == 2:
-        return availability_to_events(parse_availability_lines(lines, str(path), strict, end_ms), seed=seed,
-                                      placement=placement, grid=grid)
-    return parse_event_lines(lines, str(path), strict, end_ms)
-
-
-def _columns(kept: Sequence[tuple[int, str]]) -> int:
-    """The column count of the first data line (after an optional header)."""
-    for lineno, line in kept:
-        first = line.split(",")[0].strip()
-        if first.replace(".", "", 1).isdigit():
-            return len(line.split(","))
-    return 3
+    if not kept:
+        raise TraceError(f"{source}: no data lines; a trace is CSV lines time_ms,add|remove,node (events), "
+                         "time_ms,live or YYYY-MM-DD, HH:MM:SS, live (availability)")
+    if _header(kept, source, (2, 3)):
+        kept = kept[1:]
+    if not kept:
+        raise TraceError(f"{source}: only a header line; add the data lines under it")
+    lineno, line = kept[0]
+    fields = _split(line)
+    if len(fields) == 3 and _DATE.match(fields[0]):
+        return "dated"
+    if len(fields) == 2:
+        return "availability"
+    if len(fields) == 3:
+        return "event"
+    raise TraceError(f"{_where(source, lineno)}: line {line[:80]!r} has {len(fields)} field(s); a trace line is "
+                     "time_ms,add|remove,node (events), time_ms,live or YYYY-MM-DD, HH:MM:SS, live (availability)")

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from recycle.fileio import atomic_write_bytes, atomic_write_text
+from recycle.report.units import human_seconds, percent
 
 from recycle.traces.jobsim import JobResult, binned, compare_series
 from recycle.traces.model import CAUSES
@@ -29,17 +30,39 @@ def summary_dict(result: JobResult) -> dict[str, Any]:
             "actual_worst_margin": actual_margin,  # including pauses and state transfers
             "actual_fraction_below": actual_below,
         }
-    ratios = {}
+    # ReCycle over each system, by goodput (useful work: the headline) and by mean throughput (which counts work
+    # later rolled back); None where the system made no progress (its "reason" says why).
+    by_goodput: dict[str, float | None] = {}
+    by_mean: dict[str, float | None] = {}
     if "recycle" in runs:
-        mine = runs["recycle"].mean_throughput
+        mine = runs["recycle"]
         for name, run in runs.items():
             if name != "recycle":
-                ratios[name] = mine / run.mean_throughput if run.mean_throughput > 0 else None
-    summary["recycle_ratio_to"] = ratios
+                by_goodput[name] = mine.goodput / run.goodput if run.goodput > 0 else None
+                by_mean[name] = mine.mean_throughput / run.mean_throughput if run.mean_throughput > 0 else None
+    summary["recycle_goodput_ratio_to"] = by_goodput
+    summary["recycle_mean_ratio_to"] = by_mean
     # The curves behind the plot: (time_s, samples/s) steps per system, pauses included as 0.
     summary["series"] = {name: [[t, r] for t, r in run.series] for name, run in runs.items()}
     summary["live_workers"] = [[t, len(live)] for t, live in zip(result.timeline.times_s, result.timeline.live)]
     return summary
+
+
+def _ratio(name: str, ratios: dict[str, float | None], run: Any) -> str:
+    if name == "recycle":
+        return "-"
+    ratio = ratios.get(name)
+    return f"{ratio:.2f}x" if ratio is not None else "n/a (no progress)"
+
+
+def _margin(worst: float, fraction_below: float, end_s: float) -> str:
+    """The worst gap to the fault-scaled line and the time spent below it, in words that match the sign."""
+    if worst >= 0:
+        return f"never below the line (closest margin {worst:+.3f} samples/s)"
+    if fraction_below <= 0:
+        return f"below the line only at isolated instants (no measurable time), at worst by {-worst:.3f} samples/s"
+    return (f"below the line for {human_seconds(fraction_below * end_s)} ({percent(fraction_below)} of the time), "
+            f"at worst by {-worst:.3f} samples/s")
 
 
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -94,11 +117,13 @@ def write_report(result: JobResult, out_dir: str | Path, title: str = "Trace rep
 
     ff = result.fault_free_rate
     rows = []
+    reasons = []
     for name, run in result.runs.items():
-        ratio = summary["recycle_ratio_to"].get(name)
-        rows.append([run.label, f"{run.mean_throughput:.3f}", f"{run.mean_throughput / ff:.1%}" if ff else "-",
-                     f"{run.goodput:.1%}", str(run.rollbacks),
-                     "-" if name == "recycle" else (f"{ratio:.2f}x" if ratio else "inf")])
+        if run.unable_reason:
+            reasons.append(f"- {run.label}: {run.unable_reason}")
+        rows.append([run.label, f"{run.goodput:.1%}", _ratio(name, summary["recycle_goodput_ratio_to"], run),
+                     f"{run.mean_throughput:.3f}", f"{run.mean_throughput / ff:.1%}" if ff else "-",
+                     _ratio(name, summary["recycle_mean_ratio_to"], run), str(run.rollbacks)])
     lost_rows = []
     for name, run in result.runs.items():
         lost_rows.append([run.label] + [f"{run.lost_s.get(c, 0.0) / 3600:.2f}" for c in CAUSES])
@@ -121,31 +146,32 @@ def write_report(result: JobResult, out_dir: str | Path, title: str = "Trace rep
     lines += [
         "",
         "Baselines are models, not the real systems; their assumptions are in docs/traces.md.",
-        "mean throughput = time-average of the plotted rate; goodput = useful samples (rolled-back work excluded) / "
-        "(duration x fault-free rate).",
+        "goodput = useful samples (rolled-back work excluded) / (duration x fault-free rate): the headline; mean "
+        "throughput = time-average of the plotted rate, which also counts work that was later rolled back.",
         "",
         "![throughput over time](throughput.png)",
         "",
         "## Average throughput and goodput",
         "",
-        markdown_table(["system", "mean throughput (samples/s)", "of fault-free", "goodput", "rollbacks",
-                        "ReCycle / system"], rows),
+        markdown_table(["system", "goodput", "ReCycle / system (goodput)", "mean throughput (samples/s)",
+                        "mean of fault-free", "ReCycle / system (mean)", "rollbacks"], rows),
         "",
+        *([*reasons, ""] if reasons else []),
         "## Time lost by cause (fault-free-equivalent hours)",
         "",
         markdown_table(["system", *CAUSES], lost_rows),
         "",
     ]
     cmp = summary.get("recycle_vs_fault_scaled")
+    end = result.timeline.end_s
     if cmp:
         lines += [
             "## ReCycle against the fault-scaled line",
             "",
-            f"- running rate (pauses excluded): worst margin {cmp['steady_worst_margin']:+.3f} samples/s, below the "
-            f"line {cmp['steady_fraction_below']:.2%} of the time",
-            f"- actual rate (detection, plan switches and state transfers included): worst margin "
-            f"{cmp['actual_worst_margin']:+.3f} samples/s, below the line {cmp['actual_fraction_below']:.2%} of the "
-            "time",
+            "- running rate (pauses excluded): "
+            f"{_margin(cmp['steady_worst_margin'], cmp['steady_fraction_below'], end)}",
+            f"- actual rate (detection, plan switches and state transfers included): "
+            f"{_margin(cmp['actual_worst_margin'], cmp['actual_fraction_below'], end)}",
             "",
         ]
     atomic_write_text(out / "report.md", "\n".join(lines))

@@ -1,0 +1,282 @@
+"""Checks a training launch makes before any worker starts: option ranges, output paths, the checkpoint to resume.
+
+Resume rules (docs/runtime.md, "Checkpoints and resume"):
+* a checkpoint is *intact* when every stage file of its step loads as plain data (`torch.load(weights_only=True)`),
+  says the right step and stage, and holds the tensors the config's model has, with their shapes and dtypes;
+* the step named by `latest` is tried first; a damaged one (missing, truncated, empty) is reported and the newest
+  intact older step is used instead; steps newer than `latest` are never used (not known to be complete);
+* a checkpoint of another model or run is an error, never a fallback: the run fingerprint (RESUME_MUST_MATCH)
+  must match; RESUME_MAY_CHANGE keys may differ between legs of a run and are reported as warnings.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from recycle.config import Config
+from recycle.errors import CheckpointError, ConfigError
+from recycle.fileio import atomic_write_text, check_output_dir, check_output_file
+from recycle.runtime import checkpoint
+
+if TYPE_CHECKING:
+    from recycle.runtime.launcher import LaunchOptions
+
+__all__ = ["check_launch", "check_option_ranges", "check_outputs", "run_fingerprint", "find_resume_point",
+           "ResumePoint", "StageSpec", "expected_stages", "RESUME_MUST_MATCH", "RESUME_MAY_CHANGE"]
+
+# What makes a checkpoint the state of *this* run: the model (shapes, and how the stages split it), the numerics
+# (dtype), what each step computes (global batch, sequence length, the seed behind init and dropout). The number of
+# replicas and micro-batches may change as long as their product (the global batch in micro-batches) stays.
+RESUME_MUST_MATCH = ("model", "model_factory", "num_stages", "dtype", "seed", "seq_len", "microbatch_size",
+                     "global_microbatches")
+# Settings a user may deliberately change between legs of a run (a new learning rate, more data); reported.
+RESUME_MAY_CHANGE = ("lr", "weight_decay", "grad_clip", "dataset")
+
+_STEP_DIR = re.compile(r"^step(\d+)$")
+_META_ABOVE_PARAMS = 20_000_000  # build shapes on the meta device above this size (below it the CPU is faster)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a stage checkpoint of this config must hold."""
+
+    layers: tuple[int, int]
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]  # state-dict name -> (shape, dtype)
+    trainable: tuple[tuple[int, ...], ...]  # shapes of the optimizer's parameters, in order
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """About what one stage file takes: the state dict plus two AdamW moments (in the parameters' dtype) per
+        trainable parameter."""
+        size = {torch.float64: 8, torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+        state = sum(math.prod(s) * size.get(d, 4) for s, d in self.tensors.values())
+        element = max((size.get(d, 4) for _, d in self.tensors.values()), default=4)
+        return state + sum(2 * math.prod(s) * element for s in self.trainable)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    step: int
+    path: Path
+    warnings: tuple[str, ...] = ()
+
+
+def check_launch(config: Config, options: LaunchOptions, end: int) -> int:
+    """Everything a launch can check before spawning a worker; returns the step to start from (0 or the intact
+    checkpoint's). Prints which checkpoint is used and any warnings."""
+    check_option_ranges(options)
+    specs = expected_stages(config, options.model_factory) if (options.resume_dir or options.checkpoint_dir) \
+        else None
+    # One checkpoint with headroom for the file format (measured: ~7 % over the raw tensor bytes for the tiny GPT).
+    check_outputs(options, int(1.1 * sum(s.checkpoint_bytes for s in specs)) + 65536 * len(specs) if specs else 0)
+    start = 0
+    if options.resume_dir:
+        point = find_resume_point(config, options.resume_dir, options.model_factory, specs)
+        for warning in point.warnings:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+        if point.step > end:
+            raise ConfigError(f"the checkpoint {str(point.path)!r} is at step {point.step}, past --steps {end}; "
+                              f"ask for more steps than {point.step}")
+        if options.progress:
+            options.progress(f"resuming from {point.path} (step {point.step}; {config.num_stages} stage file(s) "
+                             "checked)")
+        start = point.step
+    if options.checkpoint_dir:
+        # Each stage file written from now on carries this fingerprint (checkpoint.save_stage copies it).
+        atomic_write_text(Path(options.checkpoint_dir) / checkpoint.RUN_FILE,
+                          _dumps(run_fingerprint(config, options.model_factory)))
+    return start
+
+
+def check_option_ranges(options: LaunchOptions) -> None:
+    if not (math.isfinite(options.timeout_s) and options.timeout_s > 0):
+        raise ConfigError(f"--timeout {options.timeout_s:g} must be a positive number of seconds (how long a silent "
+                          "peer may take before it counts as failed); e.g. --timeout 30")
+    if options.checkpoint_dir and options.checkpoint_every < 1:
+        raise ConfigError(f"--checkpoint-dir {options.checkpoint_dir!r} with --checkpoint-every "
+                          f"{options.checkpoint_every} would never write a checkpoint; pass --checkpoint-every K "
+                          "with K >= 1 (steps between checkpoints)")
+    if not 0 <= options.master_port <= 65535:
+        raise ConfigError(f"--master-port {options.master_port} is not a TCP port; use 1..65535 (or 0 on a single "
+                          "node: any free port)")
+
+
+def check_outputs(options: LaunchOptions, checkpoint_bytes: int = 0) -> None:
+    """Every path the run will write, checked now rather than after the training it would cost."""
+    if options.save_path:
+        check_output_file(options.save_path, "--save")
+    if options.metrics_path:
+        check_output_file(options.metrics_path, "--metrics")
+    if options.checkpoint_dir:
+        check_output_dir(options.checkpoint_dir, "--checkpoint-dir", need_bytes=checkpoint_bytes)
+
+
+def run_fingerprint(config: Config, model_factory: str = "") -> dict[str, Any]:
+    """The settings a checkpoint is tied to (RESUME_MUST_MATCH) and those reported when changed."""
+    model: dict[str, Any]
+    if model_factory:
+        model = {}
+    else:
+        from recycle.models.gpt import resolve_shape
+
+        shape = resolve_shape(config.model, config.workload.seq_len)
+        model = {"vocab_size": shape.vocab_size, "n_layer": shape.n_layer, "n_head": shape.n_head,
+                 "n_embd": shape.n_embd, "block_size": shape.block_size, "dropout": shape.dropout}
+    t, w = config.training, config.workload
+    return {"model": model, "model_factory": model_factory, "num_stages": config.num_stages, "dtype": t.dtype,
+            "seed": t.seed, "seq_len": w.seq_len, "microbatch_size": w.microbatch_size,
+            "global_microbatches": config.num_replicas * w.num_microbatches,
+            "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "dataset": t.dataset}
+
+
+def expected_stages(config: Config, model_factory: str = "") -> list[StageSpec]:
+    """The tensors each stage of this config's model has (built on the meta device when the model is large)."""
+    from recycle.runtime.stage import load_factory
+
+    S = config.num_stages
+    if model_factory:
+        modules = load_factory(model_factory)(config, S)
+        dtype = {"float32": torch.float32, "float64": torch.float64}[config.training.dtype]
+        modules = [m.to(dtype) for m in modules]
+        layouts = [(s, S) for s in range(S)]
+    else:
+        from recycle.models.gpt import DTYPES, GPTStage, resolve_shape, stage_layers
+
+        shape = resolve_shape(config.model, config.workload.seq_len)
+        layouts = stage_layers(shape.n_layer, S)
+        device = "meta" if shape.num_parameters > _META_ABOVE_PARAMS else "cpu"
+        with torch.device(device):
+            modules = [GPTStage(shape, first, last).to(DTYPES[config.training.dtype]) for first, last in layouts]
+    return [StageSpec(tuple(layout), {k: (tuple(v.shape), v.dtype) for k, v in m.state_dict().items()},
+                      tuple(tuple(p.shape) for p in m.parameters() if p.requires_grad))
+            for m, layout in zip(modules, layouts)]
+
+
+def find_resume_point(config: Config, root: str | Path, model_factory: str = "",
+                      specs: list[StageSpec] | None = None) -> ResumePoint:
+    """The newest intact checkpoint in `root` at or before `latest` (see the module docstring)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise CheckpointError(f"--resume {str(root)!r}: no checkpoint there (no such directory); pass a directory "
+                              "written by --checkpoint-dir")
+    steps = sorted((int(m.group(1)) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))),
+                   reverse=True)
+    warnings: list[str] = []
+    pointer = root / "latest"
+    latest: int | None = None
+    if pointer.is_file():
+        name = pointer.read_text(errors="replace").strip()
+        match = _STEP_DIR.match(name)
+        if match:
+            latest = int(match.group(1))
+        else:
+            warnings.append(f"{pointer} holds {name[:40]!r}, not a step directory name like 'step000004'; "
+                            "looking for the newest intact checkpoint instead")
+    elif steps:
+        warnings.append(f"{root} has no 'latest' pointer; looking for the newest intact checkpoint")
+    else:
+        raise CheckpointError(f"--resume {str(root)!r}: no checkpoint there (no 'latest' file, no step directory); "
+                              "pass a directory written by --checkpoint-dir")
+    if latest is not None:
+        candidates = [latest] + [s for s in steps if s < latest]
+    else:
+        candidates = steps
+    if specs is None:
+        specs = expected_stages(config, model_factory)
+    fingerprint = run_fingerprint(config, model_factory)
+    problems: list[str] = []
+    for step in candidates:
+        where = checkpoint.step_dir(root, step)
+        if not where.is_dir():
+            problem = (f"'latest' names step {step} but {where} is missing" if step == latest
+                       else f"{where} is missing")
+        else:
+            problem = _check_step(root, step, specs, fingerprint, warnings)
+        if problem is None:
+            if problems:
+                warnings.append(f"{problems[0]}; resuming from the newest intact checkpoint, step {step}, instead")
+            return ResumePoint(step, where, tuple(warnings))
+        problems.append(problem)
+    listed = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+    raise CheckpointError(f"--resume {str(root)!r}: no intact checkpoint ({listed or 'no step directory'}); start "
+                          "without --resume or restore the checkpoint files")
+
+
+def _check_step(root: Path, step: int, specs: list[StageSpec], fingerprint: dict[str, Any],
+                warnings: list[str]) -> str | None:
+    """None if the step is intact; a description if damaged. A checkpoint of another model or run raises."""
+    for stage, spec in enumerate(specs):
+        path = checkpoint.stage_file(root, step, stage)
+        if not path.is_file():
+            return f"{path} is missing (incomplete checkpoint)"
+        try:
+            state = checkpoint.read_stage(path, mmap=True)
+        except CheckpointError as exc:
+            if "refused" in str(exc):
+                raise  # a file that would run code is never skipped over quietly
+            return str(exc)
+        if state["step"] != step or state["stage"] != stage:
+            return f"{path} says step {state['step']} stage {state['stage']} (a misplaced file)"
+        if tuple(state["layers"]) != spec.layers:
+            raise CheckpointError(f"{path} holds layers {tuple(state['layers'])} of stage {stage} but this config "
+                                  f"puts layers {spec.layers} there; resume with the model and num_stages it was "
+                                  "made with")
+        _check_fingerprint(path, state.get("run"), fingerprint, warnings, first=stage == 0)
+        _check_tensors(path, state, spec)
+    extra = checkpoint.stage_file(root, step, len(specs))
+    if extra.is_file():
+        raise CheckpointError(f"{extra} exists: the checkpoint was made with more than num_stages = {len(specs)} "
+                              "stages; resume with the config it was made with")
+    return None
+
+
+def _check_tensors(path: Path, state: dict[str, Any], spec: StageSpec) -> None:
+    model = state["model"]
+    if not isinstance(model, dict):
+        raise CheckpointError(f"{path}: 'model' is not a state dict")
+    missing = sorted(set(spec.tensors) - set(model))
+    unexpected = sorted(set(model) - set(spec.tensors))
+    if missing or unexpected:
+        raise CheckpointError(f"{path} is for another model: missing {missing[:3]}, unexpected {unexpected[:3]}; "
+                              "resume with the [model] it was made with")
+    for name, (shape, dtype) in spec.tensors.items():
+        tensor = model[name]
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            got = (tuple(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise CheckpointError(f"{path}: {name} is {got} but this config's model has {(shape, dtype)}; resume "
+                                  "with the [model], seq_len and dtype it was made with")
+    moments = state["optimizer"].get("exp_avg") if isinstance(state["optimizer"], dict) else None
+    if isinstance(moments, list) and [tuple(t.shape) for t in moments] != list(spec.trainable):
+        raise CheckpointError(f"{path}: the optimizer state does not match the model's parameters; the checkpoint "
+                              "is damaged or from another model")
+
+
+def _check_fingerprint(path: Path, saved: Any, current: dict[str, Any], warnings: list[str], first: bool) -> None:
+    if not isinstance(saved, dict):
+        if first:
+            warnings.append(f"{path.parent} has no run fingerprint (written by an older recycle): only its tensor "
+                            "shapes were checked against the config")
+        return
+    changed = [k for k in RESUME_MUST_MATCH if k in saved and saved[k] != current.get(k)]
+    if changed:
+        detail = ", ".join(f"{k} {saved[k]!r} -> {current.get(k)!r}" for k in changed)
+        raise CheckpointError(f"{path.parent} was made by a different run ({detail}); these must match to resume "
+                              f"(see docs/runtime.md): use the config it was made with, or start without --resume")
+    if first:
+        for k in RESUME_MAY_CHANGE:
+            if k in saved and saved[k] != current.get(k):
+                warnings.append(f"{k} changed since the checkpoint ({saved[k]!r} -> {current.get(k)!r}); the resumed "
+                                "run continues with the new value")
+
+
+def _dumps(data: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(data, indent=1, sort_keys=True) + "\n"
