@@ -140,3 +140,40 @@ def test_a_killed_launcher_node_is_survived(tmp_path: Path) -> None:
         time.sleep(0.2)
     assert len(node1_workers) == 2
     assert not [p for p in node1_workers if Path(f"/proc/{p}").exists()], "node 1's workers outlived it"
+
+
+def test_a_repaired_node_started_again_rejoins_the_running_job(tmp_path: Path) -> None:
+    """Node 1's launcher dies with its workers; starting the same command again on node 1 brings pipeline 1 back:
+    its workers re-join with live state and the job ends with every worker up and the fault-free parameters."""
+    config_file = tmp_path / "cfg.toml"
+    config_file.write_text(CONFIG.replace("steps = 8", "steps = 40"))  # long enough for a restart on 2 busy cores
+    save = tmp_path / "final.pt"
+    common = [sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--nnodes", "2",
+              "--master-port", str(free_port()), "--save", str(save), "--heartbeat-timeout", "2", *PACED]
+    env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
+    node0 = subprocess.Popen([*common, "--node-rank", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env)
+    node1 = subprocess.Popen([*common, "--node-rank", "1"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env=env)
+    repaired = None
+    lines: list[str] = []
+    try:
+        wait_for_line(node0, "step 2/", lines)
+        node1.kill()
+        node1.wait()
+        while "stopped responding" not in "".join(lines):  # node 0 has handled the loss of node 1
+            wait_for_line(node0, "step ", lines)
+        repaired_log = (tmp_path / "node1.log").open("w")
+        repaired = subprocess.Popen([*common, "--node-rank", "1"], cwd=ROOT, stdout=repaired_log,
+                                    stderr=subprocess.STDOUT, env=env)
+        out, err = node0.communicate(timeout=150)
+        assert repaired.wait(timeout=30) == 0, (out, (tmp_path / "node1.log").read_text()[-1500:])
+    finally:
+        for process in (node0, node1, repaired):
+            if process is not None and process.poll() is None:
+                process.kill()
+    output = "".join(lines) + out
+    assert node0.returncode == 0, err
+    assert "1:0, 1:1 re-joined" in output and "every worker is up at the end" in output
+    assert "step 40/40" in output
+    assert_reference(config_file, save)

@@ -118,3 +118,21 @@ def test_lost_stage_without_a_checkpoint_stops_with_a_clear_error(tmp_path) -> N
     with pytest.raises(RuntimeFailure, match="last live replica of stage 1.*writes no checkpoints.*--checkpoint-dir"):
         run(2, 2, tmp_path, faults=[((1, 1), FaultInjection(1, 3)), ((0, 1), FaultInjection(3, 2))])
     assert not mp.active_children()
+
+
+def test_a_short_chaos_soak_ends_exact(tmp_path) -> None:
+    """Random kills, hangs and a whole-stage loss, each repaired, in one run (benchmarks/bench_chaos.py is the long
+    version)."""
+    from recycle.runtime.chaos import ChaosSpec
+
+    config = config_for(3, 2)
+    result = launch(config, build_schedule(config, "zb-h1", staggered=True), LaunchOptions(
+        save_path=str(tmp_path / "final.pt"), checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2,
+        verify_replicas=True, timeout_s=20, heartbeat_timeout_s=1.0, heartbeat_s=0.25, progress=None,
+        start_method="forkserver", emulation=PACING, chaos=ChaosSpec(4, 0.6, stage_loss_share=0.3),
+        plan_provider=PlanLibrary.build(config, PlannerOptions(), max_failures=4).provider(PlanChoice)))
+    assert_exact(result, tmp_path, 3, 2)
+    injected = [w for e in result.chaos_events for w in e["workers"]]
+    recovered = [w for r in result.recoveries for w in r.workers]
+    assert len(result.chaos_events) >= 1 and sorted(injected) == sorted(recovered)
+    assert not list((tmp_path / "ckpt").rglob("*.tmp"))

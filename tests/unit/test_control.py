@@ -153,3 +153,28 @@ def test_state_transfer_copies_parameters_moments_and_step_count() -> None:
     assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), joiner.state_dict().values()))
     assert all(torch.equal(a, b) for a, b in zip(source_opt.exp_avg_sq, joiner_opt.exp_avg_sq))
     assert joiner_opt.step_count == source_opt.step_count == 3
+
+
+def test_chaos_never_takes_a_last_replica_except_as_a_restorable_stage_loss() -> None:
+    from recycle.runtime.chaos import ChaosMonkey, ChaosSpec, parse_chaos
+
+    assert parse_chaos("7,0.5") == ChaosSpec(7, 0.5)
+    for bad in ("7", "x,0.5", "7,0", "7,2", "7,0.5,1"):
+        with pytest.raises(ConfigError, match="SEED,RATE"):
+            parse_chaos(bad)
+    monkey = ChaosMonkey(ChaosSpec(3, 1.0, stage_loss_share=0.3), num_stages=2)
+    live = [0, 1, 2, 4, 5]  # stage 0: ranks 0, 2, 4; stage 1: ranks 1, 5
+    kinds = set()
+    for step in range(300):
+        event = monkey.decide(step, live, can_lose_stage=step % 2 == 0)
+        assert event is not None
+        kinds.add(event.kind)
+        if event.kind == "stage-loss":
+            assert step % 2 == 0 and sorted(event.ranks) in ([0, 2, 4], [1, 5])
+        else:
+            assert len(event.ranks) == 1 and event.ranks[0] in live
+        assert all(0.5 <= d <= 2.0 for d in event.repair_after_s)
+    assert kinds == {"kill", "hang", "stage-loss"}
+    assert ChaosMonkey(ChaosSpec(1, 1.0), 2).decide(0, [0, 1], can_lose_stage=False) is None  # no spare replica
+    a, b = ChaosMonkey(ChaosSpec(9, 0.5), 2), ChaosMonkey(ChaosSpec(9, 0.5), 2)
+    assert [a.decide(s, live, True) for s in range(50)] == [b.decide(s, live, True) for s in range(50)]

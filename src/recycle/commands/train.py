@@ -10,6 +10,7 @@ from recycle.config import Config, load_config
 from recycle.errors import ConfigError, PlanError, RecycleError
 from recycle.ir import Plan, read_plan
 from recycle.runtime.emulate import DEFAULT_SLOT_MS, Emulation
+from recycle.runtime.chaos import parse_chaos
 from recycle.runtime.control import read_token
 from recycle.runtime.faults import parse_fault, parse_rejoin
 from recycle.runtime.launcher import LaunchOptions, PlanChoice, PlanProvider, launch
@@ -60,6 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     recovery.add_argument("--respawn-after", type=float, default=None, metavar="SECONDS",
                           help="start every worker that died again after SECONDS (a stand-in for a repair on one "
                                "machine); it re-joins at an iteration boundary")
+    recovery.add_argument("--chaos", default="", metavar="SEED,RATE",
+                          help="soak test: kill or freeze random workers (now and then a whole stage, restored from "
+                               "the checkpoint) at RATE failures per step, each started again after 0.5-2 s")
     recovery.add_argument("--no-recover", action="store_true",
                           help="stop the run at the first worker failure instead of re-routing around it")
     p.add_argument("--token-file", default="", metavar="FILE",
@@ -162,16 +166,23 @@ def run(args: argparse.Namespace) -> int:
                             model_factory=args.model_factory, start_method=args.start_method,
                             heartbeat_timeout_s=args.heartbeat_timeout, faults=tuple(faults), rejoins=tuple(rejoins),
                             respawn_after_s=args.respawn_after,
+                            chaos=parse_chaos(args.chaos) if args.chaos else None,
                             token=read_token(args.token_file), plan_provider=plan_provider(config, args),
                             emulation=Emulation(args.slot_ms, args.cost_scale) if args.emulate_costs else None)
     result = launch(config, plan, options)
+    if args.node_rank > 0:
+        print(f"node {args.node_rank}: the run has finished (node 0 reports the steps and writes the outputs)")
+        return 0
     if result.steps:
         last = result.steps[-1]
         print(f"trained steps {result.start_step + 1}..{result.end_step} in {result.wall_s:.1f} s; final loss "
               f"{last.loss:.4f}")
     if result.recoveries:
+        failures = sum(1 for r in result.recoveries if r.causes)
+        joins = sum(len(r.joined) for r in result.recoveries)
         down = " ".join(f"{p}:{s}" for p, s in result.failed)
-        print(f"survived {len(result.recoveries)} failure(s) without a restart; workers down at the end: {down}")
+        print(f"survived {failures} failure(s) without a restart ({joins} worker(s) re-joined); "
+              + (f"workers down at the end: {down}" if down else "every worker is up at the end"))
     else:
         print(f"nothing to do: already at step {result.end_step}")
     if args.save:

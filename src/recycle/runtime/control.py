@@ -165,7 +165,7 @@ class Keys:
 
     ABORT_RUN = "abort"
     FINISHED = "finished"
-    RUNNING = "running"  # node 0's coordinator is up: a node launcher that starts now is a repaired node
+    RUNNING = "running"  # the first step is done: a node launcher that starts now is a repaired node
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from recycle.runtime.control import (Announcement, Keys, StoppedReport, connect_
                                      job_store, new_token)
 from recycle.runtime.coordinator import (AbortGeneration, Announce, Command, Coordinator, Drain, FailRun, Fence,
                                          RecoveryFacts, Respawn, describe_exit, stale_heartbeats)
+from recycle.runtime.chaos import ChaosMonkey, ChaosSpec
 from recycle.runtime.data import load_dataset
 from recycle.runtime.emulate import Emulation
 from recycle.runtime.faults import FaultInjection
@@ -74,6 +75,7 @@ class LaunchOptions:
     faults: tuple[tuple[int, FaultInjection], ...] = ()  # (topology rank, fault); a rank may have several
     rejoins: tuple[tuple[int, int], ...] = ()  # (topology rank, 0-based step): bring the worker back then (if down)
     respawn_after_s: float | None = None  # bring every dead worker of this node back after this delay
+    chaos: ChaosSpec | None = None  # seeded random kills, hangs and stage losses, each repaired (soak runs)
     plan_provider: PlanProvider | None = None  # None: a worker failure stops the run (nothing to switch to)
     emulation: Emulation | None = None  # pad every action to the config's cost (--emulate-costs)
     # "spawn": a fresh interpreter per worker. "forkserver": workers fork from one clean server process that has
@@ -151,6 +153,7 @@ class TrainResult:
     wall_s: float
     recoveries: tuple[Recovery, ...] = ()
     failed: tuple[tuple[int, int], ...] = ()  # workers down at the end
+    chaos_events: tuple[dict[str, Any], ...] = ()  # what --chaos did: time, kind, workers, step
 
 
 def node_ranks(live: list[int], nnodes: int, node_rank: int) -> list[int]:
@@ -243,9 +246,10 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
         if options.node_rank == 0:
             run = _Coordination(config, plan, options, store, processes, start_step, end_step, wall0, spawn)
             steps, recoveries, failed = run.run()
+            chaos_events = run.chaos_events
         else:
             _follow(store, processes, options, spawn)
-            steps, recoveries, failed = [], [], plan.failed
+            steps, recoveries, failed, chaos_events = [], [], plan.failed, []
     finally:
         _stop(processes)
         alive_writer.close()
@@ -254,7 +258,7 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
         checkpoint.merge_stage_parts(options.save_path, plan.num_stages,
                                      {"step": end_step, "config": config.to_dict()})
     return TrainResult(start_step, end_step, tuple(steps), time.time() - wall0, tuple(recoveries),
-                       tuple(sorted(failed)))
+                       tuple(sorted(failed)), tuple(chaos_events))
 
 
 def _context(start_method: str) -> mp.context.BaseContext:
@@ -287,7 +291,9 @@ class _Coordination:
         self.member_from: dict[int, int] = {}  # rank -> first step it reports (a replacement: its redo step)
         self.respawn_at: dict[int, float] = {}  # rank -> when to bring it back (--respawn-after)
         self.rejoins = sorted(options.rejoins, key=lambda item: item[1])
-        store.set(Keys.RUNNING, "1")
+        self.monkey = ChaosMonkey(options.chaos, plan.num_stages) if options.chaos is not None else None
+        self.chaos_events: list[dict[str, Any]] = []
+        self.last_chaos_step = start_step
         self.tokens_per_step = plan.total_microbatches * config.workload.microbatch_size * config.workload.seq_len
         self.steps: list[StepMetrics] = []
         self.records: list[dict[str, Any]] = []  # steps and events, for --metrics
@@ -320,6 +326,7 @@ class _Coordination:
             self._drain()
             self._mark_checkpoints()
             self._complete_recovery()
+            self._chaos(now)
             if self.next_step >= self.end_step and self._all_local_exited() and not self.coordinator.state.recovering:
                 self.coordinator.on_finished()
                 self._complete_recovery(final=True)
@@ -380,13 +387,38 @@ class _Coordination:
         failed_ranks = {p * self.plan.num_stages + s for p, s in self.coordinator.state.failed}
         for rank, at in sorted(self.respawn_at.items()):
             if now >= at:
-                del self.respawn_at[rank]
                 if rank in failed_ranks:
+                    del self.respawn_at[rank]
                     self._respawn(rank)
+                elif self.processes[rank].exitcode is not None:
+                    del self.respawn_at[rank]  # nothing to repair
+                # else: a frozen worker not yet declared dead: repaired once it is
         while self.rejoins and self.next_step >= self.rejoins[0][1]:
             rank, _ = self.rejoins.pop(0)
             if rank in failed_ranks and rank in self.local:
                 self._respawn(rank)
+
+    def _chaos(self, now: float) -> None:
+        """--chaos: once per completed step, maybe kill or freeze a worker, or a whole stage; repair it later."""
+        if self.monkey is None or self.next_step <= self.last_chaos_step or self.next_step >= self.end_step - 2:
+            return
+        state = self.coordinator.state
+        if state.recovering or self.pending is not None or state.joining:
+            return  # one thing at a time: the soak checks that each event is survived
+        self.last_chaos_step = self.next_step
+        live = sorted(r for r in state.live if r in self.local and self.processes[r].exitcode is None)
+        event = self.monkey.decide(self.next_step, live, can_lose_stage=state.latest_checkpoint is not None)
+        if event is None:
+            return
+        for rank, delay in zip(event.ranks, event.repair_after_s):
+            os.kill(self.processes[rank].pid, signal.SIGSTOP if event.kind == "hang" else signal.SIGKILL)
+            self.respawn_at[rank] = now + delay
+        record = {"event": "chaos", "time": now, "kind": event.kind, "step": event.step,
+                  "workers": ["%d:%d" % self.plan.worker(r) for r in event.ranks]}
+        self.chaos_events.append(record)
+        self.records.append(record)
+        if self.options.progress:
+            self.options.progress(f"chaos at step {event.step}: {event.kind} {' '.join(record['workers'])}")
 
     def _respawn(self, rank: int) -> None:
         process = self.processes.get(rank)
@@ -576,6 +608,10 @@ class _Coordination:
                 _check_replicas(self.plan, metrics, self._fail)
             self.steps.append(metrics)
             self.records.append(asdict(metrics))
+            if len(self.steps) == 1:
+                # Generation 0 has run a step, so every node's first launcher is in: a node launcher that starts from
+                # now on is a repaired node and brings its workers back as replacements.
+                self.store.set(Keys.RUNNING, "1")
             if self.options.progress:
                 self.options.progress(f"step {metrics.step}/{self.end_step} loss {metrics.loss:.4f} "
                                       f"tokens/s {metrics.tokens_per_s:,.0f} period {metrics.period_s * 1e3:.1f} ms")
@@ -639,6 +675,17 @@ def _check_replicas(plan: Plan, metrics: StepMetrics, fail: Callable[[str], None
 def _follow(store: dist.Store, processes: dict[int, mp.process.BaseProcess], options: LaunchOptions,
             spawn: Callable[[int, bool], mp.process.BaseProcess]) -> None:
     """A node other than 0: report its workers' exits, carry out fences and respawns, stop when the run ends."""
+    try:
+        _follow_loop(store, processes, options, spawn)
+    except dist.DistError:
+        _stop(processes)
+        raise RuntimeFailure(f"node {options.node_rank} lost contact with the job's store on node 0 "
+                             f"({options.master_addr}:{options.master_port}): the run has ended or node 0 is gone") \
+            from None
+
+
+def _follow_loop(store: dist.Store, processes: dict[int, mp.process.BaseProcess], options: LaunchOptions,
+                 spawn: Callable[[int, bool], mp.process.BaseProcess]) -> None:
     reported: dict[int, int] = {}  # rank -> pid whose exit was reported
     for rank in processes:
         store.delete_key(Keys.fence(rank))

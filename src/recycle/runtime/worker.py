@@ -147,7 +147,8 @@ def worker_main(spec: WorkerSpec, launcher_alive: Connection | None = None) -> N
             store.set(Keys.error(spec.rank), json.dumps(record))
         except Exception:
             pass
-        traceback.print_exc()
+        if not record["comm"]:
+            traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # skip interpreter teardown: a broken process group can hang in its destructor
 
