@@ -125,7 +125,11 @@ def test_a_write_failing_mid_run_names_the_directory_and_keeps_the_old_file(tmp_
     (["--timeout", "-5"], "--timeout -5 must be a positive number"),
     (["--timeout", "0"], "--timeout 0 must be a positive number"),
     (["--timeout", "nan"], "--timeout nan"),
-    (["--checkpoint-dir", "{tmp}/ck"], "would never write a checkpoint"),
+    (["--checkpoint-dir", "{tmp}/ck", "--checkpoint-every", "0"], "would never write a checkpoint"),
+    (["--heartbeat-timeout", "0.5"], "--heartbeat-timeout 0.5 s must be at least twice"),
+    (["--inject", "kill:9:0@2"], "outside the topology"),
+    (["--chaos", "1,7"], "SEED,RATE"),
+    (["--respawn-after", "-1"], "--respawn-after -1 must be >= 0"),
     (["--master-port", "99999"], "--master-port 99999 is not a TCP port"),
     (["--master-port", "-1"], "is not a TCP port"),
 ])
