@@ -3,7 +3,7 @@ and now and then a whole stage lost, every dead worker started again after 0.5-2
 state from a live replica (or the checkpoint). At the end: the parameters against a fault-free single-process run,
 no process left behind, every checkpoint intact, every injected event seen in a recovery.
 
-Run: .venv/bin/python benchmarks/bench_chaos.py [--events 100] [--seed 7] [--rate 0.35] [--steps 200]
+Run: .venv/bin/python benchmarks/bench_chaos.py [--events 100] [--seed 7] [--rate 0.35] [--steps 260]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=100, help="events (failures + re-joins) to reach at least")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--rate", type=float, default=0.35, help="failures per step")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=260)
     parser.add_argument("--slot-ms", type=float, default=10.0)
     args = parser.parse_args()
 

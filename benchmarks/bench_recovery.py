@@ -184,7 +184,7 @@ class Torchrun:
                    "--max-restarts", "1", str(JOB), *args]
         self.log = open(log, "w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                        cwd=ROOT)
+                                        cwd=ROOT, env=env)
 
     def worker_pids(self) -> list[int]:
         return [int(p.read_text()) for p in self.out.glob("pid.rank*.restart*") if p.read_text().strip()]

@@ -101,7 +101,6 @@ def main() -> None:
 
     # The store torchrun's env points at (rank 0 hosts it; with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every attempt
     # gets a new MASTER_PORT), keyed by the attempt as well so that no key of a dead attempt is ever read.
-    timeout = datetime.timedelta(seconds=args.timeout)
     root = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=rank == 0,
                          timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
     store = dist.PrefixStore(f"torchrun-restart{restart}", root)

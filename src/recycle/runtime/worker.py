@@ -3,6 +3,7 @@ leaves the broken generation, reports, and continues in the next one on the coor
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -12,7 +13,6 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -242,8 +242,6 @@ class _Worker:
     def _admit(self) -> int:
         """A replacement worker: say it is ready, wait to be admitted into a generation, take that generation's plan
         (and its checkpoint, when the run restores one); the stage's live state arrives after the groups form."""
-        import datetime
-
         spec = self.spec
         self.store.set(Keys.join_ready(spec.rank), json.dumps({"time": time.time(), "pid": os.getpid()}))
         key = Keys.join_generation(spec.rank)
@@ -356,14 +354,15 @@ class _Worker:
         self.writer.submit(done, self.stage, self.layers, self.module, self.optimizer, before_write)
 
     def _save_final(self) -> None:
+        """The --save part of this stage, and every checkpoint on disk (and reported) before the worker leaves."""
         if self._is_writer() and self.spec.save_path:
             checkpoint.atomic_torch_save({k: v.detach().cpu() for k, v in self.module.state_dict().items()},
                                          checkpoint.part_file(self.spec.save_path, self.stage))
+        if self.writer is not None:
+            self.writer.wait()
 
     def _finish(self) -> None:
         self._save_final()
-        if self.writer is not None:
-            self.writer.wait()  # the last checkpoint is on disk (and reported) before this worker leaves
         self.transport.flush()
         self.transport.barrier()  # nobody tears its connections down while a peer may still be talking to it
         self.transport.close()
@@ -419,8 +418,6 @@ class _Worker:
         return redo
 
     def _await_announcement(self, generation: int) -> Announcement:
-        import datetime
-
         self.heartbeat.generation = generation
         while True:
             try:
