@@ -7,7 +7,7 @@ from typing import Sequence
 from recycle.config import Config
 from recycle.errors import FailureStateError
 
-__all__ = ["balanced_routing", "check_key", "worker_loads"]
+__all__ = ["balanced_routing", "slot_spread_routing", "routing_candidates", "check_key", "worker_loads"]
 
 
 def check_key(config: Config, key: Sequence[int]) -> tuple[int, ...]:
@@ -47,6 +47,33 @@ def balanced_routing(config: Config, key: Sequence[int]) -> tuple[tuple[int, ...
             row[mb] = live[i % len(live)]
         host.append(tuple(row))
     return tuple(host)
+
+
+def slot_spread_routing(config: Config, key: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """Like `balanced_routing`, but the orphans are dealt in (slot, owner) order instead of id order.
+
+    With id order and M a multiple of the live count, every survivor receives the same slot of each lost pipeline
+    (e.g. slot 0 of owners 0 and 1), so its extra work arrives in bursts; dealing slot-major spreads each survivor's
+    orphans over the iteration. Loads are the same as `balanced_routing`'s.
+    """
+    key = check_key(config, key)
+    D, M = config.num_replicas, config.num_microbatches
+    host = []
+    for k in key:
+        live = list(range(k, D))
+        row = [mb // M for mb in range(D * M)]
+        orphans = sorted(range(k * M), key=lambda mb: (mb % M, mb // M))
+        for i, mb in enumerate(orphans):
+            row[mb] = live[i % len(live)]
+        host.append(tuple(row))
+    return tuple(host)
+
+
+def routing_candidates(config: Config, key: Sequence[int]) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """The distinct balanced routings the heuristic tries: id order first (the paper's), then slot-major."""
+    first = balanced_routing(config, key)
+    second = slot_spread_routing(config, key)
+    return (first,) if second == first else (first, second)
 
 
 def worker_loads(host: Sequence[Sequence[int]], num_replicas: int) -> tuple[tuple[int, ...], ...]:
