@@ -12,9 +12,10 @@ from recycle.config import Config, load_config
 from recycle.errors import PlanError
 from recycle.ir.plan import Plan
 from recycle.ir.validate import format_grid
-from recycle.planner.api import (SOLVERS, baseline_1f1b_period, fault_free_period, make_plan, resolve_memory_cap,
-                                 resolve_options)
+from recycle.planner.api import (ROUTINGS, SOLVERS, baseline_1f1b_period, fault_free_period, make_plan,
+                                 resolve_memory_cap, resolve_options)
 from recycle.planner.failures import normalize, parse_worker
+from recycle.planner.routing import traffic
 from recycle.planner.options import PlannerOptions
 from recycle.sim.simulator import SimResult, simulate
 
@@ -46,6 +47,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--memory-cap", default=None, metavar="{N,1f1b,none}",
                         help="live micro-batches per worker: N, '1f1b' (fault-free 1F1B peak per stage) or 'none' "
                              "(the config's memory budget; the default)")
+    parser.add_argument("--routing", choices=ROUTINGS, default="traffic",
+                        help="failure sets no pipeline relabelling covers: plan the real layout so only failed "
+                             "workers' micro-batches move (traffic, default) or relabel the key's canonical plan per "
+                             "stage (canonical; moves healthy micro-batches too)")
     parser.add_argument("--compare", choices=("auto", "yes", "no"), default="auto",
                         help="also plan the fault-free references (fault-free 1F1B and the planner's own fault-free "
                              f"plan) for the slowdown figures; auto (default): only up to {COMPARE_AUTO_LIMIT:,} "
@@ -103,8 +108,26 @@ def plan_summary(plan: Plan, config: Config, result: SimResult, options: Planner
         "peak_activations_per_stage": [max(result.peak_activations[r] for r in range(s, plan.num_workers, S))
                                        for s in range(S)],
         "decoupled_backwards": len(plan.decoupled_pairs),
+        # Traffic per iteration: (stage, mb) pairs run off their own pipeline (and how many of those belong to a
+        # live worker), activations + input-gradients sent between pipelines, and between nodes when the config's
+        # [topology] workers_per_node says which workers share one.
+        **traffic(plan.host, plan.num_microbatches, plan.failed),
+        "cross_node_messages": cross_node_messages(plan, config) if config.topology.workers_per_node else None,
         "notes": plan.meta.notes,
     }
+
+
+def cross_node_messages(plan: Plan, config: Config) -> int:
+    """Forward activations and input-gradients per iteration whose sender and receiver are on different nodes."""
+    S = plan.num_stages
+    node = config.topology.node
+    count = 0
+    for s in range(S - 1):
+        here, there = plan.host[s], plan.host[s + 1]
+        for mb in range(plan.total_microbatches):
+            if node(here[mb] * S + s) != node(there[mb] * S + s + 1):
+                count += 2
+    return count
 
 
 def _summary_text(d: dict[str, Any]) -> str:
@@ -125,6 +148,9 @@ def _summary_text(d: dict[str, Any]) -> str:
         ("lower bound", f"{d['lower_bound']:g}  (gap {100 * d['gap']:.1f}%)"),
         ("peak activations", "/".join(map(str, d["peak_activations_per_stage"]))
          + " micro-batches per stage (max over replicas)"),
+        ("traffic", f"{d['moved_microbatches']} (stage, micro-batch) pairs off their pipeline ({d['moved_healthy']} of "
+                    f"live workers); {d['cross_pipeline_messages']} cross-pipeline messages per iteration"
+                    + (f", {d['cross_node_messages']} cross-node" if d["cross_node_messages"] is not None else "")),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
@@ -154,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
                         "--save FILE")
     failed = [parse_worker(text, config.num_replicas, config.num_stages) for text in args.fail]
     normalize(failed, config.num_replicas, config.num_stages)  # a stage without survivors fails here, clearly
-    plan = make_plan(config, failed, options, args.solver, args.time_limit)
+    plan = make_plan(config, failed, options, args.solver, args.time_limit, args.routing)
     options = resolve_options(config, options)
     result = simulate(plan, config, record=bool(args.gantt))
     compare = args.compare == "yes" or (args.compare == "auto" and plan.num_actions <= COMPARE_AUTO_LIMIT)

@@ -6,7 +6,7 @@ import heapq
 import math
 import random
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from recycle.config import Config
 from recycle.errors import PlanError
@@ -16,10 +16,11 @@ from recycle.ir.validate import validate_plan
 from recycle.planner.options import PlannerOptions
 from recycle.planner.bounds import period_lower_bound
 from recycle.planner.local_search import OrderEvaluator, improve_orders
-from recycle.planner.routing import balanced_routing, check_key, routing_candidates, worker_loads
+from recycle.planner.routing import (balanced_routing, check_key, failed_routing, routing_candidates,
+                                    worker_loads)
 from recycle.sim.simulator import action_duration, simulate
 
-__all__ = ["Variant", "VARIANTS", "schedule_heuristic", "list_schedule", "capacity_cap", "stage_caps",
+__all__ = ["Variant", "VARIANTS", "schedule_heuristic", "schedule_failed", "list_schedule", "capacity_cap", "stage_caps",
            "SIMULATE_ALL_LIMIT"]
 
 # Up to this many actions per iteration the best candidates are simulated and the best simulated period wins; above
@@ -46,7 +47,8 @@ _SEARCH_BUDGET = 150_000  # scheduled actions per routing search: tiny instances
 ORDER_MOVES = 600
 # Instances up to this many actions per iteration still above the lower bound after the search get a short CP-SAT
 # polish warm-started from the best plan (one worker, a deterministic-time limit: reproducible). It closed every
-# miss the search left on the screen (8 of 300, 2.5-3.6 %) at 0.25 deterministic seconds; bigger instances skip it.
+# miss the search left on the screen (8 of 300, 2.5-3.6 %) at 0.25 deterministic seconds; bigger instances skip it,
+# and so do capped ones (the analytic bound ignores caps, so they look open, and CP-SAT rarely improves them in time).
 POLISH_LIMIT = 500
 POLISH_DETERMINISTIC_S = 0.25
 _POLISH_WALL_S = 5.0  # a safety net on a heavily loaded machine; normally the deterministic limit ends first
@@ -192,7 +194,7 @@ def list_schedule(config: Config, key: Sequence[int], host: Sequence[Sequence[in
         order_mode = 2 if variant.by_id else 1 if variant.urgent_first else 0
     rng = random.Random(variant.seed)
 
-    for p in range(key[0], D):
+    for p in range(D):
         rank = p * S
         for mb in range(total):
             if host[0][mb] == p:
@@ -366,19 +368,45 @@ def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptio
 
     Every variant (plus, for small instances, RANDOM_RESTARTS random-priority ones) is list-scheduled on each
     routing candidate and ranked by its own period estimate. With `options.search` (the default), small instances
-    whose best estimate is above the analytic lower bound are then improved by a seeded local search (`_search`: orphan swaps between survivors,
-    then moves in the per-worker orders). The best few distinct schedules (with and without B/W fusion) are
-    simulated and the best simulated period wins (ties: lower peak activations, then the earlier candidate). With
-    `options.search`, instances up to POLISH_LIMIT actions still above the bound get a short CP-SAT polish (`_polish`). Very
-    large instances skip the simulation and take the best estimate. meta.notes names the winning variant.
+    whose best estimate is above the analytic lower bound are then improved by a seeded local search (`_search`:
+    orphan swaps between survivors, then moves in the per-worker orders). The best few distinct schedules (with
+    and without B/W fusion) are simulated and the best simulated period wins (ties: lower peak activations, then
+    the earlier candidate). With `options.search`, instances up to POLISH_LIMIT actions still above the bound get a
+    short CP-SAT polish (`_polish`). Very large instances skip the simulation and take the best estimate.
+    meta.notes names the winning variant.
     """
     key = check_key(config, key)
+    failed = frozenset((c, s) for s, k in enumerate(key) for c in range(k))
+    small = (3 if options.decoupled else 2) * config.num_replicas * config.num_microbatches * config.num_stages \
+        <= _RANDOM_RESTART_LIMIT
+    routings = routing_candidates(config, key) if small else (balanced_routing(config, key),)
+    return _schedule(config, key, failed, routings, options, variants, canonical=True)
+
+
+def schedule_failed(config: Config, failed: Iterable[tuple[int, int]], options: PlannerOptions = PlannerOptions(),
+                    variants: Sequence[Variant] = VARIANTS) -> Plan:
+    """A validated plan on the real ranks of a failure set, routed by `failed_routing` (only the failed workers'
+    micro-batches leave their pipeline); the same rules and search as `schedule_heuristic`, without the CP-SAT
+    polish (the exact model plans canonical layouts only)."""
+    failed = frozenset(failed)
+    D, S = config.num_replicas, config.num_stages
+    key = check_key(config, [sum(1 for p, st in failed if st == s) for s in range(S)])
+    if any(not (0 <= p < D and 0 <= s < S) for p, s in failed):
+        raise PlanError(f"failed workers {sorted(failed)} lie outside the {D}x{S} topology")
+    small = (3 if options.decoupled else 2) * D * config.num_microbatches * S <= _RANDOM_RESTART_LIMIT
+    first = failed_routing(config, failed)
+    second = failed_routing(config, failed, slot_major=True) if small else first
+    routings = (first,) if second == first else (first, second)
+    return _schedule(config, key, failed, routings, options, variants, canonical=False)
+
+
+def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, int]],
+              routings: Sequence[tuple[tuple[int, ...], ...]], options: PlannerOptions, variants: Sequence[Variant],
+              canonical: bool) -> Plan:
+    """schedule_heuristic's body for any failure set and routing candidates (see there)."""
     D, S, M = config.num_replicas, config.num_stages, config.num_microbatches
     caps = stage_caps(config, options)
-    failed = frozenset((c, s) for s, k in enumerate(key) for c in range(k))
     per_iteration = (3 if options.decoupled else 2) * D * M * S
-    routings = routing_candidates(config, key) if per_iteration <= _RANDOM_RESTART_LIMIT else (
-        balanced_routing(config, key),)
     if per_iteration > _LARGE_LIMIT:
         variants = variants[:_LARGE_VARIANTS]
     elif per_iteration <= _RANDOM_RESTART_LIMIT and variants is VARIANTS:
@@ -404,7 +432,7 @@ def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptio
     bound = period_lower_bound(config, key, options) if search else math.inf
     if search:
         if ranked[0].estimate > bound * (1 + 1e-9):
-            found = _search(config, key, options, caps, ranked, variants, bound)
+            found = _search(config, key, failed, options, caps, ranked, variants, bound)
             ranked = sorted([*found, *ranked], key=lambda c: (c.estimate, c.order))
 
     def build(candidate: _Candidate, merge: bool) -> Plan:
@@ -415,7 +443,10 @@ def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptio
             notes=f"heuristic variant {candidate.name}{'' if merge else ' (no B/W fusion)'}"))
 
     if simulate_top == 0:
-        return validate_plan(build(ranked[0], merge=True))
+        # Not re-validated: the list schedule that produced it already executed exactly these dependencies and
+        # counts (it raises on a stall), and _to_actions only fuses adjacent B;W pairs; validate_plan would add
+        # ~40 % at D=64, S=16, M=128. tests/unit/test_planner_heuristic.py validates plans from this path.
+        return build(ranked[0], merge=True)
     best: tuple[tuple, Plan] | None = None
     for candidate in ranked[:simulate_top]:
         for merge in ((True, False) if options.decoupled else (True,)):
@@ -426,7 +457,7 @@ def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptio
                 best = (score, plan.with_meta(predicted_period=result.period, predicted_makespan=result.makespan))
     assert best is not None
     chosen = validate_plan(best[1])
-    if search and per_iteration <= POLISH_LIMIT and best[0][0] > bound * (1 + 1e-9):
+    if search and canonical and caps is None and per_iteration <= POLISH_LIMIT and best[0][0] > bound * (1 + 1e-9):
         chosen = _polish(config, key, options, chosen)
     return chosen
 
@@ -460,7 +491,8 @@ class _Candidate:
     timed: _Timed
 
 
-def _search(config: Config, key: tuple[int, ...], options: PlannerOptions, caps: Sequence[int] | None,
+def _search(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, int]], options: PlannerOptions,
+            caps: Sequence[int] | None,
             ranked: Sequence[_Candidate], variants: Sequence[Variant], bound: float) -> list[_Candidate]:
     """Seeded local search from the best candidates; returns the improved candidates (possibly none).
 
@@ -483,23 +515,25 @@ def _search(config: Config, key: tuple[int, ...], options: PlannerOptions, caps:
             break
     best = ranked[0]
     host = [list(row) for row in best.host]
+    M, D = config.num_microbatches, config.num_replicas
+    orphans = [[mb for mb in range(D * M) if (mb // M, s) in failed] for s in range(config.num_stages)]
+    live = [[p for p in range(D) if (p, s) not in failed] for s in range(config.num_stages)]
     orphan_stages = [s for s, k in enumerate(key) if k > 0]
-    M = config.num_microbatches
     found: list[_Candidate] = []
     for step in range(ROUTING_SWAPS):
         if best.estimate <= bound * (1 + 1e-9) or not orphan_stages:
             break
         s = rng.choice(orphan_stages)
-        a = rng.randrange(key[s] * M)
+        a = rng.choice(orphans[s])
         old = host[s][a]
         if rng.random() < 0.5:  # swap two orphans' hosts
-            b = rng.randrange(key[s] * M)
+            b = rng.choice(orphans[s])
             if host[s][a] == host[s][b]:
                 continue
             host[s][a], host[s][b] = host[s][b], host[s][a]
         else:  # move an orphan from a survivor with the higher load to one with the lower (still balanced)
-            loads = [host[s].count(p) for p in range(config.num_replicas)]
-            lighter = [p for p in range(key[s], config.num_replicas) if loads[p] < loads[old]]
+            loads = [host[s].count(p) for p in range(D)]
+            lighter = [p for p in live[s] if loads[p] < loads[old]]
             if not lighter:
                 continue
             b = -1
