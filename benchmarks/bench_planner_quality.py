@@ -135,9 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     proved = [r for r in rows if r[5] == "OPTIMAL"]
     misses = [r for r in rows if r[6] > 1e-12]
     at_bound = sum(1 for r in rows if r[3] <= r[7] * (1 + 1e-9))
-    print(f"\n{len(rows)} cases (seed {args.seed}) in {time.perf_counter() - began:.0f} s; CP-SAT {args.time_limit:g} s "
-          f"per case, {args.workers} workers; exact proved optimal in {len(proved)}")
-    print(f"heuristic time per case: mean {statistics.mean(heur_times) * 1e3:.0f} ms, max {max(heur_times) * 1e3:.0f} ms;"
+    print(f"\n{len(rows)} cases (seed {args.seed}) in {time.perf_counter() - began:.0f} s; CP-SAT "
+          f"{args.time_limit:g} s per case, {args.workers} workers; exact proved optimal in {len(proved)}")
+    print(f"heuristic time per case: mean {statistics.mean(heur_times) * 1e3:.0f} ms, max "
+          f"{max(heur_times) * 1e3:.0f} ms;"
           f" heuristic at the analytic lower bound in {at_bound}")
     print(f"heuristic gap over the exact plan: mean {statistics.mean(gaps):.2%}, max {max(gaps):.2%}; misses (gap > 0) "
           f"{len(misses)}, over 2 %: {sum(1 for g in gaps if g > 0.02)}")

@@ -83,7 +83,8 @@ def bench_large(D: int, S: int, M: int, failed_stages: tuple[int, ...], repeats:
         print(f"  period {result.period:g}, lower bound {bound:g} "
               f"(gap {100 * (result.period - bound) / result.period:.1f}%), fault-free 1F1B {baseline:g}")
     else:
-        print(f"  period {result.period:g}, lower bound {bound:g} (gap {100 * (result.period - bound) / result.period:.1f}%)")
+        print(f"  period {result.period:g}, lower bound {bound:g} "
+              f"(gap {100 * (result.period - bound) / result.period:.1f}%)")
 
 
 def bench_cli_startup(repeats: int = 5) -> None:

@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         worst_margin = min(worst_margin, g_on - best)
         print(f"{name:<24} {on.context.config.num_replicas:>2} | {g_off:>11.4f} {g_on:>7.4f} | "
               + " ".join(f"{on.runs[b].goodput:>18.4f}" for b in BASELINES)
-              + f" | {'yes' if g_on >= best else 'NO':<20} | {policy_hours(on.extra['recycle_policy'], on.timeline.end_s)}",
+              + f" | {'yes' if g_on >= best else 'NO':<20} | "
+              + policy_hours(on.extra["recycle_policy"], on.timeline.end_s),
               flush=True)
     print(f"\n{len(traces)} traces in {time.perf_counter() - began:.0f} s; ReCycle (reshape on) minus the best "
           f"baseline's goodput, worst trace: {worst_margin:+.4f}")

@@ -492,12 +492,13 @@ class _Candidate:
 
 
 def _search(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, int]], options: PlannerOptions,
-            caps: Sequence[int] | None,
-            ranked: Sequence[_Candidate], variants: Sequence[Variant], bound: float) -> list[_Candidate]:
+            caps: Sequence[int] | None, ranked: Sequence[_Candidate], variants: Sequence[Variant],
+            bound: float) -> list[_Candidate]:
     """Seeded local search from the best candidates; returns the improved candidates (possibly none).
 
-    1. Routing: swap the hosts of two orphans of one stage (loads stay balanced) and list-schedule the swap with
-       the rules of the best few candidates; keep swaps that do not worsen the best estimate. The issue's misses
+    1. Routing: swap the hosts of two orphans of one stage, or move an orphan from a survivor with the higher load
+       to one with the lower (loads stay balanced), and list-schedule the change with the rules of the best
+       candidates; keep changes that do not worsen the best estimate. The issue's misses
        (unequal F/B/W costs) were all routings where a survivor received the same slot of several lost pipelines.
     2. Orders: `improve_orders` moves single actions within a worker's order, timed as soon as possible.
     Both stop at the analytic lower bound.
@@ -520,7 +521,7 @@ def _search(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, i
     live = [[p for p in range(D) if (p, s) not in failed] for s in range(config.num_stages)]
     orphan_stages = [s for s, k in enumerate(key) if k > 0]
     found: list[_Candidate] = []
-    for step in range(ROUTING_SWAPS):
+    for _ in range(ROUTING_SWAPS):
         if best.estimate <= bound * (1 + 1e-9) or not orphan_stages:
             break
         s = rng.choice(orphan_stages)
