@@ -31,8 +31,8 @@ class ReCycleSystem:
       changes stage (from a live peer: no checkpoint, no rollback). Workers that return later grow the job back
       through the usual re-join path (most depleted stage first), and the check runs again.
 
-    `policy_log` records (time, policy, detail) whenever the policy in force changes: "adapt" (re-routing on the
-    D x S grid), "reshape", "restore" (from the checkpoint after a lost stage) or "down".
+    `policy_log` records (time, policy, detail) for every reshape, restore (from the checkpoint after a lost stage)
+    and down event, and each return to "adapt" (re-routing on the D x S grid).
     """
 
     name = "recycle"
@@ -94,7 +94,8 @@ class ReCycleSystem:
     def _settled_key(self) -> tuple[int, ...]:
         """The key once every placed worker has its state (transfers in flight counted done)."""
         cfg = self.ctx.config
-        empty = [(p, s) for p in range(cfg.num_replicas) for s in range(cfg.num_stages) if (p, s) not in self.layout.slot]
+        empty = [(p, s) for p in range(cfg.num_replicas) for s in range(cfg.num_stages)
+                 if (p, s) not in self.layout.slot]
         return self.model.key_for(empty)
 
     def _compact(self, live: frozenset[int]) -> tuple[dict[int, int], list[int]]:
@@ -108,7 +109,8 @@ class ReCycleSystem:
         D, S = cfg.num_replicas, cfg.num_stages
         full = min(len(live) // S, D)
         extra = len(live) - full * S if full < D else 0
-        current = {s: [u for (p, st), u in sorted(self.layout.slot.items()) if st == s and u in live] for s in range(S)}
+        current = {s: [u for (_, st), u in sorted(self.layout.slot.items()) if st == s and u in live]
+                   for s in range(S)}
         by_size = sorted(range(S), key=lambda s: (-len(current[s]), s))
         target = [full + (1 if s in by_size[:extra] else 0) for s in range(S)]
         stage_of: dict[int, int] = {}
@@ -117,9 +119,11 @@ class ReCycleSystem:
             keep = current[s][:target[s]]
             stage_of.update({u: s for u in keep})
             movers.extend(current[s][target[s]:])
+        movers.reverse()  # pop() from the end takes them in the order collected
         for s in range(S):
-            while sum(1 for st in stage_of.values() if st == s) < target[s] and movers:
-                stage_of[movers.pop(0)] = s
+            for _ in range(target[s] - min(len(current[s]), target[s])):
+                if movers:
+                    stage_of[movers.pop()] = s
         return stage_of, target
 
     def _maybe_reshape(self, now: float, live: frozenset[int]) -> Decision | None:
@@ -135,8 +139,12 @@ class ReCycleSystem:
             return None
         current_rate = self.model.throughput_for_key(self._settled_key())
         new_rate = self.model.throughput_for_key(new_key)
-        moved = [u for u, s in stage_of.items() if self.layout.where.get(u, (None, None))[1] != s]
-        pause = c.oobleck_reconfig_s + max((self.ctx.stage_transfer_s(stage_of[u]) for u in moved), default=0.0)
+        moved = {u for u, s in stage_of.items() if self.layout.where.get(u, (None, None))[1] != s}
+        # Copies run in parallel: the slowest new-stage copy, or a re-join copy still in flight for a kept unit.
+        copies = [self.ctx.stage_transfer_s(stage_of[u]) for u in moved]
+        copies += [self.layout.ready_at[u] - now for u in stage_of
+                   if u not in moved and self.layout.ready_at.get(u, now) > now]
+        pause = c.oobleck_reconfig_s + max(copies, default=0.0)
         if new_rate <= current_rate or (new_rate - current_rate) * c.reshape_horizon_s <= new_rate * pause:
             return None
         # Re-place: stage s gets rows 0..target[s]-1; units already ready keep no transfer (the pause covers copies).
