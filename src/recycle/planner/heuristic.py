@@ -421,6 +421,9 @@ def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int,
             if r and variant.seed is not None:
                 continue  # random restarts only on the first routing
             timed = list_schedule(config, key, host, options.decoupled, options.staggered, caps, variant)
+            if len(variants) * len(routings) == 1:  # nothing to de-duplicate (large instances: skip the hash)
+                ranked.append(_Candidate(timed.estimate, 0, variant.name, host, timed))
+                continue
             signature = hash((timed.entries, host))
             if signature not in seen:  # several rules often produce the same schedule
                 seen.add(signature)
