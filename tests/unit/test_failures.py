@@ -128,3 +128,20 @@ def test_traffic_counts_cross_pipeline_messages() -> None:
     # Losing the last stage: one boundary each way.
     host = failed_routing(toy, frozenset({(0, 3)}))
     assert traffic(host, M, frozenset({(0, 3)}))["cross_pipeline_messages"] == 6 * 2
+
+
+@pytest.mark.timeout(60)
+def test_random_failure_sets_move_only_the_failed_workers_microbatches() -> None:
+    config = uniform_config(4, 3, 3, optimizer=1.0)
+    rng = random.Random(5)
+    workers = [(p, s) for p in range(4) for s in range(3)]
+    checked = 0
+    while checked < 12:
+        failed = rng.sample(workers, rng.randint(1, 4))
+        if any(sum(1 for _, st in failed if st == s) == 4 for s in range(3)):
+            continue  # a stage without survivors needs a checkpoint, not a plan
+        plan = validate_plan(make_plan(config, failed, PlannerOptions(search=False)))
+        counts = traffic(plan.host, 3, plan.failed)
+        assert counts["moved_healthy"] == 0, failed
+        assert counts["moved_microbatches"] == 3 * len(failed), failed
+        checked += 1
