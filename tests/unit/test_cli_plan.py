@@ -113,3 +113,15 @@ def test_compare_no_skips_the_fault_free_references(capsys: pytest.CaptureFixtur
     assert d["fault_free_period"] is None and d["slowdown"] is None and d["period"] == 30
     assert main(["plan", "--config", TOY, "--fail", "1:2", "--compare", "no"]) == 0
     assert "comparisons skipped" in capsys.readouterr().out
+
+
+def test_no_search_gives_the_rules_only_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    config = tmp_path / "miss.toml"
+    config.write_text("[topology]\nnum_replicas = 4\nnum_stages = 4\n[workload]\nnum_microbatches = 4\n"
+                      "[costs]\nforward = 2\nbackward_input = 1\nbackward_weight = 1\n")
+    argv = ["plan", "--config", str(config), "--fail", "2:0", "--no-stagger", "--json"]
+    assert main(argv) == 0
+    searched = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--no-search"]) == 0
+    rules = json.loads(capsys.readouterr().out)
+    assert (searched["period"], rules["period"]) == (24, 25)  # the second miss, with and without search

@@ -47,6 +47,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--memory-cap", default=None, metavar="{N,1f1b,none}",
                         help="live micro-batches per worker: N, '1f1b' (fault-free 1F1B peak per stage) or 'none' "
                              "(the config's memory budget; the default)")
+    parser.add_argument("--no-search", action="store_true",
+                        help="priority rules only: skip the local search and CP-SAT polish that small instances "
+                             "above the lower bound get (milliseconds instead of up to a second or more)")
     parser.add_argument("--routing", choices=ROUTINGS, default="traffic",
                         help="failure sets no pipeline relabelling covers: plan the real layout so only failed "
                              "workers' micro-batches move (traffic, default) or relabel the key's canonical plan per "
@@ -67,7 +70,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 def _options(args: argparse.Namespace, config: Config) -> PlannerOptions:
     return PlannerOptions(decoupled=not args.no_decouple, staggered=not args.no_stagger,
-                          memory_cap=resolve_memory_cap(config, args.memory_cap))
+                          memory_cap=resolve_memory_cap(config, args.memory_cap), search=not args.no_search)
 
 
 def plan_summary(plan: Plan, config: Config, result: SimResult, options: PlannerOptions,
