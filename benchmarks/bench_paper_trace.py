@@ -155,8 +155,10 @@ def main() -> int:
         f"spread, all {n} seeds: ReCycle mean >= 95% of fault-free": min(spread_rows["ff"]) >= 0.95,
         f"spread, all {n} seeds: ReCycle running rate >= fault-scaled at every moment":
             min(spread_rows["margin"]) >= -1e-9,
-        f"worst, all {n} seeds: ReCycle's running rate below fault-scaled at the 15-worker dip (4.6 h)":
-            max(rows["worst"]["dip"]) < 0,
+        # Without the reshape policy (--no-reshape) the opposite held: one stage's last survivor carried 6x its
+        # micro-batches at the dip and ReCycle fell below the line on every seed (tests/unit/test_traces_placement.py).
+        f"worst, all {n} seeds: with reshaping, ReCycle's running rate >= fault-scaled at the 15-worker dip (4.6 h)":
+            min(rows["worst"]["dip"]) >= -1e-9,
     }
     print("\n== Paper-side comparison (GPT-3 6.7B unless noted; spread, seed 0)")
     print(f"   ReCycle / fault-free:      ours {rc.mean_throughput / paper.fault_free_rate:.3f}   paper "

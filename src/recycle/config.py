@@ -40,6 +40,13 @@ class Topology:
     num_replicas: int
     num_stages: int
     gpus_per_worker: int = 1  # a worker may be a tensor-parallel group; losing any GPU loses the worker
+    # Workers per node, ranks numbered replica * S + stage (a pipeline's stages are packed onto consecutive nodes);
+    # 0 = not given: every message is priced at the p2p cost. See Communication.inter_node_*.
+    workers_per_node: int = 0
+
+    def node(self, rank: int) -> int:
+        """The node hosting `rank` (0 for every rank when workers_per_node is not given)."""
+        return rank // self.workers_per_node if self.workers_per_node > 0 else 0
 
     @property
     def num_workers(self) -> int:
@@ -89,12 +96,22 @@ class Communication:
     allreduce_latency: float  # time units per ring step
     allreduce_bandwidth: float  # bytes per time unit; 0 = infinite
     gradient_bytes: Ints  # per stage: bytes all-reduced by the stage's DP group
+    # Messages between workers on different nodes ([topology] workers_per_node); None = the p2p values.
+    inter_node_latency: float | None = None
+    inter_node_bandwidth: float | None = None
 
     def p2p_time(self, stage_boundary: int) -> float:
         """Time to send stage `stage_boundary`'s forward output (or the matching input-gradient back)."""
         size = self.activation_message_bytes[stage_boundary]
         transfer = size / self.p2p_bandwidth if self.p2p_bandwidth > 0 else 0.0
         return self.p2p_latency + transfer
+
+    def inter_node_time(self, stage_boundary: int) -> float:
+        """Like p2p_time, for a message that crosses nodes (the inter-node latency and bandwidth when given)."""
+        latency = self.p2p_latency if self.inter_node_latency is None else self.inter_node_latency
+        bandwidth = self.p2p_bandwidth if self.inter_node_bandwidth is None else self.inter_node_bandwidth
+        size = self.activation_message_bytes[stage_boundary]
+        return latency + (size / bandwidth if bandwidth > 0 else 0.0)
 
     def allreduce_time(self, stage: int, num_live: int) -> float:
         """Ring all-reduce cost over `num_live` replicas: 2(n-1) steps, each moving 1/n of the buffer."""
@@ -158,13 +175,16 @@ class Config:
 
     def planning_dict(self) -> dict[str, Any]:
         """Everything that affects plans and their timing (not the runtime's model or training settings)."""
+        # The node keys are left out while unset, so configs without them keep their fingerprints (plan stores).
+        topology = {k: v for k, v in asdict(self.topology).items() if k != "workers_per_node" or v}
+        comm = {k: v for k, v in asdict(self.communication).items() if not k.startswith("inter_node") or v is not None}
         return {
             "time_unit": self.time_unit,
-            "topology": asdict(self.topology),
+            "topology": topology,
             "workload": asdict(self.workload),
             "costs": asdict(self.costs),
             "memory": asdict(self.memory),
-            "communication": asdict(self.communication),
+            "communication": comm,
         }
 
     def fingerprint(self) -> str:
@@ -213,7 +233,7 @@ _PER_STAGE_KEYS = {
 }
 
 _SCHEMA: dict[str, dict[str, str]] = {
-    "topology": {"num_replicas": "int", "num_stages": "int", "gpus_per_worker": "int"},
+    "topology": {"num_replicas": "int", "num_stages": "int", "gpus_per_worker": "int", "workers_per_node": "int"},
     "workload": {"num_microbatches": "int", "microbatch_size": "int", "seq_len": "int"},
     "costs": {
         "forward": "stagefloat", "backward_input": "stagefloat", "backward_weight": "stagefloat",
@@ -226,6 +246,7 @@ _SCHEMA: dict[str, dict[str, str]] = {
     "communication": {
         "p2p_latency": "float", "p2p_bandwidth": "float", "activation_message_bytes": "stageint",
         "allreduce_latency": "float", "allreduce_bandwidth": "float", "gradient_bytes": "stageint",
+        "inter_node_latency": "float", "inter_node_bandwidth": "float",
     },
     "model": {"preset": "str", "vocab_size": "int", "n_layer": "int", "n_head": "int", "n_embd": "int",
               "dropout": "float"},
@@ -343,10 +364,13 @@ def parse_config(raw: dict[str, Any], name: str = "config", source: str = "") ->
         raise ConfigError(f"{_where(source, '', 'time_unit')} = {time_unit!r} must be one of {list(TIME_UNITS)}")
 
     t = checked["topology"]
-    topology = Topology(t["num_replicas"], t["num_stages"], t.get("gpus_per_worker", 1))
+    topology = Topology(t["num_replicas"], t["num_stages"], t.get("gpus_per_worker", 1), t.get("workers_per_node", 0))
     for key in ("num_replicas", "num_stages", "gpus_per_worker"):
         if getattr(topology, key) < 1:
             raise ConfigError(f"{_where(source, 'topology', key)} = {getattr(topology, key)} must be >= 1")
+    if topology.workers_per_node < 0:
+        raise ConfigError(f"{_where(source, 'topology', 'workers_per_node')} = {topology.workers_per_node} must be "
+                          ">= 0 (0 = not given: all messages priced at the p2p cost)")
     S = topology.num_stages
 
     w = checked["workload"]
@@ -409,9 +433,12 @@ def parse_config(raw: dict[str, Any], name: str = "config", source: str = "") ->
         cm.get("allreduce_latency", 0.0),
         cm.get("allreduce_bandwidth", 0.0),
         stage_list("communication", "gradient_bytes", 0),
+        cm.get("inter_node_latency"),
+        cm.get("inter_node_bandwidth"),
     )
-    for key in ("p2p_latency", "p2p_bandwidth", "allreduce_latency", "allreduce_bandwidth"):
-        if getattr(comm, key) < 0:
+    for key in ("p2p_latency", "p2p_bandwidth", "allreduce_latency", "allreduce_bandwidth", "inter_node_latency",
+                "inter_node_bandwidth"):
+        if (getattr(comm, key) or 0) < 0:
             raise ConfigError(f"{_where(source, 'communication', key)} = {getattr(comm, key)} must be >= 0")
 
     model = ModelSpec(**checked["model"])

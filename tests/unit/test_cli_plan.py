@@ -97,3 +97,31 @@ def test_lost_stage_in_a_real_process_has_no_traceback() -> None:
                            "--fail", "2:2"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_json_counts_traffic_and_routing_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    traffic_aware = _json(capsys, "--fail", "0:1", "--fail", "1:2")
+    assert traffic_aware["moved_microbatches"] == 12 and traffic_aware["moved_healthy"] == 0
+    assert traffic_aware["cross_pipeline_messages"] == 12 * 2 * 2  # each orphan crosses in and out, F and B
+    assert traffic_aware["cross_node_messages"] is None  # the toy config does not say which workers share a node
+    relabelled = _json(capsys, "--fail", "0:1", "--fail", "1:2", "--routing", "canonical")
+    assert relabelled["moved_healthy"] > 0
+
+
+def test_compare_no_skips_the_fault_free_references(capsys: pytest.CaptureFixture[str]) -> None:
+    d = _json(capsys, "--fail", "1:2", "--compare", "no")
+    assert d["fault_free_period"] is None and d["slowdown"] is None and d["period"] == 30
+    assert main(["plan", "--config", TOY, "--fail", "1:2", "--compare", "no"]) == 0
+    assert "comparisons skipped" in capsys.readouterr().out
+
+
+def test_no_search_gives_the_rules_only_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    config = tmp_path / "miss.toml"
+    config.write_text("[topology]\nnum_replicas = 4\nnum_stages = 4\n[workload]\nnum_microbatches = 4\n"
+                      "[costs]\nforward = 2\nbackward_input = 1\nbackward_weight = 1\n")
+    argv = ["plan", "--config", str(config), "--fail", "2:0", "--no-stagger", "--json"]
+    assert main(argv) == 0
+    searched = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--no-search"]) == 0
+    rules = json.loads(capsys.readouterr().out)
+    assert (searched["period"], rules["period"]) == (24, 25)  # the second miss, with and without search

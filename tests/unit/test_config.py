@@ -103,3 +103,20 @@ def test_config_errors_through_the_cli_exit_2_without_traceback(tmp_path, body: 
     assert proc.stderr.startswith("error: ") and needle in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert proc.stdout == ""
+
+
+def test_workers_per_node_and_inter_node_costs_are_optional_and_checked() -> None:
+    from recycle.config import parse_config
+    from recycle.errors import ConfigError
+
+    base = {"topology": {"num_replicas": 2, "num_stages": 2}, "workload": {"num_microbatches": 2},
+            "costs": {"forward": 1, "backward_input": 1, "backward_weight": 1}}
+    plain = parse_config(base)
+    assert plain.topology.node(3) == 0 and plain.communication.inter_node_time(0) == plain.communication.p2p_time(0)
+    noded = parse_config({**base, "topology": {**base["topology"], "workers_per_node": 2},
+                          "communication": {"inter_node_latency": 3.0}})
+    assert [noded.topology.node(r) for r in range(4)] == [0, 0, 1, 1]
+    assert noded.communication.inter_node_time(0) == 3.0
+    assert noded.fingerprint() != plain.fingerprint()
+    with pytest.raises(ConfigError, match="workers_per_node"):
+        parse_config({**base, "topology": {**base["topology"], "workers_per_node": -1}})

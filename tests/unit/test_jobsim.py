@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -131,3 +132,56 @@ def test_auto_sizing_uses_the_most_units_ever_live() -> None:
     assert size_to_trace(cfg, tl, "keep").num_replicas == 2
     with pytest.raises(ConfigError, match="fewer than num_stages"):
         size_to_trace(uniform_config(2, 4, 2), _timeline([(0, {0, 1, 2})], 10), "auto")
+
+
+def bottleneck_period(key: tuple[int, ...]) -> float:
+    """D=3: a stage with k of 3 replicas failed is 3 / (3 - k) times slower; the slowest stage sets the pace."""
+    return 10.0 * max(3 / (3 - k) for k in key)
+
+
+def test_reshape_hand_computed_and_grows_back() -> None:
+    cfg = uniform_config(3, 2, 2)  # D=3, S=2, M=2: 6 samples per iteration; fault-free period 10 s -> 0.6/s
+    costs = JobCosts(detect_s=2, plan_switch_s=1, oobleck_reconfig_s=5, fallback_checkpoint_interval_s=1e9)
+    model = ThroughputModel(cfg, bottleneck_period, 1.0, "fake")
+    ctx = JobContext(cfg, model.fault_free(), 1.0, costs)
+    system = ReCycleSystem(ctx, model)
+    # Units 0..5 hold (0,0), (0,1), (1,0), (1,1), (2,0), (2,1). Units 1 and 3 (stage 1 of pipelines 0 and 1) fail
+    # at 100: adapting leaves stage 1 one replica, key (0, 2), period 30 s, 0.2/s. Reshaping gives D' = 4 // 2 = 2
+    # full pipelines, key (1, 1), period 15 s, 0.4/s: one stage-0 unit takes stage 1 (no bytes to copy), pause 5 s.
+    # (0.4 - 0.2) * 1800 > 0.4 * 5, so it reshapes. At 200 both return and fill the empty row: key (0, 0).
+    run = replay(system, _timeline([(0, set(range(6))), (100, {0, 2, 4, 5}), (200, set(range(6)))], 300), 0.6)
+    # 0-100 at 0.6; 100-102 detection; 102-107 reconfiguration; 107-200 at 0.4; 200-201 plan switch; 201-300 at 0.6
+    expected = 100 * 0.6 + 93 * 0.4 + 99 * 0.6
+    assert run.processed_samples == pytest.approx(expected)
+    assert run.lost_s["detection"] == pytest.approx(2) and run.lost_s["reconfiguration"] == pytest.approx(5)
+    assert run.lost_s["plan switch"] == pytest.approx(1)
+    assert run.lost_s["degraded"] == pytest.approx(93 * (1 - 0.4 / 0.6))
+    assert run.useful_samples / 0.6 + sum(run.lost_s.values()) == pytest.approx(300)
+    assert [(t, policy) for t, policy, _ in system.policy_log] == [(0, "adapt"), (100, "reshape"), (200, "adapt")]
+    assert model.samples_per_iteration == 6  # the global batch never changes
+
+    # The same trace without the policy: 103-200 at 0.2 (detection, then a plan switch).
+    system = ReCycleSystem(JobContext(cfg, 0.6, 1.0, replace(costs, reshape=False)), model)
+    plain = replay(system, _timeline([(0, set(range(6))), (100, {0, 2, 4, 5}), (200, set(range(6)))], 300), 0.6)
+    assert plain.processed_samples == pytest.approx(100 * 0.6 + 97 * 0.2 + 99 * 0.6)
+    assert run.goodput > plain.goodput
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_reshape_layouts_use_every_live_worker_once_and_stay_balanced(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    D, S = rng.randint(2, 6), rng.randint(2, 4)
+    cfg = uniform_config(D, S, 2)
+    model = ThroughputModel(cfg, lambda key: 10.0 + sum(key), 1.0, "fake")
+    system = ReCycleSystem(JobContext(cfg, model.fault_free(), 1.0, JobCosts()), model)
+    units = set(range(D * S + rng.randint(0, 3)))
+    system.start(0.0, frozenset(units))
+    live = frozenset(rng.sample(sorted(units), rng.randint(S, len(units))))
+    for u in units - live:
+        system.layout.remove(u)
+    stage_of, target = system._compact(live)
+    assert set(stage_of) <= live and len(stage_of) == min(len(live), D * S)
+    assert [sum(1 for s in stage_of.values() if s == st) for st in range(S)] == target
+    assert max(target) - min(target) <= 1 and min(target) == min(len(live) // S, D)

@@ -187,3 +187,20 @@ def test_simulating_an_unvalidated_deadlocked_plan_raises_with_the_blocked_heads
     with pytest.raises(PlanError, match=r"deadlocks in simulation") as info:
         simulate(broken, config)
     assert "(0,0) 0F0 >0BW0<" in str(info.value) and "(0,1) 1F0 >1F1<" in str(info.value)
+
+
+def test_messages_between_nodes_pay_the_inter_node_cost() -> None:
+    """D=2, S=2, M=1, 1F1B: one chain F0 -> F1 -> BW1 -> BW0 (1 + 1 + 2 + 2 slots) with two messages."""
+    from recycle.config import parse_config
+    from recycle.schedules.fault_free import build_schedule
+
+    def makespan(**topology: int) -> float:
+        raw = {"topology": {"num_replicas": 2, "num_stages": 2, **topology}, "workload": {"num_microbatches": 1},
+               "costs": {"forward": 1, "backward_input": 1, "backward_weight": 1},
+               "communication": {"p2p_latency": 1, "inter_node_latency": 10}}
+        config = parse_config(raw)
+        return simulate(build_schedule(config, "1f1b"), config).makespan
+
+    assert makespan() == 6 + 2 * 1  # no node information: every message at the p2p latency
+    assert makespan(workers_per_node=2) == 6 + 2 * 1  # each pipeline on its own node: nothing crosses
+    assert makespan(workers_per_node=1) == 6 + 2 * 10  # every worker alone: both messages cross nodes

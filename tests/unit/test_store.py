@@ -42,7 +42,7 @@ def toy_store(toy: Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_index_lists_every_key_with_its_period(toy: Config, toy_store: Path) -> None:
     index = json.loads((toy_store / INDEX_NAME).read_text())
     assert index["config_fingerprint"] == toy.fingerprint()
-    assert index["options"] == {"decoupled": True, "staggered": True, "memory_cap": None}
+    assert index["options"] == {"decoupled": True, "staggered": True, "memory_cap": None, "search": True}
     assert set(index["plans"]) == {key_name(k) for k in enumerate_keys(3, 4, 2)}
     entry = index["plans"][key_name((0, 0, 1, 0))]
     assert entry["period"] == plan_for_key(toy, (0, 0, 1, 0), PlannerOptions()).meta.predicted_period

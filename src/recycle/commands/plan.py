@@ -12,9 +12,10 @@ from recycle.config import Config, load_config
 from recycle.errors import PlanError
 from recycle.ir.plan import Plan
 from recycle.ir.validate import format_grid
-from recycle.planner.api import (SOLVERS, baseline_1f1b_period, fault_free_period, make_plan, resolve_memory_cap,
-                                 resolve_options)
+from recycle.planner.api import (ROUTINGS, SOLVERS, baseline_1f1b_period, fault_free_period, make_plan,
+                                 resolve_memory_cap, resolve_options)
 from recycle.planner.failures import normalize, parse_worker
+from recycle.planner.routing import traffic
 from recycle.planner.options import PlannerOptions
 from recycle.report.units import human_time, speed_words
 from recycle.sim.simulator import SimResult, simulate
@@ -22,6 +23,9 @@ from recycle.sim.simulator import SimResult, simulate
 __all__ = ["register", "run", "plan_summary"]
 
 _GRID_MAX_WORKERS = 32  # larger plans are left out of the text output (use --gantt or --json)
+# --compare auto: plan the fault-free references only up to this many actions per iteration (two extra plans and
+# simulations: ~10 s at D=64, S=16, M=128).
+COMPARE_AUTO_LIMIT = 20_000
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -44,6 +48,17 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--memory-cap", default=None, metavar="{N,1f1b,none}",
                         help="live micro-batches per worker: N, '1f1b' (fault-free 1F1B peak per stage) or 'none' "
                              "(the config's memory budget; the default)")
+    parser.add_argument("--no-search", action="store_true",
+                        help="priority rules only: skip the local search and CP-SAT polish that small instances "
+                             "above the lower bound get (milliseconds instead of up to a second or more)")
+    parser.add_argument("--routing", choices=ROUTINGS, default="traffic",
+                        help="failure sets no pipeline relabelling covers: plan the real layout so only failed "
+                             "workers' micro-batches move (traffic, default) or relabel the key's canonical plan per "
+                             "stage (canonical; moves healthy micro-batches too)")
+    parser.add_argument("--compare", choices=("auto", "yes", "no"), default="auto",
+                        help="also plan the fault-free references (fault-free 1F1B and the planner's own fault-free "
+                             f"plan) for the slowdown figures; auto (default): only up to {COMPARE_AUTO_LIMIT:,} "
+                             "actions per iteration")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     parser.add_argument("--gantt", metavar="PNG", help="write a Gantt chart of the simulated iterations")
     parser.add_argument("--save", metavar="JSON", help="write the plan (real ranks) as JSON for the runtime")
@@ -56,14 +71,16 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 def _options(args: argparse.Namespace, config: Config) -> PlannerOptions:
     return PlannerOptions(decoupled=not args.no_decouple, staggered=not args.no_stagger,
-                          memory_cap=resolve_memory_cap(config, args.memory_cap))
+                          memory_cap=resolve_memory_cap(config, args.memory_cap), search=not args.no_search)
 
 
-def plan_summary(plan: Plan, config: Config, result: SimResult, options: PlannerOptions) -> dict[str, Any]:
-    """The numbers `recycle plan --json` prints: all timing from the simulator, bound and fault-free references."""
+def plan_summary(plan: Plan, config: Config, result: SimResult, options: PlannerOptions,
+                 compare: bool = True) -> dict[str, Any]:
+    """The numbers `recycle plan --json` prints: all timing from the simulator, bound and (with `compare`) the
+    fault-free references; without `compare` those four fields are None."""
     S = plan.num_stages
-    free = fault_free_period(config, options)
-    baseline = baseline_1f1b_period(config, options)
+    free = fault_free_period(config, options) if compare else None
+    baseline = baseline_1f1b_period(config, options) if compare else None
     lb = plan.meta.lower_bound
     return {
         "config": config.name,
@@ -86,17 +103,35 @@ def plan_summary(plan: Plan, config: Config, result: SimResult, options: Planner
         # 1F1B's memory). The planner's own plan for no failures under the same options is reported beside it: with
         # decoupling and no memory cap it is a zero-bubble-like schedule that leaves fewer bubbles to absorb work.
         "fault_free_period": baseline,
-        "slowdown": result.period / baseline if baseline > 0 else None,
+        "slowdown": result.period / baseline if baseline else None,
         "planner_fault_free_period": free,
-        "slowdown_vs_planner_fault_free": result.period / free if free > 0 else None,
+        "slowdown_vs_planner_fault_free": result.period / free if free else None,
         "throughput_mb_per_unit": plan.total_microbatches / result.period if result.period > 0 else None,
         "bubble_fraction": result.bubble_fraction,
         "peak_activations": list(result.peak_activations),
         "peak_activations_per_stage": [max(result.peak_activations[r] for r in range(s, plan.num_workers, S))
                                        for s in range(S)],
         "decoupled_backwards": len(plan.decoupled_pairs),
+        # Traffic per iteration: (stage, mb) pairs run off their own pipeline (and how many of those belong to a
+        # live worker), activations + input-gradients sent between pipelines, and between nodes when the config's
+        # [topology] workers_per_node says which workers share one.
+        **traffic(plan.host, plan.num_microbatches, plan.failed),
+        "cross_node_messages": cross_node_messages(plan, config) if config.topology.workers_per_node else None,
         "notes": plan.meta.notes,
     }
+
+
+def cross_node_messages(plan: Plan, config: Config) -> int:
+    """Forward activations and input-gradients per iteration whose sender and receiver are on different nodes."""
+    S = plan.num_stages
+    node = config.topology.node
+    count = 0
+    for s in range(S - 1):
+        here, there = plan.host[s], plan.host[s + 1]
+        for mb in range(plan.total_microbatches):
+            if node(here[mb] * S + s) != node(there[mb] * S + s + 1):
+                count += 2
+    return count
 
 
 def _summary_text(d: dict[str, Any]) -> str:
@@ -108,8 +143,10 @@ def _summary_text(d: dict[str, Any]) -> str:
         return human_time(value, unit)
 
     gap = f"  (gap {100 * d['gap']:.1f}%)" if d["gap"] is not None else ""
-    versus_1f1b = speed_words(d["period"], d["fault_free_period"], "fault-free 1F1B")
-    versus_own = speed_words(d["period"], d["planner_fault_free_period"], "the planner's fault-free plan")
+    compared = d["fault_free_period"] is not None
+    versus_1f1b = speed_words(d["period"], d["fault_free_period"], "fault-free 1F1B") if compared else ""
+    versus_own = speed_words(d["period"], d["planner_fault_free_period"], "the planner's fault-free plan") \
+        if compared else ""
     rows = [
         ("config", f"{d['config']}: D={d['num_replicas']} S={d['num_stages']} M={d['num_microbatches']}, "
                    f"time unit {d['time_unit']}"),
@@ -118,11 +155,15 @@ def _summary_text(d: dict[str, Any]) -> str:
                     f"{'staggered' if d['staggered'] else 'coupled'} optimizer, memory cap {cap}"),
         ("solver", f"{d['solver']} ({d['status']}); {d['notes']}"),
         ("period", f"{t(d['period'])}  ({versus_1f1b} at {t(d['fault_free_period'])}; {versus_own} at "
-                   f"{t(d['planner_fault_free_period'])})"),
+                   f"{t(d['planner_fault_free_period'])})" if d["fault_free_period"] is not None else
+                   f"{t(d['period'])}  (fault-free comparisons skipped: pass --compare yes)"),
         ("makespan", t(d["makespan"])),
         ("lower bound", f"{t(d['lower_bound'])}{gap}" if d["lower_bound"] is not None else "none"),
         ("peak activations", "/".join(map(str, d["peak_activations_per_stage"]))
          + " micro-batches per stage (max over replicas)"),
+        ("traffic", f"{d['moved_microbatches']} (stage, micro-batch) pairs off their pipeline ({d['moved_healthy']} of "
+                    f"live workers); {d['cross_pipeline_messages']} cross-pipeline messages per iteration"
+                    + (f", {d['cross_node_messages']} cross-node" if d["cross_node_messages"] is not None else "")),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
@@ -152,10 +193,11 @@ def run(args: argparse.Namespace) -> int:
                         "--save FILE")
     failed = [parse_worker(text, config.num_replicas, config.num_stages) for text in args.fail]
     normalize(failed, config.num_replicas, config.num_stages)  # a stage without survivors fails here, clearly
-    plan = make_plan(config, failed, options, args.solver, args.time_limit)
+    plan = make_plan(config, failed, options, args.solver, args.time_limit, args.routing)
     options = resolve_options(config, options)
     result = simulate(plan, config, record=bool(args.gantt))
-    summary = plan_summary(plan, config, result, options)
+    compare = args.compare == "yes" or (args.compare == "auto" and plan.num_actions <= COMPARE_AUTO_LIMIT)
+    summary = plan_summary(plan, config, result, options, compare)
     written: dict[str, str] = {}
     if args.save:
         from recycle.fileio import atomic_write_text

@@ -54,9 +54,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "the job's grid (config stages and replicas, --gpus-per-node, --replicas)")
     costs = JobCosts()
     for name in ("detect_s", "plan_switch_s", "restart_s", "checkpoint_interval_s", "checkpoint_cost_s",
-                 "oobleck_reconfig_s", "bamboo_reconfig_s", "bamboo_rc_overhead"):
+                 "oobleck_reconfig_s", "bamboo_reconfig_s", "bamboo_rc_overhead", "reshape_horizon_s"):
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(costs, name),
                        help=f"(default {getattr(costs, name)})")
+    p.add_argument("--no-reshape", action="store_true",
+                   help="ReCycle never reshapes into D' = live // S pipelines; it only re-routes on the D x S grid "
+                        "(and restores from the checkpoint when a stage is lost)")
     p.set_defaults(func=run)
     return p
 
@@ -81,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {trace.source}: {message}", file=sys.stderr)
     costs = JobCosts(**{name: getattr(args, name) for name in (
         "detect_s", "plan_switch_s", "restart_s", "checkpoint_interval_s", "checkpoint_cost_s",
-        "oobleck_reconfig_s", "bamboo_reconfig_s", "bamboo_rc_overhead")})
+        "oobleck_reconfig_s", "bamboo_reconfig_s", "bamboo_rc_overhead", "reshape_horizon_s")},
+                     reshape=not args.no_reshape)
     setup = JobSetup(gpus_per_node=args.gpus_per_node, replicas=args.replicas, slot_seconds=args.slot_seconds,
                      period_model=args.period_model, reference=args.reference)
     result = run_job(config, trace, systems=args.systems, costs=costs, setup=setup, progress=stderr_progress)

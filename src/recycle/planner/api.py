@@ -10,13 +10,13 @@ from recycle.errors import PlanError
 from recycle.ir.plan import Plan
 from recycle.planner.bounds import period_lower_bound
 from recycle.planner.failures import normalize
-from recycle.planner.heuristic import capacity_cap, schedule_heuristic, stage_caps
+from recycle.planner.heuristic import capacity_cap, schedule_failed, schedule_heuristic, stage_caps
 from recycle.planner.options import PlannerOptions
 from recycle.planner.routing import check_key
 from recycle.sim.simulator import simulate
 
-__all__ = ["SOLVERS", "resolve_memory_cap", "resolve_options", "plan_for_key", "make_plan", "fault_free_period",
-           "baseline_1f1b_period", "clear_cache"]
+__all__ = ["SOLVERS", "ROUTINGS", "resolve_memory_cap", "resolve_options", "plan_for_key", "plan_for_failed",
+           "make_plan", "fault_free_period", "baseline_1f1b_period", "clear_cache"]
 
 SOLVERS = ("heuristic", "exact")
 _CACHE: dict[tuple, Plan] = {}
@@ -118,11 +118,51 @@ def plan_for_key(config: Config, key: Sequence[int], options: PlannerOptions = P
     return plan
 
 
+ROUTINGS = ("traffic", "canonical")
+
+
 def make_plan(config: Config, failed: Iterable[tuple[int, int]] = (), options: PlannerOptions = PlannerOptions(),
-              solver: str = "heuristic", time_limit_s: float = 10.0) -> Plan:
-    """A plan on the real ranks for a set of failed (replica, stage) workers."""
+              solver: str = "heuristic", time_limit_s: float = 10.0, routing: str = "traffic") -> Plan:
+    """A plan on the real ranks for a set of failed (replica, stage) workers.
+
+    When one relabelling of pipelines maps the failures onto the canonical layout of their key (nested failed
+    sets: one failure, several in one stage or one pipeline), the key's canonical plan is renamed onto the real
+    ranks: only the failed workers' micro-batches leave their pipeline. Otherwise, with routing="traffic" (the
+    default) and the heuristic solver, the real layout is planned directly (`schedule_failed`), which again moves
+    only the failed workers' micro-batches; routing="canonical" (and the exact solver, whose model is canonical)
+    relabels the key's plan per stage instead, which is as fast in the cost model but moves healthy micro-batches
+    through other pipelines' workers (see `recycle.planner.routing.traffic`).
+    """
+    if routing not in ROUTINGS:
+        raise PlanError(f"routing {routing!r} is unknown; choose one of {list(ROUTINGS)}")
     state = normalize(failed, config.num_replicas, config.num_stages)
-    return state.to_real(plan_for_key(config, state.key, options, solver, time_limit_s))
+    if state.symmetric or routing == "canonical" or solver != "heuristic":
+        return state.to_real(plan_for_key(config, state.key, options, solver, time_limit_s))
+    return plan_for_failed(config, state.failed, options)
+
+
+def plan_for_failed(config: Config, failed: frozenset[tuple[int, int]],
+                    options: PlannerOptions = PlannerOptions()) -> Plan:
+    """The traffic-aware heuristic plan on the real ranks of `failed`, meta filled like plan_for_key's (cached)."""
+    options = resolve_options(config, options)
+    fingerprint = config.fingerprint()
+    cache_key = (fingerprint, "failed", frozenset(failed), options)
+    cached = _CACHE.get(cache_key)
+    if cached is not None:
+        return cached
+    plan = schedule_failed(config, failed, options)
+    key = plan.meta.failure_key
+    result = simulate(plan, config)
+    lower_bound = period_lower_bound(config, key, options)
+    if result.period < lower_bound <= result.period * (1 + 1e-9):
+        lower_bound = result.period
+    plan = plan.with_meta(predicted_period=result.period, predicted_makespan=result.makespan,
+                          lower_bound=lower_bound, memory_cap=options.memory_cap or (),
+                          notes=f"{plan.meta.notes}; traffic-aware routing on the real ranks")
+    if len(_CACHE) >= _CACHE_LIMIT:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[cache_key] = plan
+    return plan
 
 
 def fault_free_period(config: Config, options: PlannerOptions = PlannerOptions()) -> float:

@@ -524,12 +524,13 @@ def _analytic_bound(config: Config, key: tuple[int, ...], options: PlannerOption
 
 
 def schedule_exact(config: Config, key: tuple[int, ...], options: PlannerOptions, time_limit_s: float = 10.0,
-                   hint: Plan | None = None, workers: int = 2) -> Plan:
+                   hint: Plan | None = None, workers: int = 2, deterministic_limit: float | None = None) -> Plan:
     """Solve the routing and per-worker orders of failure key `key` (canonical layout) with CP-SAT.
 
     The model minimises the steady-state period of a schedule repeated every T (the paper's one-iteration
     surrogate); the plan's reported period is the simulator's. With a hint, CP-SAT starts from it, and the hint's
-    orders are returned when CP-SAT finds nothing better.
+    orders are returned when CP-SAT finds nothing better. `deterministic_limit` also caps CP-SAT's deterministic
+    time (its own work measure); with one worker and that limit reached first, the result is reproducible.
     """
     began = time.perf_counter()
     key = check_key(config, key)
@@ -546,6 +547,8 @@ def schedule_exact(config: Config, key: tuple[int, ...], options: PlannerOptions
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
     solver.parameters.num_workers = max(1, int(workers))
+    if deterministic_limit is not None:
+        solver.parameters.max_deterministic_time = float(deterministic_limit)
     if hint is not None:
         # CP-SAT's presolve fixes symmetric literals (e.g. interchangeable healthy replicas) its own way, which
         # makes a complete hint infeasible and discards it; measured: with the hint kept, a D=6, S=4, M=8 state

@@ -7,7 +7,8 @@ from typing import Sequence
 from recycle.config import Config
 from recycle.errors import FailureStateError
 
-__all__ = ["balanced_routing", "check_key", "worker_loads"]
+__all__ = ["balanced_routing", "slot_spread_routing", "routing_candidates", "failed_routing", "check_key",
+           "worker_loads", "traffic"]
 
 
 def check_key(config: Config, key: Sequence[int]) -> tuple[int, ...]:
@@ -47,6 +48,82 @@ def balanced_routing(config: Config, key: Sequence[int]) -> tuple[tuple[int, ...
             row[mb] = live[i % len(live)]
         host.append(tuple(row))
     return tuple(host)
+
+
+def slot_spread_routing(config: Config, key: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """Like `balanced_routing`, but the orphans are dealt in (slot, owner) order instead of id order.
+
+    With id order and M a multiple of the live count, every survivor receives the same slot of each lost pipeline
+    (e.g. slot 0 of owners 0 and 1), so its extra work arrives in bursts; dealing slot-major spreads each survivor's
+    orphans over the iteration. Loads are the same as `balanced_routing`'s.
+    """
+    key = check_key(config, key)
+    D, M = config.num_replicas, config.num_microbatches
+    host = []
+    for k in key:
+        live = list(range(k, D))
+        row = [mb // M for mb in range(D * M)]
+        orphans = sorted(range(k * M), key=lambda mb: (mb % M, mb // M))
+        for i, mb in enumerate(orphans):
+            row[mb] = live[i % len(live)]
+        host.append(tuple(row))
+    return tuple(host)
+
+
+def routing_candidates(config: Config, key: Sequence[int]) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """The distinct balanced routings the heuristic tries: id order first (the paper's), then slot-major."""
+    first = balanced_routing(config, key)
+    second = slot_spread_routing(config, key)
+    return (first,) if second == first else (first, second)
+
+
+def failed_routing(config: Config, failed: frozenset[tuple[int, int]], slot_major: bool = False
+                   ) -> tuple[tuple[int, ...], ...]:
+    """host[stage][mb] on the real ranks of a failure set: only the failed workers' micro-batches move.
+
+    Every live worker keeps its own micro-batches; the orphans of stage s (owned by its failed replicas, in id
+    order, or (slot, owner) order with `slot_major`) are dealt round-robin over the live replicas of s in id order,
+    so loads differ by at most one, as in `balanced_routing`. This is the traffic-aware routing for failure sets
+    that no single relabelling of pipelines maps onto the canonical layout.
+    """
+    D, S, M = config.num_replicas, config.num_stages, config.num_microbatches
+    host = []
+    for s in range(S):
+        live = [p for p in range(D) if (p, s) not in failed]
+        if not live:
+            raise FailureStateError(f"stage {s} has no live replica; pipeline adaptation cannot continue: restore "
+                                    "from a checkpoint")
+        row = [mb // M for mb in range(D * M)]
+        orphans = [mb for mb in range(D * M) if (mb // M, s) in failed]
+        if slot_major:
+            orphans.sort(key=lambda mb: (mb % M, mb // M))
+        for i, mb in enumerate(orphans):
+            row[mb] = live[i % len(live)]
+        host.append(tuple(row))
+    return tuple(host)
+
+
+def traffic(host: Sequence[Sequence[int]], num_microbatches: int,
+            failed: frozenset[tuple[int, int]] = frozenset()) -> dict[str, int]:
+    """Off-pipeline work and cross-pipeline messages of one iteration under a routing.
+
+    moved_microbatches: (stage, mb) pairs run off their own pipeline; moved_healthy: those whose own worker is alive
+    (work that did not have to move); cross_pipeline_messages: forward activations and input-gradients sent
+    between different pipelines (two per stage boundary a micro-batch crosses between hosts).
+    """
+    M = num_microbatches
+    moved = healthy = cross = 0
+    S = len(host)
+    for s, row in enumerate(host):
+        nxt = host[s + 1] if s + 1 < S else None
+        for mb, p in enumerate(row):
+            if p != mb // M:
+                moved += 1
+                if (mb // M, s) not in failed:
+                    healthy += 1
+            if nxt is not None and nxt[mb] != p:
+                cross += 2
+    return {"moved_microbatches": moved, "moved_healthy": healthy, "cross_pipeline_messages": cross}
 
 
 def worker_loads(host: Sequence[Sequence[int]], num_replicas: int) -> tuple[tuple[int, ...], ...]:

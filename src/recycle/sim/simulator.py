@@ -162,6 +162,8 @@ def simulate(plan: Plan, config: Config, iterations: int | None = None, record: 
     dep = [-1] * total  # global index of the action whose output this one needs, -1 if none
     msg = [0.0] * total  # message time added when producer and consumer are different workers
     p2p = [comm.p2p_time(s) for s in range(S)]
+    inter = [comm.inter_node_time(s) for s in range(S)]
+    node = config.topology.node
     for g in range(total):
         c, st = code[g], stage_of[g]
         if c == _F and st > 0:
@@ -177,7 +179,8 @@ def simulate(plan: Plan, config: Config, iterations: int | None = None, record: 
             continue
         dep[g] = src
         if rank_of[src] != rank_of[g]:
-            msg[g] = p2p[boundary]
+            # Across nodes ([topology] workers_per_node) the inter-node latency and bandwidth apply.
+            msg[g] = inter[boundary] if node(rank_of[src]) != node(rank_of[g]) else p2p[boundary]
 
     live = [r for r in range(n) if plan.actions[r]]
     if plan.staggered:

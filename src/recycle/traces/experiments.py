@@ -138,7 +138,9 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
         "oobleck": lambda: OobleckLike(ctx),
         "bamboo": lambda: BambooLike(ctx),
     }
-    result = replay_all([builders[name]() for name in systems], timeline, ctx, progress)
+    built = [builders[name]() for name in systems]
+    result = replay_all(built, timeline, ctx, progress)
+    policy = next((list(b.policy_log) for b in built if isinstance(b, ReCycleSystem)), [])
     extra = {
         "config": config.name,
         "num_replicas": config.num_replicas,
@@ -150,6 +152,7 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
         "reference": setup.reference,
         "keys_planned": throughput.keys_planned,
         "costs": costs.__dict__,
+        "recycle_policy": [{"time_s": t, "policy": name, "detail": detail} for t, name, detail in policy],
     }
     return replace(result, extra=extra)
 

@@ -39,6 +39,11 @@ class JobCosts:
     bamboo_reconfig_s: float = 450.0  # Oobleck artifact, Bamboo GPT-3 6.7B local rendezvous (450,000 ms)
     bamboo_rc_overhead: float = 0.2785  # Oobleck artifact bamboo_simulator redundant_ratio (6 h trace)
     device_memory_bytes: int = 80 * 10**9  # A100 80 GB (the paper's testbed GPU)
+    # ReCycle's reshape policy (docs/traces.md): on a change, re-lay the live workers out as D' = live // S full
+    # pipelines plus re-routed leftovers when that is faster and the gain over `reshape_horizon_s` repays the pause
+    # (`oobleck_reconfig_s` + the slowest state copy of a worker that changes stage); assumption.
+    reshape: bool = True
+    reshape_horizon_s: float = 1800.0
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():

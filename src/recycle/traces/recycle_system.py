@@ -21,7 +21,18 @@ class ReCycleSystem:
     * a stage that loses every replica has lost its weights: the progress since the last (fallback) checkpoint is
       lost, and once at least S units are live the job restores from the checkpoint (`restart_s`) onto all live
       units, laid out stage by stage;
-    * periodic fallback checkpoints (`fallback_checkpoint_*`, asynchronous by default).
+    * periodic fallback checkpoints (`fallback_checkpoint_*`, asynchronous by default);
+    * reshape policy (`JobCosts.reshape`, on by default): after every change, the live workers (spares included)
+      could instead form D' = live // S full pipelines plus leftover workers whose micro-batches are re-routed
+      (the global batch stays D x M micro-batches: `_compact`). When that layout's rate beats the current one's
+      (every placed worker counted ready) by enough that the gain over `reshape_horizon_s` repays the pause, the
+      job reshapes: training pauses for `oobleck_reconfig_s` (rebuild pipelines and communicators, as Oobleck's
+      reconfiguration) plus the slowest copy of a new stage's parameters and optimizer state to a worker that
+      changes stage (from a live peer: no checkpoint, no rollback). Workers that return later grow the job back
+      through the usual re-join path (most depleted stage first), and the check runs again.
+
+    `policy_log` records (time, policy, detail) for every reshape, restore (from the checkpoint after a lost stage)
+    and down event, and each return to "adapt" (re-routing on the D x S grid).
     """
 
     name = "recycle"
@@ -35,6 +46,11 @@ class ReCycleSystem:
         self.layout = StageLayout(cfg.num_replicas, cfg.num_stages)
         self.down = False
         self.key: tuple[int, ...] | None = None
+        self.policy_log: list[tuple[float, str, str]] = []
+
+    def _log(self, now: float, policy: str, detail: str) -> None:
+        if not self.policy_log or self.policy_log[-1][1] != policy or policy != "adapt":
+            self.policy_log.append((now, policy, detail))
 
     def _stage_lost(self, now: float) -> int | None:
         counts = self.layout.live_per_stage(now)
@@ -55,10 +71,14 @@ class ReCycleSystem:
         if len(live) < S:
             self.down = True
             self.key = None
+            self._log(now, "down", f"{len(live)} live workers < S = {S}")
             return Decision(0.0, rollback=first_loss, down_cause="down", note=note + "; waiting for workers")
         self.down = False
         self.layout.place_all(live)
         self.key = None
+        full = min(len(live) // S, self.ctx.config.num_replicas)
+        self._log(now, "restore", f"from the checkpoint onto {len(live)} live workers: {full} full pipeline(s), "
+                                  f"key {self.model.key_for(self.layout.failed_workers(now))}")
         decision = self._running(now, (("restart", self.ctx.costs.restart_s),), note=note + "; restored")
         return Decision(decision.rate, pauses=decision.pauses, rollback=first_loss, wake_at=decision.wake_at,
                         note=decision.note)
@@ -68,7 +88,84 @@ class ReCycleSystem:
         lost = self._stage_lost(now)
         if lost is not None:
             return self._restore(now, live, first_loss=False, lost_stage=lost)
+        self._log(now, "adapt", "start")
         return self._running(now, ())
+
+    def _settled_key(self) -> tuple[int, ...]:
+        """The key once every placed worker has its state (transfers in flight counted done)."""
+        cfg = self.ctx.config
+        empty = [(p, s) for p in range(cfg.num_replicas) for s in range(cfg.num_stages)
+                 if (p, s) not in self.layout.slot]
+        return self.model.key_for(empty)
+
+    def _compact(self, live: frozenset[int]) -> tuple[dict[int, int], list[int]]:
+        """Target workers per stage for the reshaped layout and the stage each live unit takes.
+
+        D' = live // S (at most D) full pipelines; the leftover live % S workers (when D' < D) go to the stages
+        that already hold the most units, so as few units as possible change stage. Units keep their stage while
+        it is under target; the rest (and spares) fill the stages still short, in order.
+        """
+        cfg = self.ctx.config
+        D, S = cfg.num_replicas, cfg.num_stages
+        full = min(len(live) // S, D)
+        extra = len(live) - full * S if full < D else 0
+        current = {s: [u for (_, st), u in sorted(self.layout.slot.items()) if st == s and u in live]
+                   for s in range(S)}
+        by_size = sorted(range(S), key=lambda s: (-len(current[s]), s))
+        target = [full + (1 if s in by_size[:extra] else 0) for s in range(S)]
+        stage_of: dict[int, int] = {}
+        movers = sorted(set(live) - {u for us in current.values() for u in us})
+        for s in range(S):
+            keep = current[s][:target[s]]
+            stage_of.update({u: s for u in keep})
+            movers.extend(current[s][target[s]:])
+        movers.reverse()  # pop() from the end takes them in the order collected
+        for s in range(S):
+            for _ in range(target[s] - min(len(current[s]), target[s])):
+                if movers:
+                    stage_of[movers.pop()] = s
+        return stage_of, target
+
+    def _maybe_reshape(self, now: float, live: frozenset[int]) -> Decision | None:
+        """Reshape when the compact layout is faster by enough to repay its pause within the horizon."""
+        c = self.ctx.costs
+        cfg = self.ctx.config
+        D, S = cfg.num_replicas, cfg.num_stages
+        if not c.reshape or len(live) < S:
+            return None
+        stage_of, target = self._compact(live)
+        new_key = tuple(D - t for t in target)
+        if any(k >= D for k in new_key):
+            return None
+        current_rate = self.model.throughput_for_key(self._settled_key())
+        new_rate = self.model.throughput_for_key(new_key)
+        moved = {u for u, s in stage_of.items() if self.layout.where.get(u, (None, None))[1] != s}
+        # Copies run in parallel: the slowest new-stage copy, or a re-join copy still in flight for a kept unit.
+        copies = [self.ctx.stage_transfer_s(stage_of[u]) for u in moved]
+        copies += [self.layout.ready_at[u] - now for u in stage_of
+                   if u not in moved and self.layout.ready_at.get(u, now) > now]
+        pause = c.oobleck_reconfig_s + max(copies, default=0.0)
+        if new_rate <= current_rate or (new_rate - current_rate) * c.reshape_horizon_s <= new_rate * pause:
+            return None
+        # Re-place: stage s gets rows 0..target[s]-1; units already ready keep no transfer (the pause covers copies).
+        self.layout.slot.clear()
+        self.layout.where.clear()
+        self.layout.ready_at.clear()
+        rows = {s: 0 for s in range(S)}
+        for u in sorted(stage_of, key=lambda u: (stage_of[u], u)):
+            s = stage_of[u]
+            self.layout.slot[(rows[s], s)] = u
+            self.layout.where[u] = (rows[s], s)
+            rows[s] += 1
+        self.layout.spares = sorted(set(live) - set(stage_of))
+        full = min(target)
+        detail = (f"D'={full} full pipeline(s) + {sum(target) - full * S} re-routed worker(s), key {new_key}, "
+                  f"{len(moved)} worker(s) change stage, pause {pause:.0f} s, rate {current_rate:.2f} -> "
+                  f"{new_rate:.2f} samples/s")
+        self._log(now, "reshape", detail)
+        self.key = new_key
+        return Decision(new_rate, pauses=(("reconfiguration", pause),), wake_at=self.layout.next_ready(now),
+                        note=f"reshape: {detail}")
 
     def on_change(self, now, live, lost, joined) -> Decision:
         c = self.ctx.costs
@@ -85,7 +182,13 @@ class ReCycleSystem:
         stage = self._stage_lost(now)
         if stage is not None:
             return self._restore(now, live, first_loss=True, lost_stage=stage)
-        return self._running(now, (("detection", c.detect_s),) if hit else ())
+        detection = (("detection", c.detect_s),) if hit else ()
+        reshaped = self._maybe_reshape(now, live)
+        if reshaped is not None:
+            return Decision(reshaped.rate, pauses=detection + reshaped.pauses, wake_at=reshaped.wake_at,
+                            note=reshaped.note)
+        self._log(now, "adapt", f"key {self.model.key_for(self.layout.failed_workers(now))}")
+        return self._running(now, detection)
 
     def on_wake(self, now: float) -> Decision:
         return self._running(now, (), note="re-join ready")

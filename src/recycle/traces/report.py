@@ -174,5 +174,32 @@ def write_report(result: JobResult, out_dir: str | Path, title: str = "Trace rep
             f"{_margin(cmp['actual_worst_margin'], cmp['actual_fraction_below'], end)}",
             "",
         ]
+    lines += policy_lines(extra.get("recycle_policy", []), result.timeline.end_s)
     atomic_write_text(out / "report.md", "\n".join(lines))
     return summary
+
+
+def policy_lines(log: list[dict[str, Any]], end_s: float, limit: int = 40) -> list[str]:
+    """The report section saying which ReCycle policy ran when: hours per policy and the switches."""
+    if not log:
+        return []
+    hours: dict[str, float] = {}
+    for i, entry in enumerate(log):
+        stop = log[i + 1]["time_s"] if i + 1 < len(log) else end_s
+        hours[entry["policy"]] = hours.get(entry["policy"], 0.0) + max(0.0, stop - entry["time_s"]) / 3600
+    rows = [[f"{e['time_s']:.0f}", e["policy"], e["detail"]] for e in log[:limit]]
+    lines = [
+        "## ReCycle policy over time",
+        "",
+        "adapt = re-route on the D x S grid; reshape = D' = live // S full pipelines plus re-routed leftovers (state "
+        "copied from live peers, no rollback); restore = from the checkpoint after a stage lost every replica; "
+        "down = fewer live workers than stages.",
+        "",
+        "- hours per policy: " + ", ".join(f"{name} {h:.2f}" for name, h in hours.items()),
+        "",
+        markdown_table(["from (s)", "policy", "detail"], rows),
+    ]
+    if len(log) > limit:
+        lines.append(f"... and {len(log) - limit} more switches (summary.json has them all)")
+    lines.append("")
+    return lines

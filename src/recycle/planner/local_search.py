@@ -1,0 +1,180 @@
+"""Local search over a list schedule's per-worker orders: moves evaluated by one iteration's as-soon-as-possible timing."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Sequence
+
+from recycle.config import Config
+
+__all__ = ["OrderEvaluator", "improve_orders"]
+
+_F, _B, _W = 0, 1, 2  # the list scheduler's action codes (_B is a fused BW when not decoupled)
+
+
+class OrderEvaluator:
+    """Times fixed per-worker orders as early as the dependencies allow and scores them like the list scheduler.
+
+    Dependencies: F(s-1) -> F(s) after a p2p message, F(S-1) -> B(S-1) on the same worker, B(s+1) -> B(s) after a
+    message, B -> W on the same worker; one action at a time per worker. Orders that deadlock or exceed a worker's
+    activation cap (counted F start .. W end, or BW end when fused) score infinity.
+    """
+
+    def __init__(self, config: Config, key: Sequence[int], host: Sequence[Sequence[int]], decoupled: bool,
+                 staggered: bool, caps: Sequence[int] | None, opt: Sequence[float]) -> None:
+        self.S = config.num_stages
+        self.D = config.num_replicas
+        self.total = self.D * config.num_microbatches
+        c = config.costs
+        self.p2p = [config.communication.p2p_time(s) for s in range(self.S)]
+        self.dur = [(c.forward[s], c.backward_input[s] if decoupled else c.backward_fused[s], c.backward_weight[s])
+                    for s in range(self.S)]
+        self.host = host
+        self.decoupled = decoupled
+        self.staggered = staggered
+        self.caps = caps
+        self.opt = list(opt)
+
+    def _id(self, code: int, stage: int, mb: int) -> int:
+        return (code * self.S + stage) * self.total + mb
+
+    def time(self, orders: Sequence[Sequence[tuple[int, int]]]) -> list[list[tuple[int, int, float, float]]] | None:
+        """Per rank the (code, mb, start, end) entries of `orders` timed as soon as possible; None on deadlock."""
+        S, total, host, p2p, dur = self.S, self.total, self.host, self.p2p, self.dur
+        end = [-1.0] * (3 * S * total)
+        free = [0.0] * len(orders)
+        pos = [0] * len(orders)
+        out: list[list[tuple[int, int, float, float]]] = [[] for _ in orders]
+        live = [0] * len(orders)
+        stack = [r for r in range(len(orders)) if orders[r]]
+        remaining = sum(len(o) for o in orders)
+        while stack:
+            rank = stack.pop()
+            row = orders[rank]
+            stage = rank % S
+            cap = math.inf if self.caps is None else self.caps[stage]
+            while pos[rank] < len(row):
+                code, mb = row[pos[rank]]
+                if code == _F:
+                    if stage == 0:
+                        ready = 0.0
+                    else:
+                        dep = end[(0 * S + stage - 1) * total + mb]
+                        if dep < 0:
+                            break
+                        ready = dep + p2p[stage - 1]
+                    if live[rank] >= cap:
+                        return None
+                    live[rank] += 1
+                elif code == _B:
+                    if stage == S - 1:
+                        dep = end[(0 * S + stage) * total + mb]
+                        ready = dep
+                    else:
+                        dep = end[(1 * S + stage + 1) * total + mb]
+                        ready = dep + p2p[stage]
+                    if dep < 0:
+                        break
+                    if not self.decoupled:
+                        live[rank] -= 1
+                else:
+                    ready = end[(1 * S + stage) * total + mb]
+                    if ready < 0:
+                        break
+                    live[rank] -= 1
+                start = max(free[rank], ready)
+                finish = start + dur[stage][code]
+                end[(code * S + stage) * total + mb] = finish
+                free[rank] = finish
+                out[rank].append((code, mb, start, finish))
+                pos[rank] += 1
+                remaining -= 1
+                # Wake the worker that waits on this action (the next stage's F, the previous stage's B).
+                if code == _F and stage < S - 1:
+                    stack.append(host[stage + 1][mb] * S + stage + 1)
+                elif code == _B and stage > 0:
+                    stack.append(host[stage - 1][mb] * S + stage - 1)
+        return out if remaining == 0 else None
+
+    def score(self, timed: Sequence[Sequence[tuple[int, int, float, float]]]) -> tuple[float, float]:
+        """(period estimate, sum of per-stage spans): the list scheduler's estimate, then a tie-breaker that rewards
+        finishing earlier (it lets the search cross plateaus of equal estimate)."""
+        S = self.S
+        last = [0.0] * S
+        first = [math.inf] * S
+        for rank, row in enumerate(timed):
+            if row:
+                s = rank % S
+                last[s] = max(last[s], row[-1][3])
+                first[s] = min(first[s], row[0][2])
+        spans = sum(last[s] - first[s] for s in range(S) if first[s] < math.inf)
+        if not self.staggered:
+            return max(last) + max(self.opt), spans
+        return max(last[s] + self.opt[s] - first[s] for s in range(S) if first[s] < math.inf), spans
+
+
+def improve_orders(evaluator: OrderEvaluator, entries: Sequence[Sequence[tuple[int, int, float, float]]],
+                   evaluations: int, seed: int = 0, target: float = -math.inf
+                   ) -> tuple[list[list[tuple[int, int, float, float]]], tuple[float, float]]:
+    """Hill-climb on per-worker orders from a list schedule's `entries`; return the best timed orders and score.
+
+    A move takes one action of a worker and re-inserts it up to four places earlier or later in the same worker's
+    order (never past its own B/W partner). Moves that do not worsen the score (period estimate, then the sum of
+    stage spans) are kept. Workers on the bottleneck stage (the one whose span sets the estimate) are picked half
+    of the time. Stops after `evaluations` timings or when the estimate reaches `target` (a lower bound). Seeded,
+    so the result is reproducible.
+    """
+    rng = random.Random(seed)
+    orders = [[(code, mb) for code, mb, _, _ in row] for row in entries]
+    timed = evaluator.time(orders)
+    if timed is None:  # cannot happen for a list schedule; keep the input
+        return [list(row) for row in entries], (math.inf, math.inf)
+    best = evaluator.score(timed)
+    best_timed = timed
+    S = evaluator.S
+    movable = [r for r, row in enumerate(orders) if len(row) > 1]
+    if not movable:
+        return best_timed, best
+    for _ in range(evaluations):
+        if best[0] <= target + 1e-9:
+            break
+        if rng.random() < 0.5:
+            stage = _bottleneck_stage(best_timed, evaluator)
+            pool = [r for r in movable if r % S == stage] or movable
+        else:
+            pool = movable
+        rank = rng.choice(pool)
+        row = orders[rank]
+        i = rng.randrange(len(row))
+        j = i + rng.choice((-4, -3, -2, -1, 1, 2, 3, 4))
+        if not 0 <= j < len(row):
+            continue
+        item = row[i]
+        lo, hi = min(i, j), max(i, j)
+        if any(other[1] == item[1] for other in row[lo:hi + 1] if other is not item):
+            continue  # would cross its own F/B/W partner on this worker: never valid
+        candidate = row[:i] + row[i + 1:]
+        candidate.insert(j, item)
+        orders[rank] = candidate
+        timed = evaluator.time(orders)
+        score = evaluator.score(timed) if timed is not None else (math.inf, math.inf)
+        if score <= best:
+            best, best_timed = score, timed
+        else:
+            orders[rank] = row
+    return best_timed, best
+
+
+def _bottleneck_stage(timed: Sequence[Sequence[tuple[int, int, float, float]]], evaluator: OrderEvaluator) -> int:
+    S = evaluator.S
+    last = [0.0] * S
+    first = [math.inf] * S
+    for rank, row in enumerate(timed):
+        if row:
+            s = rank % S
+            last[s] = max(last[s], row[-1][3])
+            first[s] = min(first[s], row[0][2])
+    if evaluator.staggered:
+        return max(range(S), key=lambda s: last[s] + evaluator.opt[s] - first[s] if first[s] < math.inf else -1)
+    return max(range(S), key=lambda s: last[s])
