@@ -22,7 +22,8 @@ def test_help_lines_match_the_command_modules() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("argv", [["--help"], ["plan", "--help"], ["schedule", "--help"], ["simulate", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["plan", "--help"], ["schedule", "--help"], ["simulate", "--help"],
+                                  ["train", "--help"]])
 def test_help_imports_no_heavy_module(argv: list[str]) -> None:
     out = subprocess.run([sys.executable, "-c", _PROBE.format(argv=argv, heavy=HEAVY)], capture_output=True,
                          text=True, timeout=60, check=True)

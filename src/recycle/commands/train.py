@@ -9,11 +9,10 @@ import sys
 from recycle.config import Config, load_config
 from recycle.errors import ConfigError, PlanError, RecycleError
 from recycle.ir import Plan, read_plan
-from recycle.runtime.emulate import DEFAULT_SLOT_MS, Emulation
 from recycle.runtime.chaos import parse_chaos
-from recycle.runtime.control import read_token
 from recycle.runtime.faults import parse_fault, parse_rejoin
-from recycle.runtime.launcher import LaunchOptions, PlanChoice, PlanProvider, launch
+
+# The launcher and the emulation pull in torch: they are imported in run(), so `recycle train --help` starts fast.
 
 __all__ = ["register", "run", "select_plan", "DEFAULT_CHECKPOINT_EVERY"]
 
@@ -84,9 +83,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--emulate-costs", action="store_true",
                    help="pad every action to the config's cost after its real work (timing studies that follow "
                         "the plan, not CPU contention); see docs/runtime-performance.md")
-    p.add_argument("--slot-ms", type=float, default=DEFAULT_SLOT_MS, metavar="MS",
+    p.add_argument("--slot-ms", type=float, default=None, metavar="MS",
                    help="with --emulate-costs: milliseconds per slot of a slot-unit config "
-                        f"(default {DEFAULT_SLOT_MS:g})")
+                        "(default: runtime.emulate.DEFAULT_SLOT_MS, 40)")
     p.add_argument("--cost-scale", type=float, default=1.0, metavar="X",
                    help="with --emulate-costs: factor on the durations of a microsecond (\"us\") config (default 1)")
     p.set_defaults(func=run)
@@ -122,7 +121,7 @@ def select_plan(config: Config, schedule: str | None, plan_file: str | None, dow
     return build_schedule(config, name, staggered=staggered)
 
 
-def plan_provider(config: Config, args: argparse.Namespace) -> PlanProvider | None:
+def plan_provider(config: Config, args: argparse.Namespace):  # -> runtime.launcher.PlanProvider | None
     """The plans the launcher switches to when workers fail: a store (built now or loaded), heuristic beyond it."""
     if args.no_recover:
         return None
@@ -136,10 +135,16 @@ def plan_provider(config: Config, args: argparse.Namespace) -> PlanProvider | No
     else:
         options = PlannerOptions(decoupled=not args.no_decouple, staggered=not args.no_stagger)
         library = PlanLibrary.build(config, options, args.max_failures, progress=sys.stdout)
+    from recycle.runtime.launcher import PlanChoice
+
     return library.provider(PlanChoice)
 
 
 def run(args: argparse.Namespace) -> int:
+    from recycle.runtime.control import read_token
+    from recycle.runtime.emulate import DEFAULT_SLOT_MS, Emulation
+    from recycle.runtime.launcher import LaunchOptions, launch
+
     config = load_config(args.config)
     plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
                        staggered=not args.no_stagger)
@@ -168,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
                             respawn_after_s=args.respawn_after,
                             chaos=parse_chaos(args.chaos) if args.chaos else None,
                             token=read_token(args.token_file), plan_provider=plan_provider(config, args),
-                            emulation=Emulation(args.slot_ms, args.cost_scale) if args.emulate_costs else None)
+                            emulation=Emulation(DEFAULT_SLOT_MS if args.slot_ms is None else args.slot_ms,
+                                                args.cost_scale) if args.emulate_costs else None)
     result = launch(config, plan, options)
     if args.node_rank > 0:
         print(f"node {args.node_rank}: the run has finished (node 0 reports the steps and writes the outputs)")
