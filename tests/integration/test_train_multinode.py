@@ -77,3 +77,28 @@ def test_a_node_without_the_job_secret_is_refused(tmp_path: Path) -> None:
                          text=True, env=env, timeout=60)
     assert run.returncode == 2
     assert "RECYCLE_JOB_TOKEN" in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_worker_killed_on_the_other_node_is_survived(tmp_path: Path) -> None:
+    """Worker 1:1 runs on node 1; its launcher reports the SIGKILL through the store and node 0 re-routes."""
+    config_file = tmp_path / "cfg.toml"
+    config_file.write_text(CONFIG.replace("steps = 2", "steps = 4"))
+    save = tmp_path / "final.pt"
+    common = [sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--nnodes", "2",
+              "--master-port", str(free_port()), "--save", str(save), "--inject", "kill:1:1@3.2"]
+    env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
+    node0 = subprocess.Popen([*common, "--node-rank", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env)
+    node1 = subprocess.Popen([*common, "--node-rank", "1"], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    out1, err1 = node1.communicate(timeout=150)
+    out0, err0 = node0.communicate(timeout=150)
+    assert node0.returncode == 0, err0
+    assert node1.returncode == 0, err1
+    assert "worker 1:1 (rank 3" in out0 and "died (killed by SIGKILL) during" in out0 and "step 4/4" in out0
+    got = torch.load(save, weights_only=True)["model"]
+    ref, _ = reference_train(load_config(config_file))
+    for key in ref:
+        assert float((got[key] - ref[key]).abs().max() / ref[key].abs().max().clamp_min(1e-12)) < 1e-9, key

@@ -237,7 +237,12 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
         processes[rank] = process
         return process
 
+    finished = False
     try:
+        if options.progress:
+            options.progress(f"starting {len(mine)} worker process(es) ({options.start_method}): each imports torch and "
+                             "builds its stage; step 1 follows when every worker has joined"
+                             + (" (this node re-joins a running job)" if rejoining else ""))
         for rank in mine:
             spawn(rank, joining=rejoining)
         if options.node_rank == 0:
@@ -247,10 +252,14 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
         else:
             _follow(store, processes, options, spawn)
             steps, recoveries, failed, chaos_events = [], [], plan.failed, []
+        finished = True
     finally:
         _stop(processes)
         alive_writer.close()
         launcher_alive.close()
+        if not finished and options.save_path and options.node_rank == 0:
+            for stage in range(plan.num_stages):  # a failed run leaves no half-made --save behind
+                checkpoint.part_file(options.save_path, stage).unlink(missing_ok=True)
     if options.save_path and options.node_rank == 0 and end_step > start_step:
         checkpoint.merge_stage_parts(options.save_path, plan.num_stages,
                                      {"step": end_step, "config": config.to_dict()})
