@@ -417,6 +417,9 @@ class _Coordination:
         if event is None:
             return
         for rank, delay in zip(event.ranks, event.repair_after_s):
+            # Recorded like an injected fault, so its recovery is timed from the kill, not from its detection.
+            self.store.set(Keys.fault(rank), json.dumps({"time": time.time(), "where": f"a chaos {event.kind}",
+                                                         "mode": event.kind}))
             os.kill(self.processes[rank].pid, signal.SIGSTOP if event.kind == "hang" else signal.SIGKILL)
             self.respawn_at[rank] = now + delay
         record = {"event": "chaos", "time": now, "kind": event.kind, "step": event.step,
@@ -570,7 +573,8 @@ class _Coordination:
             cause = death.cause
             if self.store.check([Keys.fault(death.rank)]):
                 fault = json.loads(self.store.get(Keys.fault(death.rank)))
-                if fault["time"] >= self.wall0:
+                self.store.delete_key(Keys.fault(death.rank))  # one record, one death: a later outside kill has none
+                if self.wall0 <= fault["time"] <= death.time:
                     cause += f" during {fault['where']}"
                     fault_times.append(fault["time"])
             causes.append(cause)
