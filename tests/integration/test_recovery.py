@@ -82,7 +82,9 @@ def test_kill_matrix_2x2(stage: int, what: str, tmp_path) -> None:
     assert_exact(result, tmp_path, 2, 2)
     (recovery,) = result.recoveries
     assert recovery.workers == (f"1:{stage}",) and "killed by SIGKILL" in recovery.causes[0]
-    assert recovery.step == KILL_STEP + 1  # nothing older than the iteration in flight is redone
+    # Nothing older than the iterations in flight is redone: the killed worker was in KILL_STEP, and a survivor of
+    # another stage may still have been finishing KILL_STEP - 1 (staggered optimizer).
+    assert recovery.step in (KILL_STEP, KILL_STEP + 1)
     assert result.failed == ((1, stage),)
 
 
