@@ -22,25 +22,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 ROOT = Path(__file__).resolve().parents[2]
 
-CONFIG = """
-[topology]
-num_replicas = 2
-num_stages = 2
-[workload]
-num_microbatches = 2
-microbatch_size = 2
-seq_len = 8
-[costs]
-forward = 1
-backward_input = 1
-backward_weight = 1
-[model]
-preset = "tiny"
-[training]
-steps = 8
-lr = 0.01
-dtype = "float64"
-"""
 # --emulate-costs paces each action to 25 ms, so a step lasts ~0.3 s and the test can kill something mid-run.
 PACED = ["--emulate-costs", "--slot-ms", "25"]
 
@@ -81,9 +62,8 @@ def assert_reference(config_file: Path, save: Path) -> None:
         assert float((got[key] - ref[key]).abs().max() / ref[key].abs().max().clamp_min(1e-12)) < 1e-9, key
 
 
-def test_an_outside_kill_9_is_survived(tmp_path: Path) -> None:
-    config_file = tmp_path / "cfg.toml"
-    config_file.write_text(CONFIG)
+def test_an_outside_kill_9_is_survived(tmp_path: Path, tiny_config_file) -> None:
+    config_file = tiny_config_file(steps=8)
     save = tmp_path / "final.pt"
     launcher = subprocess.Popen([sys.executable, "-m", "recycle", "train", "--config", str(config_file),
                                  "--save", str(save), *PACED], cwd=ROOT, stdout=subprocess.PIPE,
@@ -107,11 +87,10 @@ def test_an_outside_kill_9_is_survived(tmp_path: Path) -> None:
                 Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]]
 
 
-def test_a_killed_launcher_node_is_survived(tmp_path: Path) -> None:
+def test_a_killed_launcher_node_is_survived(tmp_path: Path, tiny_config_file) -> None:
     """Node 1 hosts pipeline 1 (workers 1:0 and 1:1). Its launcher is SIGKILLed: its workers exit with it, node 0
     stops hearing their heartbeats, and trains on with pipeline 0 alone to the same parameters."""
-    config_file = tmp_path / "cfg.toml"
-    config_file.write_text(CONFIG)
+    config_file = tiny_config_file(steps=8)
     save = tmp_path / "final.pt"
     common = [sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--nnodes", "2",
               "--master-port", str(free_port()), "--save", str(save), "--heartbeat-timeout", "2", *PACED]
@@ -142,11 +121,10 @@ def test_a_killed_launcher_node_is_survived(tmp_path: Path) -> None:
     assert not [p for p in node1_workers if Path(f"/proc/{p}").exists()], "node 1's workers outlived it"
 
 
-def test_a_repaired_node_started_again_rejoins_the_running_job(tmp_path: Path) -> None:
+def test_a_repaired_node_started_again_rejoins_the_running_job(tmp_path: Path, tiny_config_file) -> None:
     """Node 1's launcher dies with its workers; starting the same command again on node 1 brings pipeline 1 back:
     its workers re-join with live state and the job ends with every worker up and the fault-free parameters."""
-    config_file = tmp_path / "cfg.toml"
-    config_file.write_text(CONFIG.replace("steps = 8", "steps = 40"))  # long enough for a restart on 2 busy cores
+    config_file = tiny_config_file(steps=40)  # long enough for a restart on 2 busy cores
     save = tmp_path / "final.pt"
     common = [sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--nnodes", "2",
               "--master-port", str(free_port()), "--save", str(save), "--heartbeat-timeout", "2", *PACED]

@@ -16,35 +16,10 @@ from recycle.schedules.fault_free import build_schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 
-CONFIG = """
-name = "cli-test"
-[topology]
-num_replicas = 2
-num_stages = 2
-[workload]
-num_microbatches = 2
-microbatch_size = 2
-seq_len = 8
-[costs]
-forward = 1
-backward_input = 1
-backward_weight = 1
-[model]
-preset = "tiny"
-[training]
-steps = 3
-lr = 0.01
-dtype = "float64"
-dataset = "corpus.txt"
-"""
-
-
 @pytest.fixture()
-def config_file(tmp_path: Path) -> Path:
+def config_file(tmp_path: Path, tiny_config_file) -> Path:
     (tmp_path / "corpus.txt").write_text("All work and no play makes a dull pipeline. " * 50, encoding="utf-8")
-    path = tmp_path / "cfg.toml"
-    path.write_text(CONFIG)
-    return path
+    return tiny_config_file(steps=3, name="cli-test", training='dataset = "corpus.txt"')
 
 
 @pytest.mark.slow
@@ -99,9 +74,7 @@ def test_user_errors_exit_2_with_a_message(config_file: Path, args: list[str], m
     assert message in capsys.readouterr().err
 
 
-def test_more_stages_than_layers_fails_before_any_worker_starts(tmp_path: Path, capsys) -> None:
-    path = tmp_path / "deep.toml"
-    path.write_text(CONFIG.replace("num_stages = 2", "num_stages = 5").replace('dataset = "corpus.txt"',
-                                                                              'dataset = "builtin"'))
+def test_more_stages_than_layers_fails_before_any_worker_starts(tiny_config_file, capsys) -> None:
+    path = tiny_config_file(num_stages=5, file="deep.toml")
     assert main(["train", "--config", str(path)]) == 2
     assert "n_layer = 4 layers but num_stages = 5" in capsys.readouterr().err

@@ -18,25 +18,6 @@ from recycle.runtime.reference import reference_train
 
 ROOT = Path(__file__).resolve().parents[2]
 
-CONFIG = """
-[topology]
-num_replicas = 2
-num_stages = 2
-[workload]
-num_microbatches = 2
-microbatch_size = 2
-seq_len = 8
-[costs]
-forward = 1
-backward_input = 1
-backward_weight = 1
-[training]
-steps = 2
-lr = 0.01
-dtype = "float64"
-"""
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -45,9 +26,8 @@ def free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_two_launchers_train_like_the_reference(tmp_path: Path) -> None:
-    config_file = tmp_path / "cfg.toml"
-    config_file.write_text(CONFIG)
+def test_two_launchers_train_like_the_reference(tmp_path: Path, tiny_config_file) -> None:
+    config_file = tiny_config_file(steps=2)
     save = tmp_path / "final.pt"
     port = str(free_port())
     common = [sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--nnodes", "2",
@@ -68,9 +48,8 @@ def test_two_launchers_train_like_the_reference(tmp_path: Path) -> None:
         assert float((got[key] - ref[key]).abs().max() / ref[key].abs().max().clamp_min(1e-12)) < 1e-9, key
 
 
-def test_a_node_without_the_job_secret_is_refused(tmp_path: Path) -> None:
-    config_file = tmp_path / "cfg.toml"
-    config_file.write_text(CONFIG)
+def test_a_node_without_the_job_secret_is_refused(tmp_path: Path, tiny_config_file) -> None:
+    config_file = tiny_config_file(steps=2)
     env = {k: v for k, v in os.environ.items() if k != "RECYCLE_JOB_TOKEN"}
     run = subprocess.run([sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--nnodes", "2",
                           "--node-rank", "0", "--master-port", str(free_port())], cwd=ROOT, capture_output=True,
@@ -81,10 +60,9 @@ def test_a_node_without_the_job_secret_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_worker_killed_on_the_other_node_is_survived(tmp_path: Path) -> None:
+def test_a_worker_killed_on_the_other_node_is_survived(tmp_path: Path, tiny_config_file) -> None:
     """Worker 1:1 runs on node 1; its launcher reports the SIGKILL through the store and node 0 re-routes."""
-    config_file = tmp_path / "cfg.toml"
-    config_file.write_text(CONFIG.replace("steps = 2", "steps = 4"))
+    config_file = tiny_config_file(steps=4)
     save = tmp_path / "final.pt"
     common = [sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--nnodes", "2",
               "--master-port", str(free_port()), "--save", str(save), "--inject", "kill:1:1@3.2"]
