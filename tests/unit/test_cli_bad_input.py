@@ -130,6 +130,11 @@ def test_a_write_failing_mid_run_names_the_directory_and_keeps_the_old_file(tmp_
     (["--inject", "kill:9:0@2"], "outside the topology"),
     (["--chaos", "1,7"], "SEED,RATE"),
     (["--respawn-after", "-1"], "--respawn-after -1 must be >= 0"),
+    (["--inject", "rejoin:5:1@2"], "'rejoin:5:1@2': worker 5:1 is outside the topology"),
+    (["--inject", "rejoin:1:1@2.3"], "a re-join is rejoin:REPLICA:STAGE@STEP"),
+    (["--max-failures", "-1"], "--max-failures -1 must be >= 0"),
+    (["--plan-store", "{tmp}/no-store"], "index.json does not exist; build the store with `recycle plan"),
+    (["--token-file", "{tmp}/no-token"], "does not exist; write the job secret there"),
     (["--master-port", "99999"], "--master-port 99999 is not a TCP port"),
     (["--master-port", "-1"], "is not a TCP port"),
 ])

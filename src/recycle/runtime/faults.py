@@ -52,14 +52,10 @@ def parse_fault(spec: str, num_replicas: int, num_stages: int) -> tuple[tuple[in
             "1-based; ACTION an index into the worker's action list, or 'ckpt' or 'recovery'), or rejoin:R:S@STEP")
     if not match:
         raise ConfigError(f"--inject {spec!r}: {rule}")
-    mode, replica, stage, step = match["mode"], int(match["replica"]), int(match["stage"]), int(match["step"])
+    mode = match["mode"]
     if mode not in MODES:
         raise ConfigError(f"--inject {spec!r}: mode {mode!r} is unknown; {rule}")
-    if not (0 <= replica < num_replicas and 0 <= stage < num_stages):
-        raise ConfigError(f"--inject {spec!r}: worker {replica}:{stage} is outside the topology (D={num_replicas}, "
-                          f"S={num_stages}); use REPLICA < {num_replicas} and STAGE < {num_stages}")
-    if step < 1:
-        raise ConfigError(f"--inject {spec!r}: STEP {step} must be >= 1 (steps count from 1)")
+    (replica, stage), step = _worker_and_step(spec, match, num_replicas, num_stages)
     point_text = match["point"] or "0"
     if point_text.isdigit():
         return (replica, stage), FaultInjection(step - 1, int(point_text), mode, "action")
@@ -74,9 +70,19 @@ def parse_rejoin(spec: str, num_replicas: int, num_stages: int) -> tuple[tuple[i
     if not match or match["mode"] != "rejoin" or match["point"] is not None:
         raise ConfigError(f"--inject {spec!r}: a re-join is rejoin:REPLICA:STAGE@STEP, e.g. rejoin:1:1@8 (STEP "
                           "1-based: the worker is started again when that step begins)")
-    (replica, stage), fault = parse_fault(f"kill:{match['replica']}:{match['stage']}@{match['step']}", num_replicas,
-                                          num_stages)
-    return (replica, stage), fault.step
+    (replica, stage), step = _worker_and_step(spec, match, num_replicas, num_stages)
+    return (replica, stage), step - 1
+
+
+def _worker_and_step(spec: str, match: re.Match[str], num_replicas: int, num_stages: int) -> tuple[tuple[int, int], int]:
+    """The (replica, stage) and 1-based STEP of a matched spec, checked against the topology."""
+    replica, stage, step = int(match["replica"]), int(match["stage"]), int(match["step"])
+    if not (0 <= replica < num_replicas and 0 <= stage < num_stages):
+        raise ConfigError(f"--inject {spec!r}: worker {replica}:{stage} is outside the topology (D={num_replicas}, "
+                          f"S={num_stages}); use REPLICA < {num_replicas} and STAGE < {num_stages}")
+    if step < 1:
+        raise ConfigError(f"--inject {spec!r}: STEP {step} must be >= 1 (steps count from 1)")
+    return (replica, stage), step
 
 
 def fire(fault: FaultInjection, where: str) -> None:
