@@ -114,7 +114,7 @@ class Recovery:
     plan_source: str
     plan_lookup_s: float
     formed_s: float  # announcement -> every worker joined the new groups
-    resumed_s: float  # failure (a join: the survivors' stop) -> every worker started its first action of the new plan
+    resumed_s: float  # failure (unknown moment: its detection; a join: the survivors' stop) -> first actions of the new plan
     redone_actions: int
     redone_s: float
     rolled_back: int  # survivors whose stage had already stepped the redone iteration (restored from a snapshot)
@@ -138,7 +138,9 @@ class Recovery:
             down[stage] = down.get(stage, 0) + 1
         state = ", ".join(f"stage {s}: {k} down" for s, k in sorted(down.items()))
         source = "from the store" if self.plan_source == "store" else f"planned by the {self.plan_source}"
-        after = "after the failure" if self.causes else "after the others stopped for it"
+        # An outside kill or a freeze leaves no record of its moment: time it from its detection then, and say so.
+        after = ("after the others stopped for it" if not self.causes else
+                 "after the failure" if self.detected_s is not None else "after it was detected")
         return (f"step {self.step}: {'; '.join(what)}; {detected}plan for {{{state or 'none down'}}} {source} "
                 f"({self.plan_lookup_s * 1e3:.1f} ms); generation {self.generation} in {self.formed_s:.2f} s; "
                 f"redid {self.redone_actions} actions ({self.redone_s:.2f} s of work); training resumed "
