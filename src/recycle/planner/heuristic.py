@@ -15,7 +15,7 @@ from recycle.ir.plan import Plan, PlanMeta
 from recycle.ir.validate import validate_plan
 from recycle.planner.options import PlannerOptions
 from recycle.planner.bounds import period_lower_bound
-from recycle.planner.local_search import OrderEvaluator, improve_orders
+from recycle.planner.local_search import OrderEvaluator, improve_orders, stage_extents
 from recycle.planner.routing import (balanced_routing, check_key, failed_routing, routing_candidates,
                                     worker_loads)
 from recycle.sim.simulator import action_duration, simulate
@@ -306,13 +306,7 @@ def _estimate(config: Config, key: Sequence[int], entries: Sequence[Sequence[tup
     """The period if every iteration repeated this one's timing (coupled: exact; staggered: an estimate)."""
     S = config.num_stages
     opt = _opt_durations(config, key)
-    end = [0.0] * S
-    first = [math.inf] * S
-    for rank, row in enumerate(entries):
-        if row:
-            s = rank % S
-            end[s] = max(end[s], row[-1][3])
-            first[s] = min(first[s], row[0][2])
+    first, end = stage_extents(entries, S)
     if not staggered:
         return max(end) + max(opt)
     # Stage s steps after its last action and must be done before its first forward of the next iteration, which

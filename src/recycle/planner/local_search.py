@@ -8,9 +8,22 @@ from typing import Sequence
 
 from recycle.config import Config
 
-__all__ = ["OrderEvaluator", "improve_orders"]
+__all__ = ["OrderEvaluator", "improve_orders", "stage_extents"]
 
 _F, _B, _W = 0, 1, 2  # the list scheduler's action codes (_B is a fused BW when not decoupled)
+
+
+def stage_extents(timed: Sequence[Sequence[tuple[int, int, float, float]]], num_stages: int
+                  ) -> tuple[list[float], list[float]]:
+    """Per stage, the earliest start and the latest end over its workers' timed actions (inf / 0 when idle)."""
+    first = [math.inf] * num_stages
+    last = [0.0] * num_stages
+    for rank, row in enumerate(timed):
+        if row:
+            s = rank % num_stages
+            last[s] = max(last[s], row[-1][3])
+            first[s] = min(first[s], row[0][2])
+    return first, last
 
 
 class OrderEvaluator:
@@ -101,13 +114,7 @@ class OrderEvaluator:
         """(period estimate, sum of per-stage spans): the list scheduler's estimate, then a tie-breaker that rewards
         finishing earlier (it lets the search cross plateaus of equal estimate)."""
         S = self.S
-        last = [0.0] * S
-        first = [math.inf] * S
-        for rank, row in enumerate(timed):
-            if row:
-                s = rank % S
-                last[s] = max(last[s], row[-1][3])
-                first[s] = min(first[s], row[0][2])
+        first, last = stage_extents(timed, S)
         spans = sum(last[s] - first[s] for s in range(S) if first[s] < math.inf)
         if not self.staggered:
             return max(last) + max(self.opt), spans
@@ -168,13 +175,7 @@ def improve_orders(evaluator: OrderEvaluator, entries: Sequence[Sequence[tuple[i
 
 def _bottleneck_stage(timed: Sequence[Sequence[tuple[int, int, float, float]]], evaluator: OrderEvaluator) -> int:
     S = evaluator.S
-    last = [0.0] * S
-    first = [math.inf] * S
-    for rank, row in enumerate(timed):
-        if row:
-            s = rank % S
-            last[s] = max(last[s], row[-1][3])
-            first[s] = min(first[s], row[0][2])
+    first, last = stage_extents(timed, S)
     if evaluator.staggered:
         return max(range(S), key=lambda s: last[s] + evaluator.opt[s] - first[s] if first[s] < math.inf else -1)
     return max(range(S), key=lambda s: last[s])

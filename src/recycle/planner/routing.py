@@ -38,16 +38,7 @@ def balanced_routing(config: Config, key: Sequence[int]) -> tuple[tuple[int, ...
     most one. Canonical failures share low replica ids, so a micro-batch orphaned at several stages is dealt the
     same way at each of them and stays on one surviving pipeline (fewer cross-pipeline hops).
     """
-    key = check_key(config, key)
-    D, M = config.num_replicas, config.num_microbatches
-    host = []
-    for k in key:
-        live = list(range(k, D))
-        row = [mb // M for mb in range(D * M)]
-        for i, mb in enumerate(range(k * M)):  # orphans: owners 0..k-1, in id order
-            row[mb] = live[i % len(live)]
-        host.append(tuple(row))
-    return tuple(host)
+    return _dealt_routing(config, key, slot_major=False)
 
 
 def slot_spread_routing(config: Config, key: Sequence[int]) -> tuple[tuple[int, ...], ...]:
@@ -57,13 +48,18 @@ def slot_spread_routing(config: Config, key: Sequence[int]) -> tuple[tuple[int, 
     (e.g. slot 0 of owners 0 and 1), so its extra work arrives in bursts; dealing slot-major spreads each survivor's
     orphans over the iteration. Loads are the same as `balanced_routing`'s.
     """
+    return _dealt_routing(config, key, slot_major=True)
+
+
+def _dealt_routing(config: Config, key: Sequence[int], slot_major: bool) -> tuple[tuple[int, ...], ...]:
+    """Each stage's orphans (owners 0..k-1) dealt round-robin over its live replicas, in id or (slot, owner) order."""
     key = check_key(config, key)
     D, M = config.num_replicas, config.num_microbatches
     host = []
     for k in key:
         live = list(range(k, D))
         row = [mb // M for mb in range(D * M)]
-        orphans = sorted(range(k * M), key=lambda mb: (mb % M, mb // M))
+        orphans = sorted(range(k * M), key=lambda mb: (mb % M, mb // M)) if slot_major else range(k * M)
         for i, mb in enumerate(orphans):
             row[mb] = live[i % len(live)]
         host.append(tuple(row))
