@@ -55,6 +55,17 @@ def wait_for_line(process: subprocess.Popen, prefix: str, lines: list[str]) -> N
             return
 
 
+def two_node_command(config_file: Path, save: Path) -> tuple[list[str], dict[str, str]]:
+    """The `recycle train` command both launchers run (without --node-rank) and their shared environment."""
+    command = [sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--nnodes", "2",
+               "--master-port", str(free_port()), "--save", str(save), "--heartbeat-timeout", "2", *PACED]
+    return command, {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
+
+
+def start_node(command: list[str], env: dict[str, str], rank: int, **streams) -> subprocess.Popen:
+    return subprocess.Popen([*command, "--node-rank", str(rank)], cwd=ROOT, env=env, **streams)
+
+
 def assert_reference(config_file: Path, save: Path) -> None:
     got = torch.load(save, weights_only=True)["model"]
     ref, _ = reference_train(load_config(config_file))
@@ -92,13 +103,9 @@ def test_a_killed_launcher_node_is_survived(tmp_path: Path, tiny_config_file) ->
     stops hearing their heartbeats, and trains on with pipeline 0 alone to the same parameters."""
     config_file = tiny_config_file(steps=8)
     save = tmp_path / "final.pt"
-    common = [sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--nnodes", "2",
-              "--master-port", str(free_port()), "--save", str(save), "--heartbeat-timeout", "2", *PACED]
-    env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
-    node0 = subprocess.Popen([*common, "--node-rank", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env)
-    node1 = subprocess.Popen([*common, "--node-rank", "1"], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True, env=env)
+    common, env = two_node_command(config_file, save)
+    node0 = start_node(common, env, 0, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node1 = start_node(common, env, 1, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     lines: list[str] = []
     try:
         wait_for_line(node0, "step 2/", lines)
@@ -126,13 +133,9 @@ def test_a_repaired_node_started_again_rejoins_the_running_job(tmp_path: Path, t
     its workers re-join with live state and the job ends with every worker up and the fault-free parameters."""
     config_file = tiny_config_file(steps=40)  # long enough for a restart on 2 busy cores
     save = tmp_path / "final.pt"
-    common = [sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--nnodes", "2",
-              "--master-port", str(free_port()), "--save", str(save), "--heartbeat-timeout", "2", *PACED]
-    env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
-    node0 = subprocess.Popen([*common, "--node-rank", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env)
-    node1 = subprocess.Popen([*common, "--node-rank", "1"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, env=env)
+    common, env = two_node_command(config_file, save)
+    node0 = start_node(common, env, 0, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node1 = start_node(common, env, 1, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     repaired = None
     lines: list[str] = []
     try:
@@ -142,8 +145,7 @@ def test_a_repaired_node_started_again_rejoins_the_running_job(tmp_path: Path, t
         while "stopped responding" not in "".join(lines):  # node 0 has handled the loss of node 1
             wait_for_line(node0, "step ", lines)
         repaired_log = (tmp_path / "node1.log").open("w")
-        repaired = subprocess.Popen([*common, "--node-rank", "1"], cwd=ROOT, stdout=repaired_log,
-                                    stderr=subprocess.STDOUT, env=env)
+        repaired = start_node(common, env, 1, stdout=repaired_log, stderr=subprocess.STDOUT)
         out, err = node0.communicate(timeout=150)
         assert repaired.wait(timeout=30) == 0, (out, (tmp_path / "node1.log").read_text()[-1500:])
     finally:

@@ -219,7 +219,7 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
 
     def spawn(rank: int, joining: bool) -> mp.process.BaseProcess:
         if joining:
-            for key in (Keys.join_ready(rank), Keys.join_generation(rank), Keys.exited(rank)):
+            for key in (Keys.join_ready(rank), Keys.join_generation(rank), Keys.exited(rank), Keys.error(rank)):
                 store.delete_key(key)  # left by an earlier life of this rank
         spec = WorkerSpec(
             rank=rank, config=config, plan_json=plan.to_json(), store_host=options.master_addr,
@@ -314,7 +314,6 @@ class _Coordination:
         self.beats: dict[int, int] = {}
         self.last_beat: dict[int, float] = {}
         self.next_beat_check = 0.0
-        self.stopped_seen = 0
         self.pending: dict[str, Any] | None = None  # the recovery being completed
         self.failing = False
         self.pending_checkpoints = [d for d in range(start_step + 1, end_step + 1)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from recycle.runtime.control import Keys
 from recycle.runtime.messages import Channel, Message, message_tag
 
 __all__ = ["Transport", "GenerationGroups", "is_comm_error", "default_backend"]
@@ -55,7 +56,7 @@ class Transport:
         self.backend = backend
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.groups = GenerationGroups(sorted(live_ranks), {s: sorted(r) for s, r in stage_ranks.items()})
-        prefixed = dist.PrefixStore(f"gen{generation}/pg", store)
+        prefixed = dist.PrefixStore(Keys.process_groups(generation), store)
         dist.init_process_group(backend, store=prefixed, rank=self.groups.group_rank(rank),
                                 world_size=len(self.groups.live_ranks), timeout=self.timeout)
         # Every worker creates every stage group in the same order (new_group is collective over the world);
