@@ -31,7 +31,7 @@ from recycle.models.gpt import DTYPES, build_stages
 from recycle.runtime.data import load_dataset, microbatch
 from recycle.runtime.launcher import LaunchOptions, launch
 from recycle.runtime.optim import allreduce_grads
-from recycle.runtime.worker import make_optimizer
+from recycle.runtime.optim import make_optimizer
 from recycle.schedules.fault_free import build_schedule
 
 
@@ -91,7 +91,7 @@ def _their_worker(rank: int, config: Config, port: int, steps: int, results: mp.
     training, workload = config.training, config.workload
     dtype = DTYPES[training.dtype]
     module = build_stages(config.model, S, training.seed, dtype, workload.seq_len)[stage]
-    optimizer = make_optimizer(module, training.lr, training.weight_decay)
+    optimizer = make_optimizer(module, training)
     params = [p for p in module.parameters() if p.requires_grad]
     is_first, is_last = stage == 0, stage == S - 1
     submodule = _Logits(module) if is_last else module

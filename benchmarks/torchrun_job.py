@@ -39,7 +39,7 @@ from recycle.runtime.emulate import Emulation, install_pacing
 from recycle.runtime.executor import StageExecutor
 from recycle.runtime.stage import build_stage
 from recycle.runtime.transport import Transport
-from recycle.runtime.worker import make_optimizer
+from recycle.runtime.optim import make_optimizer
 
 
 def _append(path: Path, record: dict) -> None:
@@ -93,7 +93,7 @@ def main() -> None:
     training, workload = config.training, config.workload
     ckpt = out / "ckpt"
     built = build_stage(config, stage)
-    optimizer = make_optimizer(built.module, training.lr, training.weight_decay)
+    optimizer = make_optimizer(built.module, training)
     start = checkpoint.latest_step(ckpt) if (ckpt / "latest").is_file() else 0
     if start > 0:
         checkpoint.load_stage(ckpt, start, stage, built.layout, built.module, optimizer)

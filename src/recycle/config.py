@@ -144,8 +144,20 @@ class Training:
     weight_decay: float = 0.0
     grad_clip: float = 0.0  # 0 = no clipping
     seed: int = 0
-    dtype: str = "float32"
+    dtype: str = "float32"  # "float32", "float64", or "bfloat16" (bf16 autocast, float32 weights and state)
     dataset: str = "builtin"  # "builtin" or a path to a UTF-8 text file
+    optimizer: str = "AdamW"  # any torch.optim optimizer class, by name
+    # Optimizer arguments passed only when set (None: the optimizer's own default); lr and weight_decay always are.
+    betas: tuple[float, float] | None = None
+    eps: float | None = None
+    momentum: float | None = None
+    dampening: float | None = None
+    nesterov: bool | None = None
+    amsgrad: bool | None = None
+    lr_schedule: str = "constant"  # "constant" or "cosine" (torch.optim.lr_scheduler.LambdaLR)
+    warmup_steps: int = 0  # linear warm-up: step k (0-based) uses lr * (k + 1) / warmup_steps
+    min_lr: float = 0.0  # where the cosine ends
+    lr_decay_steps: int = 0  # the step at which the cosine reaches min_lr; 0 = [training] steps
 
 
 @dataclass(frozen=True)
@@ -216,7 +228,7 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         d = self.planning_dict()
         d["model"] = asdict(self.model)
-        d["training"] = asdict(self.training)
+        d["training"] = {k: v for k, v in asdict(self.training).items() if v is not None}  # None = not set
         d["name"] = self.name
         for section in d.values():
             if isinstance(section, dict):
@@ -251,7 +263,9 @@ _SCHEMA: dict[str, dict[str, str]] = {
     "model": {"preset": "str", "vocab_size": "int", "n_layer": "int", "n_head": "int", "n_embd": "int",
               "dropout": "float"},
     "training": {"steps": "int", "lr": "float", "weight_decay": "float", "grad_clip": "float", "seed": "int",
-                 "dtype": "str", "dataset": "str"},
+                 "dtype": "str", "dataset": "str", "optimizer": "str", "betas": "floatpair", "eps": "float",
+                 "momentum": "float", "dampening": "float", "nesterov": "bool", "amsgrad": "bool",
+                 "lr_schedule": "str", "warmup_steps": "int", "min_lr": "float", "lr_decay_steps": "int"},
 }
 _TOP_LEVEL = {"name": "str", "time_unit": "str"}
 _REQUIRED = {
@@ -304,6 +318,14 @@ def _check_type(value: Any, kind: str, where: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{where} = {value!r} must be a string in quotes")
         return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} = {value!r} must be true or false (without quotes)")
+        return value
+    if kind == "floatpair":
+        if not (isinstance(value, list) and len(value) == 2):
+            raise ConfigError(f"{where} = {value!r} must be a list of two numbers, e.g. [0.9, 0.95]")
+        return tuple(_check_type(v, "float", where) for v in value)
     if kind in ("stagefloat", "stageint"):
         check = is_int if kind == "stageint" else is_num
         conv = int if kind == "stageint" else float
@@ -448,9 +470,19 @@ def parse_config(raw: dict[str, Any], name: str = "config", source: str = "") ->
     if model.n_layer < 1:
         raise ConfigError(f"{_where(source, 'model', 'n_layer')} = {model.n_layer} must be >= 1")
     training = Training(**checked["training"])
-    if training.dtype not in ("float32", "float64"):
-        raise ConfigError(f"{_where(source, 'training', 'dtype')} = {training.dtype!r} must be 'float32' or "
-                          "'float64'")
+    if training.dtype not in ("float32", "float64", "bfloat16"):
+        raise ConfigError(f"{_where(source, 'training', 'dtype')} = {training.dtype!r} must be 'float32', "
+                          "'float64' or 'bfloat16' (bf16 autocast with float32 weights)")
+    if training.lr_schedule not in ("constant", "cosine"):
+        raise ConfigError(f"{_where(source, 'training', 'lr_schedule')} = {training.lr_schedule!r} must be "
+                          "'constant' or 'cosine' (both after the optional warmup_steps)")
+    if training.warmup_steps < 0 or training.lr_decay_steps < 0:
+        raise ConfigError(f"{_where(source, 'training', 'warmup_steps/lr_decay_steps')}: need >= 0 (got "
+                          f"{training.warmup_steps}, {training.lr_decay_steps}); 0 = no warm-up / decay over "
+                          "[training] steps")
+    if not 0 <= training.min_lr <= training.lr:
+        raise ConfigError(f"{_where(source, 'training', 'min_lr')} = {training.min_lr} must be between 0 and lr = "
+                          f"{training.lr} (where the cosine schedule ends)")
     if training.steps < 0 or training.lr <= 0 or training.grad_clip < 0:
         raise ConfigError(f"{_where(source, 'training', 'steps/lr/grad_clip')}: need steps >= 0, lr > 0, "
                           f"grad_clip >= 0 (got {training.steps}, {training.lr}, {training.grad_clip})")

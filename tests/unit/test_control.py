@@ -112,7 +112,7 @@ def test_snapshot_restores_parameters_and_optimizer_state_exactly() -> None:
 
     step()
     before = {k: v.clone() for k, v in module.state_dict().items()}
-    moments = [t.clone() for t in optimizer.exp_avg]
+    moments = [s["exp_avg"].clone() for s in optimizer.state_dict()["state"].values()]
     snapshot = StageSnapshot(module, optimizer)
     snapshot.take(iteration=1)
     step()
@@ -121,17 +121,25 @@ def test_snapshot_restores_parameters_and_optimizer_state_exactly() -> None:
         snapshot.restore(2)
     snapshot.restore(1)
     assert all(torch.equal(module.state_dict()[k], v) for k, v in before.items())
-    assert all(torch.equal(a, b) for a, b in zip(optimizer.exp_avg, moments))
-    assert optimizer.step_count == 1
+    state = optimizer.state_dict()["state"]
+    assert all(torch.equal(s["exp_avg"], b) for s, b in zip(state.values(), moments))
+    assert all(float(s["step"]) == 1 for s in state.values())
 
 
-def test_state_transfer_copies_parameters_moments_and_step_count() -> None:
+@pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
+def test_state_transfer_copies_parameters_moments_and_step_count(optimizer: str) -> None:
+    """The joiner's optimizer has no state yet (torch.optim creates it lazily): it arrives with its layout."""
+    from recycle.config import Training
+    from recycle.runtime.optim import make_optimizer
     from recycle.runtime.state_transfer import transfer_stage_state
+
+    training = Training(lr=0.1, optimizer=optimizer, momentum=0.9 if optimizer == "SGD" else None,
+                        lr_schedule="cosine", warmup_steps=2, steps=10)
 
     def make(seed: int):
         torch.manual_seed(seed)
         module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).double()
-        return module, AdamW(module.parameters(), lr=0.1)
+        return module, make_optimizer(module, training)
 
     source, source_opt = make(0)
     for _ in range(3):
@@ -151,8 +159,10 @@ def test_state_transfer_copies_parameters_moments_and_step_count() -> None:
                                    torch.device("cpu"))
     assert step == 7
     assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), joiner.state_dict().values()))
-    assert all(torch.equal(a, b) for a, b in zip(source_opt.exp_avg_sq, joiner_opt.exp_avg_sq))
-    assert joiner_opt.step_count == source_opt.step_count == 3
+    theirs, ours = source_opt.state_dict(), joiner_opt.state_dict()
+    assert ours["steps"] == theirs["steps"] == 3 and joiner_opt.lr == source_opt.lr != 0.1
+    for a, b in zip(theirs["optimizer"]["state"].values(), ours["optimizer"]["state"].values()):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_chaos_never_takes_a_last_replica_except_as_a_restorable_stage_loss() -> None:

@@ -24,6 +24,7 @@ from recycle.config import Config
 from recycle.errors import CheckpointError, ConfigError
 from recycle.fileio import atomic_write_text, check_output_dir, check_output_file
 from recycle.runtime import checkpoint
+from recycle.runtime.optim import OPTIMIZER_KEYS, optimizer_class
 
 if TYPE_CHECKING:
     from recycle.runtime.launcher import LaunchOptions
@@ -35,9 +36,10 @@ __all__ = ["check_launch", "check_option_ranges", "check_outputs", "run_fingerpr
 # (dtype), what each step computes (global batch, sequence length, the seed behind init and dropout). The number of
 # replicas and micro-batches may change as long as their product (the global batch in micro-batches) stays.
 RESUME_MUST_MATCH = ("model", "model_factory", "num_stages", "dtype", "seed", "seq_len", "microbatch_size",
-                     "global_microbatches")
-# Settings a user may deliberately change between legs of a run (a new learning rate, more data); reported.
-RESUME_MAY_CHANGE = ("lr", "weight_decay", "grad_clip", "dataset")
+                     "global_microbatches", "optimizer")
+# Settings a user may deliberately change between legs of a run (a new learning rate or schedule, more data);
+# reported.
+RESUME_MAY_CHANGE = ("lr", "weight_decay", "grad_clip", "dataset", "optimizer_args", "lr_schedule")
 
 _STEP_DIR = re.compile(r"^step(\d+)$")
 _META_ABOVE_PARAMS = 20_000_000  # build shapes on the meta device above this size (below it the CPU is faster)
@@ -72,6 +74,7 @@ def check_launch(config: Config, options: LaunchOptions, end: int) -> int:
     """Everything a launch can check before spawning a worker; returns the step to start from (0 or the intact
     checkpoint's). Prints which checkpoint is used and any warnings."""
     check_option_ranges(options)
+    optimizer_class(config.training)  # an unknown optimizer or argument fails here, not in every worker
     specs = expected_stages(config, options.model_factory) if (options.resume_dir or options.checkpoint_dir) \
         else None
     # One checkpoint with headroom for the file format (measured: ~7 % over the raw tensor bytes for the tiny GPT).
@@ -133,7 +136,12 @@ def run_fingerprint(config: Config, model_factory: str = "") -> dict[str, Any]:
     return {"model": model, "model_factory": model_factory, "num_stages": config.num_stages, "dtype": t.dtype,
             "seed": t.seed, "seq_len": w.seq_len, "microbatch_size": w.microbatch_size,
             "global_microbatches": config.num_replicas * w.num_microbatches,
-            "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "dataset": t.dataset}
+            "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "dataset": t.dataset,
+            "optimizer": t.optimizer,
+            "optimizer_args": {k: list(v) if isinstance(v, tuple) else v for k in OPTIMIZER_KEYS
+                               if (v := getattr(t, k)) is not None},
+            "lr_schedule": {"schedule": t.lr_schedule, "warmup_steps": t.warmup_steps, "min_lr": t.min_lr,
+                            "lr_decay_steps": t.lr_decay_steps}}
 
 
 def expected_stages(config: Config, model_factory: str = "") -> list[StageSpec]:

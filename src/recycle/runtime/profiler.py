@@ -22,8 +22,7 @@ from recycle.errors import ConfigError
 from recycle.fileio import atomic_write_text
 from recycle.models.gpt import DTYPES, build_stages
 from recycle.runtime.data import BUILTIN, load_dataset, microbatch
-from recycle.runtime.optim import allreduce_grads
-from recycle.runtime.worker import make_optimizer
+from recycle.runtime.optim import allreduce_grads, make_optimizer
 
 __all__ = ["StageProfile", "CommProfile", "Profile", "DEFAULT_COMM", "profile_stages", "measure_comm",
            "profile_config", "profiled_config_dict", "to_toml", "write_profile"]
@@ -131,7 +130,7 @@ def profile_stages(config: Config, repeats: int = 10, warmup: int = 3) -> tuple[
 
         grad_out = None if is_last else grad_seed
         times: dict[str, list[float]] = {k: [] for k in ("F", "B", "W", "BW", "OPT")}
-        optimizer = make_optimizer(module, training.lr, training.weight_decay)
+        optimizer = make_optimizer(module, training)
         for i in range(warmup + repeats):
             keep = i >= warmup
             t0 = time.perf_counter()
@@ -162,7 +161,9 @@ def profile_stages(config: Config, repeats: int = 10, warmup: int = 3) -> tuple[
         _, out = forward()
         activation = _activation_bytes(module, forward)
         parameter_bytes = sum(p.numel() * p.element_size() for p in params)
-        state_bytes = sum(t.numel() * t.element_size() for t in optimizer.exp_avg + optimizer.exp_avg_sq)
+        # The optimizer's per-parameter state after the steps above (the step counters are not memory that matters).
+        state_bytes = sum(t.numel() * t.element_size() for per_param in optimizer.optimizer.state.values()
+                          for key, t in per_param.items() if isinstance(t, torch.Tensor) and key != "step")
         out_profiles.append(StageProfile(
             forward_us=_median_us(times["F"]), backward_input_us=_median_us(times["B"]),
             backward_weight_us=_median_us(times["W"]), backward_fused_us=_median_us(times["BW"]),

@@ -1,5 +1,5 @@
 """Single-process reference training: the whole model, the same D*M micro-batches per step, loss scaled 1/(D*M)
-and summed, optional global-norm clipping, AdamW. Pipeline runs must end with the same parameters."""
+and summed, optional global-norm clipping, the configured optimizer and LR schedule. Pipeline runs must end with the same parameters."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from recycle.config import Config
 from recycle.errors import ConfigError
 from recycle.models.gpt import full_model
 from recycle.runtime.data import load_dataset, microbatch
-from recycle.runtime.worker import make_optimizer
+from recycle.runtime.optim import make_optimizer
 
 __all__ = ["reference_train"]
 
@@ -24,7 +24,7 @@ def reference_train(config: Config, steps: int | None = None) -> tuple[dict[str,
     training, workload = config.training, config.workload
     steps = training.steps if steps is None else steps
     model = full_model(config.model, workload.seq_len, training.seed, training.dtype)
-    optimizer = make_optimizer(model, training.lr, training.weight_decay)
+    optimizer = make_optimizer(model, training)
     dataset = load_dataset(training.dataset, workload.seq_len, base_dir=os.path.dirname(config.source) or None)
     total = config.num_replicas * config.num_microbatches
     losses = []

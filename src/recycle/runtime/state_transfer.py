@@ -1,8 +1,10 @@
 """Live state transfer for a re-joining worker: a surviving replica of its stage broadcasts the stage's parameters,
-buffers and optimizer state (moments and step count) over the stage's process group, as one flat buffer."""
+buffers and optimizer state (any torch.optim optimizer's, with its schedule position) over the stage's process
+group: first the optimizer state's layout as JSON, then the tensors as one flat buffer per dtype."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -12,7 +14,7 @@ from torch import nn
 
 from recycle.runtime.optim import StageOptimizer
 
-__all__ = ["TransferStats", "stage_tensors", "transfer_stage_state"]
+__all__ = ["TransferStats", "transfer_stage_state", "encode_layout", "decode_layout"]
 
 
 @dataclass(frozen=True)
@@ -21,41 +23,68 @@ class TransferStats:
     seconds: float
 
 
-def _tensors_of(obj: Any, out: list[torch.Tensor]) -> None:
-    """Every tensor in a nested structure, in a deterministic order (dict keys sorted)."""
+def encode_layout(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """A JSON-able description of a state dict: every tensor replaced by its index in `tensors` (appended), shape
+    and dtype; dict keys keep their type (optimizer state is keyed by int); tuples stay tuples."""
     if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for key in sorted(obj, key=str):
-            _tensors_of(obj[key], out)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            _tensors_of(value, out)
+        tensors.append(obj)
+        return {"t": len(tensors) - 1, "shape": list(obj.shape), "dtype": str(obj.dtype).removeprefix("torch."),
+                "cpu": obj.device.type == "cpu"}
+    if isinstance(obj, dict):
+        return {"d": [[encode_layout(k, tensors), encode_layout(v, tensors)] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {"tuple": [encode_layout(v, tensors) for v in obj]}
+    if isinstance(obj, list):
+        return [encode_layout(v, tensors) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot transfer optimizer state of type {type(obj).__name__}")
 
 
-def stage_tensors(module: nn.Module, optimizer: StageOptimizer) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    """The tensors that make up a stage's state (parameters and buffers, then the optimizer's), and the optimizer's
-    state dict they came from. Every replica of a stage yields the same list of shapes in the same order."""
-    tensors = list(module.state_dict().values())
-    optimizer_state = optimizer.state_dict()
-    _tensors_of(optimizer_state, tensors)
-    return tensors, optimizer_state
+def decode_layout(obj: Any, make: Callable[[dict[str, Any]], torch.Tensor]) -> Any:
+    """The inverse of encode_layout; `make(entry)` returns the tensor for a tensor entry."""
+    if isinstance(obj, list):
+        return [decode_layout(v, make) for v in obj]
+    if isinstance(obj, dict):
+        if "t" in obj:
+            return make(obj)
+        if "tuple" in obj:
+            return tuple(decode_layout(v, make) for v in obj["tuple"])
+        return {decode_layout(k, make): decode_layout(v, make) for k, v in obj["d"]}
+    return obj
 
 
 def transfer_stage_state(module: nn.Module, optimizer: StageOptimizer, step: int, is_source: bool,
                          broadcast: Callable[[torch.Tensor], None], device: torch.device) -> tuple[int, TransferStats]:
     """Broadcast the stage's state from the source replica to the joiners (every member of the group calls this;
-    `broadcast` sends from the source in place). Returns the optimizer step count the joiners take, and the volume
-    moved. The step count and every scalar travel in a float64 header, exactly (they are far below 2**53)."""
+    `broadcast` sends from the source in place). Returns the training step the joiners continue from, and the volume
+    moved. A joiner's optimizer may hold no state yet (torch.optim creates it at the first step), so the layout
+    travels first and the joiner allocates what it receives into."""
     started = time.perf_counter()
-    tensors, optimizer_state = stage_tensors(module, optimizer)
-    scalars = [float(step)] + [float(v) for v in _scalars(optimizer_state)]
-    header = torch.tensor(scalars, dtype=torch.float64, device=device)
-    broadcast(header)
+    params = list(module.state_dict().values())
+    optimizer_tensors: list[torch.Tensor] = []
+    if is_source:
+        layout = encode_layout({"step": step, "optimizer": optimizer.state_dict()}, optimizer_tensors)
+        blob = torch.frombuffer(bytearray(json.dumps(layout).encode()), dtype=torch.uint8).to(device)
+        size = torch.tensor([blob.numel()], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+    broadcast(size)
+    if not is_source:
+        blob = torch.empty(int(size[0]), dtype=torch.uint8, device=device)
+    broadcast(blob)
+    moved = size.numel() * 8 + blob.numel()
+    if not is_source:
+        def make(entry: dict[str, Any]) -> torch.Tensor:
+            tensor = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]),
+                                 device="cpu" if entry["cpu"] else device)
+            optimizer_tensors.append(tensor)
+            return tensor
+
+        layout = decode_layout(json.loads(bytes(blob.cpu().numpy()).decode()), make)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in tensors:
+    for tensor in params + optimizer_tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    moved = header.numel() * header.element_size()
     for dtype, group in sorted(by_dtype.items(), key=lambda item: str(item[0])):
         flat = torch.cat([t.detach().reshape(-1).to(device) for t in group]) if is_source else \
             torch.empty(sum(t.numel() for t in group), dtype=dtype, device=device)
@@ -68,37 +97,8 @@ def transfer_stage_state(module: nn.Module, optimizer: StageOptimizer, step: int
                     tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
                     offset += tensor.numel()
     if not is_source:
-        # The tensors above were filled in place: the parameters share storage with module.state_dict(); the
-        # optimizer's state dict may hold copies, so it is loaded back with the transferred scalars (step count).
-        values = iter(int(v) for v in header[1:].tolist())
-        optimizer.load_state_dict(_with_scalars(optimizer_state, values))
-    return int(header[0].item()), TransferStats(moved, time.perf_counter() - started)
-
-
-def _scalars(obj: Any) -> list[float]:
-    out: list[float] = []
-    if isinstance(obj, bool):
-        return out
-    if isinstance(obj, int):
-        out.append(float(obj))
-    elif isinstance(obj, dict):
-        for key in sorted(obj, key=str):
-            if key != "hyper":  # hyper-parameters come from the config, the same on every replica
-                out += _scalars(obj[key])
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            out += _scalars(value)
-    return out
-
-
-def _with_scalars(obj: Any, values: Any) -> Any:
-    """`obj` with its integer scalars replaced, in _scalars' order, by the next of `values`."""
-    if isinstance(obj, bool):
-        return obj
-    if isinstance(obj, int):
-        return next(values)
-    if isinstance(obj, dict):
-        return {key: (obj[key] if key == "hyper" else _with_scalars(obj[key], values)) for key in sorted(obj, key=str)}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_with_scalars(v, values) for v in obj)
-    return obj
+        # The parameters were filled in place (they share storage with module.state_dict()); the optimizer's state
+        # is new tensors, loaded with its step count and schedule position.
+        optimizer.load_state_dict(layout["optimizer"])
+        step = int(layout["step"])
+    return step, TransferStats(moved, time.perf_counter() - started)

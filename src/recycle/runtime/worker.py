@@ -27,7 +27,7 @@ from recycle.runtime.data import load_dataset, microbatch
 from recycle.runtime.emulate import Emulation, install_pacing
 from recycle.runtime.executor import StageExecutor
 from recycle.runtime.faults import FaultInjection, fire
-from recycle.runtime.optim import AdamW
+from recycle.runtime.optim import make_optimizer
 from recycle.runtime.stage import build_stage
 from recycle.runtime.state_transfer import transfer_stage_state
 from recycle.runtime.transport import Transport, is_comm_error
@@ -66,11 +66,6 @@ class WorkerSpec:
 
 class GenerationAborted(Exception):
     """The coordinator ended the current generation (a peer failed); stop at this action and report."""
-
-
-def make_optimizer(module: torch.nn.Module, lr: float, weight_decay: float) -> AdamW:
-    """The stage optimizer (the reference uses the same one)."""
-    return AdamW(module.parameters(), lr=lr, weight_decay=weight_decay)
 
 
 def parameter_digest(module: torch.nn.Module) -> str:
@@ -178,7 +173,7 @@ class _Worker:
         built = build_stage(config, self.stage, spec.model_factory)
         self.built = built
         self.module, self.layers = built.module.to(self.device), built.layout
-        self.optimizer = make_optimizer(self.module, training.lr, training.weight_decay)
+        self.optimizer = make_optimizer(self.module, training)
         if spec.resume_dir:
             checkpoint.load_stage(spec.resume_dir, spec.start_step, self.stage, self.layers, self.module,
                                   self.optimizer)
