@@ -33,14 +33,17 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="total number of steps (default: [training] steps)")
     p.add_argument("--no-stagger", action="store_true", help="coupled optimizer: all stages step together")
     p.add_argument("--no-decouple", action="store_true", help="fused backward (no B/W split)")
-    p.add_argument("--save", help="write the final parameters (one state dict of the whole model) here")
+    p.add_argument("--save", help="write the final parameters (one state dict of the whole model) here: a .pt file, "
+                                  "or safetensors when PATH ends in .safetensors")
     p.add_argument("--metrics", help="write per-step metrics here as JSON lines")
-    p.add_argument("--checkpoint-dir", default="", help="write checkpoints here")
+    p.add_argument("--checkpoint-dir", default="", help="write checkpoints here (torch.distributed.checkpoint "
+                                                         "folders keyed by the whole model's parameter names)")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
                    help=f"checkpoint every K steps (default with --checkpoint-dir: {DEFAULT_CHECKPOINT_EVERY}); "
                         "written in the background, and what the run restores by itself when a stage loses every "
                         "replica")
-    p.add_argument("--resume", default="", metavar="DIR", help="resume from the latest checkpoint in DIR")
+    p.add_argument("--resume", default="", metavar="DIR",
+                   help="resume from the latest checkpoint in DIR (any number of stages or replicas)")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds a collective or message may take before the peer counts as stuck (default 30)")
     recovery = p.add_argument_group("surviving failures")

@@ -1,5 +1,5 @@
 """Checkpoints off the critical path: the training step hands over a copy of its stage's state and goes on; a
-background thread serialises and writes it atomically, then tells the coordinator the stage's file is complete."""
+background thread writes it as the stage's DCP shard, then tells the coordinator the shard is complete."""
 
 from __future__ import annotations
 
@@ -7,35 +7,42 @@ import queue
 import threading
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
 from recycle.runtime import checkpoint
 from recycle.runtime.control import Keys
 from recycle.runtime.optim import StageOptimizer
-from recycle.runtime.rollback import copy_state
 
 __all__ = ["CheckpointWriter"]
 
 
 class CheckpointWriter:
-    """One writer thread per worker; `submit` copies the state (a memcpy) and returns at once."""
+    """One writer thread per worker; `submit` copies the state (a memcpy) and returns, once the previous
+    checkpoint is written."""
 
     def __init__(self, root: str, store: Any) -> None:
         self.root = root
         self.store = store  # its own connection: the thread must not share the main thread's
         self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self._error: BaseException | None = None
+        # torch.distributed.checkpoint (with DTensor) takes ~1.2 s to import here. Imported now, at the worker's
+        # start-up and before its heartbeat runs: in the writer thread it would hold the GIL for that long while
+        # the worker trains (its heartbeat starves and it is fenced as hung), and delay the first checkpoint.
+        import torch.distributed.checkpoint  # noqa: F401
+
         self._thread = threading.Thread(target=self._run, daemon=True, name="recycle-checkpoint-writer")
         self._thread.start()
 
     def submit(self, done_steps: int, stage: int, layers: tuple[int, int], module: nn.Module,
-               optimizer: StageOptimizer, before_write: Callable[[], None] | None = None) -> None:
+               optimizer: StageOptimizer, before_write: Callable[[], None] | None = None, prefix: str = "") -> None:
         self._raise_if_failed()
-        model_state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
-        optimizer_state = copy_state(optimizer.state_dict())
-        self._queue.put((done_steps, stage, layers, model_state, optimizer_state, torch.get_rng_state(),
-                         before_write))
+        # At most one checkpoint in flight (as with dcp.async_save): memory stays at one copy, and a writer never
+        # falls steps behind the training it checkpoints. A step that checkpoints before the previous checkpoint
+        # is written waits for it.
+        self._queue.join()
+        self._raise_if_failed()
+        state = checkpoint.stage_state(module, optimizer, stage, done_steps, prefix, copy=True)
+        self._queue.put((done_steps, stage, layers, state, before_write))
 
     def wait(self) -> None:
         """Block until every submitted checkpoint is written; raise if one failed."""
@@ -52,9 +59,8 @@ class CheckpointWriter:
             try:
                 if item is None:
                     return
-                done_steps, stage, layers, model_state, optimizer_state, rng, before_write = item
-                checkpoint.save_stage_state(self.root, done_steps, stage, layers, model_state, optimizer_state, rng,
-                                            before_write=before_write)
+                done_steps, stage, layers, state, before_write = item
+                checkpoint.save_shard(self.root, done_steps, stage, layers, state, before_write=before_write)
                 self.store.set(Keys.checkpointed(done_steps, stage), "1")
             except BaseException as exc:  # reported to the training thread at its next submit or wait
                 self._error = exc

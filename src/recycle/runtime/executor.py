@@ -13,6 +13,7 @@ from torch import nn
 from recycle.ir import Action, Kind, Plan
 from recycle.runtime.optim import StageOptimizer, allreduce_grads
 from recycle.runtime.messages import Channel, Message, incoming, outgoing, send_order
+from recycle.runtime.precision import autocast
 from recycle.runtime.rollback import StageSnapshot
 
 __all__ = ["StageExecutor", "IterationProgress", "IterationResult", "Comm", "ActionTiming", "dropout_seed"]
@@ -86,7 +87,7 @@ class StageExecutor:
                  input_shape: tuple[int, ...] | None, output_shape: tuple[int, ...] | None, dtype: torch.dtype,
                  grad_clip: float = 0.0, seed: int = 0,
                  device: torch.device | None = None, record_timings: bool = False,
-                 before_action: Callable[[Action], None] | None = None) -> None:
+                 before_action: Callable[[Action], None] | None = None, precision: str = "") -> None:
         self.rank = rank
         self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -95,7 +96,8 @@ class StageExecutor:
         self.load_microbatch = load_microbatch
         # Received activations have the previous stage's output shape; received gradients our own output's.
         self.receive_shapes = {Channel.ACTIVATION: input_shape, Channel.GRADIENT: output_shape}
-        self.dtype = dtype
+        self.dtype = dtype  # of the weights and of every tensor sent between stages
+        self.precision = precision  # [training] dtype: "bfloat16" runs the forward under bf16 autocast
         self.grad_clip = grad_clip
         self.seed = seed
         self.device = device or torch.device("cpu")
@@ -191,12 +193,13 @@ class StageExecutor:
             inp = self._receive(incoming(self.plan, self.rank, action)).requires_grad_()
             x = inp
         self._seed_dropout(dropout_seed(self.seed, self.progress.iteration, mb, self.stage))
+        with autocast(self.precision, self.device):
+            out = self.module(x, targets.to(self.device)) * self.scale if self.is_last else self.module(x)
         if self.is_last:
-            loss = self.module(x, targets.to(self.device))
-            out = loss * self.scale
             self._loss_sum += float(out.detach())
         else:
-            out = self.module(x)
+            if out.dtype != self.dtype:  # a stage whose output autocast left in bf16: the boundary is float32
+                out = out.to(self.dtype)
             self.comm.send(outgoing(self.plan, self.rank, action), out)
         self._stash[mb] = _Stash(inp, out)
 

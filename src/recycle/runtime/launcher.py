@@ -652,12 +652,17 @@ class _Coordination:
             generation=max(r.get("generation", 0) for r in records), end_time=last)
 
     def _mark_checkpoints(self) -> None:
-        """Point `latest` at a step once every stage's file of it is written (never at a partial one)."""
-        while self.pending_checkpoints and self.store.check(
-                [Keys.checkpointed(self.pending_checkpoints[0], s) for s in range(self.plan.num_stages)]):
-            done = self.pending_checkpoints.pop(0)
-            checkpoint.mark_latest(self.options.checkpoint_dir, done)
-            self.coordinator.on_checkpoint(done)
+        """Point `latest` at the newest step whose every stage shard is written (never at a partial one). Older
+        pending steps go with it: a writer has one checkpoint in flight, so an older step still incomplete lost
+        its writer and can no longer be written (its state is gone)."""
+        # Only steps a worker can have reached (every worker is at most in next_step + 1) are looked up.
+        complete = [d for d in self.pending_checkpoints if d <= self.next_step + 2
+                    and self.store.check([Keys.checkpointed(d, s) for s in range(self.plan.num_stages)])]
+        if not complete or not checkpoint.mark_latest(self.options.checkpoint_dir, complete[-1],
+                                                      self.plan.num_stages):
+            return  # nothing new, or a shard is being written again (after a recovery): the next poll merges it
+        self.pending_checkpoints = [d for d in self.pending_checkpoints if d > complete[-1]]
+        self.coordinator.on_checkpoint(complete[-1])
 
     def _finish_nodes(self) -> None:
         """Multi-node: say the run is over; keep the store up until every node has said it is done."""

@@ -1,8 +1,9 @@
 """Checks a training launch makes before any worker starts: option ranges, output paths, the checkpoint to resume.
 
 Resume rules (docs/runtime.md, "Checkpoints and resume"):
-* a checkpoint is *intact* when every stage file of its step loads as plain data (`torch.load(weights_only=True)`),
-  says the right step and stage, and holds the tensors the config's model has, with their shapes and dtypes;
+* a checkpoint is *intact* when its recycle.json names its step and every file of the DCP folder has the SHA-256
+  recorded when it was written, its .metadata unpickles with the restricted unpickler (checkpoint.read_metadata),
+  and it holds the tensors the config's whole model has, with their shapes and dtypes (any number of stages);
 * the step named by `latest` is tried first; a damaged one (missing, truncated, empty) is reported and the newest
   intact older step is used instead; steps newer than `latest` are never used (not known to be complete);
 * a checkpoint of another model or run is an error, never a fallback: the run fingerprint (RESUME_MUST_MATCH)
@@ -25,6 +26,7 @@ from recycle.errors import CheckpointError, ConfigError
 from recycle.fileio import atomic_write_text, check_output_dir, check_output_file
 from recycle.runtime import checkpoint
 from recycle.runtime.optim import OPTIMIZER_KEYS, optimizer_class
+from recycle.runtime.precision import weights_dtype
 
 if TYPE_CHECKING:
     from recycle.runtime.launcher import LaunchOptions
@@ -51,7 +53,7 @@ class StageSpec:
 
     layers: tuple[int, int]
     tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]  # state-dict name -> (shape, dtype)
-    trainable: tuple[tuple[int, ...], ...]  # shapes of the optimizer's parameters, in order
+    trainable: dict[str, tuple[int, ...]]  # the optimizer's parameters: name -> shape
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -60,7 +62,7 @@ class StageSpec:
         size = {torch.float64: 8, torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
         state = sum(math.prod(s) * size.get(d, 4) for s, d in self.tensors.values())
         element = max((size.get(d, 4) for _, d in self.tensors.values()), default=4)
-        return state + sum(2 * math.prod(s) * element for s in self.trainable)
+        return state + sum(2 * math.prod(s) * element for s in self.trainable.values())
 
 
 @dataclass(frozen=True)
@@ -88,11 +90,12 @@ def check_launch(config: Config, options: LaunchOptions, end: int) -> int:
             raise ConfigError(f"the checkpoint {str(point.path)!r} is at step {point.step}, past --steps {end}; "
                               f"ask for more steps than {point.step}")
         if options.progress:
-            options.progress(f"resuming from {point.path} (step {point.step}; {config.num_stages} stage file(s) "
-                             "checked)")
+            options.progress(f"resuming from {point.path} (step {point.step}; every file checked against its "
+                             "recorded hash)")
         start = point.step
     if options.checkpoint_dir:
-        # Each stage file written from now on carries this fingerprint (checkpoint.save_stage copies it).
+        checkpoint.preload()  # the coordinator merges each step's shards with DCP's metadata classes
+        # Each checkpoint written from now on carries this fingerprint (checkpoint.mark_latest copies it).
         atomic_write_text(Path(options.checkpoint_dir) / checkpoint.RUN_FILE,
                           _dumps(run_fingerprint(config, options.model_factory)))
     return start
@@ -151,19 +154,20 @@ def expected_stages(config: Config, model_factory: str = "") -> list[StageSpec]:
     S = config.num_stages
     if model_factory:
         modules = load_factory(model_factory)(config, S)
-        dtype = {"float32": torch.float32, "float64": torch.float64}[config.training.dtype]
+        dtype = weights_dtype(config.training.dtype)
         modules = [m.to(dtype) for m in modules]
         layouts = [(s, S) for s in range(S)]
     else:
-        from recycle.models.gpt import DTYPES, GPTStage, resolve_shape, stage_layers
+        from recycle.models.gpt import GPTStage, resolve_shape, stage_layers
 
         shape = resolve_shape(config.model, config.workload.seq_len)
         layouts = stage_layers(shape.n_layer, S)
         device = "meta" if shape.num_parameters > _META_ABOVE_PARAMS else "cpu"
         with torch.device(device):
-            modules = [GPTStage(shape, first, last).to(DTYPES[config.training.dtype]) for first, last in layouts]
+            modules = [GPTStage(shape, first, last).to(weights_dtype(config.training.dtype))
+                       for first, last in layouts]
     return [StageSpec(tuple(layout), {k: (tuple(v.shape), v.dtype) for k, v in m.state_dict().items()},
-                      tuple(tuple(p.shape) for p in m.parameters() if p.requires_grad))
+                      {n: tuple(p.shape) for n, p in m.named_parameters() if p.requires_grad})
             for m, layout in zip(modules, layouts)]
 
 
@@ -206,7 +210,7 @@ def find_resume_point(config: Config, root: str | Path, model_factory: str = "",
             problem = (f"'latest' names step {step} but {where} is missing" if step == latest
                        else f"{where} is missing")
         else:
-            problem = _check_step(root, step, specs, fingerprint, warnings)
+            problem = _check_step(root, step, specs, fingerprint, warnings, model_factory)
         if problem is None:
             if problems:
                 warnings.append(f"{problems[0]}; resuming from the newest intact checkpoint, step {step}, instead")
@@ -218,70 +222,74 @@ def find_resume_point(config: Config, root: str | Path, model_factory: str = "",
 
 
 def _check_step(root: Path, step: int, specs: list[StageSpec], fingerprint: dict[str, Any],
-                warnings: list[str]) -> str | None:
-    """None if the step is intact; a description if damaged. A checkpoint of another model or run raises."""
-    for stage, spec in enumerate(specs):
-        path = checkpoint.stage_file(root, step, stage)
-        if not path.is_file():
-            return f"{path} is missing (incomplete checkpoint)"
-        try:
-            state = checkpoint.read_stage(path, mmap=True)
-        except CheckpointError as exc:
-            if "refused" in str(exc):
-                raise  # a file that would run code is never skipped over quietly
-            return str(exc)
-        if state["step"] != step or state["stage"] != stage:
-            return f"{path} says step {state['step']} stage {state['stage']} (a misplaced file)"
-        if tuple(state["layers"]) != spec.layers:
-            raise CheckpointError(f"{path} holds layers {tuple(state['layers'])} of stage {stage} but this config "
-                                  f"puts layers {spec.layers} there; resume with the model and num_stages it was "
-                                  "made with")
-        _check_fingerprint(path, state.get("run"), fingerprint, warnings, first=stage == 0)
-        _check_tensors(path, state, spec)
-    extra = checkpoint.stage_file(root, step, len(specs))
-    if extra.is_file():
-        raise CheckpointError(f"{extra} exists: the checkpoint was made with more than num_stages = {len(specs)} "
-                              "stages; resume with the config it was made with")
+                warnings: list[str], model_factory: str = "") -> str | None:
+    """None if the step is intact; a description if damaged. A checkpoint of another model or run raises, and so
+    does one that would run code."""
+    where = checkpoint.step_dir(root, step)
+    try:
+        manifest = checkpoint.read_manifest(where)
+        if manifest["step"] != step:
+            return f"{where / checkpoint.MANIFEST} says step {manifest['step']} (a misplaced folder)"
+        metadata = checkpoint.read_metadata(where, verify_files=True)
+    except CheckpointError as exc:
+        if "refused" in str(exc):
+            raise  # a file that would run code is never skipped over quietly
+        return str(exc)
+    _check_fingerprint(where, manifest.get("run"), fingerprint, warnings, repartition_ok=not model_factory)
+    _check_tensors(where, metadata.state_dict_metadata, specs, model_factory)
     return None
 
 
-def _check_tensors(path: Path, state: dict[str, Any], spec: StageSpec) -> None:
-    model = state["model"]
-    if not isinstance(model, dict):
-        raise CheckpointError(f"{path}: 'model' is not a state dict")
-    missing = sorted(set(spec.tensors) - set(model))
-    unexpected = sorted(set(model) - set(spec.tensors))
+def _check_tensors(where: Path, entries: dict[str, Any], specs: list[StageSpec], model_factory: str) -> None:
+    """The checkpoint's model keys are exactly this config's model's (whole-model names), with the same shapes
+    and dtypes; its optimizer state belongs to the model's trainable parameters."""
+    expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    trainable: dict[str, tuple[int, ...]] = {}
+    for stage, spec in enumerate(specs):
+        prefix = checkpoint.key_prefix(stage, model_factory)
+        expected.update({prefix + k: v for k, v in spec.tensors.items()})
+        trainable.update({prefix + k: v for k, v in spec.trainable.items()})
+    model = {k: v for k, v in entries.items() if not k.startswith((checkpoint.OPTIMIZER_PREFIX, "train."))}
+    missing, unexpected = sorted(set(expected) - set(model)), sorted(set(model) - set(expected))
     if missing or unexpected:
-        raise CheckpointError(f"{path} is for another model: missing {missing[:3]}, unexpected {unexpected[:3]}; "
-                              "resume with the [model] it was made with")
-    for name, (shape, dtype) in spec.tensors.items():
-        tensor = model[name]
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            got = (tuple(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise CheckpointError(f"{path}: {name} is {got} but this config's model has {(shape, dtype)}; resume "
+        raise CheckpointError(f"{where} is for another model: missing {missing[:3]}, unexpected {unexpected[:3]}; "
+                              "resume with the [model] (and --model-factory) it was made with")
+    for name, (shape, dtype) in expected.items():
+        got = (tuple(model[name].size), model[name].properties.dtype)
+        if got != (shape, dtype):
+            raise CheckpointError(f"{where}: {name} is {got} but this config's model has {(shape, dtype)}; resume "
                                   "with the [model], seq_len and dtype it was made with")
-    moments = state["optimizer"].get("exp_avg") if isinstance(state["optimizer"], dict) else None
-    if isinstance(moments, list) and [tuple(t.shape) for t in moments] != list(spec.trainable):
-        raise CheckpointError(f"{path}: the optimizer state does not match the model's parameters; the checkpoint "
-                              "is damaged or from another model")
+    for key, entry in entries.items():
+        if not key.startswith(checkpoint.OPTIMIZER_PREFIX):
+            continue
+        name = key[len(checkpoint.OPTIMIZER_PREFIX):].rpartition(".")[0]
+        if name not in trainable or tuple(entry.size) not in ((), trainable[name]):
+            raise CheckpointError(f"{where}: optimizer state {key!r} does not match the model's parameters; the "
+                                  "checkpoint is damaged or from another model")
+    if checkpoint.STEP_KEY not in entries:
+        raise CheckpointError(f"{where} has no {checkpoint.STEP_KEY!r}; it was not written by recycle")
 
 
-def _check_fingerprint(path: Path, saved: Any, current: dict[str, Any], warnings: list[str], first: bool) -> None:
+def _check_fingerprint(where: Path, saved: Any, current: dict[str, Any], warnings: list[str],
+                       repartition_ok: bool) -> None:
     if not isinstance(saved, dict):
-        if first:
-            warnings.append(f"{path.parent} has no run fingerprint (written by an older recycle): only its tensor "
-                            "shapes were checked against the config")
+        warnings.append(f"{where} has no run fingerprint (its directory had no {checkpoint.RUN_FILE}): only its "
+                        "tensor shapes were checked against the config")
         return
-    changed = [k for k in RESUME_MUST_MATCH if k in saved and saved[k] != current.get(k)]
+    # The built-in GPT's keys are the whole model's, so its stages may re-partition; a factory's split is its own.
+    must = [k for k in RESUME_MUST_MATCH if not (k == "num_stages" and repartition_ok)]
+    changed = [k for k in must if k in saved and saved[k] != current.get(k)]
     if changed:
         detail = ", ".join(f"{k} {saved[k]!r} -> {current.get(k)!r}" for k in changed)
-        raise CheckpointError(f"{path.parent} was made by a different run ({detail}); these must match to resume "
+        raise CheckpointError(f"{where} was made by a different run ({detail}); these must match to resume "
                               f"(see docs/runtime.md): use the config it was made with, or start without --resume")
-    if first:
-        for k in RESUME_MAY_CHANGE:
-            if k in saved and saved[k] != current.get(k):
-                warnings.append(f"{k} changed since the checkpoint ({saved[k]!r} -> {current.get(k)!r}); the resumed "
-                                "run continues with the new value")
+    for k in RESUME_MAY_CHANGE:
+        if k in saved and saved[k] != current.get(k):
+            warnings.append(f"{k} changed since the checkpoint ({saved[k]!r} -> {current.get(k)!r}); the resumed "
+                            "run continues with the new value")
+    if repartition_ok and saved.get("num_stages", current["num_stages"]) != current["num_stages"]:
+        warnings.append(f"the checkpoint was written with num_stages = {saved['num_stages']}; its layers are "
+                        f"re-partitioned over {current['num_stages']} stages")
 
 
 def _dumps(data: dict[str, Any]) -> str:

@@ -20,9 +20,10 @@ import torch.distributed as dist
 from recycle.config import Config, parse_config
 from recycle.errors import ConfigError
 from recycle.fileio import atomic_write_text
-from recycle.models.gpt import DTYPES, build_stages
+from recycle.models.gpt import build_stages
 from recycle.runtime.data import BUILTIN, load_dataset, microbatch
 from recycle.runtime.optim import allreduce_grads, make_optimizer
+from recycle.runtime.precision import autocast, weights_dtype
 
 __all__ = ["StageProfile", "CommProfile", "Profile", "DEFAULT_COMM", "profile_stages", "measure_comm",
            "profile_config", "profiled_config_dict", "to_toml", "write_profile"]
@@ -107,7 +108,7 @@ def profile_stages(config: Config, repeats: int = 10, warmup: int = 3) -> tuple[
         raise ConfigError(f"--repeats {repeats} must be >= 1 and --warmup {warmup} >= 0")
     training, workload = config.training, config.workload
     S = config.num_stages
-    dtype = DTYPES[training.dtype]
+    dtype = weights_dtype(training.dtype)
     stages = build_stages(config.model, S, training.seed, dtype, workload.seq_len)
     dataset = load_dataset(training.dataset, workload.seq_len, base_dir=os.path.dirname(config.source) or None)
     tokens, targets = microbatch(dataset, 0, 0, workload.microbatch_size, workload.seq_len)
@@ -125,7 +126,8 @@ def profile_stages(config: Config, repeats: int = 10, warmup: int = 3) -> tuple[
         def forward() -> tuple[torch.Tensor | None, torch.Tensor]:
             inp = None if is_first else upstream.clone().requires_grad_()
             x = tokens if is_first else inp
-            out = module(x, targets) * scale if is_last else module(x)
+            with autocast(training.dtype):
+                out = module(x, targets) * scale if is_last else module(x)
             return inp, out
 
         grad_out = None if is_last else grad_seed

@@ -12,6 +12,7 @@ from recycle.errors import ConfigError
 from recycle.models.gpt import full_model
 from recycle.runtime.data import load_dataset, microbatch
 from recycle.runtime.optim import make_optimizer
+from recycle.runtime.precision import autocast, weights_dtype
 
 __all__ = ["reference_train"]
 
@@ -23,7 +24,7 @@ def reference_train(config: Config, steps: int | None = None) -> tuple[dict[str,
                           "whole-model forward cannot reproduce")
     training, workload = config.training, config.workload
     steps = training.steps if steps is None else steps
-    model = full_model(config.model, workload.seq_len, training.seed, training.dtype)
+    model = full_model(config.model, workload.seq_len, training.seed, weights_dtype(training.dtype))
     optimizer = make_optimizer(model, training)
     dataset = load_dataset(training.dataset, workload.seq_len, base_dir=os.path.dirname(config.source) or None)
     total = config.num_replicas * config.num_microbatches
@@ -32,7 +33,8 @@ def reference_train(config: Config, steps: int | None = None) -> tuple[dict[str,
         step_loss = 0.0
         for mb in range(total):
             tokens, targets = microbatch(dataset, step, mb, workload.microbatch_size, workload.seq_len)
-            loss = model(tokens, targets) * (1.0 / total)
+            with autocast(training.dtype):
+                loss = model(tokens, targets) * (1.0 / total)
             loss.backward()
             step_loss += float(loss.detach())
         if training.grad_clip > 0:

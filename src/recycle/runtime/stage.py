@@ -18,6 +18,7 @@ from torch import nn
 from recycle.config import Config
 from recycle.errors import ConfigError
 from recycle.models.gpt import build_stages, resolve_shape, stage_layers
+from recycle.runtime.precision import weights_dtype
 
 __all__ = ["BuiltStage", "build_stage", "load_factory", "check_model"]
 
@@ -54,7 +55,7 @@ def build_stage(config: Config, stage: int, factory: str = "") -> BuiltStage:
     batch, seq = config.workload.microbatch_size, config.workload.seq_len
     if not factory:
         shape = resolve_shape(config.model, seq)
-        stages = build_stages(config.model, S, config.training.seed, config.training.dtype, seq)
+        stages = build_stages(config.model, S, config.training.seed, weights_dtype(config.training.dtype), seq)
         layout = stage_layers(shape.n_layer, S)[stage]
     else:
         stages = load_factory(factory)(config, S)
@@ -63,8 +64,7 @@ def build_stage(config: Config, stage: int, factory: str = "") -> BuiltStage:
         for s, module in enumerate(stages[:-1]):
             if not hasattr(module, "boundary_shape"):
                 raise ConfigError(f"model factory {factory!r}: stage {s} has no boundary_shape(batch, seq) method")
-        dtype = {"float32": torch.float32, "float64": torch.float64}[config.training.dtype]
-        stages = [m.to(dtype) for m in stages]
+        stages = [m.to(weights_dtype(config.training.dtype)) for m in stages]
         layout = (stage, S)
     input_shape = tuple(stages[stage - 1].boundary_shape(batch, seq)) if stage > 0 else None
     output_shape = tuple(stages[stage].boundary_shape(batch, seq)) if stage < S - 1 else None

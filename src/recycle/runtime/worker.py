@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from recycle.config import Config
 from recycle.ir import Action, Plan
-from recycle.models.gpt import DTYPES
 from recycle.runtime import checkpoint
 from recycle.runtime.checkpoint_writer import CheckpointWriter
 from recycle.runtime.control import Announcement, Keys, StoppedReport, connect_store, decode, encode, job_store
@@ -28,6 +27,7 @@ from recycle.runtime.emulate import Emulation, install_pacing
 from recycle.runtime.executor import StageExecutor
 from recycle.runtime.faults import FaultInjection, fire
 from recycle.runtime.optim import make_optimizer
+from recycle.runtime.precision import weights_dtype
 from recycle.runtime.stage import build_stage
 from recycle.runtime.state_transfer import transfer_stage_state
 from recycle.runtime.transport import Transport, is_comm_error
@@ -175,8 +175,8 @@ class _Worker:
         self.module, self.layers = built.module.to(self.device), built.layout
         self.optimizer = make_optimizer(self.module, training)
         if spec.resume_dir:
-            checkpoint.load_stage(spec.resume_dir, spec.start_step, self.stage, self.layers, self.module,
-                                  self.optimizer)
+            checkpoint.load_stage(spec.resume_dir, spec.start_step, self.stage, self.module, self.optimizer,
+                                  spec.model_factory)
         self.dataset = load_dataset(training.dataset, workload.seq_len,
                                     base_dir=os.path.dirname(config.source) or None)
         self.heartbeat = _Heartbeat(spec)
@@ -255,7 +255,8 @@ class _Worker:
         return self.announcement.redo_step
 
     def _load_checkpoint(self, step: int) -> None:
-        checkpoint.load_stage(self.spec.checkpoint_dir, step, self.stage, self.layers, self.module, self.optimizer)
+        checkpoint.load_stage(self.spec.checkpoint_dir, step, self.stage, self.module, self.optimizer,
+                              self.spec.model_factory)
 
     def _transfer_state(self) -> None:
         """If replacements joined this stage in this generation (and no checkpoint is being restored), the first
@@ -290,9 +291,10 @@ class _Worker:
             return microbatch(self.dataset, iteration, mb, workload.microbatch_size, workload.seq_len)
 
         executor = StageExecutor(self.plan, self.spec.rank, self.module, self.optimizer, self.transport, load,
-                                 built.input_shape, built.output_shape, DTYPES[config.training.dtype],
+                                 built.input_shape, built.output_shape, weights_dtype(config.training.dtype),
                                  grad_clip=config.training.grad_clip, seed=config.training.seed, device=self.device,
-                                 record_timings=self.spec.record_timings, before_action=self._before_action)
+                                 record_timings=self.spec.record_timings, before_action=self._before_action,
+                                 precision=config.training.dtype)
         if self.spec.emulation is not None:
             install_pacing(executor, config, self.spec.emulation)
         return executor
@@ -346,7 +348,8 @@ class _Worker:
             return
         faults = [f for f in self.spec.faults if f.point == "ckpt" and f.step == done - 1]
         before_write = (lambda: self._fire(faults[0], f"the checkpoint of step {done}")) if faults else None
-        self.writer.submit(done, self.stage, self.layers, self.module, self.optimizer, before_write)
+        self.writer.submit(done, self.stage, self.layers, self.module, self.optimizer, before_write,
+                           checkpoint.key_prefix(self.stage, self.spec.model_factory))
 
     def _save_final(self) -> None:
         """The --save part of this stage, and every checkpoint on disk (and reported) before the worker leaves."""
