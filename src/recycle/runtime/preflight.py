@@ -34,9 +34,11 @@ if TYPE_CHECKING:
 __all__ = ["check_launch", "check_option_ranges", "check_outputs", "run_fingerprint", "find_resume_point",
            "ResumePoint", "StageSpec", "expected_stages", "RESUME_MUST_MATCH", "RESUME_MAY_CHANGE"]
 
-# What makes a checkpoint the state of *this* run: the model (shapes, and how the stages split it), the numerics
-# (dtype), what each step computes (global batch, sequence length, the seed behind init and dropout). The number of
-# replicas and micro-batches may change as long as their product (the global batch in micro-batches) stays.
+# What makes a checkpoint the state of *this* run: the model (shapes; how the stages split it only for a
+# --model-factory model, since the built-in GPT's keys are the whole model's), the numerics (dtype), the optimizer
+# class (the shape of its state), what each step computes (global batch, sequence length, the seed behind init and
+# dropout). The number of replicas and micro-batches may change as long as their product (the global batch in
+# micro-batches) stays.
 RESUME_MUST_MATCH = ("model", "model_factory", "num_stages", "dtype", "seed", "seq_len", "microbatch_size",
                      "global_microbatches", "optimizer")
 # Settings a user may deliberately change between legs of a run (a new learning rate or schedule, more data);
