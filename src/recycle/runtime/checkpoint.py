@@ -370,9 +370,11 @@ def load_stage(root: str | Path, step: int, stage: int, module: nn.Module, optim
                 state[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
                 optimizer_keys.setdefault(index, {})[key[len(head):]] = key
     state[STEP_KEY] = torch.zeros((), dtype=torch.int64)
+    # The CPU generator's position. Dropout is seeded per forward, so this matters little; under another number of
+    # stages this stage's entry is another stage's (or absent), which is just as harmless.
     rng_key = f"train.rng.stage{stage}"
-    same_layout = rng_key in metadata.state_dict_metadata
-    if same_layout:
+    has_rng = rng_key in metadata.state_dict_metadata
+    if has_rng:
         state[rng_key] = torch.empty(tuple(metadata.state_dict_metadata[rng_key].size), dtype=torch.uint8)
     missing = sorted(k for k in state if k not in metadata.state_dict_metadata)
     if missing:
@@ -383,7 +385,7 @@ def load_stage(root: str | Path, step: int, stage: int, module: nn.Module, optim
     optimizer.load_state_dict({"optimizer": {
         "state": {index: {k: state[key] for k, key in keys.items()} for index, keys in optimizer_keys.items()},
         "param_groups": current["param_groups"]}, "steps": int(state[STEP_KEY])})
-    if same_layout:
+    if has_rng:
         torch.set_rng_state(state[rng_key])
 
 
