@@ -130,7 +130,8 @@ def save_shard(root: str | Path, step: int, stage: int, layers: tuple[int, int],
                before_write: Callable[[], None] | None = None) -> None:
     """Write stage `stage`'s shard of `step` with DCP (no process group) into a fresh temporary folder, add its
     shard.json (file hashes), and move it into place. `before_write` (a fault-injection hook) runs when the data is
-    on disk and shard.json is not: a crash there leaves only a temporary folder, which the next writer removes. A
+    on disk and shard.json is not: a crash there leaves only a temporary folder, which the shard's next writer removes
+    (or the coordinator, once a newer step is complete and the dead writer's step can no longer be written). A
     shard already in place (a step written again after a recovery) is replaced by two renames, so the coordinator
     never finds a complete step without it."""
     import torch.distributed.checkpoint as dcp
