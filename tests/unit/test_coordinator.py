@@ -264,6 +264,19 @@ def test_a_lost_stage_is_refilled_by_moving_a_worker_of_the_stage_with_the_most_
     assert announce.live == {0, 2, 5} and facts.failed == {(0, 1), (1, 1), (2, 0)}
 
 
+def test_a_lost_stage_with_a_replacement_already_waiting_needs_no_move() -> None:
+    c = Coordinator(D, S, ALL - {1, 3}, frozenset({(0, 1), (1, 1)}), end_step=20, report_timeout_s=10.0,
+                    checkpointing=True)
+    c.on_checkpoint(8)
+    c.on_join_ready(1, 2.0)  # 0:1 is repaired and waits for an iteration boundary
+    commands = c.on_death(5, "worker 2:1 died", 3.0)
+    assert not [cmd for cmd in commands if isinstance(cmd, (Move, Respawn))]
+    for rank in (0, 2):
+        assert c.on_stopped(report(rank, applied=10), 3.1) == []
+    (announce,) = c.on_stopped(report(4, applied=10), 3.1)
+    assert announce.facts.restore_step == 8 and announce.facts.joining == {1} and announce.facts.moved == ()
+
+
 def test_reshape_falls_back_to_respawn_when_no_stage_has_a_replica_to_spare() -> None:
     # Stage 0 keeps only worker 0:0: moving it would lose stage 0 too.
     c = Coordinator(D, S, frozenset({0, 5}), frozenset({(1, 0), (2, 0), (0, 1), (1, 1)}), end_step=20,

@@ -201,7 +201,9 @@ class Coordinator:
             self.state = replace(self.state, restore=True)
             restoring = f"restoring checkpoint step {self.state.latest_checkpoint}"
             donor = self._donor() if self.reshape else None
-            if donor is not None:
+            if any(self.worker(r)[1] == stage for r in self.state.joining):
+                pass  # a replacement for the stage is already up and waiting: it restores the checkpoint
+            elif donor is not None:
                 commands += self._move(donor, stage, f"{what}: {restoring}")
             else:
                 respawn = frozenset(p * self.num_stages + s for p, s in failed if s == stage) - self.state.joining
