@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Sequence
 
-from recycle.errors import ConfigError, RecycleError
+from recycle.errors import RecycleError
 
 __all__ = ["main", "COMMANDS"]
 
@@ -40,12 +40,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
             sub.add_parser(name, help=COMMAND_HELP[name])
             continue
         module = importlib.import_module(f"recycle.commands.{name.replace('-', '_')}")
-        command = module.register(sub)
-        if any("--config" in action.option_strings for action in command._actions):
-            command.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                                 help="override one config value, repeatable: --set training.lr=1e-3 --set "
-                                      "topology.num_replicas=4 (values are TOML: numbers, true/false, \"text\", "
-                                      "[lists]; a bare word is text)")
+        module.register(sub)
     return parser
 
 
@@ -59,9 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from recycle.outputs import check_command_outputs
 
-        if getattr(args, "set", None) and not getattr(args, "config", None):
-            raise ConfigError(f"--set {args.set[0]} overrides a config value, but no --config was given; pass "
-                              "--config FILE too")
         check_command_outputs(args)
         result = args.func(args)
         sys.stdout.flush()  # a closed pipe shows up here, inside the handler, not at interpreter exit

@@ -8,7 +8,7 @@ import math
 import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from recycle.errors import ConfigError
 
@@ -261,44 +261,8 @@ _REQUIRED = {
 }
 
 
-def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """A copy of the raw config mapping with `section.key=value` overrides applied (`--set training.lr=1e-3`; a
-    top-level key has no section: `--set name=run7`). The value is read as a TOML value (numbers, booleans, quoted
-    strings, [lists]); anything else is taken as a plain string (`--set training.dtype=float64`)."""
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
-    for item in overrides:
-        target, sep, text = item.partition("=")
-        target = target.strip()
-        if not sep or not target:
-            raise ConfigError(f"--set {item!r} is not SECTION.KEY=VALUE; write e.g. --set training.lr=1e-3")
-        section, dot, key = target.rpartition(".")
-        if not dot:
-            if key not in _TOP_LEVEL:
-                raise ConfigError(f"--set {item!r}: unknown top-level key {key!r}; known: "
-                                  f"{', '.join(sorted(_TOP_LEVEL))}, or SECTION.KEY with a section of "
-                                  f"{', '.join(sorted(_SCHEMA))}")
-        elif section not in _SCHEMA:
-            raise ConfigError(f"--set {item!r}: unknown section {section!r}; known sections: "
-                              f"{', '.join(sorted(_SCHEMA))}")
-        elif key not in _SCHEMA[section]:
-            raise ConfigError(f"--set {item!r}: unknown key {key!r} in [{section}]; known keys: "
-                              f"{', '.join(sorted(_SCHEMA[section]))}")
-        try:
-            value = tomllib.loads(f"v = {text.strip()}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = text.strip()
-        if dot:
-            table = out.setdefault(section, {})
-            if not isinstance(table, dict):
-                raise ConfigError(f"--set {item!r}: [{section}] in the config is not a table")
-            table[key] = value
-        else:
-            out[key] = value
-    return out
-
-
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
-    """Read and validate a TOML config file, with optional `section.key=value` overrides (see apply_overrides)."""
+def load_config(path: str | Path) -> Config:
+    """Read and validate a TOML config file."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; pass --config with a path to a TOML file "
@@ -309,11 +273,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}; fix the syntax at that line") from None
     except UnicodeDecodeError:
         raise ConfigError(f"config file {str(path)!r} is not UTF-8 text; pass a TOML file") from None
-    source = str(path)
-    if overrides:
-        raw = apply_overrides(raw, overrides)
-        source += f" with --set {' '.join(overrides)}"
-    return parse_config(raw, name=raw.get("name", path.stem), source=source)
+    return parse_config(raw, name=raw.get("name", path.stem), source=str(path))
 
 
 def _where(source: str, section: str, key: str) -> str:

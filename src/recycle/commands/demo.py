@@ -151,7 +151,7 @@ def training_section(ctx: DemoContext) -> None:
     """A real run on gloo: the tiny GPT fault-free and with a worker down from the start reach the same weights."""
     import torch
 
-    from recycle.api import select_plan
+    from recycle.commands.train import select_plan
     from recycle.runtime.launcher import LaunchOptions, launch
 
     cfg = _repo_config("tiny-gpt.toml")
@@ -258,7 +258,7 @@ def _selected(spec: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     chosen = _selected(args.only)
-    config = load_config(args.config, args.set) if args.config else toy_config()
+    config = load_config(args.config) if args.config else toy_config()
     ctx = DemoContext(out_dir=Path(args.out), config=config)
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     print(f"recycle demo on {config.name!r}: D={config.num_replicas} S={config.num_stages} "

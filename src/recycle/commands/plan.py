@@ -61,14 +61,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                              "actions per iteration")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     parser.add_argument("--gantt", metavar="PNG", help="write a Gantt chart of the simulated iterations")
-    parser.add_argument("--save", metavar="FILE", help="write the plan (real ranks) as JSON for the runtime, or in "
-                        "--format pipelining-csv")
-    parser.add_argument("--format", choices=("json", "pipelining-csv"), default="json",
-                        help="what --save writes: the plan JSON (default), or one pipeline (--replica) as the "
-                             "compute-only CSV torch.distributed.pipelining's _PipelineScheduleRuntime loads (a "
-                             "pipeline touched by cross-pipeline re-routing cannot be expressed there: an error)")
-    parser.add_argument("--replica", type=int, default=0, metavar="R",
-                        help="the pipeline --format pipelining-csv writes (default 0)")
+    parser.add_argument("--save", metavar="JSON", help="write the plan (real ranks) as JSON for the runtime")
     parser.add_argument("--max-failures", type=int, metavar="F", help="build a plan store for up to F failures")
     parser.add_argument("--out", metavar="DIR", help="plan store folder (with --max-failures)")
     parser.add_argument("--jobs", type=int, default=1, metavar="N", help="processes for building a store")
@@ -191,7 +184,7 @@ def _build_store(args: argparse.Namespace, config: Config, options: PlannerOptio
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config, args.set)
+    config = load_config(args.config)
     options = _options(args, config)
     if args.max_failures is not None:
         return _build_store(args, config, options)
@@ -201,13 +194,6 @@ def run(args: argparse.Namespace) -> int:
     failed = [parse_worker(text, config.num_replicas, config.num_stages) for text in args.fail]
     normalize(failed, config.num_replicas, config.num_stages)  # a stage without survivors fails here, clearly
     plan = make_plan(config, failed, options, args.solver, args.time_limit, args.routing)
-    saved_text = plan.to_json()
-    if args.format == "pipelining-csv":
-        if not args.save:
-            raise PlanError("--format pipelining-csv says what --save writes; add --save FILE.csv")
-        from recycle.ir.pipelining import to_pipelining_csv
-
-        saved_text = to_pipelining_csv(plan, args.replica)  # before any long work: an inexpressible plan fails now
     options = resolve_options(config, options)
     result = simulate(plan, config, record=bool(args.gantt))
     compare = args.compare == "yes" or (args.compare == "auto" and plan.num_actions <= COMPARE_AUTO_LIMIT)
@@ -216,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     if args.save:
         from recycle.fileio import atomic_write_text
 
-        written["plan"] = str(atomic_write_text(args.save, saved_text))
+        written["plan"] = str(atomic_write_text(args.save, plan.to_json()))
     if args.gantt:
         try:
             from recycle.report.gantt import write_gantt

@@ -50,7 +50,7 @@ def _say_what_is_profiled(config: Config) -> None:
 def run(args: argparse.Namespace) -> int:
     from recycle.runtime.profiler import profile_config, write_profile  # imports torch: only when used
 
-    config = load_config(args.config, args.set)
+    config = load_config(args.config)
     _say_what_is_profiled(config)
     profile = profile_config(config, repeats=args.repeats, warmup=args.warmup, comm=args.comm)
     path, _ = write_profile(config, profile, args.out)

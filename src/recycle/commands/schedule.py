@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.iterations < 1:
         raise ConfigError(f"--iterations = {args.iterations} must be >= 1; pass e.g. --iterations 4")
-    config = load_config(args.config, args.set)
+    config = load_config(args.config)
     plan = build_schedule(config, args.schedule, staggered=args.staggered)
     want_timeline = bool(args.gantt or args.trace) or not args.json
     result = simulate(plan, config, iterations=args.iterations, record=want_timeline)

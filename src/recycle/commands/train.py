@@ -7,13 +7,14 @@ import argparse
 import sys
 
 from recycle.config import Config, load_config
-from recycle.errors import ConfigError
+from recycle.errors import ConfigError, PlanError, RecycleError
+from recycle.ir import Plan, read_plan
 from recycle.runtime.chaos import parse_chaos
 from recycle.runtime.faults import parse_fault, parse_rejoin
 
 # The launcher and the emulation pull in torch: they are imported in run(), so `recycle train --help` starts fast.
 
-__all__ = ["register", "run", "DEFAULT_CHECKPOINT_EVERY"]
+__all__ = ["register", "run", "select_plan", "DEFAULT_CHECKPOINT_EVERY"]
 
 DEFAULT_CHECKPOINT_EVERY = 10  # steps; a restore loses at most this many
 
@@ -97,32 +98,62 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
+def select_plan(config: Config, schedule: str | None, plan_file: str | None, down: list[str], decoupled: bool,
+                staggered: bool) -> Plan:
+    """The plan to run: a plan file, an adaptive plan for `down` workers, or a fault-free schedule."""
+    from recycle.planner.failures import parse_worker  # commands may use the planner; the runtime may not
+
+    failed = frozenset(parse_worker(w, config.num_replicas, config.num_stages) for w in down)
+    if plan_file:
+        plan = read_plan(plan_file, "--plan")
+        if failed and plan.failed != failed:
+            raise PlanError(f"--plan {plan_file!r} is for failed workers {sorted(plan.failed)} but --down names "
+                            f"{sorted(failed)}; drop --down or pass the plan for that failure state")
+        return plan
+    if failed:
+        if schedule:
+            raise ConfigError("--schedule names a fault-free schedule; with --down the planner makes the plan, so "
+                              "drop --schedule")
+        try:
+            from recycle.planner.api import make_plan
+            from recycle.planner.options import PlannerOptions
+        except ImportError as exc:
+            raise RecycleError(f"the planner is not available ({exc}); pass an adaptive plan with --plan") from None
+        return make_plan(config, failed, options=PlannerOptions(decoupled=decoupled, staggered=staggered),
+                         solver="heuristic")
+    from recycle.schedules.fault_free import build_schedule
+
+    name = schedule or ("zb-h1" if decoupled else "1f1b")
+    return build_schedule(config, name, staggered=staggered)
+
+
 def plan_provider(config: Config, args: argparse.Namespace):  # -> runtime.launcher.PlanProvider | None
     """The plans the launcher switches to when workers fail: a store (built now or loaded), heuristic beyond it."""
     if args.no_recover:
         return None
-    from recycle import api
-    from recycle.runtime.launcher import PlanChoice
+    from recycle.planner.options import PlannerOptions  # commands may use the planner; the runtime may not
+    from recycle.planner.provider import PlanLibrary
 
     if args.max_failures < 0:
         raise ConfigError(f"--max-failures {args.max_failures} must be >= 0 (0: plan every failure when it happens)")
     if args.plan_store:
-        library = api.load_plan_store(args.plan_store, config)
+        library = PlanLibrary.load(args.plan_store, config)
     else:
-        library = api.plan_store(config, args.max_failures, decoupled=not args.no_decouple,
-                                 staggered=not args.no_stagger, progress=sys.stdout)
+        options = PlannerOptions(decoupled=not args.no_decouple, staggered=not args.no_stagger)
+        library = PlanLibrary.build(config, options, args.max_failures, progress=sys.stdout)
+    from recycle.runtime.launcher import PlanChoice
+
     return library.provider(PlanChoice)
 
 
 def run(args: argparse.Namespace) -> int:
     from recycle.runtime.control import read_token
     from recycle.runtime.emulate import DEFAULT_SLOT_MS, Emulation
-    from recycle import api
-    from recycle.runtime.launcher import LaunchOptions
+    from recycle.runtime.launcher import LaunchOptions, launch
 
-    config = load_config(args.config, args.set)
-    plan = api.select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
-                           staggered=not args.no_stagger)
+    config = load_config(args.config)
+    plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
+                       staggered=not args.no_stagger)
     faults, rejoins = [], []
     for spec in args.inject:
         if spec.strip().startswith("rejoin:"):
@@ -150,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
                             token=read_token(args.token_file), plan_provider=plan_provider(config, args),
                             emulation=Emulation(DEFAULT_SLOT_MS if args.slot_ms is None else args.slot_ms,
                                                 args.cost_scale) if args.emulate_costs else None)
-    result = api.train(config, plan, options, recover=not args.no_recover)
+    result = launch(config, plan, options)
     if args.node_rank > 0:
         print(f"node {args.node_rank}: the run has finished (node 0 reports the steps and writes the outputs)")
         return 0
