@@ -54,7 +54,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "the job's grid (config stages and replicas, --gpus-per-node, --replicas)")
     costs = JobCosts()
     for name in ("detect_s", "plan_switch_s", "restart_s", "checkpoint_interval_s", "checkpoint_cost_s",
-                 "oobleck_reconfig_s", "bamboo_reconfig_s", "bamboo_rc_overhead", "reshape_horizon_s"):
+                 "oobleck_reconfig_s", "bamboo_reconfig_s", "bamboo_rc_overhead", "reshape_horizon_s",
+                 "repartition_prior_s"):
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(costs, name),
                        help=f"(default {getattr(costs, name)})")
     p.add_argument("--no-reshape", action="store_true",
@@ -84,11 +85,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {trace.source}: {message}", file=sys.stderr)
     costs = JobCosts(**{name: getattr(args, name) for name in (
         "detect_s", "plan_switch_s", "restart_s", "checkpoint_interval_s", "checkpoint_cost_s",
-        "oobleck_reconfig_s", "bamboo_reconfig_s", "bamboo_rc_overhead", "reshape_horizon_s")},
+        "oobleck_reconfig_s", "bamboo_reconfig_s", "bamboo_rc_overhead", "reshape_horizon_s",
+        "repartition_prior_s")},
                      reshape=not args.no_reshape)
     setup = JobSetup(gpus_per_node=args.gpus_per_node, replicas=args.replicas, slot_seconds=args.slot_seconds,
                      period_model=args.period_model, reference=args.reference)
     result = run_job(config, trace, systems=args.systems, costs=costs, setup=setup, progress=stderr_progress)
+    for name, why in result.extra.get("skipped", {}).items():
+        print(f"note: {name} skipped: {why}", file=sys.stderr)
     summary = write_report(result, args.out, title=f"{config.name} over {trace.source}")
     print(f"wrote {args.out}/report.md, throughput.png, summary.json", file=sys.stderr)
     goodput_ratio, mean_ratio = summary["recycle_goodput_ratio_to"], summary["recycle_mean_ratio_to"]
@@ -108,4 +112,8 @@ def run(args: argparse.Namespace) -> int:
             if run_summary["reason"]:
                 line += f"   ({run_summary['reason']})"
             print(line)
+        decisions = [e for e in result.extra.get("recycle_plus_policy", [])
+                     if e["policy"] in ("repartition", "re-route", "layers back")]
+        for entry in decisions:
+            print(f"ReCycle+ at {entry['time_s']:.0f} s: {entry['policy']}: {entry['detail']}")
     return 0
