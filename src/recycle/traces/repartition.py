@@ -164,6 +164,7 @@ class ReCyclePlusSystem(ReCycleSystem):
         self.label = f"ReCycle+ ({label})" if label else "ReCycle+"
         self.expected = DurationEstimate(ctx.costs.repartition_prior_s)
         self.base_costs = ctx.costs
+        self._kept: tuple | None = None  # (key, partition) last kept with re-routing alone
 
     def _with_horizon(self) -> None:
         """Reshape decisions use the same expected duration as the partition decisions."""
@@ -211,8 +212,11 @@ class ReCyclePlusSystem(ReCycleSystem):
                  f"{r0:.2f} -> {r1:.2f} samples/s, pause {pause:.1f} s ({moved / 1e9:.1f} GB per worker at most), "
                  f"expected state {E:.0f} s, predicted gain {gain:+.0f} samples")
         if not back and gain <= 0:
-            self._log(now, "re-route", f"{words}: re-routing alone")
+            if self._kept != (key, current):  # logged once per state, not again on every re-check
+                self._log(now, "re-route", f"{words}: re-routing alone")
+                self._kept = (key, current)
             return decision
+        self._kept = None
         self._log(now, "layers back" if back else "repartition", words)
         self.current.partition = target
         return Decision(r1, pauses=decision.pauses + (("reconfiguration", pause),), wake_at=decision.wake_at,
