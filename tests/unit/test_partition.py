@@ -171,3 +171,39 @@ def test_repartition_timeline_hand_computed() -> None:
                           (7220.0, 0.4))
     assert run.lost_s["reconfiguration"] == pytest.approx(13 + 7)
     assert run.useful_samples / ff + sum(run.lost_s.values()) == pytest.approx(9000)
+
+
+_TOML = """
+[topology]
+num_replicas = 2
+num_stages = 2
+[workload]
+num_microbatches = 4
+[costs]
+forward = 2
+backward_input = 2
+backward_weight = 2
+[model]
+layers_per_stage = [2, 2]
+"""
+
+
+def test_plan_cli_prints_and_saves_the_partition(tmp_path, capsys) -> None:
+    from recycle.cli import main
+
+    config = tmp_path / "c.toml"
+    config.write_text(_TOML)
+    saved = tmp_path / "plan.json"
+    assert main(["plan", "--config", str(config), "--fail", "0:0", "--repartition", "--json", "--save",
+                 str(saved)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["partition"]["partition"] == [1, 3] and printed["partition"]["configured"] == [2, 2]
+    assert printed["period"] == pytest.approx(printed["partition"]["period"])
+    assert printed["period"] < printed["partition"]["configured_period"]
+    assert Plan.from_json(saved.read_text()).partition == (1, 3)
+    assert main(["plan", "--config", str(config), "--fail", "0:0", "--repartition"]) == 0
+    assert "layers per stage  1/3; configured 2/2" in capsys.readouterr().out
+    code = main(["plan", "--config", str(config), "--max-failures", "1", "--out", str(tmp_path / "s"),
+                 "--repartition"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error:") and "--repartition" in err and "Traceback" not in err

@@ -136,8 +136,10 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
         from recycle.traces.repartition import PartitionModel, partition_support
 
         why = partition_support(config)
+        if not why and not period_label.startswith(("planner", "closed-form")):
+            why = f"the period source {period_label!r} knows the configured layout only"
         if why:
-            skipped["recycle-plus"] = f"no layers to re-partition: {why}"
+            skipped["recycle-plus"] = f"cannot re-partition: {why}"
             systems = [s for s in systems if s != "recycle-plus"]
         else:
             partitions = PartitionModel(throughput, options, setup.solver,

@@ -31,6 +31,9 @@ def partition_support(config: Config) -> str:
     return ""
 
 
+_CHOICES: dict[tuple, PartitionChoice] = {}  # in-process cache of planner partition searches
+
+
 class PartitionModel:
     """ReCycle's rate for (failure key, layer partition), the partition chosen per key, and migration times.
 
@@ -65,6 +68,9 @@ class PartitionModel:
                 value = estimate_period(derived, tuple(key), self.base.period((0,) * self.config.num_stages))
             if self.base.floor_period is not None:
                 value = max(value, self.base.floor_period)
+            # Never faster than the fault-free reference: a failure state beating it would say the configured
+            # layout itself should change, a configuration choice rather than failure handling (docs/traces.md).
+            value = max(value, self.base.period((0,) * self.config.num_stages))
             self._period[cache_key] = value
         return self._period[cache_key]
 
@@ -80,7 +86,12 @@ class PartitionModel:
             return self.configured
         if key not in self._choice:
             if self.planner:
-                self._choice[key] = best_partition(self.config, key, self.options, self.solver, self.max_evaluations)
+                shared = (self.config.fingerprint(), self.configured, key, self.options, self.solver,
+                          self.max_evaluations)
+                if shared not in _CHOICES:  # the search does not depend on the reference: share it across runs
+                    _CHOICES[shared] = best_partition(self.config, key, self.options, self.solver,
+                                                      self.max_evaluations)
+                self._choice[key] = _CHOICES[shared]
             else:
                 from recycle.planner.partition import balanced_partition, ideal_period
 
