@@ -142,8 +142,7 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
             skipped["recycle-plus"] = f"cannot re-partition: {why}"
             systems = [s for s in systems if s != "recycle-plus"]
         else:
-            partitions = PartitionModel(throughput, options, setup.solver,
-                                        planner=not period_label.startswith("closed-form"))
+            partitions = PartitionModel(throughput, options, planner=not period_label.startswith("closed-form"))
 
     def recycle_plus():
         from recycle.traces.repartition import ReCyclePlusSystem

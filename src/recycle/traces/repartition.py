@@ -38,17 +38,19 @@ class PartitionModel:
     """ReCycle's rate for (failure key, layer partition), the partition chosen per key, and migration times.
 
     Periods come from the same source as ReCycle's line: the planner (`planner.partition.partition_period`, the
-    heuristic on the per-stage config of the partition, memory caps re-derived) or, with the closed-form period
+    heuristic's priority rules on the per-stage config of the partition, memory caps re-derived) or, with the closed-form period
     model, `estimate_period` on that config (the balanced partition is then taken without a planner screen).
     The configured partition's periods are the base model's own, so ReCycle and ReCycle+ agree exactly where
     ReCycle+ keeps the layers where they are."""
 
-    def __init__(self, base: ThroughputModel, options: PlannerOptions = PlannerOptions(), solver: str = "heuristic",
-                 planner: bool = True, max_evaluations: int = 24) -> None:
+    def __init__(self, base: ThroughputModel, options: PlannerOptions = PlannerOptions(), planner: bool = True, max_evaluations: int = 8) -> None:
         self.base = base
         self.config = base.config
-        self.options = options
-        self.solver = solver
+        # Re-partitioned layouts are planned with the heuristic's priority rules only (milliseconds per plan; the
+        # local search and CP-SAT polish would make a trace with dozens of failure states take many minutes).
+        # ReCycle's own periods (the configured layout) keep the full search, so this only ever understates what
+        # re-partitioning gains.
+        self.screen = replace(options, search=False)
         self.planner = planner
         self.max_evaluations = max_evaluations
         self.costs = layer_costs(self.config)
@@ -62,7 +64,7 @@ class PartitionModel:
         cache_key = (tuple(key), tuple(partition))
         if cache_key not in self._period:
             if self.planner:
-                value = partition_period(self.config, key, partition, self.options, self.solver, self.costs)
+                value = partition_period(self.config, key, partition, self.screen, "heuristic", self.costs)
             else:
                 derived = partition_config(self.config, partition, self.costs)
                 value = estimate_period(derived, tuple(key), self.base.period((0,) * self.config.num_stages))
@@ -80,25 +82,29 @@ class PartitionModel:
 
     def choice(self, key: tuple[int, ...]) -> tuple[int, ...]:
         """The partition for `key`: the configured one with nothing failed (the fault-free plan and reference),
-        else the planner's best (or, with the estimate, the balanced one)."""
+        else the planner's best (or, with the estimate, the balanced one) when it beats re-routing alone."""
         key = tuple(key)
         if not any(key):
             return self.configured
         if key not in self._choice:
             if self.planner:
-                shared = (self.config.fingerprint(), self.configured, key, self.options, self.solver,
-                          self.max_evaluations)
+                shared = (self.config.fingerprint(), self.configured, key, self.screen, self.max_evaluations)
                 if shared not in _CHOICES:  # the search does not depend on the reference: share it across runs
-                    _CHOICES[shared] = best_partition(self.config, key, self.options, self.solver,
+                    _CHOICES[shared] = best_partition(self.config, key, self.screen, "heuristic",
                                                       self.max_evaluations)
-                self._choice[key] = _CHOICES[shared]
+                found = _CHOICES[shared]
+                partition, ideal, balanced, evaluated = found.partition, found.ideal_period, found.balanced, \
+                    found.evaluated
             else:
                 from recycle.planner.partition import balanced_partition, ideal_period
 
-                p = balanced_partition(self.config, key, self.costs)
-                self._choice[key] = PartitionChoice(key, p, self.period(key, p), self.configured,
-                                                    self.period(key, self.configured), p,
-                                                    ideal_period(self.config, key), 1)
+                partition = balanced = balanced_partition(self.config, key, self.costs)
+                ideal, evaluated = ideal_period(self.config, key), 1
+            base = self.period(key, self.configured)
+            if self.period(key, partition) >= base:
+                partition = self.configured
+            self._choice[key] = PartitionChoice(key, partition, self.period(key, partition), self.configured, base,
+                                                balanced, ideal, evaluated)
         return self._choice[key].partition
 
     def choices(self) -> dict[tuple[int, ...], PartitionChoice]:
