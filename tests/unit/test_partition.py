@@ -207,3 +207,21 @@ def test_plan_cli_prints_and_saves_the_partition(tmp_path, capsys) -> None:
                  "--repartition"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error:") and "--repartition" in err and "Traceback" not in err
+
+
+def test_job_with_the_closed_form_estimate_runs_recycle_plus_and_skips_it_without_layers() -> None:
+    from recycle.traces.experiments import JobSetup, job_grid, run_job
+    from recycle.traces.generate import parse_generate_spec
+
+    config = load_config("configs/gpt3-6.7b-a100.toml")
+    trace = parse_generate_spec("paper-gcp:placement=spread", grid=job_grid(config), placement="random", seed=0)
+    result = run_job(config, trace, systems=["recycle", "recycle-plus"], setup=JobSetup(period_model="estimate"))
+    runs = result.runs
+    assert runs["recycle-plus"].goodput >= runs["recycle"].goodput
+    assert result.extra["partitions"] and any(p["partition"] != [8, 8, 8, 8] for p in result.extra["partitions"])
+    assert any(e["policy"] == "repartition" for e in result.extra["recycle_plus_policy"])
+    toy = load_config("configs/toy.toml")
+    skipped = run_job(toy, parse_generate_spec("poisson:nodes=12,hours=1,mtbf_h=2,repair_h=0.5,seed=1"),
+                      systems=["recycle", "recycle-plus"], setup=JobSetup(period_model="estimate", slot_seconds=0.01))
+    assert set(skipped.runs) == {"recycle"} and "no [model] layers_per_stage" in skipped.extra["skipped"][
+        "recycle-plus"]

@@ -8,7 +8,6 @@ from dataclasses import replace
 from typing import Iterable
 
 from recycle.config import Config
-from recycle.errors import ConfigError
 from recycle.planner.options import PlannerOptions
 from recycle.planner.partition import (PartitionChoice, best_partition, configured_partition, layer_costs,
                                        migration_bytes, partition_config, partition_period)
@@ -20,14 +19,16 @@ __all__ = ["PartitionModel", "DurationEstimate", "ReCyclePlusSystem", "partition
 
 
 def partition_support(config: Config) -> str:
-    """"" when the config's layers can be re-partitioned, else why not (ReCycle+ is then skipped)."""
-    try:
-        layers = configured_partition(config)
-    except ConfigError as exc:
-        return str(exc)
+    """"" when the config's layers can be re-partitioned, else why not (ReCycle+ is then skipped). The job
+    simulator needs `[model] layers_per_stage`: without it the per-stage costs say nothing about layers (and
+    guessing from the runtime's preset would import torch into every replay)."""
+    if not config.model.layers_per_stage:
+        return ("the config has no [model] layers_per_stage (the layers behind its per-stage costs, e.g. [8, 8, 8, 8] "
+                "in configs/gpt3-6.7b-a100.toml)")
+    layers = configured_partition(config)
     if sum(layers) <= config.num_stages:
-        return (f"{sum(layers)} layers on {config.num_stages} stages: every stage already holds one layer; set "
-                "[model] layers_per_stage to the layers behind the per-stage costs")
+        return (f"{sum(layers)} layers on {config.num_stages} stages: every stage already holds one layer, so no "
+                "layer can move")
     return ""
 
 
