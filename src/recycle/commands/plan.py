@@ -216,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
         # micro-batches); an explicit --memory-cap N / 1f1b is kept as given.
         explicit = args.memory_cap is not None and args.memory_cap.strip().lower() != "none"
         plan, choice = make_repartitioned_plan(config, failed, options if explicit else
-                                               replace(options, memory_cap=None), args.solver, args.routing)
+                                               replace(options, memory_cap=None), args.solver, args.routing,
+                                               time_limit_s=args.time_limit)
         timing = partition_config(config, plan.partition)  # the simulator times the plan on its own layers
     else:
         plan = make_plan(config, failed, options, args.solver, args.time_limit, args.routing)

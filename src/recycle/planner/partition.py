@@ -198,7 +198,7 @@ def ideal_period(config: Config, key: Sequence[int]) -> float:
 
 def partition_period(config: Config, key: Sequence[int], partition: Sequence[int],
                      options: PlannerOptions = PlannerOptions(), solver: str = "heuristic",
-                     costs: LayerCosts | None = None) -> float:
+                     costs: LayerCosts | None = None, time_limit_s: float = 10.0) -> float:
     """The simulated period of the planner's plan for `key` with the layers laid out as `partition` (cached by
     the planner per derived config); inf when the partition does not fit in memory."""
     costs = costs or layer_costs(config)
@@ -207,7 +207,7 @@ def partition_period(config: Config, key: Sequence[int], partition: Sequence[int
     except PlanError:
         return math.inf
     derived = partition_config(config, partition, costs)
-    plan = plan_for_key(derived, tuple(key), replace(options, memory_cap=caps), solver)
+    plan = plan_for_key(derived, tuple(key), replace(options, memory_cap=caps), solver, time_limit_s)
     assert plan.meta.predicted_period is not None
     return float(plan.meta.predicted_period)
 
@@ -247,7 +247,8 @@ def _neighbours(partition: tuple[int, ...]) -> Iterable[tuple[int, ...]]:
 
 
 def best_partition(config: Config, key: Sequence[int], options: PlannerOptions = PlannerOptions(),
-                   solver: str = "heuristic", max_evaluations: int = 24) -> PartitionChoice:
+                   solver: str = "heuristic", max_evaluations: int = 24,
+                   time_limit_s: float = 10.0) -> PartitionChoice:
     """The partition with the best simulated period for `key`: the configured one, the balanced one, then a hill
     climb over one-layer moves from the better of the two (the most promising by `stage_work` first), at most
     `max_evaluations` partitions screened.
@@ -284,8 +285,8 @@ def best_partition(config: Config, key: Sequence[int], options: PlannerOptions =
             if p not in periods and period(p) < periods[best]:
                 best, improved = p, True
                 break
-    base = partition_period(config, key, configured, options, solver, costs)
-    final = partition_period(config, key, best, options, solver, costs) if best != configured else base
+    base = partition_period(config, key, configured, options, solver, costs, time_limit_s)
+    final = partition_period(config, key, best, options, solver, costs, time_limit_s) if best != configured else base
     if final >= base:
         best, final = configured, base
     return PartitionChoice(key, best, final, configured, base, balanced, ideal_period(config, key), len(periods))
@@ -314,14 +315,15 @@ def migration_bytes(costs: LayerCosts, old: Sequence[int], new: Sequence[int],
 
 def make_repartitioned_plan(config: Config, failed: Iterable[tuple[int, int]] = (),
                             options: PlannerOptions = PlannerOptions(), solver: str = "heuristic",
-                            routing: str = "traffic", max_evaluations: int = 24) -> tuple[Plan, PartitionChoice]:
+                            routing: str = "traffic", max_evaluations: int = 24,
+                            time_limit_s: float = 10.0) -> tuple[Plan, PartitionChoice]:
     """`make_plan` with the layer partition chosen for the failure state: the plan (real ranks) records it."""
     state = normalize(failed, config.num_replicas, config.num_stages)
-    choice = best_partition(config, state.key, options, solver, max_evaluations)
+    choice = best_partition(config, state.key, options, solver, max_evaluations, time_limit_s)
     costs = layer_costs(config)
     caps = partition_caps(config, choice.partition, costs, options.memory_cap)
     derived = partition_config(config, choice.partition, costs)
-    plan = make_plan(derived, state.failed, replace(options, memory_cap=caps), solver, routing=routing)
+    plan = make_plan(derived, state.failed, replace(options, memory_cap=caps), solver, time_limit_s, routing)
     notes = (f"{plan.meta.notes}; layers per stage {list(choice.partition)} (configured {list(choice.configured)}, "
              f"period {choice.configured_period:g} with re-routing alone)")
     plan = replace(plan, partition=choice.partition).with_meta(config_fingerprint=config.fingerprint(), notes=notes)
