@@ -198,6 +198,11 @@ def plus_lines(log: list[dict[str, Any]], partitions: list[dict[str, Any]], resu
         "",
         markdown_table(["key", "layers per stage", "re-routing", "re-partitioned", "ideal", "speed-up"], rows),
         "",
+        "ReCycle+'s policies, besides ReCycle's: repartition = layers moved (its predicted gain over the expected "
+        "state duration repays the migration pause); re-route = kept re-routing alone (it did not); layers back = "
+        "every worker returned, configured layers restored; re-route (layers moved) = re-routing on a "
+        "re-partitioned layout.",
+        "",
     ]
     return lines + policy_lines(log, result.timeline.end_s, title="ReCycle+ policy over time")
 
