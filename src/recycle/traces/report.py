@@ -194,7 +194,8 @@ def plus_lines(log: list[dict[str, Any]], partitions: list[dict[str, Any]], resu
         "## ReCycle+ (layer re-partitioning)",
         "",
         "Per failure state planned: period (s) of re-routing alone on the configured layers, with the layers "
-        "re-partitioned, and the ideal live-proportional period (every live worker's busy time shared evenly).",
+        "re-partitioned, and the ideal live-proportional period (every live worker's busy time shared evenly; the "
+        "first two are capped at the 1F1B period under the paper's reference, the ideal is not).",
         "",
         markdown_table(["key", "layers per stage", "re-routing", "re-partitioned", "ideal", "speed-up"], rows),
         "",
