@@ -6,7 +6,7 @@ import hashlib
 import json
 import math
 import tomllib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +125,8 @@ class Communication:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The built-in GPT used by the runtime (ignored by planner and simulator)."""
+    """The built-in GPT used by the runtime. Planner and simulator read only the layer partition, and only to
+    re-partition layers (`recycle.planner.partition`)."""
 
     preset: str = "tiny"
     vocab_size: int = 256
@@ -133,6 +134,9 @@ class ModelSpec:
     n_head: int = 2
     n_embd: int = 32
     dropout: float = 0.0
+    # Layers per stage of the configured partition (its per-stage [costs] and [memory] follow it); empty = n_layer
+    # split as evenly as possible, earlier stages taking the extra layer (models.gpt.stage_layers).
+    layers_per_stage: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -249,7 +253,7 @@ _SCHEMA: dict[str, dict[str, str]] = {
         "inter_node_latency": "float", "inter_node_bandwidth": "float",
     },
     "model": {"preset": "str", "vocab_size": "int", "n_layer": "int", "n_head": "int", "n_embd": "int",
-              "dropout": "float"},
+              "dropout": "float", "layers_per_stage": "intlist"},
     "training": {"steps": "int", "lr": "float", "weight_decay": "float", "grad_clip": "float", "seed": "int",
                  "dtype": "str", "dataset": "str"},
 }
@@ -300,6 +304,10 @@ def _check_type(value: Any, kind: str, where: str) -> Any:
         if abs(value) > MAX_MAGNITUDE:
             raise ConfigError(f"{where} = {value!r} is too large (|value| <= {MAX_MAGNITUDE:g}); check the unit")
         return float(value)
+    if kind == "intlist":
+        if not isinstance(value, list) or not all(is_int(v) for v in value):
+            raise ConfigError(f"{where} = {value!r} must be a list of whole numbers, one per stage, e.g. [8, 8, 8, 8]")
+        return tuple(value)
     if kind == "str":
         if not isinstance(value, str):
             raise ConfigError(f"{where} = {value!r} must be a string in quotes")
@@ -442,6 +450,16 @@ def parse_config(raw: dict[str, Any], name: str = "config", source: str = "") ->
             raise ConfigError(f"{_where(source, 'communication', key)} = {getattr(comm, key)} must be >= 0")
 
     model = ModelSpec(**checked["model"])
+    if model.layers_per_stage:
+        per_stage = model.layers_per_stage
+        where = _where(source, "model", "layers_per_stage")
+        if len(per_stage) != S or any(n < 1 for n in per_stage):
+            raise ConfigError(f"{where} = {list(per_stage)} must give one count >= 1 per stage ({S} stages): every "
+                              "stage holds at least one layer")
+        if "n_layer" in checked["model"] and checked["model"]["n_layer"] != sum(per_stage):
+            raise ConfigError(f"{where} = {list(per_stage)} sums to {sum(per_stage)} layers but [model] n_layer = "
+                              f"{checked['model']['n_layer']}; make them agree or drop n_layer (it defaults to the sum)")
+        model = replace(model, n_layer=sum(per_stage))
     if model.n_embd % model.n_head != 0:
         raise ConfigError(f"{_where(source, 'model', 'n_embd')} = {model.n_embd} must be divisible by n_head = "
                           f"{model.n_head}")

@@ -217,8 +217,12 @@ def trace_section(ctx: DemoContext) -> None:
         return
     out = ctx.out_dir / "trace"
     # Same code path and defaults as `recycle simulate` (failures spread over stages; see docs/traces.md).
+    # ReCycle+ (layer re-partitioning) is left out to keep the demo at ~20 s: benchmarks/bench_repartition.py.
+    from recycle.traces.experiments import SYSTEM_NAMES
+
+    systems = [s for s in SYSTEM_NAMES if s != "recycle-plus"]
     args = build_parser().parse_args(["simulate", "--config", cfg.source, "--generate", "paper-gcp",
-                                      "--placement", "spread", "--out", str(out)])
+                                      "--placement", "spread", "--out", str(out), "--systems", *systems])
     args.func(args)
     ctx.written += [out / "report.md", out / "throughput.png", out / "summary.json"]
 

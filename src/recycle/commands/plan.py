@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                         help="also plan the fault-free references (fault-free 1F1B and the planner's own fault-free "
                              f"plan) for the slowdown figures; auto (default): only up to {COMPARE_AUTO_LIMIT:,} "
                              "actions per iteration")
+    parser.add_argument("--repartition", action="store_true",
+                        help="also choose how many layers each stage holds for this failure state (balanced work "
+                             "per live worker within the memory caps; needs [model] layers_per_stage or n_layer) and "
+                             "print the partition beside re-routing alone and the ideal live-proportional period")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     parser.add_argument("--gantt", metavar="PNG", help="write a Gantt chart of the simulated iterations")
     parser.add_argument("--save", metavar="JSON", help="write the plan (real ranks) as JSON for the runtime")
@@ -165,6 +170,12 @@ def _summary_text(d: dict[str, Any]) -> str:
                     f"live workers); {d['cross_pipeline_messages']} cross-pipeline messages per iteration"
                     + (f", {d['cross_node_messages']} cross-node" if d["cross_node_messages"] is not None else "")),
     ]
+    part = d.get("partition")
+    if part is not None:
+        moved = "" if part["partition"] != part["configured"] else " (kept: no partition is faster)"
+        rows.append(("layers per stage", f"{'/'.join(map(str, part['partition']))}{moved}; configured "
+                     f"{'/'.join(map(str, part['configured']))} re-routing alone {t(part['configured_period'])}, "
+                     f"ideal live-proportional {t(part['ideal_period'])}; {part['evaluated']} partitions screened"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
@@ -187,17 +198,36 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     options = _options(args, config)
     if args.max_failures is not None:
+        if args.repartition:
+            raise PlanError("--repartition plans one failure state (--fail ...); a plan store keeps the configured "
+                            "partition for every key: drop --repartition or --max-failures")
         return _build_store(args, config, options)
     if args.out:
         raise PlanError("--out is for building a plan store and needs --max-failures F; to save one plan use "
                         "--save FILE")
     failed = [parse_worker(text, config.num_replicas, config.num_stages) for text in args.fail]
     normalize(failed, config.num_replicas, config.num_stages)  # a stage without survivors fails here, clearly
-    plan = make_plan(config, failed, options, args.solver, args.time_limit, args.routing)
+    choice = None
+    timing = config
+    if args.repartition:
+        from recycle.planner.partition import make_repartitioned_plan, partition_config
+
+        # The config's memory budget is re-derived for each partition (a stage that gains layers holds fewer
+        # micro-batches); an explicit --memory-cap N / 1f1b is kept as given.
+        explicit = args.memory_cap is not None and args.memory_cap.strip().lower() != "none"
+        plan, choice = make_repartitioned_plan(config, failed, options if explicit else
+                                               replace(options, memory_cap=None), args.solver, args.routing,
+                                               time_limit_s=args.time_limit)
+        timing = partition_config(config, plan.partition)  # the simulator times the plan on its own layers
+    else:
+        plan = make_plan(config, failed, options, args.solver, args.time_limit, args.routing)
     options = resolve_options(config, options)
-    result = simulate(plan, config, record=bool(args.gantt))
+    result = simulate(plan, timing, record=bool(args.gantt))
     compare = args.compare == "yes" or (args.compare == "auto" and plan.num_actions <= COMPARE_AUTO_LIMIT)
     summary = plan_summary(plan, config, result, options, compare)
+    if choice is not None:
+        summary["memory_cap"] = list(plan.meta.memory_cap) or None
+    summary["partition"] = choice.to_dict() if choice is not None else None
     written: dict[str, str] = {}
     if args.save:
         from recycle.fileio import atomic_write_text

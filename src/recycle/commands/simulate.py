@@ -22,7 +22,7 @@ __all__ = ["register", "run"]
 # JobCosts knobs a user can set from the command line (--detect-s ...).
 COST_FLAGS = ("detect_s", "plan_switch_s", "redo_fraction", "restart_s", "checkpoint_interval_s", "checkpoint_cost_s",
               "fallback_checkpoint_interval_s", "fallback_checkpoint_cost_s", "oobleck_reconfig_s",
-              "bamboo_reconfig_s", "bamboo_rc_overhead", "reshape_horizon_s")
+              "bamboo_reconfig_s", "bamboo_rc_overhead", "reshape_horizon_s", "repartition_prior_s")
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -91,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     setup = JobSetup(gpus_per_node=args.gpus_per_node, replicas=args.replicas, slot_seconds=args.slot_seconds,
                      period_model=args.period_model, reference=args.reference)
     result = run_job(config, trace, systems=args.systems, costs=costs, setup=setup, progress=stderr_progress)
+    for name, why in result.extra.get("skipped", {}).items():
+        print(f"note: {name} skipped: {why}", file=sys.stderr)
     summary = write_report(result, args.out, title=f"{config.name} over {trace.source}")
     print(f"wrote {args.out}/report.md, throughput.png, summary.json", file=sys.stderr)
     goodput_ratio, mean_ratio = summary["recycle_goodput_ratio_to"], summary["recycle_mean_ratio_to"]
@@ -110,4 +112,8 @@ def run(args: argparse.Namespace) -> int:
             if run_summary["reason"]:
                 line += f"   ({run_summary['reason']})"
             print(line)
+        decisions = [e for e in result.extra.get("recycle_plus_policy", [])
+                     if e["policy"] in ("repartition", "re-route", "layers back")]
+        for entry in decisions:
+            print(f"ReCycle+ at {entry['time_s']:.0f} s: {entry['policy']}: {entry['detail']}")
     return 0
