@@ -4,17 +4,23 @@ or an adaptive plan for workers marked down."""
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
+from typing import Mapping
 
 from recycle.config import Config, load_config
 from recycle.errors import ConfigError, PlanError, RecycleError
 from recycle.ir import Plan, read_plan
 from recycle.runtime.chaos import parse_chaos
+from recycle.runtime.cluster_env import NodeRole, resolve_role
 from recycle.runtime.faults import parse_fault, parse_rejoin
 
 # The launcher and the emulation pull in torch: they are imported in run(), so `recycle train --help` starts fast.
 
-__all__ = ["register", "run", "select_plan", "DEFAULT_CHECKPOINT_EVERY"]
+__all__ = ["register", "run", "select_plan", "node_role", "DEFAULT_CHECKPOINT_EVERY"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CHECKPOINT_EVERY = 10  # steps; a restore loses at most this many
 
@@ -68,12 +74,21 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--token-file", default="", metavar="FILE",
                    help="multi-node: the job secret (mode 600, the same file on every node); or set "
                         "RECYCLE_JOB_TOKEN")
-    p.add_argument("--nnodes", type=int, default=1,
-                   help="number of launcher nodes (node 0 hosts the store; --save and checkpoints need a shared "
-                        "filesystem)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's index; node 0 hosts the store")
-    p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
-    p.add_argument("--master-port", type=int, default=0, help="store port on node 0 (0: any free port, 1 node)")
+    cluster = p.add_argument_group(
+        "multi-node (one `recycle train` per node)",
+        "Without these flags each is read from the environment: torchrun's env:// names (MASTER_ADDR, MASTER_PORT, "
+        "NNODES, NODE_RANK; WORLD_SIZE and RANK when they count nodes), a Kubeflow PyTorchJob's (PET_NNODES, "
+        "PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT) or SLURM's (SLURM_NNODES, SLURM_NODEID, the first host of "
+        "SLURM_JOB_NODELIST, a port derived from SLURM_JOB_ID); a flag wins over the environment (docs/cluster.md)")
+    cluster.add_argument("--nnodes", type=int, default=None,
+                         help="number of launcher nodes (default 1; node 0 hosts the store; --save and checkpoints "
+                              "need a shared filesystem)")
+    cluster.add_argument("--node-rank", type=int, default=None, help="this node's index (default 0); node 0 hosts "
+                         "the store")
+    cluster.add_argument("--master-addr", default=None, help="address of node 0; its store listens there only "
+                         "(default 127.0.0.1)")
+    cluster.add_argument("--master-port", type=int, default=None,
+                         help="store port on node 0 (default 0: any free port, 1 node only)")
     p.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn",
                    help="how workers start: spawn (fresh interpreter each) or forkserver (torch imported once per "
                         "launcher process; faster for repeated launches)")
@@ -140,11 +155,22 @@ def plan_provider(config: Config, args: argparse.Namespace):  # -> runtime.launc
     return library.provider(PlanChoice)
 
 
+def node_role(args: argparse.Namespace, env: Mapping[str, str]) -> NodeRole:
+    """This node's part in the job: the flags given, the rest from the cluster's environment variables."""
+    role = resolve_role(env, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                        master_port=args.master_port)
+    if role.nnodes > 1 or any(source != "default" for _, source in role.sources):
+        log.info("node %d of %d, store at %s:%d (%s)", role.node_rank, role.nnodes, role.master_addr,
+                 role.master_port, role.describe())
+    return role
+
+
 def run(args: argparse.Namespace) -> int:
     from recycle.runtime.control import read_token
     from recycle.runtime.emulate import DEFAULT_SLOT_MS, Emulation
     from recycle.runtime.launcher import LaunchOptions, launch
 
+    role = node_role(args, os.environ)
     config = load_config(args.config)
     plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
                        staggered=not args.no_stagger)
@@ -166,8 +192,8 @@ def run(args: argparse.Namespace) -> int:
               f"{plan.meta.schedule or 'adaptive'} ({'staggered' if plan.staggered else 'coupled'} optimizer)")
     options = LaunchOptions(steps=args.steps, checkpoint_dir=args.checkpoint_dir,
                             checkpoint_every=checkpoint_every, resume_dir=args.resume, save_path=args.save or "",
-                            metrics_path=args.metrics or "", timeout_s=args.timeout, master_addr=args.master_addr,
-                            master_port=args.master_port, nnodes=args.nnodes, node_rank=args.node_rank,
+                            metrics_path=args.metrics or "", timeout_s=args.timeout, master_addr=role.master_addr,
+                            master_port=role.master_port, nnodes=role.nnodes, node_rank=role.node_rank,
                             model_factory=args.model_factory, start_method=args.start_method,
                             heartbeat_timeout_s=args.heartbeat_timeout, faults=tuple(faults), rejoins=tuple(rejoins),
                             respawn_after_s=args.respawn_after,
@@ -176,8 +202,8 @@ def run(args: argparse.Namespace) -> int:
                             emulation=Emulation(DEFAULT_SLOT_MS if args.slot_ms is None else args.slot_ms,
                                                 args.cost_scale) if args.emulate_costs else None)
     result = launch(config, plan, options)
-    if args.node_rank > 0:
-        print(f"node {args.node_rank}: the run has finished (node 0 reports the steps and writes the outputs)")
+    if role.node_rank > 0:
+        print(f"node {role.node_rank}: the run has finished (node 0 reports the steps and writes the outputs)")
         return 0
     if result.steps:
         last = result.steps[-1]

@@ -4,8 +4,8 @@ plan for the new failure state and announces the next generation; it also gather
 
 from __future__ import annotations
 
-import functools
 import json
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -33,6 +33,8 @@ from recycle.runtime.messages import check_plan_matches
 from recycle.runtime.stage import check_model
 from recycle.runtime.transport import default_backend
 from recycle.runtime.worker import EXIT_FENCED, WorkerSpec, worker_main
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["LaunchOptions", "StepMetrics", "Recovery", "TrainResult", "PlanChoice", "PlanProvider", "launch",
            "node_ranks"]
@@ -81,7 +83,7 @@ class LaunchOptions:
     # "spawn": a fresh interpreter per worker. "forkserver": workers fork from one clean server process that has
     # imported torch once (per launcher process), so repeated launches (tests, benchmarks) skip ~2 s of imports each.
     start_method: str = "spawn"
-    progress: Callable[[str], None] | None = functools.partial(print, flush=True)  # None: silent
+    progress: Callable[[str], None] | None = _log.info  # one line per step, recovery and event; None: silent
 
 
 @dataclass(frozen=True)
