@@ -41,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--no-decouple", action="store_true", help="fused backward (no B/W split)")
     p.add_argument("--save", help="write the final parameters (one state dict of the whole model) here")
     p.add_argument("--metrics", help="write per-step metrics here as JSON lines")
+    p.add_argument("--tensorboard", default="", metavar="DIR",
+                   help="write TensorBoard event files here (node 0): loss, tokens/s, period, grad norm, live "
+                        "workers, recoveries; needs the optional extra: pip install 'recycle[tensorboard]'")
     p.add_argument("--checkpoint-dir", default="", help="write checkpoints here")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
                    help=f"checkpoint every K steps (default with --checkpoint-dir: {DEFAULT_CHECKPOINT_EVERY}); "
@@ -171,6 +174,11 @@ def run(args: argparse.Namespace) -> int:
     from recycle.runtime.launcher import LaunchOptions, launch
 
     role = node_role(args, os.environ)
+    tensorboard = args.tensorboard if role.node_rank == 0 else ""  # node 0 gathers the metrics
+    if tensorboard:
+        from recycle.runtime.tensorboard_sink import summary_writer
+
+        summary_writer(tensorboard)  # a missing extra fails now, not after the plan store is built
     config = load_config(args.config)
     plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
                        staggered=not args.no_stagger)
@@ -201,7 +209,19 @@ def run(args: argparse.Namespace) -> int:
                             token=read_token(args.token_file), plan_provider=plan_provider(config, args),
                             emulation=Emulation(DEFAULT_SLOT_MS if args.slot_ms is None else args.slot_ms,
                                                 args.cost_scale) if args.emulate_costs else None)
-    result = launch(config, plan, options)
+    sink = None
+    if tensorboard:
+        from dataclasses import replace
+
+        from recycle.runtime.tensorboard_sink import TensorBoardSink
+
+        sink = TensorBoardSink(tensorboard)
+        options = replace(options, on_event=sink)
+    try:
+        result = launch(config, plan, options)
+    finally:
+        if sink is not None:
+            sink.close()
     if role.node_rank > 0:
         print(f"node {role.node_rank}: the run has finished (node 0 reports the steps and writes the outputs)")
         return 0

@@ -1,4 +1,4 @@
-"""A launcher node's role (nnodes, node rank, master address and port) from flags, else from the cluster's environment."""
+"""A launcher node's role (nnodes, node rank, master address, port) from flags, else from the cluster's environment."""
 
 from __future__ import annotations
 
