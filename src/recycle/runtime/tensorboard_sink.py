@@ -49,7 +49,9 @@ class TensorBoardSink:
         w.add_scalar("train/step_time_s", m.step_time_s, step)
         if m.grad_norm is not None:
             w.add_scalar("train/grad_norm", m.grad_norm, step)
-        w.add_scalar("workers/live", len(m.worker_time_s), step)  # the workers that ran this step
+        # The workers live when the step was reported (whose records made it): a worker that died right after the
+        # step may already be missing.
+        w.add_scalar("workers/live", len(m.worker_time_s), step)
         w.add_scalar("workers/generation", m.generation, step)
 
     def _recovery(self, r: Recovery) -> None:
