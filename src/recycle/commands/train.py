@@ -162,7 +162,7 @@ def node_role(args: argparse.Namespace, env: Mapping[str, str]) -> NodeRole:
     """This node's part in the job: the flags given, the rest from the cluster's environment variables."""
     role = resolve_role(env, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                         master_port=args.master_port)
-    if role.nnodes > 1 or any(source != "default" for _, source in role.sources):
+    if any(source != "default" and not source.startswith("--") for _, source in role.sources):
         log.info("node %d of %d, store at %s:%d (%s)", role.node_rank, role.nnodes, role.master_addr,
                  role.master_port, role.describe())
     return role
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
         down = " ".join(f"{p}:{s}" for p, s in result.failed)
         print(f"survived {failures} failure(s) without a restart ({joins} worker(s) re-joined); "
               + (f"workers down at the end: {down}" if down else "every worker is up at the end"))
-    else:
+    if not result.steps:
         print(f"nothing to do: already at step {result.end_step}")
     if args.save:
         print(f"saved final parameters to {args.save}")
