@@ -11,7 +11,7 @@ from typing import Callable, Iterator, TextIO
 __all__ = ["progress_lines", "interactive"]
 
 _COUNTED = re.compile(r"^\[(\d+)/(\d+)\]\s*")  # "[3/35] key=..." lines: the bar takes its position and total from them
-_POSTFIX = 60  # characters of the latest line shown next to the bar
+_POSTFIX = 40  # characters of the latest line shown next to the bar
 
 
 def interactive(stream: TextIO) -> bool:

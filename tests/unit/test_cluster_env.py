@@ -106,3 +106,22 @@ def test_hostlists() -> None:
     for bad in ("", "n[1-2", "n1-2]", "n[a-b]", "n[3-1]", "a,,b", "n[1-[2]]"):
         with pytest.raises(ConfigError, match="is not a SLURM host list"):
             list(expand_hostlist(bad))
+
+
+@pytest.mark.timeout(60)
+def test_cli_reports_a_bad_variable_in_one_line(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from pathlib import Path
+
+    from recycle.cli import main
+
+    for name in ("SLURM_NNODES", "SLURM_NODEID", "PET_NNODES", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NNODES", "two")
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny-gpt.toml"
+    assert main(["train", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: NNODES='two'") and err.count("\n") == 1 and "Traceback" not in err
+    monkeypatch.setenv("NNODES", "2")
+    monkeypatch.setenv("SLURM_NNODES", "3")
+    assert main(["train", "--config", str(config)]) == 2
+    assert "two values for --nnodes" in capsys.readouterr().err
