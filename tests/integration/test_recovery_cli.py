@@ -157,3 +157,27 @@ def test_a_repaired_node_started_again_rejoins_the_running_job(tmp_path: Path, t
     assert "1:0, 1:1 re-joined" in output and "every worker is up at the end" in output
     assert "step 40/40" in output
     assert_reference(config_file, save)
+
+
+def test_a_lost_stage_is_reshaped_onto_the_live_workers_of_two_nodes(tmp_path: Path, tiny_config_file) -> None:
+    """Both replicas of stage 0 die (0:0 on node 0, then 1:0 on node 1, after a checkpoint). No machine is repaired:
+    worker 1:1 (node 1) is stopped and slot 1:0 started in its place on node 1; everyone restores the checkpoint and
+    the run ends on two workers, one per stage, with the fault-free parameters."""
+    config_file = tiny_config_file(steps=10)
+    save = tmp_path / "final.pt"
+    common, env = two_node_command(config_file, save)
+    common += ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2",
+               "--inject", "kill:0:0@3", "--inject", "kill:1:0@5"]
+    node0 = start_node(common, env, 0, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node1 = start_node(common, env, 1, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        out, err = node0.communicate(timeout=150)
+        assert node1.wait(timeout=30) == 0
+    finally:
+        for process in (node0, node1):
+            if process.poll() is None:
+                process.kill()
+    assert node0.returncode == 0, err
+    assert "worker 1:1 moved to stage 0 as 1:0 (reshape)" in out and "restored checkpoint step" in out, out
+    assert "step 10/10" in out and "workers down at the end: 0:0 1:1" in out, out
+    assert_reference(config_file, save)

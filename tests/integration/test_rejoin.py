@@ -102,14 +102,22 @@ def test_respawn_after_brings_a_dead_worker_back(tmp_path) -> None:
     assert result.failed == () and joins(result) == ["0:1"]
 
 
-def test_lost_stage_is_restored_from_the_latest_checkpoint(tmp_path) -> None:
-    """Both replicas of stage 1 die (the second after a checkpoint of step 4): a replacement is respawned, every
-    worker loads that checkpoint and the run redoes the lost steps to the same parameters."""
+@pytest.mark.parametrize("policy", ["reshape", "respawn"])
+def test_lost_stage_is_restored_from_the_latest_checkpoint(tmp_path, policy: str) -> None:
+    """Both replicas of stage 1 die (the second after a checkpoint of step 4). reshape: worker 1:0 (stage 0 has a
+    replica to spare) moves into slot 1:1; respawn: a replacement process for 0:1 starts. Either way every worker
+    loads that checkpoint and the run redoes the lost steps to the same parameters."""
     result = run(2, 2, tmp_path, faults=[((1, 1), FaultInjection(2, 3)), ((0, 1), FaultInjection(5, 2))],
-                 checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2)
+                 checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, stage_loss=policy)
     assert_exact(result, tmp_path, 2, 2)
     restore = next(r for r in result.recoveries if r.restored_step is not None)
     assert restore.restored_step == 4 and restore.steps_lost == 1 and restore.step == 5
+    if policy == "reshape":
+        assert restore.moved == ("1:0 -> 1:1",) and restore.joined == ("1:1",)
+        assert "worker 1:0 moved to stage 1 as 1:1 (reshape)" in restore.line()
+        assert result.failed == ((0, 1), (1, 0))  # two live workers, one per stage: the job runs on
+    else:
+        assert restore.moved == () and result.failed == ()  # both dead slots respawned
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"step{STEPS:06d}"
     assert not list((tmp_path / "ckpt").rglob("*.tmp"))
 

@@ -169,6 +169,17 @@ def test_placement_on_an_event_trace_is_refused(tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--redo-fraction", "1.5", "must be in [0, 1]"),
+    ("--detect-s", "nan", "must be a finite number >= 0 (--detect-s)"),
+    ("--fallback-checkpoint-interval-s", "0", "checkpoint intervals must be > 0"),
+])
+def test_job_cost_flags_are_checked(tmp_path: Path, capsys, flag: str, value: str, needle: str) -> None:
+    fails_cleanly(capsys, ["simulate", "--config", TOY, "--generate", "paper-gcp", flag, value, "--out",
+                           str(tmp_path / "out")], value, needle)
+    assert not (tmp_path / "out").exists()
+
+
 def test_output_piped_to_a_reader_that_quits_is_not_a_traceback(capsys, monkeypatch) -> None:
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone before the first line is printed (like `| head -0`)

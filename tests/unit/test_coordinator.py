@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from recycle.runtime.control import StoppedReport
-from recycle.runtime.coordinator import (AbortGeneration, Announce, Coordinator, Drain, FailRun, Fence, Respawn,
-                                         describe_exit, stale_heartbeats)
+from recycle.runtime.coordinator import (AbortGeneration, Announce, Coordinator, Drain, FailRun, Fence, Move,
+                                         Respawn, describe_exit, stale_heartbeats)
 
 D, S = 3, 2  # ranks: replica * S + stage -> (0,0)=0 (0,1)=1 (1,0)=2 (1,1)=3 (2,0)=4 (2,1)=5
 ALL = frozenset(range(D * S))
@@ -206,7 +206,7 @@ def test_a_joiner_that_dies_before_admission_is_forgotten() -> None:
 
 def test_a_lost_stage_restores_the_latest_checkpoint_with_replacements() -> None:
     c = Coordinator(D, S, ALL - {1, 3}, frozenset({(0, 1), (1, 1)}), end_step=20, report_timeout_s=10.0,
-                    checkpointing=True)
+                    checkpointing=True, reshape=False)
     c.on_checkpoint(8)
     c.on_checkpoint(4)  # an older one reported late does not move it back
     commands = c.on_death(5, "worker 2:1 died", 3.0)
@@ -233,7 +233,7 @@ def test_a_lost_stage_without_a_checkpoint_fails_with_a_clear_message(checkpoint
 
 def test_a_restore_without_any_replacement_gives_up_after_the_report_timeout() -> None:
     c = Coordinator(D, S, ALL - {1, 3}, frozenset({(0, 1), (1, 1)}), end_step=20, report_timeout_s=10.0,
-                    checkpointing=True)
+                    checkpointing=True, reshape=False)
     c.on_checkpoint(4)
     c.on_death(5, "died", 0.0)
     for rank in (0, 2, 4):
@@ -241,6 +241,58 @@ def test_a_restore_without_any_replacement_gives_up_after_the_report_timeout() -
     assert c.on_tick(5.0) == []
     (fail,) = c.on_tick(10.5)
     assert isinstance(fail, FailRun) and "no replacement worker came up" in fail.message
+
+
+def test_a_lost_stage_is_refilled_by_moving_a_worker_of_the_stage_with_the_most_replicas() -> None:
+    """Reshape: stage 1 loses its last replica while stage 0 has three; worker 2:0 (the last replica of stage 0) is
+    stopped and its pipeline's stage-1 slot (2:1, rank 5) started in its place: no spare machine needed."""
+    c = Coordinator(D, S, ALL - {1, 3}, frozenset({(0, 1), (1, 1)}), end_step=20, report_timeout_s=10.0,
+                    checkpointing=True)
+    c.on_checkpoint(8)
+    commands = c.on_death(5, "worker 2:1 died", 3.0)
+    assert kinds(commands) == [Move, AbortGeneration]
+    move = commands[0]
+    assert (move.donor, move.rank) == (4, 5) and "checkpoint step 8" in move.reason and "moves to stage 1" in move.reason
+    assert c.state.live == {0, 2} and (2, 0) in c.state.failed
+    for rank in (0, 2):
+        assert c.on_stopped(report(rank, applied=10), 3.1) == []
+    assert c.on_stopped(report(4, applied=10), 3.1) == []  # the donor's report is not waited for, nor counted
+    assert c.on_death(4, "fenced for the move", 3.2) == []  # ... and its exit is no new failure
+    (announce,) = c.on_join_ready(5, 4.0)
+    facts = announce.facts
+    assert facts.restore_step == 8 and facts.moved == ((4, 5),) and facts.deaths[0].rank == 5
+    assert announce.live == {0, 2, 5} and facts.failed == {(0, 1), (1, 1), (2, 0)}
+
+
+def test_a_lost_stage_with_a_replacement_already_waiting_needs_no_move() -> None:
+    c = Coordinator(D, S, ALL - {1, 3}, frozenset({(0, 1), (1, 1)}), end_step=20, report_timeout_s=10.0,
+                    checkpointing=True)
+    c.on_checkpoint(8)
+    c.on_join_ready(1, 2.0)  # 0:1 is repaired and waits for an iteration boundary
+    commands = c.on_death(5, "worker 2:1 died", 3.0)
+    assert not [cmd for cmd in commands if isinstance(cmd, (Move, Respawn))]
+    for rank in (0, 2):
+        assert c.on_stopped(report(rank, applied=10), 3.1) == []
+    (announce,) = c.on_stopped(report(4, applied=10), 3.1)
+    assert announce.facts.restore_step == 8 and announce.facts.joining == {1} and announce.facts.moved == ()
+
+
+def test_reshape_falls_back_to_respawn_when_no_stage_has_a_replica_to_spare() -> None:
+    # Stage 0 keeps only worker 0:0: moving it would lose stage 0 too.
+    c = Coordinator(D, S, frozenset({0, 5}), frozenset({(1, 0), (2, 0), (0, 1), (1, 1)}), end_step=20,
+                    report_timeout_s=10.0, checkpointing=True)
+    c.on_checkpoint(4)
+    commands = c.on_death(5, "worker 2:1 died", 1.0)
+    assert kinds(commands) == [Respawn, AbortGeneration] and commands[0].ranks == {1, 3, 5}
+
+
+def test_the_donor_comes_from_the_fullest_stage() -> None:
+    # D=4, S=3. Stage 0 keeps only 0:0; stage 1 has 4 live replicas (ranks 1, 4, 7, 10), stage 2 has 3.
+    c = Coordinator(4, 3, frozenset(range(12)) - {3, 6, 9, 2}, frozenset({(1, 0), (2, 0), (3, 0), (0, 2)}),
+                    end_step=20, report_timeout_s=10.0, checkpointing=True)
+    c.on_checkpoint(2)
+    move = c.on_death(0, "worker 0:0 died", 1.0)[0]
+    assert isinstance(move, Move) and (move.donor, move.rank) == (10, 9)  # 3:1 moves into 3:0
 
 
 def test_joiners_are_not_admitted_when_no_step_is_left() -> None:

@@ -18,6 +18,12 @@ from recycle.traces.report import write_report
 __all__ = ["register", "run"]
 
 
+# JobCosts knobs a user can set from the command line (--detect-s ...).
+COST_FLAGS = ("detect_s", "plan_switch_s", "redo_fraction", "restart_s", "checkpoint_interval_s", "checkpoint_cost_s",
+              "fallback_checkpoint_interval_s", "fallback_checkpoint_cost_s", "oobleck_reconfig_s",
+              "bamboo_reconfig_s", "bamboo_rc_overhead", "reshape_horizon_s")
+
+
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "simulate", help="replay a failure trace over a job: ReCycle vs baseline models",
@@ -52,8 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         f"key): {PLACEMENT_HELP}. Default random (reproducible with --seed); spread and worst act on "
                         "the job's grid (config stages and replicas, --gpus-per-node, --replicas)")
     costs = JobCosts()
-    for name in ("detect_s", "plan_switch_s", "restart_s", "checkpoint_interval_s", "checkpoint_cost_s",
-                 "oobleck_reconfig_s", "bamboo_reconfig_s", "bamboo_rc_overhead", "reshape_horizon_s"):
+    for name in COST_FLAGS:
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(costs, name),
                        help=f"(default {getattr(costs, name)})")
     p.add_argument("--no-reshape", action="store_true",
@@ -65,6 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
+    costs = JobCosts(**{name: getattr(args, name) for name in COST_FLAGS}, reshape=not args.no_reshape)
     if args.gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node {args.gpus_per_node} must be >= 1")
     grid = job_grid(config, args.gpus_per_node, args.replicas)
@@ -81,10 +87,6 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     for message in trace.notes.messages():
         print(f"warning: {trace.source}: {message}", file=sys.stderr)
-    costs = JobCosts(**{name: getattr(args, name) for name in (
-        "detect_s", "plan_switch_s", "restart_s", "checkpoint_interval_s", "checkpoint_cost_s",
-        "oobleck_reconfig_s", "bamboo_reconfig_s", "bamboo_rc_overhead", "reshape_horizon_s")},
-                     reshape=not args.no_reshape)
     setup = JobSetup(gpus_per_node=args.gpus_per_node, replicas=args.replicas, slot_seconds=args.slot_seconds,
                      period_model=args.period_model, reference=args.reference)
     from recycle.progress import progress_lines

@@ -66,6 +66,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                "step 3; hang: freezes it (SIGSTOP); raise: raises; ACTION may also be 'ckpt' (during "
                                "its checkpoint write) or 'recovery' (while a recovery is under way); rejoin:1:1@8 "
                                "starts worker 1:1 again at step 8 (it takes its state from a live replica)")
+    recovery.add_argument("--on-stage-loss", choices=("reshape", "respawn"), default="reshape",
+                          help="when a stage loses every replica (the run restores the latest checkpoint): reshape = "
+                               "move a live worker of the stage with the most replicas into it (no spare machine "
+                               "needed; default), respawn = wait for a replacement worker for the dead slot (a "
+                               "repaired machine). reshape falls back to respawn when no stage has a replica to "
+                               "spare")
     recovery.add_argument("--respawn-after", type=float, default=None, metavar="SECONDS",
                           help="start every worker that died again after SECONDS (a stand-in for a repair on one "
                                "machine); it re-joins at an iteration boundary")
@@ -204,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
                             master_port=role.master_port, nnodes=role.nnodes, node_rank=role.node_rank,
                             model_factory=args.model_factory, start_method=args.start_method,
                             heartbeat_timeout_s=args.heartbeat_timeout, faults=tuple(faults), rejoins=tuple(rejoins),
-                            respawn_after_s=args.respawn_after,
+                            respawn_after_s=args.respawn_after, stage_loss=args.on_stage_loss,
                             chaos=parse_chaos(args.chaos) if args.chaos else None,
                             token=read_token(args.token_file), plan_provider=plan_provider(config, args),
                             emulation=Emulation(DEFAULT_SLOT_MS if args.slot_ms is None else args.slot_ms,

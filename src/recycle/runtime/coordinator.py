@@ -10,7 +10,7 @@ from typing import Union
 
 from recycle.runtime.control import StoppedReport
 
-__all__ = ["Death", "Fence", "AbortGeneration", "Drain", "Respawn", "Announce", "FailRun", "Command",
+__all__ = ["Death", "Fence", "AbortGeneration", "Drain", "Respawn", "Move", "Announce", "FailRun", "Command",
            "RecoveryFacts", "RunState", "Coordinator", "describe_exit", "stale_heartbeats"]
 
 
@@ -70,6 +70,17 @@ class Respawn:
 
 
 @dataclass(frozen=True)
+class Move:
+    """Reshape: stop `donor` (a live worker of a stage that has replicas to spare) and start `rank` (the slot of a
+    stage that lost every replica, in the donor's pipeline, on the same node) in its place; it restores from the
+    checkpoint like everyone else."""
+
+    donor: int
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class RecoveryFacts:
     """What one recovery found and decided (the launcher adds timings and prints it)."""
 
@@ -85,6 +96,7 @@ class RecoveryFacts:
     joining: frozenset[int] = frozenset()  # ranks re-admitted in this generation
     restore_step: int | None = None  # every worker loads this checkpoint (a stage had lost every replica)
     steps_lost: int = 0  # applied steps thrown away by the restore
+    moved: tuple[tuple[int, int], ...] = ()  # (donor rank, rank it now runs as): the reshape of a lost stage
 
 
 @dataclass(frozen=True)
@@ -100,7 +112,7 @@ class FailRun:
     message: str
 
 
-Command = Union[Fence, AbortGeneration, Drain, Respawn, Announce, FailRun]
+Command = Union[Fence, AbortGeneration, Drain, Respawn, Move, Announce, FailRun]
 
 
 @dataclass(frozen=True)
@@ -121,6 +133,7 @@ class RunState:
     restore: bool = False  # this recovery restores from the latest checkpoint
     aborted: bool = False  # AbortGeneration was sent for this generation
     latest_checkpoint: int | None = None  # the newest complete checkpoint (steps done)
+    moved: tuple[tuple[int, int], ...] = ()  # of the recovery under way: (donor rank, rank it now runs as)
 
 
 class Coordinator:
@@ -129,8 +142,11 @@ class Coordinator:
     Rules:
     - A worker that dies (any exit but 0, or a missed heartbeat, which is fenced) leaves the live set; its stage's
       surviving replicas take its micro-batches in the next generation.
-    - A stage with no replica left has lost its weights: with a complete checkpoint, its dead workers are respawned
-      and every worker restores that checkpoint; without one, the run fails with a message that says so.
+    - A stage with no replica left has lost its weights: with a complete checkpoint every worker restores it, and
+      the lost stage is refilled: with `reshape`, by moving a worker of the stage with the most live replicas (at
+      least two) into the lost stage's slot of its own pipeline (no spare machine needed: the live workers are
+      re-laid out, the global batch is unchanged), otherwise (or with no stage to spare) by respawning the dead
+      workers (a repaired machine). Without a checkpoint the run fails with a message that says so.
     - A replacement worker that is up waits until the others stop at an iteration boundary, then joins the next
       generation and receives its stage's state from a live replica (or the checkpoint, when restoring).
     - A worker that raises an ordinary exception (not a communication error) fails the run: that is a bug or bad
@@ -143,11 +159,13 @@ class Coordinator:
     """
 
     def __init__(self, num_replicas: int, num_stages: int, live: frozenset[int], failed: frozenset[tuple[int, int]],
-                 end_step: int, report_timeout_s: float, max_retries: int = 3, checkpointing: bool = False) -> None:
+                 end_step: int, report_timeout_s: float, max_retries: int = 3, checkpointing: bool = False,
+                 reshape: bool = True) -> None:
         self.num_replicas = num_replicas
         self.num_stages = num_stages
         self.end_step = end_step
         self.checkpointing = checkpointing
+        self.reshape = reshape
         self.report_timeout_s = report_timeout_s
         self.max_retries = max_retries
         self.state = RunState(generation=0, live=frozenset(live), failed=frozenset(failed))
@@ -181,9 +199,36 @@ class Coordinator:
                     f"{what}, {why}. Restart with --resume DIR from a checkpoint if you have one (workers still down "
                     "can be left out with --down R:S)")]
             self.state = replace(self.state, restore=True)
-            respawn = frozenset(p * self.num_stages + s for p, s in failed if s == stage) - self.state.joining
-            commands += [Respawn(respawn, f"{what}: restoring checkpoint step {self.state.latest_checkpoint}")]
+            restoring = f"restoring checkpoint step {self.state.latest_checkpoint}"
+            donor = self._donor() if self.reshape else None
+            if any(self.worker(r)[1] == stage for r in self.state.joining):
+                pass  # a replacement for the stage is already up and waiting: it restores the checkpoint
+            elif donor is not None:
+                commands += self._move(donor, stage, f"{what}: {restoring}")
+            else:
+                respawn = frozenset(p * self.num_stages + s for p, s in failed if s == stage) - self.state.joining
+                commands += [Respawn(respawn, f"{what}: {restoring}")]
         return commands + self._begin_recovery(now, cause) + self._maybe_announce(now)
+
+    def _donor(self) -> int | None:
+        """The live worker to move into a lost stage: the last replica of the stage with the most live replicas
+        (ties: the lowest stage), if that stage keeps at least one."""
+        live = self.state.live
+        counts = [sum(1 for r in live if self.worker(r)[1] == s) for s in range(self.num_stages)]
+        stage = max(range(self.num_stages), key=lambda s: (counts[s], -s))
+        if counts[stage] < 2:
+            return None
+        return max(r for r in live if self.worker(r)[1] == stage)
+
+    def _move(self, donor: int, stage: int, reason: str) -> list[Command]:
+        """Take `donor` out of the live set (its slot becomes a failed one) and start its pipeline's slot of `stage`."""
+        replica, donor_stage = self.worker(donor)
+        rank = replica * self.num_stages + stage
+        state = self.state
+        self.state = replace(state, live=state.live - {donor}, failed=state.failed | {(replica, donor_stage)},
+                             moved=state.moved + ((donor, rank),))
+        return [Move(donor, rank, f"{reason}; worker {replica}:{donor_stage} moves to stage {stage} (reshape: no "
+                                  "spare machine needed)")]
 
     def on_join_ready(self, rank: int, now: float) -> list[Command]:
         """A replacement worker for `rank` is up. It is admitted at the next iteration boundary."""
@@ -292,7 +337,8 @@ class Coordinator:
         generation = state.generation + 1
         facts = RecoveryFacts(generation, state.deaths, failed, redo, redone, redone_s, len(rolled),
                               state.recovery_started if state.recovery_started is not None else now, tuple(reports),
-                              joining=joining, restore_step=redo if state.restore else None, steps_lost=steps_lost)
+                              joining=joining, restore_step=redo if state.restore else None, steps_lost=steps_lost,
+                              moved=state.moved)
         self.state = RunState(generation=generation, live=live, failed=failed, retries=retries,
                               joining=state.joining - joining, latest_checkpoint=state.latest_checkpoint)
         return [Announce(live, facts)]

@@ -24,7 +24,7 @@ from recycle.runtime import checkpoint, preflight
 from recycle.runtime.control import (Announcement, Keys, StoppedReport, connect_store, decode, encode, host_store,
                                      job_store, new_token)
 from recycle.runtime.coordinator import (AbortGeneration, Announce, Command, Coordinator, Drain, FailRun, Fence,
-                                         RecoveryFacts, Respawn, describe_exit, stale_heartbeats)
+                                         Move, RecoveryFacts, Respawn, describe_exit, stale_heartbeats)
 from recycle.runtime.chaos import ChaosMonkey, ChaosSpec
 from recycle.runtime.data import load_dataset
 from recycle.runtime.emulate import Emulation
@@ -77,6 +77,10 @@ class LaunchOptions:
     faults: tuple[tuple[int, FaultInjection], ...] = ()  # (topology rank, fault); a rank may have several
     rejoins: tuple[tuple[int, int], ...] = ()  # (topology rank, 0-based step): bring the worker back then (if down)
     respawn_after_s: float | None = None  # bring every dead worker of this node back after this delay
+    # When a stage loses every replica (and a checkpoint exists): "reshape" moves a live worker of the stage with the
+    # most replicas into it (no spare machine needed), falling back to "respawn" (wait for a replacement process for
+    # the dead slot, i.e. a repaired machine) when no stage has a replica to spare.
+    stage_loss: str = "reshape"
     chaos: ChaosSpec | None = None  # seeded random kills, hangs and stage losses, each repaired (soak runs)
     plan_provider: PlanProvider | None = None  # None: a worker failure stops the run (nothing to switch to)
     emulation: Emulation | None = None  # pad every action to the config's cost (--emulate-costs)
@@ -127,9 +131,13 @@ class Recovery:
     transfer_s: float = 0.0  # the longest transfer
     restored_step: int | None = None  # every worker loaded this checkpoint (a stage had lost every replica)
     steps_lost: int = 0
+    moved: tuple[str, ...] = ()  # "donor -> slot" ("1:0 -> 1:1"): live workers moved into a lost stage (reshape)
 
     def line(self) -> str:
         what = list(self.causes)
+        for move in self.moved:
+            donor, slot = move.split(" -> ")
+            what.append(f"worker {donor} moved to stage {slot.split(':')[1]} as {slot} (reshape)")
         if self.joined:
             moved = (f"{self.transfer_bytes / 1e6:.2f} MB of state from live replicas in {self.transfer_s:.3f} s"
                      if self.restored_step is None else "state from the checkpoint")
@@ -162,6 +170,9 @@ class TrainResult:
     chaos_events: tuple[dict[str, Any], ...] = ()  # what --chaos did: time, kind, workers, step
 
 
+STAGE_LOSS_POLICIES = ("reshape", "respawn")
+
+
 def node_ranks(live: list[int], nnodes: int, node_rank: int) -> list[int]:
     """The live workers node `node_rank` starts: contiguous, as even as possible."""
     base, extra = divmod(len(live), nnodes)
@@ -175,6 +186,9 @@ def _check_options(config: Config, plan: Plan, options: LaunchOptions) -> tuple[
     end = config.training.steps if options.steps is None else options.steps
     if end < 0:
         raise ConfigError(f"--steps {end} must be >= 0")
+    if options.stage_loss not in STAGE_LOSS_POLICIES:
+        raise ConfigError(f"--on-stage-loss {options.stage_loss!r} is not a policy; use one of "
+                          f"{', '.join(STAGE_LOSS_POLICIES)}")
     if options.checkpoint_every < 0 or (options.checkpoint_every > 0 and not options.checkpoint_dir):
         raise ConfigError(f"--checkpoint-every {options.checkpoint_every} needs --checkpoint-dir DIR and a value "
                           ">= 1")
@@ -297,11 +311,13 @@ class _Coordination:
         self.spawn = spawn
         self.coordinator = Coordinator(plan.num_replicas, plan.num_stages, frozenset(plan.live_ranks()), plan.failed,
                                        end_step, report_timeout_s=options.timeout_s + 5.0,
-                                       checkpointing=bool(options.checkpoint_dir and options.checkpoint_every > 0))
+                                       checkpointing=bool(options.checkpoint_dir and options.checkpoint_every > 0),
+                                       reshape=options.stage_loss == "reshape")
         self.local = set(processes)  # ranks this node starts (and restarts)
         self.remote = sorted(set(plan.live_ranks()) - self.local)
         self.member_from: dict[int, int] = {}  # rank -> first step it reports (a replacement: its redo step)
         self.respawn_at: dict[int, float] = {}  # rank -> when to bring it back (--respawn-after)
+        self.vacated: dict[int, int] = {}  # a lost stage's slot -> the slot its reshape donor left empty
         self.rejoins = sorted(options.rejoins, key=lambda item: item[1])
         self.monkey = ChaosMonkey(options.chaos, plan.num_stages) if options.chaos is not None else None
         self.chaos_events: list[dict[str, Any]] = []
@@ -398,7 +414,11 @@ class _Coordination:
         failed_ranks = {p * self.plan.num_stages + s for p, s in self.coordinator.state.failed}
         for rank, at in sorted(self.respawn_at.items()):
             if now >= at:
-                if rank in failed_ranks:
+                if rank not in failed_ranks and self.vacated.get(rank) in failed_ranks:
+                    # A moved worker holds this slot now: the repaired machine takes the slot its donor left.
+                    del self.respawn_at[rank]
+                    self._respawn(self.vacated.pop(rank))
+                elif rank in failed_ranks:
                     del self.respawn_at[rank]
                     self._respawn(rank)
                 elif self.processes[rank].exitcode is not None:
@@ -435,6 +455,12 @@ class _Coordination:
             self.options.on_event(record)
         if self.options.progress:
             self.options.progress(f"chaos at step {event.step}: {event.kind} {' '.join(record['workers'])}")
+
+    def _start_replacement(self, rank: int, reason: str) -> None:
+        if rank in self.local:
+            self._respawn(rank)
+        else:
+            self.store.set(Keys.respawn(rank), reason)  # its node's launcher starts it
 
     def _respawn(self, rank: int) -> None:
         process = self.processes.get(rank)
@@ -499,10 +525,11 @@ class _Coordination:
                 self.store.set(Keys.drain(command.generation), str(self.next_step + 3))
             elif isinstance(command, Respawn):
                 for rank in sorted(command.ranks):
-                    if rank in self.local:
-                        self._respawn(rank)
-                    else:
-                        self.store.set(Keys.respawn(rank), command.reason)  # its node's launcher starts it
+                    self._start_replacement(rank, command.reason)
+            elif isinstance(command, Move):
+                self._execute([Fence(command.donor, command.reason)])
+                self.vacated[command.rank] = command.donor
+                self._start_replacement(command.rank, command.reason)
             elif isinstance(command, Announce):
                 self._announce(command)
             elif isinstance(command, FailRun):
@@ -604,7 +631,8 @@ class _Coordination:
             joined=tuple("%d:%d" % self.plan.worker(r) for r in sorted(facts.joining)),
             transfer_bytes=sum(t["bytes"] for t in transfers),
             transfer_s=max((t["seconds"] for t in transfers), default=0.0),
-            restored_step=facts.restore_step, steps_lost=facts.steps_lost)
+            restored_step=facts.restore_step, steps_lost=facts.steps_lost,
+            moved=tuple("%d:%d -> %d:%d" % (*self.plan.worker(d), *self.plan.worker(r)) for d, r in facts.moved))
         self.recoveries.append(recovery)
         if self.options.progress:
             self.options.progress(recovery.line())

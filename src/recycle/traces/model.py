@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -16,6 +17,7 @@ CAUSES = (
     "redundant computation",  # Bamboo's fault-free overhead
     "detection",  # noticing a failure (heartbeat timeout)
     "plan switch",  # ReCycle: plan lookup + communicator rebuild
+    "redone iteration",  # ReCycle: the iteration a failure interrupted is redone from its start
     "reconfiguration",  # Oobleck / Bamboo: re-instantiate pipelines, copy layers, rebalance
     "restart",  # restart from a checkpoint (relaunch + load)
     "checkpoint",  # writing periodic checkpoints
@@ -30,6 +32,10 @@ class JobCosts:
 
     detect_s: float = 10.0  # failure detection (heartbeat timeout); assumption
     plan_switch_s: float = 2.0  # ReCycle: look the plan up, rebuild communicators; assumption
+    # ReCycle: a failure interrupts the running iteration, and the runtime rolls the survivors back to its start and
+    # redoes it on the new plan (docs/recovery.md), so the work done in it is lost: on average half an iteration of the
+    # state before the failure for a failure at a uniformly random moment. 0 = the paper's model (no redo).
+    redo_fraction: float = 0.5
     restart_s: float = 701.0  # checkpoint restart: Oobleck artifact, Varuna GPT-3 6.7B rendezvous (701,000 ms)
     checkpoint_interval_s: float = 1800.0  # checkpoint-restart baseline: one checkpoint every 30 min; assumption
     checkpoint_cost_s: float = 120.0  # Oobleck artifact, Varuna GPT-3 6.7B checkpointing overhead (120,000 ms)
@@ -47,10 +53,15 @@ class JobCosts:
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():
-            if value < 0:
-                raise ConfigError(f"job cost {name} = {value} must be >= 0")
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"job cost {name} = {value} must be a finite number >= 0 (--{name.replace('_', '-')})")
         if self.checkpoint_interval_s <= 0 or self.fallback_checkpoint_interval_s <= 0:
-            raise ConfigError("checkpoint intervals must be > 0 seconds")
+            raise ConfigError(f"checkpoint intervals must be > 0 seconds, got checkpoint_interval_s = "
+                              f"{self.checkpoint_interval_s}, fallback_checkpoint_interval_s = "
+                              f"{self.fallback_checkpoint_interval_s} (--checkpoint-interval-s, "
+                              "--fallback-checkpoint-interval-s)")
+        if self.redo_fraction > 1:
+            raise ConfigError(f"redo_fraction = {self.redo_fraction} must be in [0, 1] (a fraction of one iteration; --redo-fraction)")
         if not 0 <= self.bamboo_rc_overhead < 1:
             raise ConfigError(f"bamboo_rc_overhead = {self.bamboo_rc_overhead} must be in [0, 1)")
 

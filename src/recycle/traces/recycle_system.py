@@ -14,7 +14,8 @@ class ReCycleSystem:
 
     * units are laid out on the D x S grid; a failed worker's slot stays empty and the rate is the throughput of
       the plan for the normalized key of the empty slots (`ThroughputModel`, cached per key);
-    * a failure of a working worker costs `detect_s` then `plan_switch_s` (a plan-store lookup, not a solve);
+    * a failure of a working worker costs `detect_s` then `plan_switch_s` (a plan-store lookup, not a solve), and the
+      iteration it interrupted is redone: `redo_fraction` of one period of the state before the failure;
     * a re-joining unit (or a spare) fills an empty slot of the most depleted stage; it first copies its stage's
       parameters and optimizer state from a live peer over one link while training goes on with the old plan,
       then every worker switches plan (`plan_switch_s`);
@@ -167,9 +168,18 @@ class ReCycleSystem:
         return Decision(new_rate, pauses=(("reconfiguration", pause),), wake_at=self.layout.next_ready(now),
                         note=f"reshape: {detail}")
 
+    def _redo_s(self) -> float:
+        """Work lost in the iteration a failure interrupted (redone on the new plan): a fraction of the current
+        state's period."""
+        if self.key is None or self.ctx.costs.redo_fraction == 0:
+            return 0.0
+        rate = self.model.throughput_for_key(self.key)
+        return self.ctx.costs.redo_fraction * self.model.samples_per_iteration / rate if rate > 0 else 0.0
+
     def on_change(self, now, live, lost, joined) -> Decision:
         c = self.ctx.costs
         working = self.layout.ready_workers(now)
+        redo = self._redo_s()
         hit = False
         for u in lost:
             w = self.layout.remove(u)
@@ -182,7 +192,7 @@ class ReCycleSystem:
         stage = self._stage_lost(now)
         if stage is not None:
             return self._restore(now, live, first_loss=True, lost_stage=stage)
-        detection = (("detection", c.detect_s),) if hit else ()
+        detection = ((("detection", c.detect_s),) + ((("redone iteration", redo),) if redo > 0 else ())) if hit else ()
         reshaped = self._maybe_reshape(now, live)
         if reshaped is not None:
             return Decision(reshaped.rate, pauses=detection + reshaped.pauses, wake_at=reshaped.wake_at,
