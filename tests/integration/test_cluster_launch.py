@@ -128,3 +128,40 @@ def test_tensorboard_from_the_cli_and_grad_norm_without_clipping(tmp_path: Path,
         assert [e.value for e in events.Scalars("train/grad_norm")] == pytest.approx(runs[name], rel=1e-6)
     assert all(n is not None and n > 0 for n in runs["plain"])
     assert runs["plain"] == pytest.approx(runs["clipped"], rel=1e-9)
+
+
+FAKE_SRUN = """#!/bin/bash
+# Stand-in for `srun --ntasks-per-node=1` on a 2-node allocation: the command once per node, SLURM_NODEID set.
+while [[ $1 == --* ]]; do shift; done
+pids=()
+for node in 0 1; do SLURM_NODEID=$node SLURM_NTASKS=2 "$@" > "$RUN_DIR/node$node.out" 2>&1 & pids+=($!); done
+rc=0
+for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+exit $rc
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_the_slurm_example_script_trains_on_two_nodes(tmp_path: Path, tiny_config_file) -> None:
+    """examples/slurm/train.sbatch as sbatch would run it, with a stand-in srun: two launchers, the job secret in a
+    mode-600 file that is gone afterwards, the reference parameters."""
+    config_file = tiny_config_file(steps=2)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    job_id = next(str(j) for j in range(os.getpid() % 10_000 + 1, 10**6) if _port_free(slurm_port(str(j))))
+    run_dir = tmp_path / "run"
+    env = {**clean_env(), "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "CONFIG": str(config_file), "RUN_DIR": str(run_dir), "CHECKPOINT_EVERY": "1", "SLURM_JOB_ID": job_id,
+           "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost,node02"}
+    run = subprocess.run(["bash", str(ROOT / "examples" / "slurm" / "train.sbatch")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=180)
+    logs = {name: (run_dir / f"{name}.out").read_text() for name in ("node0", "node1")
+            if (run_dir / f"{name}.out").exists()}
+    assert run.returncode == 0, (run.stderr, logs)
+    assert "step 2/2" in logs["node0"] and "SLURM_NNODES=2" in logs["node0"]
+    assert not list(run_dir.glob("*.token"))
+    assert (run_dir / "ckpt" / "latest").is_file() and (run_dir / "metrics.jsonl").is_file()
+    assert_reference(config_file, run_dir / "final.pt")
