@@ -30,14 +30,20 @@ def clean_env(src: Path) -> dict[str, str]:
     return env
 
 
-def timed(argv: list[str], src: Path) -> float:
+def timed(argv: list[str], src: Path) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the command and every process it reaped: the workers) of one run. CPU time
+    moves much less than wall time when other jobs load the machine."""
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "recycle", *argv], cwd=ROOT, env=clean_env(src),
-                         capture_output=True, text=True)
-    elapsed = time.perf_counter() - start
-    if run.returncode != 0:
-        raise SystemExit(f"recycle {' '.join(argv)} failed ({src}):\n{run.stderr}")
-    return elapsed
+    with tempfile.TemporaryFile() as err:  # a file, not a pipe: nothing blocks while we wait for the process
+        process = subprocess.Popen([sys.executable, "-m", "recycle", *argv], cwd=ROOT, env=clean_env(src),
+                                   stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(process.pid, 0)  # rusage of the process and the children it reaped
+        elapsed = time.perf_counter() - start
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode != 0:
+            err.seek(0)
+            raise SystemExit(f"recycle {' '.join(argv)} failed ({src}):\n{err.read().decode()}")
+    return elapsed, usage.ru_utime + usage.ru_stime
 
 
 def which_src(src: Path) -> str:
@@ -64,23 +70,30 @@ def main() -> None:
             "train --help": lambda: ["train", "--help"],
             f"train {args.steps} step(s)": lambda: ["train", "--config", args.config, "--steps", str(args.steps)],
         }
-        best: dict[tuple[str, str], float] = {}
-        for _ in range(args.repeats):
-            # Interleaved, so a change of machine load hits both versions alike.
+        best: dict[tuple[str, str], tuple[float, float]] = {}
+
+        def keep(key: tuple[str, str], measured: tuple[float, float]) -> None:
+            old = best.get(key, (float("inf"), float("inf")))
+            best[key] = (min(old[0], measured[0]), min(old[1], measured[1]))
+
+        run_case = f"train {args.steps} step(s)"
+        for repeat in range(args.repeats):
+            # Interleaved, in alternating order, so load changes and warm caches hit both versions alike.
+            order = list(srcs.items()) if repeat % 2 == 0 else list(reversed(srcs.items()))
             for case, argv in cases.items():
-                for name, src in srcs.items():
-                    seconds = timed(argv(), src)
-                    best[case, name] = min(best.get((case, name), float("inf")), seconds)
-            seconds = timed([*cases[f"train {args.steps} step(s)"](), "--tensorboard", str(board)], srcs["after"])
-            best["+ --tensorboard", "after"] = min(best.get(("+ --tensorboard", "after"), float("inf")), seconds)
-    print(f"recycle start-up, best of {args.repeats} (fresh interpreter each; before = {base[:10]}):")
-    print(f"{'case':<24}{'before (s)':>12}{'after (s)':>12}{'after/before':>14}")
+                for name, src in order:
+                    keep((case, name), timed(argv(), src))
+            keep(("+ --tensorboard", "after"), timed([*cases[run_case](), "--tensorboard", str(board)],
+                                                     srcs["after"]))
+    print(f"recycle start-up, best of {args.repeats} (fresh interpreter each; before = {base[:10]}; load average "
+          f"{os.getloadavg()[0]:.1f}); wall seconds, and CPU seconds of the whole process tree in brackets:")
+    print(f"{'case':<30}{'before':>16}{'after':>16}{'after/before':>16}")
     for case in cases:
-        before, after = best[case, "before"], best[case, "after"]
-        print(f"{case:<24}{before:>12.2f}{after:>12.2f}{after / before:>14.2f}")
-    run_case = f"train {args.steps} step(s)"
-    print(f"{run_case + ' --tensorboard':<24}{'':>12}{best['+ --tensorboard', 'after']:>12.2f}"
-          f"{best['+ --tensorboard', 'after'] / best[run_case, 'after']:>14.2f}  (vs after without it)")
+        (bw, bc), (aw, ac) = best[case, "before"], best[case, "after"]
+        print(f"{case:<30}{bw:>7.2f} [{bc:>6.2f}]{aw:>7.2f} [{ac:>6.2f}]{aw / bw:>7.2f} [{ac / bc:>6.2f}]")
+    (tw, tc), (aw, ac) = best["+ --tensorboard", "after"], best[run_case, "after"]
+    print(f"{run_case + ' --tensorboard':<30}{'':>16}{tw:>7.2f} [{tc:>6.2f}]{tw / aw:>7.2f} [{tc / ac:>6.2f}]  "
+          "(vs after without it)")
 
 
 if __name__ == "__main__":
