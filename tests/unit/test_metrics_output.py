@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from recycle.cli import configure_logging, main
+from recycle.cli import main
+from recycle.log_setup import configure_logging
 from recycle.errors import ConfigError
 from recycle.runtime.launcher import Recovery, StepMetrics, grad_norm
 from recycle.progress import progress_lines

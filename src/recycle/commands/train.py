@@ -4,7 +4,6 @@ or an adaptive plan for workers marked down."""
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from typing import Mapping
@@ -19,8 +18,6 @@ from recycle.runtime.faults import parse_fault, parse_rejoin
 # The launcher and the emulation pull in torch: they are imported in run(), so `recycle train --help` starts fast.
 
 __all__ = ["register", "run", "select_plan", "node_role", "DEFAULT_CHECKPOINT_EVERY"]
-
-log = logging.getLogger(__name__)
 
 DEFAULT_CHECKPOINT_EVERY = 10  # steps; a restore loses at most this many
 
@@ -169,7 +166,9 @@ def node_role(args: argparse.Namespace, env: Mapping[str, str]) -> NodeRole:
     role = resolve_role(env, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                         master_port=args.master_port)
     if any(source != "default" and not source.startswith("--") for _, source in role.sources):
-        log.info("node %d of %d, store at %s:%d (%s)", role.node_rank, role.nnodes, role.master_addr,
+        import logging  # here, not at the top: `recycle train --help` stays without it
+
+        logging.getLogger(__name__).info("node %d of %d, store at %s:%d (%s)", role.node_rank, role.nnodes, role.master_addr,
                  role.master_port, role.describe())
     return role
 
