@@ -55,7 +55,8 @@ def which_src(src: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--base", default="", help="commit to compare with (default: the merge base with main)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per case (best is reported)")
+    parser.add_argument("--repeats", type=int, default=3, help="short runs per version (best is reported)")
+    parser.add_argument("--help-repeats", type=int, default=15, help="`--help` runs per version (best is reported)")
     parser.add_argument("--steps", type=int, default=1, help="steps of the short run")
     parser.add_argument("--config", default="configs/tiny-gpt.toml")
     args = parser.parse_args()
@@ -77,15 +78,17 @@ def main() -> None:
             best[key] = (min(old[0], measured[0]), min(old[1], measured[1]))
 
         run_case = f"train {args.steps} step(s)"
-        for repeat in range(args.repeats):
-            # Interleaved, in alternating order, so load changes and warm caches hit both versions alike.
-            order = list(srcs.items()) if repeat % 2 == 0 else list(reversed(srcs.items()))
-            for case, argv in cases.items():
+        for case, repeats in (("train --help", args.help_repeats), (run_case, args.repeats)):
+            for repeat in range(repeats):
+                # Interleaved, in alternating order, so load changes and warm caches hit both versions alike.
+                order = list(srcs.items()) if repeat % 2 == 0 else list(reversed(srcs.items()))
                 for name, src in order:
-                    keep((case, name), timed(argv(), src))
-            keep(("+ --tensorboard", "after"), timed([*cases[run_case](), "--tensorboard", str(board)],
-                                                     srcs["after"]))
-    print(f"recycle start-up, best of {args.repeats} (fresh interpreter each; before = {base[:10]}; load average "
+                    keep((case, name), timed(cases[case](), src))
+                if case == run_case:
+                    keep(("+ --tensorboard", "after"), timed([*cases[run_case](), "--tensorboard", str(board)],
+                                                             srcs["after"]))
+    print(f"recycle start-up, best of {args.help_repeats} (--help) and {args.repeats} (runs), a fresh interpreter each; "
+          f"before = {base[:10]}; load average "
           f"{os.getloadavg()[0]:.1f}); wall seconds, and CPU seconds of the whole process tree in brackets:")
     print(f"{'case':<30}{'before':>16}{'after':>16}{'after/before':>16}")
     for case in cases:
