@@ -267,11 +267,16 @@ def run(args: argparse.Namespace) -> int:
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     print(f"recycle demo on {config.name!r}: D={config.num_replicas} S={config.num_stages} "
           f"M={config.num_microbatches} (time unit {config.time_unit})")
-    for number, section in enumerate(SECTIONS, start=1):
-        if number not in chosen:
-            continue
-        print(f"\n== {number}. {section.title}")
-        section.run(ctx)
+    from recycle.progress import progress_lines
+
+    # The section headers are the plain progress lines; on a terminal a bar on stderr also counts the sections.
+    with progress_lines("demo sections", total=len(chosen), echo=False) as report:
+        for number, section in enumerate(SECTIONS, start=1):
+            if number not in chosen:
+                continue
+            print(f"\n== {number}. {section.title}")
+            section.run(ctx)
+            report(f"{number}. {section.title}")
     print("\nfiles written:")
     for path in ctx.written:
         print(f"  {path}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -180,6 +179,23 @@ def _summary_text(d: dict[str, Any]) -> str:
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
 
+class _LineSink:
+    """A text stream for build_store's progress that hands each complete line to `report` (a bar or plain lines)."""
+
+    def __init__(self, report) -> None:
+        self.report, self.pending = report, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            self.report(line)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
 def _build_store(args: argparse.Namespace, config: Config, options: PlannerOptions) -> int:
     from recycle.planner.store import build_store
 
@@ -188,8 +204,11 @@ def _build_store(args: argparse.Namespace, config: Config, options: PlannerOptio
                         "DIR precomputes every state with up to F failures")
     if not args.out:
         raise PlanError("--max-failures needs --out DIR, the folder to write the plan store to")
-    index = build_store(config, args.max_failures, args.out, options, args.solver, args.time_limit, args.jobs,
-                        progress=sys.stderr)
+    from recycle.progress import progress_lines
+
+    with progress_lines("plan store") as report:
+        index = build_store(config, args.max_failures, args.out, options, args.solver, args.time_limit, args.jobs,
+                            progress=_LineSink(report))
     print(f"wrote plan store: {index}")
     return 0
 

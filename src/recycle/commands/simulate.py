@@ -10,7 +10,6 @@ from recycle.config import load_config
 from recycle.errors import ConfigError
 from recycle.traces.experiments import SYSTEM_NAMES, JobSetup, job_grid, run_job
 from recycle.traces.generate import GENERATE_HELP, parse_generate_spec
-from recycle.traces.jobsim import stderr_progress
 from recycle.traces.model import JobCosts
 from recycle.traces.mapping import PLACEMENTS
 from recycle.traces.reader import PLACEMENT_HELP, read_trace
@@ -90,7 +89,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {trace.source}: {message}", file=sys.stderr)
     setup = JobSetup(gpus_per_node=args.gpus_per_node, replicas=args.replicas, slot_seconds=args.slot_seconds,
                      period_model=args.period_model, reference=args.reference)
-    result = run_job(config, trace, systems=args.systems, costs=costs, setup=setup, progress=stderr_progress)
+    from recycle.progress import progress_lines
+
+    with progress_lines("trace replay") as report:
+        result = run_job(config, trace, systems=args.systems, costs=costs, setup=setup, progress=report)
     for name, why in result.extra.get("skipped", {}).items():
         print(f"note: {name} skipped: {why}", file=sys.stderr)
     summary = write_report(result, args.out, title=f"{config.name} over {trace.source}")

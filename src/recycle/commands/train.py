@@ -4,17 +4,20 @@ or an adaptive plan for workers marked down."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import Mapping
 
 from recycle.config import Config, load_config
 from recycle.errors import ConfigError, PlanError, RecycleError
 from recycle.ir import Plan, read_plan
 from recycle.runtime.chaos import parse_chaos
+from recycle.runtime.cluster_env import NodeRole, resolve_role
 from recycle.runtime.faults import parse_fault, parse_rejoin
 
 # The launcher and the emulation pull in torch: they are imported in run(), so `recycle train --help` starts fast.
 
-__all__ = ["register", "run", "select_plan", "DEFAULT_CHECKPOINT_EVERY"]
+__all__ = ["register", "run", "select_plan", "node_role", "DEFAULT_CHECKPOINT_EVERY"]
 
 DEFAULT_CHECKPOINT_EVERY = 10  # steps; a restore loses at most this many
 
@@ -35,6 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--no-decouple", action="store_true", help="fused backward (no B/W split)")
     p.add_argument("--save", help="write the final parameters (one state dict of the whole model) here")
     p.add_argument("--metrics", help="write per-step metrics here as JSON lines")
+    p.add_argument("--tensorboard", default="", metavar="DIR",
+                   help="write TensorBoard event files here (node 0): loss, tokens/s, period, grad norm, live "
+                        "workers, recoveries; needs the optional extra: pip install 'recycle[tensorboard]'")
     p.add_argument("--checkpoint-dir", default="", help="write checkpoints here")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
                    help=f"checkpoint every K steps (default with --checkpoint-dir: {DEFAULT_CHECKPOINT_EVERY}); "
@@ -74,12 +80,21 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--token-file", default="", metavar="FILE",
                    help="multi-node: the job secret (mode 600, the same file on every node); or set "
                         "RECYCLE_JOB_TOKEN")
-    p.add_argument("--nnodes", type=int, default=1,
-                   help="number of launcher nodes (node 0 hosts the store; --save and checkpoints need a shared "
-                        "filesystem)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's index; node 0 hosts the store")
-    p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
-    p.add_argument("--master-port", type=int, default=0, help="store port on node 0 (0: any free port, 1 node)")
+    cluster = p.add_argument_group(
+        "multi-node (one `recycle train` per node)",
+        "Without these flags each is read from the environment: torchrun's env:// names (MASTER_ADDR, MASTER_PORT, "
+        "NNODES, NODE_RANK; WORLD_SIZE and RANK when they count nodes), a Kubeflow PyTorchJob's (PET_NNODES, "
+        "PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT) or SLURM's (SLURM_NNODES, SLURM_NODEID, the first host of "
+        "SLURM_JOB_NODELIST, a port derived from SLURM_JOB_ID); a flag wins over the environment (docs/cluster.md)")
+    cluster.add_argument("--nnodes", type=int, default=None,
+                         help="number of launcher nodes (default 1; node 0 hosts the store; --save and checkpoints "
+                              "need a shared filesystem)")
+    cluster.add_argument("--node-rank", type=int, default=None, help="this node's index (default 0); node 0 hosts "
+                         "the store")
+    cluster.add_argument("--master-addr", default=None, help="address of node 0; its store listens there only "
+                         "(default 127.0.0.1)")
+    cluster.add_argument("--master-port", type=int, default=None,
+                         help="store port on node 0 (default 0: any free port, 1 node only)")
     p.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn",
                    help="how workers start: spawn (fresh interpreter each) or forkserver (torch imported once per "
                         "launcher process; faster for repeated launches)")
@@ -146,11 +161,29 @@ def plan_provider(config: Config, args: argparse.Namespace):  # -> runtime.launc
     return library.provider(PlanChoice)
 
 
+def node_role(args: argparse.Namespace, env: Mapping[str, str]) -> NodeRole:
+    """This node's part in the job: the flags given, the rest from the cluster's environment variables."""
+    role = resolve_role(env, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                        master_port=args.master_port)
+    if any(source != "default" and not source.startswith("--") for _, source in role.sources):
+        import logging  # here, not at the top: `recycle train --help` stays without it
+
+        logging.getLogger(__name__).info("node %d of %d, store at %s:%d (%s)", role.node_rank, role.nnodes, role.master_addr,
+                 role.master_port, role.describe())
+    return role
+
+
 def run(args: argparse.Namespace) -> int:
     from recycle.runtime.control import read_token
     from recycle.runtime.emulate import DEFAULT_SLOT_MS, Emulation
     from recycle.runtime.launcher import LaunchOptions, launch
 
+    role = node_role(args, os.environ)
+    tensorboard = args.tensorboard if role.node_rank == 0 else ""  # node 0 gathers the metrics
+    if tensorboard:
+        from recycle.runtime.tensorboard_sink import summary_writer
+
+        summary_writer(tensorboard)  # a missing extra fails now, not after the plan store is built
     config = load_config(args.config)
     plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
                        staggered=not args.no_stagger)
@@ -172,8 +205,8 @@ def run(args: argparse.Namespace) -> int:
               f"{plan.meta.schedule or 'adaptive'} ({'staggered' if plan.staggered else 'coupled'} optimizer)")
     options = LaunchOptions(steps=args.steps, checkpoint_dir=args.checkpoint_dir,
                             checkpoint_every=checkpoint_every, resume_dir=args.resume, save_path=args.save or "",
-                            metrics_path=args.metrics or "", timeout_s=args.timeout, master_addr=args.master_addr,
-                            master_port=args.master_port, nnodes=args.nnodes, node_rank=args.node_rank,
+                            metrics_path=args.metrics or "", timeout_s=args.timeout, master_addr=role.master_addr,
+                            master_port=role.master_port, nnodes=role.nnodes, node_rank=role.node_rank,
                             model_factory=args.model_factory, start_method=args.start_method,
                             heartbeat_timeout_s=args.heartbeat_timeout, faults=tuple(faults), rejoins=tuple(rejoins),
                             respawn_after_s=args.respawn_after, stage_loss=args.on_stage_loss,
@@ -181,9 +214,21 @@ def run(args: argparse.Namespace) -> int:
                             token=read_token(args.token_file), plan_provider=plan_provider(config, args),
                             emulation=Emulation(DEFAULT_SLOT_MS if args.slot_ms is None else args.slot_ms,
                                                 args.cost_scale) if args.emulate_costs else None)
-    result = launch(config, plan, options)
-    if args.node_rank > 0:
-        print(f"node {args.node_rank}: the run has finished (node 0 reports the steps and writes the outputs)")
+    sink = None
+    if tensorboard:
+        from dataclasses import replace
+
+        from recycle.runtime.tensorboard_sink import TensorBoardSink
+
+        sink = TensorBoardSink(tensorboard)
+        options = replace(options, on_event=sink)
+    try:
+        result = launch(config, plan, options)
+    finally:
+        if sink is not None:
+            sink.close()
+    if role.node_rank > 0:
+        print(f"node {role.node_rank}: the run has finished (node 0 reports the steps and writes the outputs)")
         return 0
     if result.steps:
         last = result.steps[-1]
@@ -195,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
         down = " ".join(f"{p}:{s}" for p, s in result.failed)
         print(f"survived {failures} failure(s) without a restart ({joins} worker(s) re-joined); "
               + (f"workers down at the end: {down}" if down else "every worker is up at the end"))
-    else:
+    if not result.steps:
         print(f"nothing to do: already at step {result.end_step}")
     if args.save:
         print(f"saved final parameters to {args.save}")

@@ -56,6 +56,7 @@ class IterationResult:
     grad_norm: float | None  # global gradient norm before clipping (only computed when clipping)
     timings: list[ActionTiming] = field(default_factory=list)
     stage_loss: float | None = None  # the whole batch's loss, summed over the last stage's replicas in its OPT
+    grad_sq: float | None = None  # this stage's squared gradient norm after its all-reduce (when not clipping)
 
 
 def dropout_seed(seed: int, iteration: int, mb: int, stage: int) -> int:
@@ -150,6 +151,7 @@ class StageExecutor:
         self.progress = IterationProgress(iteration, 0)
         self._loss_sum = 0.0
         self._grad_norm = None
+        self._grad_sq = None
         self._stage_loss = None
         self._next_from.clear()
         timings: list[ActionTiming] = []
@@ -172,7 +174,8 @@ class StageExecutor:
             raise RuntimeError(f"worker {self.replica}:{self.stage} ended iteration {iteration} with unfinished "
                                f"micro-batches {sorted(self._stash)} or unread messages; the plan is inconsistent")
         return IterationResult(iteration, start, time.time(), self._loss_sum if self.is_last else None,
-                               self._grad_norm, timings=timings, stage_loss=self._stage_loss)
+                               self._grad_norm, timings=timings, stage_loss=self._stage_loss,
+                               grad_sq=self._grad_sq)
 
     def run_action(self, action: Action) -> None:
         handler = {Kind.F: self.forward, Kind.B: self.backward_input, Kind.W: self.backward_weight,
@@ -237,6 +240,10 @@ class StageExecutor:
             self._stage_loss = float(loss[0])
         if self.grad_clip > 0:
             self._clip_global_norm()
+        else:
+            # For the grad-norm metric: the launcher sums the stages' squares, so no cross-stage collective is needed.
+            self._grad_sq = float(sum(p.grad.detach().double().pow(2).sum() for p in self.params
+                                      if p.grad is not None))
         self.snapshot.take(self.progress.iteration)
         self.optimizer.step()
         self.applied_iteration = self.progress.iteration

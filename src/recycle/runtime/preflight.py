@@ -11,9 +11,9 @@ Resume rules (docs/runtime.md, "Checkpoints and resume"):
 
 from __future__ import annotations
 
+import logging
 import math
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +27,8 @@ from recycle.runtime import checkpoint
 
 if TYPE_CHECKING:
     from recycle.runtime.launcher import LaunchOptions
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["check_launch", "check_option_ranges", "check_outputs", "run_fingerprint", "find_resume_point",
            "ResumePoint", "StageSpec", "expected_stages", "RESUME_MUST_MATCH", "RESUME_MAY_CHANGE"]
@@ -80,7 +82,7 @@ def check_launch(config: Config, options: LaunchOptions, end: int) -> int:
     if options.resume_dir:
         point = find_resume_point(config, options.resume_dir, options.model_factory, specs)
         for warning in point.warnings:
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
+            _log.warning(warning)
         if point.step > end:
             raise ConfigError(f"the checkpoint {str(point.path)!r} is at step {point.step}, past --steps {end}; "
                               f"ask for more steps than {point.step}")

@@ -335,7 +335,8 @@ class _Worker:
             self._save_checkpoint(done)
         self.store.set(Keys.metrics(step, spec.rank), json.dumps({
             "start": result.start, "end": result.end, "loss_sum": result.loss_sum, "stage_loss": result.stage_loss,
-            "grad_norm": result.grad_norm, "replica": self.replica, "stage": self.stage, "cpu_s": cpu_s,
+            "grad_norm": result.grad_norm, "grad_sq": result.grad_sq, "replica": self.replica, "stage": self.stage,
+            "cpu_s": cpu_s,
             "generation": self.generation,
             "digest": parameter_digest(self.module) if spec.verify_replicas else "",
             "timings": [[t.action, t.start, t.end] for t in result.timings],
