@@ -185,7 +185,7 @@ def list_schedule(config: Config, key: Sequence[int], host: Sequence[Sequence[in
                 worst = max(worst, loads[s][host[s][mb]])
                 urgency[s][mb] = worst
 
-    arrivals: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_ranks)]  # (ready, seq, code, mb)
+    arrivals: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_ranks)]  # (ready, seq, F or B, mb)
     ready_f: list[list[tuple]] = [[] for _ in range(n_ranks)]
     ready_b: list[list[tuple]] = [[] for _ in range(n_ranks)]
     ready_w: list[list[tuple[float, int]]] = [[] for _ in range(n_ranks)]
@@ -223,10 +223,7 @@ def list_schedule(config: Config, key: Sequence[int], host: Sequence[Sequence[in
         arr = arrivals[rank]
         rf, rb, rw = ready_f[rank], ready_b[rank], ready_w[rank]
         while arr and arr[0][0] <= t:
-            ready, _, code, mb = pop(arr)
-            if code == _W:
-                push(rw, (ready, mb))
-                continue
+            ready, _, code, mb = pop(arr)  # an F or a B (W's go straight to `rw`, see below)
             if order_mode == 5:
                 item: tuple = (mb % M, mb // M != replica_of[rank], ready, mb)
             elif order_mode == 0:
@@ -281,7 +278,9 @@ def list_schedule(config: Config, key: Sequence[int], host: Sequence[Sequence[in
                 seq += 1
         elif code == _B:
             if decoupled:
-                push(arr, (end, seq, _W, mb))
+                # The W goes straight into the ready heap, not through the arrivals: the worker decides nothing
+                # before `end` (its events until then are stale), and at `end` it would hold the same item.
+                push(rw, (end, mb))
                 seq += 1
             else:
                 live[rank] -= 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from itertools import chain
+from itertools import accumulate, chain
 from operator import attrgetter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -211,9 +211,13 @@ def simulate(plan: Plan, config: Config, iterations: int | None = None, record: 
         groups = {r: everyone for r in live}
     compute_span = {}  # rank -> (first compute g, last compute g): the per-worker makespan endpoints
     for r in live:
-        comp = [g for g in range(first[r], stop[r]) if not is_opt[g]]
-        if comp:
-            compute_span[r] = (comp[0], comp[-1])
+        lo, hi = first[r], stop[r] - 1
+        while lo <= hi and is_opt[lo]:
+            lo += 1
+        while hi >= lo and is_opt[hi]:
+            hi -= 1
+        if lo <= hi:
+            compute_span[r] = (lo, hi)
 
     staggered = plan.staggered
     free = [0.0] * n
@@ -332,11 +336,7 @@ def simulate(plan: Plan, config: Config, iterations: int | None = None, record: 
             continue
         busy = sum(dur[first[r]:stop[r]])
         idle.append(max(0.0, 1.0 - busy / period) if period > 0 else 0.0)
-        held = peak = 0
-        for delta in held_delta[first[r]:stop[r]]:
-            held += delta
-            if held > peak:
-                peak = held
+        peak = max(0, max(accumulate(held_delta[first[r]:stop[r]]), default=0))  # running count, its maximum
         peaks.append(peak)
         peak_bytes.append(peak * config.memory.activation_bytes[plan.worker(r)[1]])
     live_idle = [idle[r] for r in live]
