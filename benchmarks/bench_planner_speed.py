@@ -3,7 +3,8 @@ build, lookups.
 
 Run: nice -n 15 .venv/bin/python benchmarks/bench_planner_speed.py [--repeats 3] [--skip-1024] [--compare-with COMMIT]
 With --compare-with, make_plan as of that commit (its src/ from `git archive`, run in a child interpreter) is timed
-in the same run on the same cases, and its plans are checked to be byte-identical to this tree's.
+in the same run on the same cases, alternating with this tree's runs, and its plans are checked to be
+byte-identical to this tree's.
 """
 
 from __future__ import annotations
@@ -51,16 +52,13 @@ def bench_toy(repeats: int) -> None:
 _CHILD = """
 import hashlib, json, sys, time
 from recycle.config import uniform_config
-from recycle.planner.api import clear_cache, make_plan
-D, S, M, failed, repeats = json.loads(sys.argv[1])
+from recycle.planner.api import make_plan
+D, S, M, failed = json.loads(sys.argv[1])
 config = uniform_config(D, S, M, optimizer=3.0, name=f"uniform-{D}x{S}x{M}")
-best = float("inf")
-for _ in range(repeats):
-    clear_cache()
-    start = time.perf_counter()
-    plan = make_plan(config, [tuple(w) for w in failed])
-    best = min(best, time.perf_counter() - start)
-print(json.dumps({"seconds": best, "digest": hashlib.sha256(plan.to_json().encode()).hexdigest()}))
+wall, cpu = time.perf_counter(), time.process_time()
+plan = make_plan(config, [tuple(w) for w in failed])
+wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+print(json.dumps({"wall": wall, "cpu": cpu, "digest": hashlib.sha256(plan.to_json().encode()).hexdigest()}))
 """
 
 
@@ -78,15 +76,16 @@ def failure_set(D: int, failed_stages: tuple[int, ...]) -> list[tuple[int, int]]
     return [((7 * i + 3) % D, s) for i, s in enumerate(failed_stages)]
 
 
-def bench_previous(source: Path, D: int, S: int, M: int, failed_stages: tuple[int, ...], repeats: int,
-                   plan_json: str) -> tuple[float, bool]:
-    """make_plan's best time with the code under `source`, and whether its plan is byte-identical to `plan_json`."""
-    argument = json.dumps([D, S, M, failure_set(D, failed_stages), repeats])
+def bench_previous(source: Path, D: int, S: int, M: int, failed_stages: tuple[int, ...],
+                   plan_json: str) -> tuple[float, float, bool]:
+    """One cold make_plan (wall and CPU seconds) in a fresh interpreter with the code under `source` (this tree's
+    src/ or an unpacked commit's), and whether its plan is byte-identical to `plan_json`."""
+    argument = json.dumps([D, S, M, failure_set(D, failed_stages)])
     env = {**os.environ, "PYTHONPATH": str(source)}
     out = subprocess.run([sys.executable, "-c", _CHILD, argument], env=env, check=True, capture_output=True,
                          text=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
-    return result["seconds"], result["digest"] == hashlib.sha256(plan_json.encode()).hexdigest()
+    return result["wall"], result["cpu"], result["digest"] == hashlib.sha256(plan_json.encode()).hexdigest()
 
 
 def bench_large(D: int, S: int, M: int, failed_stages: tuple[int, ...], repeats: int,
@@ -97,14 +96,23 @@ def bench_large(D: int, S: int, M: int, failed_stages: tuple[int, ...], repeats:
     failed = failure_set(D, failed_stages)
     options = PlannerOptions()
     host = failed_routing(config, frozenset(failed))
-    timings: dict[str, list[float]] = {name: [] for name in ("make_plan", "list", "build", "simulate", "loop",
-                                                              "heuristic", "validate")}
+    timings: dict[str, list[float]] = {name: [] for name in ("make_plan", "make_plan_cpu", "child", "child_cpu",
+                                                              "previous", "previous_cpu", "list", "build",
+                                                              "simulate", "loop", "heuristic", "validate")}
     plan = None
+    same = True
     for _ in range(repeats):
         clear_cache()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         plan = make_plan(config, failed, options)
         timings["make_plan"].append(time.perf_counter() - start)
+        timings["make_plan_cpu"].append(time.process_time() - cpu)
+        if previous is not None:  # both trees in fresh interpreters, alternating, so both see the same load
+            for source, name in ((ROOT / "src", "child"), (previous, "previous")):
+                wall, cpu_s, identical = bench_previous(source, D, S, M, failed_stages, plan.to_json())
+                timings[name].append(wall)
+                timings[f"{name}_cpu"].append(cpu_s)
+                same = same and identical
         start = time.perf_counter()
         timed = list_schedule(config, key, host, True, True, None, VARIANTS[0])
         timings["list"].append(time.perf_counter() - start)
@@ -132,10 +140,8 @@ def bench_large(D: int, S: int, M: int, failed_stages: tuple[int, ...], repeats:
         simulator.LEVEL_TIMER_MIN_ACTIONS = saved
     assert looped == result, "the level timer and the per-action loop disagree"
     bound = period_lower_bound(config, key, options)
-    best: dict[str, float | str] = {name: min(values) for name, values in timings.items()}
+    best: dict[str, float | str] = {name: min(values) for name, values in timings.items() if values}
     if previous is not None:
-        seconds, same = bench_previous(previous, D, S, M, failed_stages, repeats, plan.to_json())
-        best["previous"] = seconds
         best["identical"] = "yes" if same else "NO"
     return {**best, "shape": f"D={D} S={S} M={M}", "workers": f"{D * S:,}", "failures": str(len(failed)),
             "actions": f"{plan.num_actions:,}", "period": f"{result.period:g} (bound {bound:g})"}
@@ -146,6 +152,7 @@ def print_large(rows: list[dict[str, float | str]], repeats: int) -> None:
     lines = [("shape", "shape", ""), ("workers", "workers", ""), ("failures", "failures (one per pipeline)", ""),
              ("actions", "actions per iteration", ""),
              ("make_plan", "make_plan (real ranks, incl. simulation)", "s"),
+             ("make_plan_cpu", "  its CPU time (process)", "s"),
              ("list", "  list scheduling (the one rule used)", "s"), ("build", "  building action lists", "s"),
              ("simulate", "  simulation for the predicted period", "s"),
              ("heuristic", "schedule_heuristic (canonical key)", "s"),
@@ -154,17 +161,24 @@ def print_large(rows: list[dict[str, float | str]], repeats: int) -> None:
              ("validate", f"validate_plan (skipped above {SIMULATE_ALL_LIMIT:,} actions)", "s"),
              ("period", "period", "")]
     if "previous" in rows[0]:
-        lines[5:5] = [("previous", "  make_plan at the --compare-with commit", "s"),
-                      ("speedup", "  speed-up (that commit / this tree)", "x"),
+        lines[6:6] = [("child", "  make_plan in a fresh interpreter, this tree", "s"),
+                      ("child_cpu", "    its CPU time", "s"),
+                      ("previous", "  the same at the --compare-with commit", "s"),
+                      ("previous_cpu", "    its CPU time", "s"),
+                      ("speedup", "  speed-up (that commit / this tree), wall", "x"),
+                      ("speedup_cpu", "  speed-up, CPU time", "x"),
                       ("identical", "  plans byte-identical", "")]
-    print(f"planner at scale, best of {repeats} (cold: plan cache cleared each time)")
+    print(f"planner at scale, best of {repeats} (cold: plan cache cleared each time; CPU time is less disturbed by "
+          "other processes than wall time on a shared machine)")
     for name, label, unit in lines:
         cells = []
         for row in rows:
             if name == "ratio":
                 value: float | str = float(row["loop"]) / float(row["simulate"])
             elif name == "speedup":
-                value = float(row["previous"]) / float(row["make_plan"])
+                value = float(row["previous"]) / float(row["child"])
+            elif name == "speedup_cpu":
+                value = float(row["previous_cpu"]) / float(row["child_cpu"])
             else:
                 value = row[name]
             if unit == "s":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
@@ -192,7 +193,10 @@ def list_schedule(config: Config, key: Sequence[int], host: Sequence[Sequence[in
     busy_until = [0.0] * n_ranks
     live = [0] * n_ranks
     entries: list[list[tuple[int, int, float, float]]] = [[] for _ in range(n_ranks)]
-    events: list[tuple[float, int, int]] = []
+    # Pending wake-ups, in (time, push order): a heap of distinct times and, per time, its ranks in push order.
+    # Float keys compare much faster than (time, seq, rank) tuples, and the order is the same.
+    times: list[float] = [0.0]
+    events: dict[float, deque[int]] = {0.0: deque()}
     seq = 0
 
     hosted_first: list[list[int]] = [[] for _ in range(D)]  # stage 0's micro-batches per replica, in id order
@@ -204,9 +208,8 @@ def list_schedule(config: Config, key: Sequence[int], host: Sequence[Sequence[in
             arrivals[rank].append((0.0, seq, _F, mb))
             seq += 1
         heapq.heapify(arrivals[rank])
-        events.append((0.0, seq, rank))
+        events[0.0].append(rank)
         seq += 1
-    heapq.heapify(events)
     forward_first = variant.forward_first
     alternate = variant.alternate
     last = [-1] * n_ranks  # the code of each worker's previous F or B
@@ -215,8 +218,13 @@ def list_schedule(config: Config, key: Sequence[int], host: Sequence[Sequence[in
     replica_of = [rank // S for rank in range(n_ranks)]
     last_stage = S - 1
 
-    while events:
-        t, _, rank = pop(events)
+    while times:
+        t = times[0]
+        due = events[t]
+        rank = due.popleft()
+        if not due:
+            pop(times)
+            del events[t]
         if busy_until[rank] > t:
             continue  # stale: the worker is busy; its completion event decides next
         stage = stage_of[rank]
@@ -250,7 +258,12 @@ def list_schedule(config: Config, key: Sequence[int], host: Sequence[Sequence[in
             code = rng.choice(allowed) if allowed else -1
         if code < 0:
             if arr:
-                push(events, (arr[0][0], seq, rank))
+                wake = arr[0][0]
+                if wake in events:
+                    events[wake].append(rank)
+                else:
+                    events[wake] = deque((rank,))
+                    push(times, wake)
                 seq += 1
             continue
         if code == _W:
@@ -262,7 +275,11 @@ def list_schedule(config: Config, key: Sequence[int], host: Sequence[Sequence[in
         end = t + dur[stage][code]
         entries[rank].append((code, mb, t, end))
         busy_until[rank] = end
-        push(events, (end, seq, rank))
+        if end in events:
+            events[end].append(rank)
+        else:
+            events[end] = deque((rank,))
+            push(times, end)
         seq += 1
         if code == _F:
             live[rank] += 1
@@ -271,7 +288,11 @@ def list_schedule(config: Config, key: Sequence[int], host: Sequence[Sequence[in
                 ready = end + p2p[stage]
                 push(arrivals[dest], (ready, seq, _F, mb))
                 if ready >= busy_until[dest]:
-                    push(events, (ready, seq + 1, dest))
+                    if ready in events:
+                        events[ready].append(dest)
+                    else:
+                        events[ready] = deque((dest,))
+                        push(times, ready)
                 seq += 2
             else:
                 push(arr, (end, seq, _B, mb))  # loss turn-around on the same worker
@@ -289,7 +310,11 @@ def list_schedule(config: Config, key: Sequence[int], host: Sequence[Sequence[in
                 ready = end + p2p[stage - 1]
                 push(arrivals[dest], (ready, seq, _B, mb))
                 if ready >= busy_until[dest]:
-                    push(events, (ready, seq + 1, dest))
+                    if ready in events:
+                        events[ready].append(dest)
+                    else:
+                        events[ready] = deque((dest,))
+                        push(times, ready)
                 seq += 2
 
     per_mb = 3 if decoupled else 2

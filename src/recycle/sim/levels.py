@@ -129,6 +129,7 @@ def build_level_timer(num_ranks: int, first: Sequence[int], stop: Sequence[int],
     np.cumsum(np.bincount(src, minlength=node_count), out=indptr[1:])
 
     level = np.full(node_count, -1, dtype=np.int64)
+    stamp = np.empty(node_count, dtype=np.int64)
     frontier = np.flatnonzero(indeg == 0)
     depth = 0
     while len(frontier):
@@ -140,7 +141,12 @@ def build_level_timer(num_ranks: int, first: Sequence[int], stop: Sequence[int],
             offsets = np.repeat(lo - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
             targets = succ[offsets + np.arange(total)]
             np.subtract.at(indeg, targets, 1)
-            frontier = np.unique(targets[indeg[targets] == 0])
+            ready = targets[indeg[targets] == 0]
+            # A node whose two inputs were both in this frontier appears twice: keep one copy (whichever
+            # position's stamp survived; cheaper than np.unique's sort or hash).
+            position = np.arange(len(ready))
+            stamp[ready] = position
+            frontier = ready[stamp[ready] == position]
         else:
             frontier = frontier[:0]
         depth += 1
