@@ -76,7 +76,7 @@ def failure_set(D: int, failed_stages: tuple[int, ...]) -> list[tuple[int, int]]
     return [((7 * i + 3) % D, s) for i, s in enumerate(failed_stages)]
 
 
-def bench_previous(source: Path, D: int, S: int, M: int, failed_stages: tuple[int, ...],
+def time_in_child(source: Path, D: int, S: int, M: int, failed_stages: tuple[int, ...],
                    plan_json: str) -> tuple[float, float, bool]:
     """One cold make_plan (wall and CPU seconds) in a fresh interpreter with the code under `source` (this tree's
     src/ or an unpacked commit's), and whether its plan is byte-identical to `plan_json`."""
@@ -109,7 +109,7 @@ def bench_large(D: int, S: int, M: int, failed_stages: tuple[int, ...], repeats:
         timings["make_plan_cpu"].append(time.process_time() - cpu)
         if previous is not None:  # both trees in fresh interpreters, alternating, so both see the same load
             for source, name in ((ROOT / "src", "child"), (previous, "previous")):
-                wall, cpu_s, identical = bench_previous(source, D, S, M, failed_stages, plan.to_json())
+                wall, cpu_s, identical = time_in_child(source, D, S, M, failed_stages, plan.to_json())
                 timings[name].append(wall)
                 timings[f"{name}_cpu"].append(cpu_s)
                 same = same and identical
