@@ -8,17 +8,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from recycle import api
+from recycle.commands import add_set_option
 from recycle.config import Config, load_config
 from recycle.errors import PlanError
 from recycle.ir.plan import Plan
 from recycle.ir.validate import format_grid
-from recycle.planner.api import (ROUTINGS, SOLVERS, baseline_1f1b_period, fault_free_period, make_plan,
-                                 resolve_memory_cap, resolve_options)
-from recycle.planner.failures import normalize, parse_worker
+from recycle.planner.api import ROUTINGS, SOLVERS, baseline_1f1b_period, fault_free_period, resolve_options
 from recycle.planner.routing import traffic
 from recycle.planner.options import PlannerOptions
 from recycle.report.units import human_time, speed_words
-from recycle.sim.simulator import SimResult, simulate
+from recycle.sim.simulator import SimResult
 
 __all__ = ["register", "run", "plan_summary"]
 
@@ -36,6 +36,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                     "default). With --max-failures F --out DIR, precompute the plan of every normalized failure "
                     "state with at most F failures into a plan store.")
     parser.add_argument("--config", required=True, help="TOML config file, e.g. configs/toy.toml")
+    add_set_option(parser)
     parser.add_argument("--fail", action="append", default=[], metavar="R:S",
                         help="failed worker replica:stage (repeat for several), e.g. --fail 1:2")
     parser.add_argument("--solver", choices=SOLVERS, default="heuristic",
@@ -70,8 +71,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _options(args: argparse.Namespace, config: Config) -> PlannerOptions:
-    return PlannerOptions(decoupled=not args.no_decouple, staggered=not args.no_stagger,
-                          memory_cap=resolve_memory_cap(config, args.memory_cap), search=not args.no_search)
+    return api.planner_options(config, decoupled=not args.no_decouple, staggered=not args.no_stagger,
+                               memory_cap=args.memory_cap, search=not args.no_search)
 
 
 def plan_summary(plan: Plan, config: Config, result: SimResult, options: PlannerOptions,
@@ -170,32 +171,29 @@ def _summary_text(d: dict[str, Any]) -> str:
 
 
 def _build_store(args: argparse.Namespace, config: Config, options: PlannerOptions) -> int:
-    from recycle.planner.store import build_store
-
     if args.fail:
         raise PlanError("--fail and --max-failures are exclusive: --fail plans one state, --max-failures F --out "
                         "DIR precomputes every state with up to F failures")
     if not args.out:
         raise PlanError("--max-failures needs --out DIR, the folder to write the plan store to")
-    index = build_store(config, args.max_failures, args.out, options, args.solver, args.time_limit, args.jobs,
-                        progress=sys.stderr)
+    index = api.plan_store(config, args.max_failures, args.out, options=options, solver=args.solver,
+                           time_limit=args.time_limit, jobs=args.jobs, progress=sys.stderr)
     print(f"wrote plan store: {index}")
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
+    config = load_config(args.config, args.set)
     options = _options(args, config)
     if args.max_failures is not None:
         return _build_store(args, config, options)
     if args.out:
         raise PlanError("--out is for building a plan store and needs --max-failures F; to save one plan use "
                         "--save FILE")
-    failed = [parse_worker(text, config.num_replicas, config.num_stages) for text in args.fail]
-    normalize(failed, config.num_replicas, config.num_stages)  # a stage without survivors fails here, clearly
-    plan = make_plan(config, failed, options, args.solver, args.time_limit, args.routing)
+    plan = api.plan(config, args.fail, options=options, solver=args.solver, time_limit=args.time_limit,
+                    routing=args.routing)
     options = resolve_options(config, options)
-    result = simulate(plan, config, record=bool(args.gantt))
+    result = api.simulate(plan, config, record=bool(args.gantt))
     compare = args.compare == "yes" or (args.compare == "auto" and plan.num_actions <= COMPARE_AUTO_LIMIT)
     summary = plan_summary(plan, config, result, options, compare)
     written: dict[str, str] = {}

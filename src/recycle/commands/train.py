@@ -6,15 +6,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from recycle.config import Config, load_config
-from recycle.errors import ConfigError, PlanError, RecycleError
-from recycle.ir import Plan, read_plan
+from recycle.api import select_plan
+from recycle.commands import add_set_option
+from recycle.config import load_config
+from recycle.errors import ConfigError
 from recycle.runtime.chaos import parse_chaos
 from recycle.runtime.faults import parse_fault, parse_rejoin
 
 # The launcher and the emulation pull in torch: they are imported in run(), so `recycle train --help` starts fast.
 
-__all__ = ["register", "run", "select_plan", "DEFAULT_CHECKPOINT_EVERY"]
+__all__ = ["register", "run", "select_plan", "DEFAULT_CHECKPOINT_EVERY"]  # select_plan: recycle.api's
 
 DEFAULT_CHECKPOINT_EVERY = 10  # steps; a restore loses at most this many
 
@@ -23,6 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="train the built-in GPT on real processes (gloo on CPU, NCCL on CUDA)",
                               description=__doc__)
     p.add_argument("--config", required=True, help="TOML config, e.g. configs/tiny-gpt.toml")
+    add_set_option(p)
     source = p.add_mutually_exclusive_group()
     source.add_argument("--schedule", help="fault-free schedule: gpipe, 1f1b, 1f1b-decoupled, zb-h1 "
                         "(default: zb-h1, or 1f1b with --no-decouple)")
@@ -92,60 +94,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def select_plan(config: Config, schedule: str | None, plan_file: str | None, down: list[str], decoupled: bool,
-                staggered: bool) -> Plan:
-    """The plan to run: a plan file, an adaptive plan for `down` workers, or a fault-free schedule."""
-    from recycle.planner.failures import parse_worker  # commands may use the planner; the runtime may not
-
-    failed = frozenset(parse_worker(w, config.num_replicas, config.num_stages) for w in down)
-    if plan_file:
-        plan = read_plan(plan_file, "--plan")
-        if failed and plan.failed != failed:
-            raise PlanError(f"--plan {plan_file!r} is for failed workers {sorted(plan.failed)} but --down names "
-                            f"{sorted(failed)}; drop --down or pass the plan for that failure state")
-        return plan
-    if failed:
-        if schedule:
-            raise ConfigError("--schedule names a fault-free schedule; with --down the planner makes the plan, so "
-                              "drop --schedule")
-        try:
-            from recycle.planner.api import make_plan
-            from recycle.planner.options import PlannerOptions
-        except ImportError as exc:
-            raise RecycleError(f"the planner is not available ({exc}); pass an adaptive plan with --plan") from None
-        return make_plan(config, failed, options=PlannerOptions(decoupled=decoupled, staggered=staggered),
-                         solver="heuristic")
-    from recycle.schedules.fault_free import build_schedule
-
-    name = schedule or ("zb-h1" if decoupled else "1f1b")
-    return build_schedule(config, name, staggered=staggered)
-
-
-def plan_provider(config: Config, args: argparse.Namespace):  # -> runtime.launcher.PlanProvider | None
-    """The plans the launcher switches to when workers fail: a store (built now or loaded), heuristic beyond it."""
-    if args.no_recover:
-        return None
-    from recycle.planner.options import PlannerOptions  # commands may use the planner; the runtime may not
-    from recycle.planner.provider import PlanLibrary
-
-    if args.max_failures < 0:
-        raise ConfigError(f"--max-failures {args.max_failures} must be >= 0 (0: plan every failure when it happens)")
-    if args.plan_store:
-        library = PlanLibrary.load(args.plan_store, config)
-    else:
-        options = PlannerOptions(decoupled=not args.no_decouple, staggered=not args.no_stagger)
-        library = PlanLibrary.build(config, options, args.max_failures, progress=sys.stdout)
-    from recycle.runtime.launcher import PlanChoice
-
-    return library.provider(PlanChoice)
-
-
 def run(args: argparse.Namespace) -> int:
+    from recycle.api import train
     from recycle.runtime.control import read_token
     from recycle.runtime.emulate import DEFAULT_SLOT_MS, Emulation
-    from recycle.runtime.launcher import LaunchOptions, launch
+    from recycle.runtime.launcher import LaunchOptions
 
-    config = load_config(args.config)
+    config = load_config(args.config, args.set)
     plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
                        staggered=not args.no_stagger)
     faults, rejoins = [], []
@@ -172,10 +127,12 @@ def run(args: argparse.Namespace) -> int:
                             heartbeat_timeout_s=args.heartbeat_timeout, faults=tuple(faults), rejoins=tuple(rejoins),
                             respawn_after_s=args.respawn_after,
                             chaos=parse_chaos(args.chaos) if args.chaos else None,
-                            token=read_token(args.token_file), plan_provider=plan_provider(config, args),
+                            token=read_token(args.token_file),
                             emulation=Emulation(DEFAULT_SLOT_MS if args.slot_ms is None else args.slot_ms,
                                                 args.cost_scale) if args.emulate_costs else None)
-    result = launch(config, plan, options)
+    result = train(config, plan, decoupled=not args.no_decouple, staggered=not args.no_stagger,
+                   recover=not args.no_recover, max_failures=args.max_failures, plan_store=args.plan_store,
+                   store_progress=sys.stdout, launch_options=options)
     if args.node_rank > 0:
         print(f"node {args.node_rank}: the run has finished (node 0 reports the steps and writes the outputs)")
         return 0
