@@ -181,7 +181,9 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
     worker failure switches to the plan for the new failure state: from `plan_store` (a folder from plan_store())
     or from a store built now for up to `max_failures` failures (heuristic beyond). `options` are the fields of
     runtime.launcher.LaunchOptions (steps, save_path, metrics_path, model_factory, checkpoint_dir, ...), or pass a
-    whole `launch_options`.
+    whole `launch_options`. `model_factory` may be a function (config, num_stages) -> stages (see
+    recycle.models.split) defined at the top level of an importable module or of the script being run: every worker
+    process imports it by name.
     """
     from dataclasses import fields, replace
 
@@ -191,6 +193,9 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
     unknown = sorted(set(options) - known)
     if unknown:
         raise ConfigError(f"train() got unknown option(s) {unknown}; known: {', '.join(sorted(known))}")
+    factory = options.get("model_factory")
+    if callable(factory):
+        options["model_factory"] = factory_name(factory)
     if plan is None:
         plan = select_plan(config, schedule, None, down, decoupled, staggered)
     elif schedule or tuple(down):
@@ -209,3 +214,12 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
                                         max_failures, progress=store_progress)
         launch_opts = replace(launch_opts, plan_provider=library.provider(PlanChoice))
     return launch(config, plan, launch_opts)
+
+
+def factory_name(factory: Callable[..., Any]) -> str:
+    """'module:function' for a model factory function, the form worker processes import it by."""
+    module, name = getattr(factory, "__module__", None), getattr(factory, "__qualname__", "")
+    if not module or not name or "<" in name or "." in name:
+        raise ConfigError(f"model factory {factory!r} must be a function defined at the top level of a module (workers "
+                          "import it by name); a lambda, a nested function or a method cannot be imported")
+    return f"{module}:{name}"
