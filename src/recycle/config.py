@@ -135,6 +135,7 @@ class ModelSpec:
     n_head: int = 2
     n_embd: int = 32
     dropout: float = 0.0
+    hf_config: str = ""  # a Hugging Face config JSON: train that causal LM instead (recycle.models.hf)
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,7 @@ _SCHEMA: dict[str, dict[str, str]] = {
         "inter_node_latency": "float", "inter_node_bandwidth": "float",
     },
     "model": {"preset": "str", "vocab_size": "int", "n_layer": "int", "n_head": "int", "n_embd": "int",
-              "dropout": "float"},
+              "dropout": "float", "hf_config": "str"},
     "training": {"steps": "int", "lr": "float", "weight_decay": "float", "grad_clip": "float", "seed": "int",
                  "dtype": "str", "dataset": "str"},
 }

@@ -4,6 +4,8 @@ or an adaptive plan for workers marked down."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 from recycle.api import select_plan
@@ -82,6 +84,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--model-factory", default="", metavar="MODULE:FUNC",
                    help="bring your own model: a function (config, num_stages) -> list of stage modules "
                         "(see docs/runtime.md); default: the built-in GPT of [model]")
+    p.add_argument("--hf", default="", metavar="CONFIG_JSON",
+                   help="train a Hugging Face causal LM built from this config JSON (random init from [training] "
+                        "seed, nothing downloaded; same as [model] hf_config; needs the extra: pip install "
+                        "'recycle[hf]'), split into the stages by decoder layers")
     p.add_argument("--emulate-costs", action="store_true",
                    help="pad every action to the config's cost after its real work (timing studies that follow "
                         "the plan, not CPU contention); see docs/runtime-performance.md")
@@ -100,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     from recycle.runtime.emulate import DEFAULT_SLOT_MS, Emulation
     from recycle.runtime.launcher import LaunchOptions
 
-    config = load_config(args.config, args.set)
+    hf = [f"model.hf_config={json.dumps(os.path.abspath(args.hf))}"] if args.hf else []
+    config = load_config(args.config, [*args.set, *hf])
     plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
                        staggered=not args.no_stagger)
     faults, rejoins = [], []
@@ -146,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         down = " ".join(f"{p}:{s}" for p, s in result.failed)
         print(f"survived {failures} failure(s) without a restart ({joins} worker(s) re-joined); "
               + (f"workers down at the end: {down}" if down else "every worker is up at the end"))
-    else:
+    elif not result.steps:  # a resume already at the last step
         print(f"nothing to do: already at step {result.end_step}")
     if args.save:
         print(f"saved final parameters to {args.save}")

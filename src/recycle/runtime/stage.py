@@ -4,12 +4,14 @@ A factory is called as `factory(config, num_stages)` and returns the S stage mod
 initial weights on every call (seed it from `config.training.seed`): a list of modules, or a
 `recycle.models.split.StageModel(stages, loss_fn)` -- e.g. the stage modules of torch.distributed.pipelining's
 `pipeline()`. The call and loss contract is recycle.models.split's; the boundary shapes are found by one micro-batch
-on the meta device unless every stage has `boundary_shape(batch, seq)`.
+on the meta device unless every stage has `boundary_shape(batch, seq)`. A Hugging Face config ([model] hf_config)
+is split by decoder layers (recycle.models.hf).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,9 +21,9 @@ from torch import nn
 from recycle.config import Config
 from recycle.errors import ConfigError
 from recycle.models.gpt import build_stages, resolve_shape, stage_layers
-from recycle.models.split import LossFn, StageModel, as_stage_model, boundary_shapes
+from recycle.models.split import LossFn, StageModel, as_stage_model, boundary_shapes, causal_lm_loss
 
-__all__ = ["BuiltStage", "build_stage", "load_factory", "check_model", "factory_model"]
+__all__ = ["BuiltStage", "build_stage", "load_factory", "check_model", "factory_model", "hf_model", "all_stages"]
 
 StageFactory = Callable[[Config, int], list[nn.Module]]
 
@@ -59,29 +61,54 @@ def factory_model(config: Config, factory: str) -> StageModel:
     return StageModel(tuple(m.to(dtype) for m in model.stages), model.loss_fn)
 
 
+def hf_path(config: Config) -> str:
+    from recycle.models.hf import resolve_hf_path
+
+    return str(resolve_hf_path(config.model.hf_config, os.path.dirname(config.source) or None))
+
+
+def hf_model(config: Config) -> tuple[StageModel, list[tuple[int, int]]]:
+    """A Hugging Face causal LM ([model] hf_config) split by decoder layers, and each stage's layers."""
+    from recycle.models.hf import hf_stages
+
+    dtype = {"float32": torch.float32, "float64": torch.float64}[config.training.dtype]
+    stages = hf_stages(hf_path(config), config.num_stages, config.workload.seq_len, config.training.seed, dtype)
+    return StageModel(tuple(stages), causal_lm_loss), [(m.first_layer, m.end_layer) for m in stages]
+
+
+def all_stages(config: Config, factory: str = "") -> tuple[StageModel, list[tuple[int, int]]]:
+    """Every stage module of the run's model (built-in GPT, Hugging Face config, or factory) and their layouts."""
+    S = config.num_stages
+    if factory and config.model.hf_config:
+        raise ConfigError(f"--model-factory {factory!r} and [model] hf_config = {config.model.hf_config!r} both name "
+                          "the model; keep one")
+    if factory:
+        return factory_model(config, factory), [(s, S) for s in range(S)]
+    if config.model.hf_config:
+        return hf_model(config)
+    seq = config.workload.seq_len
+    shape = resolve_shape(config.model, seq)
+    stages = build_stages(config.model, S, config.training.seed, config.training.dtype, seq)
+    return StageModel(tuple(stages)), stage_layers(shape.n_layer, S)
+
+
 def build_stage(config: Config, stage: int, factory: str = "") -> BuiltStage:
     """The module of `stage` (in the config's dtype), its layout and the shapes of the messages it receives."""
     S = config.num_stages
-    batch, seq = config.workload.microbatch_size, config.workload.seq_len
-    if not factory:
-        shape = resolve_shape(config.model, seq)
-        stages = build_stages(config.model, S, config.training.seed, config.training.dtype, seq)
-        layout = stage_layers(shape.n_layer, S)[stage]
-        loss_fn = None
-    else:
-        model = factory_model(config, factory)
-        stages, loss_fn, layout = list(model.stages), model.loss_fn, (stage, S)
-    shapes = boundary_shapes(stages, batch, seq, upto=stage + 1)
+    model, layouts = all_stages(config, factory)
+    stages = list(model.stages)
+    shapes = boundary_shapes(stages, config.workload.microbatch_size, config.workload.seq_len, upto=stage + 1)
     input_shape = shapes[stage - 1] if stage > 0 else None
     output_shape = shapes[stage] if stage < S - 1 else None
-    return BuiltStage(stages[stage], layout, input_shape, output_shape, loss_fn if stage == S - 1 else None)
+    return BuiltStage(stages[stage], layouts[stage], input_shape, output_shape,
+                      model.loss_fn if stage == S - 1 else None)
 
 
 def check_model(config: Config, factory: str = "") -> None:
-    """Fail fast, in the launcher, on model errors (unknown preset, too few layers, a broken factory, stages whose
-    outputs cannot be sent): a factory is called once and its stages run on the meta device."""
-    if factory:
-        model = factory_model(config, factory)
+    """Fail fast, in the launcher, on model errors (unknown preset, too few layers, a broken factory or Hugging Face
+    config, stages whose outputs cannot be sent): a factory is called once and its stages run on the meta device."""
+    if factory or config.model.hf_config:
+        model, _ = all_stages(config, factory)
         boundary_shapes(list(model.stages), config.workload.microbatch_size, config.workload.seq_len)
     else:
         stage_layers(resolve_shape(config.model, config.workload.seq_len).n_layer, config.num_stages)
