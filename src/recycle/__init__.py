@@ -11,7 +11,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 __all__ = ["load_config", "config_from_dict", "apply_overrides", "Config", "Plan", "planner_options", "plan",
-           "schedule", "plan_store", "load_plan_store", "read_plan", "simulate", "load_trace", "simulate_trace",
+           "schedule", "plan_store", "load_plan_store", "read_plan", "pipelining_csv", "simulate", "load_trace", "simulate_trace",
            "select_plan", "train", "RecycleError", "__version__"]
 
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from recycle.traces.reader import EventTrace
 
 __all__ = ["load_config", "config_from_dict", "apply_overrides", "Config", "Plan", "planner_options", "plan",
-           "schedule", "plan_store", "load_plan_store", "read_plan", "simulate", "load_trace", "simulate_trace", "select_plan",
+           "schedule", "plan_store", "load_plan_store", "read_plan", "pipelining_csv", "simulate", "load_trace", "simulate_trace", "select_plan",
            "train", "RecycleError"]
 
 Worker = tuple[int, int]
@@ -94,6 +94,15 @@ def read_plan(path: str | Path) -> Plan:
     from recycle.ir import read_plan as read
 
     return read(str(path), "plan file")
+
+
+def pipelining_csv(plan: Plan, replica: int = 0) -> str:
+    """Replica `replica`'s pipeline of `plan` as torch.distributed.pipelining's compute-only schedule CSV (what
+    `_PipelineScheduleRuntime._load_csv` reads). Raises PlanError for what the format cannot express: a replica with
+    a failed worker or in cross-pipeline re-routing. The optimizer step is left out (recycle.ir.pipelining)."""
+    from recycle.ir.pipelining import pipelining_csv as export
+
+    return export(plan, replica)
 
 
 def simulate(plan: Plan, config: Config, *, iterations: int | None = None, record: bool = False) -> SimResult:

@@ -62,7 +62,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                              "actions per iteration")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     parser.add_argument("--gantt", metavar="PNG", help="write a Gantt chart of the simulated iterations")
-    parser.add_argument("--save", metavar="JSON", help="write the plan (real ranks) as JSON for the runtime")
+    parser.add_argument("--save", metavar="FILE", help="write the plan (real ranks) for the runtime, as --format says")
+    parser.add_argument("--format", choices=("json", "pipelining-csv"), default="json",
+                        help="what --save writes: json (the recycle runtime's plan, default) or pipelining-csv (one "
+                             "replica's pipeline as torch.distributed.pipelining's compute-only schedule CSV; "
+                             "cannot express cross-pipeline re-routing, see docs/api.md)")
+    parser.add_argument("--replica", type=int, default=0, metavar="R",
+                        help="with --format pipelining-csv: the replica whose pipeline to write (default 0)")
     parser.add_argument("--max-failures", type=int, metavar="F", help="build a plan store for up to F failures")
     parser.add_argument("--out", metavar="DIR", help="plan store folder (with --max-failures)")
     parser.add_argument("--jobs", type=int, default=1, metavar="N", help="processes for building a store")
@@ -187,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
     options = _options(args, config)
     if args.max_failures is not None:
         return _build_store(args, config, options)
+    if args.format != "json" and not args.save:
+        raise PlanError(f"--format {args.format} says what --save writes; add --save FILE")
     if args.out:
         raise PlanError("--out is for building a plan store and needs --max-failures F; to save one plan use "
                         "--save FILE")
@@ -200,7 +208,14 @@ def run(args: argparse.Namespace) -> int:
     if args.save:
         from recycle.fileio import atomic_write_text
 
-        written["plan"] = str(atomic_write_text(args.save, plan.to_json()))
+        if args.format == "pipelining-csv":
+            from recycle.ir.pipelining import pipelining_csv
+
+            written["pipelining csv"] = str(atomic_write_text(args.save, pipelining_csv(plan, args.replica)))
+            print(f"note: {args.save}: replica {args.replica}'s pipeline; the optimizer step (OPT) is left out (torch's "
+                  "runtime reduces gradients itself and steps after schedule.step())", file=sys.stderr)
+        else:
+            written["plan"] = str(atomic_write_text(args.save, plan.to_json()))
     if args.gantt:
         try:
             from recycle.report.gantt import write_gantt
