@@ -6,8 +6,6 @@ torch nor the planner; each function imports what it needs when called.
 
 from __future__ import annotations
 
-from typing import Any
-
 __version__ = "0.1.0"
 
 __all__ = ["load_config", "config_from_dict", "apply_overrides", "Config", "Plan", "planner_options", "plan",
@@ -15,7 +13,7 @@ __all__ = ["load_config", "config_from_dict", "apply_overrides", "Config", "Plan
            "select_plan", "train", "RecycleError", "__version__"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     # PEP 562: resolve the API names on first use, so `import recycle` stays cheap (tests/unit/test_api.py).
     if name in __all__:
         from recycle import api
