@@ -26,3 +26,14 @@ def test_an_unsupported_model_or_a_missing_file_is_named(tmp_path) -> None:
         load_hf_config(path, 16)
     with pytest.raises(ConfigError, match=r"hf_config = 'nope.json' is not a file"):
         resolve_hf_path("nope.json", str(tmp_path))
+
+
+def test_cli_hf_with_a_missing_file_is_one_error_line(capsys) -> None:
+    from pathlib import Path
+
+    from recycle.cli import main
+
+    tiny = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-gpt.toml")
+    assert main(["train", "--config", tiny, "--hf", "no-such-config.json", "--max-failures", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no-such-config.json" in err[0] and "is not a file" in err[0], err
