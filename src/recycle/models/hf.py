@@ -29,7 +29,7 @@ MIN_VOCAB = 256  # the data is byte-level
 
 
 def _transformers() -> Any:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be fetched at run time
+    os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may be fetched at run time (from_config needs nothing)
     try:
         import transformers
     except ImportError:
