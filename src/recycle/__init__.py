@@ -9,8 +9,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 __all__ = ["load_config", "config_from_dict", "apply_overrides", "Config", "Plan", "planner_options", "plan",
-           "schedule", "plan_store", "load_plan_store", "read_plan", "pipelining_csv", "simulate", "load_trace", "simulate_trace",
-           "select_plan", "train", "RecycleError", "__version__"]
+           "schedule", "plan_store", "load_plan_store", "read_plan", "pipelining_csv", "simulate", "load_trace",
+           "simulate_trace", "select_plan", "train", "factory_name", "RecycleError", "__version__"]
 
 
 def __getattr__(name: str) -> object:

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from recycle.traces.reader import EventTrace
 
 __all__ = ["load_config", "config_from_dict", "apply_overrides", "Config", "Plan", "planner_options", "plan",
-           "schedule", "plan_store", "load_plan_store", "read_plan", "pipelining_csv", "simulate", "load_trace", "simulate_trace", "select_plan",
-           "train", "RecycleError"]
+           "schedule", "plan_store", "load_plan_store", "read_plan", "pipelining_csv", "simulate", "load_trace",
+           "simulate_trace", "select_plan", "train", "factory_name", "RecycleError"]
 
 Worker = tuple[int, int]
 

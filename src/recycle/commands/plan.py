@@ -212,8 +212,8 @@ def run(args: argparse.Namespace) -> int:
             from recycle.ir.pipelining import pipelining_csv
 
             written["pipelining csv"] = str(atomic_write_text(args.save, pipelining_csv(plan, args.replica)))
-            print(f"note: {args.save}: replica {args.replica}'s pipeline; the optimizer step (OPT) is left out (torch's "
-                  "runtime reduces gradients itself and steps after schedule.step())", file=sys.stderr)
+            print(f"note: {args.save}: replica {args.replica}'s pipeline; the optimizer step (OPT) is left out "
+                  "(torch's runtime reduces gradients itself and steps after schedule.step())", file=sys.stderr)
         else:
             written["plan"] = str(atomic_write_text(args.save, plan.to_json()))
     if args.gantt:

@@ -86,7 +86,8 @@ def _meta_forward(module: nn.Module, x: torch.Tensor) -> Any:
             return copy.deepcopy(module).to("meta")(x)
 
 
-def boundary_shapes(stages: Sequence[nn.Module], batch: int, seq: int, upto: int | None = None) -> list[tuple[int, ...]]:
+def boundary_shapes(stages: Sequence[nn.Module], batch: int, seq: int,
+                    upto: int | None = None) -> list[tuple[int, ...]]:
     """The shape each stage s < S - 1 (or s < `upto`) sends downstream, from `boundary_shape(batch, seq)` where
     every stage up to there has it, else by one micro-batch of token ids [batch, seq] through the stages on meta."""
     count = len(stages) - 1 if upto is None else min(upto, len(stages) - 1)
