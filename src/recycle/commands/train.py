@@ -4,20 +4,22 @@ or an adaptive plan for workers marked down."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Mapping
 
-from recycle.config import Config, load_config
-from recycle.errors import ConfigError, PlanError, RecycleError
-from recycle.ir import Plan, read_plan
+from recycle.api import select_plan
+from recycle.commands import add_set_option
+from recycle.config import load_config
+from recycle.errors import ConfigError
 from recycle.runtime.chaos import parse_chaos
 from recycle.runtime.cluster_env import NodeRole, resolve_role
 from recycle.runtime.faults import parse_fault, parse_rejoin
 
 # The launcher and the emulation pull in torch: they are imported in run(), so `recycle train --help` starts fast.
 
-__all__ = ["register", "run", "select_plan", "node_role", "DEFAULT_CHECKPOINT_EVERY"]
+__all__ = ["register", "run", "select_plan", "node_role", "DEFAULT_CHECKPOINT_EVERY"]  # select_plan: recycle.api's
 
 DEFAULT_CHECKPOINT_EVERY = 10  # steps; a restore loses at most this many
 
@@ -26,6 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="train the built-in GPT on real processes (gloo on CPU, NCCL on CUDA)",
                               description=__doc__)
     p.add_argument("--config", required=True, help="TOML config, e.g. configs/tiny-gpt.toml")
+    add_set_option(p)
     source = p.add_mutually_exclusive_group()
     source.add_argument("--schedule", help="fault-free schedule: gpipe, 1f1b, 1f1b-decoupled, zb-h1 "
                         "(default: zb-h1, or 1f1b with --no-decouple)")
@@ -101,6 +104,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--model-factory", default="", metavar="MODULE:FUNC",
                    help="bring your own model: a function (config, num_stages) -> list of stage modules "
                         "(see docs/runtime.md); default: the built-in GPT of [model]")
+    p.add_argument("--hf", default="", metavar="CONFIG_JSON",
+                   help="train a Hugging Face causal LM built from this config JSON (random init from [training] "
+                        "seed, nothing downloaded; same as [model] hf_config; needs the extra: pip install "
+                        "'recycle[hf]'), split into the stages by decoder layers")
     p.add_argument("--emulate-costs", action="store_true",
                    help="pad every action to the config's cost after its real work (timing studies that follow "
                         "the plan, not CPU contention); see docs/runtime-performance.md")
@@ -111,54 +118,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="with --emulate-costs: factor on the durations of a microsecond (\"us\") config (default 1)")
     p.set_defaults(func=run)
     return p
-
-
-def select_plan(config: Config, schedule: str | None, plan_file: str | None, down: list[str], decoupled: bool,
-                staggered: bool) -> Plan:
-    """The plan to run: a plan file, an adaptive plan for `down` workers, or a fault-free schedule."""
-    from recycle.planner.failures import parse_worker  # commands may use the planner; the runtime may not
-
-    failed = frozenset(parse_worker(w, config.num_replicas, config.num_stages) for w in down)
-    if plan_file:
-        plan = read_plan(plan_file, "--plan")
-        if failed and plan.failed != failed:
-            raise PlanError(f"--plan {plan_file!r} is for failed workers {sorted(plan.failed)} but --down names "
-                            f"{sorted(failed)}; drop --down or pass the plan for that failure state")
-        return plan
-    if failed:
-        if schedule:
-            raise ConfigError("--schedule names a fault-free schedule; with --down the planner makes the plan, so "
-                              "drop --schedule")
-        try:
-            from recycle.planner.api import make_plan
-            from recycle.planner.options import PlannerOptions
-        except ImportError as exc:
-            raise RecycleError(f"the planner is not available ({exc}); pass an adaptive plan with --plan") from None
-        return make_plan(config, failed, options=PlannerOptions(decoupled=decoupled, staggered=staggered),
-                         solver="heuristic")
-    from recycle.schedules.fault_free import build_schedule
-
-    name = schedule or ("zb-h1" if decoupled else "1f1b")
-    return build_schedule(config, name, staggered=staggered)
-
-
-def plan_provider(config: Config, args: argparse.Namespace):  # -> runtime.launcher.PlanProvider | None
-    """The plans the launcher switches to when workers fail: a store (built now or loaded), heuristic beyond it."""
-    if args.no_recover:
-        return None
-    from recycle.planner.options import PlannerOptions  # commands may use the planner; the runtime may not
-    from recycle.planner.provider import PlanLibrary
-
-    if args.max_failures < 0:
-        raise ConfigError(f"--max-failures {args.max_failures} must be >= 0 (0: plan every failure when it happens)")
-    if args.plan_store:
-        library = PlanLibrary.load(args.plan_store, config)
-    else:
-        options = PlannerOptions(decoupled=not args.no_decouple, staggered=not args.no_stagger)
-        library = PlanLibrary.build(config, options, args.max_failures, progress=sys.stdout)
-    from recycle.runtime.launcher import PlanChoice
-
-    return library.provider(PlanChoice)
 
 
 def node_role(args: argparse.Namespace, env: Mapping[str, str]) -> NodeRole:
@@ -174,9 +133,10 @@ def node_role(args: argparse.Namespace, env: Mapping[str, str]) -> NodeRole:
 
 
 def run(args: argparse.Namespace) -> int:
+    from recycle.api import train
     from recycle.runtime.control import read_token
     from recycle.runtime.emulate import DEFAULT_SLOT_MS, Emulation
-    from recycle.runtime.launcher import LaunchOptions, launch
+    from recycle.runtime.launcher import LaunchOptions
 
     role = node_role(args, os.environ)
     tensorboard = args.tensorboard if role.node_rank == 0 else ""  # node 0 gathers the metrics
@@ -184,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
         from recycle.runtime.tensorboard_sink import summary_writer
 
         summary_writer(tensorboard)  # a missing extra fails now, not after the plan store is built
-    config = load_config(args.config)
+    hf = [f"model.hf_config={json.dumps(os.path.abspath(args.hf))}"] if args.hf else []
+    config = load_config(args.config, [*args.set, *hf])
     plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
                        staggered=not args.no_stagger)
     faults, rejoins = [], []
@@ -211,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
                             heartbeat_timeout_s=args.heartbeat_timeout, faults=tuple(faults), rejoins=tuple(rejoins),
                             respawn_after_s=args.respawn_after, stage_loss=args.on_stage_loss,
                             chaos=parse_chaos(args.chaos) if args.chaos else None,
-                            token=read_token(args.token_file), plan_provider=plan_provider(config, args),
+                            token=read_token(args.token_file),
                             emulation=Emulation(DEFAULT_SLOT_MS if args.slot_ms is None else args.slot_ms,
                                                 args.cost_scale) if args.emulate_costs else None)
     sink = None
@@ -223,7 +184,9 @@ def run(args: argparse.Namespace) -> int:
         sink = TensorBoardSink(tensorboard)
         options = replace(options, on_event=sink)
     try:
-        result = launch(config, plan, options)
+        result = train(config, plan, decoupled=not args.no_decouple, staggered=not args.no_stagger,
+                       recover=not args.no_recover, max_failures=args.max_failures, plan_store=args.plan_store,
+                       store_progress=sys.stdout, launch_options=options)
     finally:
         if sink is not None:
             sink.close()
@@ -240,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
         down = " ".join(f"{p}:{s}" for p, s in result.failed)
         print(f"survived {failures} failure(s) without a restart ({joins} worker(s) re-joined); "
               + (f"workers down at the end: {down}" if down else "every worker is up at the end"))
-    if not result.steps:
+    if not result.steps:  # a resume already at the last step
         print(f"nothing to do: already at step {result.end_step}")
     if args.save:
         print(f"saved final parameters to {args.save}")

@@ -87,9 +87,11 @@ class StageExecutor:
                  input_shape: tuple[int, ...] | None, output_shape: tuple[int, ...] | None, dtype: torch.dtype,
                  grad_clip: float = 0.0, seed: int = 0,
                  device: torch.device | None = None, record_timings: bool = False,
-                 before_action: Callable[[Action], None] | None = None) -> None:
+                 before_action: Callable[[Action], None] | None = None,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
         self.rank = rank
         self.module = module
+        self.loss_fn = loss_fn  # last stage: loss_fn(module(x), targets); None: module(x, targets) is the loss
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = optimizer
         self.comm = comm
@@ -195,7 +197,8 @@ class StageExecutor:
             x = inp
         self._seed_dropout(dropout_seed(self.seed, self.progress.iteration, mb, self.stage))
         if self.is_last:
-            loss = self.module(x, targets.to(self.device))
+            targets = targets.to(self.device)
+            loss = self.loss_fn(self.module(x), targets) if self.loss_fn else self.module(x, targets)
             out = loss * self.scale
             self._loss_sum += float(out.detach())
         else:

@@ -125,6 +125,8 @@ def run_fingerprint(config: Config, model_factory: str = "") -> dict[str, Any]:
     model: dict[str, Any]
     if model_factory:
         model = {}
+    elif config.model.hf_config:
+        model = {"hf_config": config.model.hf_config}
     else:
         from recycle.models.gpt import resolve_shape
 
@@ -140,14 +142,12 @@ def run_fingerprint(config: Config, model_factory: str = "") -> dict[str, Any]:
 
 def expected_stages(config: Config, model_factory: str = "") -> list[StageSpec]:
     """The tensors each stage of this config's model has (built on the meta device when the model is large)."""
-    from recycle.runtime.stage import load_factory
+    from recycle.runtime.stage import all_stages
 
     S = config.num_stages
-    if model_factory:
-        modules = load_factory(model_factory)(config, S)
-        dtype = {"float32": torch.float32, "float64": torch.float64}[config.training.dtype]
-        modules = [m.to(dtype) for m in modules]
-        layouts = [(s, S) for s in range(S)]
+    if model_factory or config.model.hf_config:
+        model, layouts = all_stages(config, model_factory)
+        modules = list(model.stages)
     else:
         from recycle.models.gpt import DTYPES, GPTStage, resolve_shape, stage_layers
 

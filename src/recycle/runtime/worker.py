@@ -297,7 +297,8 @@ class _Worker:
         executor = StageExecutor(self.plan, self.spec.rank, self.module, self.optimizer, self.transport, load,
                                  built.input_shape, built.output_shape, DTYPES[config.training.dtype],
                                  grad_clip=config.training.grad_clip, seed=config.training.seed, device=self.device,
-                                 record_timings=self.spec.record_timings, before_action=self._before_action)
+                                 record_timings=self.spec.record_timings, before_action=self._before_action,
+                                 loss_fn=built.loss_fn)
         if self.spec.emulation is not None:
             install_pacing(executor, config, self.spec.emulation)
         return executor
