@@ -22,7 +22,7 @@ from recycle.config import parse_config
 from recycle.planner.options import PlannerOptions
 from recycle.planner.provider import PlanLibrary
 from recycle.runtime.chaos import ChaosSpec
-from recycle.runtime.checkpoint import latest_step, read_stage, stage_file
+from recycle.runtime.checkpoint import latest_step, read_metadata
 from recycle.runtime.emulate import Emulation
 from recycle.runtime.launcher import LaunchOptions, PlanChoice, launch
 from recycle.runtime.reference import reference_train
@@ -75,12 +75,11 @@ def main() -> int:
         broken = []
         for step_dir in sorted(ckpt.glob("step*")):
             step = int(step_dir.name.removeprefix("step"))
-            for stage in range(config.num_stages):
-                try:
-                    read_stage(stage_file(ckpt, step, stage))
-                except Exception as exc:  # noqa: BLE001 - reported below
-                    if step <= latest:
-                        broken.append(f"{step_dir.name}/stage{stage}: {exc}")
+            try:  # every file against the hash recorded when it was written
+                read_metadata(step_dir, verify_files=True)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                if step <= latest and (step_dir / "recycle.json").is_file():
+                    broken.append(f"{step_dir.name}: {exc}")
         leftovers = list(ckpt.rglob("*.tmp"))
 
     failures = [r for r in result.recoveries if r.causes]

@@ -18,7 +18,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from recycle.config import load_config  # noqa: E402
 from recycle.report.units import percent  # noqa: E402
-from recycle.traces.experiments import PAPER, JobSetup, find_traces_dir, named_config, run_job  # noqa: E402
+from recycle.traces.experiments import (PAPER, SYSTEM_NAMES, JobSetup, find_traces_dir, named_config,  # noqa: E402
+                                        run_job)
 from recycle.traces.generate import paper_gcp_shape  # noqa: E402
 from recycle.traces.jobsim import rate_at  # noqa: E402
 from recycle.traces.model import JobCosts  # noqa: E402
@@ -27,6 +28,7 @@ from recycle.traces.report import summary_dict, write_report  # noqa: E402
 from recycle.traces.throughput import make_period_fn  # noqa: E402
 
 PLACEMENT_ORDER = ("spread", "random", "worst")
+WITHOUT_PLUS = [s for s in SYSTEM_NAMES if s != "recycle-plus"]  # ReCycle+ has its own benchmark (bench_repartition)
 DIP_S = 4.6 * 3600  # the paper shape has 15 of 24 workers live from 4.5 h to 4.75 h
 
 
@@ -86,7 +88,7 @@ def main() -> int:
     def paper_run(cfg, placement: str, seed: int, systems=None, setup=JobSetup(reference="1f1b"),
                   costs=JobCosts()):
         fn, label = periods[cfg.name]  # the reference only sets the cap, applied after the period function
-        kwargs = {"systems": systems} if systems else {}
+        kwargs = {"systems": systems or WITHOUT_PLUS}
         return run_job(cfg, paper_gcp_shape(seed=seed, placement=placement), setup=setup, costs=costs,
                        period_fn=fn, period_label=label, **kwargs)
 
@@ -197,7 +199,8 @@ def main() -> int:
             print(f"   {'trace':28s} {'D':>2s} " + " ".join(f"{n:>20s}" for n in
                   ("recycle", "fault-scaled", "checkpoint-restart", "oobleck", "bamboo")) + "   ReCycle/Oobleck")
             for name in names:
-                r = run_job(cfg, read_trace(traces / name), setup=JobSetup(replicas="auto", reference="1f1b"))
+                r = run_job(cfg, read_trace(traces / name), setup=JobSetup(replicas="auto", reference="1f1b"),
+                            systems=WITHOUT_PLUS)
                 ff = r.fault_free_rate
                 cells = []
                 for system in ("recycle", "fault-scaled", "checkpoint-restart", "oobleck", "bamboo"):

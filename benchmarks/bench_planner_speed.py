@@ -1,11 +1,18 @@
-"""Planner speed: heuristic and make_plan at 512 and 1,024 workers, CLI start-up, a D=6/S=4/f=3 store build, lookups.
+"""Planner speed: make_plan at 512 and 1,024 workers side by side (and its parts), CLI start-up, a D=6/S=4/f=3 store
+build, lookups.
 
-Run: nice -n 15 .venv/bin/python benchmarks/bench_planner_speed.py [--repeats 3] [--skip-1024]
+Run: nice -n 15 .venv/bin/python benchmarks/bench_planner_speed.py [--repeats 3] [--skip-1024] [--compare-with COMMIT]
+With --compare-with, make_plan as of that commit (its src/ from `git archive`, run in a child interpreter) is timed
+in the same run on the same cases, alternating with this tree's runs, and its plans are checked to be
+byte-identical to this tree's.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
 import random
 import subprocess
 import sys
@@ -15,14 +22,14 @@ from pathlib import Path
 
 from recycle.config import Config, load_config, uniform_config
 from recycle.ir.validate import validate_plan
-from recycle.planner.api import baseline_1f1b_period, clear_cache, make_plan
+from recycle.planner.api import clear_cache, make_plan
 from recycle.planner.bounds import period_lower_bound
 from recycle.planner.failures import normalize
-from recycle.planner.heuristic import SIMULATE_ALL_LIMIT
-from recycle.planner.heuristic import VARIANTS, list_schedule, schedule_heuristic
+from recycle.planner.heuristic import SIMULATE_ALL_LIMIT, VARIANTS, _to_actions, list_schedule, schedule_heuristic
 from recycle.planner.options import PlannerOptions
-from recycle.planner.routing import balanced_routing
+from recycle.planner.routing import failed_routing
 from recycle.planner.store import PlanStore, build_store
+from recycle.sim import simulator
 from recycle.sim.simulator import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,50 +48,146 @@ def bench_toy(repeats: int) -> None:
               f"{simulate(plan, config).period:g}")
 
 
-def bench_large(D: int, S: int, M: int, failed_stages: tuple[int, ...], repeats: int) -> None:
+# The child interpreter's program for --compare-with: best-of-N make_plan and the plan's digest, as JSON.
+_CHILD = """
+import hashlib, json, sys, time
+from recycle.config import uniform_config
+from recycle.planner.api import make_plan
+D, S, M, failed = json.loads(sys.argv[1])
+config = uniform_config(D, S, M, optimizer=3.0, name=f"uniform-{D}x{S}x{M}")
+wall, cpu = time.perf_counter(), time.process_time()
+plan = make_plan(config, [tuple(w) for w in failed])
+wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+print(json.dumps({"wall": wall, "cpu": cpu, "digest": hashlib.sha256(plan.to_json().encode()).hexdigest()}))
+"""
+
+
+def previous_source(commit: str) -> Path:
+    """src/ as of `commit`, unpacked into a temporary folder."""
+    folder = Path(tempfile.mkdtemp(prefix="bench-planner-"))
+    archive = subprocess.run(["git", "archive", commit, "src"], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder / "src"
+
+
+def failure_set(D: int, failed_stages: tuple[int, ...]) -> list[tuple[int, int]]:
+    """One failure per listed stage, each in a different pipeline (not nested: the traffic-aware routing on the real
+    ranks), as a random failure set would be."""
+    return [((7 * i + 3) % D, s) for i, s in enumerate(failed_stages)]
+
+
+def time_in_child(source: Path, D: int, S: int, M: int, failed_stages: tuple[int, ...],
+                   plan_json: str) -> tuple[float, float, bool]:
+    """One cold make_plan (wall and CPU seconds) in a fresh interpreter with the code under `source` (this tree's
+    src/ or an unpacked commit's), and whether its plan is byte-identical to `plan_json`."""
+    argument = json.dumps([D, S, M, failure_set(D, failed_stages)])
+    env = {**os.environ, "PYTHONPATH": str(source)}
+    out = subprocess.run([sys.executable, "-c", _CHILD, argument], env=env, check=True, capture_output=True,
+                         text=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    return result["wall"], result["cpu"], result["digest"] == hashlib.sha256(plan_json.encode()).hexdigest()
+
+
+def bench_large(D: int, S: int, M: int, failed_stages: tuple[int, ...], repeats: int,
+                previous: Path | None = None) -> dict[str, float | str]:
+    """make_plan on real ranks and its parts for one shape; best of `repeats` (cold: the plan cache is cleared)."""
     config = uniform_config(D, S, M, optimizer=3.0, name=f"uniform-{D}x{S}x{M}")
     key = tuple(1 if s in failed_stages else 0 for s in range(S))
-    # Real failures for make_plan: one per listed stage, each in a different pipeline (not nested: per-stage
-    # relabelling), as a random failure set would be.
-    failed = [((7 * i + 3) % D, s) for i, s in enumerate(failed_stages)]
+    failed = failure_set(D, failed_stages)
     options = PlannerOptions()
-    host = balanced_routing(config, key)
-    times, list_times, validate_times, make_times = [], [], [], []
+    host = failed_routing(config, frozenset(failed))
+    timings: dict[str, list[float]] = {name: [] for name in ("make_plan", "make_plan_cpu", "child", "child_cpu",
+                                                              "previous", "previous_cpu", "list", "build",
+                                                              "simulate", "loop", "heuristic", "validate")}
     plan = None
+    same = True
     for _ in range(repeats):
-        start = time.perf_counter()
-        list_schedule(config, key, host, True, True, None, VARIANTS[0])
-        list_times.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        plan = schedule_heuristic(config, key, options)
-        times.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        validate_plan(plan)
-        validate_times.append(time.perf_counter() - start)
         clear_cache()
+        start, cpu = time.perf_counter(), time.process_time()
+        plan = make_plan(config, failed, options)
+        timings["make_plan"].append(time.perf_counter() - start)
+        timings["make_plan_cpu"].append(time.process_time() - cpu)
+        if previous is not None:  # both trees in fresh interpreters, alternating, so both see the same load
+            for source, name in ((ROOT / "src", "child"), (previous, "previous")):
+                wall, cpu_s, identical = time_in_child(source, D, S, M, failed_stages, plan.to_json())
+                timings[name].append(wall)
+                timings[f"{name}_cpu"].append(cpu_s)
+                same = same and identical
         start = time.perf_counter()
-        make_plan(config, failed, options)
-        make_times.append(time.perf_counter() - start)
+        timed = list_schedule(config, key, host, True, True, None, VARIANTS[0])
+        timings["list"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        _to_actions(config, timed, host, True, True)
+        timings["build"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        result = simulate(plan, config)
+        timings["simulate"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        schedule_heuristic(config, key, options)
+        timings["heuristic"].append(time.perf_counter() - start)
     assert plan is not None
     start = time.perf_counter()
-    result = simulate(plan, config)
-    sim_time = time.perf_counter() - start
+    validate_plan(plan)
+    timings["validate"].append(time.perf_counter() - start)
+    # The simulator's per-action loop on the same plan, for the level timer's speed-up (same numbers, checked).
+    saved = simulator.LEVEL_TIMER_MIN_ACTIONS
+    simulator.LEVEL_TIMER_MIN_ACTIONS = 1 << 60
+    try:
+        start = time.perf_counter()
+        looped = simulate(plan, config)
+        timings["loop"].append(time.perf_counter() - start)
+    finally:
+        simulator.LEVEL_TIMER_MIN_ACTIONS = saved
+    assert looped == result, "the level timer and the per-action loop disagree"
     bound = period_lower_bound(config, key, options)
-    print(f"heuristic D={D} S={S} M={M} ({D * S} workers), {len(failed_stages)} failures {key}: {plan.num_actions} "
-          f"actions")
-    print(f"  make_plan (real ranks, incl. the simulation for the predicted period): best {min(make_times):.3f} s, "
-          f"mean {sum(make_times) / len(make_times):.3f} s over {repeats}")
-    print(f"  schedule_heuristic: best {min(times):.3f} s, mean {sum(times) / len(times):.3f} s; of which list "
-          f"scheduling {min(list_times):.3f} s (validate_plan, skipped above {SIMULATE_ALL_LIMIT:,} actions, would "
-          f"add {min(validate_times):.3f} s)")
-    print(f"  simulate for the reported period: {sim_time:.3f} s")
-    if D * S <= 512:
-        baseline = baseline_1f1b_period(config, options)
-        print(f"  period {result.period:g}, lower bound {bound:g} "
-              f"(gap {100 * (result.period - bound) / result.period:.1f}%), fault-free 1F1B {baseline:g}")
-    else:
-        print(f"  period {result.period:g}, lower bound {bound:g} "
-              f"(gap {100 * (result.period - bound) / result.period:.1f}%)")
+    best: dict[str, float | str] = {name: min(values) for name, values in timings.items() if values}
+    if previous is not None:
+        best["identical"] = "yes" if same else "NO"
+    return {**best, "shape": f"D={D} S={S} M={M}", "workers": f"{D * S:,}", "failures": str(len(failed)),
+            "actions": f"{plan.num_actions:,}", "period": f"{result.period:g} (bound {bound:g})"}
+
+
+def print_large(rows: list[dict[str, float | str]], repeats: int) -> None:
+    """One column per shape, measured in this run."""
+    lines = [("shape", "shape", ""), ("workers", "workers", ""), ("failures", "failures (one per pipeline)", ""),
+             ("actions", "actions per iteration", ""),
+             ("make_plan", "make_plan (real ranks, incl. simulation)", "s"),
+             ("make_plan_cpu", "  its CPU time (process)", "s"),
+             ("list", "  list scheduling (the one rule used)", "s"), ("build", "  building action lists", "s"),
+             ("simulate", "  simulation for the predicted period", "s"),
+             ("heuristic", "schedule_heuristic (canonical key)", "s"),
+             ("loop", "simulation, per-action loop (reference)", "s"),
+             ("ratio", "  loop / level timer", "x"),
+             ("validate", f"validate_plan (skipped above {SIMULATE_ALL_LIMIT:,} actions)", "s"),
+             ("period", "period", "")]
+    if "previous" in rows[0]:
+        lines[6:6] = [("child", "  make_plan in a fresh interpreter, this tree", "s"),
+                      ("child_cpu", "    its CPU time", "s"),
+                      ("previous", "  the same at the --compare-with commit", "s"),
+                      ("previous_cpu", "    its CPU time", "s"),
+                      ("speedup", "  speed-up (that commit / this tree), wall", "x"),
+                      ("speedup_cpu", "  speed-up, CPU time", "x"),
+                      ("identical", "  plans byte-identical", "")]
+    print(f"planner at scale, best of {repeats} (cold: plan cache cleared each time; CPU time is less disturbed by "
+          "other processes than wall time on a shared machine)")
+    for name, label, unit in lines:
+        cells = []
+        for row in rows:
+            if name == "ratio":
+                value: float | str = float(row["loop"]) / float(row["simulate"])
+            elif name == "speedup":
+                value = float(row["previous"]) / float(row["child"])
+            elif name == "speedup_cpu":
+                value = float(row["previous_cpu"]) / float(row["child_cpu"])
+            else:
+                value = row[name]
+            if unit == "s":
+                cells.append(f"{float(value):.3f} s")
+            elif unit == "x":
+                cells.append(f"{float(value):.1f}x")
+            else:
+                cells.append(str(value))
+        print(f"  {label:<48}" + "".join(f"{c:>22}" for c in cells))
 
 
 def bench_cli_startup(repeats: int = 5) -> None:
@@ -148,12 +251,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--lookups", type=int, default=10_000)
     parser.add_argument("--skip-1024", action="store_true", help="leave out the D=64, S=16, M=128 case")
+    parser.add_argument("--compare-with", metavar="COMMIT", help="also time make_plan as of this git commit")
     args = parser.parse_args(argv)
+    previous = previous_source(args.compare_with) if args.compare_with else None
     bench_cli_startup()
     bench_toy(20)
-    bench_large(32, 16, 64, (1, 5, 9, 14), args.repeats)
+    rows = [bench_large(32, 16, 64, (1, 5, 9, 14), args.repeats, previous)]
     if not args.skip_1024:
-        bench_large(64, 16, 128, (1, 3, 5, 7, 9, 11, 13, 15), args.repeats)
+        rows.append(bench_large(64, 16, 128, (1, 3, 5, 7, 9, 11, 13, 15), args.repeats, previous))
+    print_large(rows, args.repeats)
     bench_store(args.jobs, args.lookups)
     return 0
 

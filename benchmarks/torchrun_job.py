@@ -96,7 +96,7 @@ def main() -> None:
     optimizer = make_optimizer(built.module, training)
     start = checkpoint.latest_step(ckpt) if (ckpt / "latest").is_file() else 0
     if start > 0:
-        checkpoint.load_stage(ckpt, start, stage, built.layout, built.module, optimizer)
+        checkpoint.load_stage(ckpt, start, stage, built.module, optimizer)
     dataset = load_dataset(training.dataset, workload.seq_len)
 
     # The store torchrun's env points at (rank 0 hosts it; with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every attempt
@@ -134,11 +134,12 @@ def main() -> None:
         _append(out / f"steps.rank{rank}.jsonl", {"restart": restart, "step": step + 1, "start": result.start,
                                                   "end": result.end})
         if writer:  # every step, as a restart-based job must to lose little work
-            checkpoint.save_stage(ckpt, step + 1, stage, built.layout, built.module, optimizer)
+            checkpoint.save_shard(ckpt, step + 1, stage, built.layout,
+                                  checkpoint.stage_state(built.module, optimizer, stage, step + 1, copy=False))
             if store.add(f"ckpt/{step + 1}", 1) == plan.num_stages:  # the last stage file of this step is written
                 # Two stages' writers may mark steps n and n+1 at about the same moment: never move `latest` back.
                 if not (ckpt / "latest").is_file() or checkpoint.latest_step(ckpt) < step + 1:
-                    checkpoint.mark_latest(ckpt, step + 1)
+                    checkpoint.mark_latest(ckpt, step + 1, plan.num_stages)
     transport.flush()
     transport.barrier()
     store.add("finished", 1)

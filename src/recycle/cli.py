@@ -28,11 +28,28 @@ COMMANDS = tuple(COMMAND_HELP)
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool whose reader (e.g. `head`) went away
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _add_logging_flags(parser: argparse.ArgumentParser, top: bool) -> None:
+    # On the top parser and on every command, so `recycle -q train` and `recycle train -q` both work; a command's
+    # copy has no defaults (SUPPRESS), or it would overwrite a value given before the command name.
+    group = parser.add_argument_group("logging")
+    default = (lambda value: value) if top else (lambda value: argparse.SUPPRESS)
+    group.add_argument("-v", "--verbose", action="count", default=default(0),
+                       help="more detail (debug messages, each with its module's name)")
+    group.add_argument("-q", "--quiet", action="count", default=default(0),
+                       help="only warnings and errors (no progress lines or bars); -qq: only errors")
+    group.add_argument("--log-level", choices=LOG_LEVELS, default=default(None),
+                       help="the recycle logger's level (wins over -v/-q; default info)")
+
+
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The CLI parser. With `argv`, only the command it names is imported and fully registered (the others get a
     stub with their help line), so start-up stays fast; without, every command is registered."""
     parser = argparse.ArgumentParser(prog="recycle", description="Resilient data x pipeline parallel training "
                                      "by pipeline adaptation (ReCycle).")
+    _add_logging_flags(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = None if argv is None else next((a for a in argv if not a.startswith("-")), "")
     for name in COMMANDS:
@@ -40,7 +57,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
             sub.add_parser(name, help=COMMAND_HELP[name])
             continue
         module = importlib.import_module(f"recycle.commands.{name.replace('-', '_')}")
-        module.register(sub)
+        _add_logging_flags(module.register(sub), top=False)
     return parser
 
 
@@ -51,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from recycle.log_setup import configure_logging  # not before: `--help` never imports logging
+
+    configure_logging(args.verbose, args.quiet, args.log_level)
     try:
         from recycle.outputs import check_command_outputs
 

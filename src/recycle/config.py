@@ -6,9 +6,9 @@ import hashlib
 import json
 import math
 import tomllib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from recycle.errors import ConfigError
 
@@ -23,6 +23,8 @@ __all__ = [
     "Config",
     "load_config",
     "parse_config",
+    "config_from_dict",
+    "apply_overrides",
     "TIME_UNITS",
     "uniform_config",
 ]
@@ -125,7 +127,8 @@ class Communication:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The built-in GPT used by the runtime (ignored by planner and simulator)."""
+    """The built-in GPT used by the runtime. Planner and simulator read only the layer partition, and only to
+    re-partition layers (`recycle.planner.partition`)."""
 
     preset: str = "tiny"
     vocab_size: int = 256
@@ -133,6 +136,10 @@ class ModelSpec:
     n_head: int = 2
     n_embd: int = 32
     dropout: float = 0.0
+    # Layers per stage of the configured partition (its per-stage [costs] and [memory] follow it); empty = n_layer
+    # split as evenly as possible, earlier stages taking the extra layer (models.gpt.stage_layers).
+    layers_per_stage: tuple[int, ...] = ()
+    hf_config: str = ""  # a Hugging Face config JSON: train that causal LM instead (recycle.models.hf)
 
 
 @dataclass(frozen=True)
@@ -261,7 +268,7 @@ _SCHEMA: dict[str, dict[str, str]] = {
         "inter_node_latency": "float", "inter_node_bandwidth": "float",
     },
     "model": {"preset": "str", "vocab_size": "int", "n_layer": "int", "n_head": "int", "n_embd": "int",
-              "dropout": "float"},
+              "dropout": "float", "layers_per_stage": "intlist", "hf_config": "str"},
     "training": {"steps": "int", "lr": "float", "weight_decay": "float", "grad_clip": "float", "seed": "int",
                  "dtype": "str", "dataset": "str", "optimizer": "str", "betas": "floatpair", "eps": "float",
                  "momentum": "float", "dampening": "float", "nesterov": "bool", "amsgrad": "bool",
@@ -275,8 +282,8 @@ _REQUIRED = {
 }
 
 
-def load_config(path: str | Path) -> Config:
-    """Read and validate a TOML config file."""
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Read and validate a TOML config file, with `section.key=value` overrides applied (see apply_overrides)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; pass --config with a path to a TOML file "
@@ -287,7 +294,57 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}; fix the syntax at that line") from None
     except UnicodeDecodeError:
         raise ConfigError(f"config file {str(path)!r} is not UTF-8 text; pass a TOML file") from None
+    raw = apply_overrides(raw, overrides)
     return parse_config(raw, name=raw.get("name", path.stem), source=str(path))
+
+
+def config_from_dict(raw: Mapping[str, Any], overrides: Sequence[str] = (), name: str = "config") -> Config:
+    """Validate a mapping shaped like the TOML file (sections as dicts) and build the Config; the same rules and
+    messages as load_config. `overrides` are applied first."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"a config must be a mapping of sections (got {type(raw).__name__}); pass e.g. "
+                          "{'topology': {...}, 'workload': {...}, 'costs': {...}}")
+    raw = apply_overrides(raw, overrides)
+    return parse_config(raw, name=raw.get("name", name))
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of `raw` with each `section.key=value` (or top-level `key=value`) set. The value is read as a TOML
+    value (`1e-3`, `4`, `[1, 2]`, `"text"`, `true`); a bare word that is not TOML is taken as a string. Unknown
+    sections and keys are refused naming the known ones; types are checked by parse_config as for the file."""
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
+    for text in overrides:
+        name, sep, value_text = text.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ConfigError(f"override {text!r} must look like section.key=value, e.g. training.lr=1e-3")
+        section, dot, key = name.rpartition(".")
+        if not dot:
+            if name not in _TOP_LEVEL:
+                raise ConfigError(f"override {text!r}: {name!r} is not a top-level key ({', '.join(sorted(_TOP_LEVEL))}"
+                                  f"); name a section key as section.key, sections: {', '.join(sorted(_SCHEMA))}")
+        elif section not in _SCHEMA:
+            raise ConfigError(f"override {text!r}: unknown section {section!r}; known sections: "
+                              f"{', '.join(sorted(_SCHEMA))}")
+        elif key not in _SCHEMA[section]:
+            raise ConfigError(f"override {text!r}: unknown key {key!r} in [{section}]; known keys: "
+                              f"{', '.join(sorted(_SCHEMA[section]))}")
+        value = _override_value(value_text.strip())
+        if dot:
+            table = out.setdefault(section, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"override {text!r}: {section!r} is not a table in the config")
+            table[key] = value
+        else:
+            out[name] = value
+    return out
+
+
+def _override_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare word such as a path: the key's type check decides whether a string is right
 
 
 def _where(source: str, section: str, key: str) -> str:
@@ -314,6 +371,10 @@ def _check_type(value: Any, kind: str, where: str) -> Any:
         if abs(value) > MAX_MAGNITUDE:
             raise ConfigError(f"{where} = {value!r} is too large (|value| <= {MAX_MAGNITUDE:g}); check the unit")
         return float(value)
+    if kind == "intlist":
+        if not isinstance(value, list) or not all(is_int(v) for v in value):
+            raise ConfigError(f"{where} = {value!r} must be a list of whole numbers, one per stage, e.g. [8, 8, 8, 8]")
+        return tuple(value)
     if kind == "str":
         if not isinstance(value, str):
             raise ConfigError(f"{where} = {value!r} must be a string in quotes")
@@ -464,6 +525,16 @@ def parse_config(raw: dict[str, Any], name: str = "config", source: str = "") ->
             raise ConfigError(f"{_where(source, 'communication', key)} = {getattr(comm, key)} must be >= 0")
 
     model = ModelSpec(**checked["model"])
+    if model.layers_per_stage:
+        per_stage = model.layers_per_stage
+        where = _where(source, "model", "layers_per_stage")
+        if len(per_stage) != S or any(n < 1 for n in per_stage):
+            raise ConfigError(f"{where} = {list(per_stage)} must give one count >= 1 per stage ({S} stages): every "
+                              "stage holds at least one layer")
+        if "n_layer" in checked["model"] and checked["model"]["n_layer"] != sum(per_stage):
+            raise ConfigError(f"{where} = {list(per_stage)} sums to {sum(per_stage)} layers but [model] n_layer = "
+                              f"{checked['model']['n_layer']}; make them agree or drop n_layer (it defaults to the sum)")
+        model = replace(model, n_layer=sum(per_stage))
     if model.n_embd % model.n_head != 0:
         raise ConfigError(f"{_where(source, 'model', 'n_embd')} = {model.n_embd} must be divisible by n_head = "
                           f"{model.n_head}")

@@ -14,7 +14,7 @@ OUTPUTS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "schedule": (("gantt", "--gantt", "file"), ("trace", "--trace", "file"), ("csv", "--csv", "file")),
     "plan": (("gantt", "--gantt", "file"), ("save", "--save", "file"), ("out", "--out", "dir")),
     "train": (("save", "--save", "file"), ("metrics", "--metrics", "file"),
-              ("checkpoint_dir", "--checkpoint-dir", "dir")),
+              ("checkpoint_dir", "--checkpoint-dir", "dir"), ("tensorboard", "--tensorboard", "dir")),
     "profile": (("out", "--out", "file"),),
     "simulate": (("out", "--out", "dir"),),
     "demo": (("out", "--out", "dir"),),

@@ -42,3 +42,15 @@ def tiny_config_file(tmp_path: Path) -> Callable[..., Path]:
         return path
 
     return write
+
+
+@pytest.fixture(autouse=True)
+def _no_cluster_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`recycle train` takes its node role from cluster variables (docs/cluster.md); a suite run inside a SLURM job
+    or a pod must not turn every single-node test into one node of a multi-node job."""
+    import os
+
+    for name in list(os.environ):
+        if name in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE") \
+                or name.startswith(("SLURM_", "PET_")):
+            monkeypatch.delenv(name)

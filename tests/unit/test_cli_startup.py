@@ -9,7 +9,7 @@ import pytest
 
 from recycle.cli import COMMAND_HELP, build_parser
 
-HEAVY = ("torch", "ortools", "matplotlib")
+HEAVY = ("torch", "ortools", "matplotlib", "tqdm", "tensorboard", "logging")
 _PROBE = ("import sys\nfrom recycle.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
           "print('HEAVY:' + ' '.join(m for m in {heavy!r} if m in sys.modules), file=sys.stderr)")
 

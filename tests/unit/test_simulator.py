@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -204,3 +205,69 @@ def test_messages_between_nodes_pay_the_inter_node_cost() -> None:
     assert makespan() == 6 + 2 * 1  # no node information: every message at the p2p latency
     assert makespan(workers_per_node=2) == 6 + 2 * 1  # each pipeline on its own node: nothing crosses
     assert makespan(workers_per_node=1) == 6 + 2 * 10  # every worker alone: both messages cross nodes
+
+
+@functools.cache
+def _plans_for_timer_checks() -> list[tuple[Plan, Config]]:
+    from recycle.planner.api import make_plan
+    from recycle.planner.options import PlannerOptions
+
+    nodes = parse_config({"topology": {"num_replicas": 4, "num_stages": 3, "workers_per_node": 2},
+                          "workload": {"num_microbatches": 5},
+                          "costs": {"forward": 1.5, "backward_input": 2.25, "backward_weight": 0.75, "optimizer": 2},
+                          "communication": {"p2p_latency": 0.5, "inter_node_latency": 3.25}})
+    cases = []
+    for config in (load_config(TOY), nodes, uniform_config(5, 4, 6, optimizer=1.0)):
+        for name in SCHEDULES:
+            for staggered in (False, True):
+                cases.append((build_schedule(config, name, staggered=staggered), config))
+        # search=False: the priority rules alone (fast); the search's plans are no different to time.
+        for options in (PlannerOptions(search=False), PlannerOptions(staggered=False, search=False),
+                        PlannerOptions(decoupled=False, search=False)):
+            for failed in ([(1, 2)], [(0, 1), (1, 2)], [(2, 0), (0, 2), (1, 1)]):
+                cases.append((make_plan(config, failed, options), config))
+                cases.append((make_plan(config, failed, options, routing="canonical"), config))
+    return cases
+
+
+@pytest.mark.timeout(60)
+def test_level_timer_gives_the_per_action_loops_results_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large plans are timed by recycle.sim.levels; forced on small ones, every number must be bit-identical."""
+    import recycle.sim.simulator as simulator
+
+    for plan, config in _plans_for_timer_checks():
+        for iterations in (None, 1, 3):
+            monkeypatch.setattr(simulator, "LEVEL_TIMER_MIN_ACTIONS", 1 << 60)
+            loop = simulate(plan, config, iterations=iterations)
+            monkeypatch.setattr(simulator, "LEVEL_TIMER_MIN_ACTIONS", 0)
+            assert simulate(plan, config, iterations=iterations) == loop
+
+
+def test_numpy_dependencies_equal_the_loops() -> None:
+    from itertools import chain
+
+    from recycle.sim.levels import flat_dependencies
+    from recycle.sim.simulator import _CODE, _dependencies
+
+    for plan, config in _plans_for_timer_checks():
+        S, TM = plan.num_stages, plan.total_microbatches
+        flat = list(chain.from_iterable(plan.actions))
+        code = [_CODE[a.kind] for a in flat]
+        stages, mbs = [a.stage for a in flat], [a.mb for a in flat]
+        lengths = [len(acts) for acts in plan.actions]
+        first = [sum(lengths[:r]) for r in range(len(lengths))]
+        stop = [f + n for f, n in zip(first, lengths)]
+        comm, node = config.communication, config.topology.node
+        p2p = [comm.p2p_time(s) for s in range(S)]
+        inter = [comm.inter_node_time(s) for s in range(S)]
+        dep, msg = _dependencies(code, stages, mbs, first, stop, S, TM, p2p, inter, node)
+        dep_np, msg_np = flat_dependencies(code, stages, mbs, first, stop, S, TM, p2p, inter,
+                                           [node(r) for r in range(plan.num_workers)])
+        assert dep_np.tolist() == dep and msg_np.tolist() == msg
+
+
+def test_a_deadlocked_plan_still_raises_with_the_level_timer_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    import recycle.sim.simulator as simulator
+
+    monkeypatch.setattr(simulator, "LEVEL_TIMER_MIN_ACTIONS", 0)
+    test_simulating_an_unvalidated_deadlocked_plan_raises_with_the_blocked_heads()

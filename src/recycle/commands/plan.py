@@ -5,20 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from recycle import api
+from recycle.commands import add_set_option
 from recycle.config import Config, load_config
 from recycle.errors import PlanError
 from recycle.ir.plan import Plan
 from recycle.ir.validate import format_grid
-from recycle.planner.api import (ROUTINGS, SOLVERS, baseline_1f1b_period, fault_free_period, make_plan,
-                                 resolve_memory_cap, resolve_options)
+from recycle.planner.api import ROUTINGS, SOLVERS, baseline_1f1b_period, fault_free_period, resolve_options
 from recycle.planner.failures import normalize, parse_worker
 from recycle.planner.routing import traffic
 from recycle.planner.options import PlannerOptions
 from recycle.report.units import human_time, speed_words
-from recycle.sim.simulator import SimResult, simulate
+from recycle.sim.simulator import SimResult
 
 __all__ = ["register", "run", "plan_summary"]
 
@@ -36,6 +38,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                     "default). With --max-failures F --out DIR, precompute the plan of every normalized failure "
                     "state with at most F failures into a plan store.")
     parser.add_argument("--config", required=True, help="TOML config file, e.g. configs/toy.toml")
+    add_set_option(parser)
     parser.add_argument("--fail", action="append", default=[], metavar="R:S",
                         help="failed worker replica:stage (repeat for several), e.g. --fail 1:2")
     parser.add_argument("--solver", choices=SOLVERS, default="heuristic",
@@ -59,9 +62,19 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                         help="also plan the fault-free references (fault-free 1F1B and the planner's own fault-free "
                              f"plan) for the slowdown figures; auto (default): only up to {COMPARE_AUTO_LIMIT:,} "
                              "actions per iteration")
+    parser.add_argument("--repartition", action="store_true",
+                        help="also choose how many layers each stage holds for this failure state (balanced work "
+                             "per live worker within the memory caps; needs [model] layers_per_stage or n_layer) and "
+                             "print the partition beside re-routing alone and the ideal live-proportional period")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     parser.add_argument("--gantt", metavar="PNG", help="write a Gantt chart of the simulated iterations")
-    parser.add_argument("--save", metavar="JSON", help="write the plan (real ranks) as JSON for the runtime")
+    parser.add_argument("--save", metavar="FILE", help="write the plan (real ranks) for the runtime, as --format says")
+    parser.add_argument("--format", choices=("json", "pipelining-csv"), default="json",
+                        help="what --save writes: json (the recycle runtime's plan, default) or pipelining-csv (one "
+                             "replica's pipeline as torch.distributed.pipelining's compute-only schedule CSV; "
+                             "cannot express cross-pipeline re-routing, see docs/api.md)")
+    parser.add_argument("--replica", type=int, default=0, metavar="R",
+                        help="with --format pipelining-csv: the replica whose pipeline to write (default 0)")
     parser.add_argument("--max-failures", type=int, metavar="F", help="build a plan store for up to F failures")
     parser.add_argument("--out", metavar="DIR", help="plan store folder (with --max-failures)")
     parser.add_argument("--jobs", type=int, default=1, metavar="N", help="processes for building a store")
@@ -70,8 +83,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _options(args: argparse.Namespace, config: Config) -> PlannerOptions:
-    return PlannerOptions(decoupled=not args.no_decouple, staggered=not args.no_stagger,
-                          memory_cap=resolve_memory_cap(config, args.memory_cap), search=not args.no_search)
+    return api.planner_options(config, decoupled=not args.no_decouple, staggered=not args.no_stagger,
+                               memory_cap=args.memory_cap, search=not args.no_search)
 
 
 def plan_summary(plan: Plan, config: Config, result: SimResult, options: PlannerOptions,
@@ -165,44 +178,97 @@ def _summary_text(d: dict[str, Any]) -> str:
                     f"live workers); {d['cross_pipeline_messages']} cross-pipeline messages per iteration"
                     + (f", {d['cross_node_messages']} cross-node" if d["cross_node_messages"] is not None else "")),
     ]
+    part = d.get("partition")
+    if part is not None:
+        moved = "" if part["partition"] != part["configured"] else " (kept: no partition is faster)"
+        rows.append(("layers per stage", f"{'/'.join(map(str, part['partition']))}{moved}; configured "
+                     f"{'/'.join(map(str, part['configured']))} re-routing alone {t(part['configured_period'])}, "
+                     f"ideal live-proportional {t(part['ideal_period'])}; {part['evaluated']} partitions screened"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
 
-def _build_store(args: argparse.Namespace, config: Config, options: PlannerOptions) -> int:
-    from recycle.planner.store import build_store
+class _LineSink:
+    """A text stream for build_store's progress that hands each complete line to `report` (a bar or plain lines)."""
 
+    def __init__(self, report) -> None:
+        self.report, self.pending = report, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            self.report(line)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _build_store(args: argparse.Namespace, config: Config, options: PlannerOptions) -> int:
     if args.fail:
         raise PlanError("--fail and --max-failures are exclusive: --fail plans one state, --max-failures F --out "
                         "DIR precomputes every state with up to F failures")
     if not args.out:
         raise PlanError("--max-failures needs --out DIR, the folder to write the plan store to")
-    index = build_store(config, args.max_failures, args.out, options, args.solver, args.time_limit, args.jobs,
-                        progress=sys.stderr)
+    from recycle.progress import progress_lines
+
+    with progress_lines("plan store") as report:
+        index = api.plan_store(config, args.max_failures, args.out, options=options, solver=args.solver,
+                               time_limit=args.time_limit, jobs=args.jobs, progress=_LineSink(report))
     print(f"wrote plan store: {index}")
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
+    config = load_config(args.config, args.set)
     options = _options(args, config)
     if args.max_failures is not None:
+        if args.repartition:
+            raise PlanError("--repartition plans one failure state (--fail ...); a plan store keeps the configured "
+                            "partition for every key: drop --repartition or --max-failures")
         return _build_store(args, config, options)
+    if args.format != "json" and not args.save:
+        raise PlanError(f"--format {args.format} says what --save writes; add --save FILE")
     if args.out:
         raise PlanError("--out is for building a plan store and needs --max-failures F; to save one plan use "
                         "--save FILE")
     failed = [parse_worker(text, config.num_replicas, config.num_stages) for text in args.fail]
     normalize(failed, config.num_replicas, config.num_stages)  # a stage without survivors fails here, clearly
-    plan = make_plan(config, failed, options, args.solver, args.time_limit, args.routing)
+    choice = None
+    timing = config
+    if args.repartition:
+        from recycle.planner.partition import make_repartitioned_plan, partition_config
+
+        # The config's memory budget is re-derived for each partition (a stage that gains layers holds fewer
+        # micro-batches); an explicit --memory-cap N / 1f1b is kept as given.
+        explicit = args.memory_cap is not None and args.memory_cap.strip().lower() != "none"
+        plan, choice = make_repartitioned_plan(config, failed, options if explicit else
+                                               replace(options, memory_cap=None), args.solver, args.routing,
+                                               time_limit_s=args.time_limit)
+        timing = partition_config(config, plan.partition)  # the simulator times the plan on its own layers
+    else:
+        plan = api.plan(config, failed, options=options, solver=args.solver, time_limit=args.time_limit,
+                        routing=args.routing)
     options = resolve_options(config, options)
-    result = simulate(plan, config, record=bool(args.gantt))
+    result = api.simulate(plan, timing, record=bool(args.gantt))
     compare = args.compare == "yes" or (args.compare == "auto" and plan.num_actions <= COMPARE_AUTO_LIMIT)
     summary = plan_summary(plan, config, result, options, compare)
+    if choice is not None:
+        summary["memory_cap"] = list(plan.meta.memory_cap) or None
+    summary["partition"] = choice.to_dict() if choice is not None else None
     written: dict[str, str] = {}
     if args.save:
         from recycle.fileio import atomic_write_text
 
-        written["plan"] = str(atomic_write_text(args.save, plan.to_json()))
+        if args.format == "pipelining-csv":
+            from recycle.ir.pipelining import pipelining_csv
+
+            written["pipelining csv"] = str(atomic_write_text(args.save, pipelining_csv(plan, args.replica)))
+            print(f"note: {args.save}: replica {args.replica}'s pipeline; the optimizer step (OPT) is left out "
+                  "(torch's runtime reduces gradients itself and steps after schedule.step())", file=sys.stderr)
+        else:
+            written["plan"] = str(atomic_write_text(args.save, plan.to_json()))
     if args.gantt:
         try:
             from recycle.report.gantt import write_gantt

@@ -7,6 +7,7 @@ import json
 import sys
 from dataclasses import asdict
 
+from recycle.commands import add_set_option
 from recycle.config import Config, ModelSpec, load_config
 
 __all__ = ["register", "run"]
@@ -22,6 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "\"us\" and the measured [costs], [memory] and [communication] sections, ready for "
                     "`recycle plan --config OUT` and `recycle train --emulate-costs`.")
     p.add_argument("--config", required=True, help="TOML config whose [model] and [workload] to profile")
+    add_set_option(p)
     p.add_argument("--out", required=True, metavar="COSTS.toml", help="where to write the profiled config")
     p.add_argument("--repeats", type=int, default=20, metavar="N", help="timed repeats per action (default 20)")
     p.add_argument("--warmup", type=int, default=3, metavar="N", help="untimed warm-up repeats (default 3)")
@@ -50,7 +52,7 @@ def _say_what_is_profiled(config: Config) -> None:
 def run(args: argparse.Namespace) -> int:
     from recycle.runtime.profiler import profile_config, write_profile  # imports torch: only when used
 
-    config = load_config(args.config)
+    config = load_config(args.config, args.set)
     _say_what_is_profiled(config)
     profile = profile_config(config, repeats=args.repeats, warmup=args.warmup, comm=args.comm)
     path, _ = write_profile(config, profile, args.out)

@@ -7,11 +7,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from recycle import api
+from recycle.commands import add_set_option
 from recycle.config import Config, load_config
 from recycle.ir.plan import Plan
 from recycle.ir.text import write_csv
-from recycle.schedules.fault_free import SCHEDULES, build_schedule
-from recycle.sim.simulator import SimResult, simulate
+from recycle.schedules.fault_free import SCHEDULES
+from recycle.sim.simulator import SimResult
 
 __all__ = ["register", "run", "summary_dict", "summary_table"]
 
@@ -25,6 +27,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                                    description="Build a fault-free pipeline schedule for every replica, simulate "
                                    "it and print makespan, period, bubble fraction and peak activations.")
     parser.add_argument("--config", required=True, help="TOML config file, e.g. configs/toy.toml")
+    add_set_option(parser)
     parser.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES), help="which schedule")
     parser.add_argument("--staggered", action="store_true",
                         help="per-stage optimizer step (default: all stages step together)")
@@ -81,10 +84,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.iterations < 1:
         raise ConfigError(f"--iterations = {args.iterations} must be >= 1; pass e.g. --iterations 4")
-    config = load_config(args.config)
-    plan = build_schedule(config, args.schedule, staggered=args.staggered)
+    config = load_config(args.config, args.set)
+    plan = api.schedule(config, args.schedule, staggered=args.staggered)
     want_timeline = bool(args.gantt or args.trace) or not args.json
-    result = simulate(plan, config, iterations=args.iterations, record=want_timeline)
+    result = api.simulate(plan, config, iterations=args.iterations, record=want_timeline)
     plan = plan.with_meta(predicted_period=result.period, predicted_makespan=result.makespan)
     written: dict[str, str] = {}
     if args.csv:

@@ -6,14 +6,15 @@ import argparse
 import json
 import sys
 
+from recycle.api import load_trace, simulate_trace
+from recycle.commands import add_set_option
 from recycle.config import load_config
 from recycle.errors import ConfigError
-from recycle.traces.experiments import SYSTEM_NAMES, JobSetup, job_grid, run_job
-from recycle.traces.generate import GENERATE_HELP, parse_generate_spec
-from recycle.traces.jobsim import stderr_progress
+from recycle.traces.experiments import SYSTEM_NAMES
+from recycle.traces.generate import GENERATE_HELP
 from recycle.traces.model import JobCosts
 from recycle.traces.mapping import PLACEMENTS
-from recycle.traces.reader import PLACEMENT_HELP, read_trace
+from recycle.traces.reader import PLACEMENT_HELP
 from recycle.traces.report import write_report
 
 __all__ = ["register", "run"]
@@ -22,7 +23,7 @@ __all__ = ["register", "run"]
 # JobCosts knobs a user can set from the command line (--detect-s ...).
 COST_FLAGS = ("detect_s", "plan_switch_s", "redo_fraction", "restart_s", "checkpoint_interval_s", "checkpoint_cost_s",
               "fallback_checkpoint_interval_s", "fallback_checkpoint_cost_s", "oobleck_reconfig_s",
-              "bamboo_reconfig_s", "bamboo_rc_overhead", "reshape_horizon_s")
+              "bamboo_reconfig_s", "bamboo_rc_overhead", "reshape_horizon_s", "repartition_prior_s")
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -32,6 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "baseline models (fault-free, fault-scaled, checkpoint-restart, Oobleck-like, Bamboo-like). "
                     "Writes DIR/report.md, DIR/throughput.png and DIR/summary.json.")
     p.add_argument("--config", required=True, help="job config (TOML), e.g. configs/gpt3-6.7b-a100.toml")
+    add_set_option(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="failure trace (CSV): time_ms,add|remove,node events, time_ms,live counts, or "
                      "Bamboo's 'YYYY-MM-DD, HH:MM:SS, live' availability logs (detected from the first data line)")
@@ -70,16 +72,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
+    config = load_config(args.config, args.set)
     costs = JobCosts(**{name: getattr(args, name) for name in COST_FLAGS}, reshape=not args.no_reshape)
     if args.gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node {args.gpus_per_node} must be >= 1")
-    grid = job_grid(config, args.gpus_per_node, args.replicas)
-    placement = args.placement or "random"
-    if args.trace:
-        trace = read_trace(args.trace, strict=args.strict, seed=args.seed, placement=placement, grid=grid)
-    else:
-        trace = parse_generate_spec(args.generate, grid=grid, placement=placement, seed=args.seed)
+    trace = load_trace(config, args.trace, generate=args.generate or "", seed=args.seed,
+                       placement=args.placement or "random", gpus_per_node=args.gpus_per_node, replicas=args.replicas,
+                       strict=args.strict)
     if args.placement and not trace.placement:
         raise ConfigError(f"--placement {args.placement} applies to availability traces (counts of live nodes), but "
                           f"{trace.source} is an event trace that already names the failing nodes; drop --placement")
@@ -88,9 +87,15 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     for message in trace.notes.messages():
         print(f"warning: {trace.source}: {message}", file=sys.stderr)
-    setup = JobSetup(gpus_per_node=args.gpus_per_node, replicas=args.replicas, slot_seconds=args.slot_seconds,
-                     period_model=args.period_model, reference=args.reference)
-    result = run_job(config, trace, systems=args.systems, costs=costs, setup=setup, progress=stderr_progress)
+    from recycle.progress import progress_lines
+
+    with progress_lines("trace replay") as report:
+        result = simulate_trace(config, trace, systems=args.systems, gpus_per_node=args.gpus_per_node,
+                                replicas=args.replicas, slot_seconds=args.slot_seconds,
+                                period_model=args.period_model, reference=args.reference, costs=costs,
+                                progress=report)
+    for name, why in result.extra.get("skipped", {}).items():
+        print(f"note: {name} skipped: {why}", file=sys.stderr)
     summary = write_report(result, args.out, title=f"{config.name} over {trace.source}")
     print(f"wrote {args.out}/report.md, throughput.png, summary.json", file=sys.stderr)
     goodput_ratio, mean_ratio = summary["recycle_goodput_ratio_to"], summary["recycle_mean_ratio_to"]
@@ -110,4 +115,8 @@ def run(args: argparse.Namespace) -> int:
             if run_summary["reason"]:
                 line += f"   ({run_summary['reason']})"
             print(line)
+        decisions = [e for e in result.extra.get("recycle_plus_policy", [])
+                     if e["policy"] in ("repartition", "re-route", "layers back")]
+        for entry in decisions:
+            print(f"ReCycle+ at {entry['time_s']:.0f} s: {entry['policy']}: {entry['detail']}")
     return 0

@@ -4,17 +4,22 @@ or an adaptive plan for workers marked down."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from typing import Mapping
 
-from recycle.config import Config, load_config
-from recycle.errors import ConfigError, PlanError, RecycleError
-from recycle.ir import Plan, read_plan
+from recycle.api import select_plan
+from recycle.commands import add_set_option
+from recycle.config import load_config
+from recycle.errors import ConfigError
 from recycle.runtime.chaos import parse_chaos
+from recycle.runtime.cluster_env import NodeRole, resolve_role
 from recycle.runtime.faults import parse_fault, parse_rejoin
 
 # The launcher and the emulation pull in torch: they are imported in run(), so `recycle train --help` starts fast.
 
-__all__ = ["register", "run", "select_plan", "DEFAULT_CHECKPOINT_EVERY"]
+__all__ = ["register", "run", "select_plan", "node_role", "DEFAULT_CHECKPOINT_EVERY"]  # select_plan: recycle.api's
 
 DEFAULT_CHECKPOINT_EVERY = 10  # steps; a restore loses at most this many
 
@@ -23,6 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="train the built-in GPT on real processes (gloo on CPU, NCCL on CUDA)",
                               description=__doc__)
     p.add_argument("--config", required=True, help="TOML config, e.g. configs/tiny-gpt.toml")
+    add_set_option(p)
     source = p.add_mutually_exclusive_group()
     source.add_argument("--schedule", help="fault-free schedule: gpipe, 1f1b, 1f1b-decoupled, zb-h1 "
                         "(default: zb-h1, or 1f1b with --no-decouple)")
@@ -36,6 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--save", help="write the final parameters (one state dict of the whole model) here: a .pt file, "
                                   "or safetensors when PATH ends in .safetensors")
     p.add_argument("--metrics", help="write per-step metrics here as JSON lines")
+    p.add_argument("--tensorboard", default="", metavar="DIR",
+                   help="write TensorBoard event files here (node 0): loss, tokens/s, period, grad norm, live "
+                        "workers, recoveries; needs the optional extra: pip install 'recycle[tensorboard]'")
     p.add_argument("--checkpoint-dir", default="", help="write checkpoints here (torch.distributed.checkpoint "
                                                          "folders keyed by the whole model's parameter names)")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
@@ -77,18 +86,31 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--token-file", default="", metavar="FILE",
                    help="multi-node: the job secret (mode 600, the same file on every node); or set "
                         "RECYCLE_JOB_TOKEN")
-    p.add_argument("--nnodes", type=int, default=1,
-                   help="number of launcher nodes (node 0 hosts the store; --save and checkpoints need a shared "
-                        "filesystem)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's index; node 0 hosts the store")
-    p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
-    p.add_argument("--master-port", type=int, default=0, help="store port on node 0 (0: any free port, 1 node)")
+    cluster = p.add_argument_group(
+        "multi-node (one `recycle train` per node)",
+        "Without these flags each is read from the environment: torchrun's env:// names (MASTER_ADDR, MASTER_PORT, "
+        "NNODES, NODE_RANK; WORLD_SIZE and RANK when they count nodes), a Kubeflow PyTorchJob's (PET_NNODES, "
+        "PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT) or SLURM's (SLURM_NNODES, SLURM_NODEID, the first host of "
+        "SLURM_JOB_NODELIST, a port derived from SLURM_JOB_ID); a flag wins over the environment (docs/cluster.md)")
+    cluster.add_argument("--nnodes", type=int, default=None,
+                         help="number of launcher nodes (default 1; node 0 hosts the store; --save and checkpoints "
+                              "need a shared filesystem)")
+    cluster.add_argument("--node-rank", type=int, default=None, help="this node's index (default 0); node 0 hosts "
+                         "the store")
+    cluster.add_argument("--master-addr", default=None, help="address of node 0; its store listens there only "
+                         "(default 127.0.0.1)")
+    cluster.add_argument("--master-port", type=int, default=None,
+                         help="store port on node 0 (default 0: any free port, 1 node only)")
     p.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn",
                    help="how workers start: spawn (fresh interpreter each) or forkserver (torch imported once per "
                         "launcher process; faster for repeated launches)")
     p.add_argument("--model-factory", default="", metavar="MODULE:FUNC",
                    help="bring your own model: a function (config, num_stages) -> list of stage modules "
                         "(see docs/runtime.md); default: the built-in GPT of [model]")
+    p.add_argument("--hf", default="", metavar="CONFIG_JSON",
+                   help="train a Hugging Face causal LM built from this config JSON (random init from [training] "
+                        "seed, nothing downloaded; same as [model] hf_config; needs the extra: pip install "
+                        "'recycle[hf]'), split into the stages by decoder layers")
     p.add_argument("--emulate-costs", action="store_true",
                    help="pad every action to the config's cost after its real work (timing studies that follow "
                         "the plan, not CPU contention); see docs/runtime-performance.md")
@@ -101,60 +123,32 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def select_plan(config: Config, schedule: str | None, plan_file: str | None, down: list[str], decoupled: bool,
-                staggered: bool) -> Plan:
-    """The plan to run: a plan file, an adaptive plan for `down` workers, or a fault-free schedule."""
-    from recycle.planner.failures import parse_worker  # commands may use the planner; the runtime may not
+def node_role(args: argparse.Namespace, env: Mapping[str, str]) -> NodeRole:
+    """This node's part in the job: the flags given, the rest from the cluster's environment variables."""
+    role = resolve_role(env, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                        master_port=args.master_port)
+    if any(source != "default" and not source.startswith("--") for _, source in role.sources):
+        import logging  # here, not at the top: `recycle train --help` stays without it
 
-    failed = frozenset(parse_worker(w, config.num_replicas, config.num_stages) for w in down)
-    if plan_file:
-        plan = read_plan(plan_file, "--plan")
-        if failed and plan.failed != failed:
-            raise PlanError(f"--plan {plan_file!r} is for failed workers {sorted(plan.failed)} but --down names "
-                            f"{sorted(failed)}; drop --down or pass the plan for that failure state")
-        return plan
-    if failed:
-        if schedule:
-            raise ConfigError("--schedule names a fault-free schedule; with --down the planner makes the plan, so "
-                              "drop --schedule")
-        try:
-            from recycle.planner.api import make_plan
-            from recycle.planner.options import PlannerOptions
-        except ImportError as exc:
-            raise RecycleError(f"the planner is not available ({exc}); pass an adaptive plan with --plan") from None
-        return make_plan(config, failed, options=PlannerOptions(decoupled=decoupled, staggered=staggered),
-                         solver="heuristic")
-    from recycle.schedules.fault_free import build_schedule
-
-    name = schedule or ("zb-h1" if decoupled else "1f1b")
-    return build_schedule(config, name, staggered=staggered)
-
-
-def plan_provider(config: Config, args: argparse.Namespace):  # -> runtime.launcher.PlanProvider | None
-    """The plans the launcher switches to when workers fail: a store (built now or loaded), heuristic beyond it."""
-    if args.no_recover:
-        return None
-    from recycle.planner.options import PlannerOptions  # commands may use the planner; the runtime may not
-    from recycle.planner.provider import PlanLibrary
-
-    if args.max_failures < 0:
-        raise ConfigError(f"--max-failures {args.max_failures} must be >= 0 (0: plan every failure when it happens)")
-    if args.plan_store:
-        library = PlanLibrary.load(args.plan_store, config)
-    else:
-        options = PlannerOptions(decoupled=not args.no_decouple, staggered=not args.no_stagger)
-        library = PlanLibrary.build(config, options, args.max_failures, progress=sys.stdout)
-    from recycle.runtime.launcher import PlanChoice
-
-    return library.provider(PlanChoice)
+        logging.getLogger(__name__).info("node %d of %d, store at %s:%d (%s)", role.node_rank, role.nnodes, role.master_addr,
+                 role.master_port, role.describe())
+    return role
 
 
 def run(args: argparse.Namespace) -> int:
+    from recycle.api import train
     from recycle.runtime.control import read_token
     from recycle.runtime.emulate import DEFAULT_SLOT_MS, Emulation
-    from recycle.runtime.launcher import LaunchOptions, launch
+    from recycle.runtime.launcher import LaunchOptions
 
-    config = load_config(args.config)
+    role = node_role(args, os.environ)
+    tensorboard = args.tensorboard if role.node_rank == 0 else ""  # node 0 gathers the metrics
+    if tensorboard:
+        from recycle.runtime.tensorboard_sink import summary_writer
+
+        summary_writer(tensorboard)  # a missing extra fails now, not after the plan store is built
+    hf = [f"model.hf_config={json.dumps(os.path.abspath(args.hf))}"] if args.hf else []
+    config = load_config(args.config, [*args.set, *hf])
     plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
                        staggered=not args.no_stagger)
     faults, rejoins = [], []
@@ -175,18 +169,32 @@ def run(args: argparse.Namespace) -> int:
               f"{plan.meta.schedule or 'adaptive'} ({'staggered' if plan.staggered else 'coupled'} optimizer)")
     options = LaunchOptions(steps=args.steps, checkpoint_dir=args.checkpoint_dir,
                             checkpoint_every=checkpoint_every, resume_dir=args.resume, save_path=args.save or "",
-                            metrics_path=args.metrics or "", timeout_s=args.timeout, master_addr=args.master_addr,
-                            master_port=args.master_port, nnodes=args.nnodes, node_rank=args.node_rank,
+                            metrics_path=args.metrics or "", timeout_s=args.timeout, master_addr=role.master_addr,
+                            master_port=role.master_port, nnodes=role.nnodes, node_rank=role.node_rank,
                             model_factory=args.model_factory, start_method=args.start_method,
                             heartbeat_timeout_s=args.heartbeat_timeout, faults=tuple(faults), rejoins=tuple(rejoins),
                             respawn_after_s=args.respawn_after, stage_loss=args.on_stage_loss,
                             chaos=parse_chaos(args.chaos) if args.chaos else None,
-                            token=read_token(args.token_file), plan_provider=plan_provider(config, args),
+                            token=read_token(args.token_file),
                             emulation=Emulation(DEFAULT_SLOT_MS if args.slot_ms is None else args.slot_ms,
                                                 args.cost_scale) if args.emulate_costs else None)
-    result = launch(config, plan, options)
-    if args.node_rank > 0:
-        print(f"node {args.node_rank}: the run has finished (node 0 reports the steps and writes the outputs)")
+    sink = None
+    if tensorboard:
+        from dataclasses import replace
+
+        from recycle.runtime.tensorboard_sink import TensorBoardSink
+
+        sink = TensorBoardSink(tensorboard)
+        options = replace(options, on_event=sink)
+    try:
+        result = train(config, plan, decoupled=not args.no_decouple, staggered=not args.no_stagger,
+                       recover=not args.no_recover, max_failures=args.max_failures, plan_store=args.plan_store,
+                       store_progress=sys.stdout, launch_options=options)
+    finally:
+        if sink is not None:
+            sink.close()
+    if role.node_rank > 0:
+        print(f"node {role.node_rank}: the run has finished (node 0 reports the steps and writes the outputs)")
         return 0
     if result.steps:
         last = result.steps[-1]
@@ -198,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         down = " ".join(f"{p}:{s}" for p, s in result.failed)
         print(f"survived {failures} failure(s) without a restart ({joins} worker(s) re-joined); "
               + (f"workers down at the end: {down}" if down else "every worker is up at the end"))
-    else:
+    if not result.steps:  # a resume already at the last step
         print(f"nothing to do: already at step {result.end_step}")
     if args.save:
         print(f"saved final parameters to {args.save}")

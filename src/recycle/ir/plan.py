@@ -38,7 +38,8 @@ class Plan:
     `actions[rank]` is the ordered list of worker (replica, stage), rank = replica * num_stages + stage; failed
     workers have an empty list. `host[stage][mb]` is the replica whose stage-`stage` worker runs all of micro-batch
     `mb`'s actions at that stage. `staggered` selects the optimizer mode: each stage steps after its own reduce
-    (True) or all stages step together after every stage has finished (False).
+    (True) or all stages step together after every stage has finished (False). `partition` is the number of
+    contiguous model layers each stage holds when the plan re-partitions layers (empty: the config's own layout).
     """
 
     num_replicas: int
@@ -49,6 +50,7 @@ class Plan:
     failed: frozenset[tuple[int, int]] = frozenset()
     staggered: bool = False
     meta: PlanMeta = field(default_factory=PlanMeta)
+    partition: tuple[int, ...] = ()
 
     # -- topology helpers -------------------------------------------------------------------------------------
     @property
@@ -98,7 +100,7 @@ class Plan:
         meta = asdict(self.meta)
         meta["failure_key"] = list(self.meta.failure_key)
         meta["memory_cap"] = list(self.meta.memory_cap)
-        return {
+        out = {
             "num_replicas": self.num_replicas,
             "num_stages": self.num_stages,
             "num_microbatches": self.num_microbatches,
@@ -108,6 +110,9 @@ class Plan:
             "actions": [" ".join(str(a) for a in acts) for acts in self.actions],
             "meta": meta,
         }
+        if self.partition:  # only when set: plans without it keep their JSON byte for byte
+            out["partition"] = list(self.partition)
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
@@ -121,6 +126,7 @@ class Plan:
             meta_raw = dict(d.get("meta", {}))
             meta_raw["failure_key"] = tuple(meta_raw.get("failure_key", ()))
             meta_raw["memory_cap"] = tuple(meta_raw.get("memory_cap", ()))
+            partition = _read_partition(d.get("partition", []), int(d["num_stages"]))
             return cls(
                 num_replicas=int(d["num_replicas"]),
                 num_stages=int(d["num_stages"]),
@@ -130,6 +136,7 @@ class Plan:
                 failed=frozenset((int(p), int(s)) for p, s in d.get("failed", [])),
                 staggered=bool(d.get("staggered", False)),
                 meta=PlanMeta(**meta_raw),
+                partition=partition,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PlanError(f"plan data is malformed ({type(exc).__name__}: {exc}); regenerate the plan with "
@@ -151,6 +158,16 @@ class Plan:
         host = derive_host(num_replicas, num_stages, num_microbatches, acts)
         return cls(num_replicas, num_stages, num_microbatches, host, acts, frozenset(failed), staggered,
                    meta or PlanMeta())
+
+
+def _read_partition(raw: Any, num_stages: int) -> tuple[int, ...]:
+    """The optional "partition" of a plan's JSON: [] or one whole number >= 1 of layers per stage."""
+    ok = isinstance(raw, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in raw)
+    if not ok or (raw and len(raw) != num_stages):
+        raise PlanError(f"plan field \"partition\" = {raw!r} must list one whole number >= 1 of layers per stage "
+                        f"({num_stages} stages), or be left out for the config's own layout; regenerate the plan "
+                        "with `recycle plan --repartition --save`")
+    return tuple(raw)
 
 
 def read_plan(path: str | Path, flag: str = "--plan") -> Plan:

@@ -83,14 +83,15 @@ def failed_routing(config: Config, failed: frozenset[tuple[int, int]], slot_majo
     that no single relabelling of pipelines maps onto the canonical layout.
     """
     D, S, M = config.num_replicas, config.num_stages, config.num_microbatches
+    own = [mb // M for mb in range(D * M)]
     host = []
     for s in range(S):
         live = [p for p in range(D) if (p, s) not in failed]
         if not live:
             raise FailureStateError(f"stage {s} has no live replica; pipeline adaptation cannot continue: restore "
                                     "from a checkpoint")
-        row = [mb // M for mb in range(D * M)]
-        orphans = [mb for mb in range(D * M) if (mb // M, s) in failed]
+        row = own.copy()
+        orphans = [mb for p in range(D) if (p, s) in failed for mb in range(p * M, (p + 1) * M)]
         if slot_major:
             orphans.sort(key=lambda mb: (mb % M, mb // M))
         for i, mb in enumerate(orphans):

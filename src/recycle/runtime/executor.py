@@ -57,6 +57,7 @@ class IterationResult:
     grad_norm: float | None  # global gradient norm before clipping (only computed when clipping)
     timings: list[ActionTiming] = field(default_factory=list)
     stage_loss: float | None = None  # the whole batch's loss, summed over the last stage's replicas in its OPT
+    grad_sq: float | None = None  # this stage's squared gradient norm after its all-reduce (when not clipping)
 
 
 def dropout_seed(seed: int, iteration: int, mb: int, stage: int) -> int:
@@ -87,9 +88,12 @@ class StageExecutor:
                  input_shape: tuple[int, ...] | None, output_shape: tuple[int, ...] | None, dtype: torch.dtype,
                  grad_clip: float = 0.0, seed: int = 0,
                  device: torch.device | None = None, record_timings: bool = False,
-                 before_action: Callable[[Action], None] | None = None, precision: str = "") -> None:
+                 before_action: Callable[[Action], None] | None = None,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 precision: str = "") -> None:
         self.rank = rank
         self.module = module
+        self.loss_fn = loss_fn  # last stage: loss_fn(module(x), targets); None: module(x, targets) is the loss
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = optimizer
         self.comm = comm
@@ -152,6 +156,7 @@ class StageExecutor:
         self.progress = IterationProgress(iteration, 0)
         self._loss_sum = 0.0
         self._grad_norm = None
+        self._grad_sq = None
         self._stage_loss = None
         self._next_from.clear()
         timings: list[ActionTiming] = []
@@ -174,7 +179,8 @@ class StageExecutor:
             raise RuntimeError(f"worker {self.replica}:{self.stage} ended iteration {iteration} with unfinished "
                                f"micro-batches {sorted(self._stash)} or unread messages; the plan is inconsistent")
         return IterationResult(iteration, start, time.time(), self._loss_sum if self.is_last else None,
-                               self._grad_norm, timings=timings, stage_loss=self._stage_loss)
+                               self._grad_norm, timings=timings, stage_loss=self._stage_loss,
+                               grad_sq=self._grad_sq)
 
     def run_action(self, action: Action) -> None:
         handler = {Kind.F: self.forward, Kind.B: self.backward_input, Kind.W: self.backward_weight,
@@ -194,7 +200,12 @@ class StageExecutor:
             x = inp
         self._seed_dropout(dropout_seed(self.seed, self.progress.iteration, mb, self.stage))
         with autocast(self.precision, self.device):
-            out = self.module(x, targets.to(self.device)) * self.scale if self.is_last else self.module(x)
+            if self.is_last:
+                targets = targets.to(self.device)
+                loss = self.loss_fn(self.module(x), targets) if self.loss_fn else self.module(x, targets)
+                out = loss * self.scale
+            else:
+                out = self.module(x)
         if self.is_last:
             self._loss_sum += float(out.detach())
         else:
@@ -240,6 +251,10 @@ class StageExecutor:
             self._stage_loss = float(loss[0])
         if self.grad_clip > 0:
             self._clip_global_norm()
+        else:
+            # For the grad-norm metric: the launcher sums the stages' squares, so no cross-stage collective is needed.
+            self._grad_sq = float(sum(p.grad.detach().double().pow(2).sum() for p in self.params
+                                      if p.grad is not None))
         self.snapshot.take(self.progress.iteration)
         self.optimizer.step()
         self.applied_iteration = self.progress.iteration

@@ -4,8 +4,8 @@ plan for the new failure state and announces the next generation; it also gather
 
 from __future__ import annotations
 
-import functools
 import json
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -34,8 +34,10 @@ from recycle.runtime.stage import check_model
 from recycle.runtime.transport import default_backend
 from recycle.runtime.worker import EXIT_FENCED, WorkerSpec, worker_main
 
+_log = logging.getLogger(__name__)
+
 __all__ = ["LaunchOptions", "StepMetrics", "Recovery", "TrainResult", "PlanChoice", "PlanProvider", "launch",
-           "node_ranks"]
+           "node_ranks", "grad_norm"]
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,9 @@ class LaunchOptions:
     # "spawn": a fresh interpreter per worker. "forkserver": workers fork from one clean server process that has
     # imported torch once (per launcher process), so repeated launches (tests, benchmarks) skip ~2 s of imports each.
     start_method: str = "spawn"
-    progress: Callable[[str], None] | None = functools.partial(print, flush=True)  # None: silent
+    progress: Callable[[str], None] | None = _log.info  # one line per step, recovery and event; None: silent
+    # Node 0 calls it with each StepMetrics, Recovery and chaos record (a dict) as it reports them (--tensorboard).
+    on_event: Callable[[Any], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -447,6 +451,8 @@ class _Coordination:
                   "workers": ["%d:%d" % self.plan.worker(r) for r in event.ranks]}
         self.chaos_events.append(record)
         self.records.append(record)
+        if self.options.on_event:
+            self.options.on_event(record)
         if self.options.progress:
             self.options.progress(f"chaos at step {event.step}: {event.kind} {' '.join(record['workers'])}")
 
@@ -630,6 +636,8 @@ class _Coordination:
         self.recoveries.append(recovery)
         if self.options.progress:
             self.options.progress(recovery.line())
+        if self.options.on_event:
+            self.options.on_event(recovery)
         self.records.append({"event": "recovery", **asdict(recovery)})
         self._write_metrics()
 
@@ -647,6 +655,8 @@ class _Coordination:
                 _check_replicas(self.plan, metrics, self._fail)
             self.steps.append(metrics)
             self.records.append(asdict(metrics))
+            if self.options.on_event:
+                self.options.on_event(metrics)
             if len(self.steps) == 1:
                 # Generation 0 has run a step, so every node's first launcher is in: a node launcher that starts from
                 # now on is a repaired node and brings its workers back as replacements.
@@ -668,12 +678,11 @@ class _Coordination:
         # Steady-state period: time between the completions of consecutive iterations (the first step: its span).
         period = last - self.previous_end if self.previous_end is not None else last - first
         losses = [r["stage_loss"] for r in records if r.get("stage_loss") is not None]
-        norms = [r["grad_norm"] for r in records if r["grad_norm"] is not None]
         return StepMetrics(
             step=step + 1, loss=losses[0] if losses else 0.0,
             tokens_per_s=self.tokens_per_step / period if period > 0 else 0.0,
             period_s=period, step_time_s=last - first, elapsed_s=time.time() - self.wall0,
-            grad_norm=norms[0] if norms else None,
+            grad_norm=grad_norm(records, self.plan.num_stages),
             worker_time_s={f"{r['replica']}:{r['stage']}": r["end"] - r["start"] for r in records},
             digests={f"{r['replica']}:{r['stage']}": r["digest"] for r in records if r["digest"]},
             worker_cpu_s={f"{r['replica']}:{r['stage']}": r["cpu_s"] for r in records if "cpu_s" in r},
@@ -704,6 +713,21 @@ class _Coordination:
         deadline = time.time() + max(self.options.timeout_s, 60.0)
         while not self.store.check(keys) and time.time() < deadline:
             time.sleep(0.05)
+
+
+def grad_norm(records: list[dict], num_stages: int) -> float | None:
+    """The global gradient norm of a step from its workers' records: the clipping norm when clipping, else the root of
+    the stages' squared norms (one replica each: after the all-reduce every replica of a stage holds the same)."""
+    norms = [r["grad_norm"] for r in records if r.get("grad_norm") is not None]
+    if norms:
+        return norms[0]
+    squares: dict[int, float] = {}
+    for r in records:
+        if r.get("grad_sq") is not None:
+            squares.setdefault(r["stage"], r["grad_sq"])
+    if len(squares) < num_stages:
+        return None  # a stage's record is missing (should not happen): no norm rather than a partial one
+    return sum(squares[s] for s in range(num_stages)) ** 0.5
 
 
 def _check_replicas(plan: Plan, metrics: StepMetrics, fail: Callable[[str], None]) -> None:

@@ -12,9 +12,9 @@ Resume rules (docs/runtime.md, "Checkpoints and resume"):
 
 from __future__ import annotations
 
+import logging
 import math
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +30,8 @@ from recycle.runtime.precision import weights_dtype
 
 if TYPE_CHECKING:
     from recycle.runtime.launcher import LaunchOptions
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["check_launch", "check_option_ranges", "check_outputs", "run_fingerprint", "find_resume_point",
            "ResumePoint", "StageSpec", "expected_stages", "RESUME_MUST_MATCH", "RESUME_MAY_CHANGE"]
@@ -87,7 +89,7 @@ def check_launch(config: Config, options: LaunchOptions, end: int) -> int:
     if options.resume_dir:
         point = find_resume_point(config, options.resume_dir, options.model_factory, specs)
         for warning in point.warnings:
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
+            _log.warning(warning)
         if point.step > end:
             raise ConfigError(f"the checkpoint {str(point.path)!r} is at step {point.step}, past --steps {end}; "
                               f"ask for more steps than {point.step}")
@@ -131,6 +133,8 @@ def run_fingerprint(config: Config, model_factory: str = "") -> dict[str, Any]:
     model: dict[str, Any]
     if model_factory:
         model = {}
+    elif config.model.hf_config:
+        model = {"hf_config": config.model.hf_config}
     else:
         from recycle.models.gpt import resolve_shape
 
@@ -151,14 +155,12 @@ def run_fingerprint(config: Config, model_factory: str = "") -> dict[str, Any]:
 
 def expected_stages(config: Config, model_factory: str = "") -> list[StageSpec]:
     """The tensors each stage of this config's model has (built on the meta device when the model is large)."""
-    from recycle.runtime.stage import load_factory
+    from recycle.runtime.stage import all_stages
 
     S = config.num_stages
-    if model_factory:
-        modules = load_factory(model_factory)(config, S)
-        dtype = weights_dtype(config.training.dtype)
-        modules = [m.to(dtype) for m in modules]
-        layouts = [(s, S) for s in range(S)]
+    if model_factory or config.model.hf_config:
+        model, layouts = all_stages(config, model_factory)
+        modules = list(model.stages)
     else:
         from recycle.models.gpt import GPTStage, resolve_shape, stage_layers
 
@@ -212,7 +214,8 @@ def find_resume_point(config: Config, root: str | Path, model_factory: str = "",
             problem = (f"'latest' names step {step} but {where} is missing" if step == latest
                        else f"{where} is missing")
         else:
-            problem = _check_step(root, step, specs, fingerprint, warnings, model_factory)
+            # A factory's or Hugging Face model's stage keys are prefixed per stage (checkpoint.key_prefix).
+            problem = _check_step(root, step, specs, fingerprint, warnings, model_factory or config.model.hf_config)
         if problem is None:
             if problems:
                 warnings.append(f"{problems[0]}; resuming from the newest intact checkpoint, step {step}, instead")

@@ -1,5 +1,6 @@
 """Single-process reference training: the whole model, the same D*M micro-batches per step, loss scaled 1/(D*M)
-and summed, optional global-norm clipping, the configured optimizer and LR schedule. Pipeline runs must end with the same parameters."""
+and summed, optional global-norm clipping, the configured optimizer, LR schedule and precision (bf16 autocast).
+Pipeline runs must end with the same parameters."""
 
 from __future__ import annotations
 
@@ -24,8 +25,25 @@ def reference_train(config: Config, steps: int | None = None) -> tuple[dict[str,
                           "whole-model forward cannot reproduce")
     training, workload = config.training, config.workload
     steps = training.steps if steps is None else steps
-    model = full_model(config.model, workload.seq_len, training.seed, weights_dtype(training.dtype))
-    optimizer = make_optimizer(model, training)
+    if config.model.hf_config:
+        # The same Hugging Face model the stages are cut from, whole: logits, then the runtime's loss_fn.
+        from recycle.models.hf import build_hf_model
+        from recycle.models.split import causal_lm_loss
+        from recycle.runtime.stage import hf_path
+
+        whole = build_hf_model(hf_path(config), workload.seq_len, training.seed, weights_dtype(training.dtype))
+        drops = {k: getattr(whole.model.config, k, 0.0) for k in ("embd_pdrop", "resid_pdrop", "attn_pdrop")}
+        if any(drops.values()):
+            raise ConfigError(f"the reference needs no dropout, but {config.model.hf_config!r} has {drops}; set them "
+                              "to 0.0 in the Hugging Face config")
+
+        def model(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return causal_lm_loss(whole(tokens), targets)
+        module: torch.nn.Module = whole
+    else:
+        module = model = full_model(config.model, workload.seq_len, training.seed,
+                                    weights_dtype(training.dtype))
+    optimizer = make_optimizer(module, training)
     dataset = load_dataset(training.dataset, workload.seq_len, base_dir=os.path.dirname(config.source) or None)
     total = config.num_replicas * config.num_microbatches
     losses = []
@@ -38,8 +56,8 @@ def reference_train(config: Config, steps: int | None = None) -> tuple[dict[str,
             loss.backward()
             step_loss += float(loss.detach())
         if training.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip)
+            torch.nn.utils.clip_grad_norm_(module.parameters(), training.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(step_loss)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}, losses

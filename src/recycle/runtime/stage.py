@@ -1,14 +1,17 @@
 """Stage construction: the built-in GPT's stages, or "bring your own model" through a factory 'module:function'.
 
 A factory is called as `factory(config, num_stages)` and returns the S stage modules of one model with the same
-initial weights on every call (seed it from `config.training.seed`). Every module keeps the stage call contract of
-`recycle.models.gpt` (stage 0 takes token ids, the last stage returns the scalar loss given targets) and has a
-method `boundary_shape(batch, seq)` giving the shape of the tensor it sends downstream.
+initial weights on every call (seed it from `config.training.seed`): a list of modules, or a
+`recycle.models.split.StageModel(stages, loss_fn)` -- e.g. the stage modules of torch.distributed.pipelining's
+`pipeline()`. The call and loss contract is recycle.models.split's; the boundary shapes are found by one micro-batch
+on the meta device unless every stage has `boundary_shape(batch, seq)`. A Hugging Face config ([model] hf_config)
+is split by decoder layers (recycle.models.hf).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,9 +21,10 @@ from torch import nn
 from recycle.config import Config
 from recycle.errors import ConfigError
 from recycle.models.gpt import build_stages, resolve_shape, stage_layers
+from recycle.models.split import LossFn, StageModel, as_stage_model, boundary_shapes, causal_lm_loss
 from recycle.runtime.precision import weights_dtype
 
-__all__ = ["BuiltStage", "build_stage", "load_factory", "check_model"]
+__all__ = ["BuiltStage", "build_stage", "load_factory", "check_model", "factory_model", "hf_model", "all_stages"]
 
 StageFactory = Callable[[Config, int], list[nn.Module]]
 
@@ -31,6 +35,7 @@ class BuiltStage:
     layout: tuple[int, int]  # which part of the model this stage holds (checked on resume)
     input_shape: tuple[int, ...] | None  # the activation it receives (None on stage 0: token ids are loaded)
     output_shape: tuple[int, ...] | None  # the activation it sends, = the gradient it receives (None: last stage)
+    loss_fn: LossFn | None = None  # last stage: loss = loss_fn(module(x), targets); None: module(x, targets)
 
 
 def load_factory(path: str) -> StageFactory:
@@ -49,31 +54,62 @@ def load_factory(path: str) -> StageFactory:
     return factory
 
 
+def factory_model(config: Config, factory: str) -> StageModel:
+    """The factory's stages (checked, in the config's dtype) and loss function."""
+    model = as_stage_model(load_factory(factory)(config, config.num_stages), config.num_stages,
+                           f"model factory {factory!r}")
+    dtype = weights_dtype(config.training.dtype)
+    return StageModel(tuple(m.to(dtype) for m in model.stages), model.loss_fn)
+
+
+def hf_path(config: Config) -> str:
+    from recycle.models.hf import resolve_hf_path
+
+    return str(resolve_hf_path(config.model.hf_config, os.path.dirname(config.source) or None))
+
+
+def hf_model(config: Config) -> tuple[StageModel, list[tuple[int, int]]]:
+    """A Hugging Face causal LM ([model] hf_config) split by decoder layers, and each stage's layers."""
+    from recycle.models.hf import hf_stages
+
+    dtype = weights_dtype(config.training.dtype)
+    stages = hf_stages(hf_path(config), config.num_stages, config.workload.seq_len, config.training.seed, dtype)
+    return StageModel(tuple(stages), causal_lm_loss), [(m.first_layer, m.end_layer) for m in stages]
+
+
+def all_stages(config: Config, factory: str = "") -> tuple[StageModel, list[tuple[int, int]]]:
+    """Every stage module of the run's model (built-in GPT, Hugging Face config, or factory) and their layouts."""
+    S = config.num_stages
+    if factory and config.model.hf_config:
+        raise ConfigError(f"--model-factory {factory!r} and [model] hf_config = {config.model.hf_config!r} both name "
+                          "the model; keep one")
+    if factory:
+        return factory_model(config, factory), [(s, S) for s in range(S)]
+    if config.model.hf_config:
+        return hf_model(config)
+    seq = config.workload.seq_len
+    shape = resolve_shape(config.model, seq)
+    stages = build_stages(config.model, S, config.training.seed, weights_dtype(config.training.dtype), seq)
+    return StageModel(tuple(stages)), stage_layers(shape.n_layer, S)
+
+
 def build_stage(config: Config, stage: int, factory: str = "") -> BuiltStage:
     """The module of `stage` (in the config's dtype), its layout and the shapes of the messages it receives."""
     S = config.num_stages
-    batch, seq = config.workload.microbatch_size, config.workload.seq_len
-    if not factory:
-        shape = resolve_shape(config.model, seq)
-        stages = build_stages(config.model, S, config.training.seed, weights_dtype(config.training.dtype), seq)
-        layout = stage_layers(shape.n_layer, S)[stage]
-    else:
-        stages = load_factory(factory)(config, S)
-        if len(stages) != S:
-            raise ConfigError(f"model factory {factory!r} returned {len(stages)} stages but num_stages = {S}")
-        for s, module in enumerate(stages[:-1]):
-            if not hasattr(module, "boundary_shape"):
-                raise ConfigError(f"model factory {factory!r}: stage {s} has no boundary_shape(batch, seq) method")
-        stages = [m.to(weights_dtype(config.training.dtype)) for m in stages]
-        layout = (stage, S)
-    input_shape = tuple(stages[stage - 1].boundary_shape(batch, seq)) if stage > 0 else None
-    output_shape = tuple(stages[stage].boundary_shape(batch, seq)) if stage < S - 1 else None
-    return BuiltStage(stages[stage], layout, input_shape, output_shape)
+    model, layouts = all_stages(config, factory)
+    stages = list(model.stages)
+    shapes = boundary_shapes(stages, config.workload.microbatch_size, config.workload.seq_len, upto=stage + 1)
+    input_shape = shapes[stage - 1] if stage > 0 else None
+    output_shape = shapes[stage] if stage < S - 1 else None
+    return BuiltStage(stages[stage], layouts[stage], input_shape, output_shape,
+                      model.loss_fn if stage == S - 1 else None)
 
 
 def check_model(config: Config, factory: str = "") -> None:
-    """Fail fast, in the launcher, on model errors (unknown preset, too few layers, a broken factory)."""
-    if factory:
-        load_factory(factory)
+    """Fail fast, in the launcher, on model errors (unknown preset, too few layers, a broken factory or Hugging Face
+    config, stages whose outputs cannot be sent): a factory is called once and its stages run on the meta device."""
+    if factory or config.model.hf_config:
+        model, _ = all_stages(config, factory)
+        boundary_shapes(list(model.stages), config.workload.microbatch_size, config.workload.seq_len)
     else:
         stage_layers(resolve_shape(config.model, config.workload.seq_len).n_layer, config.num_stages)

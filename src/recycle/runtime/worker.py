@@ -174,9 +174,12 @@ class _Worker:
         self.built = built
         self.module, self.layers = built.module.to(self.device), built.layout
         self.optimizer = make_optimizer(self.module, training)
+        # A factory's or Hugging Face model's stages are checkpointed under per-stage key prefixes (their names need
+        # not be the whole model's); the built-in GPT's under the whole model's names (checkpoint.key_prefix).
+        self._custom_model = spec.model_factory or config.model.hf_config
         if spec.resume_dir:
             checkpoint.load_stage(spec.resume_dir, spec.start_step, self.stage, self.module, self.optimizer,
-                                  spec.model_factory)
+                                  self._custom_model)
         self.dataset = load_dataset(training.dataset, workload.seq_len,
                                     base_dir=os.path.dirname(config.source) or None)
         self.heartbeat = _Heartbeat(spec)
@@ -256,7 +259,7 @@ class _Worker:
 
     def _load_checkpoint(self, step: int) -> None:
         checkpoint.load_stage(self.spec.checkpoint_dir, step, self.stage, self.module, self.optimizer,
-                              self.spec.model_factory)
+                              self._custom_model)
 
     def _transfer_state(self) -> None:
         """If replacements joined this stage in this generation (and no checkpoint is being restored), the first
@@ -294,7 +297,7 @@ class _Worker:
                                  built.input_shape, built.output_shape, weights_dtype(config.training.dtype),
                                  grad_clip=config.training.grad_clip, seed=config.training.seed, device=self.device,
                                  record_timings=self.spec.record_timings, before_action=self._before_action,
-                                 precision=config.training.dtype)
+                                 precision=config.training.dtype, loss_fn=built.loss_fn)
         if self.spec.emulation is not None:
             install_pacing(executor, config, self.spec.emulation)
         return executor
@@ -332,7 +335,8 @@ class _Worker:
             self._save_checkpoint(done)
         self.store.set(Keys.metrics(step, spec.rank), json.dumps({
             "start": result.start, "end": result.end, "loss_sum": result.loss_sum, "stage_loss": result.stage_loss,
-            "grad_norm": result.grad_norm, "replica": self.replica, "stage": self.stage, "cpu_s": cpu_s,
+            "grad_norm": result.grad_norm, "grad_sq": result.grad_sq, "replica": self.replica, "stage": self.stage,
+            "cpu_s": cpu_s,
             "generation": self.generation,
             "digest": parameter_digest(self.module) if spec.verify_replicas else "",
             "timings": [[t.action, t.start, t.end] for t in result.timings],
@@ -349,7 +353,7 @@ class _Worker:
         faults = [f for f in self.spec.faults if f.point == "ckpt" and f.step == done - 1]
         before_write = (lambda: self._fire(faults[0], f"the checkpoint of step {done}")) if faults else None
         self.writer.submit(done, self.stage, self.layers, self.module, self.optimizer, before_write,
-                           checkpoint.key_prefix(self.stage, self.spec.model_factory))
+                           checkpoint.key_prefix(self.stage, self._custom_model))
 
     def _save_final(self) -> None:
         """The --save part of this stage, and every checkpoint on disk (and reported) before the worker leaves."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import accumulate, chain
+from operator import attrgetter
+from typing import Any, Callable
 
 from recycle.config import Config
 from recycle.errors import PlanError
@@ -83,9 +85,14 @@ _KINDS = (Kind.F, Kind.B, Kind.W, Kind.BW, Kind.OPT)
 _CODE = {k: i for i, k in enumerate(_KINDS)}
 _F, _B, _W, _BW, _OPT = range(5)
 _HELD_DELTA = (1, 0, -1, -1, 0)  # an activation slot is taken at F and released at W or BW
+_KIND_OF, _STAGE_OF, _MB_OF = attrgetter("kind"), attrgetter("stage"), attrgetter("mb")
 
 
 MIN_ITERATIONS = 4
+# From this many actions per iteration the iterations are timed by the level-vectorized timer (recycle.sim.levels):
+# the same floats; measured 2x faster at 25k actions and ~3x at 99k-394k (set-up included), but 4x slower on the
+# toy's 212 actions, where numpy's per-call overhead dominates.
+LEVEL_TIMER_MIN_ACTIONS = 4_000
 MAX_ITERATIONS = 32
 
 
@@ -105,6 +112,42 @@ def _makespan(plan: Plan, compute_span: dict[int, tuple[int, int]], start: list[
         groups.setdefault(plan.worker(rank)[1] if plan.staggered else 0, []).append(span)
     return max((max(end[b] for _, b in spans) - min(start[a] for a, _ in spans) for spans in groups.values()),
                default=0.0)
+
+
+def _dependencies(code: list[int], stage_of: list[int], mb_of: list[int], first: list[int], stop: list[int],
+                  S: int, TM: int, p2p: list[float], inter: list[float],
+                  node: Callable[[int], int]) -> tuple[list[int], list[float]]:
+    """Per action: the global index of the action whose output it needs (-1 if none) and the message time added
+    when producer and consumer are different workers (inter-node figures across nodes)."""
+    total = len(code)
+    rank_of = [0] * total
+    for r, (lo, hi) in enumerate(zip(first, stop)):
+        rank_of[lo:hi] = [r] * (hi - lo)
+    # where[(kind code * S + stage) * TM + mb] = g of that compute action (-1: not in the plan)
+    where = [-1] * (len(_KINDS) * S * TM)
+    for g, (c, st, mb) in enumerate(zip(code, stage_of, mb_of)):
+        if c != _OPT:
+            where[(c * S + st) * TM + mb] = g
+    dep = [-1] * total
+    msg = [0.0] * total
+    for g in range(total):
+        c, st = code[g], stage_of[g]
+        if c == _F and st > 0:
+            src = where[(_F * S + st - 1) * TM + mb_of[g]]
+            boundary = st - 1
+        elif (c == _B or c == _BW) and st < S - 1:
+            # The next stage's input-gradient comes from its B when decoupled there, else from its fused BW.
+            src = where[(_B * S + st + 1) * TM + mb_of[g]]
+            if src < 0:
+                src = where[(_BW * S + st + 1) * TM + mb_of[g]]
+            boundary = st
+        else:
+            continue
+        dep[g] = src
+        if rank_of[src] != rank_of[g]:
+            # Across nodes ([topology] workers_per_node) the inter-node latency and bandwidth apply.
+            msg[g] = inter[boundary] if node(rank_of[src]) != node(rank_of[g]) else p2p[boundary]
+    return dep, msg
 
 
 def simulate(plan: Plan, config: Config, iterations: int | None = None, record: bool = False) -> SimResult:
@@ -130,57 +173,35 @@ def simulate(plan: Plan, config: Config, iterations: int | None = None, record: 
     comm = config.communication
 
     # Flatten every worker's list into one array of actions (global index g); worker r owns g in
-    # [first[r], stop[r]). One pass reads the Action objects; everything after works on flat lists of ints and
-    # floats (no tuple keys), which keeps the cost per action low from a few thousand to ~400k actions.
+    # [first[r], stop[r]). The Action objects are read once, by C-level attrgetter maps; everything after works on
+    # flat lists of ints and floats (numpy arrays for large plans).
     TM = plan.total_microbatches
     live_per_stage = [len(plan.live_replicas(s)) for s in range(S)]
     duration_of = [[action_duration(config, k, s, live_per_stage[s]) for s in range(S)] for k in _KINDS]
     first: list[int] = []
     stop: list[int] = []
-    code: list[int] = []
-    stage_of: list[int] = []
-    mb_of: list[int] = []
-    rank_of: list[int] = []
-    # where[(kind code * S + stage) * TM + mb] = g of that compute action (-1: not in the plan)
-    where = [-1] * (len(_KINDS) * S * TM)
-    code_of = _CODE
-    for rank, acts in enumerate(plan.actions):
-        first.append(len(code))
-        for a in acts:
-            c, st, mb = code_of[a.kind], a.stage, a.mb
-            if c != _OPT:
-                where[(c * S + st) * TM + mb] = len(code)
-            code.append(c)
-            stage_of.append(st)
-            mb_of.append(mb)
-            rank_of.append(rank)
-        stop.append(len(code))
+    for acts in plan.actions:
+        first.append(stop[-1] if stop else 0)
+        stop.append(first[-1] + len(acts))
+    flat = list(chain.from_iterable(plan.actions))
+    code = list(map(_CODE.__getitem__, map(_KIND_OF, flat)))
+    stage_of = list(map(_STAGE_OF, flat))
+    mb_of = list(map(_MB_OF, flat))
     total = len(code)
     dur = [duration_of[c][st] for c, st in zip(code, stage_of)]
     is_opt = [c == _OPT for c in code]
     held_delta = [_HELD_DELTA[c] for c in code]  # activation slots: +1 at F, -1 at W / BW
-    dep = [-1] * total  # global index of the action whose output this one needs, -1 if none
-    msg = [0.0] * total  # message time added when producer and consumer are different workers
     p2p = [comm.p2p_time(s) for s in range(S)]
     inter = [comm.inter_node_time(s) for s in range(S)]
     node = config.topology.node
-    for g in range(total):
-        c, st = code[g], stage_of[g]
-        if c == _F and st > 0:
-            src = where[(_F * S + st - 1) * TM + mb_of[g]]
-            boundary = st - 1
-        elif (c == _B or c == _BW) and st < S - 1:
-            # The next stage's input-gradient comes from its B when decoupled there, else from its fused BW.
-            src = where[(_B * S + st + 1) * TM + mb_of[g]]
-            if src < 0:
-                src = where[(_BW * S + st + 1) * TM + mb_of[g]]
-            boundary = st
-        else:
-            continue
-        dep[g] = src
-        if rank_of[src] != rank_of[g]:
-            # Across nodes ([topology] workers_per_node) the inter-node latency and bandwidth apply.
-            msg[g] = inter[boundary] if node(rank_of[src]) != node(rank_of[g]) else p2p[boundary]
+    fast = total >= LEVEL_TIMER_MIN_ACTIONS and not record
+    if fast:
+        from recycle.sim.levels import flat_dependencies  # numpy: imported only for large plans
+
+        dep_arr, msg_arr = flat_dependencies(code, stage_of, mb_of, first, stop, S, TM, p2p, inter,
+                                             [node(r) for r in range(n)])
+    else:
+        dep, msg = _dependencies(code, stage_of, mb_of, first, stop, S, TM, p2p, inter, node)
 
     live = [r for r in range(n) if plan.actions[r]]
     if plan.staggered:
@@ -191,9 +212,13 @@ def simulate(plan: Plan, config: Config, iterations: int | None = None, record: 
         groups = {r: everyone for r in live}
     compute_span = {}  # rank -> (first compute g, last compute g): the per-worker makespan endpoints
     for r in live:
-        comp = [g for g in range(first[r], stop[r]) if not is_opt[g]]
-        if comp:
-            compute_span[r] = (comp[0], comp[-1])
+        lo, hi = first[r], stop[r] - 1
+        while lo <= hi and is_opt[lo]:
+            lo += 1
+        while hi >= lo and is_opt[hi]:
+            hi -= 1
+        if lo <= hi:
+            compute_span[r] = (lo, hi)
 
     staggered = plan.staggered
     free = [0.0] * n
@@ -201,73 +226,92 @@ def simulate(plan: Plan, config: Config, iterations: int | None = None, record: 
     makespans: list[float] = []
     timeline: list[tuple[int, int, str, float, float]] = []
     tokens = [str(a) for acts in plan.actions for a in acts] if record else []
-    for it in range(iterations):
-        start = [0.0] * total
-        end = [-1.0] * total  # -1: not run yet (times are never negative)
-        ptr = list(first)
-        waiting: dict[int, list[int]] = {}
-        arrived: dict[tuple[int, ...], list[int]] = defaultdict(list)
-        ready = list(live)
-        while ready:
-            rank = ready.pop()
-            i = ptr[rank]
-            last = stop[rank]
-            t = free[rank]
-            while i < last:
-                if is_opt[i]:
-                    ptr[rank] = i
-                    free[rank] = t
-                    group = groups[rank]
-                    members = arrived[group]
-                    members.append(rank)
-                    if len(members) == len(group):
-                        begin = max(free[m] for m in group)
-                        longest = max(dur[ptr[m]] for m in group)
-                        for m in group:
-                            j = ptr[m]
-                            start[j] = begin
-                            end[j] = begin + dur[j]
-                            # Coupled: nobody starts the next iteration before the slowest step ends.
-                            free[m] = begin + (dur[j] if staggered else longest)
-                            ptr[m] = j + 1
-                    break
-                d = dep[i]
-                if d >= 0:
-                    produced = end[d]
-                    if produced < 0.0:  # producer not done yet: park until it is
+    timer = None
+    if fast:
+        from recycle.sim.levels import build_level_timer
+
+        timer = build_level_timer(n, first, stop, is_opt, dep_arr, msg_arr, dur, groups, staggered)
+        if timer is None:  # outside the timer's scope or deadlocked: the per-action loop (it reports deadlocks)
+            dep, msg = dep_arr.tolist(), msg_arr.tolist()
+    if timer is not None:
+        # Large plans: the same times from the level-vectorized timer (bit-identical, see recycle.sim.levels).
+        head_actions = [first[r] for r in live]
+        free_now = free
+        for it in range(iterations):
+            start_v, end_v, free_now = timer.run(free_now)
+            starts_it.append(float(start_v[head_actions].min()))
+            makespans.append(float(_makespan(plan, compute_span, start_v, end_v)))
+            if adaptive and _converged(starts_it):
+                break
+        free = [float(x) for x in free_now]
+    else:
+        for it in range(iterations):
+            start = [0.0] * total
+            end = [-1.0] * total  # -1: not run yet (times are never negative)
+            ptr = list(first)
+            waiting: dict[int, list[int]] = {}
+            arrived: dict[tuple[int, ...], list[int]] = defaultdict(list)
+            ready = list(live)
+            while ready:
+                rank = ready.pop()
+                i = ptr[rank]
+                last = stop[rank]
+                t = free[rank]
+                while i < last:
+                    if is_opt[i]:
                         ptr[rank] = i
                         free[rank] = t
-                        if d in waiting:
-                            waiting[d].append(rank)
-                        else:
-                            waiting[d] = [rank]
+                        group = groups[rank]
+                        members = arrived[group]
+                        members.append(rank)
+                        if len(members) == len(group):
+                            begin = max(free[m] for m in group)
+                            longest = max(dur[ptr[m]] for m in group)
+                            for m in group:
+                                j = ptr[m]
+                                start[j] = begin
+                                end[j] = begin + dur[j]
+                                # Coupled: nobody starts the next iteration before the slowest step ends.
+                                free[m] = begin + (dur[j] if staggered else longest)
+                                ptr[m] = j + 1
                         break
-                    arrival = produced + msg[i]
-                    if arrival > t:
-                        t = arrival
-                start[i] = t
-                t += dur[i]
-                end[i] = t
-                woken = waiting.pop(i, None)
-                if woken:
-                    ready.extend(woken)
-                i += 1
-            else:
-                ptr[rank] = i
-                free[rank] = t
-        unfinished = [r for r in live if ptr[r] < stop[r]]
-        if unfinished:
-            heads = [(r, ptr[r] - first[r]) for r in unfinished]
-            raise PlanError("plan deadlocks in simulation (validate it first); blocked heads marked:\n"
-                            + format_grid(plan, heads))
-        starts_it.append(min(start[first[r]] for r in live))
-        makespans.append(_makespan(plan, compute_span, start, end))
-        if record:
-            for r in live:
-                for j in range(first[r], stop[r]):
-                    timeline.append((r, it, tokens[j], start[j], end[j]))
-        if adaptive and _converged(starts_it):
-            break
+                    d = dep[i]
+                    if d >= 0:
+                        produced = end[d]
+                        if produced < 0.0:  # producer not done yet: park until it is
+                            ptr[rank] = i
+                            free[rank] = t
+                            if d in waiting:
+                                waiting[d].append(rank)
+                            else:
+                                waiting[d] = [rank]
+                            break
+                        arrival = produced + msg[i]
+                        if arrival > t:
+                            t = arrival
+                    start[i] = t
+                    t += dur[i]
+                    end[i] = t
+                    woken = waiting.pop(i, None)
+                    if woken:
+                        ready.extend(woken)
+                    i += 1
+                else:
+                    ptr[rank] = i
+                    free[rank] = t
+            unfinished = [r for r in live if ptr[r] < stop[r]]
+            if unfinished:
+                heads = [(r, ptr[r] - first[r]) for r in unfinished]
+                raise PlanError("plan deadlocks in simulation (validate it first); blocked heads marked:\n"
+                                + format_grid(plan, heads))
+            starts_it.append(min(start[first[r]] for r in live))
+            makespans.append(_makespan(plan, compute_span, start, end))
+            if record:
+                for r in live:
+                    for j in range(first[r], stop[r]):
+                        timeline.append((r, it, tokens[j], start[j], end[j]))
+            if adaptive and _converged(starts_it):
+                break
 
     iterations = len(starts_it)
     if adaptive and _converged(starts_it):
@@ -293,11 +337,7 @@ def simulate(plan: Plan, config: Config, iterations: int | None = None, record: 
             continue
         busy = sum(dur[first[r]:stop[r]])
         idle.append(max(0.0, 1.0 - busy / period) if period > 0 else 0.0)
-        held = peak = 0
-        for delta in held_delta[first[r]:stop[r]]:
-            held += delta
-            if held > peak:
-                peak = held
+        peak = max(0, max(accumulate(held_delta[first[r]:stop[r]]), default=0))  # running count, its maximum
         peaks.append(peak)
         peak_bytes.append(peak * config.memory.activation_bytes[plan.worker(r)[1]])
     live_idle = [idle[r] for r in live]

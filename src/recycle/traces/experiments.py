@@ -31,7 +31,7 @@ __all__ = [
     "named_config",
 ]
 
-SYSTEM_NAMES = ("recycle", "fault-free", "fault-scaled", "checkpoint-restart", "oobleck", "bamboo")
+SYSTEM_NAMES = ("recycle", "recycle-plus", "fault-free", "fault-scaled", "checkpoint-restart", "oobleck", "bamboo")
 
 # The paper's numbers this experiment is compared with (recycle-paper.md §5.2, abstract).
 PAPER = {
@@ -130,8 +130,28 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
     if progress:
         progress(f"planning the fault-free state of {config.name} (D={config.num_replicas}, S={config.num_stages})")
     ctx = JobContext(config, throughput.fault_free(), throughput.seconds_per_unit, costs)
+    skipped: dict[str, str] = {}
+    partitions = None
+    if "recycle-plus" in systems:
+        from recycle.traces.repartition import PartitionModel, partition_support
+
+        why = partition_support(config)
+        if not why and not period_label.startswith(("planner", "closed-form")):
+            why = f"the period source {period_label!r} knows the configured layout only"
+        if why:
+            skipped["recycle-plus"] = f"cannot re-partition: {why}"
+            systems = [s for s in systems if s != "recycle-plus"]
+        else:
+            partitions = PartitionModel(throughput, options, planner=not period_label.startswith("closed-form"))
+
+    def recycle_plus():
+        from recycle.traces.repartition import ReCyclePlusSystem
+
+        return ReCyclePlusSystem(ctx, throughput, partitions)
+
     builders = {
         "recycle": lambda: ReCycleSystem(ctx, throughput),
+        "recycle-plus": recycle_plus,
         "fault-free": lambda: FaultFree(ctx),
         "fault-scaled": lambda: FaultScaled(ctx),
         "checkpoint-restart": lambda: CheckpointRestart(ctx),
@@ -140,7 +160,8 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
     }
     built = [builders[name]() for name in systems]
     result = replay_all(built, timeline, ctx, progress)
-    policy = next((list(b.policy_log) for b in built if isinstance(b, ReCycleSystem)), [])
+    policy = next((list(b.policy_log) for b in built if type(b) is ReCycleSystem), [])
+    plus = next((list(b.policy_log) for b in built if b.name == "recycle-plus"), [])
     extra = {
         "config": config.name,
         "num_replicas": config.num_replicas,
@@ -153,6 +174,11 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
         "keys_planned": throughput.keys_planned,
         "costs": costs.__dict__,
         "recycle_policy": [{"time_s": t, "policy": name, "detail": detail} for t, name, detail in policy],
+        "recycle_plus_policy": [{"time_s": t, "policy": name, "detail": detail} for t, name, detail in plus],
+        # Per failure state ReCycle+ planned: re-routing alone vs re-partitioned vs the ideal live-proportional
+        # period (config time units) and the partition chosen.
+        "partitions": [c.to_dict() for c in partitions.choices().values()] if partitions is not None else [],
+        "skipped": skipped,
     }
     return replace(result, extra=extra)
 

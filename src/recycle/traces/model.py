@@ -50,6 +50,9 @@ class JobCosts:
     # (`oobleck_reconfig_s` + the slowest state copy of a worker that changes stage); assumption.
     reshape: bool = True
     reshape_horizon_s: float = 1800.0
+    # ReCycle+ (traces/repartition.py): the expected time until the next change before any change is seen (then
+    # the running mean gap, this prior counted once); it weighs a layer migration's pause against its gain.
+    repartition_prior_s: float = 1800.0
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():

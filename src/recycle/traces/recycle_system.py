@@ -173,8 +173,10 @@ class ReCycleSystem:
         state's period."""
         if self.key is None or self.ctx.costs.redo_fraction == 0:
             return 0.0
+        cfg = self.ctx.config
+        samples = cfg.num_replicas * cfg.num_microbatches * cfg.workload.microbatch_size  # the global batch
         rate = self.model.throughput_for_key(self.key)
-        return self.ctx.costs.redo_fraction * self.model.samples_per_iteration / rate if rate > 0 else 0.0
+        return self.ctx.costs.redo_fraction * samples / rate if rate > 0 else 0.0
 
     def on_change(self, now, live, lost, joined) -> Decision:
         c = self.ctx.costs

@@ -175,11 +175,41 @@ def write_report(result: JobResult, out_dir: str | Path, title: str = "Trace rep
             "",
         ]
     lines += policy_lines(extra.get("recycle_policy", []), result.timeline.end_s)
+    lines += plus_lines(extra.get("recycle_plus_policy", []), extra.get("partitions", []), result)
     atomic_write_text(out / "report.md", "\n".join(lines))
     return summary
 
 
-def policy_lines(log: list[dict[str, Any]], end_s: float, limit: int = 40) -> list[str]:
+def plus_lines(log: list[dict[str, Any]], partitions: list[dict[str, Any]], result: JobResult) -> list[str]:
+    """ReCycle+'s decisions (with their predicted gains) and, per failure state it planned, the period of
+    re-routing alone vs re-partitioned vs the ideal live-proportional period."""
+    if not log and not partitions:
+        return []
+    unit = result.context.config.time_unit
+    scale = 1e-6 if unit == "us" else result.context.seconds_per_unit
+    rows = [[str(tuple(p["key"])), "/".join(map(str, p["partition"])), f"{p['configured_period'] * scale:.3f}",
+             f"{p['period'] * scale:.3f}", f"{p['ideal_period'] * scale:.3f}",
+             f"{p['configured_period'] / p['period']:.3f}x"] for p in partitions]
+    lines = [
+        "## ReCycle+ (layer re-partitioning)",
+        "",
+        "Per failure state planned: period (s) of re-routing alone on the configured layers, with the layers "
+        "re-partitioned, and the ideal live-proportional period (every live worker's busy time shared evenly; the "
+        "first two are capped at the 1F1B period under the paper's reference, the ideal is not).",
+        "",
+        markdown_table(["key", "layers per stage", "re-routing", "re-partitioned", "ideal", "speed-up"], rows),
+        "",
+        "ReCycle+'s policies, besides ReCycle's: repartition = layers moved (its predicted gain over the expected "
+        "state duration repays the migration pause); re-route = kept re-routing alone (it did not); layers back = "
+        "every worker returned, configured layers restored; re-route (layers moved) = re-routing on a "
+        "re-partitioned layout.",
+        "",
+    ]
+    return lines + policy_lines(log, result.timeline.end_s, title="ReCycle+ policy over time")
+
+
+def policy_lines(log: list[dict[str, Any]], end_s: float, limit: int = 40,
+                 title: str = "ReCycle policy over time") -> list[str]:
     """The report section saying which ReCycle policy ran when: hours per policy and the switches."""
     if not log:
         return []
@@ -189,7 +219,7 @@ def policy_lines(log: list[dict[str, Any]], end_s: float, limit: int = 40) -> li
         hours[entry["policy"]] = hours.get(entry["policy"], 0.0) + max(0.0, stop - entry["time_s"]) / 3600
     rows = [[f"{e['time_s']:.0f}", e["policy"], e["detail"]] for e in log[:limit]]
     lines = [
-        "## ReCycle policy over time",
+        f"## {title}",
         "",
         "adapt = re-route on the D x S grid; reshape = D' = live // S full pipelines plus re-routed leftovers (state "
         "copied from live peers, no rollback); restore = from the checkpoint after a stage lost every replica; "

@@ -1,0 +1,106 @@
+"""ReCycle+ (layer re-partitioning policy) against ReCycle's pure re-routing and the baseline models, side by side in
+one run: the paper-shaped trace under both references, its per-failure-state periods, then every shipped trace and
+synthetic spot traces.
+
+Run: nice -n 15 .venv/bin/python benchmarks/bench_repartition.py [--config configs/gpt3-6.7b-a100.toml]
+     [--synthetic 2] [--quick]
+
+Goals (issue 15): on `--generate paper-gcp:placement=spread --reference planner`, ReCycle+ goodput >= the
+fault-scaled line and >= 1.05x the Oobleck-like model; with the paper's reference (1F1B), no worse than ReCycle's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from recycle.config import load_config
+from recycle.planner.api import fault_free_period
+from recycle.planner.partition import ideal_period
+from recycle.traces.experiments import JobSetup, find_traces_dir, job_grid, run_job
+from recycle.traces.generate import parse_generate_spec
+from recycle.traces.reader import read_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINES = ("fault-scaled", "checkpoint-restart", "oobleck", "bamboo")
+
+
+def paper(config, reference: str) -> None:
+    trace = parse_generate_spec("paper-gcp:placement=spread", grid=job_grid(config), placement="random", seed=0)
+    result = run_job(config, trace, setup=JobSetup(reference=reference))
+    g = {name: run.goodput for name, run in result.runs.items()}
+    plus, plain = g["recycle-plus"], g["recycle"]
+    print(f"\n== paper-gcp:placement=spread, reference {reference} (fault-free {result.fault_free_rate:.2f} samples/s)")
+    for name, value in g.items():
+        print(f"   {result.runs[name].label:34s} goodput {value:7.2%}   ReCycle+/this {plus / value:.3f}x"
+              if value > 0 else f"   {result.runs[name].label:34s} goodput {value:7.2%}")
+    print(f"   ReCycle+ / fault-scaled {plus / g['fault-scaled']:.3f}x (goal >= 1), / Oobleck-like "
+          f"{plus / g['oobleck']:.3f}x (goal >= 1.05), / ReCycle {plus / plain:.3f}x")
+    decisions = [e for e in result.extra["recycle_plus_policy"] if e["policy"] in ("repartition", "re-route",
+                                                                                   "layers back")]
+    print(f"   ReCycle+ decisions: {sum(e['policy'] == 'repartition' for e in decisions)} re-partitions, "
+          f"{sum(e['policy'] == 're-route' for e in decisions)} kept re-routing alone, "
+          f"{sum(e['policy'] == 'layers back' for e in decisions)} back to the configured layers")
+    if reference == "planner":
+        # The limit of this cost model: the same replay with the ideal live-proportional period in every failure
+        # state (no whole-layer or whole-micro-batch granularity, no bubble), the fault-free plan's period with none.
+        ff_period = fault_free_period(config)
+        ideal = run_job(config, trace, systems=["recycle"], setup=JobSetup(reference=reference),
+                        period_fn=lambda key: ideal_period(config, key) if any(key) else ff_period,
+                        period_label="ideal live-proportional")
+        print(f"   with the ideal live-proportional period in every failure state: goodput "
+              f"{ideal.runs['recycle'].goodput:.2%} ({ideal.runs['recycle'].goodput / g['oobleck']:.3f}x Oobleck-like)")
+        print("\n   per failure state (periods in s): re-routing alone | re-partitioned | ideal live-proportional")
+        for p in result.extra["partitions"]:
+            print(f"   key {str(tuple(p['key'])):14s} layers {'/'.join(map(str, p['partition'])):10s} "
+                  f"{p['configured_period'] / 1e6:7.3f} | {p['period'] / 1e6:7.3f} | {p['ideal_period'] / 1e6:7.3f}"
+                  f"   re-partitioned / ideal {p['period'] / p['ideal_period']:.3f}")
+
+
+def traces(config, synthetic: int) -> None:
+    found: list[tuple[str, object]] = []
+    folder = find_traces_dir(ROOT)
+    if folder is not None:
+        found += [(path.stem, read_trace(path)) for path in sorted(folder.glob("*.csv"))]
+    else:
+        print("no ../shared/data/traces beside the checkout: synthetic traces only", file=sys.stderr)
+    for seed in range(synthetic):
+        spec = f"poisson:nodes=30,hours=48,mtbf_h=12,repair_h=4,seed={seed}"
+        found.append((f"spot-poisson-seed{seed}", parse_generate_spec(spec)))
+    print(f"\n== every shipped trace and {synthetic} synthetic ones (job sized to the trace: --replicas auto); goodput")
+    print(f"   {'trace':<24} {'ref':>7} {'D':>2} | {'ReCycle':>8} {'ReCycle+':>8} {'+/ReC':>6} | {'best baseline':>13} "
+          f"{'+/best':>6}")
+    worst = float("inf")
+    for name, trace in found:
+        for reference in ("1f1b", "planner"):
+            result = run_job(config, trace, setup=JobSetup(replicas="auto", reference=reference))
+            g = {n: r.goodput for n, r in result.runs.items()}
+            best_name = max(BASELINES, key=lambda b: g[b])
+            ratio = g["recycle-plus"] / g["recycle"] if g["recycle"] > 0 else float("nan")
+            worst = min(worst, ratio)
+            print(f"   {name:<24} {reference:>7} {result.context.config.num_replicas:>2} | {g['recycle']:8.4f} "
+                  f"{g['recycle-plus']:8.4f} {ratio:6.3f} | {g[best_name]:8.4f} {best_name[:5]:>4} "
+                  f"{g['recycle-plus'] / g[best_name]:6.3f}", flush=True)
+    print(f"   worst ReCycle+ / ReCycle over these runs: {worst:.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(ROOT / "configs" / "gpt3-6.7b-a100.toml"))
+    parser.add_argument("--synthetic", type=int, default=2, help="synthetic spot traces (Poisson, seeds 0..N-1)")
+    parser.add_argument("--quick", action="store_true", help="the paper-shaped trace only")
+    args = parser.parse_args(argv)
+    config = load_config(args.config)
+    began = time.perf_counter()
+    paper(config, "planner")
+    paper(config, "1f1b")
+    if not args.quick:
+        traces(config, args.synthetic)
+    print(f"\n{time.perf_counter() - began:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

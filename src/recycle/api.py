@@ -1,0 +1,234 @@
+"""The public Python API: configs, plans, plan stores, simulation of a plan or a failure trace, and training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+from recycle.config import Config, apply_overrides, config_from_dict, load_config
+from recycle.errors import ConfigError, PlanError, RecycleError
+from recycle.ir.plan import Plan
+
+# Everything heavy (the planner, the simulator, torch through the runtime) is imported inside the function that
+# needs it, so `import recycle` stays cheap.
+if TYPE_CHECKING:
+    from recycle.planner.options import PlannerOptions
+    from recycle.planner.store import PlanStore
+    from recycle.runtime.launcher import LaunchOptions, TrainResult
+    from recycle.sim.simulator import SimResult
+    from recycle.traces.jobsim import JobResult
+    from recycle.traces.model import JobCosts
+    from recycle.traces.reader import EventTrace
+
+__all__ = ["load_config", "config_from_dict", "apply_overrides", "Config", "Plan", "planner_options", "plan",
+           "schedule", "plan_store", "load_plan_store", "read_plan", "pipelining_csv", "simulate", "load_trace",
+           "simulate_trace", "select_plan", "train", "factory_name", "RecycleError"]
+
+Worker = tuple[int, int]
+
+
+def _workers(config: Config, failed: Iterable[Worker | str]) -> list[Worker]:
+    from recycle.planner.failures import parse_worker
+
+    out = []
+    for w in failed:
+        if isinstance(w, str):
+            out.append(parse_worker(w, config.num_replicas, config.num_stages))
+        else:
+            out.append(parse_worker(f"{w[0]}:{w[1]}", config.num_replicas, config.num_stages))
+    return out
+
+
+def planner_options(config: Config, *, decoupled: bool = True, staggered: bool = True,
+                    memory_cap: str | int | None = None, search: bool = True) -> PlannerOptions:
+    """Planner options; `memory_cap` is N live micro-batches per worker, '1f1b' or None (the config's budget)."""
+    from recycle.planner.api import resolve_memory_cap
+    from recycle.planner.options import PlannerOptions
+
+    return PlannerOptions(decoupled=decoupled, staggered=staggered, memory_cap=resolve_memory_cap(config, memory_cap),
+                          search=search)
+
+
+def plan(config: Config, failed: Iterable[Worker | str] = (), *, options: PlannerOptions | None = None,
+         solver: str = "heuristic", time_limit: float = 10.0, routing: str = "traffic") -> Plan:
+    """The adaptive plan for `failed` workers, given as (replica, stage) pairs or "R:S" strings: the failed workers'
+    micro-batches re-routed to the surviving replicas of their stage, every worker scheduled. `solver` is
+    "heuristic" (milliseconds) or "exact" (CP-SAT, up to `time_limit` seconds). With no failures it is the
+    planner's own fault-free plan."""
+    from recycle.planner.api import make_plan
+    from recycle.planner.failures import normalize
+
+    workers = _workers(config, failed)
+    normalize(workers, config.num_replicas, config.num_stages)  # a stage without survivors fails here, clearly
+    return make_plan(config, workers, options if options is not None else planner_options(config), solver,
+                     time_limit, routing)
+
+
+def schedule(config: Config, name: str = "1f1b", *, staggered: bool = False) -> Plan:
+    """A fault-free schedule as a plan: gpipe, 1f1b, 1f1b-decoupled or zb-h1."""
+    from recycle.schedules.fault_free import build_schedule
+
+    return build_schedule(config, name, staggered=staggered)
+
+
+def plan_store(config: Config, max_failures: int, out: str | Path, *, options: PlannerOptions | None = None,
+               solver: str = "heuristic", time_limit: float = 10.0, jobs: int = 1,
+               progress: IO[str] | None = None) -> Path:
+    """Precompute the plan of every normalized failure state with at most `max_failures` failures into the folder
+    `out`; returns the path of its index."""
+    from recycle.planner.store import build_store
+
+    return Path(build_store(config, max_failures, out, options if options is not None else planner_options(config),
+                            solver, time_limit, jobs, progress=progress))
+
+
+def load_plan_store(directory: str | Path, config: Config) -> PlanStore:
+    """Open a plan store made for `config`; `.lookup(failed_workers)` gives the plan on the real ranks."""
+    from recycle.planner.store import PlanStore
+
+    return PlanStore.load(directory, config)
+
+
+def read_plan(path: str | Path) -> Plan:
+    """A plan JSON file written by `plan.to_json()` (`recycle plan --save`)."""
+    from recycle.ir import read_plan as read
+
+    return read(str(path), "plan file")
+
+
+def pipelining_csv(plan: Plan, replica: int = 0) -> str:
+    """Replica `replica`'s pipeline of `plan` as torch.distributed.pipelining's compute-only schedule CSV (what
+    `_PipelineScheduleRuntime._load_csv` reads). Raises PlanError for what the format cannot express: a replica with
+    a failed worker or in cross-pipeline re-routing. The optimizer step is left out (recycle.ir.pipelining)."""
+    from recycle.ir.pipelining import pipelining_csv as export
+
+    return export(plan, replica)
+
+
+def simulate(plan: Plan, config: Config, *, iterations: int | None = None, record: bool = False) -> SimResult:
+    """Time `plan` on `config`'s costs: period (steady-state time per iteration), makespan, bubbles, peak memory
+    (`record=True` keeps the per-action timeline for Gantt charts)."""
+    from recycle.sim.simulator import simulate as run
+
+    return run(plan, config, iterations=iterations, record=record)
+
+
+def load_trace(config: Config, path: str | Path | None = None, *, generate: str = "", seed: int = 0,
+               placement: str = "random", gpus_per_node: int = 1, replicas: str = "keep",
+               strict: bool = False) -> EventTrace:
+    """A failure trace for the job: read from a CSV `path`, or generated from a spec such as 'paper-gcp'.
+    Availability traces (live counts) are placed onto the job's workers by `placement` with `seed`."""
+    from recycle.traces.experiments import job_grid
+    from recycle.traces.generate import parse_generate_spec
+    from recycle.traces.reader import read_trace
+
+    if (path is None) == (not generate):
+        raise ConfigError("a trace needs exactly one of a CSV path (--trace) and a generator spec (--generate, e.g. "
+                          "'paper-gcp'); pass one")
+    if gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node {gpus_per_node} must be >= 1")
+    grid = job_grid(config, gpus_per_node, replicas)
+    if generate:
+        return parse_generate_spec(generate, grid=grid, placement=placement, seed=seed)
+    return read_trace(str(path), strict=strict, seed=seed, placement=placement, grid=grid)
+
+
+def simulate_trace(config: Config, trace: str | Path | EventTrace, *, systems: Sequence[str] | None = None,
+                   gpus_per_node: int = 1, replicas: str = "keep", slot_seconds: float = 1.0,
+                   period_model: str = "auto", reference: str = "1f1b", costs: JobCosts | None = None,
+                   progress: Callable[[str], None] | None = None) -> JobResult:
+    """Replay a failure trace (a CSV path, or one from load_trace) over the job for ReCycle and the baseline models
+    (fault-free, fault-scaled, checkpoint-restart, Oobleck-like, Bamboo-like); `costs` holds detection, restart and
+    checkpoint times. The result's `.runs` hold each system's goodput and throughput timeline."""
+    from recycle.traces.experiments import SYSTEM_NAMES, JobSetup, run_job
+    from recycle.traces.model import JobCosts
+
+    events = trace if not isinstance(trace, (str, Path)) else load_trace(
+        config, trace, gpus_per_node=gpus_per_node, replicas=replicas)
+    setup = JobSetup(gpus_per_node=gpus_per_node, replicas=replicas, slot_seconds=slot_seconds,
+                     period_model=period_model, reference=reference)
+    return run_job(config, events, systems=tuple(systems) if systems else SYSTEM_NAMES,
+                   costs=costs if costs is not None else JobCosts(), setup=setup, progress=progress)
+
+
+def select_plan(config: Config, schedule: str | None = None, plan_file: str | None = None,
+                down: Iterable[Worker | str] = (), decoupled: bool = True, staggered: bool = True) -> Plan:
+    """The plan a training run starts on: a plan file, the adaptive plan for workers `down` from the start, or a
+    fault-free schedule (default zb-h1, or 1f1b when not decoupled)."""
+    failed = frozenset(_workers(config, down))
+    if plan_file:
+        from recycle.ir import read_plan as read
+
+        loaded = read(plan_file, "--plan")
+        if failed and loaded.failed != failed:
+            raise PlanError(f"--plan {plan_file!r} is for failed workers {sorted(loaded.failed)} but --down names "
+                            f"{sorted(failed)}; drop --down or pass the plan for that failure state")
+        return loaded
+    if failed:
+        if schedule:
+            raise ConfigError("--schedule names a fault-free schedule; with --down the planner makes the plan, so "
+                              "drop --schedule")
+        try:
+            from recycle.planner.api import make_plan
+            from recycle.planner.options import PlannerOptions
+        except ImportError as exc:
+            raise RecycleError(f"the planner is not available ({exc}); pass an adaptive plan with --plan") from None
+        return make_plan(config, failed, options=PlannerOptions(decoupled=decoupled, staggered=staggered),
+                         solver="heuristic")
+    from recycle.schedules.fault_free import build_schedule
+
+    return build_schedule(config, schedule or ("zb-h1" if decoupled else "1f1b"), staggered=staggered)
+
+
+def train(config: Config, plan: Plan | None = None, *, schedule: str | None = None, down: Iterable[Worker | str] = (),
+          decoupled: bool = True, staggered: bool = True, recover: bool = True, max_failures: int = 2,
+          plan_store: str | Path = "", store_progress: IO[str] | None = None,
+          launch_options: LaunchOptions | None = None, **options: Any) -> TrainResult:
+    """Train `config`'s model on D x S worker processes and return the TrainResult (per-step metrics, recoveries).
+
+    The run starts on `plan`, or on `select_plan(config, schedule, down=down, ...)`. With `recover` (the default) a
+    worker failure switches to the plan for the new failure state: from `plan_store` (a folder from plan_store())
+    or from a store built now for up to `max_failures` failures (heuristic beyond). `options` are the fields of
+    runtime.launcher.LaunchOptions (steps, save_path, metrics_path, model_factory, checkpoint_dir, ...), or pass a
+    whole `launch_options`. `model_factory` may be a function (config, num_stages) -> stages (see
+    recycle.models.split) defined at the top level of an importable module or of the script being run: every worker
+    process imports it by name.
+    """
+    from dataclasses import fields, replace
+
+    from recycle.runtime.launcher import LaunchOptions, PlanChoice, launch
+
+    known = {f.name for f in fields(LaunchOptions)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(f"train() got unknown option(s) {unknown}; known: {', '.join(sorted(known))}")
+    factory = options.get("model_factory")
+    if callable(factory):
+        options["model_factory"] = factory_name(factory)
+    if plan is None:
+        plan = select_plan(config, schedule, None, down, decoupled, staggered)
+    elif schedule or tuple(down):
+        raise ConfigError("train() takes a plan or schedule=/down=, not both; drop one")
+    launch_opts = replace(launch_options or LaunchOptions(), **options)
+    if recover and launch_opts.plan_provider is None:
+        from recycle.planner.options import PlannerOptions  # the API may use the planner; the runtime may not
+        from recycle.planner.provider import PlanLibrary
+
+        if max_failures < 0:
+            raise ConfigError(f"--max-failures {max_failures} must be >= 0 (0: plan every failure when it happens)")
+        if plan_store:
+            library = PlanLibrary.load(plan_store, config)
+        else:
+            library = PlanLibrary.build(config, PlannerOptions(decoupled=decoupled, staggered=staggered),
+                                        max_failures, progress=store_progress)
+        launch_opts = replace(launch_opts, plan_provider=library.provider(PlanChoice))
+    return launch(config, plan, launch_opts)
+
+
+def factory_name(factory: Callable[..., Any]) -> str:
+    """'module:function' for a model factory function, the form worker processes import it by."""
+    module, name = getattr(factory, "__module__", None), getattr(factory, "__qualname__", "")
+    if not module or not name or "<" in name or "." in name:
+        raise ConfigError(f"model factory {factory!r} must be a function defined at the top level of a module (workers "
+                          "import it by name); a lambda, a nested function or a method cannot be imported")
+    return f"{module}:{name}"

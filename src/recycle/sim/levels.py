@@ -1,0 +1,216 @@
+"""Vectorized iteration timing for large plans: actions grouped by dependency level, each level timed in numpy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["LevelTimer", "build_level_timer", "flat_dependencies"]
+
+
+@dataclass(frozen=True)
+class LevelTimer:
+    """The iteration DAG of a flattened plan, ordered by level (longest path in edges from a source).
+
+    Nodes are the N actions plus one barrier node per all-reduce group. Every level only depends on earlier
+    levels, so one iteration is a loop over levels with a handful of numpy operations each, instead of a Python
+    step per action. The arithmetic is the simulator's own, operation for operation: an action starts at
+    max(its worker's free time, producer end + message) and ends at start + duration (float64 both ways), so the
+    times are bit-identical to the per-action loop in `recycle.sim.simulator`.
+    """
+
+    num_actions: int
+    num_ranks: int
+    bounds: tuple[tuple[int, int, int, int], ...]  # per level: compute slice, then OPT slice, in the sorted arrays
+    group_levels: tuple[np.ndarray, ...]  # per level: the barrier nodes that level completes
+    idx: np.ndarray  # action index, level-sorted (compute actions of a level first, then its OPTs)
+    prev: np.ndarray  # index into `free` (N + rank: the worker's free time at the iteration start) of each action
+    dep: np.ndarray  # index into `end` (N: a -inf sentinel) of the producer
+    msg: np.ndarray
+    dur: np.ndarray
+    opt_group: np.ndarray  # for OPT entries: the barrier node's group
+    opt_hold: np.ndarray  # for OPT entries: how long the worker stays busy after the barrier begins
+    member_prev: tuple[np.ndarray, ...]  # per group: `free` indices of what its members did before their OPT
+    last: np.ndarray  # per rank: the last action (-1: none); the worker is free after it for the next iteration
+
+    def run(self, free_at_start: Sequence[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One iteration: start and end per action, and each rank's free time at its end."""
+        N = self.num_actions
+        free = np.empty(N + self.num_ranks)
+        free[N:] = free_at_start
+        end = np.empty(N + 1)
+        end[N] = -np.inf
+        start = np.empty(N)
+        begin = np.empty(len(self.member_prev))
+        idx, prev, dep, msg, dur = self.idx, self.prev, self.dep, self.msg, self.dur
+        for (lo, mid, hi, _), groups in zip(self.bounds, self.group_levels):
+            if mid > lo:
+                i = idx[lo:mid]
+                t = np.maximum(free[prev[lo:mid]], end[dep[lo:mid]] + msg[lo:mid])
+                start[i] = t
+                t = t + dur[lo:mid]
+                end[i] = t
+                free[i] = t
+            for g in groups:
+                begin[g] = free[self.member_prev[g]].max()
+            if hi > mid:
+                i = idx[mid:hi]
+                b = begin[self.opt_group[mid:hi]]
+                start[i] = b
+                end[i] = b + dur[mid:hi]
+                free[i] = b + self.opt_hold[mid:hi]
+        after = free[N:].copy()
+        has = self.last >= 0
+        after[has] = free[self.last[has]]
+        return start, end[:N], after
+
+
+def build_level_timer(num_ranks: int, first: Sequence[int], stop: Sequence[int], is_opt: Sequence[bool],
+                      dep: Sequence[int], msg: Sequence[float], dur: Sequence[float],
+                      groups: dict[int, tuple[int, ...]], staggered: bool) -> LevelTimer | None:
+    """The level structure of one iteration, or None when the plan is outside this timer's scope (a rank whose
+    list does not end with its only OPT, a group member without actions) or deadlocks; the caller then uses the
+    per-action loop, which also reports deadlocks."""
+    N = len(dur)
+    live = sorted(groups)
+    rank_of = np.repeat(np.arange(num_ranks, dtype=np.int64), np.asarray(stop) - np.asarray(first))
+    opt_mask = np.asarray(is_opt, dtype=bool)
+    opts_per_rank = np.bincount(rank_of[opt_mask], minlength=num_ranks)
+    opt_rank: dict[int, int] = {}
+    for r in live:
+        if opts_per_rank[r] != 1 or not opt_mask[stop[r] - 1]:
+            return None
+        opt_rank[r] = stop[r] - 1
+    group_ids: dict[tuple[int, ...], int] = {}
+    for r in live:
+        if any(m not in opt_rank for m in groups[r]):
+            return None
+        group_ids.setdefault(groups[r], len(group_ids))
+    G = len(group_ids)
+    first_arr = np.asarray(first, dtype=np.int64)
+    index = np.arange(N, dtype=np.int64)
+    is_first = index == first_arr[rank_of] if N else np.zeros(0, dtype=bool)
+    prev = np.where(is_first, N + rank_of, index - 1)
+    dep_arr = np.asarray(dep, dtype=np.int64)
+    opt_group = np.full(N, -1, dtype=np.int64)
+    for r in live:
+        opt_group[opt_rank[r]] = group_ids[groups[r]]
+
+    # Edges into action nodes (prev -> g for compute; barrier -> OPT) and into barrier nodes (member prev -> it).
+    node_count = N + G
+    src_list = []
+    dst_list = []
+    compute = ~opt_mask
+    has_prev = compute & ~is_first
+    src_list.append(index[has_prev] - 1)
+    dst_list.append(index[has_prev])
+    has_dep = compute & (dep_arr >= 0)
+    src_list.append(dep_arr[has_dep])
+    dst_list.append(index[has_dep])
+    opts = index[opt_mask]
+    src_list.append(N + opt_group[opts])
+    dst_list.append(opts)
+    member_prev = []
+    for group in group_ids:  # in id order (insertion order)
+        gid = group_ids[group]
+        members = np.asarray([opt_rank[m] for m in group], dtype=np.int64)
+        member_prev.append(prev[members])
+        inner = members[~is_first[members]] - 1
+        src_list.append(inner)
+        dst_list.append(np.full(len(inner), N + gid, dtype=np.int64))
+    src = np.concatenate(src_list)
+    dst = np.concatenate(dst_list)
+    indeg = np.bincount(dst, minlength=node_count)
+    order = np.argsort(src, kind="stable")
+    succ = dst[order]
+    indptr = np.zeros(node_count + 1, dtype=np.int64)
+    np.cumsum(np.bincount(src, minlength=node_count), out=indptr[1:])
+
+    level = np.full(node_count, -1, dtype=np.int64)
+    stamp = np.empty(node_count, dtype=np.int64)
+    frontier = np.flatnonzero(indeg == 0)
+    depth = 0
+    while len(frontier):
+        level[frontier] = depth
+        lo, hi = indptr[frontier], indptr[frontier + 1]
+        counts = hi - lo
+        total = int(counts.sum())
+        if total:
+            offsets = np.repeat(lo - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
+            targets = succ[offsets + np.arange(total)]
+            np.subtract.at(indeg, targets, 1)
+            ready = targets[indeg[targets] == 0]
+            # A node whose two inputs were both in this frontier appears twice: keep one copy (whichever
+            # position's stamp survived; cheaper than np.unique's sort or hash).
+            position = np.arange(len(ready))
+            stamp[ready] = position
+            frontier = ready[stamp[ready] == position]
+        else:
+            frontier = frontier[:0]
+        depth += 1
+    if (level < 0).any():
+        return None  # a cycle: the plan deadlocks
+
+    # Sort actions by (level, OPT last within the level); barrier nodes keep their own levels.
+    action_level = level[:N]
+    sort_key = action_level * 2 + opt_mask
+    sorted_idx = np.argsort(sort_key, kind="stable")
+    keys = sort_key[sorted_idx]
+    dep_ext = np.where(dep_arr >= 0, dep_arr, N)
+    msg_arr = np.asarray(msg, dtype=np.float64)
+    dur_arr = np.asarray(dur, dtype=np.float64)
+    longest = np.zeros(G)
+    for r in live:
+        gid = group_ids[groups[r]]
+        longest[gid] = max(longest[gid], dur_arr[opt_rank[r]])
+    hold = dur_arr.copy() if staggered else np.where(opt_mask, longest[np.maximum(opt_group, 0)], 0.0)
+    bounds = []
+    group_levels = []
+    group_level = level[N:]
+    boundaries = np.searchsorted(keys, np.arange(2 * depth + 1))
+    for d in range(depth):
+        lo, mid, hi = (int(x) for x in boundaries[2 * d:2 * d + 3])
+        bounds.append((lo, mid, hi, d))
+        group_levels.append(np.flatnonzero(group_level == d))
+    stop_arr = np.asarray(stop, dtype=np.int64)
+    last = np.where(stop_arr > first_arr, stop_arr - 1, -1)
+    return LevelTimer(N, num_ranks, tuple(bounds), tuple(group_levels), sorted_idx, prev[sorted_idx],
+                      dep_ext[sorted_idx], msg_arr[sorted_idx], dur_arr[sorted_idx], opt_group[sorted_idx],
+                      hold[sorted_idx], tuple(member_prev), last)
+
+
+def flat_dependencies(code: Sequence[int], stage_of: Sequence[int], mb_of: Sequence[int], first: Sequence[int],
+                      stop: Sequence[int], S: int, TM: int, p2p: Sequence[float], inter: Sequence[float],
+                      node_of: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """`recycle.sim.simulator._dependencies` in numpy (the same rule, tested equal): producer index per action
+    (-1: none) and the message time (p2p, inter-node across nodes, 0 on the same worker)."""
+    F, B, BW, OPT = 0, 1, 3, 4  # the simulator's kind codes (F, B, W, BW, OPT)
+    code_a = np.asarray(code, dtype=np.int64)
+    stage_a = np.asarray(stage_of, dtype=np.int64)
+    mb_a = np.asarray(mb_of, dtype=np.int64)
+    N = len(code_a)
+    rank_of = np.repeat(np.arange(len(first), dtype=np.int64), np.asarray(stop) - np.asarray(first))
+    where = np.full(5 * S * TM, -1, dtype=np.int64)
+    compute = code_a != OPT
+    where[((code_a * S + stage_a) * TM + mb_a)[compute]] = np.flatnonzero(compute)
+    dep = np.full(N, -1, dtype=np.int64)
+    boundary = np.zeros(N, dtype=np.int64)
+    forward = (code_a == F) & (stage_a > 0)
+    dep[forward] = where[(F * S + stage_a[forward] - 1) * TM + mb_a[forward]]
+    boundary[forward] = stage_a[forward] - 1
+    backward = ((code_a == B) | (code_a == BW)) & (stage_a < S - 1)
+    src = where[(B * S + stage_a[backward] + 1) * TM + mb_a[backward]]
+    fused = where[(BW * S + stage_a[backward] + 1) * TM + mb_a[backward]]
+    dep[backward] = np.where(src < 0, fused, src)
+    boundary[backward] = stage_a[backward]
+    msg = np.zeros(N)
+    has = np.flatnonzero(dep >= 0)
+    producer_rank = rank_of[dep[has]]
+    consumer_rank = rank_of[has]
+    nodes = np.asarray(node_of, dtype=np.int64)
+    across = np.where(nodes[producer_rank] != nodes[consumer_rank], np.asarray(inter, dtype=np.float64)[boundary[has]],
+                      np.asarray(p2p, dtype=np.float64)[boundary[has]])
+    msg[has] = np.where(producer_rank != consumer_rank, across, 0.0)
+    return dep, msg

@@ -1,0 +1,241 @@
+"""ReCycle+ in the job simulator: per failure state, re-route alone, re-partition layers or reshape, chosen with one
+performance model (planner periods, migration time, expected state duration), and back when workers return."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Iterable
+
+from recycle.config import Config
+from recycle.planner.options import PlannerOptions
+from recycle.planner.partition import (PartitionChoice, best_partition, configured_partition, layer_costs,
+                                       migration_bytes, partition_config, partition_period)
+from recycle.traces.model import Decision, JobContext
+from recycle.traces.recycle_system import ReCycleSystem
+from recycle.traces.throughput import ThroughputModel, estimate_period
+
+__all__ = ["PartitionModel", "DurationEstimate", "ReCyclePlusSystem", "partition_support"]
+
+
+def partition_support(config: Config) -> str:
+    """"" when the config's layers can be re-partitioned, else why not (ReCycle+ is then skipped). The job
+    simulator needs `[model] layers_per_stage`: without it the per-stage costs say nothing about layers (and
+    guessing from the runtime's preset would import torch into every replay)."""
+    if not config.model.layers_per_stage:
+        return ("the config has no [model] layers_per_stage (the layers behind its per-stage costs, e.g. [8, 8, 8, 8] "
+                "in configs/gpt3-6.7b-a100.toml)")
+    layers = configured_partition(config)
+    if sum(layers) <= config.num_stages:
+        return (f"{sum(layers)} layers on {config.num_stages} stages: every stage already holds one layer, so no "
+                "layer can move")
+    return ""
+
+
+_CHOICES: dict[tuple, PartitionChoice] = {}  # in-process cache of planner partition searches
+
+
+class PartitionModel:
+    """ReCycle's rate for (failure key, layer partition), the partition chosen per key, and migration times.
+
+    Periods come from the same source as ReCycle's line: the planner (`planner.partition.partition_period`, the
+    heuristic's priority rules on the per-stage config of the partition, memory caps re-derived) or, with the closed-form period
+    model, `estimate_period` on that config (the balanced partition is then taken without a planner screen).
+    The configured partition's periods are the base model's own, so ReCycle and ReCycle+ agree exactly where
+    ReCycle+ keeps the layers where they are."""
+
+    def __init__(self, base: ThroughputModel, options: PlannerOptions = PlannerOptions(), planner: bool = True, max_evaluations: int = 8) -> None:
+        self.base = base
+        self.config = base.config
+        # Re-partitioned layouts are planned with the heuristic's priority rules only (milliseconds per plan; the
+        # local search and CP-SAT polish would make a trace with dozens of failure states take many minutes).
+        # ReCycle's own periods (the configured layout) keep the full search, so this only ever understates what
+        # re-partitioning gains.
+        self.screen = replace(options, search=False)
+        self.planner = planner
+        self.max_evaluations = max_evaluations
+        self.costs = layer_costs(self.config)
+        self.configured = self.costs.layers
+        self._period: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
+        self._choice: dict[tuple[int, ...], PartitionChoice] = {}
+
+    def period(self, key: tuple[int, ...], partition: tuple[int, ...]) -> float:
+        if partition == self.configured:
+            return self.base.period(key)
+        cache_key = (tuple(key), tuple(partition))
+        if cache_key not in self._period:
+            if self.planner:
+                value = partition_period(self.config, key, partition, self.screen, "heuristic", self.costs)
+            else:
+                derived = partition_config(self.config, partition, self.costs)
+                value = estimate_period(derived, tuple(key), self.base.period((0,) * self.config.num_stages))
+            if self.base.floor_period is not None:
+                value = max(value, self.base.floor_period)
+            # Never faster than the fault-free reference: a failure state beating it would say the configured
+            # layout itself should change, a configuration choice rather than failure handling (docs/traces.md).
+            value = max(value, self.base.period((0,) * self.config.num_stages))
+            self._period[cache_key] = value
+        return self._period[cache_key]
+
+    def rate(self, key: tuple[int, ...], partition: tuple[int, ...]) -> float:
+        period = self.period(key, partition)
+        return 0.0 if math.isinf(period) else self.base.samples_per_iteration / (period * self.base.seconds_per_unit)
+
+    def choice(self, key: tuple[int, ...]) -> tuple[int, ...]:
+        """The partition for `key`: the configured one with nothing failed (the fault-free plan and reference),
+        else the planner's best (or, with the estimate, the balanced one) when it beats re-routing alone."""
+        key = tuple(key)
+        if not any(key):
+            return self.configured
+        if key not in self._choice:
+            if self.planner:
+                shared = (self.config.fingerprint(), self.configured, key, self.screen, self.max_evaluations)
+                if shared not in _CHOICES:  # the search does not depend on the reference: share it across runs
+                    _CHOICES[shared] = best_partition(self.config, key, self.screen, "heuristic",
+                                                      self.max_evaluations)
+                found = _CHOICES[shared]
+                partition, ideal, balanced, evaluated = found.partition, found.ideal_period, found.balanced, \
+                    found.evaluated
+            else:
+                from recycle.planner.partition import balanced_partition, ideal_period
+
+                partition = balanced = balanced_partition(self.config, key, self.costs)
+                ideal, evaluated = ideal_period(self.config, key), 1
+            base = self.period(key, self.configured)
+            if self.period(key, partition) >= base:
+                partition = self.configured
+            self._choice[key] = PartitionChoice(key, partition, self.period(key, partition), self.configured, base,
+                                                balanced, ideal, evaluated)
+        return self._choice[key].partition
+
+    def choices(self) -> dict[tuple[int, ...], PartitionChoice]:
+        return dict(self._choice)
+
+    def migration_bytes(self, old: tuple[int, ...], new: tuple[int, ...], key: Iterable[int]) -> float:
+        live = [self.config.num_replicas - k for k in key]
+        received, sent = migration_bytes(self.costs, old, new, live)
+        return max(received, sent)
+
+
+class DurationEstimate:
+    """Expected time until the next change of the live set: the mean gap seen so far, with `prior_s` counted as
+    one observation (a memoryless trace's expected remaining time is its mean gap; no look-ahead)."""
+
+    def __init__(self, prior_s: float) -> None:
+        self.prior_s = prior_s
+        self.total_s = 0.0
+        self.count = 0
+        self.last_s: float | None = None
+
+    def observe(self, now: float) -> None:
+        if self.last_s is not None and now > self.last_s:
+            self.total_s += now - self.last_s
+            self.count += 1
+        self.last_s = now
+
+    @property
+    def expected_s(self) -> float:
+        return (self.prior_s + self.total_s) / (1 + self.count)
+
+
+class _CurrentPartition:
+    """ReCycle's rate source with the layers laid out as `partition` (ReCycleSystem asks it for rates by key)."""
+
+    def __init__(self, model: PartitionModel) -> None:
+        self.model = model
+        self.partition = model.configured
+        self.label = model.base.label
+
+    def key_for(self, failed: Iterable[tuple[int, int]]) -> tuple[int, ...]:
+        return self.model.base.key_for(failed)
+
+    def throughput_for_key(self, key: tuple[int, ...]) -> float:
+        return self.model.rate(key, self.partition)
+
+    def fault_free(self) -> float:
+        return self.model.base.fault_free()
+
+
+class ReCyclePlusSystem(ReCycleSystem):
+    """ReCycle+ = ReCycle (re-routing, re-joins, restore, the reshape policy) plus layer re-partitioning.
+
+    After every change, once ReCycle has settled its layout and key (including a reshape, whose horizon is the
+    same expected duration), the policy compares, with one performance model:
+    * re-routing alone on the current layer partition: rate r0, no pause;
+    * moving to the partition the planner chose for this key (the configured one once nothing has failed:
+      "switch back"): rate r1 after a pause of `plan_switch_s` + the migration of the moved layers' parameters
+      and optimizer state between stages (`PartitionModel.migration_bytes` over one p2p link per worker).
+    It re-partitions when r1 * (E - pause) > r0 * E, E = the expected time until the next change
+    (`DurationEstimate`, prior `JobCosts.repartition_prior_s`), and always returns to the configured partition
+    when no worker is missing. Each decision with a choice, and its predicted gain in samples over E, is logged
+    in `policy_log` (policy "repartition", "re-route" or "layers back").
+    """
+
+    name = "recycle-plus"
+
+    def __init__(self, ctx: JobContext, throughput: ThroughputModel, partitions: PartitionModel) -> None:
+        self.partitions = partitions
+        self.current = _CurrentPartition(partitions)
+        super().__init__(ctx, throughput)
+        self.model = self.current  # ReCycle's rates now follow the current partition
+        label = throughput.label
+        self.label = f"ReCycle+ ({label})" if label else "ReCycle+"
+        self.expected = DurationEstimate(ctx.costs.repartition_prior_s)
+        self.base_costs = ctx.costs
+        self._kept: tuple | None = None  # (key, partition) last kept with re-routing alone
+
+    def _with_horizon(self) -> None:
+        """Reshape decisions use the same expected duration as the partition decisions."""
+        horizon = self.expected.expected_s
+        self.ctx = replace(self.ctx, costs=replace(self.base_costs, reshape_horizon_s=horizon))
+
+    def _log(self, now: float, policy: str, detail: str) -> None:
+        if policy == "adapt" and self.current.partition != self.partitions.configured:
+            policy = "re-route (layers moved)"  # re-routing on a re-partitioned layout
+        super()._log(now, policy, detail)
+
+    def _restore(self, now, live, first_loss, lost_stage) -> Decision:
+        self.current.partition = self.partitions.configured  # the checkpoint is read into the configured layout
+        return super()._restore(now, live, first_loss, lost_stage)
+
+    def start(self, now: float, live: frozenset[int]) -> Decision:
+        self.expected.observe(now)
+        self._with_horizon()
+        return self._consider(now, super().start(now, live))
+
+    def on_change(self, now, live, lost, joined) -> Decision:
+        self.expected.observe(now)
+        self._with_horizon()
+        return self._consider(now, super().on_change(now, live, lost, joined))
+
+    def on_wake(self, now: float) -> Decision:
+        return self._consider(now, super().on_wake(now))
+
+    def _consider(self, now: float, decision: Decision) -> Decision:
+        if self.down or self.key is None or decision.rate <= 0:
+            return decision
+        key = self.key
+        current = self.current.partition
+        target = self.partitions.choice(key)
+        if target == current:
+            return decision
+        E = self.expected.expected_s
+        r0 = self.partitions.rate(key, current)
+        r1 = self.partitions.rate(key, target)
+        moved = self.partitions.migration_bytes(current, target, key)
+        pause = self.ctx.costs.plan_switch_s + self.ctx.transfer_s(moved)
+        gain = r1 * max(0.0, E - pause) - r0 * E
+        back = not any(key)
+        words = (f"key {key}: layers {'/'.join(map(str, current))} -> {'/'.join(map(str, target))}, rate "
+                 f"{r0:.2f} -> {r1:.2f} samples/s, pause {pause:.1f} s ({moved / 1e9:.1f} GB per worker at most), "
+                 f"expected state {E:.0f} s, predicted gain {gain:+.0f} samples")
+        if not back and gain <= 0:
+            if self._kept != (key, current):  # logged once per state, not again on every re-check
+                self._log(now, "re-route", f"{words}: re-routing alone")
+                self._kept = (key, current)
+            return decision
+        self._kept = None
+        self._log(now, "layers back" if back else "repartition", words)
+        self.current.partition = target
+        return Decision(r1, pauses=decision.pauses + (("reconfiguration", pause),), wake_at=decision.wake_at,
+                        note=f"{decision.note}; {'layers back' if back else 'repartition'}: {words}")

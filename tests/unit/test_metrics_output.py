@@ -1,0 +1,120 @@
+"""Step metrics out of the launcher: the grad norm from the workers' records, TensorBoard event files, CLI logging."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+from recycle.cli import main
+from recycle.log_setup import configure_logging
+from recycle.errors import ConfigError
+from recycle.runtime.launcher import Recovery, StepMetrics, grad_norm
+from recycle.progress import progress_lines
+from recycle.runtime.tensorboard_sink import TensorBoardSink
+
+TOY = str(Path(__file__).resolve().parents[2] / "configs" / "toy.toml")
+
+
+def _record(replica: int, stage: int, grad_sq: float | None, norm: float | None = None) -> dict:
+    return {"replica": replica, "stage": stage, "grad_sq": grad_sq, "grad_norm": norm}
+
+
+def test_grad_norm_sums_one_replica_per_stage() -> None:
+    records = [_record(0, 0, 9.0), _record(1, 0, 9.0), _record(0, 1, 16.0), _record(1, 1, 16.0)]
+    assert grad_norm(records, 2) == pytest.approx(5.0, rel=1e-15)
+    assert grad_norm(records[:2], 2) is None  # stage 1 missing: no partial norm
+    # With clipping the workers already computed the global norm; it is taken as is.
+    assert grad_norm([_record(0, 0, None, 7.5), _record(0, 1, None, 7.5)], 2) == 7.5
+
+
+def _recovery() -> Recovery:
+    return Recovery(generation=1, step=3, workers=("1:1",), causes=("worker 1:1 died",), failed=((1, 1),),
+                    failure_time=0.0, detected_s=0.02, plan_source="store", plan_lookup_s=0.001, formed_s=0.05,
+                    resumed_s=0.15, redone_actions=12, redone_s=0.3, rolled_back=0)
+
+
+def test_tensorboard_event_file_holds_the_scalars(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = TensorBoardSink(str(tmp_path))
+    workers = {"0:0": 1.0, "0:1": 1.0, "1:0": 1.0, "1:1": 1.0}
+    for step in (1, 2):
+        sink(StepMetrics(step=step, loss=5.0 - step, tokens_per_s=100.0 * step, period_s=0.5, step_time_s=0.4,
+                         elapsed_s=step, grad_norm=2.0 * step, worker_time_s=workers))
+    sink(_recovery())
+    sink(StepMetrics(step=3, loss=1.5, tokens_per_s=90.0, period_s=0.6, step_time_s=0.5, elapsed_s=3.0,
+                     grad_norm=None, worker_time_s={k: v for k, v in workers.items() if k != "1:1"}))
+    sink({"event": "chaos", "kind": "kill", "step": 3, "workers": ["1:1"]})
+    sink.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert scalars["train/loss"] == [(1, 4.0), (2, 3.0), (3, 1.5)]
+    assert scalars["train/tokens_per_s"] == [(1, 100.0), (2, 200.0), (3, 90.0)]
+    assert [s for s, _ in scalars["train/period_s"]] == [1, 2, 3]
+    assert scalars["train/grad_norm"] == [(1, 2.0), (2, 4.0)]  # step 3 had none
+    assert scalars["workers/live"] == [(1, 4.0), (2, 4.0), (3, 3.0)]
+    assert scalars["recovery/count"] == [(3, 1.0)]
+    assert scalars["recovery/workers_down"] == [(3, 1.0)]
+    assert scalars["recovery/resumed_s"][0][1] == pytest.approx(0.15)
+
+
+def test_a_missing_tensorboard_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
+    with pytest.raises(ConfigError, match=r"recycle\[tensorboard\]"):
+        TensorBoardSink(str(tmp_path))
+
+
+def test_cli_routes_info_to_stdout_and_warnings_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    log = logging.getLogger("recycle.runtime.launcher")
+    try:
+        assert configure_logging() == logging.INFO
+        log.info("step 1/2 loss 4.0")
+        log.warning("the checkpoint is old")
+        out, err = capsys.readouterr()
+        assert out == "step 1/2 loss 4.0\n" and err == "warning: the checkpoint is old\n"
+        assert configure_logging(quiet=1) == logging.WARNING
+        log.info("hidden")
+        assert capsys.readouterr().out == ""
+        assert configure_logging(verbose=1) == logging.DEBUG
+        log.debug("detail")
+        assert capsys.readouterr().out == "recycle.runtime.launcher: detail\n"
+        assert configure_logging(verbose=1, level="error") == logging.ERROR  # --log-level wins
+        ours = [h for h in logging.getLogger("recycle").handlers if type(h).__name__ == "_StdStream"]
+        assert len(ours) == 2  # configured again, not stacked (pytest may add its own capture handlers)
+    finally:
+        configure_logging()
+
+
+def test_quiet_flag_before_or_after_the_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    try:
+        for argv in (["-q", "plan"], ["plan", "-q"]):
+            out = tmp_path / f"store{len(argv[0])}"
+            assert main([*argv, "--config", TOY, "--max-failures", "1", "--out", str(out)]) == 0
+            captured = capsys.readouterr()
+            assert "key=" not in captured.err and "wrote plan store" in captured.out  # progress off, result kept
+        assert main(["plan", "--config", TOY, "--max-failures", "1", "--out", str(tmp_path / "s")]) == 0
+        assert "[5/5] key=" in capsys.readouterr().err  # not a terminal: the plain lines, as before
+    finally:
+        configure_logging()
+
+
+def test_progress_is_a_bar_on_a_terminal_and_plain_lines_otherwise(capsys: pytest.CaptureFixture[str]) -> None:
+    import io
+
+    configure_logging()
+    plain = io.StringIO()
+    with progress_lines("work", stream=plain) as report:  # a StringIO is not a terminal
+        report("[1/2] first")
+        report("[2/2] second")
+    assert plain.getvalue() == "[1/2] first\n[2/2] second\n"
+    bar = io.StringIO()
+    with progress_lines("work", stream=bar, bar=True) as report:
+        report("[1/2] first")
+        print("a table line")  # goes above the bar, to stdout
+        report("[2/2] second")
+    assert "work" in bar.getvalue() and "2/2" in bar.getvalue() and "second" in bar.getvalue()
+    assert "a table line" in capsys.readouterr().out
