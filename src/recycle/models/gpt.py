@@ -196,13 +196,14 @@ def stage_layers(n_layer: int, num_stages: int) -> list[tuple[int, int]]:
 
 
 def build_stages(spec: ModelSpec, num_stages: int, seed: int, dtype: str | torch.dtype = "float32",
-                 seq_len: int = 64) -> list[GPTStage]:
-    """The S stage modules, with exactly the weights of `full_model(spec, seq_len, seed, dtype)` sliced by layers."""
+                 seq_len: int = 64, bounds: list[tuple[int, int]] | None = None) -> list[GPTStage]:
+    """The S stage modules, with exactly the weights of `full_model(spec, seq_len, seed, dtype)` sliced by layers
+    (`bounds`: [first, last) per stage; default the even split of `stage_layers`)."""
     whole = full_model(spec, seq_len, seed, dtype)
     shape = whole.shape
     state = whole.state_dict()
     stages = []
-    for first, last in stage_layers(shape.n_layer, num_stages):
+    for first, last in bounds or stage_layers(shape.n_layer, num_stages):
         stage = GPTStage(shape, first, last).to(_dtype(dtype))
         own = stage.state_dict()
         stage.load_state_dict({k: state[k] for k in own})

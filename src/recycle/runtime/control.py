@@ -120,6 +120,11 @@ class Keys:
         return f"gen{generation}/transfer/{rank}"
 
     @staticmethod
+    def migration(generation: int, rank: int) -> str:
+        """What a worker's layer re-partition moved in this generation (layers in and out, bytes, seconds)."""
+        return f"gen{generation}/migration/{rank}"
+
+    @staticmethod
     def stopped_count(generation: int) -> str:
         return f"gen{generation}/stopped_count"
 

@@ -132,6 +132,10 @@ class Recovery:
     restored_step: int | None = None  # every worker loaded this checkpoint (a stage had lost every replica)
     steps_lost: int = 0
     moved: tuple[str, ...] = ()  # "donor -> slot" ("1:0 -> 1:1"): live workers moved into a lost stage (reshape)
+    partition: tuple[int, ...] = ()  # layers per stage after it, when the plan re-partitioned them (else empty)
+    layers_moved: int = 0  # layers handed between stages at the switch (each counted once per receiving worker)
+    migration_bytes: int = 0  # parameters and optimizer state sent for them
+    migration_s: float = 0.0  # the slowest worker's exchange
 
     def line(self) -> str:
         what = list(self.causes)
@@ -144,6 +148,10 @@ class Recovery:
             what.append(f"{', '.join(self.joined)} re-joined ({moved})")
         if self.restored_step is not None:
             what.append(f"restored checkpoint step {self.restored_step} ({self.steps_lost} steps lost)")
+        if self.layers_moved:
+            what.append(f"layers re-partitioned to {list(self.partition) or 'the configured split'} per stage "
+                        f"({self.layers_moved} layer move(s), {self.migration_bytes / 1e6:.2f} MB in "
+                        f"{self.migration_s:.3f} s)")
         detected = f"detected in {self.detected_s:.2f} s; " if self.detected_s is not None else ""
         down: dict[int, int] = {}
         for _, stage in self.failed:
@@ -617,6 +625,8 @@ class _Coordination:
         end = max(resumed) if resumed else time.time()
         transfers = [json.loads(self.store.get(Keys.transfer(generation, r))) for r in sorted(facts.joining)
                      if self.store.check([Keys.transfer(generation, r)])]
+        migrations = [json.loads(self.store.get(Keys.migration(generation, r))) for r in live
+                      if self.store.check([Keys.migration(generation, r)])]
         # A join without a failure: the survivors' pause runs from their stop at the drain to their first action.
         paused_from = min((r.time for r in facts.reports), default=facts.started)
         recovery = Recovery(
@@ -632,7 +642,10 @@ class _Coordination:
             transfer_bytes=sum(t["bytes"] for t in transfers),
             transfer_s=max((t["seconds"] for t in transfers), default=0.0),
             restored_step=facts.restore_step, steps_lost=facts.steps_lost,
-            moved=tuple("%d:%d -> %d:%d" % (*self.plan.worker(d), *self.plan.worker(r)) for d, r in facts.moved))
+            moved=tuple("%d:%d -> %d:%d" % (*self.plan.worker(d), *self.plan.worker(r)) for d, r in facts.moved),
+            partition=tuple(choice.plan.partition), layers_moved=sum(m["in"] for m in migrations),
+            migration_bytes=sum(m["bytes"] for m in migrations) // 2,
+            migration_s=max((m["seconds"] for m in migrations), default=0.0))
         self.recoveries.append(recovery)
         if self.options.progress:
             self.options.progress(recovery.line())

@@ -15,7 +15,6 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 from torch import nn
 
 from recycle.config import Config
@@ -77,8 +76,10 @@ def hf_model(config: Config) -> tuple[StageModel, list[tuple[int, int]]]:
     return StageModel(tuple(stages), causal_lm_loss), [(m.first_layer, m.end_layer) for m in stages]
 
 
-def all_stages(config: Config, factory: str = "") -> tuple[StageModel, list[tuple[int, int]]]:
-    """Every stage module of the run's model (built-in GPT, Hugging Face config, or factory) and their layouts."""
+def all_stages(config: Config, factory: str = "",
+               bounds: list[tuple[int, int]] | None = None) -> tuple[StageModel, list[tuple[int, int]]]:
+    """Every stage module of the run's model (built-in GPT, Hugging Face config, or factory) and their layouts.
+    `bounds`: the built-in GPT's [first, last) layers per stage (default: the even split)."""
     S = config.num_stages
     if factory and config.model.hf_config:
         raise ConfigError(f"--model-factory {factory!r} and [model] hf_config = {config.model.hf_config!r} both name "
@@ -89,14 +90,17 @@ def all_stages(config: Config, factory: str = "") -> tuple[StageModel, list[tupl
         return hf_model(config)
     seq = config.workload.seq_len
     shape = resolve_shape(config.model, seq)
-    stages = build_stages(config.model, S, config.training.seed, weights_dtype(config.training.dtype), seq)
-    return StageModel(tuple(stages)), stage_layers(shape.n_layer, S)
+    bounds = bounds or stage_layers(shape.n_layer, S)
+    stages = build_stages(config.model, S, config.training.seed, weights_dtype(config.training.dtype), seq, bounds)
+    return StageModel(tuple(stages)), bounds
 
 
-def build_stage(config: Config, stage: int, factory: str = "") -> BuiltStage:
-    """The module of `stage` (in the config's dtype), its layout and the shapes of the messages it receives."""
+def build_stage(config: Config, stage: int, factory: str = "",
+                bounds: list[tuple[int, int]] | None = None) -> BuiltStage:
+    """The module of `stage` (in the config's dtype), its layout and the shapes of the messages it receives
+    (`bounds`: see all_stages)."""
     S = config.num_stages
-    model, layouts = all_stages(config, factory)
+    model, layouts = all_stages(config, factory, bounds)
     stages = list(model.stages)
     shapes = boundary_shapes(stages, config.workload.microbatch_size, config.workload.seq_len, upto=stage + 1)
     input_shape = shapes[stage - 1] if stage > 0 else None

@@ -11,14 +11,17 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from recycle.config import Config
+from recycle.errors import ConfigError
 from recycle.ir import Action, Plan
+from recycle.models.gpt import GPTStage
 from recycle.runtime import checkpoint
 from recycle.runtime.checkpoint_writer import CheckpointWriter
 from recycle.runtime.control import Announcement, Keys, StoppedReport, connect_store, decode, encode, job_store
@@ -26,6 +29,7 @@ from recycle.runtime.data import load_dataset, microbatch
 from recycle.runtime.emulate import Emulation, install_pacing
 from recycle.runtime.executor import StageExecutor
 from recycle.runtime.faults import FaultInjection, fire
+from recycle.runtime.migration import exchange_layers, layer_moves, plan_bounds, rebuild_stage
 from recycle.runtime.optim import make_optimizer
 from recycle.runtime.precision import weights_dtype
 from recycle.runtime.stage import build_stage
@@ -170,7 +174,13 @@ class _Worker:
         self.device = torch.device(f"cuda:{spec.device_index}") if spec.backend == "nccl" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        built = build_stage(config, self.stage, spec.model_factory)
+        # Every stage's [first, last) layers under the current plan (None: a factory or HF model, split fixed).
+        fixed_split = bool(spec.model_factory or config.model.hf_config)  # a factory's or HF model's split is fixed
+        self.bounds = None if fixed_split else plan_bounds(config, self.plan.partition)
+        if fixed_split and self.plan.partition:
+            raise ConfigError(f"the plan re-partitions layers ({list(self.plan.partition)} per stage), which only the "
+                              "built-in GPT supports; run a plan without a partition with --model-factory / --hf")
+        built = build_stage(config, self.stage, spec.model_factory, self.bounds)
         self.built = built
         self.module, self.layers = built.module.to(self.device), built.layout
         self.optimizer = make_optimizer(self.module, training)
@@ -234,6 +244,7 @@ class _Worker:
                 self.executor.applied_iteration = self.announcement.redo_step - 1
         else:
             self.executor.set_plan(self.plan, self.transport)
+        self._migrate_layers()
         self._transfer_state()
         self._resumed_pending = generation > 0
 
@@ -253,9 +264,65 @@ class _Worker:
         self.generation = int(self.store.get(key))
         self.announcement = decode(Announcement, self.store.get(Keys.announce(self.generation)))
         self.plan = Plan.from_json(self.store.get(Keys.plan(self.generation)).decode())
+        self._take_layout()  # this generation's layer partition; the state arrives from a replica or the checkpoint
         if self.announcement.restore_step >= 0:
             self._load_checkpoint(self.announcement.restore_step)
         return self.announcement.redo_step
+
+    # -- layer partition -------------------------------------------------------------------------------------------
+    def _install(self, module: torch.nn.Module, optimizer: Any, layers: tuple[int, int]) -> None:
+        """Run from now on with this stage module (new layer range): the executor is rebuilt around it."""
+        self.module, self.optimizer, self.layers = module, optimizer, layers
+        self.built = replace(self.built, module=module, layout=layers)
+        if self.executor is not None:
+            applied = self.executor.applied_iteration
+            self.executor = self._make_executor()
+            self.executor.applied_iteration = applied
+
+    def _take_layout(self) -> None:
+        """Build this stage for the plan's partition with no state of its own (a replacement, or a restore that
+        loads the checkpoint next)."""
+        if self.bounds is None:
+            return
+        bounds = plan_bounds(self.config, self.plan.partition)
+        if bounds[self.stage] != self.layers:
+            reference = next(self.module.parameters())
+            module = GPTStage(self.module.shape, *bounds[self.stage]).to(device=reference.device,
+                                                                          dtype=reference.dtype)
+            self._install(module, make_optimizer(module, self.config.training), bounds[self.stage])
+        self.bounds = bounds
+
+    def _migrate_layers(self) -> None:
+        """The new generation's plan holds the layers in another partition: stages that lose layers send them
+        (parameters and optimizer state, from one surviving replica) to every surviving replica of the stage that
+        gains them, over this generation's world group; then each changed stage rebuilds its module."""
+        if self.bounds is None:
+            return
+        plan, announcement = self.plan, self.announcement
+        new = plan_bounds(self.config, plan.partition)
+        if new == self.bounds:
+            return
+        joining = announcement.joining if announcement is not None and \
+            announcement.generation == self.generation else frozenset()
+        if self.spec.rank in joining:  # took the layout when admitted; its state comes from a replica afterwards
+            self.bounds = new
+            return
+        survivors = {s: [plan.rank(p, s) for p in plan.live_replicas(s) if plan.rank(p, s) not in joining]
+                     for s in range(plan.num_stages)}
+        senders = {s: ranks[0] for s, ranks in survivors.items() if ranks}
+        groups = self.transport.groups
+        received, state, stats = exchange_layers(
+            self.module, self.optimizer, self.stage, layer_moves(self.bounds, new), senders, survivors,
+            self.spec.rank, lambda t, r: dist.send(t, dst=groups.group_rank(r)),
+            lambda t, r: dist.recv(t, src=groups.group_rank(r)), self.device)
+        if new[self.stage] != self.layers:
+            module, optimizer = rebuild_stage(self.config, self.module, self.optimizer, new[self.stage], received,
+                                              state, lambda m: make_optimizer(m, self.config.training))
+            self._install(module, optimizer, new[self.stage])
+        self.bounds = new
+        self.store.set(Keys.migration(self.generation, self.spec.rank), json.dumps(
+            {"layers": list(self.layers), "in": stats.layers_in, "out": stats.layers_out, "bytes": stats.bytes,
+             "seconds": stats.seconds}))
 
     def _load_checkpoint(self, step: int) -> None:
         checkpoint.load_stage(self.spec.checkpoint_dir, step, self.stage, self.module, self.optimizer,
@@ -409,6 +476,7 @@ class _Worker:
         if announcement.restore_step >= 0:  # a stage lost every replica: everyone restores the checkpoint
             if self.writer is not None:
                 self.writer.wait()
+            self._take_layout()  # the checkpoint's keys are the whole model's: it loads into any partition
             self._load_checkpoint(announcement.restore_step)
             if executor is not None:
                 executor.abort_iteration()

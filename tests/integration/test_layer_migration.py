@@ -1,0 +1,72 @@
+"""Layers move between stages mid-run (issue 15 item 4): when worker 1:1 dies the plan re-partitions the 4 layers
+as 3 + 1 (stage 1 has one survivor), the survivors hand layer 2 over at the iteration boundary; when 1:1 re-joins
+the plan goes back to 2 + 2 and the layer returns. The parameters end equal to the single-process reference."""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing as mp
+from dataclasses import replace
+
+import pytest
+import torch
+
+from recycle.config import parse_config
+from recycle.planner.api import make_plan
+from recycle.planner.partition import partition_config
+from recycle.runtime.emulate import Emulation
+from recycle.runtime.faults import FaultInjection
+from recycle.runtime.launcher import LaunchOptions, PlanChoice, launch
+from recycle.runtime.reference import reference_train
+from recycle.schedules.fault_free import build_schedule
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+
+STEPS = 10
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_config():
+    return parse_config({
+        "topology": {"num_replicas": 2, "num_stages": 2},
+        "workload": {"num_microbatches": 2, "microbatch_size": 2, "seq_len": 8},
+        "costs": {"forward": 1, "backward_input": 1, "backward_weight": 1},
+        "model": {"preset": "tiny"},  # 4 layers: 2 + 2
+        "training": {"steps": STEPS, "lr": 0.01, "weight_decay": 0.1, "dtype": "float64", "seed": 3},
+    }, name="migrate-2x2")
+
+
+def provider(config, base):
+    def plans(failed: frozenset) -> PlanChoice:
+        if not failed:
+            return PlanChoice(base, "fault-free", 0.0)
+        partition = (3, 1) if (1, 1) in failed or (0, 1) in failed else (1, 3)
+        plan = make_plan(partition_config(config, partition), failed)
+        return PlanChoice(replace(plan, partition=partition), "re-partitioned", 0.0)
+    return plans
+
+
+@pytest.mark.parametrize("rejoin", [False, True], ids=["stays-repartitioned", "moves-back"])
+def test_layers_move_to_the_stage_with_more_survivors_and_back(tmp_path, rejoin: bool) -> None:
+    config = tiny_config()
+    base = build_schedule(config, "zb-h1", staggered=True)
+    options = LaunchOptions(save_path=str(tmp_path / "final.pt"), verify_replicas=True, timeout_s=30, progress=None,
+                            start_method="forkserver", plan_provider=provider(config, base),
+                            emulation=Emulation(20.0, 1.0), faults=((base.rank(1, 1), FaultInjection(2, 3)),),
+                            rejoins=((base.rank(1, 1), 5),) if rejoin else ())
+    result = launch(config, base, options)
+    got = torch.load(tmp_path / "final.pt", weights_only=True)["model"]
+    ref = reference_train(config)[0]
+    assert set(got) == set(ref)
+    for key in ref:
+        error = float((got[key] - ref[key]).abs().max() / ref[key].abs().max().clamp_min(1e-12))
+        assert error < 1e-9, (key, error)
+    assert result.steps[-1].step == STEPS and not mp.active_children()
+    assert result.failed == (() if rejoin else ((1, 1),))
+    assert [w for r in result.recoveries for w in r.joined] == (["1:1"] if rejoin else [])
+    moves = [(r.partition, r.layers_moved) for r in result.recoveries]
+    # Layer 2 goes from stage 1 (its survivor 0:1 sends) to both replicas of stage 0; on the re-join it comes back
+    # to 0:1 (from 0:0) and 1:1 gets the whole stage from 0:1 as usual.
+    assert moves == ([((3, 1), 2), ((), 1)] if rejoin else [((3, 1), 2)])
+    assert all(r.migration_bytes > 0 for r in result.recoveries)
+    assert "layers re-partitioned to [3, 1] per stage (2 layer move(s)" in result.recoveries[0].line()
