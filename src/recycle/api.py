@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["load_config", "config_from_dict", "apply_overrides", "Config", "Plan", "planner_options", "plan",
            "schedule", "plan_store", "load_plan_store", "read_plan", "pipelining_csv", "simulate", "load_trace",
-           "simulate_trace", "select_plan", "train", "factory_name", "RecycleError"]
+           "simulate_trace", "select_plan", "train", "repartitioning_provider", "factory_name", "RecycleError"]
 
 Worker = tuple[int, int]
 
@@ -182,7 +182,7 @@ def select_plan(config: Config, schedule: str | None = None, plan_file: str | No
 
 def train(config: Config, plan: Plan | None = None, *, schedule: str | None = None, down: Iterable[Worker | str] = (),
           decoupled: bool = True, staggered: bool = True, recover: bool = True, max_failures: int = 2,
-          plan_store: str | Path = "", store_progress: IO[str] | None = None,
+          plan_store: str | Path = "", store_progress: IO[str] | None = None, repartition: bool = False,
           launch_options: LaunchOptions | None = None, **options: Any) -> TrainResult:
     """Train `config`'s model on D x S worker processes and return the TrainResult (per-step metrics, recoveries).
 
@@ -190,7 +190,8 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
     worker failure switches to the plan for the new failure state: from `plan_store` (a folder from plan_store())
     or from a store built now for up to `max_failures` failures (heuristic beyond). `options` are the fields of
     runtime.launcher.LaunchOptions (steps, save_path, metrics_path, model_factory, checkpoint_dir, ...), or pass a
-    whole `launch_options`. `model_factory` may be a function (config, num_stages) -> stages (see
+    whole `launch_options`. `repartition`: failure states may also move whole layers between stages when the
+    planner finds a faster layer partition (built-in GPT only; see repartitioning_provider). `model_factory` may be a function (config, num_stages) -> stages (see
     recycle.models.split) defined at the top level of an importable module or of the script being run: every worker
     process imports it by name.
     """
@@ -221,8 +222,44 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
         else:
             library = PlanLibrary.build(config, PlannerOptions(decoupled=decoupled, staggered=staggered),
                                         max_failures, progress=store_progress)
-        launch_opts = replace(launch_opts, plan_provider=library.provider(PlanChoice))
+        provider = library.provider(PlanChoice)
+        if repartition:
+            if launch_opts.model_factory or config.model.hf_config:
+                raise ConfigError("--repartition moves layers of the built-in GPT between stages; a --model-factory "
+                                  "or --hf model's split is fixed. Drop one of the two")
+            provider = repartitioning_provider(config, PlannerOptions(decoupled=decoupled, staggered=staggered),
+                                               provider, PlanChoice)
+        launch_opts = replace(launch_opts, plan_provider=provider)
+    elif repartition:
+        raise ConfigError("repartition=True needs recover=True and no plan_provider of your own: it changes the plans "
+                          "the run switches to")
     return launch(config, plan, launch_opts)
+
+
+def repartitioning_provider(config: Config, options: PlannerOptions, base: Callable[[frozenset], Any],
+                            make: Callable[[Plan, str, float], Any]) -> Callable[[frozenset], Any]:
+    """A plan provider whose failure states may also re-partition layers (recycle.planner.partition): per failed
+    set, the fastest layer partition the planner finds, planned on demand and cached; `base`'s plan (the configured
+    partition, e.g. from a plan store) when no partition is faster. `make(plan, source, seconds)` wraps a plan the
+    way the launcher wants it (runtime.launcher.PlanChoice)."""
+    import time
+
+    from recycle.planner.partition import make_repartitioned_plan
+
+    cache: dict[frozenset, Any] = {}
+
+    def provide(failed: frozenset) -> Any:
+        if failed not in cache:
+            if not failed:
+                cache[failed] = base(failed)
+            else:
+                started = time.perf_counter()
+                plan, choice = make_repartitioned_plan(config, failed, options)
+                cache[failed] = make(plan, "re-partition planner", time.perf_counter() - started) \
+                    if choice.changed else base(failed)
+        return cache[failed]
+
+    return provide
 
 
 def factory_name(factory: Callable[..., Any]) -> str:

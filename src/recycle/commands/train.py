@@ -81,6 +81,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     recovery.add_argument("--chaos", default="", metavar="SEED,RATE",
                           help="soak test: kill or freeze random workers (now and then a whole stage, restored from "
                                "the checkpoint) at RATE failures per step, each started again after 0.5-2 s")
+    recovery.add_argument("--repartition", action="store_true",
+                          help="beyond ReCycle: in a failure state, also move whole layers between stages when the "
+                               "planner finds a faster layer partition (the stage with fewer live replicas holds "
+                               "fewer layers); layers move back when workers return. Built-in GPT only")
     recovery.add_argument("--no-recover", action="store_true",
                           help="stop the run at the first worker failure instead of re-routing around it")
     p.add_argument("--token-file", default="", metavar="FILE",
@@ -189,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = train(config, plan, decoupled=not args.no_decouple, staggered=not args.no_stagger,
                        recover=not args.no_recover, max_failures=args.max_failures, plan_store=args.plan_store,
-                       store_progress=sys.stdout, launch_options=options)
+                       store_progress=sys.stdout, repartition=args.repartition, launch_options=options)
     finally:
         if sink is not None:
             sink.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -19,7 +19,7 @@ from recycle.models.gpt import GPTStage, resolve_shape, stage_layers
 from recycle.runtime.state_transfer import decode_layout, encode_layout
 
 __all__ = ["LayerMove", "MigrationStats", "layer_bounds", "plan_bounds", "layer_moves", "bundles", "layer_names",
-           "exchange_layers", "rebuild_stage"]
+           "exchange_layers", "rebuild_stage", "layer_scaled_config"]
 
 Bounds = list[tuple[int, int]]  # [first, last) blocks per stage
 
@@ -63,6 +63,28 @@ def plan_bounds(config: Config, partition: Sequence[int]) -> Bounds:
     return layer_bounds(chosen)
 
 
+def layer_scaled_config(config: Config, bounds: Bounds | None) -> Config:
+    """`config` with each stage's compute costs scaled by the layers it holds under `bounds` over those it holds in
+    the configured layout (per-layer costs taken as equal within a stage): what --emulate-costs paces to after a
+    re-partition."""
+    if bounds is None:
+        return config
+    configured = plan_bounds(config, ())
+    if bounds == configured:
+        return config
+    factor = [(last - first) / (c_last - c_first) for (first, last), (c_first, c_last) in zip(bounds, configured)]
+    costs = config.costs
+
+    def scaled(values: Sequence[float]) -> tuple[float, ...]:
+        return tuple(v * f for v, f in zip(values, factor))
+
+    return replace(config, costs=replace(costs, forward=scaled(costs.forward),
+                                         backward_input=scaled(costs.backward_input),
+                                         backward_weight=scaled(costs.backward_weight),
+                                         optimizer=scaled(costs.optimizer),
+                                         backward_fused=scaled(costs.backward_fused)))
+
+
 def layer_moves(old: Bounds, new: Bounds) -> list[LayerMove]:
     """Every layer whose stage changes, in layer order."""
     def owner(bounds: Bounds) -> dict[int, int]:
@@ -104,11 +126,18 @@ def _send(obj: Any, send: Callable[[torch.Tensor], None], device: torch.device) 
     send(torch.tensor([blob.numel()], dtype=torch.int64, device=device))
     send(blob)
     moved = 8 + blob.numel()
-    for tensor in tensors:
-        payload = tensor.detach().to(device).contiguous()
-        send(payload)
-        moved += payload.numel() * payload.element_size()
+    for group in _by_dtype(tensors):  # one message per dtype: gloo's per-message cost dominates small tensors
+        flat = torch.cat([t.detach().reshape(-1).to(device) for t in group])
+        send(flat)
+        moved += flat.numel() * flat.element_size()
     return moved
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.dtype, []).append(tensor)
+    return [groups[dtype] for dtype in sorted(groups, key=str)]
 
 
 def _receive(recv: Callable[[torch.Tensor], None], device: torch.device) -> tuple[Any, int]:
@@ -125,9 +154,14 @@ def _receive(recv: Callable[[torch.Tensor], None], device: torch.device) -> tupl
         return tensor
 
     obj = decode_layout(json.loads(bytes(blob.cpu().numpy()).decode()), make)
-    for tensor in tensors:
-        recv(tensor)
-        moved += tensor.numel() * tensor.element_size()
+    for group in _by_dtype(tensors):
+        flat = torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype, device=device)
+        recv(flat)
+        moved += flat.numel() * flat.element_size()
+        offset = 0
+        for tensor in group:
+            tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
     return obj, moved
 
 

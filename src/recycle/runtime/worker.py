@@ -29,7 +29,8 @@ from recycle.runtime.data import load_dataset, microbatch
 from recycle.runtime.emulate import Emulation, install_pacing
 from recycle.runtime.executor import StageExecutor
 from recycle.runtime.faults import FaultInjection, fire
-from recycle.runtime.migration import exchange_layers, layer_moves, plan_bounds, rebuild_stage
+from recycle.runtime.migration import (exchange_layers, layer_moves, layer_scaled_config, plan_bounds,
+                                       rebuild_stage)
 from recycle.runtime.optim import make_optimizer
 from recycle.runtime.precision import weights_dtype
 from recycle.runtime.stage import build_stage
@@ -285,12 +286,12 @@ class _Worker:
         if self.bounds is None:
             return
         bounds = plan_bounds(self.config, self.plan.partition)
+        self.bounds = bounds  # before _install: the cost pacing follows the partition
         if bounds[self.stage] != self.layers:
             reference = next(self.module.parameters())
             module = GPTStage(self.module.shape, *bounds[self.stage]).to(device=reference.device,
                                                                           dtype=reference.dtype)
             self._install(module, make_optimizer(module, self.config.training), bounds[self.stage])
-        self.bounds = bounds
 
     def _migrate_layers(self) -> None:
         """The new generation's plan holds the layers in another partition: stages that lose layers send them
@@ -315,11 +316,13 @@ class _Worker:
             self.module, self.optimizer, self.stage, layer_moves(self.bounds, new), senders, survivors,
             self.spec.rank, lambda t, r: dist.send(t, dst=groups.group_rank(r)),
             lambda t, r: dist.recv(t, src=groups.group_rank(r)), self.device)
+        self.bounds = new
         if new[self.stage] != self.layers:
             module, optimizer = rebuild_stage(self.config, self.module, self.optimizer, new[self.stage], received,
                                               state, lambda m: make_optimizer(m, self.config.training))
             self._install(module, optimizer, new[self.stage])
-        self.bounds = new
+        elif self.spec.emulation is not None:  # same layers here, other stages changed: pace to the new costs
+            self._install(self.module, self.optimizer, self.layers)
         self.store.set(Keys.migration(self.generation, self.spec.rank), json.dumps(
             {"layers": list(self.layers), "in": stats.layers_in, "out": stats.layers_out, "bytes": stats.bytes,
              "seconds": stats.seconds}))
@@ -366,7 +369,7 @@ class _Worker:
                                  record_timings=self.spec.record_timings, before_action=self._before_action,
                                  precision=config.training.dtype, loss_fn=built.loss_fn)
         if self.spec.emulation is not None:
-            install_pacing(executor, config, self.spec.emulation)
+            install_pacing(executor, layer_scaled_config(config, self.bounds), self.spec.emulation)
         return executor
 
     def _before_action(self, action: Action) -> None:
