@@ -3,7 +3,7 @@ and now and then a whole stage lost, every dead worker started again after 0.5-2
 state from a live replica (or the checkpoint). At the end: the parameters against a fault-free single-process run,
 no process left behind, every checkpoint intact, every injected event seen in a recovery.
 
-Run: .venv/bin/python benchmarks/bench_chaos.py [--events 100] [--seed 7] [--rate 0.35] [--steps 260]
+Run: .venv/bin/python benchmarks/bench_chaos.py [--events 100] [--seed 7] [--rate 0.35] [--steps 360]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=100, help="events (failures + re-joins) to reach at least")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--rate", type=float, default=0.35, help="failures per step")
-    parser.add_argument("--steps", type=int, default=260)
+    parser.add_argument("--steps", type=int, default=360)
     parser.add_argument("--slot-ms", type=float, default=10.0)
     args = parser.parse_args()
 
@@ -110,6 +110,8 @@ def main() -> int:
     print(f"events not seen in a recovery: {unseen or 'none'}; processes left behind: {len(mp.active_children())}")
     ok = (error <= 1e-9 and not broken and not leftovers and not unseen and not mp.active_children()
           and events >= args.events)
+    for line in broken[:3]:
+        print(f"  damaged: {line}")
     if events < args.events:
         print(f"only {events} events; raise --steps or --rate to reach {args.events}")
     print("soak: PASS" if ok else "soak: FAIL")

@@ -422,8 +422,9 @@ class _Coordination:
         failed_ranks = {p * self.plan.num_stages + s for p, s in self.coordinator.state.failed}
         for rank, at in sorted(self.respawn_at.items()):
             if now >= at:
-                if rank not in failed_ranks and self.vacated.get(rank) in failed_ranks:
-                    # A moved worker holds this slot now: the repaired machine takes the slot its donor left.
+                if self.vacated.get(rank) in failed_ranks:
+                    # A moved worker holds (or is about to hold) this slot: the repaired machine takes the slot its
+                    # donor left.
                     del self.respawn_at[rank]
                     self._respawn(self.vacated.pop(rank))
                 elif rank in failed_ranks:

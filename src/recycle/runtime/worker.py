@@ -503,7 +503,13 @@ class _Worker:
         """A checkpoint due at the step we roll back to may have lost its writer mid-save: write it again from the
         rolled-back state (which is exactly that step's state)."""
         spec = self.spec
-        if (spec.checkpoint_dir and spec.checkpoint_every > 0 and redo > spec.start_step
-                and redo % spec.checkpoint_every == 0 and self._is_writer()
-                and not self.store.check([Keys.checkpointed(redo, self.stage)])):
+        if not (spec.checkpoint_dir and spec.checkpoint_every > 0 and redo > spec.start_step
+                and redo % spec.checkpoint_every == 0 and self._is_writer()):
+            return
+        if self.writer is not None:
+            # This worker's own write of that step may still be in flight: let it finish (and report) first, or the
+            # step would be written twice and the second copy could land after the coordinator recorded the first's
+            # hashes (a "damaged" file in a complete checkpoint).
+            self.writer.wait()
+        if not self.store.check([Keys.checkpointed(redo, self.stage)]):
             self._save_checkpoint(redo)
