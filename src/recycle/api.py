@@ -168,11 +168,9 @@ def select_plan(config: Config, schedule: str | None = None, plan_file: str | No
         if schedule:
             raise ConfigError("--schedule names a fault-free schedule; with --down the planner makes the plan, so "
                               "drop --schedule")
-        try:
-            from recycle.planner.api import make_plan
-            from recycle.planner.options import PlannerOptions
-        except ImportError as exc:
-            raise RecycleError(f"the planner is not available ({exc}); pass an adaptive plan with --plan") from None
+        from recycle.planner.api import make_plan
+        from recycle.planner.options import PlannerOptions
+
         return make_plan(config, failed, options=PlannerOptions(decoupled=decoupled, staggered=staggered),
                          solver="heuristic")
     from recycle.schedules.fault_free import build_schedule

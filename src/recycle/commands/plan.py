@@ -270,11 +270,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             written["plan"] = str(atomic_write_text(args.save, plan.to_json()))
     if args.gantt:
-        try:
-            from recycle.report.gantt import write_gantt
-        except ImportError as exc:
-            raise PlanError(f"--gantt needs recycle.report.gantt, which is not available ({exc}); drop --gantt "
-                            "or use --json") from None
+        from recycle.report.gantt import write_gantt  # matplotlib: only when a chart is asked for
         period = human_time(result.period, config.time_unit) + ("" if config.time_unit == "us" else " slots")
         title = f"{config.name}: failed {' '.join(args.fail) or 'none'}, {summary['solver']}; period {period}"
         written["gantt"] = str(write_gantt(result, plan, args.gantt, title=title, time_unit=config.time_unit))

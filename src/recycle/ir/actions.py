@@ -44,10 +44,6 @@ class Action:
     def __repr__(self) -> str:
         return f"Action({self})"
 
-    @property
-    def is_compute(self) -> bool:
-        return self.kind is not Kind.OPT
-
     @classmethod
     def parse(cls, token: str) -> "Action":
         """Inverse of str(): parse("2F7") == Action(Kind.F, 2, 7)."""

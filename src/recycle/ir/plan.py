@@ -71,9 +71,6 @@ class Plan:
         """The replica whose data shard micro-batch `mb` belongs to."""
         return mb // self.num_microbatches
 
-    def is_live(self, replica: int, stage: int) -> bool:
-        return (replica, stage) not in self.failed
-
     def live_replicas(self, stage: int) -> list[int]:
         return [p for p in range(self.num_replicas) if (p, stage) not in self.failed]
 

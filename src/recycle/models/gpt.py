@@ -11,7 +11,7 @@ Stage call contract (the runtime relies on nothing else, so any list of S module
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -209,8 +209,3 @@ def build_stages(spec: ModelSpec, num_stages: int, seed: int, dtype: str | torch
         stage.load_state_dict({k: state[k] for k in own})
         stages.append(stage)
     return stages
-
-
-def with_preset(spec: ModelSpec, preset: str) -> ModelSpec:
-    """A copy of `spec` that uses `preset` (handy in tests and benchmarks)."""
-    return replace(spec, preset=preset)

@@ -75,11 +75,8 @@ def clear_cache() -> None:
 
 def _schedule_exact(config: Config, key: tuple[int, ...], options: PlannerOptions, time_limit_s: float,
                     hint: Plan) -> Plan:
-    try:
-        from recycle.planner.exact import schedule_exact
-    except ImportError as exc:
-        raise PlanError(f"the exact solver is unavailable ({exc}); use --solver heuristic, or install the pinned "
-                        "requirements (ortools) with `make test`") from None
+    from recycle.planner.exact import schedule_exact  # lazily: OR-Tools' import costs ~1 s
+
     return schedule_exact(config, key, options, time_limit_s, hint=hint)
 
 

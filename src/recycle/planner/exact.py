@@ -279,7 +279,7 @@ class _PeriodModel:
     # -- hints ------------------------------------------------------------------------------------------------
     def add_hint(self, times: dict[tuple[Kind, int, int], int], hosts: dict[tuple[int, int], int]) -> None:
         """Hint every start, host literal and derived variable from one schedule (in this model's kinds)."""
-        inst, m = self.inst, self.model
+        m = self.model
         for k, var in self.start.items():
             m.add_hint(var, times[k])
         for (s, mb), lits in self.present.items():
@@ -327,15 +327,6 @@ class _PeriodModel:
                 else:
                     hosts[(s, mb)] = next(h for h in candidates if solver.boolean_value(self.present[(s, mb)][h]))
         return {k: solver.value(v) for k, v in self.start.items()}, hosts
-
-    def fix_orders(self, times: dict[tuple[Kind, int, int], int], hosts: dict[tuple[int, int], int]) -> None:
-        """Pin the routing and each worker's order to those of a schedule (only the timing stays free)."""
-        for (s, mb), lits in self.present.items():
-            for h, lit in lits.items():
-                self.model.add(lit == int(hosts[(s, mb)] == h))
-        for row in _sorted_per_worker(self.inst, hosts, times):
-            for (_, _, _, _, a), (_, _, _, _, b) in zip(row, row[1:]):
-                self.model.add(self.start[(b.kind, b.stage, b.mb)] >= self.end(a.kind, a.stage, a.mb))
 
 
 def _sorted_per_worker(inst: _Instance, hosts: dict[tuple[int, int], int], times: dict[tuple[Kind, int, int], int]
@@ -516,10 +507,8 @@ def _respects_cap(peaks: tuple[int, ...], cap: tuple[int, ...] | None, num_stage
 
 def _analytic_bound(config: Config, key: tuple[int, ...], options: PlannerOptions) -> float:
     """The load and critical-path bound of `recycle.planner.bounds` (-inf when that module is unavailable)."""
-    try:
-        from recycle.planner.bounds import period_lower_bound
-    except ImportError:
-        return -math.inf
+    from recycle.planner.bounds import period_lower_bound
+
     return period_lower_bound(config, key, options)
 
 

@@ -51,10 +51,6 @@ class FailureState:
     perm: tuple[tuple[int, ...], ...]
     symmetric: bool = False
 
-    @property
-    def num_failed(self) -> int:
-        return len(self.failed)
-
     def canonical_failed(self) -> frozenset[tuple[int, int]]:
         return frozenset((c, s) for s, k in enumerate(self.key) for c in range(k))
 

@@ -522,10 +522,8 @@ def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int,
 def _polish(config: Config, key: tuple[int, ...], options: PlannerOptions, plan: Plan) -> Plan:
     """CP-SAT warm-started from `plan` for POLISH_DETERMINISTIC_S deterministic seconds on one worker; the better
     of the two by simulated period (the plan keeps solver "heuristic"; the notes say the polish won)."""
-    try:
-        from recycle.planner.exact import schedule_exact
-    except ImportError:  # ortools missing: the search result stands
-        return plan
+    from recycle.planner.exact import schedule_exact  # lazily: OR-Tools loads only for small plans that get polished
+
     polished = schedule_exact(config, key, options, _POLISH_WALL_S, hint=plan, workers=1,
                               deterministic_limit=POLISH_DETERMINISTIC_S)
     assert plan.meta.predicted_period is not None and polished.meta.predicted_period is not None

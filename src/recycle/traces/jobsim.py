@@ -12,7 +12,6 @@ Definitions (seconds, samples):
 from __future__ import annotations
 
 import math
-import sys
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -20,7 +19,7 @@ from typing import Any, Callable, Sequence
 from recycle.traces.mapping import UnitTimeline
 from recycle.traces.model import CAUSES, Decision, JobContext, SystemModel
 
-__all__ = ["SystemRun", "replay", "replay_all", "JobResult", "rate_at", "compare_series", "stderr_progress", "binned"]
+__all__ = ["SystemRun", "replay", "replay_all", "JobResult", "rate_at", "compare_series", "binned"]
 
 _EPS = 1e-9
 
@@ -236,10 +235,6 @@ def replay_all(systems: Sequence[SystemModel], timeline: UnitTimeline, ctx: JobC
             progress(f"replaying {system.label} over {len(timeline.times_s)} change point(s)")
         runs[system.name] = replay(system, timeline, ctx.fault_free_rate)
     return JobResult(runs, ctx.fault_free_rate, timeline, ctx)
-
-
-def stderr_progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def rate_at(series: Sequence[tuple[float, float]], t: float) -> float:

@@ -168,9 +168,6 @@ class StageLayout:
         ready = self.ready_workers(now)
         return {(p, s) for p in range(self.num_replicas) for s in range(self.num_stages) if (p, s) not in ready}
 
-    def stage_live(self, stage: int, now: float) -> int:
-        return self.live_per_stage(now)[stage]
-
     def live_per_stage(self, now: float) -> list[int]:
         """Ready workers per stage."""
         counts = [0] * self.num_stages

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -16,7 +15,6 @@ __all__ = [
     "PeriodFn",
     "ThroughputModel",
     "seconds_per_unit",
-    "fault_free_period_sim",
     "estimate_period",
     "planner_period_fn",
     "estimate_period_fn",
@@ -36,15 +34,6 @@ def seconds_per_unit(config: Config, slot_seconds: float = 1.0) -> float:
     return slot_seconds
 
 
-def fault_free_period_sim(config: Config, schedule: str = "1f1b") -> float:
-    """The simulator's period of the fault-free plan (staggered optimizer) in config time units."""
-    from recycle.schedules.fault_free import build_schedule
-    from recycle.sim.simulator import simulate
-
-    plan = build_schedule(config, schedule, staggered=True)
-    return simulate(plan, config, iterations=4).period
-
-
 def estimate_period(config: Config, key: tuple[int, ...], fault_free_period: float) -> float:
     """A cheap stand-in for the planner at sizes where planning every state is too slow.
 
@@ -56,7 +45,7 @@ def estimate_period(config: Config, key: tuple[int, ...], fault_free_period: flo
     therefore optimistic (a lower bound under the zero-overhead assumption); tests check it against the real
     planner on small sizes.
     """
-    D, S, M = config.num_replicas, config.num_stages, config.num_microbatches
+    D, M = config.num_replicas, config.num_microbatches
     c = config.costs
     worst = fault_free_period
     for s, k in enumerate(key):
@@ -73,15 +62,9 @@ def estimate_period(config: Config, key: tuple[int, ...], fault_free_period: flo
 
 def planner_period_fn(config: Config, options: PlannerOptions = PlannerOptions(),
                       solver: str = "heuristic") -> PeriodFn:
-    """The planner's period per key: `recycle.planner.api.plan_for_key` when present, else the heuristic list
-    scheduler directly (raises ImportError if neither is there). Plans without a predicted period are simulated."""
-    try:
-        from recycle.planner.api import plan_for_key  # imported lazily: the planner is optional for this module
-    except ImportError:
-        from recycle.planner.heuristic import schedule_heuristic
-
-        def plan_for_key(config, key, options, solver):  # type: ignore[no-redef]
-            return schedule_heuristic(config, key, options)
+    """The planner's period per key (`recycle.planner.api.plan_for_key`, cached there). Plans without a predicted
+    period are simulated."""
+    from recycle.planner.api import plan_for_key  # lazily: OR-Tools loads only when a period is planned
 
     def period(key: tuple[int, ...]) -> float:
         plan = plan_for_key(config, key, options=options, solver=solver)
@@ -96,16 +79,13 @@ def planner_period_fn(config: Config, options: PlannerOptions = PlannerOptions()
 
 def reference_period(config: Config) -> float:
     """The paper's fault-free reference: the 1F1B period (DeepSpeed's schedule, which ReCycle runs when nothing
-    has failed, S29) -- `recycle.planner.api.fault_free_period` when present, else the simulated 1F1B plan."""
+    has failed, S29): `recycle.planner.api.baseline_1f1b_period`."""
     cached = _REFERENCE_CACHE.get(config.fingerprint())
     if cached is not None:
         return cached
-    try:
-        from recycle.planner.api import baseline_1f1b_period
-    except ImportError:
-        value = fault_free_period_sim(config)
-    else:
-        value = float(baseline_1f1b_period(config))
+    from recycle.planner.api import baseline_1f1b_period
+
+    value = float(baseline_1f1b_period(config))
     _REFERENCE_CACHE[config.fingerprint()] = value
     return value
 
@@ -120,18 +100,11 @@ def estimate_period_fn(config: Config, fault_free_period: float | None = None) -
 
 def make_period_fn(config: Config, model: str = "auto", options: PlannerOptions = PlannerOptions(),
                    solver: str = "heuristic") -> tuple[PeriodFn, str]:
-    """Pick the period source: "planner", "estimate", or "auto" (planner when importable). Returns (fn, label)."""
+    """Pick the period source: "planner" (also "auto"), or "estimate". Returns (fn, label)."""
     if model not in ("auto", "planner", "estimate"):
         raise ConfigError(f"period model {model!r} is unknown; use auto, planner or estimate")
     if model in ("auto", "planner"):
-        try:
-            return planner_period_fn(config, options, solver), f"planner ({solver})"
-        except ImportError:
-            if model == "planner":
-                raise RecycleError("the planner (recycle.planner) is not available; use --period-model "
-                                   "estimate") from None
-            print("note: the planner is not available; ReCycle's throughput uses the closed-form estimate "
-                  "(see docs/traces.md)", file=sys.stderr)
+        return planner_period_fn(config, options, solver), f"planner ({solver})"
     return estimate_period_fn(config), "closed-form estimate"
 
 
