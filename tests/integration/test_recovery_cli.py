@@ -154,7 +154,11 @@ def test_a_repaired_node_started_again_rejoins_the_running_job(tmp_path: Path, t
                 process.kill()
     output = "".join(lines) + out
     assert node0.returncode == 0, err
-    assert "1:0, 1:1 re-joined" in output and "every worker is up at the end" in output
+    # Both workers of node 1 re-join: in one recovery ("1:0, 1:1 re-joined") or, when one starts later, in two.
+    rejoined = {w for line in output.splitlines() if "re-joined" in line
+                for w in line.split("re-joined")[0].split(";")[-1].replace(",", " ").split()}
+    assert {"1:0", "1:1"} <= rejoined, output
+    assert "every worker is up at the end" in output
     assert "step 40/40" in output
     assert_reference(config_file, save)
 
