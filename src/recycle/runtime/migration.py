@@ -16,7 +16,7 @@ from torch import nn
 from recycle.config import Config
 from recycle.errors import ConfigError
 from recycle.models.gpt import GPTStage, resolve_shape, stage_layers
-from recycle.runtime.state_transfer import decode_layout, encode_layout
+from recycle.runtime.state_transfer import decode_layout, encode_layout, group_by_dtype
 
 __all__ = ["LayerMove", "MigrationStats", "layer_bounds", "plan_bounds", "layer_moves", "bundles", "layer_names",
            "exchange_layers", "rebuild_stage", "layer_scaled_config"]
@@ -126,18 +126,11 @@ def _send(obj: Any, send: Callable[[torch.Tensor], None], device: torch.device) 
     send(torch.tensor([blob.numel()], dtype=torch.int64, device=device))
     send(blob)
     moved = 8 + blob.numel()
-    for group in _by_dtype(tensors):  # one message per dtype: gloo's per-message cost dominates small tensors
+    for group in group_by_dtype(tensors):
         flat = torch.cat([t.detach().reshape(-1).to(device) for t in group])
         send(flat)
         moved += flat.numel() * flat.element_size()
     return moved
-
-
-def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault(tensor.dtype, []).append(tensor)
-    return [groups[dtype] for dtype in sorted(groups, key=str)]
 
 
 def _receive(recv: Callable[[torch.Tensor], None], device: torch.device) -> tuple[Any, int]:
@@ -154,7 +147,7 @@ def _receive(recv: Callable[[torch.Tensor], None], device: torch.device) -> tupl
         return tensor
 
     obj = decode_layout(json.loads(bytes(blob.cpu().numpy()).decode()), make)
-    for group in _by_dtype(tensors):
+    for group in group_by_dtype(tensors):
         flat = torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype, device=device)
         recv(flat)
         moved += flat.numel() * flat.element_size()

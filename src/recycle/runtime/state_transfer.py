@@ -14,7 +14,7 @@ from torch import nn
 
 from recycle.runtime.optim import StageOptimizer
 
-__all__ = ["TransferStats", "transfer_stage_state", "encode_layout", "decode_layout"]
+__all__ = ["TransferStats", "transfer_stage_state", "encode_layout", "decode_layout", "group_by_dtype"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,16 @@ def decode_layout(obj: Any, make: Callable[[dict[str, Any]], torch.Tensor]) -> A
     return obj
 
 
+def group_by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The tensors grouped by dtype, groups in a fixed order (by dtype name), each in the given order: sender and
+    receiver pack and unpack the same flat buffers (one message per dtype: gloo's per-message cost dominates small
+    tensors)."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.dtype, []).append(tensor)
+    return [groups[dtype] for dtype in sorted(groups, key=str)]
+
+
 def transfer_stage_state(module: nn.Module, optimizer: StageOptimizer, step: int, is_source: bool,
                          broadcast: Callable[[torch.Tensor], None], device: torch.device) -> tuple[int, TransferStats]:
     """Broadcast the stage's state from the source replica to the joiners (every member of the group calls this;
@@ -82,10 +92,8 @@ def transfer_stage_state(module: nn.Module, optimizer: StageOptimizer, step: int
             return tensor
 
         layout = decode_layout(json.loads(bytes(blob.cpu().numpy()).decode()), make)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in params + optimizer_tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for dtype, group in sorted(by_dtype.items(), key=lambda item: str(item[0])):
+    for group in group_by_dtype(params + optimizer_tensors):
+        dtype = group[0].dtype
         flat = torch.cat([t.detach().reshape(-1).to(device) for t in group]) if is_source else \
             torch.empty(sum(t.numel() for t in group), dtype=dtype, device=device)
         broadcast(flat)
