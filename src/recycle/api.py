@@ -209,6 +209,12 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
     elif schedule or tuple(down):
         raise ConfigError("train() takes a plan or schedule=/down=, not both; drop one")
     launch_opts = replace(launch_options or LaunchOptions(), **options)
+    if repartition and (launch_opts.model_factory or config.model.hf_config):
+        raise ConfigError("--repartition moves layers of the built-in GPT between stages; a --model-factory or --hf "
+                          "model's split is fixed. Drop one of the two")
+    if repartition and not (recover and launch_opts.plan_provider is None):
+        raise ConfigError("repartition=True needs recover=True and no plan_provider of your own: it changes the plans "
+                          "the run switches to")
     if recover and launch_opts.plan_provider is None:
         from recycle.planner.options import PlannerOptions  # the API may use the planner; the runtime may not
         from recycle.planner.provider import PlanLibrary
@@ -222,15 +228,9 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
                                         max_failures, progress=store_progress)
         provider = library.provider(PlanChoice)
         if repartition:
-            if launch_opts.model_factory or config.model.hf_config:
-                raise ConfigError("--repartition moves layers of the built-in GPT between stages; a --model-factory "
-                                  "or --hf model's split is fixed. Drop one of the two")
             provider = repartitioning_provider(config, PlannerOptions(decoupled=decoupled, staggered=staggered),
                                                provider, PlanChoice)
         launch_opts = replace(launch_opts, plan_provider=provider)
-    elif repartition:
-        raise ConfigError("repartition=True needs recover=True and no plan_provider of your own: it changes the plans "
-                          "the run switches to")
     return launch(config, plan, launch_opts)
 
 

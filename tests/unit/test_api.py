@@ -91,6 +91,17 @@ def test_train_refuses_unknown_launch_options_before_starting_anything() -> None
         recycle.train(cfg, stepz=3)
 
 
+def test_repartition_is_refused_before_anything_starts_where_it_cannot_work(capsys) -> None:
+    cfg = recycle.load_config(ROOT / "configs" / "tiny-gpt.toml")
+    with pytest.raises(ConfigError, match="a --model-factory or --hf model's split is fixed"):
+        recycle.train(cfg, repartition=True, model_factory="mymodels:stages")
+    with pytest.raises(ConfigError, match="repartition=True needs recover=True"):
+        recycle.train(cfg, repartition=True, recover=False)
+    assert main(["train", "--config", str(ROOT / "configs" / "tiny-gpt.toml"), "--repartition", "--no-recover"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: repartition=True needs recover=True") and err.count("\n") == 1
+
+
 def test_plan_takes_pairs_or_text_and_names_a_bad_worker() -> None:
     toy = recycle.load_config(ROOT / "configs" / "toy.toml")
     assert recycle.plan(toy, [(1, 2)]).to_json() == recycle.plan(toy, ["1:2"]).to_json()
