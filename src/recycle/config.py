@@ -102,6 +102,13 @@ class Communication:
     inter_node_latency: float | None = None
     inter_node_bandwidth: float | None = None
 
+    def transfer_time(self, nbytes: float) -> float:
+        """Time to move `nbytes` of state over one p2p link (0 when there is nothing to move or bandwidth is
+        infinite)."""
+        if self.p2p_bandwidth <= 0 or nbytes <= 0:
+            return 0.0
+        return self.p2p_latency + nbytes / self.p2p_bandwidth
+
     def p2p_time(self, stage_boundary: int) -> float:
         """Time to send stage `stage_boundary`'s forward output (or the matching input-gradient back)."""
         size = self.activation_message_bytes[stage_boundary]

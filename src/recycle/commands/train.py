@@ -85,6 +85,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                           help="beyond ReCycle: in a failure state, also move whole layers between stages when the "
                                "planner finds a faster layer partition (the stage with fewer live replicas holds "
                                "fewer layers); layers move back when workers return. Built-in GPT only")
+    recovery.add_argument("--repartition-prior-s", type=float, default=1800.0, metavar="S",
+                          help="with --repartition: expected seconds a failure state lasts before the run has seen "
+                               "any (then the mean gap between changes, this counted as one); layers move only when "
+                               "the faster plan repays the migration pause within it (default: 1800)")
     recovery.add_argument("--no-recover", action="store_true",
                           help="stop the run at the first worker failure instead of re-routing around it")
     p.add_argument("--token-file", default="", metavar="FILE",
@@ -193,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = train(config, plan, decoupled=not args.no_decouple, staggered=not args.no_stagger,
                        recover=not args.no_recover, max_failures=args.max_failures, plan_store=args.plan_store,
-                       store_progress=sys.stdout, repartition=args.repartition, launch_options=options)
+                       store_progress=sys.stdout, repartition=args.repartition,
+                       repartition_prior_s=args.repartition_prior_s, launch_options=options)
     finally:
         if sink is not None:
             sink.close()

@@ -47,6 +47,7 @@ class PlanChoice:
     plan: Plan
     source: str
     seconds: float
+    note: str = ""  # why this plan (e.g. a layer re-partition decision), printed with the recovery
 
 
 # Given every (replica, stage) that is down, the plan to run. The command layer builds it from the planner's plan
@@ -136,6 +137,7 @@ class Recovery:
     layers_moved: int = 0  # layers handed between stages at the switch (each counted once per receiving worker)
     migration_bytes: int = 0  # parameters and optimizer state sent for them
     migration_s: float = 0.0  # the slowest worker's exchange
+    plan_note: str = ""  # the plan provider's reason for the plan (PlanChoice.note)
 
     def line(self) -> str:
         what = list(self.causes)
@@ -152,6 +154,8 @@ class Recovery:
             what.append(f"layers re-partitioned to {list(self.partition) or 'the configured split'} per stage "
                         f"({self.layers_moved} layer move(s), {self.migration_bytes / 1e6:.2f} MB in "
                         f"{self.migration_s:.3f} s)")
+        if self.plan_note:
+            what.append(self.plan_note)
         detected = f"detected in {self.detected_s:.2f} s; " if self.detected_s is not None else ""
         down: dict[int, int] = {}
         for _, stage in self.failed:
@@ -635,7 +639,7 @@ class _Coordination:
             workers=tuple("%d:%d" % self.plan.worker(d.rank) for d in facts.deaths), causes=tuple(causes),
             failed=tuple(sorted(facts.failed)), failure_time=failure_time,
             detected_s=(min(d.time for d in facts.deaths) - min(fault_times)) if fault_times and facts.deaths else None,
-            plan_source=choice.source, plan_lookup_s=choice.seconds,
+            plan_source=choice.source, plan_lookup_s=choice.seconds, plan_note=choice.note,
             formed_s=(max(joined) - pending["announced"]) if joined else 0.0,
             resumed_s=end - (failure_time if facts.deaths else paused_from), redone_actions=facts.redone_actions,
             redone_s=facts.redone_s, rolled_back=facts.rolled_back,

@@ -93,10 +93,7 @@ class JobContext:
 
     def transfer_s(self, nbytes: float) -> float:
         """Seconds to move `nbytes` over one p2p link (the config's communication section); 0 if infinite."""
-        comm = self.config.communication
-        if comm.p2p_bandwidth <= 0 or nbytes <= 0:
-            return 0.0
-        return (comm.p2p_latency + nbytes / comm.p2p_bandwidth) * self.seconds_per_unit
+        return self.config.communication.transfer_time(nbytes) * self.seconds_per_unit
 
     def stage_transfer_s(self, stage: int) -> float:
         """A re-joining worker copies its stage's parameters and optimizer state from a live peer."""
