@@ -11,11 +11,11 @@ from recycle.errors import ConfigError
 from recycle.planner.options import PlannerOptions
 from recycle.traces.baselines import BambooLike, CheckpointRestart, FaultFree, FaultScaled, OobleckLike
 from recycle.traces.jobsim import JobResult, replay_all
-from recycle.traces.mapping import UnitTimeline, WorkerGrid, map_trace_to_units
+from recycle.traces.mapping import UnitTimeline, map_trace_to_units
 from recycle.traces.model import JobContext, JobCosts
-from recycle.traces.reader import EventTrace
 from recycle.traces.recycle_system import ReCycleSystem
 from recycle.traces.throughput import PeriodFn, ThroughputModel, make_period_fn, reference_period, seconds_per_unit
+from recycle.traces.trace import EventTrace, WorkerGrid
 
 __all__ = [
     "SYSTEM_NAMES",

@@ -4,132 +4,21 @@
 from __future__ import annotations
 
 import datetime
-import random
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 from recycle.errors import TraceError
-
-if TYPE_CHECKING:
-    from recycle.traces.mapping import WorkerGrid
+from recycle.traces.placement import availability_to_events
+from recycle.traces.trace import ADD, REMOVE, AvailabilityTrace, EventTrace, TraceEvent, TraceNotes, WorkerGrid
 
 __all__ = [
-    "TraceEvent",
-    "TraceNotes",
-    "EventTrace",
-    "AvailabilityTrace",
     "parse_event_lines",
     "parse_availability_lines",
     "parse_dated_availability_lines",
     "read_trace",
-    "availability_to_events",
-    "PLACEMENT_HELP",
 ]
-
-ADD, REMOVE = "add", "remove"
-
-
-@dataclass(frozen=True)
-class TraceEvent:
-    """One node joining (`add`) or leaving (`remove`) the job at `time_ms`."""
-
-    time_ms: int
-    action: str  # "add" or "remove"
-    node: str
-
-
-@dataclass(frozen=True)
-class TraceNotes:
-    """What the reader did to messy input, counted, so that nothing is fixed silently."""
-
-    blank_lines: int = 0
-    comment_lines: int = 0
-    header: bool = False
-    out_of_order: int = 0  # lines whose time is earlier than the line before (the trace was sorted stably)
-    repeated_removes: int = 0  # remove of a node that is not present (dropped)
-    repeated_adds: int = 0  # add of a node that is already present (dropped)
-    simultaneous_groups: int = 0  # timestamps carrying more than one event (applied together, as one change)
-    cancelled_pairs: int = 0  # remove and re-add (or add and remove) of one node at one timestamp (no change)
-    superseded: int = 0  # availability lines earlier than the line before: they replace the samples from their time
-
-    def messages(self) -> list[str]:
-        """Human-readable warnings, one per kind of fix that was applied."""
-        out = []
-        if self.out_of_order:
-            out.append(f"{self.out_of_order} line(s) were out of time order; the trace was sorted stably by time")
-        if self.superseded:
-            out.append(f"{self.superseded} sample(s) were earlier than the line before; each replaced the samples "
-                       "recorded from its time on (file order is the order of observation: nothing is reordered, so "
-                       "repeated readings cannot create false flaps)")
-        if self.repeated_removes:
-            out.append(f"{self.repeated_removes} 'remove' event(s) named a node that was not present; ignored")
-        if self.repeated_adds:
-            out.append(f"{self.repeated_adds} 'add' event(s) named a node that was already present; ignored")
-        if self.cancelled_pairs:
-            out.append(f"{self.cancelled_pairs} node(s) left and re-joined at the same instant; counted as no change")
-        if self.blank_lines:
-            out.append(f"{self.blank_lines} blank line(s) skipped")
-        return out
-
-
-@dataclass(frozen=True)
-class EventTrace:
-    """A cleaned event trace: events sorted by time, every event a real change of the live node set.
-
-    `initial` holds the nodes present at time 0 (a trace that starts by adding every node at t=0 describes the
-    initial cluster, not re-joins). `end_ms` is the end of the observation window (the last event unless given).
-    For a trace made from availability counts, `placement` says how the failing nodes were chosen and
-    `placement_grid` is the worker grid a grid-aware placement was made for (None for random placement).
-    """
-
-    events: tuple[TraceEvent, ...]
-    initial: frozenset[str]
-    end_ms: int
-    source: str = ""
-    notes: TraceNotes = field(default_factory=TraceNotes)
-    placement: str = ""
-    placement_grid: WorkerGrid | None = None
-
-    @property
-    def nodes(self) -> frozenset[str]:
-        return frozenset(self.initial) | frozenset(e.node for e in self.events)
-
-    def change_points(self) -> list[tuple[int, frozenset[str]]]:
-        """(time_ms, live node set) at 0 and after each group of simultaneous events."""
-        live = set(self.initial)
-        points: list[tuple[int, frozenset[str]]] = [(0, frozenset(live))]
-        i = 0
-        while i < len(self.events):
-            t = self.events[i].time_ms
-            while i < len(self.events) and self.events[i].time_ms == t:
-                e = self.events[i]
-                (live.add if e.action == ADD else live.discard)(e.node)
-                i += 1
-            if t == 0:
-                points[0] = (0, frozenset(live))
-            else:
-                points.append((t, frozenset(live)))
-        return points
-
-    def max_live(self) -> int:
-        return max(len(live) for _, live in self.change_points())
-
-    def num_removals(self) -> int:
-        return sum(1 for e in self.events if e.action == REMOVE)
-
-
-@dataclass(frozen=True)
-class AvailabilityTrace:
-    """A count of live nodes over time: `live[i]` nodes from `times_ms[i]` until the next sample."""
-
-    times_ms: tuple[int, ...]
-    live: tuple[int, ...]
-    end_ms: int
-    source: str = ""
-    notes: TraceNotes = field(default_factory=TraceNotes)
-
 
 def _where(source: str, lineno: int) -> str:
     return f"{source or 'trace'}:{lineno}"
@@ -378,58 +267,6 @@ def _availability(rows: list[tuple[int, int, int]], source: str, strict: bool, e
     end = last if end_ms is None else end_ms
     notes = replace(notes, simultaneous_groups=groups, superseded=superseded)
     return AvailabilityTrace(tuple(times), tuple(live), end, source, notes)
-
-
-PLACEMENT_HELP = (
-    "which workers an availability trace's drops remove (the trace has only counts): 'random' (seeded random live "
-    "nodes, whatever their stages), 'spread' (one at a time, a worker of the stage with the most live replicas; "
-    "ties by the seed), 'worst' (concentrated on one stage while it keeps >= 1 replica: an adversarial bound)"
-)
-
-
-def availability_to_events(trace: AvailabilityTrace, seed: int = 0, capacity: int | None = None,
-                           placement: str = "random", grid: WorkerGrid | None = None) -> EventTrace:
-    """Turn counts into node events. Which nodes fail matters to ReCycle (it decides the stages hit); an
-    availability trace does not say, so `placement` decides, reproducibly (`seed`):
-
-    * `random` (default): a drop removes randomly chosen live nodes; a rise re-adds the lowest-numbered absent ones.
-    * `spread` / `worst`: grid-aware (`recycle.traces.mapping.place_availability`); they need the job's worker
-      `grid`, because which node holds which stage depends on it.
-    """
-    if placement != "random":
-        from recycle.traces.mapping import PLACEMENTS, place_availability  # mapping imports this module
-
-        if placement not in PLACEMENTS:
-            raise TraceError(f"placement {placement!r} is unknown; use one of {', '.join(PLACEMENTS)}")
-        if grid is None:
-            raise TraceError(f"placement {placement!r} acts on the job's worker grid; pass grid= (the job's "
-                             "stages, replicas and GPUs per node/worker)")
-        return place_availability(trace, placement, grid, seed=seed, capacity=capacity)
-    rng = random.Random(seed)
-    total = capacity if capacity is not None else max(trace.live)
-    if max(trace.live) > total:
-        raise TraceError(f"{trace.source or 'trace'}: {max(trace.live)} live nodes exceed the capacity {total}")
-    names = [f"node{i + 1}" for i in range(total)]
-    live = set(names[: trace.live[0]])
-    events: list[TraceEvent] = []
-    for t, count in zip(trace.times_ms[1:], trace.live[1:]):
-        if count < len(live):
-            for node in sorted(rng.sample(sorted(live, key=_node_order), len(live) - count), key=_node_order):
-                live.discard(node)
-                events.append(TraceEvent(t, REMOVE, node))
-        elif count > len(live):
-            absent = [n for n in names if n not in live][: count - len(live)]
-            for node in absent:
-                live.add(node)
-                events.append(TraceEvent(t, ADD, node))
-    initial = frozenset(names[: trace.live[0]])
-    return EventTrace(tuple(events), initial, trace.end_ms, trace.source, trace.notes,
-                      placement=f"random (seed {seed})")
-
-
-def _node_order(name: str) -> tuple[int, str]:
-    digits = "".join(ch for ch in name if ch.isdigit())
-    return (int(digits) if digits else 0, name)
 
 
 def read_trace(path: str | Path, strict: bool = False, end_ms: int | None = None, seed: int = 0,
