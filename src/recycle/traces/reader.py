@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import collections
 import datetime
+import itertools
 import re
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from recycle.errors import TraceError
 from recycle.traces.placement import availability_to_events
@@ -84,6 +86,23 @@ def _content_lines(lines: Iterable[str]) -> tuple[list[tuple[int, str]], int, in
     return kept, blank, comments
 
 
+def _data_rows(lines: Iterable[str], source: str, width: int,
+               form: str) -> tuple[TraceNotes, Iterator[tuple[int, str, list[str]]]]:
+    """Notes on the skipped lines (blank, comment, header), and the data lines as (line number, line, fields),
+    each checked to have `width` fields (else a TraceError saying the line's `form`), lazily: in file order."""
+    kept, blank, comments = _content_lines(lines)
+    header = _header(kept, source, (width,))
+
+    def rows() -> Iterator[tuple[int, str, list[str]]]:
+        for lineno, line in kept[1:] if header else kept:
+            parts = _split(line)
+            if len(parts) != width:
+                raise TraceError(f"{_where(source, lineno)}: line {line!r} has {len(parts)} field(s); {form}")
+            yield lineno, line, parts
+
+    return TraceNotes(blank, comments, header), rows()
+
+
 def parse_event_lines(lines: Iterable[str], source: str = "", strict: bool = False,
                       end_ms: int | None = None) -> EventTrace:
     """Parse `time_ms,add|remove,node` lines into a cleaned EventTrace.
@@ -94,18 +113,28 @@ def parse_event_lines(lines: Iterable[str], source: str = "", strict: bool = Fal
     every one of those fixes (except blank lines, comments and the header) is a TraceError instead.
     Malformed lines always raise a TraceError naming the line number, the value and the fix.
     """
-    kept, blank, comments = _content_lines(lines)
-    header = _header(kept, source, (3,))
-    if header:
-        kept = kept[1:]
+    notes, rows = _data_rows(lines, source, 3, "an event trace line is time_ms,add|remove,node (e.g. "
+                                                "60000,remove,node7)")
+    parsed, out_of_order = _timed_events(rows, source, strict)
+    if not parsed:
+        raise TraceError(f"{source or 'trace'}: no events found; an event trace has lines time_ms,add|remove,node")
+    events, initial, counts = _net_changes(parsed, source, strict)
+    last = parsed[-1][0]
+    end = last if end_ms is None else end_ms
+    if end < last:
+        raise TraceError(f"{source or 'trace'}: the trace ends at {end} ms but has events up to {last} ms; give an "
+                         "end time at or after the last event")
+    notes = replace(notes, out_of_order=out_of_order, **counts)
+    return EventTrace(tuple(events), frozenset(initial), end, source, notes)
+
+
+def _timed_events(rows: Iterable[tuple[int, str, list[str]]], source: str,
+                  strict: bool) -> tuple[list[tuple[int, int, TraceEvent]], int]:
+    """(time, line number, event) for every line, sorted stably by time, and how many lines were out of order."""
     parsed: list[tuple[int, int, TraceEvent]] = []
     out_of_order = 0
     last_time = -1
-    for lineno, line in kept:
-        parts = _split(line)
-        if len(parts) != 3:
-            raise TraceError(f"{_where(source, lineno)}: line {line!r} has {len(parts)} field(s); an event trace "
-                             "line is time_ms,add|remove,node (e.g. 60000,remove,node7)")
+    for lineno, line, parts in rows:
         t = _parse_time(parts[0], source, lineno, line)
         action = parts[1].lower()
         if action not in (ADD, REMOVE):
@@ -122,84 +151,69 @@ def parse_event_lines(lines: Iterable[str], source: str = "", strict: bool = Fal
         last_time = max(last_time, t)
         parsed.append((t, lineno, TraceEvent(t, action, parts[2])))
     parsed.sort(key=lambda item: item[0])  # stable: simultaneous events keep their file order
-    if not parsed:
-        raise TraceError(f"{source or 'trace'}: no events found; an event trace has lines time_ms,add|remove,node")
+    return parsed, out_of_order
 
+
+def _net_changes(parsed: list[tuple[int, int, TraceEvent]], source: str,
+                 strict: bool) -> tuple[list[TraceEvent], set[str], dict[str, int]]:
+    """(events, nodes live at time 0, counts for TraceNotes): the events of each timestamp applied in file order,
+    then collapsed to their net effect, one change of the live set per timestamp."""
     live: set[str] = set()
     initial: set[str] = set()
     events: list[TraceEvent] = []
-    repeated_adds = repeated_removes = groups = cancelled = 0
-    i = 0
-    while i < len(parsed):
-        t = parsed[i][0]
-        j = i
-        while j < len(parsed) and parsed[j][0] == t:
-            j += 1
-        if j - i > 1:
-            groups += 1
+    counts = dict.fromkeys(("repeated_adds", "repeated_removes", "simultaneous_groups", "cancelled_pairs"), 0)
+    for t, items in itertools.groupby(parsed, key=lambda item: item[0]):
+        group = [(lineno, e) for _, lineno, e in items]
+        counts["simultaneous_groups"] += len(group) > 1
         before = set(live)
-        for _, lineno, e in parsed[i:j]:
-            if e.action == ADD and e.node in live:
-                repeated_adds += 1
-                if strict:
-                    raise TraceError(f"{_where(source, lineno)}: node {e.node!r} is added at {t} ms but is already "
-                                     "present; delete the repeated add (or read the trace without --strict)")
-                continue
-            if e.action == REMOVE and e.node not in live:
-                repeated_removes += 1
-                if strict:
-                    raise TraceError(f"{_where(source, lineno)}: node {e.node!r} is removed at {t} ms but is not "
-                                     "present; delete the repeated remove (or read the trace without --strict)")
-                continue
-            (live.add if e.action == ADD else live.discard)(e.node)
-        # Collapse the group to its net effect: one change of the live set per timestamp.
-        touched = {e.node for _, _, e in parsed[i:j]}
-        cancelled += sum(1 for n in touched if (n in before) == (n in live) and
-                         sum(1 for _, _, e in parsed[i:j] if e.node == n) >= 2)
+        for lineno, e in group:
+            dropped = _apply(e, lineno, live, source, strict)
+            if dropped:
+                counts[dropped] += 1
+        per_node = collections.Counter(e.node for _, e in group)
+        counts["cancelled_pairs"] += sum(1 for n, k in per_node.items() if k >= 2 and (n in before) == (n in live))
         if t == 0:
             initial = set(live)
         else:
-            for node in sorted(before - live):
-                events.append(TraceEvent(t, REMOVE, node))
-            for node in sorted(live - before):
-                events.append(TraceEvent(t, ADD, node))
-        i = j
-    last = parsed[-1][0]
-    end = last if end_ms is None else end_ms
-    if end < last:
-        raise TraceError(f"{source or 'trace'}: the trace ends at {end} ms but has events up to {last} ms; give an "
-                         "end time at or after the last event")
-    notes = TraceNotes(blank, comments, header, out_of_order, repeated_removes, repeated_adds, groups, cancelled)
-    return EventTrace(tuple(events), frozenset(initial), end, source, notes)
+            events.extend(TraceEvent(t, REMOVE, node) for node in sorted(before - live))
+            events.extend(TraceEvent(t, ADD, node) for node in sorted(live - before))
+    return events, initial, counts
+
+
+def _apply(e: TraceEvent, lineno: int, live: set[str], source: str, strict: bool) -> str | None:
+    """Apply one event to `live`; an add of a present node or a remove of an absent one is dropped, and its
+    TraceNotes count named (a TraceError with `strict`)."""
+    if e.action == ADD and e.node in live:
+        if strict:
+            raise TraceError(f"{_where(source, lineno)}: node {e.node!r} is added at {e.time_ms} ms but is already "
+                             "present; delete the repeated add (or read the trace without --strict)")
+        return "repeated_adds"
+    if e.action == REMOVE and e.node not in live:
+        if strict:
+            raise TraceError(f"{_where(source, lineno)}: node {e.node!r} is removed at {e.time_ms} ms but is not "
+                             "present; delete the repeated remove (or read the trace without --strict)")
+        return "repeated_removes"
+    (live.add if e.action == ADD else live.discard)(e.node)
+    return None
 
 
 def parse_availability_lines(lines: Iterable[str], source: str = "", strict: bool = False,
                              end_ms: int | None = None) -> AvailabilityTrace:
     """Parse `time_ms,live` lines (live = number of available nodes from that time on); see `_availability`."""
-    kept, blank, comments = _content_lines(lines)
-    header = _header(kept, source, (2,))
-    rows: list[tuple[int, int, int]] = []
-    for lineno, line in kept[1:] if header else kept:
-        parts = _split(line)
-        if len(parts) != 2:
-            raise TraceError(f"{_where(source, lineno)}: line {line!r} has {len(parts)} field(s); an availability "
-                             "line is time_ms,live (e.g. 3600000,22)")
-        rows.append((lineno, _parse_time(parts[0], source, lineno, line), _parse_count(parts[1], source, lineno, line)))
-    return _availability(rows, source, strict, end_ms, TraceNotes(blank, comments, header))
+    notes, rows = _data_rows(lines, source, 2, "an availability line is time_ms,live (e.g. 3600000,22)")
+    samples = [(lineno, _parse_time(parts[0], source, lineno, line), _parse_count(parts[1], source, lineno, line))
+               for lineno, line, parts in rows]
+    return _availability(samples, source, strict, end_ms, notes)
 
 
 def parse_dated_availability_lines(lines: Iterable[str], source: str = "", strict: bool = False,
                                    end_ms: int | None = None) -> AvailabilityTrace:
     """Parse Bamboo's availability logs, `YYYY-MM-DD, HH:MM:SS, live` (its published GCP traces); times count
     from the earliest line. See `_availability` for the treatment of out-of-order lines."""
-    kept, blank, comments = _content_lines(lines)
-    header = _header(kept, source, (3,))
+    notes, rows = _data_rows(lines, source, 3, "a dated availability line is YYYY-MM-DD, HH:MM:SS, live (e.g. "
+                                                "2021-12-11, 11:11:30, 55)")
     stamped: list[tuple[int, datetime.datetime, int]] = []
-    for lineno, line in kept[1:] if header else kept:
-        parts = _split(line)
-        if len(parts) != 3:
-            raise TraceError(f"{_where(source, lineno)}: line {line!r} has {len(parts)} field(s); a dated "
-                             "availability line is YYYY-MM-DD, HH:MM:SS, live (e.g. 2021-12-11, 11:11:30, 55)")
+    for lineno, line, parts in rows:
         try:
             when = datetime.datetime.fromisoformat(f"{parts[0]}T{parts[1]}")
         except ValueError:
@@ -210,8 +224,8 @@ def parse_dated_availability_lines(lines: Iterable[str], source: str = "", stric
         raise TraceError(f"{source or 'trace'}: no samples found; a dated availability trace has lines "
                          "YYYY-MM-DD, HH:MM:SS, live")
     origin = min(when for _, when, _ in stamped)
-    rows = [(lineno, int(round((when - origin).total_seconds() * 1000)), count) for lineno, when, count in stamped]
-    return _availability(rows, source, strict, end_ms, TraceNotes(blank, comments, header))
+    rows_ms = [(lineno, int(round((when - origin).total_seconds() * 1000)), count) for lineno, when, count in stamped]
+    return _availability(rows_ms, source, strict, end_ms, notes)
 
 
 def _parse_count(text: str, source: str, lineno: int, line: str) -> int:
