@@ -505,22 +505,24 @@ def _stage_values(value: Any, num_stages: int, where: str) -> tuple:
     return out
 
 
+def _at_least(values: Any, section: str, keys: Sequence[str], low: int, source: str, why: str = "") -> None:
+    """Each of `keys` of the section's dataclass `values` is >= `low` (a None, meaning not set, passes)."""
+    for key in keys:
+        if (getattr(values, key) or 0) < low:
+            raise ConfigError(f"{_where(source, section, key)} = {getattr(values, key)} must be >= {low}{why}")
+
+
 def _topology(t: dict[str, Any], source: str) -> Topology:
     topology = Topology(**t)
-    for key in ("num_replicas", "num_stages", "gpus_per_worker"):
-        if getattr(topology, key) < 1:
-            raise ConfigError(f"{_where(source, 'topology', key)} = {getattr(topology, key)} must be >= 1")
-    if topology.workers_per_node < 0:
-        raise ConfigError(f"{_where(source, 'topology', 'workers_per_node')} = {topology.workers_per_node} must be "
-                          ">= 0 (0 = not given: all messages priced at the p2p cost)")
+    _at_least(topology, "topology", ("num_replicas", "num_stages", "gpus_per_worker"), 1, source)
+    _at_least(topology, "topology", ("workers_per_node",), 0, source,
+              " (0 = not given: all messages priced at the p2p cost)")
     return topology
 
 
 def _workload(w: dict[str, Any], source: str) -> Workload:
     workload = Workload(**w)
-    for key in ("num_microbatches", "microbatch_size", "seq_len"):
-        if getattr(workload, key) < 1:
-            raise ConfigError(f"{_where(source, 'workload', key)} = {getattr(workload, key)} must be >= 1")
+    _at_least(workload, "workload", ("num_microbatches", "microbatch_size", "seq_len"), 1, source)
     return workload
 
 
@@ -558,9 +560,8 @@ def _memory(m: dict[str, Any], S: int, source: str) -> Memory:
 
 def _communication(cm: dict[str, Any], S: int, source: str) -> Communication:
     comm = Communication(**_fill("communication", cm, S, source))
-    for f in fields(Communication):
-        if not f.metadata.get("per_stage") and (getattr(comm, f.name) or 0) < 0:  # latencies and bandwidths
-            raise ConfigError(f"{_where(source, 'communication', f.name)} = {getattr(comm, f.name)} must be >= 0")
+    latencies_and_bandwidths = [f.name for f in fields(Communication) if not f.metadata.get("per_stage")]
+    _at_least(comm, "communication", latencies_and_bandwidths, 0, source)
     return comm
 
 

@@ -145,7 +145,7 @@ def cross_node_messages(plan: Plan, config: Config) -> int:
     for s in range(S - 1):
         here, there = plan.host[s], plan.host[s + 1]
         for mb in range(plan.total_microbatches):
-            if node(here[mb] * S + s) != node(there[mb] * S + s + 1):
+            if node(plan.rank(here[mb], s)) != node(plan.rank(there[mb], s + 1)):
                 count += 2
     return count
 

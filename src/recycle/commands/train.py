@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Mapping
 
 from recycle.api import select_plan
 from recycle.commands import add_set_option
-from recycle.config import load_config
+from recycle.config import Topology, load_config
 from recycle.errors import ConfigError
 from recycle.runtime.chaos import parse_chaos
 from recycle.runtime.cluster_env import NodeRole, resolve_role
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, [*args.set, *hf])
     plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
                        staggered=not args.no_stagger)
-    faults, rejoins = _scripted_faults(args.inject, config.num_replicas, config.num_stages)
+    faults, rejoins = _scripted_faults(args.inject, config.topology)
     if args.respawn_after is not None and args.respawn_after < 0:
         raise ConfigError(f"--respawn-after {args.respawn_after:g} must be >= 0 seconds")
     if plan.failed:
@@ -202,17 +202,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _scripted_faults(specs: list[str], num_replicas: int,
-                     num_stages: int) -> tuple[list[tuple[int, FaultInjection]], list[tuple[int, int]]]:
+def _scripted_faults(specs: list[str],
+                     topology: Topology) -> tuple[list[tuple[int, FaultInjection]], list[tuple[int, int]]]:
     """--inject specs -> ([(rank, fault)], [(rank, re-join step)])."""
     faults, rejoins = [], []
     for spec in specs:
         if spec.strip().startswith("rejoin:"):
-            (replica, stage), step = parse_rejoin(spec, num_replicas, num_stages)
-            rejoins.append((replica * num_stages + stage, step))
+            worker, step = parse_rejoin(spec, topology.num_replicas, topology.num_stages)
+            rejoins.append((topology.rank(*worker), step))
         else:
-            (replica, stage), fault = parse_fault(spec, num_replicas, num_stages)
-            faults.append((replica * num_stages + stage, fault))
+            worker, fault = parse_fault(spec, topology.num_replicas, topology.num_stages)
+            faults.append((topology.rank(*worker), fault))
     return faults, rejoins
 
 
