@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from recycle.sim.simulator import SimResult
     from recycle.traces.jobsim import JobResult
     from recycle.traces.model import JobCosts
-    from recycle.traces.reader import EventTrace
+    from recycle.traces.trace import EventTrace
 
 __all__ = ["load_config", "config_from_dict", "apply_overrides", "Config", "Plan", "planner_options", "plan",
            "schedule", "plan_store", "load_plan_store", "read_plan", "pipelining_csv", "simulate", "load_trace",

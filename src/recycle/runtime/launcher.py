@@ -26,7 +26,7 @@ from recycle.runtime.control import (Announcement, Keys, StoppedReport, connect_
 from recycle.runtime.coordinator import (AbortGeneration, Announce, Command, Coordinator, Drain, FailRun, Fence,
                                          Move, RecoveryFacts, Respawn, describe_exit, stale_heartbeats)
 from recycle.runtime.chaos import ChaosMonkey, ChaosSpec
-from recycle.runtime.data import load_dataset
+from recycle.runtime.data import config_dataset
 from recycle.runtime.emulate import Emulation
 from recycle.runtime.faults import FaultInjection
 from recycle.runtime.messages import check_plan_matches
@@ -217,7 +217,7 @@ def _check_options(config: Config, plan: Plan, options: LaunchOptions) -> tuple[
                           f"heartbeat interval ({options.heartbeat_s:g} s), or a busy worker counts as hung")
     # Catch model and data errors here, with a clear message, rather than in every worker.
     check_model(config, options.model_factory)
-    load_dataset(config.training.dataset, config.workload.seq_len, base_dir=os.path.dirname(config.source) or None)
+    config_dataset(config)
     start = preflight.check_launch(config, options, end)  # options, outputs, checkpoint: before any worker
     if start > end:
         raise ConfigError(f"the checkpoint in {options.resume_dir!r} is at step {start}, past --steps {end}; "
