@@ -7,6 +7,9 @@ from typing import Sequence
 
 import numpy as np
 
+from recycle.ir.actions import Kind
+from recycle.ir.dependencies import input_stage_table
+
 __all__ = ["LevelTimer", "build_level_timer", "flat_dependencies"]
 
 
@@ -195,16 +198,17 @@ def flat_dependencies(code: Sequence[int], stage_of: Sequence[int], mb_of: Seque
     where = np.full(5 * S * TM, -1, dtype=np.int64)
     compute = code_a != OPT
     where[((code_a * S + stage_a) * TM + mb_a)[compute]] = np.flatnonzero(compute)
+    # The dependency rule (recycle.ir.dependencies), tabled: the stage each action's message comes from, -1: none.
+    kinds = (Kind.F, Kind.B, Kind.W, Kind.BW, Kind.OPT)
+    source = np.asarray(input_stage_table(kinds, S), dtype=np.int64).reshape(len(kinds), S)[code_a, stage_a]
     dep = np.full(N, -1, dtype=np.int64)
-    boundary = np.zeros(N, dtype=np.int64)
-    forward = (code_a == F) & (stage_a > 0)
-    dep[forward] = where[(F * S + stage_a[forward] - 1) * TM + mb_a[forward]]
-    boundary[forward] = stage_a[forward] - 1
-    backward = ((code_a == B) | (code_a == BW)) & (stage_a < S - 1)
-    src = where[(B * S + stage_a[backward] + 1) * TM + mb_a[backward]]
-    fused = where[(BW * S + stage_a[backward] + 1) * TM + mb_a[backward]]
+    boundary = np.minimum(stage_a, source)
+    forward = (code_a == F) & (source >= 0)
+    dep[forward] = where[(F * S + source[forward]) * TM + mb_a[forward]]
+    backward = (code_a != F) & (source >= 0)
+    src = where[(B * S + source[backward]) * TM + mb_a[backward]]
+    fused = where[(BW * S + source[backward]) * TM + mb_a[backward]]
     dep[backward] = np.where(src < 0, fused, src)
-    boundary[backward] = stage_a[backward]
     msg = np.zeros(N)
     has = np.flatnonzero(dep >= 0)
     producer_rank = rank_of[dep[has]]
