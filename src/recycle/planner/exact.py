@@ -5,21 +5,26 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Sequence
+from typing import Iterable
 
-from ortools.linear_solver import pywraplp
 from ortools.sat.python import cp_model
 
 from recycle.config import Config
-from recycle.errors import ConfigError, PlanError, RecycleError
+from recycle.errors import PlanError, RecycleError
 from recycle.ir.actions import Action, Kind
+from recycle.ir.costs import action_duration
+from recycle.ir.dependencies import boundary, input_stage, local_input, producer_kind
 from recycle.ir.plan import Plan, PlanMeta
-from recycle.ir.validate import validate_plan
+from recycle.ir.validate import check_plan_matches, validate_plan
+from recycle.planner.bounds import period_lower_bound
+from recycle.planner.failures import canonical_failed
+from recycle.planner.memory_cap import memory_cap
 from recycle.planner.options import PlannerOptions
 from recycle.planner.routing import check_key
-from recycle.sim.simulator import action_duration, simulate
+from recycle.sim.simulator import simulate
+from recycle.sim.steady_state import min_period
 
-__all__ = ["schedule_exact", "steady_state_period", "TimeScale", "time_scale", "memory_cap_slots", "ExactSolverError"]
+__all__ = ["schedule_exact", "TimeScale", "time_scale", "ExactSolverError"]
 
 # Largest integer duration the model works with; coarser units only when exact ones would exceed it.
 _MAX_TICKS = 10**6
@@ -63,20 +68,6 @@ def time_scale(values: Iterable[float], max_decimals: int = 6) -> TimeScale:
     return TimeScale(_MAX_TICKS / max(positive), False)
 
 
-def memory_cap_slots(config: Config, options: PlannerOptions) -> tuple[int, ...] | None:
-    """Live micro-batches allowed per worker, per stage: the options' cap, else the config's byte budget, else none."""
-    S = config.num_stages
-    if options.memory_cap is not None:
-        cap = tuple(options.memory_cap)
-        if len(cap) != S or any((not isinstance(c, int)) or c < 1 for c in cap):
-            raise ConfigError(f"memory cap {list(cap)} must list one integer >= 1 per stage ({S} stages), e.g. the "
-                              f"1F1B cap {[S - s for s in range(S)]}")
-        return cap
-    if config.memory.capacity_bytes > 0:
-        return tuple(config.memory.capacity_bytes // config.memory.activation_bytes[s] for s in range(S))
-    return None
-
-
 @dataclass(frozen=True)
 class _Instance:
     """The numbers the model is built from, all in ticks."""
@@ -102,20 +93,14 @@ class _Instance:
     def last_kind(self) -> Kind:
         return self.kinds[-1]
 
-    @property
-    def backward_kind(self) -> Kind:
-        return self.kinds[1]
-
 
 def _instance(config: Config, key: tuple[int, ...], options: PlannerOptions, scale: TimeScale) -> _Instance:
     D, S, M = config.num_replicas, config.num_stages, config.num_microbatches
     c = config.costs
     duration: dict[tuple[Kind, int], int] = {}
     for s in range(S):
-        duration[(Kind.F, s)] = scale.ticks(c.forward[s])
-        duration[(Kind.B, s)] = scale.ticks(c.backward_input[s])
-        duration[(Kind.W, s)] = scale.ticks(c.backward_weight[s])
-        duration[(Kind.BW, s)] = scale.ticks(c.backward_fused[s])
+        for kind in (Kind.F, Kind.B, Kind.W, Kind.BW):
+            duration[(kind, s)] = scale.ticks(action_duration(config, kind, s, D - key[s]))
         if math.isclose(c.backward_fused[s], c.backward_input[s] + c.backward_weight[s]):
             # Keep BW = B + W on the tick grid too, so a hint's fused backward splits without overlap.
             duration[(Kind.BW, s)] = duration[(Kind.B, s)] + duration[(Kind.W, s)]
@@ -125,17 +110,16 @@ def _instance(config: Config, key: tuple[int, ...], options: PlannerOptions, sca
         (Kind.F, Kind.B, Kind.W) if options.decoupled else (Kind.F, Kind.BW),
         duration,
         tuple(scale.ticks(comm.p2p_time(s)) for s in range(S)),
-        tuple(scale.ticks(comm.allreduce_time(s, D - key[s]) + c.optimizer[s]) for s in range(S)),
-        memory_cap_slots(config, options),
+        tuple(scale.ticks(action_duration(config, Kind.OPT, s, D - key[s])) for s in range(S)),
+        memory_cap(config, options),
     )
 
 
 def _scale_for(config: Config, key: tuple[int, ...]) -> TimeScale:
-    c, comm, D = config.costs, config.communication, config.num_replicas
-    values: list[float] = [*c.forward, *c.backward_input, *c.backward_weight, *c.backward_fused]
-    for s in range(config.num_stages):
-        values.append(comm.p2p_time(s))
-        values.append(comm.allreduce_time(s, D - key[s]) + c.optimizer[s])
+    """The tick grid of every duration, message time and step of failure key `key`."""
+    D, S = config.num_replicas, config.num_stages
+    values = [action_duration(config, kind, s, D - key[s]) for kind in Kind for s in range(S)]
+    values += [config.communication.p2p_time(s) for s in range(S)]
     return time_scale(values)
 
 
@@ -217,17 +201,19 @@ class _PeriodModel:
     def _precedences(self) -> None:
         inst, m = self.inst, self.model
         S, total = inst.S, inst.D * inst.M
-        bk = inst.backward_kind
+        decoupled = Kind.W in inst.kinds  # every (stage, mb) alike in the model
         for mb in range(total):
             for s in range(S):
-                if s > 0:  # forward chain; consecutive stages are always different workers: pay the p2p time
-                    m.add(self.start[(Kind.F, s, mb)] >= self.end(Kind.F, s - 1, mb) + inst.p2p[s - 1])
-                if s < S - 1:  # backward chain
-                    m.add(self.start[(bk, s, mb)] >= self.end(bk, s + 1, mb) + inst.p2p[s])
-                else:  # loss turn-around on the last stage
-                    m.add(self.start[(bk, s, mb)] >= self.end(Kind.F, s, mb))
-                if Kind.W in inst.kinds:
-                    m.add(self.start[(Kind.W, s, mb)] >= self.end(Kind.B, s, mb))
+                for kind in inst.kinds:
+                    source = input_stage(kind, s, S)
+                    if source is not None:
+                        # A message from the neighbouring stage, always another worker: pay the p2p time.
+                        needed = self.end(producer_kind(kind, decoupled), source, mb)
+                        m.add(self.start[(kind, s, mb)] >= needed + inst.p2p[boundary(s, source)])
+                        continue
+                    local = local_input(kind, s, S)  # the loss turn-around; W after its B
+                    if local is not None:
+                        m.add(self.start[(kind, s, mb)] >= self.end(local, s, mb))
 
     def _symmetry_breaking(self) -> None:
         """The micro-batches of one owner are interchangeable (same candidate hosts at every stage, same costs),
@@ -359,68 +345,11 @@ def _orders(inst: _Instance, hosts: dict[tuple[int, int], int], times: dict[tupl
     return host, tuple(actions)
 
 
-def _min_period(rows: Sequence[Sequence[Action]], duration: Callable[[Action], float], p2p: Sequence[float],
-                opt: Sequence[float], staggered: bool) -> float:
-    """Smallest period T of the periodic schedules that keep each worker's order in `rows` (compute actions only,
-    one row per live worker): with routing and orders fixed only difference constraints remain, a small LP that
-    GLOP solves in milliseconds (CP-SAT's bound propagation crawls on its cycles when durations are large).
-    Returns inf if the LP fails."""
-    lp = pywraplp.Solver.CreateSolver("GLOP")
-    start = {a: lp.NumVar(0.0, lp.infinity(), "") for row in rows for a in row}
-    backward = {(a.stage, a.mb): a for a in start if a.kind in (Kind.B, Kind.BW)}
-    num_stages = len(opt)
-
-    def end(a: Action):
-        return start[a] + duration(a)
-
-    for a in start:
-        s, mb = a.stage, a.mb
-        if a.kind is Kind.F and s > 0:
-            lp.Add(start[a] >= end(Action(Kind.F, s - 1, mb)) + p2p[s - 1])
-        elif a.kind in (Kind.B, Kind.BW):
-            if s < num_stages - 1:
-                lp.Add(start[a] >= end(backward[(s + 1, mb)]) + p2p[s])
-            else:
-                lp.Add(start[a] >= end(Action(Kind.F, s, mb)))
-        elif a.kind is Kind.W:
-            lp.Add(start[a] >= end(Action(Kind.B, s, mb)))
-    period = lp.NumVar(0.0, lp.infinity(), "period")
-    for row in rows:
-        for a, b in zip(row, row[1:]):
-            lp.Add(start[b] >= end(a))
-    for row in rows:
-        stage = row[0].stage
-        if not staggered:  # every worker restarts after the slowest stage's step
-            lp.Add(period >= end(row[-1]) + max(opt))
-            continue
-        # Staggered: each worker of the stage restarts T after its own first action, once the stage has stepped.
-        for other in rows:
-            if other[0].stage == stage:
-                lp.Add(period + start[row[0]] >= end(other[-1]) + opt[stage])
-    lp.Minimize(period)
-    return period.solution_value() if lp.Solve() == pywraplp.Solver.OPTIMAL else math.inf
-
-
 def _steady_ticks(inst: _Instance, staggered: bool, times: dict[tuple[Kind, int, int], int],
                   hosts: dict[tuple[int, int], int]) -> float:
     """The smallest model period (ticks) of a schedule's routing and orders."""
     rows = [[a for *_, a in row] for row in _sorted_per_worker(inst, hosts, times) if row]
-    return _min_period(rows, lambda a: inst.duration[(a.kind, a.stage)], inst.p2p, inst.opt, staggered)
-
-
-def steady_state_period(plan: Plan, config: Config) -> float:
-    """The period `plan` settles to when iterations repeat forever: the best periodic timing of its orders.
-
-    The simulator's period averages iterations 1-3, which a staggered plan's start-up can make slightly shorter;
-    this is the long-run figure the CP-SAT model (and its bound) are about.
-    """
-    S = plan.num_stages
-    live = [len(plan.live_replicas(s)) for s in range(S)]
-    rows = [[a for a in acts if a.kind is not Kind.OPT] for acts in plan.actions if acts]
-    comm = config.communication
-    return _min_period(rows, lambda a: action_duration(config, a.kind, a.stage, live[a.stage]),
-                       [comm.p2p_time(s) for s in range(S)],
-                       [action_duration(config, Kind.OPT, s, live[s]) for s in range(S)], plan.staggered)
+    return min_period(rows, lambda a: inst.duration[(a.kind, a.stage)], inst.p2p, inst.opt, staggered)
 
 
 def _asap_ticks(plan: Plan, inst: _Instance) -> dict[tuple[Kind, int, int], int]:
@@ -439,17 +368,12 @@ def _asap_ticks(plan: Plan, inst: _Instance) -> dict[tuple[Kind, int, int], int]
             while pointer[rank] < len(acts) and acts[pointer[rank]].kind is not Kind.OPT:
                 a = acts[pointer[rank]]
                 ready = free[rank]
-                if a.kind is Kind.F and a.stage > 0:
-                    dep, msg = (Kind.F, a.stage - 1, a.mb), inst.p2p[a.stage - 1]
-                elif a.kind in (Kind.B, Kind.BW) and a.stage < S - 1:
-                    up = Kind.B if (a.stage + 1, a.mb) in decoupled else Kind.BW
-                    dep, msg = (up, a.stage + 1, a.mb), inst.p2p[a.stage]
-                else:
-                    dep, msg = None, 0
-                if dep is not None:
+                source = input_stage(a.kind, a.stage, S)
+                if source is not None:
+                    dep = (producer_kind(a.kind, (source, a.mb) in decoupled), source, a.mb)
                     if dep not in ends:
                         break
-                    ready = max(ready, ends[dep] + msg)
+                    ready = max(ready, ends[dep] + inst.p2p[boundary(a.stage, source)])
                 k = (a.kind, a.stage, a.mb)
                 starts[k] = ready
                 ends[k] = free[rank] = ready + inst.duration[(a.kind, a.stage)]
@@ -491,13 +415,12 @@ def _hint_schedule(hint: Plan, inst: _Instance) -> tuple[dict[tuple[Kind, int, i
 
 
 def _check_hint(hint: Plan, config: Config, key: tuple[int, ...]) -> None:
-    got = (hint.num_replicas, hint.num_stages, hint.num_microbatches)
-    want = (config.num_replicas, config.num_stages, config.num_microbatches)
-    canonical = frozenset((c, s) for s, k in enumerate(key) for c in range(k))
-    if got != want or hint.failed != canonical:
-        raise PlanError(f"hint plan is for (D, S, M) = {got} with failed {sorted(hint.failed)}, but the exact solver "
-                        f"plans {want} for the canonical layout of key {key} (failed {sorted(canonical)}); pass a "
-                        "hint made for the same config and key (e.g. schedule_heuristic(config, key, options))")
+    check_plan_matches(hint, config.num_replicas, config.num_stages, config.num_microbatches, "the hint plan")
+    canonical = canonical_failed(key)
+    if hint.failed != canonical:
+        raise PlanError(f"the hint plan has failed workers {sorted(hint.failed)}, but the exact solver plans the "
+                        f"canonical layout of key {key} (failed {sorted(canonical)}); pass a hint made for the same "
+                        "config and key (e.g. schedule_heuristic(config, key, options))")
     validate_plan(hint)
 
 
@@ -505,11 +428,14 @@ def _respects_cap(peaks: tuple[int, ...], cap: tuple[int, ...] | None, num_stage
     return cap is None or all(p <= cap[r % num_stages] for r, p in enumerate(peaks))
 
 
-def _analytic_bound(config: Config, key: tuple[int, ...], options: PlannerOptions) -> float:
-    """The load and critical-path bound of `recycle.planner.bounds` (-inf when that module is unavailable)."""
-    from recycle.planner.bounds import period_lower_bound
+@dataclass(frozen=True)
+class _Hinted:
+    """A hint plan and its schedule in the model's terms (start ticks, hosts, model period)."""
 
-    return period_lower_bound(config, key, options)
+    plan: Plan
+    times: dict[tuple[Kind, int, int], int]
+    hosts: dict[tuple[int, int], int]
+    ticks: int
 
 
 def schedule_exact(config: Config, key: tuple[int, ...], options: PlannerOptions, time_limit_s: float = 10.0,
@@ -526,27 +452,59 @@ def schedule_exact(config: Config, key: tuple[int, ...], options: PlannerOptions
     scale = _scale_for(config, key)
     inst = _instance(config, key, options, scale)
     model = _PeriodModel(inst, options.staggered)
-    hint_ticks: int | None = None
-    if hint is not None:
-        _check_hint(hint, config, key)
-        hint_times, hint_hosts = _hint_schedule(hint, inst)
-        model.add_hint(hint_times, hint_hosts)
-        hint_ticks = model.periodic_ticks(hint_times, hint_hosts)
+    hinted = _add_hint(model, hint, config, key) if hint is not None else None
+    solver, status = _solve(model, time_limit_s, workers, deterministic_limit, hinted is not None)
+    status_name = solver.status_name(status)
+    found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    wall = time.perf_counter() - began
+    bound = _proven_bound(solver, status, found, scale, inst)
+    meta = PlanMeta(schedule="adaptive", decoupled=options.decoupled, failure_key=key, solver="exact",
+                    status=status_name, lower_bound=bound, memory_cap=inst.cap or (),
+                    config_fingerprint=config.fingerprint())
+    notes = [f"CP-SAT {status_name} after {wall:.2f}s with {solver.parameters.num_workers} workers"]
+    if not scale.exact:
+        notes.append(f"durations rounded to 1/{scale.ticks_per_unit:g} time units")
+    solution = model.extract(solver) if found else None
+    candidate = _solution_plan(inst, solution, config, options, meta) if solution is not None else None
+    chosen, chosen_ticks, schedule = candidate, solver.objective_value if found else math.inf, solution
+    if hinted is not None:
+        chosen, chosen_ticks, schedule = _prefer_hint(hinted, candidate, chosen_ticks, solution, config, options,
+                                                      inst, meta, notes)
+    if chosen is None or schedule is None:
+        raise ExactSolverError(
+            f"CP-SAT found no schedule for key {key} within {time_limit_s:g}s (status {status_name}); raise the time "
+            "limit, pass a hint (e.g. the heuristic plan), or relax the memory cap")
+    bound_ticks = solver.best_objective_bound if bound is not None else math.inf
+    return _finish(chosen, chosen_ticks, schedule, bound, bound_ticks, inst, scale, config, options, notes)
 
+
+def _add_hint(model: _PeriodModel, hint: Plan, config: Config, key: tuple[int, ...]) -> _Hinted:
+    """Check the hint, translate it to the model's terms and hint every variable from it."""
+    _check_hint(hint, config, key)
+    times, hosts = _hint_schedule(hint, model.inst)
+    model.add_hint(times, hosts)
+    return _Hinted(hint, times, hosts, model.periodic_ticks(times, hosts))
+
+
+def _solve(model: _PeriodModel, time_limit_s: float, workers: int, deterministic_limit: float | None,
+           hinted: bool) -> tuple[cp_model.CpSolver, int]:
+    """Run CP-SAT on the model; return the solver (for values and bounds) and its status."""
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
     solver.parameters.num_workers = max(1, int(workers))
     if deterministic_limit is not None:
         solver.parameters.max_deterministic_time = float(deterministic_limit)
-    if hint is not None:
+    if hinted:
         # CP-SAT's presolve fixes symmetric literals (e.g. interchangeable healthy replicas) its own way, which
-        # makes a complete hint infeasible and discards it; measured: with the hint kept, a D=6, S=4, M=8 state
-        # is solved to optimality in 13 s, without it no solution at all in 15 s.
+        # makes a complete hint infeasible and discards it (measured: docs/planner.md, Exact solver, "Hint").
         solver.parameters.symmetry_level = 0
-    status = solver.solve(model.model)
-    status_name = solver.status_name(status)
-    found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-    wall = time.perf_counter() - began
+    return solver, solver.solve(model.model)
+
+
+def _proven_bound(solver: cp_model.CpSolver, status: int, found: bool, scale: TimeScale,
+                  inst: _Instance) -> float | None:
+    """CP-SAT's lower bound on the model period in time units (None when it has none), kept a bound when the
+    durations were rounded."""
     bound = scale.units(solver.best_objective_bound) if found or status == cp_model.UNKNOWN else None
     if bound is not None and not math.isfinite(bound):
         bound = None
@@ -554,55 +512,47 @@ def schedule_exact(config: Config, key: tuple[int, ...], options: PlannerOptions
         # Rounded durations: a chain of n actions and messages may be off by n/2 ticks; keep the bound a bound.
         actions = inst.D * inst.M * inst.S * len(inst.kinds)
         bound = max(0.0, bound - scale.units(0.5 * (2 * actions + 1)))
-    failed = frozenset((c, s) for s, k in enumerate(key) for c in range(k))
-    meta = PlanMeta(
-        schedule="adaptive",
-        decoupled=options.decoupled,
-        failure_key=key,
-        solver="exact",
-        status=status_name,
-        lower_bound=bound,
-        memory_cap=inst.cap or (),
-        config_fingerprint=config.fingerprint(),
-    )
+    return bound
 
-    candidate: Plan | None = None
-    bound_ticks = solver.best_objective_bound if bound is not None else math.inf
-    notes = [f"CP-SAT {status_name} after {wall:.2f}s with {solver.parameters.num_workers} workers"]
-    if not scale.exact:
-        notes.append(f"durations rounded to 1/{scale.ticks_per_unit:g} time units")
-    if found:
-        solution = model.extract(solver)
-        host, actions = _orders(inst, solution[1], solution[0])
-        candidate = validate_plan(Plan(inst.D, inst.S, inst.M, host, actions, failed, options.staggered, meta))
-        sim = simulate(candidate, config)
-        candidate = candidate.with_meta(predicted_period=sim.period, predicted_makespan=sim.makespan)
-    chosen, chosen_ticks = candidate, solver.objective_value if found else math.inf
-    if hint is not None:
-        hinted = replace(hint, staggered=options.staggered)
-        hint_sim = simulate(hinted, config)
-        usable = _respects_cap(hint_sim.peak_activations, inst.cap, inst.S)
-        if usable and (candidate is None or hint_sim.period <= candidate.meta.predicted_period):
-            why = "found no schedule" if candidate is None else "found nothing better"
-            notes.append(f"returned the hint's orders: CP-SAT {why}")
-            chosen = replace(hinted, meta=replace(meta, predicted_period=hint_sim.period,
-                                                  predicted_makespan=hint_sim.makespan))
-            chosen_ticks = hint_ticks
-        elif not usable:
-            notes.append("hint exceeds the memory cap, used only as a starting point")
-    if chosen is None:
-        raise ExactSolverError(
-            f"CP-SAT found no schedule for key {key} within {time_limit_s:g}s (status {status_name}); raise the time "
-            "limit, pass a hint (e.g. the heuristic plan), or relax the memory cap")
-    # The returned orders' own best periodic timing (a hint's as-soon-as-possible timing, or a FEASIBLE
-    # solution's, need not be it); a cheap LP. OPTIMAL when it meets the proven bound, also when CP-SAT was cut
-    # off but its incumbent or the hint was already optimal.
-    schedule = solution if chosen is candidate else (hint_times, hint_hosts)
+
+def _solution_plan(inst: _Instance, solution: tuple[dict[tuple[Kind, int, int], int], dict[tuple[int, int], int]],
+                   config: Config, options: PlannerOptions, meta: PlanMeta) -> Plan:
+    """The validated plan of a CP-SAT solution, with its simulated period and makespan."""
+    host, actions = _orders(inst, solution[1], solution[0])
+    failed = canonical_failed(inst.key)
+    plan = validate_plan(Plan(inst.D, inst.S, inst.M, host, actions, failed, options.staggered, meta))
+    sim = simulate(plan, config)
+    return plan.with_meta(predicted_period=sim.period, predicted_makespan=sim.makespan)
+
+
+def _prefer_hint(hinted: _Hinted, candidate: Plan | None, candidate_ticks: float, solution, config: Config,
+                 options: PlannerOptions, inst: _Instance, meta: PlanMeta, notes: list[str]):
+    """The hint's orders instead of CP-SAT's plan when they fit the cap and simulate no slower (or CP-SAT found
+    none): (plan, model period in ticks, schedule) of the one chosen; notes say why."""
+    hinted_plan = replace(hinted.plan, staggered=options.staggered)
+    hint_sim = simulate(hinted_plan, config)
+    usable = _respects_cap(hint_sim.peak_activations, inst.cap, inst.S)
+    if usable and (candidate is None or hint_sim.period <= candidate.meta.predicted_period):
+        why = "found no schedule" if candidate is None else "found nothing better"
+        notes.append(f"returned the hint's orders: CP-SAT {why}")
+        chosen = replace(hinted_plan, meta=replace(meta, predicted_period=hint_sim.period,
+                                                   predicted_makespan=hint_sim.makespan))
+        return chosen, hinted.ticks, (hinted.times, hinted.hosts)
+    if not usable:
+        notes.append("hint exceeds the memory cap, used only as a starting point")
+    return candidate, candidate_ticks, solution
+
+
+def _finish(chosen: Plan, chosen_ticks: float, schedule, bound: float | None, bound_ticks: float, inst: _Instance,
+            scale: TimeScale, config: Config, options: PlannerOptions, notes: list[str]) -> Plan:
+    """The returned plan's status and notes. Its orders' own best periodic timing (a hint's as-soon-as-possible
+    timing, or a FEASIBLE solution's, need not be it) is a cheap LP: OPTIMAL when it meets the proven bound, also
+    when CP-SAT was cut off but its incumbent or the hint was already optimal."""
     steady = _steady_ticks(inst, options.staggered, *schedule)
     steady_known = math.isfinite(steady)
     chosen_ticks = min(chosen_ticks, steady)
     status = "OPTIMAL" if chosen_ticks <= bound_ticks + 1e-6 * max(1.0, bound_ticks) else "FEASIBLE"
-    analytic = _analytic_bound(config, key, options)
+    analytic = period_lower_bound(config, inst.key, options)
     if status != "OPTIMAL" and chosen.meta.predicted_period <= analytic * (1 + 1e-9):
         status = "OPTIMAL"  # the simulated period meets a bound on every plan's simulated period
         notes.append(f"simulated period meets the analytic lower bound {analytic:g}")

@@ -292,7 +292,6 @@ class _Run:
         """Start and end of every action in the next iteration; each worker starts at its `free` time."""
         f, dep, msg, free, groups = self.flat, self.dep, self.msg, self.free, self.groups
         first, stop, is_opt, dur = f.first, f.stop, f.is_opt, f.dur
-        staggered = self.plan.staggered
         start = [0.0] * f.total
         end = [-1.0] * f.total  # -1: not run yet (times are never negative)
         ptr = list(first)
@@ -312,15 +311,7 @@ class _Run:
                     members = arrived[group]
                     members.append(rank)
                     if len(members) == len(group):
-                        begin = max(free[m] for m in group)
-                        longest = max(dur[ptr[m]] for m in group)
-                        for m in group:
-                            j = ptr[m]
-                            start[j] = begin
-                            end[j] = begin + dur[j]
-                            # Coupled: nobody starts the next iteration before the slowest step ends.
-                            free[m] = begin + (dur[j] if staggered else longest)
-                            ptr[m] = j + 1
+                        self._step(group, ptr, start, end)
                     break
                 d = dep[i]
                 if d >= 0:
@@ -346,12 +337,31 @@ class _Run:
             else:
                 ptr[rank] = i
                 free[rank] = t
+        self._check_finished(ptr)
+        return start, end
+
+    def _step(self, group: tuple[int, ...], ptr: list[int], start: list[float], end: list[float]) -> None:
+        """Every member of an all-reduce group has reached its OPT: the group steps together, from the moment the
+        last one arrived."""
+        free, dur = self.free, self.flat.dur
+        begin = max(free[m] for m in group)
+        longest = max(dur[ptr[m]] for m in group)
+        for m in group:
+            j = ptr[m]
+            start[j] = begin
+            end[j] = begin + dur[j]
+            # Coupled: nobody starts the next iteration before the slowest step ends.
+            free[m] = begin + (dur[j] if self.plan.staggered else longest)
+            ptr[m] = j + 1
+
+    def _check_finished(self, ptr: list[int]) -> None:
+        """Raise with the blocked heads marked if some worker could not reach the end of its list."""
+        first, stop = self.flat.first, self.flat.stop
         unfinished = [r for r in self.live if ptr[r] < stop[r]]
         if unfinished:
             heads = [(r, ptr[r] - first[r]) for r in unfinished]
             raise PlanError("plan deadlocks in simulation (validate it first); blocked heads marked:\n"
                             + format_grid(self.plan, heads))
-        return start, end
 
 
 def _period(starts: list[float], adaptive: bool, free: list[float], live: list[int]) -> float:
