@@ -70,8 +70,7 @@ _KIND_OF, _STAGE_OF, _MB_OF = attrgetter("kind"), attrgetter("stage"), attrgette
 
 MIN_ITERATIONS = 4
 # From this many actions per iteration the iterations are timed by the level-vectorized timer (recycle.sim.levels):
-# the same floats; measured 2x faster at 25k actions and ~3x at 99k-394k (set-up included), but 4x slower on the
-# toy's 212 actions, where numpy's per-call overhead dominates.
+# the same floats, faster on large plans and slower on small ones (measurements: docs/planner.md, "Simulator").
 LEVEL_TIMER_MIN_ACTIONS = 4_000
 MAX_ITERATIONS = 32
 
