@@ -80,17 +80,10 @@ def build_level_timer(num_ranks: int, first: Sequence[int], stop: Sequence[int],
     live = sorted(groups)
     rank_of = np.repeat(np.arange(num_ranks, dtype=np.int64), np.asarray(stop) - np.asarray(first))
     opt_mask = np.asarray(is_opt, dtype=bool)
-    opts_per_rank = np.bincount(rank_of[opt_mask], minlength=num_ranks)
-    opt_rank: dict[int, int] = {}
-    for r in live:
-        if opts_per_rank[r] != 1 or not opt_mask[stop[r] - 1]:
-            return None
-        opt_rank[r] = stop[r] - 1
-    group_ids: dict[tuple[int, ...], int] = {}
-    for r in live:
-        if any(m not in opt_rank for m in groups[r]):
-            return None
-        group_ids.setdefault(groups[r], len(group_ids))
+    layout = _opt_layout(num_ranks, stop, live, groups, rank_of, opt_mask)
+    if layout is None:
+        return None
+    opt_rank, group_ids = layout
     G = len(group_ids)
     first_arr = np.asarray(first, dtype=np.int64)
     index = np.arange(N, dtype=np.int64)
@@ -100,61 +93,11 @@ def build_level_timer(num_ranks: int, first: Sequence[int], stop: Sequence[int],
     opt_group = np.full(N, -1, dtype=np.int64)
     for r in live:
         opt_group[opt_rank[r]] = group_ids[groups[r]]
-
-    # Edges into action nodes (prev -> g for compute; barrier -> OPT) and into barrier nodes (member prev -> it).
-    node_count = N + G
-    src_list = []
-    dst_list = []
-    compute = ~opt_mask
-    has_prev = compute & ~is_first
-    src_list.append(index[has_prev] - 1)
-    dst_list.append(index[has_prev])
-    has_dep = compute & (dep_arr >= 0)
-    src_list.append(dep_arr[has_dep])
-    dst_list.append(index[has_dep])
-    opts = index[opt_mask]
-    src_list.append(N + opt_group[opts])
-    dst_list.append(opts)
-    member_prev = []
-    for group in group_ids:  # in id order (insertion order)
-        gid = group_ids[group]
-        members = np.asarray([opt_rank[m] for m in group], dtype=np.int64)
-        member_prev.append(prev[members])
-        inner = members[~is_first[members]] - 1
-        src_list.append(inner)
-        dst_list.append(np.full(len(inner), N + gid, dtype=np.int64))
-    src = np.concatenate(src_list)
-    dst = np.concatenate(dst_list)
-    indeg = np.bincount(dst, minlength=node_count)
-    order = np.argsort(src, kind="stable")
-    succ = dst[order]
-    indptr = np.zeros(node_count + 1, dtype=np.int64)
-    np.cumsum(np.bincount(src, minlength=node_count), out=indptr[1:])
-
-    level = np.full(node_count, -1, dtype=np.int64)
-    stamp = np.empty(node_count, dtype=np.int64)
-    frontier = np.flatnonzero(indeg == 0)
-    depth = 0
-    while len(frontier):
-        level[frontier] = depth
-        lo, hi = indptr[frontier], indptr[frontier + 1]
-        counts = hi - lo
-        total = int(counts.sum())
-        if total:
-            offsets = np.repeat(lo - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
-            targets = succ[offsets + np.arange(total)]
-            np.subtract.at(indeg, targets, 1)
-            ready = targets[indeg[targets] == 0]
-            # A node whose two inputs were both in this frontier appears twice: keep one copy (whichever
-            # position's stamp survived; cheaper than np.unique's sort or hash).
-            position = np.arange(len(ready))
-            stamp[ready] = position
-            frontier = ready[stamp[ready] == position]
-        else:
-            frontier = frontier[:0]
-        depth += 1
-    if (level < 0).any():
+    src, dst, member_prev = _edges(N, index, is_first, prev, dep_arr, opt_mask, opt_group, opt_rank, group_ids)
+    leveled = _levels(src, dst, N + G)
+    if leveled is None:
         return None  # a cycle: the plan deadlocks
+    level, depth = leveled
 
     # Sort actions by (level, OPT last within the level); barrier nodes keep their own levels.
     action_level = level[:N]
@@ -182,6 +125,88 @@ def build_level_timer(num_ranks: int, first: Sequence[int], stop: Sequence[int],
     return LevelTimer(N, num_ranks, tuple(bounds), tuple(group_levels), sorted_idx, prev[sorted_idx],
                       dep_ext[sorted_idx], msg_arr[sorted_idx], dur_arr[sorted_idx], opt_group[sorted_idx],
                       hold[sorted_idx], tuple(member_prev), last)
+
+
+def _opt_layout(num_ranks: int, stop: Sequence[int], live: list[int], groups: dict[int, tuple[int, ...]],
+                rank_of: np.ndarray, opt_mask: np.ndarray
+                ) -> tuple[dict[int, int], dict[tuple[int, ...], int]] | None:
+    """Each live rank's OPT index (its list must end with its only OPT) and an id per all-reduce group (every
+    member must have actions); None outside that scope."""
+    opts_per_rank = np.bincount(rank_of[opt_mask], minlength=num_ranks)
+    opt_rank: dict[int, int] = {}
+    for r in live:
+        if opts_per_rank[r] != 1 or not opt_mask[stop[r] - 1]:
+            return None
+        opt_rank[r] = stop[r] - 1
+    group_ids: dict[tuple[int, ...], int] = {}
+    for r in live:
+        if any(m not in opt_rank for m in groups[r]):
+            return None
+        group_ids.setdefault(groups[r], len(group_ids))
+    return opt_rank, group_ids
+
+
+def _edges(N: int, index: np.ndarray, is_first: np.ndarray, prev: np.ndarray, dep_arr: np.ndarray,
+           opt_mask: np.ndarray, opt_group: np.ndarray, opt_rank: dict[int, int],
+           group_ids: dict[tuple[int, ...], int]) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """Edges into action nodes (prev -> g for compute; barrier -> OPT) and into barrier nodes (member prev -> it),
+    as (sources, destinations), and per group the `free` indices of what its members did before their OPT."""
+    src_list = []
+    dst_list = []
+    compute = ~opt_mask
+    has_prev = compute & ~is_first
+    src_list.append(index[has_prev] - 1)
+    dst_list.append(index[has_prev])
+    has_dep = compute & (dep_arr >= 0)
+    src_list.append(dep_arr[has_dep])
+    dst_list.append(index[has_dep])
+    opts = index[opt_mask]
+    src_list.append(N + opt_group[opts])
+    dst_list.append(opts)
+    member_prev = []
+    for group in group_ids:  # in id order (insertion order)
+        gid = group_ids[group]
+        members = np.asarray([opt_rank[m] for m in group], dtype=np.int64)
+        member_prev.append(prev[members])
+        inner = members[~is_first[members]] - 1
+        src_list.append(inner)
+        dst_list.append(np.full(len(inner), N + gid, dtype=np.int64))
+    return np.concatenate(src_list), np.concatenate(dst_list), member_prev
+
+
+def _levels(src: np.ndarray, dst: np.ndarray, node_count: int) -> tuple[np.ndarray, int] | None:
+    """Each node's level (longest path in edges from a source) and the number of levels, by a vectorized Kahn
+    pass; None when some node is never reached (a cycle)."""
+    indeg = np.bincount(dst, minlength=node_count)
+    order = np.argsort(src, kind="stable")
+    succ = dst[order]
+    indptr = np.zeros(node_count + 1, dtype=np.int64)
+    np.cumsum(np.bincount(src, minlength=node_count), out=indptr[1:])
+    level = np.full(node_count, -1, dtype=np.int64)
+    stamp = np.empty(node_count, dtype=np.int64)
+    frontier = np.flatnonzero(indeg == 0)
+    depth = 0
+    while len(frontier):
+        level[frontier] = depth
+        lo, hi = indptr[frontier], indptr[frontier + 1]
+        counts = hi - lo
+        total = int(counts.sum())
+        if total:
+            offsets = np.repeat(lo - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
+            targets = succ[offsets + np.arange(total)]
+            np.subtract.at(indeg, targets, 1)
+            ready = targets[indeg[targets] == 0]
+            # A node whose two inputs were both in this frontier appears twice: keep one copy (whichever
+            # position's stamp survived; cheaper than np.unique's sort or hash).
+            position = np.arange(len(ready))
+            stamp[ready] = position
+            frontier = ready[stamp[ready] == position]
+        else:
+            frontier = frontier[:0]
+        depth += 1
+    if (level < 0).any():
+        return None
+    return level, depth
 
 
 def flat_dependencies(code: Sequence[int], stage_of: Sequence[int], mb_of: Sequence[int], first: Sequence[int],
