@@ -46,8 +46,8 @@ def _fail(plan: Plan, message: str, marks: Iterable[tuple[int, int]] = ()) -> Pl
 def dependencies(plan: Plan, action: Action) -> list[tuple[int, Action, int]]:
     """Cross-worker inputs of a compute action: (producer rank, producer action, stage boundary of the message).
 
-    The rule is recycle.ir.dependencies'; same-worker order (F before B before W) is the list order, checked
-    separately.
+    The producer is recycle.ir.dependencies.producer's; same-worker order (F before B before W) is the list order,
+    checked separately.
     """
     source = producer(plan, action)
     if source is None:
