@@ -6,7 +6,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
 from operator import attrgetter
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from recycle.config import Config
 from recycle.errors import PlanError
@@ -15,6 +15,9 @@ from recycle.ir.costs import action_duration  # also still imported from here by
 from recycle.ir.dependencies import boundary, input_stage_table
 from recycle.ir.plan import Plan
 from recycle.ir.validate import check_plan_matches, format_grid
+
+if TYPE_CHECKING:  # numpy is imported only for large plans
+    from recycle.sim.levels import LevelTimer
 
 __all__ = ["SimResult", "simulate"]
 
@@ -239,7 +242,7 @@ class _Run:
         S = self.plan.num_stages
         return [comm.p2p_time(s) for s in range(S)], [comm.inter_node_time(s) for s in range(S)]
 
-    def level_timer(self):
+    def level_timer(self) -> LevelTimer | None:
         """The level-vectorized timer for a large plan (recycle.sim.levels; numpy, imported only here), or None when
         the plan is outside its scope or deadlocks; the per-action loop then runs (it reports deadlocks)."""
         from recycle.sim.levels import build_level_timer, flat_dependencies
@@ -256,7 +259,7 @@ class _Run:
             self.dep, self.msg = dep_arr.tolist(), msg_arr.tolist()
         return timer
 
-    def iterate_levels(self, timer, iterations: int, adaptive: bool) -> None:
+    def iterate_levels(self, timer: LevelTimer, iterations: int, adaptive: bool) -> None:
         """Large plans: the same times from the level-vectorized timer (bit-identical, see recycle.sim.levels)."""
         head_actions = [self.flat.first[r] for r in self.live]
         free_now = self.free
