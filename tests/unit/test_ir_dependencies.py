@@ -31,9 +31,9 @@ def test_input_and_output_stages_are_the_two_ends_of_one_message(kind: Kind) -> 
         if dst is not None:
             assert input_stage(kind, dst, S) == s
     assert [input_stage(kind, s, S) for s in range(S)] == [None if x < 0 else x
-                                                            for x in input_stage_table([kind], S)[0]]
+                                                            for x in input_stage_table((kind,), S)[0]]
     assert [output_stage(kind, s, S) for s in range(S)] == [None if x < 0 else x
-                                                             for x in output_stage_table([kind], S)[0]]
+                                                             for x in output_stage_table((kind,), S)[0]]
 
 
 def test_the_rule_in_words() -> None:

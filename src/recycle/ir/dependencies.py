@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from functools import lru_cache
 
 from recycle.ir.actions import BACKWARD_KINDS, Action, Kind
 from recycle.ir.plan import Plan
@@ -66,12 +66,14 @@ def producer(plan: Plan, action: Action) -> Action | None:
     return Action(kind, source, action.mb)
 
 
-def input_stage_table(kinds: Sequence[Kind], num_stages: int) -> tuple[tuple[int, ...], ...]:
+@lru_cache(maxsize=64)  # callers pass a tuple of kinds; a simulation of a small plan must not rebuild it
+def input_stage_table(kinds: tuple[Kind, ...], num_stages: int) -> tuple[tuple[int, ...], ...]:
     """input_stage of every (kind, stage) for hot loops: one row per kind in `kinds` order, -1 for none."""
     return tuple(tuple(_or_minus_one(input_stage(k, s, num_stages)) for s in range(num_stages)) for k in kinds)
 
 
-def output_stage_table(kinds: Sequence[Kind], num_stages: int) -> tuple[tuple[int, ...], ...]:
+@lru_cache(maxsize=64)
+def output_stage_table(kinds: tuple[Kind, ...], num_stages: int) -> tuple[tuple[int, ...], ...]:
     """output_stage of every (kind, stage) for hot loops: one row per kind in `kinds` order, -1 for none."""
     return tuple(tuple(_or_minus_one(output_stage(k, s, num_stages)) for s in range(num_stages)) for k in kinds)
 

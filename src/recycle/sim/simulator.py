@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import lru_cache
 from itertools import accumulate, chain
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Callable
@@ -96,6 +97,14 @@ def _makespan(plan: Plan, compute_span: dict[int, tuple[int, int]], start: list[
                default=0.0)
 
 
+@lru_cache(maxsize=64)
+def _rule_tables(S: int) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """The dependency rule (recycle.ir.dependencies) tabled per kind code and stage: the stage an action's message
+    comes from (-1: none) and the p2p index of that message."""
+    source_of = input_stage_table(_KINDS, S)
+    return source_of, tuple(tuple(boundary(st, src) for st, src in enumerate(row)) for row in source_of)
+
+
 def _dependencies(code: list[int], stage_of: list[int], mb_of: list[int], first: list[int], stop: list[int],
                   S: int, TM: int, p2p: list[float], inter: list[float],
                   node: Callable[[int], int]) -> tuple[list[int], list[float]]:
@@ -110,7 +119,7 @@ def _dependencies(code: list[int], stage_of: list[int], mb_of: list[int], first:
     for g, (c, st, mb) in enumerate(zip(code, stage_of, mb_of)):
         if c != _OPT:
             where[(c * S + st) * TM + mb] = g
-    source_of = input_stage_table(_KINDS, S)  # the dependency rule (recycle.ir.dependencies), tabled
+    source_of, edge_of = _rule_tables(S)
     dep = [-1] * total
     msg = [0.0] * total
     for g in range(total):
@@ -128,7 +137,7 @@ def _dependencies(code: list[int], stage_of: list[int], mb_of: list[int], first:
         dep[g] = src
         if rank_of[src] != rank_of[g]:
             # Across nodes ([topology] workers_per_node) the inter-node latency and bandwidth apply.
-            edge = boundary(st, source)
+            edge = edge_of[c][st]
             msg[g] = inter[edge] if node(rank_of[src]) != node(rank_of[g]) else p2p[edge]
     return dep, msg
 
@@ -279,9 +288,10 @@ class _Run:
             self.dep, self.msg = _dependencies(f.code, f.stage_of, f.mb_of, f.first, f.stop, plan.num_stages,
                                                plan.total_microbatches, p2p, inter, self.config.topology.node)
         tokens = [str(a) for acts in plan.actions for a in acts] if self.record else []
+        heads = [f.first[r] for r in self.live]
         for it in range(iterations):
             start, end = self._one_iteration()
-            self.starts.append(min(start[f.first[r]] for r in self.live))
+            self.starts.append(min([start[g] for g in heads]))
             self.makespans.append(_makespan(plan, self.compute_span, start, end))
             if self.record:
                 for r in self.live:
@@ -345,15 +355,15 @@ class _Run:
     def _step(self, group: tuple[int, ...], ptr: list[int], start: list[float], end: list[float]) -> None:
         """Every member of an all-reduce group has reached its OPT: the group steps together, from the moment the
         last one arrived."""
-        free, dur = self.free, self.flat.dur
-        begin = max(free[m] for m in group)
-        longest = max(dur[ptr[m]] for m in group)
+        free, dur, staggered = self.free, self.flat.dur, self.plan.staggered
+        begin = max([free[m] for m in group])
+        longest = max([dur[ptr[m]] for m in group])
         for m in group:
             j = ptr[m]
             start[j] = begin
             end[j] = begin + dur[j]
             # Coupled: nobody starts the next iteration before the slowest step ends.
-            free[m] = begin + (dur[j] if self.plan.staggered else longest)
+            free[m] = begin + (dur[j] if staggered else longest)
             ptr[m] = j + 1
 
     def _check_finished(self, ptr: list[int]) -> None:
