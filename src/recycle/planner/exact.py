@@ -25,6 +25,9 @@ from recycle.sim.steady_state import min_period
 
 __all__ = ["schedule_exact", "TimeScale", "time_scale", "ExactSolverError"]
 
+# A schedule in the model's terms: start tick per (kind, stage, mb) and host replica per (stage, mb).
+Schedule = tuple[dict[tuple[Kind, int, int], int], dict[tuple[int, int], int]]
+
 
 class ExactSolverError(RecycleError):
     """CP-SAT found no schedule within its time limit and there was no hint to fall back on."""
@@ -158,8 +161,8 @@ def _proven_bound(solver: cp_model.CpSolver, status: int, found: bool, scale: Ti
     return bound
 
 
-def _solution_plan(inst: Instance, solution: tuple[dict[tuple[Kind, int, int], int], dict[tuple[int, int], int]],
-                   config: Config, options: PlannerOptions, meta: PlanMeta) -> Plan:
+def _solution_plan(inst: Instance, solution: Schedule, config: Config, options: PlannerOptions,
+                   meta: PlanMeta) -> Plan:
     """The validated plan of a CP-SAT solution, with its simulated period and makespan."""
     host, actions = _orders(inst, solution[1], solution[0])
     failed = canonical_failed(inst.key)
@@ -168,8 +171,9 @@ def _solution_plan(inst: Instance, solution: tuple[dict[tuple[Kind, int, int], i
     return plan.with_meta(predicted_period=sim.period, predicted_makespan=sim.makespan)
 
 
-def _prefer_hint(hinted: _Hinted, candidate: Plan | None, candidate_ticks: float, solution, config: Config,
-                 options: PlannerOptions, inst: Instance, meta: PlanMeta, notes: list[str]):
+def _prefer_hint(hinted: _Hinted, candidate: Plan | None, candidate_ticks: float, solution: Schedule | None,
+                 config: Config, options: PlannerOptions, inst: Instance, meta: PlanMeta, notes: list[str]
+                 ) -> tuple[Plan | None, float, Schedule | None]:
     """The hint's orders instead of CP-SAT's plan when they fit the cap and simulate no slower (or CP-SAT found
     none): (plan, model period in ticks, schedule) of the one chosen; notes say why."""
     hinted_plan = replace(hinted.plan, staggered=options.staggered)
@@ -186,8 +190,8 @@ def _prefer_hint(hinted: _Hinted, candidate: Plan | None, candidate_ticks: float
     return candidate, candidate_ticks, solution
 
 
-def _finish(chosen: Plan, chosen_ticks: float, schedule, bound: float | None, bound_ticks: float, inst: Instance,
-            scale: TimeScale, config: Config, options: PlannerOptions, notes: list[str]) -> Plan:
+def _finish(chosen: Plan, chosen_ticks: float, schedule: Schedule, bound: float | None, bound_ticks: float,
+            inst: Instance, scale: TimeScale, config: Config, options: PlannerOptions, notes: list[str]) -> Plan:
     """The returned plan's status and notes. Its orders' own best periodic timing (a hint's as-soon-as-possible
     timing, or a FEASIBLE solution's, need not be it) is a cheap LP: OPTIMAL when it meets the proven bound, also
     when CP-SAT was cut off but its incumbent or the hint was already optimal."""
