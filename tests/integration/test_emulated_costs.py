@@ -12,7 +12,7 @@ import torch
 from recycle.config import load_config, parse_config
 from recycle.errors import ConfigError
 from recycle.ir import Action, Kind, Plan
-from recycle.runtime.emulate import CostPacer, Emulation, PacedComm, action_cost, seconds_per_unit
+from recycle.runtime.emulate import CostPacer, Emulation, PacedComm, action_cost, pacing_seconds_per_unit
 from recycle.runtime.messages import Channel, Message
 from recycle.schedules.fault_free import build_schedule
 from recycle.sim.simulator import simulate
@@ -144,7 +144,7 @@ def test_action_costs_and_units() -> None:
     plan = build_schedule(config, "zb-h1", staggered=True)
     assert action_cost(config, plan, Action(Kind.W, 2, 0)) == 1.0
     assert action_cost(config, plan, Action(Kind.OPT, 2)) == 3.0
-    assert seconds_per_unit(config, Emulation(slot_ms=40)) == pytest.approx(0.04)
+    assert pacing_seconds_per_unit(config, Emulation(slot_ms=40)) == pytest.approx(0.04)
     us = parse_config({"time_unit": "us", "topology": {"num_replicas": 2, "num_stages": 2},
                        "workload": {"num_microbatches": 2},
                        "costs": {"forward": 100, "backward_input": 100, "backward_weight": 100, "optimizer": 50},
@@ -152,7 +152,7 @@ def test_action_costs_and_units() -> None:
                                          "allreduce_bandwidth": 100}})
     plan_us = build_schedule(us, "1f1b", staggered=True)
     assert action_cost(us, plan_us, Action(Kind.OPT, 0)) == pytest.approx(2 * 10 + 1000 / 100 + 50)
-    assert seconds_per_unit(us, Emulation(scale=10)) == pytest.approx(1e-5)
+    assert pacing_seconds_per_unit(us, Emulation(scale=10)) == pytest.approx(1e-5)
     with pytest.raises(ConfigError, match="--slot-ms"):
         Emulation(slot_ms=0)
 

@@ -11,11 +11,12 @@ from recycle.config import load_config, parse_config, uniform_config
 from recycle.errors import ConfigError, FailureStateError, PlanError
 from recycle.ir.actions import Kind
 from recycle.ir.validate import validate_plan
-from recycle.planner.exact import ExactSolverError, schedule_exact, steady_state_period, time_scale
+from recycle.planner.exact import ExactSolverError, schedule_exact, time_scale
 from recycle.planner.failures import normalize
 from recycle.planner.options import PlannerOptions
 from recycle.schedules.fault_free import build_schedule
 from recycle.sim.simulator import simulate
+from recycle.sim.steady_state import steady_state_period
 
 TOY = Path(__file__).resolve().parents[2] / "configs" / "toy.toml"
 CAP_1F1B = (4, 3, 2, 1)

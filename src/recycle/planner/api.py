@@ -12,7 +12,8 @@ from recycle.errors import PlanError
 from recycle.ir.plan import Plan
 from recycle.planner.bounds import period_lower_bound
 from recycle.planner.failures import normalize
-from recycle.planner.heuristic import capacity_cap, schedule_failed, schedule_heuristic, stage_caps
+from recycle.planner.heuristic import schedule_failed, schedule_heuristic
+from recycle.planner.memory_cap import memory_cap, resolve_memory_cap
 from recycle.planner.options import PlannerOptions
 from recycle.planner.routing import check_key
 from recycle.sim.simulator import simulate
@@ -25,34 +26,9 @@ _CACHE: dict[tuple, Plan] = {}
 _CACHE_LIMIT = 512  # plans kept in-process; a D=6, S=4, f=3 store is 35
 
 
-def resolve_memory_cap(config: Config, spec: str | int | None) -> tuple[int, ...] | None:
-    """Activation cap per stage from a user spec.
-
-    None or "none": the config's budget (capacity_bytes // activation_bytes[s], or None when unlimited); an integer
-    N (or its text): N live micro-batches on every worker; "1f1b": each stage's fault-free 1F1B peak min(S - s, M).
-    """
-    S, M = config.num_stages, config.num_microbatches
-    if spec is None or (isinstance(spec, str) and spec.strip().lower() == "none"):
-        return capacity_cap(config)
-    if isinstance(spec, str):
-        text = spec.strip().lower()
-        if text == "1f1b":
-            return tuple(min(S - s, M) for s in range(S))
-        try:
-            spec = int(text)
-        except ValueError:
-            raise PlanError(f"memory cap {spec!r} is not understood; give a whole number of live micro-batches per "
-                            "worker (e.g. 4), '1f1b' (the fault-free 1F1B peak per stage) or 'none' (the config's "
-                            "memory budget)") from None
-    if isinstance(spec, bool) or not isinstance(spec, int) or spec < 1:
-        raise PlanError(f"memory cap {spec!r} must be at least 1 live micro-batch per worker (a worker must hold "
-                        "the micro-batch it works on); pass e.g. --memory-cap 4, 1f1b or none")
-    return (spec,) * S
-
-
 def resolve_options(config: Config, options: PlannerOptions) -> PlannerOptions:
     """The options with the memory cap made explicit (the config's budget when the options leave it open)."""
-    return replace(options, memory_cap=stage_caps(config, options))
+    return replace(options, memory_cap=memory_cap(config, options))
 
 
 @contextmanager

@@ -8,9 +8,9 @@ from typing import Sequence
 
 from recycle.config import Config
 from recycle.ir.actions import Kind
+from recycle.ir.costs import action_duration
 from recycle.planner.options import PlannerOptions
 from recycle.planner.routing import check_key
-from recycle.sim.simulator import action_duration
 
 __all__ = ["BoundParts", "bound_parts", "period_lower_bound"]
 

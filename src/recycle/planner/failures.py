@@ -8,10 +8,10 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Iterator
 
 from recycle.errors import FailureStateError
-from recycle.planner.patterns import rename_replicas
 from recycle.ir.plan import Plan
+from recycle.planner.patterns import rename_replicas
 
-__all__ = ["FailureState", "normalize", "parse_worker", "enumerate_keys", "count_failure_sets"]
+__all__ = ["FailureState", "canonical_failed", "normalize", "parse_worker", "enumerate_keys", "count_failure_sets"]
 
 _WORKER = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 
@@ -52,7 +52,7 @@ class FailureState:
     symmetric: bool = False
 
     def canonical_failed(self) -> frozenset[tuple[int, int]]:
-        return frozenset((c, s) for s, k in enumerate(self.key) for c in range(k))
+        return canonical_failed(self.key)
 
     def to_real(self, plan: Plan) -> Plan:
         """Map a plan made for the canonical layout of this key onto the real ranks."""
@@ -68,6 +68,11 @@ class FailureState:
                 actions[self.perm[s][c] * S + s] = plan.actions[c * S + s]
         host = tuple(tuple(self.perm[s][c] for c in row) for s, row in enumerate(plan.host))
         return replace(plan, host=host, actions=tuple(actions), failed=self.failed)
+
+
+def canonical_failed(key: Iterable[int]) -> frozenset[tuple[int, int]]:
+    """The failed workers of key `key`'s canonical layout: replicas 0..k_s-1 at every stage s."""
+    return frozenset((c, s) for s, k in enumerate(key) for c in range(k))
 
 
 def normalize(failed: Iterable[tuple[int, int]], num_replicas: int, num_stages: int) -> FailureState:

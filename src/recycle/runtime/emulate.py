@@ -13,9 +13,10 @@ import torch
 from recycle.config import Config
 from recycle.errors import ConfigError
 from recycle.ir import Action, Kind, Plan
+from recycle.ir.costs import action_duration, opt_duration
 from recycle.runtime.messages import Message
 
-__all__ = ["Emulation", "DEFAULT_SLOT_MS", "seconds_per_unit", "action_cost", "PacedComm", "CostPacer",
+__all__ = ["Emulation", "DEFAULT_SLOT_MS", "pacing_seconds_per_unit", "action_cost", "PacedComm", "CostPacer",
            "install_pacing", "PacingStats"]
 
 DEFAULT_SLOT_MS = 40.0  # one slot of a slot-unit config; far above a tiny model's real action time on a CPU
@@ -36,35 +37,21 @@ class Emulation:
             raise ConfigError(f"--cost-scale {self.scale} must be a positive factor (e.g. 1 or 10)")
 
 
-def seconds_per_unit(config: Config, emulation: Emulation) -> float:
-    """Seconds per unit of the config's durations."""
+def pacing_seconds_per_unit(config: Config, emulation: Emulation) -> float:
+    """Wall-clock seconds an action is padded to per unit of the config's durations (not the trace replay's
+    recycle.traces.throughput.seconds_per_unit, which turns a slot into modelled seconds)."""
     if config.time_unit == "slot":
         return emulation.slot_ms / 1e3
     return 1e-6 * emulation.scale
 
 
-def _opt_units(config: Config, plan: Plan, stage: int) -> float:
-    """OPT = the stage's all-reduce over its live replicas plus its optimizer step (the simulator's model)."""
-    live = len(plan.live_replicas(stage))
-    return config.communication.allreduce_time(stage, live) + config.costs.optimizer[stage]
-
-
 def action_cost(config: Config, plan: Plan, action: Action) -> float:
-    """Duration of `action` in config units. With a coupled optimizer every worker leaves the joint step when the
-    slowest stage's OPT ends, so a coupled OPT lasts as long as the longest one."""
-    costs = config.costs
-    s = action.stage
-    if action.kind is Kind.F:
-        return costs.forward[s]
-    if action.kind is Kind.B:
-        return costs.backward_input[s]
-    if action.kind is Kind.W:
-        return costs.backward_weight[s]
-    if action.kind is Kind.BW:
-        return costs.backward_fused[s]
-    if plan.staggered:
-        return _opt_units(config, plan, s)
-    return max(_opt_units(config, plan, stage) for stage in range(plan.num_stages) if plan.live_replicas(stage))
+    """Duration of `action` in config units (recycle.ir.costs, the simulator's model). With a coupled optimizer every
+    worker leaves the joint step when the slowest stage's OPT ends, so a coupled OPT lasts as long as the longest."""
+    if action.kind is not Kind.OPT or plan.staggered:
+        return action_duration(config, action.kind, action.stage, len(plan.live_replicas(action.stage)))
+    return max(opt_duration(config, s, len(plan.live_replicas(s)))
+               for s in range(plan.num_stages) if plan.live_replicas(s))
 
 
 class PacedComm:
@@ -142,7 +129,7 @@ class CostPacer:
                  clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.config, self.rank = config, rank
-        self.unit_s = seconds_per_unit(config, emulation)
+        self.unit_s = pacing_seconds_per_unit(config, emulation)
         self.set_plan(plan)
         self.comm = comm
         self.clock = clock

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-from recycle.errors import PlanError
 from recycle.ir import Action, Kind, Plan
+from recycle.ir.dependencies import input_stage, output_stage
+from recycle.ir.validate import check_plan_matches  # re-exported: the runtime's check before it runs a plan
 
 __all__ = ["Channel", "Message", "outgoing", "incoming", "send_order", "message_tag", "check_plan_matches"]
 
@@ -37,22 +38,23 @@ def message_tag(channel: Channel, mb: int) -> int:
 
 def outgoing(plan: Plan, rank: int, action: Action) -> Message | None:
     """The message `action` on `rank` sends when it finishes, if any."""
-    s = action.stage
-    if action.kind is Kind.F and s < plan.num_stages - 1:
-        return Message(Channel.ACTIVATION, action.mb, rank, plan.rank(plan.host[s + 1][action.mb], s + 1))
-    if action.kind in (Kind.B, Kind.BW) and s > 0:
-        return Message(Channel.GRADIENT, action.mb, rank, plan.rank(plan.host[s - 1][action.mb], s - 1))
-    return None
+    dst = output_stage(action.kind, action.stage, plan.num_stages)
+    if dst is None:
+        return None
+    return Message(_channel(action.kind), action.mb, rank, plan.rank(plan.host[dst][action.mb], dst))
 
 
 def incoming(plan: Plan, rank: int, action: Action) -> Message | None:
     """The message `action` on `rank` must receive before it can run, if any."""
-    s = action.stage
-    if action.kind is Kind.F and s > 0:
-        return Message(Channel.ACTIVATION, action.mb, plan.rank(plan.host[s - 1][action.mb], s - 1), rank)
-    if action.kind in (Kind.B, Kind.BW) and s < plan.num_stages - 1:
-        return Message(Channel.GRADIENT, action.mb, plan.rank(plan.host[s + 1][action.mb], s + 1), rank)
-    return None
+    src = input_stage(action.kind, action.stage, plan.num_stages)
+    if src is None:
+        return None
+    return Message(_channel(action.kind), action.mb, plan.rank(plan.host[src][action.mb], src), rank)
+
+
+def _channel(kind: Kind) -> Channel:
+    """Forward actions exchange activations; backward ones input-gradients."""
+    return Channel.ACTIVATION if kind is Kind.F else Channel.GRADIENT
 
 
 def send_order(plan: Plan, src: int, dst: int) -> list[Message]:
@@ -63,14 +65,3 @@ def send_order(plan: Plan, src: int, dst: int) -> list[Message]:
         if message is not None and message.dst == dst:
             out.append(message)
     return out
-
-
-def check_plan_matches(plan: Plan, num_replicas: int, num_stages: int, num_microbatches: int,
-                       source: str = "the plan") -> None:
-    """Raise PlanError unless the plan was made for this D, S, M."""
-    got = (plan.num_replicas, plan.num_stages, plan.num_microbatches)
-    want = (num_replicas, num_stages, num_microbatches)
-    if got != want:
-        raise PlanError(f"{source} is for D={got[0]}, S={got[1]}, M={got[2]} but the config has D={want[0]}, "
-                        f"S={want[1]}, M={want[2]}; make the plan from this config (recycle plan/schedule "
-                        "--config ...) or pass the config the plan was made for")

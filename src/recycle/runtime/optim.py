@@ -1,6 +1,6 @@
 """The training optimizer: any torch.optim class named in [training], its torch.optim.lr_scheduler schedule (constant
 or warm-up + cosine), and a fast path for the default AdamW that is torch's algorithm op for op without the start-up
-cost of constructing a torch.optim optimizer (its first construction imports torch._dynamo: ~2 s per worker)."""
+cost of constructing a torch.optim optimizer (its first construction imports torch._dynamo: docs/runtime.md)."""
 
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ class AdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's default CPU path (`_single_tensor_adam`, decoupled weight decay), op for op, with the
     same state_dict layout, so either can load the other's state (checked bit for bit in
     tests/unit/test_runtime_units.py). It skips torch.optim.Optimizer.__init__, whose dynamo-disabling wrappers
-    import torch._dynamo on first use (~2 s per process on this machine)."""
+    import torch._dynamo on first use (seconds per process; measured in docs/runtime.md, "torch.optim")."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,

@@ -7,6 +7,9 @@ from typing import Sequence
 
 import numpy as np
 
+from recycle.ir.actions import Kind
+from recycle.ir.dependencies import input_stage_table
+
 __all__ = ["LevelTimer", "build_level_timer", "flat_dependencies"]
 
 
@@ -77,17 +80,10 @@ def build_level_timer(num_ranks: int, first: Sequence[int], stop: Sequence[int],
     live = sorted(groups)
     rank_of = np.repeat(np.arange(num_ranks, dtype=np.int64), np.asarray(stop) - np.asarray(first))
     opt_mask = np.asarray(is_opt, dtype=bool)
-    opts_per_rank = np.bincount(rank_of[opt_mask], minlength=num_ranks)
-    opt_rank: dict[int, int] = {}
-    for r in live:
-        if opts_per_rank[r] != 1 or not opt_mask[stop[r] - 1]:
-            return None
-        opt_rank[r] = stop[r] - 1
-    group_ids: dict[tuple[int, ...], int] = {}
-    for r in live:
-        if any(m not in opt_rank for m in groups[r]):
-            return None
-        group_ids.setdefault(groups[r], len(group_ids))
+    layout = _opt_layout(num_ranks, stop, live, groups, rank_of, opt_mask)
+    if layout is None:
+        return None
+    opt_rank, group_ids = layout
     G = len(group_ids)
     first_arr = np.asarray(first, dtype=np.int64)
     index = np.arange(N, dtype=np.int64)
@@ -97,61 +93,11 @@ def build_level_timer(num_ranks: int, first: Sequence[int], stop: Sequence[int],
     opt_group = np.full(N, -1, dtype=np.int64)
     for r in live:
         opt_group[opt_rank[r]] = group_ids[groups[r]]
-
-    # Edges into action nodes (prev -> g for compute; barrier -> OPT) and into barrier nodes (member prev -> it).
-    node_count = N + G
-    src_list = []
-    dst_list = []
-    compute = ~opt_mask
-    has_prev = compute & ~is_first
-    src_list.append(index[has_prev] - 1)
-    dst_list.append(index[has_prev])
-    has_dep = compute & (dep_arr >= 0)
-    src_list.append(dep_arr[has_dep])
-    dst_list.append(index[has_dep])
-    opts = index[opt_mask]
-    src_list.append(N + opt_group[opts])
-    dst_list.append(opts)
-    member_prev = []
-    for group in group_ids:  # in id order (insertion order)
-        gid = group_ids[group]
-        members = np.asarray([opt_rank[m] for m in group], dtype=np.int64)
-        member_prev.append(prev[members])
-        inner = members[~is_first[members]] - 1
-        src_list.append(inner)
-        dst_list.append(np.full(len(inner), N + gid, dtype=np.int64))
-    src = np.concatenate(src_list)
-    dst = np.concatenate(dst_list)
-    indeg = np.bincount(dst, minlength=node_count)
-    order = np.argsort(src, kind="stable")
-    succ = dst[order]
-    indptr = np.zeros(node_count + 1, dtype=np.int64)
-    np.cumsum(np.bincount(src, minlength=node_count), out=indptr[1:])
-
-    level = np.full(node_count, -1, dtype=np.int64)
-    stamp = np.empty(node_count, dtype=np.int64)
-    frontier = np.flatnonzero(indeg == 0)
-    depth = 0
-    while len(frontier):
-        level[frontier] = depth
-        lo, hi = indptr[frontier], indptr[frontier + 1]
-        counts = hi - lo
-        total = int(counts.sum())
-        if total:
-            offsets = np.repeat(lo - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
-            targets = succ[offsets + np.arange(total)]
-            np.subtract.at(indeg, targets, 1)
-            ready = targets[indeg[targets] == 0]
-            # A node whose two inputs were both in this frontier appears twice: keep one copy (whichever
-            # position's stamp survived; cheaper than np.unique's sort or hash).
-            position = np.arange(len(ready))
-            stamp[ready] = position
-            frontier = ready[stamp[ready] == position]
-        else:
-            frontier = frontier[:0]
-        depth += 1
-    if (level < 0).any():
+    src, dst, member_prev = _edges(N, index, is_first, prev, dep_arr, opt_mask, opt_group, opt_rank, group_ids)
+    leveled = _levels(src, dst, N + G)
+    if leveled is None:
         return None  # a cycle: the plan deadlocks
+    level, depth = leveled
 
     # Sort actions by (level, OPT last within the level); barrier nodes keep their own levels.
     action_level = level[:N]
@@ -181,6 +127,88 @@ def build_level_timer(num_ranks: int, first: Sequence[int], stop: Sequence[int],
                       hold[sorted_idx], tuple(member_prev), last)
 
 
+def _opt_layout(num_ranks: int, stop: Sequence[int], live: list[int], groups: dict[int, tuple[int, ...]],
+                rank_of: np.ndarray, opt_mask: np.ndarray
+                ) -> tuple[dict[int, int], dict[tuple[int, ...], int]] | None:
+    """Each live rank's OPT index (its list must end with its only OPT) and an id per all-reduce group (every
+    member must have actions); None outside that scope."""
+    opts_per_rank = np.bincount(rank_of[opt_mask], minlength=num_ranks)
+    opt_rank: dict[int, int] = {}
+    for r in live:
+        if opts_per_rank[r] != 1 or not opt_mask[stop[r] - 1]:
+            return None
+        opt_rank[r] = stop[r] - 1
+    group_ids: dict[tuple[int, ...], int] = {}
+    for r in live:
+        if any(m not in opt_rank for m in groups[r]):
+            return None
+        group_ids.setdefault(groups[r], len(group_ids))
+    return opt_rank, group_ids
+
+
+def _edges(N: int, index: np.ndarray, is_first: np.ndarray, prev: np.ndarray, dep_arr: np.ndarray,
+           opt_mask: np.ndarray, opt_group: np.ndarray, opt_rank: dict[int, int],
+           group_ids: dict[tuple[int, ...], int]) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """Edges into action nodes (prev -> g for compute; barrier -> OPT) and into barrier nodes (member prev -> it),
+    as (sources, destinations), and per group the `free` indices of what its members did before their OPT."""
+    src_list = []
+    dst_list = []
+    compute = ~opt_mask
+    has_prev = compute & ~is_first
+    src_list.append(index[has_prev] - 1)
+    dst_list.append(index[has_prev])
+    has_dep = compute & (dep_arr >= 0)
+    src_list.append(dep_arr[has_dep])
+    dst_list.append(index[has_dep])
+    opts = index[opt_mask]
+    src_list.append(N + opt_group[opts])
+    dst_list.append(opts)
+    member_prev = []
+    for group in group_ids:  # in id order (insertion order)
+        gid = group_ids[group]
+        members = np.asarray([opt_rank[m] for m in group], dtype=np.int64)
+        member_prev.append(prev[members])
+        inner = members[~is_first[members]] - 1
+        src_list.append(inner)
+        dst_list.append(np.full(len(inner), N + gid, dtype=np.int64))
+    return np.concatenate(src_list), np.concatenate(dst_list), member_prev
+
+
+def _levels(src: np.ndarray, dst: np.ndarray, node_count: int) -> tuple[np.ndarray, int] | None:
+    """Each node's level (longest path in edges from a source) and the number of levels, by a vectorized Kahn
+    pass; None when some node is never reached (a cycle)."""
+    indeg = np.bincount(dst, minlength=node_count)
+    order = np.argsort(src, kind="stable")
+    succ = dst[order]
+    indptr = np.zeros(node_count + 1, dtype=np.int64)
+    np.cumsum(np.bincount(src, minlength=node_count), out=indptr[1:])
+    level = np.full(node_count, -1, dtype=np.int64)
+    stamp = np.empty(node_count, dtype=np.int64)
+    frontier = np.flatnonzero(indeg == 0)
+    depth = 0
+    while len(frontier):
+        level[frontier] = depth
+        lo, hi = indptr[frontier], indptr[frontier + 1]
+        counts = hi - lo
+        total = int(counts.sum())
+        if total:
+            offsets = np.repeat(lo - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
+            targets = succ[offsets + np.arange(total)]
+            np.subtract.at(indeg, targets, 1)
+            ready = targets[indeg[targets] == 0]
+            # A node whose two inputs were both in this frontier appears twice: keep one copy (whichever
+            # position's stamp survived; cheaper than np.unique's sort or hash).
+            position = np.arange(len(ready))
+            stamp[ready] = position
+            frontier = ready[stamp[ready] == position]
+        else:
+            frontier = frontier[:0]
+        depth += 1
+    if (level < 0).any():
+        return None
+    return level, depth
+
+
 def flat_dependencies(code: Sequence[int], stage_of: Sequence[int], mb_of: Sequence[int], first: Sequence[int],
                       stop: Sequence[int], S: int, TM: int, p2p: Sequence[float], inter: Sequence[float],
                       node_of: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -195,16 +223,17 @@ def flat_dependencies(code: Sequence[int], stage_of: Sequence[int], mb_of: Seque
     where = np.full(5 * S * TM, -1, dtype=np.int64)
     compute = code_a != OPT
     where[((code_a * S + stage_a) * TM + mb_a)[compute]] = np.flatnonzero(compute)
+    # The dependency rule (recycle.ir.dependencies), tabled: the stage each action's message comes from, -1: none.
+    kinds = (Kind.F, Kind.B, Kind.W, Kind.BW, Kind.OPT)
+    source = np.asarray(input_stage_table(kinds, S), dtype=np.int64).reshape(len(kinds), S)[code_a, stage_a]
     dep = np.full(N, -1, dtype=np.int64)
-    boundary = np.zeros(N, dtype=np.int64)
-    forward = (code_a == F) & (stage_a > 0)
-    dep[forward] = where[(F * S + stage_a[forward] - 1) * TM + mb_a[forward]]
-    boundary[forward] = stage_a[forward] - 1
-    backward = ((code_a == B) | (code_a == BW)) & (stage_a < S - 1)
-    src = where[(B * S + stage_a[backward] + 1) * TM + mb_a[backward]]
-    fused = where[(BW * S + stage_a[backward] + 1) * TM + mb_a[backward]]
+    boundary = np.minimum(stage_a, source)
+    forward = (code_a == F) & (source >= 0)
+    dep[forward] = where[(F * S + source[forward]) * TM + mb_a[forward]]
+    backward = (code_a != F) & (source >= 0)
+    src = where[(B * S + source[backward]) * TM + mb_a[backward]]
+    fused = where[(BW * S + source[backward]) * TM + mb_a[backward]]
     dep[backward] = np.where(src < 0, fused, src)
-    boundary[backward] = stage_a[backward]
     msg = np.zeros(N)
     has = np.flatnonzero(dep >= 0)
     producer_rank = rank_of[dep[has]]
