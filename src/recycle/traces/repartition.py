@@ -38,22 +38,23 @@ _CHOICES: dict[tuple, PartitionChoice] = {}  # in-process cache of planner parti
 class PartitionModel:
     """ReCycle's rate for (failure key, layer partition), the partition chosen per key, and migration times.
 
-    Periods come from the same source as ReCycle's line: the planner (`planner.partition.partition_period`, the
-    heuristic's priority rules on the per-stage config of the partition, memory caps re-derived) or, with the closed-form period
-    model, `estimate_period` on that config (the balanced partition is then taken without a planner screen).
-    The configured partition's periods are the base model's own, so ReCycle and ReCycle+ agree exactly where
-    ReCycle+ keeps the layers where they are."""
+    Periods come from the same source as ReCycle's line: the planner (`planner.partition.partition_period` on the
+    per-stage config of the partition, memory caps re-derived, planned with the same options as ReCycle's own
+    layouts: the heuristic's local search and CP-SAT polish included) or, with the closed-form period model,
+    `estimate_period` on that config (the balanced partition is then taken without a planner screen). The
+    partition per key comes from `best_partition`'s branch and bound (candidates screened with the priority rules
+    only, the `polish` best planned in full), shared across runs in this process. The configured partition's
+    periods are the base model's own, so ReCycle and ReCycle+ agree exactly where ReCycle+ keeps the layers where
+    they are."""
 
-    def __init__(self, base: ThroughputModel, options: PlannerOptions = PlannerOptions(), planner: bool = True, max_evaluations: int = 8) -> None:
+    def __init__(self, base: ThroughputModel, options: PlannerOptions = PlannerOptions(), planner: bool = True,
+                 max_evaluations: int = 8, polish: int = 1) -> None:
         self.base = base
         self.config = base.config
-        # Re-partitioned layouts are planned with the heuristic's priority rules only (milliseconds per plan; the
-        # local search and CP-SAT polish would make a trace with dozens of failure states take many minutes).
-        # ReCycle's own periods (the configured layout) keep the full search, so this only ever understates what
-        # re-partitioning gains.
-        self.screen = replace(options, search=False)
+        self.options = options
         self.planner = planner
         self.max_evaluations = max_evaluations
+        self.polish = polish
         self.costs = layer_costs(self.config)
         self.configured = self.costs.layers
         self._period: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
@@ -65,7 +66,7 @@ class PartitionModel:
         cache_key = (tuple(key), tuple(partition))
         if cache_key not in self._period:
             if self.planner:
-                value = partition_period(self.config, key, partition, self.screen, "heuristic", self.costs)
+                value = partition_period(self.config, key, partition, self.options, "heuristic", self.costs)
             else:
                 derived = partition_config(self.config, partition, self.costs)
                 value = estimate_period(derived, tuple(key), self.base.period((0,) * self.config.num_stages))
@@ -89,10 +90,11 @@ class PartitionModel:
             return self.configured
         if key not in self._choice:
             if self.planner:
-                shared = (self.config.fingerprint(), self.configured, key, self.screen, self.max_evaluations)
+                shared = (self.config.fingerprint(), self.configured, key, self.options, self.max_evaluations,
+                          self.polish)
                 if shared not in _CHOICES:  # the search does not depend on the reference: share it across runs
-                    _CHOICES[shared] = best_partition(self.config, key, self.screen, "heuristic",
-                                                      self.max_evaluations)
+                    _CHOICES[shared] = best_partition(self.config, key, self.options, "heuristic",
+                                                      self.max_evaluations, polish=self.polish)
                 found = _CHOICES[shared]
                 partition, ideal, balanced, evaluated = found.partition, found.ideal_period, found.balanced, \
                     found.evaluated
@@ -183,6 +185,8 @@ class ReCyclePlusSystem(ReCycleSystem):
         self.expected = DurationEstimate(ctx.costs.repartition_prior_s)
         self.base_costs = ctx.costs
         self._kept: tuple | None = None  # (key, partition) last kept with re-routing alone
+        # (time, (key, partition) or None when down, running rate, pauses decided then): for time_by_state
+        self._segments: list[tuple[float, tuple | None, float, float]] = []
 
     def _with_horizon(self) -> None:
         """Reshape decisions use the same expected duration as the partition decisions."""
@@ -212,6 +216,27 @@ class ReCyclePlusSystem(ReCycleSystem):
         return self._consider(now, super().on_wake(now))
 
     def _consider(self, now: float, decision: Decision) -> Decision:
+        decision = self._decide(now, decision)
+        state = None if self.down or self.key is None else (self.key, self.current.partition)
+        self._segments.append((now, state, decision.rate, sum(s for _, s in decision.pauses)))
+        return decision
+
+    def time_by_state(self, end_s: float) -> list[dict]:
+        """Seconds spent in each (failure key, layer partition) up to `end_s`, and of them the seconds running
+        (the pauses decided on entering the state taken off), with the running rate: where the goodput goes."""
+        spent: dict[tuple, list[float]] = {}
+        for i, (t, state, rate, paused) in enumerate(self._segments):
+            until = self._segments[i + 1][0] if i + 1 < len(self._segments) else end_s
+            if state is None or until <= t:
+                continue
+            entry = spent.setdefault(state, [0.0, 0.0, rate])
+            entry[0] += until - t
+            entry[1] += max(0.0, until - t - paused)
+            entry[2] = rate
+        return [{"key": list(k), "partition": list(p), "seconds": v[0], "running_s": v[1], "rate": v[2]}
+                for (k, p), v in sorted(spent.items(), key=lambda kv: -kv[1][0])]
+
+    def _decide(self, now: float, decision: Decision) -> Decision:
         if self.down or self.key is None or decision.rate <= 0:
             return decision
         key = self.key
