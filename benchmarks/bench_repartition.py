@@ -80,21 +80,22 @@ def limits(config, trace, result, g) -> None:
     for cause in sorted(set(lost) | set(oob), key=lambda c: -max(lost.get(c, 0.0), oob.get(c, 0.0))):
         if lost.get(cause, 0) > 0 or oob.get(cause, 0) > 0:
             print(f"     {cause:22s} {lost.get(cause, 0.0):7.0f} | {oob.get(cause, 0.0):7.0f}")
-    ff_rate = result.fault_free_rate
+    ff_rate, unit = result.fault_free_rate, result.context.seconds_per_unit
     samples = config.num_replicas * config.num_microbatches * config.workload.microbatch_size
     print("\n   per state ReCycle+ ran in, by time (periods in s): running h | ReCycle+ period | best achievable"
-          " | ideal | fault-free-equivalent s lost: to degraded, of it above best achievable, above ideal")
+          " | ideal || fault-free-equivalent s lost: in all, above best achievable, above ideal")
+    totals = [0.0, 0.0, 0.0]
     for state in result.extra["recycle_plus_states"]:
-        key = tuple(state["key"])
-        run = state["running_s"]
-        period = samples / state["rate"] if state["rate"] > 0 else float("inf")
-        floor, perfect = achievable(key), ideal_period(config, key) if any(key) else ff_period
-        above_best = run * (samples / floor - state["rate"]) / ff_rate
-        above_ideal = run * (samples / perfect - state["rate"]) / ff_rate
-        degraded = run * (1 - state["rate"] / ff_rate)
+        key, run, rate = tuple(state["key"]), state["running_s"], state["rate"]
+        if run < 1 or rate <= 0:
+            continue
+        floor, perfect = achievable(key) * unit, (ideal_period(config, key) if any(key) else ff_period) * unit
+        lost = (run * (1 - rate / ff_rate), run * (samples / floor - rate) / ff_rate,
+                run * (samples / perfect - rate) / ff_rate)
+        totals = [a + b for a, b in zip(totals, lost)]
         print(f"   key {str(key):14s} layers {'/'.join(map(str, state['partition'])):10s} {run / 3600:5.2f} h | "
-              f"{period * 1e-6:6.3f} | {floor * 1e-6:6.3f} | {perfect * 1e-6:6.3f} | {degraded:5.0f} {above_best:5.0f} "
-              f"{above_ideal:5.0f}")
+              f"{samples / rate:6.3f} | {floor:6.3f} | {perfect:6.3f} || {lost[0]:5.0f} {lost[1]:5.0f} {lost[2]:5.0f}")
+    print(f"   {'all states':45s} || {totals[0]:5.0f} {totals[1]:5.0f} {totals[2]:5.0f}  (of {end:.0f} s)")
     print("\n   per failure state planned (periods in s): re-routing alone | re-partitioned | ideal live-proportional")
     for p in result.extra["partitions"]:
         print(f"   key {str(tuple(p['key'])):14s} layers {'/'.join(map(str, p['partition'])):10s} "

@@ -165,8 +165,9 @@ class ReCyclePlusSystem(ReCycleSystem):
     same expected duration), the policy compares, with one performance model:
     * re-routing alone on the current layer partition: rate r0, no pause;
     * moving to the partition the planner chose for this key (the configured one once nothing has failed:
-      "switch back"): rate r1 after a pause of `plan_switch_s` + the migration of the moved layers' parameters
-      and optimizer state between stages (`PartitionModel.migration_bytes` over one p2p link per worker).
+      "switch back"): rate r1 after a pause for the migration of the moved layers' parameters and optimizer state
+      between stages (`PartitionModel.migration_bytes` over one p2p link per worker), plus `plan_switch_s` unless
+      the change already switches plan (a new key: the re-partitioned plan is the one switched to).
     It re-partitions when r1 * (E - pause) > r0 * E, E = the expected time until the next change
     (`DurationEstimate`, prior `JobCosts.repartition_prior_s`), and always returns to the configured partition
     when no worker is missing. Each decision with a choice, and its predicted gain in samples over E, is logged
@@ -248,7 +249,10 @@ class ReCyclePlusSystem(ReCycleSystem):
         r0 = self.partitions.rate(key, current)
         r1 = self.partitions.rate(key, target)
         moved = self.partitions.migration_bytes(current, target, key)
-        pause = self.ctx.costs.plan_switch_s + self.ctx.transfer_s(moved)
+        # One plan switch per event: when this change already switches plan (a new key), the re-partitioned plan
+        # is the one switched to, so only the migration is added; otherwise the move is a switch of its own.
+        switching = any(cause in ("plan switch", "restart") for cause, _ in decision.pauses)
+        pause = (0.0 if switching else self.ctx.costs.plan_switch_s) + self.ctx.transfer_s(moved)
         gain = r1 * max(0.0, E - pause) - r0 * E
         back = not any(key)
         words = (f"key {key}: layers {'/'.join(map(str, current))} -> {'/'.join(map(str, target))}, rate "
