@@ -306,3 +306,15 @@ def test_time_by_state_accounts_for_the_whole_replay() -> None:
     assert moved["seconds"] == pytest.approx(3612) and moved["running_s"] == pytest.approx(3612 - 20)
     assert home["seconds"] == pytest.approx(3600 + 1788) and home["running_s"] == pytest.approx(3600 + 1788 - 7)
     assert moved["rate"] == pytest.approx(4 / 12) and set(states) == {((1, 0), (1, 3)), ((0, 0), (2, 2))}
+
+
+def test_a_reshape_is_weighed_at_the_partition_chosen_for_each_layout() -> None:
+    system, _ = _plus()
+    current = system.current
+    assert current.throughput_for_key((1, 0)) == pytest.approx(4 / 15)  # the configured layers: 10 + 5 slots
+    current.best = True  # as while ReCycleSystem._maybe_reshape runs under ReCycle+
+    assert current.throughput_for_key((1, 0)) == pytest.approx(4 / 12)  # (1, 3), chosen for the key: 10 + 2
+    assert current.throughput_for_key((0, 0)) == pytest.approx(4 / 10)
+    current.best = False
+    system.layout.place_all(frozenset({0, 1, 2, 3}))
+    assert system._maybe_reshape(0.0, frozenset({0, 1, 2, 3})) is None and current.best is False

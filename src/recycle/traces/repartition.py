@@ -147,12 +147,16 @@ class _CurrentPartition:
         self.model = model
         self.partition = model.configured
         self.label = model.base.label
+        self.best = False  # True while a reshape is weighed: each layout at the better of its two partitions
 
     def key_for(self, failed: Iterable[tuple[int, int]]) -> tuple[int, ...]:
         return self.model.base.key_for(failed)
 
     def throughput_for_key(self, key: tuple[int, ...]) -> float:
-        return self.model.rate(key, self.partition)
+        rate = self.model.rate(key, self.partition)
+        if self.best and any(key):
+            rate = max(rate, self.model.rate(key, self.model.choice(key)))
+        return rate
 
     def fault_free(self) -> float:
         return self.model.base.fault_free()
@@ -198,6 +202,16 @@ class ReCyclePlusSystem(ReCycleSystem):
         if policy == "adapt" and self.current.partition != self.partitions.configured:
             policy = "re-route (layers moved)"  # re-routing on a re-partitioned layout
         super()._log(now, policy, detail)
+
+    def _maybe_reshape(self, now: float, live: frozenset[int]):
+        """Reshape and re-partition together: the grid as it is and the reshaped one are each weighed at the better
+        of the current layers and the partition chosen for its key (the migration is then priced by _decide, as
+        after any change)."""
+        self.current.best = True
+        try:
+            return super()._maybe_reshape(now, live)
+        finally:
+            self.current.best = False
 
     def _restore(self, now, live, first_loss, lost_stage) -> Decision:
         self.current.partition = self.partitions.configured  # the checkpoint is read into the configured layout
@@ -262,7 +276,7 @@ class ReCyclePlusSystem(ReCycleSystem):
             if self._kept != (key, current):  # logged once per state, not again on every re-check
                 self._log(now, "re-route", f"{words}: re-routing alone")
                 self._kept = (key, current)
-            return decision
+            return replace(decision, rate=r0)  # a reshape weighed at the chosen partition runs on the current one
         self._kept = None
         self._log(now, "layers back" if back else "repartition", words)
         self.current.partition = target
