@@ -68,15 +68,22 @@ def limits(config, trace, result, g) -> None:
     ideal = run_job(config, trace, systems=["recycle"], setup=JobSetup(reference="planner"),
                     period_fn=lambda key: ideal_period(config, key) if any(key) else ff_period,
                     period_label="ideal live-proportional").runs["recycle"].goodput
-    print(f"   upper bounds, the same replay with in every failure state the period of ...")
-    print(f"     the best partition's lower bound (every partition searched: no plan of whole layers and whole "
-          f"micro-batches is faster): goodput {best:.2%} = {best / g['oobleck']:.3f}x Oobleck-like")
+    exact = sum(b.exact for b in bounds.values())
+    print("   upper bounds, the same replay with in every failure state the period of ...")
+    print(f"     the best partition's lower bound (every partition searched, exact in {exact} of {len(bounds)} states: "
+          f"no plan of whole layers and whole micro-batches is faster): goodput {best:.2%} = "
+          f"{best / g['oobleck']:.3f}x Oobleck-like")
     print(f"     the ideal live-proportional period (no bubble, layers and micro-batches split at will): goodput "
           f"{ideal:.2%} = {ideal / g['oobleck']:.3f}x Oobleck-like")
+    zero = (0,) * config.num_stages
+    print(f"     (the fault-free plan itself: period {ff_period * result.context.seconds_per_unit:.3f} s, ideal "
+          f"{ideal_period(config, zero) * result.context.seconds_per_unit:.3f}"
+          f" s, ratio {ff_period / ideal_period(config, zero):.3f})")
     lost = result.runs["recycle-plus"].lost_s
     oob = result.runs["oobleck"].lost_s
     end = result.timeline.end_s
-    print(f"\n   time lost (fault-free-equivalent s of {end:.0f} s), ReCycle+ | Oobleck-like:")
+    print(f"\n   time lost (fault-free-equivalent s of {end:.0f} s), ReCycle+ {sum(lost.values()):.0f} | Oobleck-like "
+          f"{sum(oob.values()):.0f}; 1.05x Oobleck-like allows {(1 - 1.05 * g['oobleck']) * end:.0f}:")
     for cause in sorted(set(lost) | set(oob), key=lambda c: -max(lost.get(c, 0.0), oob.get(c, 0.0))):
         if lost.get(cause, 0) > 0 or oob.get(cause, 0) > 0:
             print(f"     {cause:22s} {lost.get(cause, 0.0):7.0f} | {oob.get(cause, 0.0):7.0f}")
