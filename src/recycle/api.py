@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from recycle.sim.simulator import SimResult
     from recycle.traces.jobsim import JobResult
     from recycle.traces.model import JobCosts
-    from recycle.traces.reader import EventTrace
+    from recycle.traces.trace import EventTrace
 
 __all__ = ["load_config", "config_from_dict", "apply_overrides", "Config", "Plan", "planner_options", "plan",
            "schedule", "plan_store", "load_plan_store", "read_plan", "pipelining_csv", "simulate", "load_trace",
@@ -181,7 +182,8 @@ def select_plan(config: Config, schedule: str | None = None, plan_file: str | No
 def train(config: Config, plan: Plan | None = None, *, schedule: str | None = None, down: Iterable[Worker | str] = (),
           decoupled: bool = True, staggered: bool = True, recover: bool = True, max_failures: int = 2,
           plan_store: str | Path = "", store_progress: IO[str] | None = None, repartition: bool = False,
-          launch_options: LaunchOptions | None = None, **options: Any) -> TrainResult:
+          repartition_prior_s: float = 1800.0, launch_options: LaunchOptions | None = None,
+          **options: Any) -> TrainResult:
     """Train `config`'s model on D x S worker processes and return the TrainResult (per-step metrics, recoveries).
 
     The run starts on `plan`, or on `select_plan(config, schedule, down=down, ...)`. With `recover` (the default) a
@@ -189,7 +191,8 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
     or from a store built now for up to `max_failures` failures (heuristic beyond). `options` are the fields of
     runtime.launcher.LaunchOptions (steps, save_path, metrics_path, model_factory, checkpoint_dir, ...), or pass a
     whole `launch_options`. `repartition`: failure states may also move whole layers between stages when the
-    planner finds a faster layer partition (built-in GPT only; see repartitioning_provider). `model_factory` may be a function (config, num_stages) -> stages (see
+    planner finds a faster layer partition that repays its migration over the state's expected duration
+    (`repartition_prior_s` before any change has been seen; built-in GPT only; see repartitioning_provider). `model_factory` may be a function (config, num_stages) -> stages (see
     recycle.models.split) defined at the top level of an importable module or of the script being run: every worker
     process imports it by name.
     """
@@ -212,6 +215,9 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
     if repartition and (launch_opts.model_factory or config.model.hf_config):
         raise ConfigError("--repartition moves layers of the built-in GPT between stages; a --model-factory or --hf "
                           "model's split is fixed. Drop one of the two")
+    if not (math.isfinite(repartition_prior_s) and repartition_prior_s > 0):
+        raise ConfigError(f"--repartition-prior-s {repartition_prior_s} must be a positive number of seconds (the "
+                          "expected length of a failure state, e.g. 1800)")
     if repartition and not (recover and launch_opts.plan_provider is None):
         raise ConfigError("repartition=True needs recover=True and no plan_provider of your own: it changes the plans "
                           "the run switches to")
@@ -229,33 +235,77 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
         provider = library.provider(PlanChoice)
         if repartition:
             provider = repartitioning_provider(config, PlannerOptions(decoupled=decoupled, staggered=staggered),
-                                               provider, PlanChoice)
+                                               provider, PlanChoice, prior_s=repartition_prior_s,
+                                               seconds_per_unit=_seconds_per_unit(config, launch_opts.emulation))
         launch_opts = replace(launch_opts, plan_provider=provider)
     return launch(config, plan, launch_opts)
 
 
+def _seconds_per_unit(config: Config, emulation: Any) -> float | None:
+    """Seconds per config time unit of a run: as paced (--emulate-costs), else microseconds as given; None for
+    abstract slots that nothing paces."""
+    from recycle.runtime.emulate import seconds_per_unit
+
+    if emulation is not None:
+        return seconds_per_unit(config, emulation)
+    return 1e-6 if config.time_unit == "us" else None
+
+
 def repartitioning_provider(config: Config, options: PlannerOptions, base: Callable[[frozenset], Any],
-                            make: Callable[[Plan, str, float], Any]) -> Callable[[frozenset], Any]:
-    """A plan provider whose failure states may also re-partition layers (recycle.planner.partition): per failed
-    set, the fastest layer partition the planner finds, planned on demand and cached; `base`'s plan (the configured
-    partition, e.g. from a plan store) when no partition is faster. `make(plan, source, seconds)` wraps a plan the
-    way the launcher wants it (runtime.launcher.PlanChoice)."""
+                            make: Callable[..., Any], *, seconds_per_unit: float | None = None,
+                            prior_s: float = 1800.0, clock: Callable[[], float] | None = None
+                            ) -> Callable[[frozenset], Any]:
+    """A plan provider whose failure states may also re-partition layers (recycle.planner.partition). Per failed
+    set it finds the fastest layer partition (planned on demand, cached) and moves to it only when that pays: the
+    iterations gained over the state's expected duration (the mean gap between changes of the live set so far,
+    `prior_s` counted as one gap) exceed those lost to the migration pause (recycle.planner.policy, the rule the job
+    simulator's ReCycle+ uses). Otherwise the layers stay where they are; with every worker back they return to
+    the configured split. `seconds_per_unit` turns the config's periods into seconds (None: no clock to weigh
+    them by, so the faster plan wins). `base(failed)` gives the configured partition's plan (e.g. from a plan
+    store); `make(plan, source, seconds, note=...)` wraps a plan the way the launcher wants it
+    (runtime.launcher.PlanChoice)."""
     import time
 
-    from recycle.planner.partition import make_repartitioned_plan
+    from recycle.planner.failures import normalize
+    from recycle.planner.partition import (configured_partition, layer_costs, make_repartitioned_plan,
+                                           migration_bytes, partition_period, plan_with_partition)
+    from recycle.planner.policy import DurationEstimate, LayerDecision
 
-    cache: dict[frozenset, Any] = {}
+    configured = configured_partition(config)
+    costs = layer_costs(config)
+    best: dict[frozenset, Any] = {}  # failed set -> (plan, PartitionChoice)
+    estimate = DurationEstimate(prior_s)
+    now = clock or time.monotonic
+    current = configured
+
+    def decide(failed: frozenset) -> tuple[tuple[int, ...], str]:
+        if failed not in best:
+            best[failed] = make_repartitioned_plan(config, failed, options)
+        choice = best[failed][1]
+        if choice.partition == current or seconds_per_unit is None:
+            return choice.partition, ""
+        key = normalize(failed, config.num_replicas, config.num_stages).key
+        live = [config.num_replicas - k for k in key]
+        period_now = choice.configured_period if current == configured else partition_period(
+            config, key, current, options, costs=costs)
+        received, sent = migration_bytes(costs, current, choice.partition, live)
+        pause_s = config.communication.transfer_time(max(received, sent)) * seconds_per_unit
+        decision = LayerDecision(key, current, choice.partition, 1 / (period_now * seconds_per_unit),
+                                 1 / (choice.period * seconds_per_unit), pause_s, estimate.expected_s)
+        return (choice.partition if decision.move else current), decision.describe()
 
     def provide(failed: frozenset) -> Any:
-        if failed not in cache:
-            if not failed:
-                cache[failed] = base(failed)
-            else:
-                started = time.perf_counter()
-                plan, choice = make_repartitioned_plan(config, failed, options)
-                cache[failed] = make(plan, "re-partition planner", time.perf_counter() - started) \
-                    if choice.changed else base(failed)
-        return cache[failed]
+        nonlocal current
+        estimate.observe(now())
+        started = time.perf_counter()
+        target, note = (configured, "") if not failed else decide(failed)
+        current = target
+        if target == configured:
+            chosen = base(failed)
+            return make(chosen.plan, chosen.source, chosen.seconds, note=note)
+        plan = best[failed][0] if target == best[failed][1].partition else \
+            plan_with_partition(config, failed, target, options, note="kept from the previous failure state")
+        return make(plan, "re-partition planner", time.perf_counter() - started, note=note)
 
     return provide
 

@@ -6,7 +6,9 @@ import hashlib
 import json
 import math
 import tomllib
-from dataclasses import asdict, dataclass, field, replace
+import types
+import typing
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -35,6 +37,22 @@ MAX_MAGNITUDE = 1e15
 
 Floats = tuple[float, ...]
 Ints = tuple[int, ...]
+
+
+# The TOML schema (`_SCHEMA`, after Config) is read off the dataclasses below: a field's type hint gives its TOML
+# type, a field without a default is a required key. Field metadata says what a hint cannot:
+#   per_stage: one number for all stages or a list with one per stage (a tuple of S values in the dataclass);
+#   default:   the value when the TOML leaves the key out, for a field whose dataclass has no default (None: the
+#              section's builder derives it);
+#   toml:      False for a field that is not a TOML key.
+def _per_stage(default: float | None = None, required: bool = False) -> Any:
+    """A per-stage field; `default` (before expansion to one per stage) when the TOML leaves it out."""
+    return field(metadata={"per_stage": True} if required else {"per_stage": True, "default": default})
+
+
+def _toml_default(default: Any) -> Any:
+    """A field the TOML may leave out (then `default`), though the dataclass makes callers pass it."""
+    return field(metadata={"default": default})
 
 
 @dataclass(frozen=True)
@@ -72,11 +90,11 @@ class Workload:
 class StageCosts:
     """Per-stage durations in the config's time unit."""
 
-    forward: Floats
-    backward_input: Floats
-    backward_weight: Floats
-    optimizer: Floats
-    backward_fused: Floats  # B+W in one action; defaults to backward_input + backward_weight
+    forward: Floats = _per_stage(required=True)
+    backward_input: Floats = _per_stage(required=True)
+    backward_weight: Floats = _per_stage(required=True)
+    optimizer: Floats = _per_stage(0.0)
+    backward_fused: Floats = _per_stage()  # B+W in one action; defaults to backward_input + backward_weight
 
     def backward(self, stage: int) -> float:
         return self.backward_input[stage] + self.backward_weight[stage]
@@ -84,23 +102,31 @@ class StageCosts:
 
 @dataclass(frozen=True)
 class Memory:
-    activation_bytes: Ints  # per micro-batch, held from F start to W end (BW end when coupled)
-    capacity_bytes: int  # activation budget per worker; 0 = unlimited
-    parameter_bytes: Ints  # per stage, for re-join state transfer and all-reduce size
-    optimizer_state_bytes: Ints  # per stage (e.g. Adam moments, fp32 master weights)
+    activation_bytes: Ints = _per_stage(0)  # per micro-batch, held from F start to W end (BW end when coupled)
+    capacity_bytes: int = _toml_default(0)  # activation budget per worker; 0 = unlimited
+    parameter_bytes: Ints = _per_stage(0)  # per stage, for re-join state transfer and all-reduce size
+    optimizer_state_bytes: Ints = _per_stage(0)  # per stage (e.g. Adam moments, fp32 master weights)
 
 
 @dataclass(frozen=True)
 class Communication:
-    p2p_latency: float  # time units per message
-    p2p_bandwidth: float  # bytes per time unit; 0 = infinite
-    activation_message_bytes: Ints  # per stage: size of stage s's forward output (= input-gradient sent back to s)
-    allreduce_latency: float  # time units per ring step
-    allreduce_bandwidth: float  # bytes per time unit; 0 = infinite
-    gradient_bytes: Ints  # per stage: bytes all-reduced by the stage's DP group
+    p2p_latency: float = _toml_default(0.0)  # time units per message
+    p2p_bandwidth: float = _toml_default(0.0)  # bytes per time unit; 0 = infinite
+    # Per stage: size of stage s's forward output (= input-gradient sent back to s).
+    activation_message_bytes: Ints = _per_stage(0)
+    allreduce_latency: float = _toml_default(0.0)  # time units per ring step
+    allreduce_bandwidth: float = _toml_default(0.0)  # bytes per time unit; 0 = infinite
+    gradient_bytes: Ints = _per_stage(0)  # per stage: bytes all-reduced by the stage's DP group
     # Messages between workers on different nodes ([topology] workers_per_node); None = the p2p values.
     inter_node_latency: float | None = None
     inter_node_bandwidth: float | None = None
+
+    def transfer_time(self, nbytes: float) -> float:
+        """Time to move `nbytes` of state over one p2p link (0 when there is nothing to move or bandwidth is
+        infinite)."""
+        if self.p2p_bandwidth <= 0 or nbytes <= 0:
+            return 0.0
+        return self.p2p_latency + nbytes / self.p2p_bandwidth
 
     def p2p_time(self, stage_boundary: int) -> float:
         """Time to send stage `stage_boundary`'s forward output (or the matching input-gradient back)."""
@@ -178,7 +204,7 @@ class Config:
     communication: Communication
     model: ModelSpec = field(default_factory=ModelSpec)
     training: Training = field(default_factory=Training)
-    source: str = ""  # path the config was read from, for messages
+    source: str = field(default="", metadata={"toml": False})  # path the config was read from, for messages
 
     @property
     def num_replicas(self) -> int:
@@ -245,41 +271,39 @@ class Config:
         return d
 
 
-_PER_STAGE_KEYS = {
-    "costs": ("forward", "backward_input", "backward_weight", "optimizer", "backward_fused"),
-    "memory": ("activation_bytes", "parameter_bytes", "optimizer_state_bytes"),
-    "communication": ("activation_message_bytes", "gradient_bytes"),
-}
+def _kind(hint: Any, per_stage: bool) -> str:
+    """The TOML type `_check_type` checks for a field with this type hint."""
+    if isinstance(hint, types.UnionType):  # `X | None`: None means "not set", which TOML cannot write
+        (hint,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    if typing.get_origin(hint) is tuple:
+        item, *rest = typing.get_args(hint)
+        if rest != [Ellipsis]:
+            return "floatpair"  # tuple[float, float]
+        if per_stage:
+            return "stageint" if item is int else "stagefloat"
+        return "intlist"
+    return {int: "int", float: "float", str: "str", bool: "bool"}[hint]
 
-_SCHEMA: dict[str, dict[str, str]] = {
-    "topology": {"num_replicas": "int", "num_stages": "int", "gpus_per_worker": "int", "workers_per_node": "int"},
-    "workload": {"num_microbatches": "int", "microbatch_size": "int", "seq_len": "int"},
-    "costs": {
-        "forward": "stagefloat", "backward_input": "stagefloat", "backward_weight": "stagefloat",
-        "optimizer": "stagefloat", "backward_fused": "stagefloat",
-    },
-    "memory": {
-        "activation_bytes": "stageint", "capacity_bytes": "int", "parameter_bytes": "stageint",
-        "optimizer_state_bytes": "stageint",
-    },
-    "communication": {
-        "p2p_latency": "float", "p2p_bandwidth": "float", "activation_message_bytes": "stageint",
-        "allreduce_latency": "float", "allreduce_bandwidth": "float", "gradient_bytes": "stageint",
-        "inter_node_latency": "float", "inter_node_bandwidth": "float",
-    },
-    "model": {"preset": "str", "vocab_size": "int", "n_layer": "int", "n_head": "int", "n_embd": "int",
-              "dropout": "float", "layers_per_stage": "intlist", "hf_config": "str"},
-    "training": {"steps": "int", "lr": "float", "weight_decay": "float", "grad_clip": "float", "seed": "int",
-                 "dtype": "str", "dataset": "str", "optimizer": "str", "betas": "floatpair", "eps": "float",
-                 "momentum": "float", "dampening": "float", "nesterov": "bool", "amsgrad": "bool",
-                 "lr_schedule": "str", "warmup_steps": "int", "min_lr": "float", "lr_decay_steps": "int"},
-}
-_TOP_LEVEL = {"name": "str", "time_unit": "str"}
-_REQUIRED = {
-    "topology": ("num_replicas", "num_stages"),
-    "workload": ("num_microbatches",),
-    "costs": ("forward", "backward_input", "backward_weight"),
-}
+
+def _keys(cls: type) -> dict[str, str]:
+    """TOML key -> kind, for the fields of dataclass `cls` that are TOML keys (in field order)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: _kind(hints[f.name], bool(f.metadata.get("per_stage")))
+            for f in fields(cls) if f.metadata.get("toml", True) and not is_dataclass(hints[f.name])}
+
+
+def _required(f: Field) -> bool:
+    return f.default is MISSING and f.default_factory is MISSING and "default" not in f.metadata
+
+
+_CONFIG_HINTS = typing.get_type_hints(Config)
+_SECTIONS: dict[str, type] = {f.name: _CONFIG_HINTS[f.name] for f in fields(Config)
+                              if is_dataclass(_CONFIG_HINTS[f.name])}  # TOML table -> its dataclass
+_SCHEMA: dict[str, dict[str, str]] = {section: _keys(cls) for section, cls in _SECTIONS.items()}
+_TOP_LEVEL = _keys(Config)
+_REQUIRED = {section: tuple(f.name for f in fields(cls) if _required(f)) for section, cls in _SECTIONS.items()}
+_PER_STAGE_KEYS = {section: tuple(f.name for f in fields(cls) if f.metadata.get("per_stage"))
+                   for section, cls in _SECTIONS.items()}
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
@@ -408,7 +432,7 @@ def _check_type(value: Any, kind: str, where: str) -> Any:
     raise AssertionError(kind)
 
 
-def _per_stage(value: Any, num_stages: int, where: str) -> tuple:
+def _per_stage_tuple(value: Any, num_stages: int, where: str) -> tuple:
     if isinstance(value, list):
         if len(value) != num_stages:
             raise ConfigError(
@@ -421,6 +445,28 @@ def _per_stage(value: Any, num_stages: int, where: str) -> tuple:
 
 def parse_config(raw: dict[str, Any], name: str = "config", source: str = "") -> Config:
     """Validate a raw TOML mapping and build the frozen Config."""
+    top, checked = _check_keys(raw, source)
+    time_unit = top.get("time_unit", "slot")
+    if time_unit not in TIME_UNITS:
+        raise ConfigError(f"{_where(source, '', 'time_unit')} = {time_unit!r} must be one of {list(TIME_UNITS)}")
+    topology = _topology(checked["topology"], source)
+    S = topology.num_stages
+    return Config(
+        name=top.get("name", name),
+        time_unit=time_unit,
+        topology=topology,
+        workload=_workload(checked["workload"], source),
+        costs=_costs(checked["costs"], S, source),
+        memory=_memory(checked["memory"], S, source),
+        communication=_communication(checked["communication"], S, source),
+        model=_model(checked["model"], S, source),
+        training=_training(checked["training"], source),
+        source=source,
+    )
+
+
+def _check_keys(raw: Mapping[str, Any], source: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(top-level values, section -> key -> value), every key known and of its type, every required key given."""
     checked: dict[str, dict[str, Any]] = {s: {} for s in _SCHEMA}
     top: dict[str, Any] = {}
     for key, value in raw.items():
@@ -441,43 +487,56 @@ def parse_config(raw: dict[str, Any], name: str = "config", source: str = "") ->
         for key in keys:
             if key not in checked[section]:
                 raise ConfigError(f"{_where(source, section, key)} is missing; it is required, add it under [{section}]")
+    return top, checked
 
-    time_unit = top.get("time_unit", "slot")
-    if time_unit not in TIME_UNITS:
-        raise ConfigError(f"{_where(source, '', 'time_unit')} = {time_unit!r} must be one of {list(TIME_UNITS)}")
 
-    t = checked["topology"]
-    topology = Topology(t["num_replicas"], t["num_stages"], t.get("gpus_per_worker", 1), t.get("workers_per_node", 0))
-    for key in ("num_replicas", "num_stages", "gpus_per_worker"):
-        if getattr(topology, key) < 1:
-            raise ConfigError(f"{_where(source, 'topology', key)} = {getattr(topology, key)} must be >= 1")
-    if topology.workers_per_node < 0:
-        raise ConfigError(f"{_where(source, 'topology', 'workers_per_node')} = {topology.workers_per_node} must be "
-                          ">= 0 (0 = not given: all messages priced at the p2p cost)")
-    S = topology.num_stages
+def _fill(section: str, values: dict[str, Any], num_stages: int, source: str) -> dict[str, Any]:
+    """A section's checked values with the TOML defaults of its fields filled in and per-stage values expanded to
+    one per stage (each >= 0). A field left out with no TOML default keeps its dataclass default."""
+    out: dict[str, Any] = {}
+    for f in fields(_SECTIONS[section]):
+        value = values.get(f.name, f.metadata.get("default"))
+        if value is None:
+            continue
+        if f.metadata.get("per_stage"):
+            value = _stage_values(value, num_stages, _where(source, section, f.name))
+        out[f.name] = value
+    return out
 
-    w = checked["workload"]
-    workload = Workload(w["num_microbatches"], w.get("microbatch_size", 1), w.get("seq_len", 64))
-    for key in ("num_microbatches", "microbatch_size", "seq_len"):
-        if getattr(workload, key) < 1:
-            raise ConfigError(f"{_where(source, 'workload', key)} = {getattr(workload, key)} must be >= 1")
 
-    def stage_list(section: str, key: str, default: Any) -> tuple:
-        value = checked[section].get(key, default)
-        out = _per_stage(value, S, _where(source, section, key))
-        for v in out:
-            if v < 0:
-                raise ConfigError(f"{_where(source, section, key)} = {value!r} must be >= 0 (durations and sizes "
-                                  "cannot be negative)")
-        return out
+def _stage_values(value: Any, num_stages: int, where: str) -> tuple:
+    out = _per_stage_tuple(value, num_stages, where)
+    for v in out:
+        if v < 0:
+            raise ConfigError(f"{where} = {value!r} must be >= 0 (durations and sizes cannot be negative)")
+    return out
 
-    c = checked["costs"]
-    forward = stage_list("costs", "forward", None)
-    backward_input = stage_list("costs", "backward_input", None)
-    backward_weight = stage_list("costs", "backward_weight", None)
-    optimizer = stage_list("costs", "optimizer", 0.0)
-    fused_default = [bi + bw for bi, bw in zip(backward_input, backward_weight)]
-    backward_fused = stage_list("costs", "backward_fused", c.get("backward_fused", fused_default))
+
+def _at_least(values: Any, section: str, keys: Sequence[str], low: int, source: str, why: str = "") -> None:
+    """Each of `keys` of the section's dataclass `values` is >= `low` (a None, meaning not set, passes)."""
+    for key in keys:
+        if (getattr(values, key) or 0) < low:
+            raise ConfigError(f"{_where(source, section, key)} = {getattr(values, key)} must be >= {low}{why}")
+
+
+def _topology(t: dict[str, Any], source: str) -> Topology:
+    topology = Topology(**t)
+    _at_least(topology, "topology", ("num_replicas", "num_stages", "gpus_per_worker"), 1, source)
+    _at_least(topology, "topology", ("workers_per_node",), 0, source,
+              " (0 = not given: all messages priced at the p2p cost)")
+    return topology
+
+
+def _workload(w: dict[str, Any], source: str) -> Workload:
+    workload = Workload(**w)
+    _at_least(workload, "workload", ("num_microbatches", "microbatch_size", "seq_len"), 1, source)
+    return workload
+
+
+def _costs(c: dict[str, Any], S: int, source: str) -> StageCosts:
+    values = _fill("costs", c, S, source)
+    forward, backward_input, backward_weight = values["forward"], values["backward_input"], values["backward_weight"]
+    values.setdefault("backward_fused", tuple(bi + bw for bi, bw in zip(backward_input, backward_weight)))
     for s in range(S):
         if forward[s] <= 0:
             raise ConfigError(f"{_where(source, 'costs', 'forward')}: stage {s} has forward = {forward[s]}; "
@@ -485,18 +544,14 @@ def parse_config(raw: dict[str, Any], name: str = "config", source: str = "") ->
         if backward_input[s] + backward_weight[s] <= 0:
             raise ConfigError(f"{_where(source, 'costs', 'backward_input')}: stage {s} has zero backward time; "
                               "backward_input + backward_weight must be positive")
-    costs = StageCosts(forward, backward_input, backward_weight, optimizer, backward_fused)
+    return StageCosts(**values)
 
-    m = checked["memory"]
-    capacity = m.get("capacity_bytes", 0)
+
+def _memory(m: dict[str, Any], S: int, source: str) -> Memory:
+    memory = Memory(**_fill("memory", m, S, source))
+    capacity = memory.capacity_bytes
     if capacity < 0:
         raise ConfigError(f"{_where(source, 'memory', 'capacity_bytes')} = {capacity} must be >= 0 (0 = unlimited)")
-    memory = Memory(
-        stage_list("memory", "activation_bytes", 0),
-        capacity,
-        stage_list("memory", "parameter_bytes", 0),
-        stage_list("memory", "optimizer_state_bytes", 0),
-    )
     if capacity > 0:
         for s in range(S):
             if memory.activation_bytes[s] == 0:
@@ -507,40 +562,38 @@ def parse_config(raw: dict[str, Any], name: str = "config", source: str = "") ->
                 raise ConfigError(f"{_where(source, 'memory', 'activation_bytes')}: stage {s} needs "
                                   f"{memory.activation_bytes[s]} bytes per micro-batch, more than capacity_bytes = "
                                   f"{capacity}; raise capacity_bytes, use more stages or smaller micro-batches")
+    return memory
 
-    cm = checked["communication"]
-    comm = Communication(
-        cm.get("p2p_latency", 0.0),
-        cm.get("p2p_bandwidth", 0.0),
-        stage_list("communication", "activation_message_bytes", 0),
-        cm.get("allreduce_latency", 0.0),
-        cm.get("allreduce_bandwidth", 0.0),
-        stage_list("communication", "gradient_bytes", 0),
-        cm.get("inter_node_latency"),
-        cm.get("inter_node_bandwidth"),
-    )
-    for key in ("p2p_latency", "p2p_bandwidth", "allreduce_latency", "allreduce_bandwidth", "inter_node_latency",
-                "inter_node_bandwidth"):
-        if (getattr(comm, key) or 0) < 0:
-            raise ConfigError(f"{_where(source, 'communication', key)} = {getattr(comm, key)} must be >= 0")
 
-    model = ModelSpec(**checked["model"])
+def _communication(cm: dict[str, Any], S: int, source: str) -> Communication:
+    comm = Communication(**_fill("communication", cm, S, source))
+    latencies_and_bandwidths = [f.name for f in fields(Communication) if not f.metadata.get("per_stage")]
+    _at_least(comm, "communication", latencies_and_bandwidths, 0, source)
+    return comm
+
+
+def _model(m: dict[str, Any], S: int, source: str) -> ModelSpec:
+    model = ModelSpec(**m)
     if model.layers_per_stage:
         per_stage = model.layers_per_stage
         where = _where(source, "model", "layers_per_stage")
         if len(per_stage) != S or any(n < 1 for n in per_stage):
             raise ConfigError(f"{where} = {list(per_stage)} must give one count >= 1 per stage ({S} stages): every "
                               "stage holds at least one layer")
-        if "n_layer" in checked["model"] and checked["model"]["n_layer"] != sum(per_stage):
+        if "n_layer" in m and m["n_layer"] != sum(per_stage):
             raise ConfigError(f"{where} = {list(per_stage)} sums to {sum(per_stage)} layers but [model] n_layer = "
-                              f"{checked['model']['n_layer']}; make them agree or drop n_layer (it defaults to the sum)")
+                              f"{m['n_layer']}; make them agree or drop n_layer (it defaults to the sum)")
         model = replace(model, n_layer=sum(per_stage))
     if model.n_embd % model.n_head != 0:
         raise ConfigError(f"{_where(source, 'model', 'n_embd')} = {model.n_embd} must be divisible by n_head = "
                           f"{model.n_head}")
     if model.n_layer < 1:
         raise ConfigError(f"{_where(source, 'model', 'n_layer')} = {model.n_layer} must be >= 1")
-    training = Training(**checked["training"])
+    return model
+
+
+def _training(t: dict[str, Any], source: str) -> Training:
+    training = Training(**t)
     if training.dtype not in ("float32", "float64", "bfloat16"):
         raise ConfigError(f"{_where(source, 'training', 'dtype')} = {training.dtype!r} must be 'float32', "
                           "'float64' or 'bfloat16' (bf16 autocast with float32 weights)")
@@ -557,19 +610,7 @@ def parse_config(raw: dict[str, Any], name: str = "config", source: str = "") ->
     if training.steps < 0 or training.lr <= 0 or training.grad_clip < 0:
         raise ConfigError(f"{_where(source, 'training', 'steps/lr/grad_clip')}: need steps >= 0, lr > 0, "
                           f"grad_clip >= 0 (got {training.steps}, {training.lr}, {training.grad_clip})")
-
-    return Config(
-        name=top.get("name", name),
-        time_unit=time_unit,
-        topology=topology,
-        workload=workload,
-        costs=costs,
-        memory=memory,
-        communication=comm,
-        model=model,
-        training=training,
-        source=source,
-    )
+    return training
 
 
 def uniform_config(num_replicas: int, num_stages: int, num_microbatches: int, forward: float = 1.0,

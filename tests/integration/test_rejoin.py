@@ -122,6 +122,19 @@ def test_lost_stage_is_restored_from_the_latest_checkpoint(tmp_path, policy: str
     assert not list((tmp_path / "ckpt").rglob("*.tmp"))
 
 
+def test_reshape_evens_out_the_live_workers_across_stages(tmp_path) -> None:
+    """D=4, S=2: stage 1 loses all four replicas (three at step 2, the last after the checkpoint of step 4). Two
+    stage-0 workers move into stage 1 of their own pipelines, so the run goes on 2 + 2 (a D' = 2 layout, global
+    batch unchanged) rather than 3 + 1, and ends with the fault-free parameters."""
+    stage1 = [((replica, 1), FaultInjection(2, 1)) for replica in range(3)]
+    result = run(4, 2, tmp_path, faults=stage1 + [((3, 1), FaultInjection(5, 2))],
+                 checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2)
+    assert_exact(result, tmp_path, 4, 2)
+    restore = next(r for r in result.recoveries if r.restored_step is not None)
+    assert restore.moved == ("3:0 -> 3:1", "2:0 -> 2:1") and sorted(restore.joined) == ["2:1", "3:1"]
+    assert result.failed == ((0, 1), (1, 1), (2, 0), (3, 0))
+
+
 def test_lost_stage_without_a_checkpoint_stops_with_a_clear_error(tmp_path) -> None:
     with pytest.raises(RuntimeFailure, match="last live replica of stage 1.*writes no checkpoints.*--checkpoint-dir"):
         run(2, 2, tmp_path, faults=[((1, 1), FaultInjection(1, 3)), ((0, 1), FaultInjection(3, 2))])

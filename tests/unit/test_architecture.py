@@ -40,3 +40,37 @@ def test_ir_is_torch_free_and_lowest_layer() -> None:
 def test_every_module_has_a_docstring() -> None:
     missing = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if ast.get_docstring(ast.parse(p.read_text())) is None]
     assert not missing, f"modules without a one-line docstring: {missing}"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """recycle module -> the recycle modules it imports anywhere (top level, in a function or for type checking)."""
+    modules = {".".join(("recycle", *p.relative_to(SRC).with_suffix("").parts)).removesuffix(".__init__"): p
+               for p in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets.add(node.module)
+                targets.update(f"{node.module}.{alias.name}" for alias in node.names)  # `from pkg import module`
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def test_no_import_cycles_outside_the_runtime() -> None:
+    # The runtime's launcher and preflight still import each other (its restructuring is separate work).
+    graph = {m: deps for m, deps in _module_graph().items() if not m.startswith("recycle.runtime")}
+    cycles = []
+    for start in graph:  # a depth-first walk from each module, looking for a path back to it
+        stack, seen = [(start, (start,))], set()
+        while stack:
+            module, path = stack.pop()
+            for dep in graph.get(module, ()):
+                if dep == start:
+                    cycles.append(" -> ".join((*path, start)))
+                elif dep not in seen:
+                    seen.add(dep)
+                    stack.append((dep, (*path, dep)))
+    assert not cycles, f"modules that import each other (move the shared piece into a module of its own): {cycles}"

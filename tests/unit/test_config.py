@@ -120,3 +120,19 @@ def test_workers_per_node_and_inter_node_costs_are_optional_and_checked() -> Non
     assert noded.fingerprint() != plain.fingerprint()
     with pytest.raises(ConfigError, match="workers_per_node"):
         parse_config({**base, "topology": {**base["topology"], "workers_per_node": -1}})
+
+
+def test_every_dataclass_field_is_a_toml_key_and_round_trips() -> None:
+    """The TOML schema is derived from the dataclasses: a config with every key set parses back to itself."""
+    from dataclasses import asdict
+
+    raw = load_config(GPT3).to_dict()
+    raw["topology"]["workers_per_node"] = 4
+    raw["communication"].update(inter_node_latency=5.0, inter_node_bandwidth=7.0)
+    raw["model"].update(layers_per_stage=[1, 2, 1, 2], n_layer=6, dropout=0.1, hf_config="hf.json")
+    raw["training"].update(betas=[0.8, 0.9], eps=1e-6, momentum=0.5, dampening=0.1, nesterov=True, amsgrad=False,
+                           lr_schedule="cosine", warmup_steps=2, min_lr=1e-5, lr_decay_steps=3)
+    config = parse_config(raw, source="all.toml")
+    assert all(v is not None for v in asdict(config.training).values())
+    assert config.model.layers_per_stage == (1, 2, 1, 2) and config.training.betas == (0.8, 0.9)
+    assert parse_config(config.to_dict(), source="all.toml") == config

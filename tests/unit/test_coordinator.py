@@ -264,17 +264,21 @@ def test_a_lost_stage_is_refilled_by_moving_a_worker_of_the_stage_with_the_most_
     assert announce.live == {0, 2, 5} and facts.failed == {(0, 1), (1, 1), (2, 0)}
 
 
-def test_a_lost_stage_with_a_replacement_already_waiting_needs_no_move() -> None:
+def test_a_lost_stage_with_a_replacement_already_waiting_needs_no_respawn() -> None:
     c = Coordinator(D, S, ALL - {1, 3}, frozenset({(0, 1), (1, 1)}), end_step=20, report_timeout_s=10.0,
                     checkpointing=True)
     c.on_checkpoint(8)
     c.on_join_ready(1, 2.0)  # 0:1 is repaired and waits for an iteration boundary
     commands = c.on_death(5, "worker 2:1 died", 3.0)
-    assert not [cmd for cmd in commands if isinstance(cmd, (Move, Respawn))]
+    assert not [cmd for cmd in commands if isinstance(cmd, Respawn)]
+    # Stage 0 would hold 3 workers and stage 1 only the replacement: 2:0 still moves to even them out (2 and 2).
+    assert [(m.donor, m.rank) for m in commands if isinstance(m, Move)] == [(4, 5)]
     for rank in (0, 2):
         assert c.on_stopped(report(rank, applied=10), 3.1) == []
-    (announce,) = c.on_stopped(report(4, applied=10), 3.1)
-    assert announce.facts.restore_step == 8 and announce.facts.joining == {1} and announce.facts.moved == ()
+    assert c.on_death(4, "fenced for the move", 3.2) == []  # the donor's exit is no new failure
+    (announce,) = c.on_join_ready(5, 3.5)  # the restore waited for the moved worker
+    assert announce.facts.restore_step == 8 and announce.facts.joining == {1, 5}
+    assert announce.live == {0, 1, 2, 5} and announce.facts.moved == ((4, 5),)
 
 
 def test_reshape_falls_back_to_respawn_when_no_stage_has_a_replica_to_spare() -> None:
@@ -291,8 +295,53 @@ def test_the_donor_comes_from_the_fullest_stage() -> None:
     c = Coordinator(4, 3, frozenset(range(12)) - {3, 6, 9, 2}, frozenset({(1, 0), (2, 0), (3, 0), (0, 2)}),
                     end_step=20, report_timeout_s=10.0, checkpointing=True)
     c.on_checkpoint(2)
-    move = c.on_death(0, "worker 0:0 died", 1.0)[0]
-    assert isinstance(move, Move) and (move.donor, move.rank) == (10, 9)  # 3:1 moves into 3:0
+    moves = [cmd for cmd in c.on_death(0, "worker 0:0 died", 1.0) if isinstance(cmd, Move)]
+    # 3:1 moves into 3:0 (counts 0/4/3 -> 1/3/3), then 2:1 into 2:0 (-> 2/2/3): within one of each other.
+    assert [(m.donor, m.rank) for m in moves] == [(10, 9), (7, 6)]
+
+
+def test_reshape_evens_out_the_stages_and_waits_for_every_moved_worker() -> None:
+    """D=4, S=2: stage 1 loses all four replicas. Two workers of stage 0 move (3:0 -> 3:1, 2:0 -> 2:1), as a
+    D' = live // S = 2 pipeline layout would hold them; the restore waits for both."""
+    c = Coordinator(4, 2, frozenset({0, 2, 4, 6, 7}), frozenset({(0, 1), (1, 1), (2, 1)}), end_step=20,
+                    report_timeout_s=10.0, checkpointing=True)
+    c.on_checkpoint(6)
+    commands = c.on_death(7, "worker 3:1 died", 1.0)
+    assert [(m.donor, m.rank) for m in commands if isinstance(m, Move)] == [(6, 7), (4, 5)]
+    assert "moves to stage 1" in commands[0].reason and c.state.live == {0, 2}
+    for rank in (0, 2):
+        assert c.on_stopped(report(rank, applied=7), 1.1) == []
+    assert c.on_join_ready(7, 2.0) == []  # one moved worker is up: the other is still awaited
+    (announce,) = c.on_join_ready(5, 2.1)
+    assert announce.live == {0, 2, 5, 7} and announce.facts.moved == ((6, 7), (4, 5))
+    assert announce.facts.failed == {(0, 1), (1, 1), (2, 0), (3, 0)} and announce.facts.restore_step == 6
+
+
+def test_a_slow_moved_worker_is_not_waited_for_past_the_timeout_once_every_stage_is_held() -> None:
+    c = Coordinator(4, 2, frozenset({0, 2, 4, 6, 7}), frozenset({(0, 1), (1, 1), (2, 1)}), end_step=20,
+                    report_timeout_s=10.0, checkpointing=True)
+    c.on_checkpoint(6)
+    c.on_death(7, "worker 3:1 died", 0.0)
+    for rank in (0, 2):
+        c.on_stopped(report(rank, applied=7), 0.1)
+    assert c.on_join_ready(7, 1.0) == []
+    assert c.on_tick(5.0) == []
+    (announce,) = c.on_tick(10.5)  # 2:1 (rank 5) is not up: go on with 0:0, 1:0 and 3:1
+    assert announce.live == {0, 2, 7} and announce.facts.joining == {7}
+    (drain,) = c.on_join_ready(5, 11.0)  # ... and admit it later like any replacement
+    assert isinstance(drain, Drain)
+
+
+def test_a_moved_worker_that_dies_while_starting_is_forgotten() -> None:
+    c = Coordinator(4, 2, frozenset({0, 2, 4, 6, 7}), frozenset({(0, 1), (1, 1), (2, 1)}), end_step=20,
+                    report_timeout_s=10.0, checkpointing=True)
+    c.on_checkpoint(6)
+    c.on_death(7, "worker 3:1 died", 0.0)
+    for rank in (0, 2):
+        c.on_stopped(report(rank, applied=7), 0.1)
+    assert c.on_join_ready(7, 1.0) == []
+    (announce,) = c.on_death(5, "worker 2:1 died while starting", 1.5)
+    assert announce.live == {0, 2, 7} and (2, 1) in announce.facts.failed
 
 
 def test_joiners_are_not_admitted_when_no_step_is_left() -> None:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 
 from recycle.errors import TraceError
-from recycle.traces.mapping import StageLayout, WorkerGrid, map_trace_to_units
+from recycle.traces.mapping import map_trace_to_units
+from recycle.traces.model import StageLayout
+from recycle.traces.placement import availability_to_events
 from recycle.traces.reader import parse_event_lines
+from recycle.traces.trace import AvailabilityTrace, WorkerGrid
 
 LINES = ["0,add,a", "0,add,b", "0,add,c", "0,add,d", "1000,remove,b", "2000,add,e"]
 
@@ -104,8 +107,6 @@ def test_worst_placement_concentrates_on_one_stage_but_never_empties_it() -> Non
 
 def test_spread_removes_spares_first_and_balances_multi_worker_nodes() -> None:
     from recycle.config import uniform_config
-    from recycle.traces.reader import AvailabilityTrace, availability_to_events
-
     # 10 one-GPU nodes on a 2 x 4 grid: 2 spares, which go before any working worker.
     trace = availability_to_events(AvailabilityTrace((0, 10, 20), (10, 8, 7), 30), placement="spread",
                                    grid=WorkerGrid(num_stages=4, num_replicas=2))
@@ -121,8 +122,6 @@ def test_spread_removes_spares_first_and_balances_multi_worker_nodes() -> None:
 
 
 def test_placement_acts_on_workers_that_span_nodes() -> None:
-    from recycle.traces.reader import AvailabilityTrace, availability_to_events
-
     # 2-GPU workers on 1-GPU nodes: 8 nodes = 4 workers (D=2, S=2). After one node is lost its partner holds no
     # worker, so spread takes the partner next (no further worker lost: no change at all for the job); worst takes
     # a live worker's node.
@@ -134,8 +133,6 @@ def test_placement_acts_on_workers_that_span_nodes() -> None:
 
 
 def test_placement_errors() -> None:
-    from recycle.traces.reader import AvailabilityTrace, availability_to_events
-
     avail = AvailabilityTrace((0, 10), (4, 3), 20)
     with pytest.raises(TraceError, match="unknown"):
         availability_to_events(avail, placement="clustered", grid=WorkerGrid(4, 1))

@@ -87,7 +87,7 @@ def test_reshaping_lifts_concentrated_failures_back_above_the_baselines() -> Non
 
 def test_a_placement_made_for_another_grid_is_refused() -> None:
     from recycle.config import uniform_config
-    from recycle.traces.mapping import WorkerGrid
+    from recycle.traces.trace import WorkerGrid
 
     trace = parse_generate_spec("paper-gcp:placement=spread", grid=WorkerGrid(num_stages=3, num_replicas=8))
     with pytest.raises(ConfigError, match="placed"):

@@ -7,13 +7,9 @@ from pathlib import Path
 import pytest
 
 from recycle.errors import TraceError
-from recycle.traces.reader import (
-    AvailabilityTrace,
-    availability_to_events,
-    parse_availability_lines,
-    parse_event_lines,
-    read_trace,
-)
+from recycle.traces.placement import availability_to_events
+from recycle.traces.reader import parse_availability_lines, parse_event_lines, read_trace
+from recycle.traces.trace import AvailabilityTrace
 
 TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "traces"
 

@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from recycle import api
 from recycle.commands import add_set_option
@@ -21,6 +21,9 @@ from recycle.planner.routing import traffic
 from recycle.planner.options import PlannerOptions
 from recycle.report.units import human_time, speed_words
 from recycle.sim.simulator import SimResult
+
+if TYPE_CHECKING:
+    from recycle.planner.partition import PartitionChoice
 
 __all__ = ["register", "run", "plan_summary"]
 
@@ -142,7 +145,7 @@ def cross_node_messages(plan: Plan, config: Config) -> int:
     for s in range(S - 1):
         here, there = plan.host[s], plan.host[s + 1]
         for mb in range(plan.total_microbatches):
-            if node(here[mb] * S + s) != node(there[mb] * S + s + 1):
+            if node(plan.rank(here[mb], s)) != node(plan.rank(there[mb], s + 1)):
                 count += 2
     return count
 
@@ -235,21 +238,7 @@ def run(args: argparse.Namespace) -> int:
                         "--save FILE")
     failed = [parse_worker(text, config.num_replicas, config.num_stages) for text in args.fail]
     normalize(failed, config.num_replicas, config.num_stages)  # a stage without survivors fails here, clearly
-    choice = None
-    timing = config
-    if args.repartition:
-        from recycle.planner.partition import make_repartitioned_plan, partition_config
-
-        # The config's memory budget is re-derived for each partition (a stage that gains layers holds fewer
-        # micro-batches); an explicit --memory-cap N / 1f1b is kept as given.
-        explicit = args.memory_cap is not None and args.memory_cap.strip().lower() != "none"
-        plan, choice = make_repartitioned_plan(config, failed, options if explicit else
-                                               replace(options, memory_cap=None), args.solver, args.routing,
-                                               time_limit_s=args.time_limit)
-        timing = partition_config(config, plan.partition)  # the simulator times the plan on its own layers
-    else:
-        plan = api.plan(config, failed, options=options, solver=args.solver, time_limit=args.time_limit,
-                        routing=args.routing)
+    plan, choice, timing = _make_plan(args, config, options, failed)
     options = resolve_options(config, options)
     result = api.simulate(plan, timing, record=bool(args.gantt))
     compare = args.compare == "yes" or (args.compare == "auto" and plan.num_actions <= COMPARE_AUTO_LIMIT)
@@ -257,6 +246,41 @@ def run(args: argparse.Namespace) -> int:
     if choice is not None:
         summary["memory_cap"] = list(plan.meta.memory_cap) or None
     summary["partition"] = choice.to_dict() if choice is not None else None
+    written = _write_outputs(args, plan, config, result, summary)
+    if args.json:
+        summary["written"] = written
+        print(json.dumps(summary))
+        return 0
+    print(_summary_text(summary))
+    if plan.num_workers <= _GRID_MAX_WORKERS:
+        print()
+        print(format_grid(plan, max_cols=60))
+    for what, path in written.items():
+        print(f"wrote {what}: {Path(path)}")
+    return 0
+
+
+def _make_plan(args: argparse.Namespace, config: Config, options: PlannerOptions,
+               failed: list[tuple[int, int]]) -> tuple[Plan, PartitionChoice | None, Config]:
+    """(plan, the partition chosen with --repartition, the config the simulator times the plan with)."""
+    if not args.repartition:
+        plan = api.plan(config, failed, options=options, solver=args.solver, time_limit=args.time_limit,
+                        routing=args.routing)
+        return plan, None, config
+    from recycle.planner.partition import make_repartitioned_plan, partition_config
+
+    # The config's memory budget is re-derived for each partition (a stage that gains layers holds fewer
+    # micro-batches); an explicit --memory-cap N / 1f1b is kept as given.
+    explicit = args.memory_cap is not None and args.memory_cap.strip().lower() != "none"
+    plan, choice = make_repartitioned_plan(config, failed, options if explicit else
+                                           replace(options, memory_cap=None), args.solver, args.routing,
+                                           time_limit_s=args.time_limit)
+    return plan, choice, partition_config(config, plan.partition)  # the simulator times the plan on its own layers
+
+
+def _write_outputs(args: argparse.Namespace, plan: Plan, config: Config, result: SimResult,
+                   summary: dict[str, Any]) -> dict[str, str]:
+    """Write --save (plan JSON or torch's pipelining CSV) and --gantt; what was written -> its path."""
     written: dict[str, str] = {}
     if args.save:
         from recycle.fileio import atomic_write_text
@@ -274,14 +298,4 @@ def run(args: argparse.Namespace) -> int:
         period = human_time(result.period, config.time_unit) + ("" if config.time_unit == "us" else " slots")
         title = f"{config.name}: failed {' '.join(args.fail) or 'none'}, {summary['solver']}; period {period}"
         written["gantt"] = str(write_gantt(result, plan, args.gantt, title=title, time_unit=config.time_unit))
-    if args.json:
-        summary["written"] = written
-        print(json.dumps(summary))
-        return 0
-    print(_summary_text(summary))
-    if plan.num_workers <= _GRID_MAX_WORKERS:
-        print()
-        print(format_grid(plan, max_cols=60))
-    for what, path in written.items():
-        print(f"wrote {what}: {Path(path)}")
-    return 0
+    return written

@@ -13,8 +13,7 @@ from recycle.errors import ConfigError
 from recycle.traces.experiments import SYSTEM_NAMES
 from recycle.traces.generate import GENERATE_HELP
 from recycle.traces.model import JobCosts
-from recycle.traces.mapping import PLACEMENTS
-from recycle.traces.reader import PLACEMENT_HELP
+from recycle.traces.placement import PLACEMENT_HELP, PLACEMENTS
 from recycle.traces.report import write_report
 
 __all__ = ["register", "run"]

@@ -7,15 +7,18 @@ import argparse
 import json
 import os
 import sys
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from recycle.api import select_plan
 from recycle.commands import add_set_option
-from recycle.config import load_config
+from recycle.config import Topology, load_config
 from recycle.errors import ConfigError
 from recycle.runtime.chaos import parse_chaos
 from recycle.runtime.cluster_env import NodeRole, resolve_role
-from recycle.runtime.faults import parse_fault, parse_rejoin
+from recycle.runtime.faults import FaultInjection, parse_fault, parse_rejoin
+
+if TYPE_CHECKING:
+    from recycle.runtime.launcher import LaunchOptions, TrainResult
 
 # The launcher and the emulation pull in torch: they are imported in run(), so `recycle train --help` starts fast.
 
@@ -27,6 +30,17 @@ DEFAULT_CHECKPOINT_EVERY = 10  # steps; a restore loses at most this many
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="train the built-in GPT on real processes (gloo on CPU, NCCL on CUDA)",
                               description=__doc__)
+    # In the order --help lists them.
+    _add_job_options(p)
+    _add_recovery_options(p)
+    _add_cluster_options(p)
+    _add_model_options(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _add_job_options(p: argparse.ArgumentParser) -> None:
+    """The config, the plan, the steps and the outputs."""
     p.add_argument("--config", required=True, help="TOML config, e.g. configs/tiny-gpt.toml")
     add_set_option(p)
     source = p.add_mutually_exclusive_group()
@@ -55,6 +69,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="resume from the latest checkpoint in DIR (any number of stages or replicas)")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds a collective or message may take before the peer counts as stuck (default 30)")
+
+
+def _add_recovery_options(p: argparse.ArgumentParser) -> None:
+    """Surviving failures: planning ahead, detection, scripted and random faults, re-joins, re-partitioning."""
     recovery = p.add_argument_group("surviving failures")
     recovery.add_argument("--max-failures", type=int, default=2, metavar="F",
                           help="plan every failure state with up to F workers down before training starts (default "
@@ -85,8 +103,16 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                           help="beyond ReCycle: in a failure state, also move whole layers between stages when the "
                                "planner finds a faster layer partition (the stage with fewer live replicas holds "
                                "fewer layers); layers move back when workers return. Built-in GPT only")
+    recovery.add_argument("--repartition-prior-s", type=float, default=1800.0, metavar="S",
+                          help="with --repartition: expected seconds a failure state lasts before the run has seen "
+                               "any (then the mean gap between changes, this counted as one); layers move only when "
+                               "the faster plan repays the migration pause within it (default: 1800)")
     recovery.add_argument("--no-recover", action="store_true",
                           help="stop the run at the first worker failure instead of re-routing around it")
+
+
+def _add_cluster_options(p: argparse.ArgumentParser) -> None:
+    """Multi-node: the job secret, the store's address, and how workers start."""
     p.add_argument("--token-file", default="", metavar="FILE",
                    help="multi-node: the job secret (mode 600, the same file on every node); or set "
                         "RECYCLE_JOB_TOKEN")
@@ -108,6 +134,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn",
                    help="how workers start: spawn (fresh interpreter each) or forkserver (torch imported once per "
                         "launcher process; faster for repeated launches)")
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    """The model to train, and cost emulation for timing studies."""
     p.add_argument("--model-factory", default="", metavar="MODULE:FUNC",
                    help="bring your own model: a function (config, num_stages) -> list of stage modules "
                         "(see docs/runtime.md); default: the built-in GPT of [model]")
@@ -123,8 +153,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "(default: runtime.emulate.DEFAULT_SLOT_MS, 40)")
     p.add_argument("--cost-scale", type=float, default=1.0, metavar="X",
                    help="with --emulate-costs: factor on the durations of a microsecond (\"us\") config (default 1)")
-    p.set_defaults(func=run)
-    return p
 
 
 def node_role(args: argparse.Namespace, env: Mapping[str, str]) -> NodeRole:
@@ -141,9 +169,6 @@ def node_role(args: argparse.Namespace, env: Mapping[str, str]) -> NodeRole:
 
 def run(args: argparse.Namespace) -> int:
     from recycle.api import train
-    from recycle.runtime.control import read_token
-    from recycle.runtime.emulate import DEFAULT_SLOT_MS, Emulation
-    from recycle.runtime.launcher import LaunchOptions
 
     role = node_role(args, os.environ)
     tensorboard = args.tensorboard if role.node_rank == 0 else ""  # node 0 gathers the metrics
@@ -155,33 +180,13 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, [*args.set, *hf])
     plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
                        staggered=not args.no_stagger)
-    faults, rejoins = [], []
-    for spec in args.inject:
-        if spec.strip().startswith("rejoin:"):
-            (replica, stage), step = parse_rejoin(spec, config.num_replicas, config.num_stages)
-            rejoins.append((replica * config.num_stages + stage, step))
-        else:
-            (replica, stage), fault = parse_fault(spec, config.num_replicas, config.num_stages)
-            faults.append((replica * config.num_stages + stage, fault))
+    faults, rejoins = _scripted_faults(args.inject, config.topology)
     if args.respawn_after is not None and args.respawn_after < 0:
         raise ConfigError(f"--respawn-after {args.respawn_after:g} must be >= 0 seconds")
-    checkpoint_every = args.checkpoint_every
-    if checkpoint_every is None:
-        checkpoint_every = DEFAULT_CHECKPOINT_EVERY if args.checkpoint_dir else 0
     if plan.failed:
         print(f"workers down: {' '.join(f'{p}:{s}' for p, s in sorted(plan.failed))}; running plan "
               f"{plan.meta.schedule or 'adaptive'} ({'staggered' if plan.staggered else 'coupled'} optimizer)")
-    options = LaunchOptions(steps=args.steps, checkpoint_dir=args.checkpoint_dir,
-                            checkpoint_every=checkpoint_every, resume_dir=args.resume, save_path=args.save or "",
-                            metrics_path=args.metrics or "", timeout_s=args.timeout, master_addr=role.master_addr,
-                            master_port=role.master_port, nnodes=role.nnodes, node_rank=role.node_rank,
-                            model_factory=args.model_factory, start_method=args.start_method,
-                            heartbeat_timeout_s=args.heartbeat_timeout, faults=tuple(faults), rejoins=tuple(rejoins),
-                            respawn_after_s=args.respawn_after, stage_loss=args.on_stage_loss,
-                            chaos=parse_chaos(args.chaos) if args.chaos else None,
-                            token=read_token(args.token_file),
-                            emulation=Emulation(DEFAULT_SLOT_MS if args.slot_ms is None else args.slot_ms,
-                                                args.cost_scale) if args.emulate_costs else None)
+    options = _launch_options(args, role, faults, rejoins)
     sink = None
     if tensorboard:
         from dataclasses import replace
@@ -193,13 +198,57 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = train(config, plan, decoupled=not args.no_decouple, staggered=not args.no_stagger,
                        recover=not args.no_recover, max_failures=args.max_failures, plan_store=args.plan_store,
-                       store_progress=sys.stdout, repartition=args.repartition, launch_options=options)
+                       store_progress=sys.stdout, repartition=args.repartition,
+                       repartition_prior_s=args.repartition_prior_s, launch_options=options)
     finally:
         if sink is not None:
             sink.close()
-    if role.node_rank > 0:
-        print(f"node {role.node_rank}: the run has finished (node 0 reports the steps and writes the outputs)")
-        return 0
+    _print_result(result, role.node_rank, args.save)
+    return 0
+
+
+def _scripted_faults(specs: list[str],
+                     topology: Topology) -> tuple[list[tuple[int, FaultInjection]], list[tuple[int, int]]]:
+    """--inject specs -> ([(rank, fault)], [(rank, re-join step)])."""
+    faults, rejoins = [], []
+    for spec in specs:
+        if spec.strip().startswith("rejoin:"):
+            worker, step = parse_rejoin(spec, topology.num_replicas, topology.num_stages)
+            rejoins.append((topology.rank(*worker), step))
+        else:
+            worker, fault = parse_fault(spec, topology.num_replicas, topology.num_stages)
+            faults.append((topology.rank(*worker), fault))
+    return faults, rejoins
+
+
+def _launch_options(args: argparse.Namespace, role: NodeRole, faults: list[tuple[int, FaultInjection]],
+                    rejoins: list[tuple[int, int]]) -> LaunchOptions:
+    """The launcher's options from the command line."""
+    from recycle.runtime.control import read_token
+    from recycle.runtime.emulate import DEFAULT_SLOT_MS, Emulation
+    from recycle.runtime.launcher import LaunchOptions
+
+    checkpoint_every = args.checkpoint_every
+    if checkpoint_every is None:
+        checkpoint_every = DEFAULT_CHECKPOINT_EVERY if args.checkpoint_dir else 0
+    return LaunchOptions(steps=args.steps, checkpoint_dir=args.checkpoint_dir,
+                         checkpoint_every=checkpoint_every, resume_dir=args.resume, save_path=args.save or "",
+                         metrics_path=args.metrics or "", timeout_s=args.timeout, master_addr=role.master_addr,
+                         master_port=role.master_port, nnodes=role.nnodes, node_rank=role.node_rank,
+                         model_factory=args.model_factory, start_method=args.start_method,
+                         heartbeat_timeout_s=args.heartbeat_timeout, faults=tuple(faults), rejoins=tuple(rejoins),
+                         respawn_after_s=args.respawn_after, stage_loss=args.on_stage_loss,
+                         chaos=parse_chaos(args.chaos) if args.chaos else None,
+                         token=read_token(args.token_file),
+                         emulation=Emulation(DEFAULT_SLOT_MS if args.slot_ms is None else args.slot_ms,
+                                             args.cost_scale) if args.emulate_costs else None)
+
+
+def _print_result(result: TrainResult, node_rank: int, save: str | None) -> None:
+    """What the run did, on node 0 (the other nodes say that node 0 reports)."""
+    if node_rank > 0:
+        print(f"node {node_rank}: the run has finished (node 0 reports the steps and writes the outputs)")
+        return
     if result.steps:
         last = result.steps[-1]
         print(f"trained steps {result.start_step + 1}..{result.end_step} in {result.wall_s:.1f} s; final loss "
@@ -212,6 +261,5 @@ def run(args: argparse.Namespace) -> int:
               + (f"workers down at the end: {down}" if down else "every worker is up at the end"))
     if not result.steps:  # a resume already at the last step
         print(f"nothing to do: already at step {result.end_step}")
-    if args.save:
-        print(f"saved final parameters to {args.save}")
-    return 0
+    if save:
+        print(f"saved final parameters to {save}")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Iterator
 
 from recycle.errors import FailureStateError
-from recycle.ir.actions import Action, Kind
+from recycle.planner.patterns import rename_replicas
 from recycle.ir.plan import Plan
 
 __all__ = ["FailureState", "normalize", "parse_worker", "enumerate_keys", "count_failure_sets"]
@@ -60,45 +60,14 @@ class FailureState:
         if plan.failed != self.canonical_failed():
             raise FailureStateError(f"plan is for failed workers {sorted(plan.failed)}, not the canonical layout "
                                     f"of key {self.key}; look the plan up by this key")
-        actions: list[tuple] = [()] * (D * S)
         if self.symmetric:
-            # Rename pipelines everywhere and micro-batches with their owner: mb of canonical owner c becomes the
-            # same-index mb of real owner perm[c]. A pure symmetry of the problem: same validity, same timing.
-            M = plan.num_microbatches
-            pi = self.perm[0]
-            rename = [pi[mb // M] * M + mb % M for mb in range(D * M)]
-            for c in range(D):
-                for s in range(S):
-                    actions[pi[c] * S + s] = tuple(a if a.mb < 0 else _action(a.kind, a.stage, rename[a.mb])
-                                                   for a in plan.actions[c * S + s])
-            host_rows = []
-            for row in plan.host:
-                real = [0] * (D * M)
-                for mb, c in enumerate(row):
-                    real[rename[mb]] = pi[c]
-                host_rows.append(tuple(real))
-            return replace(plan, host=tuple(host_rows), actions=tuple(actions), failed=self.failed)
+            return rename_replicas(plan, self.perm[0], self.failed)
+        actions: list[tuple] = [()] * (D * S)
         for c in range(D):
             for s in range(S):
                 actions[self.perm[s][c] * S + s] = plan.actions[c * S + s]
         host = tuple(tuple(self.perm[s][c] for c in row) for s, row in enumerate(plan.host))
         return replace(plan, host=host, actions=tuple(actions), failed=self.failed)
-
-
-_ACTIONS: dict[tuple[Kind, int, int], Action] = {}
-_ACTIONS_LIMIT = 1 << 20
-
-
-def _action(kind: Kind, stage: int, mb: int) -> Action:
-    """A shared Action instance: renaming a stored plan then costs dict look-ups, not object construction, which
-    keeps a plan-store lookup well under a millisecond."""
-    key = (kind, stage, mb)
-    action = _ACTIONS.get(key)
-    if action is None:
-        if len(_ACTIONS) >= _ACTIONS_LIMIT:
-            _ACTIONS.clear()
-        action = _ACTIONS[key] = Action(kind, stage, mb)
-    return action
 
 
 def normalize(failed: Iterable[tuple[int, int]], num_replicas: int, num_stages: int) -> FailureState:

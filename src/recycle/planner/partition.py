@@ -18,7 +18,8 @@ from recycle.planner.routing import check_key
 
 __all__ = ["LayerCosts", "configured_partition", "layer_costs", "partition_config", "partition_caps",
            "worker_memory_bytes", "balanced_partition", "PartitionChoice", "best_partition", "partition_period",
-           "ideal_period", "PartitionBound", "partition_bound", "migration_bytes", "make_repartitioned_plan"]
+           "ideal_period", "PartitionBound", "partition_bound", "migration_bytes", "make_repartitioned_plan",
+           "plan_with_partition"]
 
 # Per-stage values that follow the layers a stage holds; everything else (activation messages: the hidden state
 # between stages) does not depend on the partition.
@@ -416,11 +417,20 @@ def make_repartitioned_plan(config: Config, failed: Iterable[tuple[int, int]] = 
     """`make_plan` with the layer partition chosen for the failure state: the plan (real ranks) records it."""
     state = normalize(failed, config.num_replicas, config.num_stages)
     choice = best_partition(config, state.key, options, solver, max_evaluations, time_limit_s)
-    costs = layer_costs(config)
-    caps = partition_caps(config, choice.partition, costs, options.memory_cap)
-    derived = partition_config(config, choice.partition, costs)
-    plan = make_plan(derived, state.failed, replace(options, memory_cap=caps), solver, time_limit_s, routing)
-    notes = (f"{plan.meta.notes}; layers per stage {list(choice.partition)} (configured {list(choice.configured)}, "
-             f"period {choice.configured_period:g} with re-routing alone)")
-    plan = replace(plan, partition=choice.partition).with_meta(config_fingerprint=config.fingerprint(), notes=notes)
+    plan = plan_with_partition(config, state.failed, choice.partition, options, solver, routing, time_limit_s,
+                               f"configured {list(choice.configured)}, period {choice.configured_period:g} with "
+                               "re-routing alone")
     return plan, choice
+
+
+def plan_with_partition(config: Config, failed: Iterable[tuple[int, int]], partition: Sequence[int],
+                        options: PlannerOptions = PlannerOptions(), solver: str = "heuristic",
+                        routing: str = "traffic", time_limit_s: float = 10.0, note: str = "") -> Plan:
+    """`make_plan` for the failure set with the layers laid out as `partition` (a PlanError when it does not fit
+    in memory): the plan (real ranks) records the partition."""
+    costs = layer_costs(config)
+    caps = partition_caps(config, partition, costs, options.memory_cap)
+    derived = partition_config(config, partition, costs)
+    plan = make_plan(derived, failed, replace(options, memory_cap=caps), solver, time_limit_s, routing)
+    notes = f"{plan.meta.notes}; layers per stage {list(partition)}" + (f" ({note})" if note else "")
+    return replace(plan, partition=tuple(partition)).with_meta(config_fingerprint=config.fingerprint(), notes=notes)

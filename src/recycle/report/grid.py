@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from recycle.ir.actions import Kind
 from recycle.ir.plan import Plan
 from recycle.report.timeline import TimedAction, timed_actions
@@ -54,40 +56,46 @@ def _row_label(plan: Plan, rank: int) -> str:
     return f"({replica},{stage})"
 
 
-def _slot_rows(plan: Plan, by_rank: dict[int, list[TimedAction]], t0: float, slots: int) -> tuple[list[str], str]:
-    width = max(len(e.label) for events in by_rank.values() for e in events)
+def _rows(plan: Plan, by_rank: dict[int, list[TimedAction]],
+          cells: Callable[[list[TimedAction]], str]) -> tuple[list[str], int]:
+    """One row per worker: its label, then `cells` of its actions (or DOWN / no actions); and the label width."""
     label_w = max(len(_row_label(plan, r)) for r in range(plan.num_workers))
     rows = []
     for rank in range(plan.num_workers):
         label = _row_label(plan, rank).rjust(label_w)
         if rank not in by_rank:
             rows.append(f"{label} DOWN" if plan.worker(rank) in plan.failed else f"{label} (no actions)")
-            continue
-        cells = [_IDLE.ljust(width)] * slots
-        for e in by_rank[rank]:
+        else:
+            rows.append(f"{label} {cells(by_rank[rank])}".rstrip())
+    return rows, label_w
+
+
+def _slot_rows(plan: Plan, by_rank: dict[int, list[TimedAction]], t0: float, slots: int) -> tuple[list[str], str]:
+    width = max(len(e.label) for events in by_rank.values() for e in events)
+
+    def cells(events: list[TimedAction]) -> str:
+        row = [_IDLE.ljust(width)] * slots
+        for e in events:
             first = int(round(e.start - t0))
             last = int(round(e.end - t0))
             if last == first:  # zero-duration action (e.g. a free optimizer): still show it
                 last = first + 1
             for c in range(first, min(last, slots)):
-                cells[c] = (e.label if c == first else "-").ljust(width)
-        rows.append(f"{label} {' '.join(cells)}".rstrip())
+                row[c] = (e.label if c == first else "-").ljust(width)
+        return " ".join(row)
+
+    rows, label_w = _rows(plan, by_rank, cells)
     marks = "".join(f"{c:<{width + 1}}" if c % 5 == 0 else " " * (width + 1) for c in range(slots))
     return rows, f"{'t'.rjust(label_w)} {marks}".rstrip()
 
 
 def _scaled_rows(plan: Plan, by_rank: dict[int, list[TimedAction]], t0: float, span: float,
                  columns: int) -> tuple[list[str], str]:
-    label_w = max(len(_row_label(plan, r)) for r in range(plan.num_workers))
     step = span / columns if span > 0 else 1.0
-    rows = []
-    for rank in range(plan.num_workers):
-        label = _row_label(plan, rank).rjust(label_w)
-        if rank not in by_rank:
-            rows.append(f"{label} DOWN" if plan.worker(rank) in plan.failed else f"{label} (no actions)")
-            continue
-        cells = [_IDLE] * columns
-        events = sorted(by_rank[rank], key=lambda e: e.start)
+
+    def cells(actions: list[TimedAction]) -> str:
+        row = [_IDLE] * columns
+        events = sorted(actions, key=lambda e: e.start)
         i = 0
         for c in range(columns):
             mid = t0 + (c + 0.5) * step
@@ -96,7 +104,9 @@ def _scaled_rows(plan: Plan, by_rank: dict[int, list[TimedAction]], t0: float, s
             if i < len(events) and events[i].start <= mid:
                 e = events[i]
                 letter = KIND_LETTER[e.action.kind]
-                cells[c] = letter.lower() if e.rerouted else letter
-        rows.append(f"{label} {''.join(cells)}")
+                row[c] = letter.lower() if e.rerouted else letter
+        return "".join(row)  # letters and '.', never a space: the row's rstrip keeps every cell
+
+    rows, label_w = _rows(plan, by_rank, cells)
     marks = "".join("|" if c % 10 == 0 else " " for c in range(columns))
     return rows, f"{'t'.rjust(label_w)} {marks}  (| every {10 * step:.4g})"

@@ -134,6 +134,7 @@ class RunState:
     aborted: bool = False  # AbortGeneration was sent for this generation
     latest_checkpoint: int | None = None  # the newest complete checkpoint (steps done)
     moved: tuple[tuple[int, int], ...] = ()  # of the recovery under way: (donor rank, rank it now runs as)
+    moving: frozenset[int] = frozenset()  # ranks of `moved` whose new process is not up yet (the restore waits)
 
 
 class Coordinator:
@@ -143,10 +144,12 @@ class Coordinator:
     - A worker that dies (any exit but 0, or a missed heartbeat, which is fenced) leaves the live set; its stage's
       surviving replicas take its micro-batches in the next generation.
     - A stage with no replica left has lost its weights: with a complete checkpoint every worker restores it, and
-      the lost stage is refilled: with `reshape`, by moving a worker of the stage with the most live replicas (at
-      least two) into the lost stage's slot of its own pipeline (no spare machine needed: the live workers are
-      re-laid out, the global batch is unchanged), otherwise (or with no stage to spare) by respawning the dead
-      workers (a repaired machine). Without a checkpoint the run fails with a message that says so.
+      the lost stage is refilled: with `reshape`, by moving live workers from the fullest stages into free slots
+      of the emptiest ones, each within its own pipeline, until the stages' worker counts differ by at most one
+      (no spare machine needed: the live workers are re-laid out as evenly as a D' = live // S layout would hold
+      them, the global batch is unchanged, and every worker restores the checkpoint anyway, so a move costs
+      nothing extra), otherwise (or with no stage to spare) by respawning the dead workers (a repaired machine).
+      Without a checkpoint the run fails with a message that says so.
     - A replacement worker that is up waits until the others stop at an iteration boundary, then joins the next
       generation and receives its stage's state from a live replica (or the checkpoint, when restoring).
     - A worker that raises an ordinary exception (not a communication error) fails the run: that is a bug or bad
@@ -177,8 +180,9 @@ class Coordinator:
     def on_death(self, rank: int, cause: str, now: float, fence: bool = False) -> list[Command]:
         """A live worker is gone: its process ended, or it stopped responding (`fence`: kill it to be sure)."""
         state = self.state
-        if rank not in state.live and rank in state.joining:  # a replacement died before it was admitted
-            self.state = replace(state, joining=state.joining - {rank})
+        if rank not in state.live and (rank in state.joining or rank in state.moving):
+            # A replacement (or a moved worker's new process) died before it was admitted.
+            self.state = replace(state, joining=state.joining - {rank}, moving=state.moving - {rank})
             return ([Fence(rank, cause)] if fence else []) + self._maybe_announce(now)
         if rank not in state.live or state.finished:
             return []
@@ -200,33 +204,53 @@ class Coordinator:
                     "can be left out with --down R:S)")]
             self.state = replace(self.state, restore=True)
             restoring = f"restoring checkpoint step {self.state.latest_checkpoint}"
-            donor = self._donor() if self.reshape else None
-            if any(self.worker(r)[1] == stage for r in self.state.joining):
-                pass  # a replacement for the stage is already up and waiting: it restores the checkpoint
-            elif donor is not None:
-                commands += self._move(donor, stage, f"{what}: {restoring}")
+            moves = self._balancing_moves() if self.reshape else []
+            for donor, target in moves:
+                commands += self._move(donor, target, f"{what}: {restoring}")
+            if any(self.worker(r)[1] == stage for r in self.state.joining | self.state.moving):
+                pass  # a replacement (or a moved worker) for the stage is up or starting: it restores the checkpoint
             else:
                 respawn = frozenset(p * self.num_stages + s for p, s in failed if s == stage) - self.state.joining
                 commands += [Respawn(respawn, f"{what}: {restoring}")]
         return commands + self._begin_recovery(now, cause) + self._maybe_announce(now)
 
-    def _donor(self) -> int | None:
-        """The live worker to move into a lost stage: the last replica of the stage with the most live replicas
-        (ties: the lowest stage), if that stage keeps at least one."""
-        live = self.state.live
-        counts = [sum(1 for r in live if self.worker(r)[1] == s) for s in range(self.num_stages)]
-        stage = max(range(self.num_stages), key=lambda s: (counts[s], -s))
-        if counts[stage] < 2:
-            return None
-        return max(r for r in live if self.worker(r)[1] == stage)
+    def _balancing_moves(self) -> list[tuple[int, int]]:
+        """Moves (donor rank, slot rank) that even out the stages' worker counts: repeatedly, the last live replica
+        of the fullest stage (ties: the lowest stage) that has a free slot of the emptiest stage (ties: the lowest)
+        in its own pipeline moves there, while the two counts differ by two or more. A free slot is a failed one
+        that no replacement or earlier move is filling. Each move lowers the sum of squared counts: it ends."""
+        state = self.state
+        donors = set(state.live)
+        holders = [{r for r in state.live | state.joining | state.moving if self.worker(r)[1] == s}
+                   for s in range(self.num_stages)]
+        taken = state.joining | state.moving
+        free = {p * self.num_stages + s for p, s in state.failed} - taken
+        moves: list[tuple[int, int]] = []
+        while True:
+            counts = [len(h) for h in holders]
+            target_stage = min(range(self.num_stages), key=lambda s: (counts[s], s))
+            options = [(counts[self.worker(r)[1]], -self.worker(r)[1], r) for r in donors
+                       if counts[self.worker(r)[1]] - counts[target_stage] >= 2
+                       and self.worker(r)[0] * self.num_stages + target_stage in free]
+            if not options:
+                return moves
+            _, _, donor = max(options)
+            replica, donor_stage = self.worker(donor)
+            target = replica * self.num_stages + target_stage
+            moves.append((donor, target))
+            donors.discard(donor)
+            free.discard(target)
+            holders[donor_stage].discard(donor)
+            holders[target_stage].add(target)
 
-    def _move(self, donor: int, stage: int, reason: str) -> list[Command]:
-        """Take `donor` out of the live set (its slot becomes a failed one) and start its pipeline's slot of `stage`."""
+    def _move(self, donor: int, rank: int, reason: str) -> list[Command]:
+        """Take `donor` out of the live set (its slot becomes a failed one) and start `rank` (a slot of its own
+        pipeline) in its place."""
         replica, donor_stage = self.worker(donor)
-        rank = replica * self.num_stages + stage
+        stage = self.worker(rank)[1]
         state = self.state
         self.state = replace(state, live=state.live - {donor}, failed=state.failed | {(replica, donor_stage)},
-                             moved=state.moved + ((donor, rank),))
+                             moved=state.moved + ((donor, rank),), moving=state.moving | {rank})
         return [Move(donor, rank, f"{reason}; worker {replica}:{donor_stage} moves to stage {stage} (reshape: no "
                                   "spare machine needed)")]
 
@@ -237,7 +261,7 @@ class Coordinator:
             return []
         if self.worker(rank) not in state.failed:
             return []
-        self.state = replace(state, joining=state.joining | {rank})
+        self.state = replace(state, joining=state.joining | {rank}, moving=state.moving - {rank})
         if state.recovering:
             return self._maybe_announce(now)
         self.state = replace(self.state, recovering=True, recovery_started=now)
@@ -287,6 +311,11 @@ class Coordinator:
             commands += self.on_death(rank, f"did not stop within {self.report_timeout_s:g} s of the failure", now,
                                       fence=True)
         if self.state.restore and not self.state.finished and not commands:
+            if self.state.moving and self._every_stage_held():
+                # Moved workers that evened out the stages are slow to start: go on without them; they are
+                # admitted later like any replacement.
+                self.state = replace(self.state, moving=frozenset())
+                return self._maybe_announce(now)
             self.state = replace(self.state, finished=True)
             return [FailRun(f"a stage lost every replica and no replacement worker came up within "
                             f"{self.report_timeout_s:g} s to restore checkpoint step {self.state.latest_checkpoint}; "
@@ -295,6 +324,11 @@ class Coordinator:
 
     def on_finished(self) -> None:
         self.state = replace(self.state, finished=True)
+
+    def _every_stage_held(self) -> bool:
+        """Every stage has a live worker or an admitted-at-the-boundary replacement."""
+        held = {self.worker(r)[1] for r in self.state.live | self.state.joining}
+        return len(held) == self.num_stages
 
     # -- transitions ---------------------------------------------------------------------------------------------
     def _begin_recovery(self, now: float, reason: str) -> list[Command]:
@@ -309,9 +343,8 @@ class Coordinator:
         state = self.state
         if not state.recovering or state.finished or not state.live <= set(state.reports) | state.done:
             return []
-        if state.restore and not all(any(self.worker(r)[1] == s for r in state.live | state.joining)
-                                     for s in range(self.num_stages)):
-            return []  # wait for a replacement in every lost stage (on_tick gives up after the report timeout)
+        if state.restore and (state.moving or not self._every_stage_held()):
+            return []  # wait for every moved worker and a replacement in every lost stage (on_tick: timeout)
         retries = 0 if state.deaths or state.joining else state.retries + 1
         if retries > self.max_retries:
             self.state = replace(state, finished=True)

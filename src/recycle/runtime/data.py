@@ -3,14 +3,19 @@ deterministic micro-batch sampler every worker uses to load any micro-batch of a
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from recycle.errors import ConfigError
 
-__all__ = ["TextDataset", "builtin_corpus", "load_dataset", "microbatch", "BUILTIN"]
+if TYPE_CHECKING:
+    from recycle.config import Config
+
+__all__ = ["TextDataset", "builtin_corpus", "load_dataset", "config_dataset", "microbatch", "BUILTIN"]
 
 BUILTIN = "builtin"
 _MASK64 = (1 << 64) - 1
@@ -81,6 +86,13 @@ def load_dataset(dataset: str, seq_len: int, base_dir: str | Path | None = None)
         raise ConfigError(f"dataset {source!r} has {len(data)} bytes but [workload] seq_len = {seq_len} needs at "
                           f"least {seq_len + 2}; use a longer text or a shorter seq_len")
     return TextDataset(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64), source)
+
+
+def config_dataset(config: Config) -> TextDataset:
+    """The config's `[training] dataset` for its `[workload] seq_len`; a relative path is looked up beside the
+    config file too."""
+    return load_dataset(config.training.dataset, config.workload.seq_len,
+                        base_dir=os.path.dirname(config.source) or None)
 
 
 def microbatch(dataset: TextDataset, iteration: int, mb: int, microbatch_size: int,

@@ -26,7 +26,7 @@ from recycle.runtime.control import (Announcement, Keys, StoppedReport, connect_
 from recycle.runtime.coordinator import (AbortGeneration, Announce, Command, Coordinator, Drain, FailRun, Fence,
                                          Move, RecoveryFacts, Respawn, describe_exit, stale_heartbeats)
 from recycle.runtime.chaos import ChaosMonkey, ChaosSpec
-from recycle.runtime.data import load_dataset
+from recycle.runtime.data import config_dataset
 from recycle.runtime.emulate import Emulation
 from recycle.runtime.faults import FaultInjection
 from recycle.runtime.messages import check_plan_matches
@@ -47,6 +47,7 @@ class PlanChoice:
     plan: Plan
     source: str
     seconds: float
+    note: str = ""  # why this plan (e.g. a layer re-partition decision), printed with the recovery
 
 
 # Given every (replica, stage) that is down, the plan to run. The command layer builds it from the planner's plan
@@ -136,6 +137,7 @@ class Recovery:
     layers_moved: int = 0  # layers handed between stages at the switch (each counted once per receiving worker)
     migration_bytes: int = 0  # parameters and optimizer state sent for them
     migration_s: float = 0.0  # the slowest worker's exchange
+    plan_note: str = ""  # the plan provider's reason for the plan (PlanChoice.note)
 
     def line(self) -> str:
         what = list(self.causes)
@@ -152,6 +154,8 @@ class Recovery:
             what.append(f"layers re-partitioned to {list(self.partition) or 'the configured split'} per stage "
                         f"({self.layers_moved} layer move(s), {self.migration_bytes / 1e6:.2f} MB in "
                         f"{self.migration_s:.3f} s)")
+        if self.plan_note:
+            what.append(self.plan_note)
         detected = f"detected in {self.detected_s:.2f} s; " if self.detected_s is not None else ""
         down: dict[int, int] = {}
         for _, stage in self.failed:
@@ -213,7 +217,7 @@ def _check_options(config: Config, plan: Plan, options: LaunchOptions) -> tuple[
                           f"heartbeat interval ({options.heartbeat_s:g} s), or a busy worker counts as hung")
     # Catch model and data errors here, with a clear message, rather than in every worker.
     check_model(config, options.model_factory)
-    load_dataset(config.training.dataset, config.workload.seq_len, base_dir=os.path.dirname(config.source) or None)
+    config_dataset(config)
     start = preflight.check_launch(config, options, end)  # options, outputs, checkpoint: before any worker
     if start > end:
         raise ConfigError(f"the checkpoint in {options.resume_dir!r} is at step {start}, past --steps {end}; "
@@ -635,7 +639,7 @@ class _Coordination:
             workers=tuple("%d:%d" % self.plan.worker(d.rank) for d in facts.deaths), causes=tuple(causes),
             failed=tuple(sorted(facts.failed)), failure_time=failure_time,
             detected_s=(min(d.time for d in facts.deaths) - min(fault_times)) if fault_times and facts.deaths else None,
-            plan_source=choice.source, plan_lookup_s=choice.seconds,
+            plan_source=choice.source, plan_lookup_s=choice.seconds, plan_note=choice.note,
             formed_s=(max(joined) - pending["announced"]) if joined else 0.0,
             resumed_s=end - (failure_time if facts.deaths else paused_from), redone_actions=facts.redone_actions,
             redone_s=facts.redone_s, rolled_back=facts.rolled_back,

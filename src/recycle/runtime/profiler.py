@@ -21,7 +21,7 @@ from recycle.config import Config, parse_config
 from recycle.errors import ConfigError
 from recycle.fileio import atomic_write_text
 from recycle.models.gpt import build_stages
-from recycle.runtime.data import BUILTIN, load_dataset, microbatch
+from recycle.runtime.data import BUILTIN, config_dataset, microbatch
 from recycle.runtime.optim import allreduce_grads, make_optimizer
 from recycle.runtime.precision import autocast, weights_dtype
 
@@ -110,7 +110,7 @@ def profile_stages(config: Config, repeats: int = 10, warmup: int = 3) -> tuple[
     S = config.num_stages
     dtype = weights_dtype(training.dtype)
     stages = build_stages(config.model, S, training.seed, dtype, workload.seq_len)
-    dataset = load_dataset(training.dataset, workload.seq_len, base_dir=os.path.dirname(config.source) or None)
+    dataset = config_dataset(config)
     tokens, targets = microbatch(dataset, 0, 0, workload.microbatch_size, workload.seq_len)
     scale = 1.0 / (config.num_replicas * config.num_microbatches)
     out_profiles = []

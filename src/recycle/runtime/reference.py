@@ -4,14 +4,13 @@ Pipeline runs must end with the same parameters."""
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from recycle.config import Config
 from recycle.errors import ConfigError
 from recycle.models.gpt import full_model
-from recycle.runtime.data import load_dataset, microbatch
+from recycle.runtime.data import config_dataset, microbatch
 from recycle.runtime.optim import make_optimizer
 from recycle.runtime.precision import autocast, weights_dtype
 
@@ -44,7 +43,7 @@ def reference_train(config: Config, steps: int | None = None) -> tuple[dict[str,
         module = model = full_model(config.model, workload.seq_len, training.seed,
                                     weights_dtype(training.dtype))
     optimizer = make_optimizer(module, training)
-    dataset = load_dataset(training.dataset, workload.seq_len, base_dir=os.path.dirname(config.source) or None)
+    dataset = config_dataset(config)
     total = config.num_replicas * config.num_microbatches
     losses = []
     for step in range(steps):

@@ -25,7 +25,7 @@ from recycle.models.gpt import GPTStage
 from recycle.runtime import checkpoint
 from recycle.runtime.checkpoint_writer import CheckpointWriter
 from recycle.runtime.control import Announcement, Keys, StoppedReport, connect_store, decode, encode, job_store
-from recycle.runtime.data import load_dataset, microbatch
+from recycle.runtime.data import config_dataset, microbatch
 from recycle.runtime.emulate import Emulation, install_pacing
 from recycle.runtime.executor import StageExecutor
 from recycle.runtime.faults import FaultInjection, fire
@@ -191,8 +191,7 @@ class _Worker:
         if spec.resume_dir:
             checkpoint.load_stage(spec.resume_dir, spec.start_step, self.stage, self.module, self.optimizer,
                                   self._custom_model)
-        self.dataset = load_dataset(training.dataset, workload.seq_len,
-                                    base_dir=os.path.dirname(config.source) or None)
+        self.dataset = config_dataset(config)
         self.heartbeat = _Heartbeat(spec)
         self.transport: Transport | None = None
         self.executor: StageExecutor | None = None

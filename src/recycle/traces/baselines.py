@@ -10,8 +10,7 @@ import math
 from functools import lru_cache
 
 from recycle.config import Config
-from recycle.traces.mapping import StageLayout
-from recycle.traces.model import Decision, JobContext
+from recycle.traces.model import Decision, JobContext, StageLayout
 
 __all__ = [
     "FaultFree",

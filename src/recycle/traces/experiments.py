@@ -4,18 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from recycle.config import Config
 from recycle.errors import ConfigError
 from recycle.planner.options import PlannerOptions
 from recycle.traces.baselines import BambooLike, CheckpointRestart, FaultFree, FaultScaled, OobleckLike
 from recycle.traces.jobsim import JobResult, replay_all
-from recycle.traces.mapping import UnitTimeline, WorkerGrid, map_trace_to_units
-from recycle.traces.model import JobContext, JobCosts
-from recycle.traces.reader import EventTrace
+from recycle.traces.mapping import UnitTimeline, map_trace_to_units
+from recycle.traces.model import JobContext, JobCosts, SystemModel
 from recycle.traces.recycle_system import ReCycleSystem
 from recycle.traces.throughput import PeriodFn, ThroughputModel, make_period_fn, reference_period, seconds_per_unit
+from recycle.traces.trace import EventTrace, WorkerGrid
+
+if TYPE_CHECKING:
+    from recycle.traces.repartition import PartitionModel
 
 __all__ = [
     "SYSTEM_NAMES",
@@ -130,35 +133,14 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
     if progress:
         progress(f"planning the fault-free state of {config.name} (D={config.num_replicas}, S={config.num_stages})")
     ctx = JobContext(config, throughput.fault_free(), throughput.seconds_per_unit, costs)
+    partitions: PartitionModel | None = None
     skipped: dict[str, str] = {}
-    partitions = None
     if "recycle-plus" in systems:
-        from recycle.traces.repartition import PartitionModel, partition_support
-
-        why = partition_support(config)
-        if not why and not period_label.startswith(("planner", "closed-form")):
-            why = f"the period source {period_label!r} knows the configured layout only"
+        partitions, why = _partition_model(config, throughput, options, period_label)
         if why:
             skipped["recycle-plus"] = f"cannot re-partition: {why}"
             systems = [s for s in systems if s != "recycle-plus"]
-        else:
-            partitions = PartitionModel(throughput, options, planner=not period_label.startswith("closed-form"))
-
-    def recycle_plus():
-        from recycle.traces.repartition import ReCyclePlusSystem
-
-        return ReCyclePlusSystem(ctx, throughput, partitions)
-
-    builders = {
-        "recycle": lambda: ReCycleSystem(ctx, throughput),
-        "recycle-plus": recycle_plus,
-        "fault-free": lambda: FaultFree(ctx),
-        "fault-scaled": lambda: FaultScaled(ctx),
-        "checkpoint-restart": lambda: CheckpointRestart(ctx),
-        "oobleck": lambda: OobleckLike(ctx),
-        "bamboo": lambda: BambooLike(ctx),
-    }
-    built = [builders[name]() for name in systems]
+    built = _build_systems(systems, ctx, throughput, partitions)
     result = replay_all(built, timeline, ctx, progress)
     policy = next((list(b.policy_log) for b in built if type(b) is ReCycleSystem), [])
     plus = next((list(b.policy_log) for b in built if b.name == "recycle-plus"), [])
@@ -183,6 +165,40 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
         "skipped": skipped,
     }
     return replace(result, extra=extra)
+
+
+def _partition_model(config: Config, throughput: ThroughputModel, options: PlannerOptions,
+                     period_label: str) -> tuple[PartitionModel | None, str]:
+    """(ReCycle+'s PartitionModel, "") or (None, why this job cannot re-partition)."""
+    from recycle.traces.repartition import PartitionModel, partition_support
+
+    why = partition_support(config)
+    if not why and not period_label.startswith(("planner", "closed-form")):
+        why = f"the period source {period_label!r} knows the configured layout only"
+    if why:
+        return None, why
+    return PartitionModel(throughput, options, planner=not period_label.startswith("closed-form")), ""
+
+
+def _build_systems(systems: Sequence[str], ctx: JobContext, throughput: ThroughputModel,
+                   partitions: PartitionModel | None) -> list[SystemModel]:
+    """One system model per name, in order (`partitions`: ReCycle+'s PartitionModel, when it is asked for)."""
+
+    def recycle_plus() -> SystemModel:
+        from recycle.traces.repartition import ReCyclePlusSystem
+
+        return ReCyclePlusSystem(ctx, throughput, partitions)
+
+    builders: dict[str, Callable[[], SystemModel]] = {
+        "recycle": lambda: ReCycleSystem(ctx, throughput),
+        "recycle-plus": recycle_plus,
+        "fault-free": lambda: FaultFree(ctx),
+        "fault-scaled": lambda: FaultScaled(ctx),
+        "checkpoint-restart": lambda: CheckpointRestart(ctx),
+        "oobleck": lambda: OobleckLike(ctx),
+        "bamboo": lambda: BambooLike(ctx),
+    }
+    return [builders[name]() for name in systems]
 
 
 # GPT-3 350M (24 layers, h = 1024, 16 heads, s = 2048, V = 50257) on the same A100 / 80 Gbps cluster, D=6, S=4,

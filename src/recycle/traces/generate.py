@@ -5,13 +5,10 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING
 
 from recycle.errors import TraceError
-from recycle.traces.reader import ADD, REMOVE, AvailabilityTrace, EventTrace, TraceEvent, availability_to_events
-
-if TYPE_CHECKING:
-    from recycle.traces.mapping import WorkerGrid
+from recycle.traces.placement import availability_to_events
+from recycle.traces.trace import ADD, REMOVE, AvailabilityTrace, EventTrace, TraceEvent, WorkerGrid
 
 __all__ = [
     "FailureModel",
@@ -147,8 +144,6 @@ PAPER_GCP_HOURS = 6.3
 
 def paper_gcp_grid() -> WorkerGrid:
     """The paper's job: D=6 x S=4 workers, one GPU per trace node and per worker (GPT-3 6.7B on 24 A100s)."""
-    from recycle.traces.mapping import WorkerGrid  # mapping imports the reader, which this module imports
-
     return WorkerGrid(num_stages=4, num_replicas=6)
 
 

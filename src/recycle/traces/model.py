@@ -1,15 +1,16 @@
-"""Shared vocabulary of the job simulator: cost knobs, the job context, a system's decision, the system protocol."""
+"""Shared vocabulary of the job simulator: cost knobs, the job context, a system's decision, the system protocol,
+and the D x S layout of units a system keeps."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Iterable, Protocol
 
 from recycle.config import Config
 from recycle.errors import ConfigError
 
-__all__ = ["JobCosts", "JobContext", "Decision", "SystemModel", "CAUSES"]
+__all__ = ["JobCosts", "JobContext", "Decision", "SystemModel", "StageLayout", "CAUSES"]
 
 # Causes of lost time, in report order. Each is in seconds of fault-free-equivalent training time.
 CAUSES = (
@@ -93,10 +94,7 @@ class JobContext:
 
     def transfer_s(self, nbytes: float) -> float:
         """Seconds to move `nbytes` over one p2p link (the config's communication section); 0 if infinite."""
-        comm = self.config.communication
-        if comm.p2p_bandwidth <= 0 or nbytes <= 0:
-            return 0.0
-        return (comm.p2p_latency + nbytes / comm.p2p_bandwidth) * self.seconds_per_unit
+        return self.config.communication.transfer_time(nbytes) * self.seconds_per_unit
 
     def stage_transfer_s(self, stage: int) -> float:
         """A re-joining worker copies its stage's parameters and optimizer state from a live peer."""
@@ -130,3 +128,94 @@ class SystemModel(Protocol):
         ...
 
     def on_wake(self, now: float) -> Decision: ...
+
+
+class StageLayout:
+    """Which unit holds worker (replica, stage); spare units wait; a unit may still be receiving its state.
+
+    Mutable on purpose: a system model owns one and updates it as units fail and join.
+    """
+
+    def __init__(self, num_replicas: int, num_stages: int) -> None:
+        self.num_replicas = num_replicas
+        self.num_stages = num_stages
+        self.slot: dict[tuple[int, int], int] = {}  # (replica, stage) -> unit
+        self.where: dict[int, tuple[int, int]] = {}
+        self.ready_at: dict[int, float] = {}  # unit -> time its state transfer ends (absent: ready)
+        self.spares: list[int] = []
+
+    # -- queries --------------------------------------------------------------------------------------------
+    def ready_workers(self, now: float) -> set[tuple[int, int]]:
+        return {w for w, u in self.slot.items() if self.ready_at.get(u, -1.0) <= now}
+
+    def failed_workers(self, now: float) -> set[tuple[int, int]]:
+        """Grid positions without a ready unit (empty, or still receiving state)."""
+        ready = self.ready_workers(now)
+        return {(p, s) for p in range(self.num_replicas) for s in range(self.num_stages) if (p, s) not in ready}
+
+    def live_per_stage(self, now: float) -> list[int]:
+        """Ready workers per stage."""
+        counts = [0] * self.num_stages
+        for (_, s), u in self.slot.items():
+            if self.ready_at.get(u, -1.0) <= now:
+                counts[s] += 1
+        return counts
+
+    def next_ready(self, now: float) -> float | None:
+        pending = [t for t in self.ready_at.values() if t > now]
+        return min(pending) if pending else None
+
+    # -- updates --------------------------------------------------------------------------------------------
+    def place_all(self, units: Iterable[int], replicas: int | None = None) -> None:
+        """Fresh layout (job start or restore): fill stage by stage so stages stay balanced, rest are spares."""
+        self.slot.clear()
+        self.where.clear()
+        self.ready_at.clear()
+        ordered = sorted(units)
+        use = self.num_replicas if replicas is None else replicas
+        it = iter(ordered)
+        placed: set[int] = set()
+        for p in range(use):
+            for s in range(self.num_stages):
+                u = next(it, None)
+                if u is None:
+                    break
+                self.slot[(p, s)] = u
+                self.where[u] = (p, s)
+                placed.add(u)
+        self.spares = [u for u in ordered if u not in placed]
+
+    def remove(self, unit: int) -> tuple[int, int] | None:
+        """A unit died: free its slot (returned) or drop it from the spares."""
+        self.ready_at.pop(unit, None)
+        if unit in self.where:
+            w = self.where.pop(unit)
+            del self.slot[w]
+            return w
+        if unit in self.spares:
+            self.spares.remove(unit)
+        return None
+
+    def add_spare(self, unit: int) -> None:
+        if unit not in self.where and unit not in self.spares:
+            self.spares.append(unit)
+
+    def fill_from_spares(self, now: float, transfer_s, replicas: Iterable[int] | None = None) -> list[tuple[int, int]]:
+        """Put spares into empty slots, most-depleted stage first; each needs `transfer_s(stage)` seconds of state
+        transfer from a live peer before it counts as a worker. Returns the slots filled."""
+        filled = []
+        rows = list(range(self.num_replicas)) if replicas is None else list(replicas)
+        while self.spares:
+            empty = [(p, s) for p in rows for s in range(self.num_stages) if (p, s) not in self.slot]
+            if not empty:
+                break
+            live_per_stage = {s: sum(1 for (p, st) in self.slot if st == s) for s in range(self.num_stages)}
+            p, s = min(empty, key=lambda w: (live_per_stage[w[1]], w[1], w[0]))
+            u = self.spares.pop(0)
+            self.slot[(p, s)] = u
+            self.where[u] = (p, s)
+            delay = transfer_s(s)
+            if delay > 0:
+                self.ready_at[u] = now + delay
+            filled.append((p, s))
+        return filled

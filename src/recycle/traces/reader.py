@@ -3,133 +3,24 @@
 
 from __future__ import annotations
 
+import collections
 import datetime
-import random
+import itertools
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable, Iterator
 
 from recycle.errors import TraceError
-
-if TYPE_CHECKING:
-    from recycle.traces.mapping import WorkerGrid
+from recycle.traces.placement import availability_to_events
+from recycle.traces.trace import ADD, REMOVE, AvailabilityTrace, EventTrace, TraceEvent, TraceNotes, WorkerGrid
 
 __all__ = [
-    "TraceEvent",
-    "TraceNotes",
-    "EventTrace",
-    "AvailabilityTrace",
     "parse_event_lines",
     "parse_availability_lines",
     "parse_dated_availability_lines",
     "read_trace",
-    "availability_to_events",
-    "PLACEMENT_HELP",
 ]
-
-ADD, REMOVE = "add", "remove"
-
-
-@dataclass(frozen=True)
-class TraceEvent:
-    """One node joining (`add`) or leaving (`remove`) the job at `time_ms`."""
-
-    time_ms: int
-    action: str  # "add" or "remove"
-    node: str
-
-
-@dataclass(frozen=True)
-class TraceNotes:
-    """What the reader did to messy input, counted, so that nothing is fixed silently."""
-
-    blank_lines: int = 0
-    comment_lines: int = 0
-    header: bool = False
-    out_of_order: int = 0  # lines whose time is earlier than the line before (the trace was sorted stably)
-    repeated_removes: int = 0  # remove of a node that is not present (dropped)
-    repeated_adds: int = 0  # add of a node that is already present (dropped)
-    simultaneous_groups: int = 0  # timestamps carrying more than one event (applied together, as one change)
-    cancelled_pairs: int = 0  # remove and re-add (or add and remove) of one node at one timestamp (no change)
-    superseded: int = 0  # availability lines earlier than the line before: they replace the samples from their time
-
-    def messages(self) -> list[str]:
-        """Human-readable warnings, one per kind of fix that was applied."""
-        out = []
-        if self.out_of_order:
-            out.append(f"{self.out_of_order} line(s) were out of time order; the trace was sorted stably by time")
-        if self.superseded:
-            out.append(f"{self.superseded} sample(s) were earlier than the line before; each replaced the samples "
-                       "recorded from its time on (file order is the order of observation: nothing is reordered, so "
-                       "repeated readings cannot create false flaps)")
-        if self.repeated_removes:
-            out.append(f"{self.repeated_removes} 'remove' event(s) named a node that was not present; ignored")
-        if self.repeated_adds:
-            out.append(f"{self.repeated_adds} 'add' event(s) named a node that was already present; ignored")
-        if self.cancelled_pairs:
-            out.append(f"{self.cancelled_pairs} node(s) left and re-joined at the same instant; counted as no change")
-        if self.blank_lines:
-            out.append(f"{self.blank_lines} blank line(s) skipped")
-        return out
-
-
-@dataclass(frozen=True)
-class EventTrace:
-    """A cleaned event trace: events sorted by time, every event a real change of the live node set.
-
-    `initial` holds the nodes present at time 0 (a trace that starts by adding every node at t=0 describes the
-    initial cluster, not re-joins). `end_ms` is the end of the observation window (the last event unless given).
-    For a trace made from availability counts, `placement` says how the failing nodes were chosen and
-    `placement_grid` is the worker grid a grid-aware placement was made for (None for random placement).
-    """
-
-    events: tuple[TraceEvent, ...]
-    initial: frozenset[str]
-    end_ms: int
-    source: str = ""
-    notes: TraceNotes = field(default_factory=TraceNotes)
-    placement: str = ""
-    placement_grid: WorkerGrid | None = None
-
-    @property
-    def nodes(self) -> frozenset[str]:
-        return frozenset(self.initial) | frozenset(e.node for e in self.events)
-
-    def change_points(self) -> list[tuple[int, frozenset[str]]]:
-        """(time_ms, live node set) at 0 and after each group of simultaneous events."""
-        live = set(self.initial)
-        points: list[tuple[int, frozenset[str]]] = [(0, frozenset(live))]
-        i = 0
-        while i < len(self.events):
-            t = self.events[i].time_ms
-            while i < len(self.events) and self.events[i].time_ms == t:
-                e = self.events[i]
-                (live.add if e.action == ADD else live.discard)(e.node)
-                i += 1
-            if t == 0:
-                points[0] = (0, frozenset(live))
-            else:
-                points.append((t, frozenset(live)))
-        return points
-
-    def max_live(self) -> int:
-        return max(len(live) for _, live in self.change_points())
-
-    def num_removals(self) -> int:
-        return sum(1 for e in self.events if e.action == REMOVE)
-
-
-@dataclass(frozen=True)
-class AvailabilityTrace:
-    """A count of live nodes over time: `live[i]` nodes from `times_ms[i]` until the next sample."""
-
-    times_ms: tuple[int, ...]
-    live: tuple[int, ...]
-    end_ms: int
-    source: str = ""
-    notes: TraceNotes = field(default_factory=TraceNotes)
-
 
 def _where(source: str, lineno: int) -> str:
     return f"{source or 'trace'}:{lineno}"
@@ -195,6 +86,23 @@ def _content_lines(lines: Iterable[str]) -> tuple[list[tuple[int, str]], int, in
     return kept, blank, comments
 
 
+def _data_rows(lines: Iterable[str], source: str, width: int,
+               form: str) -> tuple[TraceNotes, Iterator[tuple[int, str, list[str]]]]:
+    """Notes on the skipped lines (blank, comment, header), and the data lines as (line number, line, fields),
+    each checked to have `width` fields (else a TraceError saying the line's `form`), lazily: in file order."""
+    kept, blank, comments = _content_lines(lines)
+    header = _header(kept, source, (width,))
+
+    def rows() -> Iterator[tuple[int, str, list[str]]]:
+        for lineno, line in kept[1:] if header else kept:
+            parts = _split(line)
+            if len(parts) != width:
+                raise TraceError(f"{_where(source, lineno)}: line {line!r} has {len(parts)} field(s); {form}")
+            yield lineno, line, parts
+
+    return TraceNotes(blank, comments, header), rows()
+
+
 def parse_event_lines(lines: Iterable[str], source: str = "", strict: bool = False,
                       end_ms: int | None = None) -> EventTrace:
     """Parse `time_ms,add|remove,node` lines into a cleaned EventTrace.
@@ -205,18 +113,28 @@ def parse_event_lines(lines: Iterable[str], source: str = "", strict: bool = Fal
     every one of those fixes (except blank lines, comments and the header) is a TraceError instead.
     Malformed lines always raise a TraceError naming the line number, the value and the fix.
     """
-    kept, blank, comments = _content_lines(lines)
-    header = _header(kept, source, (3,))
-    if header:
-        kept = kept[1:]
+    notes, rows = _data_rows(lines, source, 3, "an event trace line is time_ms,add|remove,node (e.g. "
+                                                "60000,remove,node7)")
+    parsed, out_of_order = _timed_events(rows, source, strict)
+    if not parsed:
+        raise TraceError(f"{source or 'trace'}: no events found; an event trace has lines time_ms,add|remove,node")
+    events, initial, counts = _net_changes(parsed, source, strict)
+    last = parsed[-1][0]
+    end = last if end_ms is None else end_ms
+    if end < last:
+        raise TraceError(f"{source or 'trace'}: the trace ends at {end} ms but has events up to {last} ms; give an "
+                         "end time at or after the last event")
+    notes = replace(notes, out_of_order=out_of_order, **counts)
+    return EventTrace(tuple(events), frozenset(initial), end, source, notes)
+
+
+def _timed_events(rows: Iterable[tuple[int, str, list[str]]], source: str,
+                  strict: bool) -> tuple[list[tuple[int, int, TraceEvent]], int]:
+    """(time, line number, event) for every line, sorted stably by time, and how many lines were out of order."""
     parsed: list[tuple[int, int, TraceEvent]] = []
     out_of_order = 0
     last_time = -1
-    for lineno, line in kept:
-        parts = _split(line)
-        if len(parts) != 3:
-            raise TraceError(f"{_where(source, lineno)}: line {line!r} has {len(parts)} field(s); an event trace "
-                             "line is time_ms,add|remove,node (e.g. 60000,remove,node7)")
+    for lineno, line, parts in rows:
         t = _parse_time(parts[0], source, lineno, line)
         action = parts[1].lower()
         if action not in (ADD, REMOVE):
@@ -233,84 +151,69 @@ def parse_event_lines(lines: Iterable[str], source: str = "", strict: bool = Fal
         last_time = max(last_time, t)
         parsed.append((t, lineno, TraceEvent(t, action, parts[2])))
     parsed.sort(key=lambda item: item[0])  # stable: simultaneous events keep their file order
-    if not parsed:
-        raise TraceError(f"{source or 'trace'}: no events found; an event trace has lines time_ms,add|remove,node")
+    return parsed, out_of_order
 
+
+def _net_changes(parsed: list[tuple[int, int, TraceEvent]], source: str,
+                 strict: bool) -> tuple[list[TraceEvent], set[str], dict[str, int]]:
+    """(events, nodes live at time 0, counts for TraceNotes): the events of each timestamp applied in file order,
+    then collapsed to their net effect, one change of the live set per timestamp."""
     live: set[str] = set()
     initial: set[str] = set()
     events: list[TraceEvent] = []
-    repeated_adds = repeated_removes = groups = cancelled = 0
-    i = 0
-    while i < len(parsed):
-        t = parsed[i][0]
-        j = i
-        while j < len(parsed) and parsed[j][0] == t:
-            j += 1
-        if j - i > 1:
-            groups += 1
+    counts = dict.fromkeys(("repeated_adds", "repeated_removes", "simultaneous_groups", "cancelled_pairs"), 0)
+    for t, items in itertools.groupby(parsed, key=lambda item: item[0]):
+        group = [(lineno, e) for _, lineno, e in items]
+        counts["simultaneous_groups"] += len(group) > 1
         before = set(live)
-        for _, lineno, e in parsed[i:j]:
-            if e.action == ADD and e.node in live:
-                repeated_adds += 1
-                if strict:
-                    raise TraceError(f"{_where(source, lineno)}: node {e.node!r} is added at {t} ms but is already "
-                                     "present; delete the repeated add (or read the trace without --strict)")
-                continue
-            if e.action == REMOVE and e.node not in live:
-                repeated_removes += 1
-                if strict:
-                    raise TraceError(f"{_where(source, lineno)}: node {e.node!r} is removed at {t} ms but is not "
-                                     "present; delete the repeated remove (or read the trace without --strict)")
-                continue
-            (live.add if e.action == ADD else live.discard)(e.node)
-        # Collapse the group to its net effect: one change of the live set per timestamp.
-        touched = {e.node for _, _, e in parsed[i:j]}
-        cancelled += sum(1 for n in touched if (n in before) == (n in live) and
-                         sum(1 for _, _, e in parsed[i:j] if e.node == n) >= 2)
+        for lineno, e in group:
+            dropped = _apply(e, lineno, live, source, strict)
+            if dropped:
+                counts[dropped] += 1
+        per_node = collections.Counter(e.node for _, e in group)
+        counts["cancelled_pairs"] += sum(1 for n, k in per_node.items() if k >= 2 and (n in before) == (n in live))
         if t == 0:
             initial = set(live)
         else:
-            for node in sorted(before - live):
-                events.append(TraceEvent(t, REMOVE, node))
-            for node in sorted(live - before):
-                events.append(TraceEvent(t, ADD, node))
-        i = j
-    last = parsed[-1][0]
-    end = last if end_ms is None else end_ms
-    if end < last:
-        raise TraceError(f"{source or 'trace'}: the trace ends at {end} ms but has events up to {last} ms; give an "
-                         "end time at or after the last event")
-    notes = TraceNotes(blank, comments, header, out_of_order, repeated_removes, repeated_adds, groups, cancelled)
-    return EventTrace(tuple(events), frozenset(initial), end, source, notes)
+            events.extend(TraceEvent(t, REMOVE, node) for node in sorted(before - live))
+            events.extend(TraceEvent(t, ADD, node) for node in sorted(live - before))
+    return events, initial, counts
+
+
+def _apply(e: TraceEvent, lineno: int, live: set[str], source: str, strict: bool) -> str | None:
+    """Apply one event to `live`; an add of a present node or a remove of an absent one is dropped, and its
+    TraceNotes count named (a TraceError with `strict`)."""
+    if e.action == ADD and e.node in live:
+        if strict:
+            raise TraceError(f"{_where(source, lineno)}: node {e.node!r} is added at {e.time_ms} ms but is already "
+                             "present; delete the repeated add (or read the trace without --strict)")
+        return "repeated_adds"
+    if e.action == REMOVE and e.node not in live:
+        if strict:
+            raise TraceError(f"{_where(source, lineno)}: node {e.node!r} is removed at {e.time_ms} ms but is not "
+                             "present; delete the repeated remove (or read the trace without --strict)")
+        return "repeated_removes"
+    (live.add if e.action == ADD else live.discard)(e.node)
+    return None
 
 
 def parse_availability_lines(lines: Iterable[str], source: str = "", strict: bool = False,
                              end_ms: int | None = None) -> AvailabilityTrace:
     """Parse `time_ms,live` lines (live = number of available nodes from that time on); see `_availability`."""
-    kept, blank, comments = _content_lines(lines)
-    header = _header(kept, source, (2,))
-    rows: list[tuple[int, int, int]] = []
-    for lineno, line in kept[1:] if header else kept:
-        parts = _split(line)
-        if len(parts) != 2:
-            raise TraceError(f"{_where(source, lineno)}: line {line!r} has {len(parts)} field(s); an availability "
-                             "line is time_ms,live (e.g. 3600000,22)")
-        rows.append((lineno, _parse_time(parts[0], source, lineno, line), _parse_count(parts[1], source, lineno, line)))
-    return _availability(rows, source, strict, end_ms, TraceNotes(blank, comments, header))
+    notes, rows = _data_rows(lines, source, 2, "an availability line is time_ms,live (e.g. 3600000,22)")
+    samples = [(lineno, _parse_time(parts[0], source, lineno, line), _parse_count(parts[1], source, lineno, line))
+               for lineno, line, parts in rows]
+    return _availability(samples, source, strict, end_ms, notes)
 
 
 def parse_dated_availability_lines(lines: Iterable[str], source: str = "", strict: bool = False,
                                    end_ms: int | None = None) -> AvailabilityTrace:
     """Parse Bamboo's availability logs, `YYYY-MM-DD, HH:MM:SS, live` (its published GCP traces); times count
     from the earliest line. See `_availability` for the treatment of out-of-order lines."""
-    kept, blank, comments = _content_lines(lines)
-    header = _header(kept, source, (3,))
+    notes, rows = _data_rows(lines, source, 3, "a dated availability line is YYYY-MM-DD, HH:MM:SS, live (e.g. "
+                                                "2021-12-11, 11:11:30, 55)")
     stamped: list[tuple[int, datetime.datetime, int]] = []
-    for lineno, line in kept[1:] if header else kept:
-        parts = _split(line)
-        if len(parts) != 3:
-            raise TraceError(f"{_where(source, lineno)}: line {line!r} has {len(parts)} field(s); a dated "
-                             "availability line is YYYY-MM-DD, HH:MM:SS, live (e.g. 2021-12-11, 11:11:30, 55)")
+    for lineno, line, parts in rows:
         try:
             when = datetime.datetime.fromisoformat(f"{parts[0]}T{parts[1]}")
         except ValueError:
@@ -321,8 +224,8 @@ def parse_dated_availability_lines(lines: Iterable[str], source: str = "", stric
         raise TraceError(f"{source or 'trace'}: no samples found; a dated availability trace has lines "
                          "YYYY-MM-DD, HH:MM:SS, live")
     origin = min(when for _, when, _ in stamped)
-    rows = [(lineno, int(round((when - origin).total_seconds() * 1000)), count) for lineno, when, count in stamped]
-    return _availability(rows, source, strict, end_ms, TraceNotes(blank, comments, header))
+    rows_ms = [(lineno, int(round((when - origin).total_seconds() * 1000)), count) for lineno, when, count in stamped]
+    return _availability(rows_ms, source, strict, end_ms, notes)
 
 
 def _parse_count(text: str, source: str, lineno: int, line: str) -> int:
@@ -378,58 +281,6 @@ def _availability(rows: list[tuple[int, int, int]], source: str, strict: bool, e
     end = last if end_ms is None else end_ms
     notes = replace(notes, simultaneous_groups=groups, superseded=superseded)
     return AvailabilityTrace(tuple(times), tuple(live), end, source, notes)
-
-
-PLACEMENT_HELP = (
-    "which workers an availability trace's drops remove (the trace has only counts): 'random' (seeded random live "
-    "nodes, whatever their stages), 'spread' (one at a time, a worker of the stage with the most live replicas; "
-    "ties by the seed), 'worst' (concentrated on one stage while it keeps >= 1 replica: an adversarial bound)"
-)
-
-
-def availability_to_events(trace: AvailabilityTrace, seed: int = 0, capacity: int | None = None,
-                           placement: str = "random", grid: WorkerGrid | None = None) -> EventTrace:
-    """Turn counts into node events. Which nodes fail matters to ReCycle (it decides the stages hit); an
-    availability trace does not say, so `placement` decides, reproducibly (`seed`):
-
-    * `random` (default): a drop removes randomly chosen live nodes; a rise re-adds the lowest-numbered absent ones.
-    * `spread` / `worst`: grid-aware (`recycle.traces.mapping.place_availability`); they need the job's worker
-      `grid`, because which node holds which stage depends on it.
-    """
-    if placement != "random":
-        from recycle.traces.mapping import PLACEMENTS, place_availability  # mapping imports this module
-
-        if placement not in PLACEMENTS:
-            raise TraceError(f"placement {placement!r} is unknown; use one of {', '.join(PLACEMENTS)}")
-        if grid is None:
-            raise TraceError(f"placement {placement!r} acts on the job's worker grid; pass grid= (the job's "
-                             "stages, replicas and GPUs per node/worker)")
-        return place_availability(trace, placement, grid, seed=seed, capacity=capacity)
-    rng = random.Random(seed)
-    total = capacity if capacity is not None else max(trace.live)
-    if max(trace.live) > total:
-        raise TraceError(f"{trace.source or 'trace'}: {max(trace.live)} live nodes exceed the capacity {total}")
-    names = [f"node{i + 1}" for i in range(total)]
-    live = set(names[: trace.live[0]])
-    events: list[TraceEvent] = []
-    for t, count in zip(trace.times_ms[1:], trace.live[1:]):
-        if count < len(live):
-            for node in sorted(rng.sample(sorted(live, key=_node_order), len(live) - count), key=_node_order):
-                live.discard(node)
-                events.append(TraceEvent(t, REMOVE, node))
-        elif count > len(live):
-            absent = [n for n in names if n not in live][: count - len(live)]
-            for node in absent:
-                live.add(node)
-                events.append(TraceEvent(t, ADD, node))
-    initial = frozenset(names[: trace.live[0]])
-    return EventTrace(tuple(events), initial, trace.end_ms, trace.source, trace.notes,
-                      placement=f"random (seed {seed})")
-
-
-def _node_order(name: str) -> tuple[int, str]:
-    digits = "".join(ch for ch in name if ch.isdigit())
-    return (int(digits) if digits else 0, name)
 
 
 def read_trace(path: str | Path, strict: bool = False, end_ms: int | None = None, seed: int = 0,

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from recycle.traces.mapping import StageLayout
-from recycle.traces.model import Decision, JobContext
+from recycle.traces.model import Decision, JobContext, StageLayout
 from recycle.traces.throughput import ThroughputModel
 
 __all__ = ["ReCycleSystem"]

@@ -114,19 +114,27 @@ def write_report(result: JobResult, out_dir: str | Path, title: str = "Trace rep
     summary = summary_dict(result)
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
     _plot(result, out / "throughput.png", title)
+    extra = result.extra
+    lines = [
+        *_job_lines(result, title),
+        "",
+        "Baselines are models, not the real systems; their assumptions are in docs/traces.md.",
+        "goodput = useful samples (rolled-back work excluded) / (duration x fault-free rate): the headline; mean "
+        "throughput = time-average of the plotted rate, which also counts work that was later rolled back.",
+        "",
+        "![throughput over time](throughput.png)",
+        "",
+        *_system_tables(result, summary),
+        *_fault_scaled_lines(summary.get("recycle_vs_fault_scaled"), result.timeline.end_s),
+        *policy_lines(extra.get("recycle_policy", []), result.timeline.end_s),
+        *plus_lines(extra.get("recycle_plus_policy", []), extra.get("partitions", []), result),
+    ]
+    atomic_write_text(out / "report.md", "\n".join(lines))
+    return summary
 
-    ff = result.fault_free_rate
-    rows = []
-    reasons = []
-    for name, run in result.runs.items():
-        if run.unable_reason:
-            reasons.append(f"- {run.label}: {run.unable_reason}")
-        rows.append([run.label, f"{run.goodput:.1%}", _ratio(name, summary["recycle_goodput_ratio_to"], run),
-                     f"{run.mean_throughput:.3f}", f"{run.mean_throughput / ff:.1%}" if ff else "-",
-                     _ratio(name, summary["recycle_mean_ratio_to"], run), str(run.rollbacks)])
-    lost_rows = []
-    for name, run in result.runs.items():
-        lost_rows.append([run.label] + [f"{run.lost_s.get(c, 0.0) / 3600:.2f}" for c in CAUSES])
+
+def _job_lines(result: JobResult, title: str) -> list[str]:
+    """The title and what was replayed: the job, the trace (and its notes), the throughput model."""
     extra = result.extra
     lines = [
         f"# {title}",
@@ -139,18 +147,25 @@ def write_report(result: JobResult, out_dir: str | Path, title: str = "Trace rep
         f"- ReCycle throughput per failure state: {extra.get('period_model', '?')}; "
         f"{extra.get('keys_planned', '?')} normalized state(s) planned; fault-free reference: "
         f"{extra.get('reference', '?')}",
-        f"- fault-free throughput: {ff:.3f} samples/s",
+        f"- fault-free throughput: {result.fault_free_rate:.3f} samples/s",
     ]
-    for note in extra.get("trace_notes", []):
-        lines.append(f"- trace note: {note}")
-    lines += [
-        "",
-        "Baselines are models, not the real systems; their assumptions are in docs/traces.md.",
-        "goodput = useful samples (rolled-back work excluded) / (duration x fault-free rate): the headline; mean "
-        "throughput = time-average of the plotted rate, which also counts work that was later rolled back.",
-        "",
-        "![throughput over time](throughput.png)",
-        "",
+    return lines + [f"- trace note: {note}" for note in extra.get("trace_notes", [])]
+
+
+def _system_tables(result: JobResult, summary: dict[str, Any]) -> list[str]:
+    """Per system: throughput and goodput (with ReCycle's ratios), then the time lost by cause."""
+    ff = result.fault_free_rate
+    rows = []
+    reasons = []
+    for name, run in result.runs.items():
+        if run.unable_reason:
+            reasons.append(f"- {run.label}: {run.unable_reason}")
+        rows.append([run.label, f"{run.goodput:.1%}", _ratio(name, summary["recycle_goodput_ratio_to"], run),
+                     f"{run.mean_throughput:.3f}", f"{run.mean_throughput / ff:.1%}" if ff else "-",
+                     _ratio(name, summary["recycle_mean_ratio_to"], run), str(run.rollbacks)])
+    lost_rows = [[run.label] + [f"{run.lost_s.get(c, 0.0) / 3600:.2f}" for c in CAUSES]
+                 for run in result.runs.values()]
+    return [
         "## Average throughput and goodput",
         "",
         markdown_table(["system", "goodput", "ReCycle / system (goodput)", "mean throughput (samples/s)",
@@ -162,22 +177,21 @@ def write_report(result: JobResult, out_dir: str | Path, title: str = "Trace rep
         markdown_table(["system", *CAUSES], lost_rows),
         "",
     ]
-    cmp = summary.get("recycle_vs_fault_scaled")
-    end = result.timeline.end_s
-    if cmp:
-        lines += [
-            "## ReCycle against the fault-scaled line",
-            "",
-            "- running rate (pauses excluded): "
-            f"{_margin(cmp['steady_worst_margin'], cmp['steady_fraction_below'], end)}",
-            f"- actual rate (detection, plan switches and state transfers included): "
-            f"{_margin(cmp['actual_worst_margin'], cmp['actual_fraction_below'], end)}",
-            "",
-        ]
-    lines += policy_lines(extra.get("recycle_policy", []), result.timeline.end_s)
-    lines += plus_lines(extra.get("recycle_plus_policy", []), extra.get("partitions", []), result)
-    atomic_write_text(out / "report.md", "\n".join(lines))
-    return summary
+
+
+def _fault_scaled_lines(cmp: dict[str, Any] | None, end: float) -> list[str]:
+    """How often and by how much ReCycle's rate fell below the fault-scaled line (nothing without that line)."""
+    if not cmp:
+        return []
+    return [
+        "## ReCycle against the fault-scaled line",
+        "",
+        "- running rate (pauses excluded): "
+        f"{_margin(cmp['steady_worst_margin'], cmp['steady_fraction_below'], end)}",
+        f"- actual rate (detection, plan switches and state transfers included): "
+        f"{_margin(cmp['actual_worst_margin'], cmp['actual_fraction_below'], end)}",
+        "",
+    ]
 
 
 def plus_lines(log: list[dict[str, Any]], partitions: list[dict[str, Any]], result: JobResult) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recycle.traces.mapping import StageLayout
+from recycle.traces.model import StageLayout
 
 __all__ = ["SoakChange", "SoakTrace", "soak_trace"]
 

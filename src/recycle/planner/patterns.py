@@ -1,0 +1,106 @@
+"""Failure patterns: a failure set up to renaming whole pipelines (each replica keeps its set of lost stages), so
+one relabelling of pipelines always maps a pattern's plan onto the real ranks and only the failed workers'
+micro-batches leave their pipeline, also when the failures are in different pipelines at different stages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterable, Iterator
+
+from recycle.ir.actions import Action, Kind
+from recycle.ir.plan import Plan
+
+__all__ = ["FailurePattern", "pattern_of", "enumerate_patterns", "rename_replicas", "shared_action"]
+
+StageSet = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FailurePattern:
+    """`lost[c]`: the stages canonical replica c lost, replicas with more losses first (ties: lexicographic);
+    `perm[c]`: the real replica playing canonical replica c."""
+
+    num_replicas: int
+    num_stages: int
+    lost: tuple[StageSet, ...]
+    perm: tuple[int, ...]
+
+    def canonical_failed(self) -> frozenset[tuple[int, int]]:
+        return frozenset((c, s) for c, stages in enumerate(self.lost) for s in stages)
+
+    def to_real(self, plan: Plan, failed: frozenset[tuple[int, int]]) -> Plan:
+        """Map a plan made for the canonical failed set onto the real one."""
+        return rename_replicas(plan, self.perm, failed)
+
+
+def _order(stages: StageSet) -> tuple:
+    return (-len(stages), stages)
+
+
+def pattern_of(failed: Iterable[tuple[int, int]], num_replicas: int, num_stages: int) -> FailurePattern:
+    per_replica = {p: tuple(sorted(s for q, s in failed if q == p)) for p in range(num_replicas)}
+    perm = tuple(sorted(range(num_replicas), key=lambda p: (_order(per_replica[p]), p)))
+    return FailurePattern(num_replicas, num_stages, tuple(per_replica[p] for p in perm), perm)
+
+
+def _stage_sets(num_stages: int, max_size: int) -> list[StageSet]:
+    """Every non-empty set of stages of at most `max_size`, in pattern order."""
+    from itertools import combinations
+
+    sets = [c for size in range(1, max_size + 1) for c in combinations(range(num_stages), size)]
+    return sorted(sets, key=_order)
+
+
+def enumerate_patterns(num_replicas: int, num_stages: int, max_failures: int) -> Iterator[FailurePattern]:
+    """Every pattern with 1..max_failures failures and a live replica in every stage (canonical: perm = identity)."""
+    sets = _stage_sets(num_stages, min(max_failures, num_stages))
+
+    def extend(prefix: list[StageSet], start: int, budget: int) -> Iterator[list[StageSet]]:
+        if prefix:
+            yield prefix
+        if len(prefix) == num_replicas:
+            return
+        for index in range(start, len(sets)):
+            if len(sets[index]) <= budget:
+                yield from extend(prefix + [sets[index]], index, budget - len(sets[index]))
+
+    for lost in extend([], 0, max_failures):
+        per_stage = [sum(s in stages for stages in lost) for s in range(num_stages)]
+        if max(per_stage) < num_replicas:
+            full = tuple(lost) + ((),) * (num_replicas - len(lost))
+            yield FailurePattern(num_replicas, num_stages, full, tuple(range(num_replicas)))
+
+
+_ACTIONS: dict[tuple[Kind, int, int], Action] = {}
+_ACTIONS_LIMIT = 1 << 20
+
+
+def shared_action(kind: Kind, stage: int, mb: int) -> Action:
+    """A shared Action instance: renaming a stored plan then costs dict look-ups, not object construction, which
+    keeps a plan-store lookup well under a millisecond."""
+    key = (kind, stage, mb)
+    action = _ACTIONS.get(key)
+    if action is None:
+        if len(_ACTIONS) >= _ACTIONS_LIMIT:
+            _ACTIONS.clear()
+        action = _ACTIONS[key] = Action(kind, stage, mb)
+    return action
+
+
+def rename_replicas(plan: Plan, perm: tuple[int, ...], failed: frozenset[tuple[int, int]]) -> Plan:
+    """The same plan with replica c renamed perm[c] everywhere, micro-batches renamed with their owner (mb of
+    owner c becomes the same-index mb of owner perm[c]): a pure symmetry of the problem, same validity and timing."""
+    D, S, M = plan.num_replicas, plan.num_stages, plan.num_microbatches
+    rename = [perm[mb // M] * M + mb % M for mb in range(D * M)]
+    actions: list[tuple[Action, ...]] = [()] * (D * S)
+    for c in range(D):
+        for s in range(S):
+            actions[perm[c] * S + s] = tuple(a if a.mb < 0 else shared_action(a.kind, a.stage, rename[a.mb])
+                                             for a in plan.actions[c * S + s])
+    host_rows = []
+    for row in plan.host:
+        real = [0] * (D * M)
+        for mb, c in enumerate(row):
+            real[rename[mb]] = perm[c]
+        host_rows.append(tuple(real))
+    return replace(plan, host=tuple(host_rows), actions=tuple(actions), failed=failed)

@@ -1,0 +1,61 @@
+"""Failure patterns: the plan library serves failures in different pipelines at different stages with a plan that
+moves only the failed workers' micro-batches off their pipeline (one relabelling of pipelines), as fast as the
+key's plan relabelled per stage."""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+import pytest
+
+from recycle.config import parse_config
+from recycle.ir.validate import validate_plan
+from recycle.planner.failures import normalize
+from recycle.planner.options import PlannerOptions
+from recycle.planner.patterns import enumerate_patterns, pattern_of
+from recycle.planner.provider import PlanLibrary
+from recycle.planner.routing import traffic
+from recycle.sim.simulator import simulate
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _config(D: int, S: int, M: int):
+    return parse_config({"topology": {"num_replicas": D, "num_stages": S}, "workload": {"num_microbatches": M},
+                         "costs": {"forward": 1, "backward_input": 1, "backward_weight": 1}}, name=f"pat-{D}x{S}")
+
+
+def test_patterns_hand_counted() -> None:
+    # D=3, S=2, up to 2 failures: {0}, {1}, {0,1}, {0}{0}, {0}{1}, {1}{1}; only {0}{1} is not nested.
+    patterns = list(enumerate_patterns(3, 2, 2))
+    assert sorted(p.lost for p in patterns) == sorted([
+        ((0,), (), ()), ((1,), (), ()), ((0, 1), (), ()), ((0,), (0,), ()), ((0,), (1,), ()), ((1,), (1,), ())])
+    nested = [p.lost for p in patterns if normalize(p.canonical_failed(), 3, 2).symmetric]
+    assert len(nested) == 5 and ((0,), (1,), ()) not in nested
+    # A stage may not lose every replica: D=2, S=1 has {0} only ({0}{0} would empty the stage).
+    assert [p.lost for p in enumerate_patterns(2, 1, 2)] == [((0,), ())]
+
+
+def test_pattern_of_orders_replicas_by_their_losses() -> None:
+    pattern = pattern_of({(2, 0), (2, 3), (0, 1)}, 4, 4)
+    assert pattern.lost == ((0, 3), (1,), (), ()) and pattern.perm == (2, 0, 1, 3)
+    assert {(pattern.perm[c], s) for c, s in pattern.canonical_failed()} == {(2, 0), (2, 3), (0, 1)}
+
+
+def test_every_failure_set_moves_only_failed_workers_microbatches() -> None:
+    D, S, M = 3, 3, 3
+    config = _config(D, S, M)
+    library = PlanLibrary.build(config, PlannerOptions(), max_failures=2)
+    assert library.patterns  # e.g. 0:0 and 1:1: no single relabelling of pipelines covers it
+    workers = [(p, s) for p in range(D) for s in range(S)]
+    for size in (1, 2):
+        for failed in map(frozenset, combinations(workers, size)):
+            found = library.lookup(failed)
+            plan = found.plan
+            assert plan.failed == failed and found.source == "store"
+            validate_plan(plan)
+            moved = traffic(plan.host, M, failed)
+            assert moved["moved_healthy"] == 0, (sorted(failed), moved)
+            assert moved["moved_microbatches"] == len(failed) * M
+            keyed = library.store.plan_for_key(normalize(failed, D, S).key)
+            assert simulate(plan, config).period <= keyed.meta.predicted_period * (1 + 1e-9)
