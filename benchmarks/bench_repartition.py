@@ -1,6 +1,8 @@
 """ReCycle+ (layer re-partitioning policy) against ReCycle's pure re-routing and the baseline models, side by side in
-one run: the paper-shaped trace under both references, its per-failure-state periods, then every shipped trace and
-synthetic spot traces.
+one run: the paper-shaped trace under both references; for the strict one, where the goodput goes (time lost by
+cause, and per state ReCycle+ ran in its period beside the best achievable one over every layer partition and the
+ideal live-proportional one) and the same replay with each of those two in every failure state (the most this cost
+model allows); then every shipped trace and synthetic spot traces.
 
 Run: nice -n 15 .venv/bin/python benchmarks/bench_repartition.py [--config configs/gpt3-6.7b-a100.toml]
      [--synthetic 2] [--quick]
