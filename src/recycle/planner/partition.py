@@ -137,9 +137,10 @@ def partition_caps(config: Config, partition: Sequence[int], costs: LayerCosts |
                    spec: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
     """Activation cap per stage under `partition`: an explicit cap (`spec`) as given; else what is left of the
     worker's memory (`worker_memory_bytes`) once its stage's state under `partition` is placed, over the new
-    activation bytes per micro-batch, and never above what the configured budget already admits for a stage that
-    keeps its layers. None when the config's memory is unlimited. A stage whose cap falls below 1 cannot hold its
+    activation bytes per micro-batch; a stage that keeps its layers keeps its configured budget (the caps ReCycle's
+    own plans use). None when the config's memory is unlimited. A stage whose cap falls below 1 cannot hold its
     layers: PlanError."""
+
     if spec is not None:
         return tuple(spec)
     if config.memory.capacity_bytes <= 0:
