@@ -140,7 +140,6 @@ def partition_caps(config: Config, partition: Sequence[int], costs: LayerCosts |
     activation bytes per micro-batch; a stage that keeps its layers keeps its configured budget (the caps ReCycle's
     own plans use). None when the config's memory is unlimited. A stage whose cap falls below 1 cannot hold its
     layers: PlanError."""
-
     if spec is not None:
         return tuple(spec)
     if config.memory.capacity_bytes <= 0:
