@@ -1,6 +1,8 @@
 """ReCycle+ (layer re-partitioning policy) against ReCycle's pure re-routing and the baseline models, side by side in
-one run: the paper-shaped trace under both references, its per-failure-state periods, then every shipped trace and
-synthetic spot traces.
+one run: the paper-shaped trace under both references; for the strict one, where the goodput goes (time lost by
+cause, and per state ReCycle+ ran in its period beside the best achievable one over every layer partition and the
+ideal live-proportional one) and the same replay with each of those two in every failure state (the most this cost
+model allows); then every shipped trace and synthetic spot traces.
 
 Run: nice -n 15 .venv/bin/python benchmarks/bench_repartition.py [--config configs/gpt3-6.7b-a100.toml]
      [--synthetic 2] [--quick]
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from recycle.config import load_config
 from recycle.planner.api import fault_free_period
-from recycle.planner.partition import ideal_period
+from recycle.planner.partition import ideal_period, partition_bound
 from recycle.traces.experiments import JobSetup, find_traces_dir, job_grid, run_job
 from recycle.traces.generate import parse_generate_spec
 from recycle.traces.reader import read_trace
@@ -42,21 +44,72 @@ def paper(config, reference: str) -> None:
                                                                                    "layers back")]
     print(f"   ReCycle+ decisions: {sum(e['policy'] == 'repartition' for e in decisions)} re-partitions, "
           f"{sum(e['policy'] == 're-route' for e in decisions)} kept re-routing alone, "
-          f"{sum(e['policy'] == 'layers back' for e in decisions)} back to the configured layers")
+          f"{sum(e['policy'] == 'layers back' for e in decisions)} back to the configured layers", flush=True)
     if reference == "planner":
-        # The limit of this cost model: the same replay with the ideal live-proportional period in every failure
-        # state (no whole-layer or whole-micro-batch granularity, no bubble), the fault-free plan's period with none.
-        ff_period = fault_free_period(config)
-        ideal = run_job(config, trace, systems=["recycle"], setup=JobSetup(reference=reference),
-                        period_fn=lambda key: ideal_period(config, key) if any(key) else ff_period,
-                        period_label="ideal live-proportional")
-        print(f"   with the ideal live-proportional period in every failure state: goodput "
-              f"{ideal.runs['recycle'].goodput:.2%} ({ideal.runs['recycle'].goodput / g['oobleck']:.3f}x Oobleck-like)")
-        print("\n   per failure state (periods in s): re-routing alone | re-partitioned | ideal live-proportional")
-        for p in result.extra["partitions"]:
-            print(f"   key {str(tuple(p['key'])):14s} layers {'/'.join(map(str, p['partition'])):10s} "
-                  f"{p['configured_period'] / 1e6:7.3f} | {p['period'] / 1e6:7.3f} | {p['ideal_period'] / 1e6:7.3f}"
-                  f"   re-partitioned / ideal {p['period'] / p['ideal_period']:.3f}")
+        limits(config, trace, result, g)
+
+
+def limits(config, trace, result, g) -> None:
+    """Where ReCycle+'s goodput goes on the paper-shaped trace, and what this cost model allows at best."""
+    ff_period = fault_free_period(config)
+    bounds = {}
+
+    def achievable(key) -> float:
+        """The best period any plan reaches for `key` over every layer partition (whole layers, whole
+        micro-batches: `partition_bound`), never below the fault-free plan's (as ReCycle+'s own periods)."""
+        if not any(key):
+            return ff_period
+        if key not in bounds:
+            bounds[key] = partition_bound(config, key)
+        return max(ff_period, bounds[key].bound)
+
+    # The same replay with the best achievable period in every failure state, then with the ideal
+    # live-proportional period (no bubble, no whole-layer or whole-micro-batch granularity).
+    best = run_job(config, trace, systems=["recycle"], setup=JobSetup(reference="planner"),
+                   period_fn=achievable, period_label="best achievable").runs["recycle"].goodput
+    ideal = run_job(config, trace, systems=["recycle"], setup=JobSetup(reference="planner"),
+                    period_fn=lambda key: ideal_period(config, key) if any(key) else ff_period,
+                    period_label="ideal live-proportional").runs["recycle"].goodput
+    exact = sum(b.exact for b in bounds.values())
+    print("   upper bounds, the same replay with in every failure state the period of ...")
+    print(f"     the best partition's lower bound (every partition searched, exact in {exact} of {len(bounds)} states: "
+          f"no plan of whole layers and whole micro-batches is faster): goodput {best:.2%} = "
+          f"{best / g['oobleck']:.3f}x Oobleck-like")
+    print(f"     the ideal live-proportional period (no bubble, layers and micro-batches split at will): goodput "
+          f"{ideal:.2%} = {ideal / g['oobleck']:.3f}x Oobleck-like")
+    zero = (0,) * config.num_stages
+    print(f"     (the fault-free plan itself: period {ff_period * result.context.seconds_per_unit:.3f} s, ideal "
+          f"{ideal_period(config, zero) * result.context.seconds_per_unit:.3f}"
+          f" s, ratio {ff_period / ideal_period(config, zero):.3f})")
+    lost = result.runs["recycle-plus"].lost_s
+    oob = result.runs["oobleck"].lost_s
+    end = result.timeline.end_s
+    print(f"\n   time lost (fault-free-equivalent s of {end:.0f} s), ReCycle+ {sum(lost.values()):.0f} | Oobleck-like "
+          f"{sum(oob.values()):.0f}; 1.05x Oobleck-like allows {(1 - 1.05 * g['oobleck']) * end:.0f}:")
+    for cause in sorted(set(lost) | set(oob), key=lambda c: -max(lost.get(c, 0.0), oob.get(c, 0.0))):
+        if lost.get(cause, 0) > 0 or oob.get(cause, 0) > 0:
+            print(f"     {cause:22s} {lost.get(cause, 0.0):7.0f} | {oob.get(cause, 0.0):7.0f}")
+    ff_rate, unit = result.fault_free_rate, result.context.seconds_per_unit
+    samples = config.num_replicas * config.num_microbatches * config.workload.microbatch_size
+    print("\n   per state ReCycle+ ran in, by time (periods in s): running h | ReCycle+ period | best achievable"
+          " | ideal || fault-free-equivalent s lost: in all, above best achievable, above ideal")
+    totals = [0.0, 0.0, 0.0]
+    for state in result.extra["recycle_plus_states"]:
+        key, run, rate = tuple(state["key"]), state["running_s"], state["rate"]
+        if run < 1 or rate <= 0:
+            continue
+        floor, perfect = achievable(key) * unit, (ideal_period(config, key) if any(key) else ff_period) * unit
+        lost = (run * (1 - rate / ff_rate), run * (samples / floor - rate) / ff_rate,
+                run * (samples / perfect - rate) / ff_rate)
+        totals = [a + b for a, b in zip(totals, lost)]
+        print(f"   key {str(key):14s} layers {'/'.join(map(str, state['partition'])):10s} {run / 3600:5.2f} h | "
+              f"{samples / rate:6.3f} | {floor:6.3f} | {perfect:6.3f} || {lost[0]:5.0f} {lost[1]:5.0f} {lost[2]:5.0f}")
+    print(f"   {'all states':45s} || {totals[0]:5.0f} {totals[1]:5.0f} {totals[2]:5.0f}  (of {end:.0f} s)")
+    print("\n   per failure state planned (periods in s): re-routing alone | re-partitioned | ideal live-proportional")
+    for p in result.extra["partitions"]:
+        print(f"   key {str(tuple(p['key'])):14s} layers {'/'.join(map(str, p['partition'])):10s} "
+              f"{p['configured_period'] / 1e6:7.3f} | {p['period'] / 1e6:7.3f} | {p['ideal_period'] / 1e6:7.3f}"
+              f"   re-partitioned / ideal {p['period'] / p['ideal_period']:.3f}")
 
 
 def traces(config, synthetic: int) -> None:

@@ -9,8 +9,10 @@ import pytest
 from recycle.config import load_config, parse_config
 from recycle.errors import ConfigError, PlanError
 from recycle.ir.plan import Plan
+from recycle.planner.options import PlannerOptions
 from recycle.planner.partition import (balanced_partition, best_partition, layer_costs, make_repartitioned_plan,
-                                       migration_bytes, partition_caps, partition_config, stage_work)
+                                       migration_bytes, partition_bound, partition_caps, partition_config,
+                                       partition_period, stage_work, worker_memory_bytes)
 from recycle.sim.simulator import simulate
 from recycle.traces.jobsim import replay
 from recycle.traces.mapping import UnitTimeline
@@ -144,10 +146,10 @@ def _timeline(points: list[tuple[float, set[int]]], end: float) -> UnitTimeline:
 
 
 def test_policy_reroutes_a_short_failure_and_repartitions_a_long_one() -> None:
-    # Units 0..3 hold (0,0), (0,1), (1,0), (1,1); unit 2 = (1, 0) fails. Moving layer 1 to stage 1 costs 1 s of
-    # plan switch + 12 s (6 MB to each of 2 receivers from the one live sender, 1 MB/s). Expected state duration
-    # = (prior 60 s + gaps seen) / (1 + gaps): 35 s after a failure at 10 s -> gain 1/3*(35-13) - 4/15*35 < 0;
-    # 1830 s after a failure at 3600 s -> gain > 0.
+    # Units 0..3 hold (0,0), (0,1), (1,0), (1,1); unit 2 = (1, 0) fails. Moving layer 1 to stage 1 costs 12 s (6 MB
+    # to each of 2 receivers from the one live sender, 1 MB/s; the failure's own plan switch is the one to the
+    # re-partitioned plan). Expected state duration = (prior 60 s + gaps seen) / (1 + gaps): 35 s after a failure
+    # at 10 s -> gain 1/3*(35-12) - 4/15*35 < 0; 1830 s after a failure at 3600 s -> gain > 0.
     short, _ = _plus()
     replay(short, _timeline([(0, {0, 1, 2, 3}), (10, {0, 1, 3}), (20, {0, 1, 2, 3})], 100), 0.4)
     assert [p for _, p, _ in short.policy_log if p in ("re-route", "repartition")] == ["re-route"]
@@ -161,16 +163,17 @@ def test_repartition_timeline_hand_computed() -> None:
     system, ff = _plus()
     run = replay(system, _timeline([(0, {0, 1, 2, 3}), (3600, {0, 1, 3}), (7200, {0, 1, 2, 3})], 9000), ff)
     assert ff == pytest.approx(0.4)  # 4 samples / 10 s
-    # 0-3600 at 0.4. 3600: detect 2 + the interrupted iteration redone 5 (half the 10 s period) + plan switch 1 +
-    # re-partition 13 (1 + 12 s migration) -> 3621, then the
-    # re-partitioned rate 4 / 12. 7200: unit 2 re-joins, copying its 12 MB of stage state for 12 s while training
-    # goes on; 7212: plan switch 1 + layers back 7 (1 + 6 MB: the two stage-0 workers each take layer 1 from a
-    # stage-1 peer) -> 7220, then 0.4 until 9000.
-    expected = 3600 * 0.4 + (7212 - 3621) * 4 / 12 + (9000 - 7220) * 0.4
+    # 0-3600 at 0.4. 3600: detect 2 + the interrupted iteration redone 5 (half the 10 s period) + plan switch 1 (to
+    # the re-partitioned plan: one switch per event) + the migration 12 s -> 3620, then the re-partitioned rate
+    # 4 / 12. 7200: unit 2 re-joins, copying its 12 MB of stage state for 12 s while training goes on; 7212: plan
+    # switch 1 + layers back 6 (6 MB: the two stage-0 workers each take layer 1 from a stage-1 peer) -> 7219,
+    # then 0.4 until 9000.
+    expected = 3600 * 0.4 + (7212 - 3620) * 4 / 12 + (9000 - 7219) * 0.4
     assert run.processed_samples == pytest.approx(expected)
-    assert run.series == ((0.0, 0.4), (3600.0, 0.0), (3621.0, pytest.approx(1 / 3)), (7212.0, 0.0),
-                          (7220.0, 0.4))
-    assert run.lost_s["reconfiguration"] == pytest.approx(13 + 7) and run.lost_s["redone iteration"] == 5
+    assert run.series == ((0.0, 0.4), (3600.0, 0.0), (3620.0, pytest.approx(1 / 3)), (7212.0, 0.0),
+                          (7219.0, 0.4))
+    assert run.lost_s["reconfiguration"] == pytest.approx(12 + 6) and run.lost_s["redone iteration"] == 5
+    assert run.lost_s["plan switch"] == pytest.approx(2)
     assert run.useful_samples / ff + sum(run.lost_s.values()) == pytest.approx(9000)
 
 
@@ -226,3 +229,92 @@ def test_job_with_the_closed_form_estimate_runs_recycle_plus_and_skips_it_withou
                       systems=["recycle", "recycle-plus"], setup=JobSetup(period_model="estimate", slot_seconds=0.01))
     assert set(skipped.runs) == {"recycle"} and "no [model] layers_per_stage" in skipped.extra["skipped"][
         "recycle-plus"]
+
+
+def _compositions(total: int, parts: int):
+    if parts == 1:
+        yield (total,)
+        return
+    for n in range(1, total - parts + 2):
+        for rest in _compositions(total - n, parts - 1):
+            yield (n,) + rest
+
+
+def _uneven(D: int = 3, M: int = 2) -> object:
+    """S=3, 7 layers as 3/2/2 with a heavier last stage (an LM head): every partition differs."""
+    raw = {
+        "topology": {"num_replicas": D, "num_stages": 3},
+        "workload": {"num_microbatches": M},
+        "costs": {"forward": [3.0, 2.0, 4.0], "backward_input": [3.0, 2.0, 5.0], "backward_weight": [3.0, 2.0, 3.0]},
+        "communication": {"allreduce_bandwidth": 1_000_000.0, "allreduce_latency": 0.1},
+        "memory": {"parameter_bytes": [3_000_000, 2_000_000, 2_000_000]},
+        "model": {"layers_per_stage": [3, 2, 2]},
+    }
+    return parse_config(raw, name="uneven")
+
+
+def test_partition_bound_is_the_smallest_bound_over_every_partition() -> None:
+    from recycle.planner.bounds import period_lower_bound
+
+    config = _uneven()
+    for key in ((1, 0, 0), (0, 0, 2), (1, 1, 0)):
+        brute = min(period_lower_bound(partition_config(config, p), key) for p in _compositions(7, 3))
+        found = partition_bound(config, key)
+        assert found.exact and found.bound == pytest.approx(brute)
+        assert period_lower_bound(partition_config(config, found.partition), key) == pytest.approx(brute)
+        # No plan beats it: the branch and bound's choice is at or above it.
+        assert best_partition(config, key, PlannerOptions(search=False)).period >= found.bound - 1e-9
+
+
+def test_branch_and_bound_finds_the_best_screened_partition() -> None:
+    # Screen only (no polish): the search must return the partition with the smallest priority-rules period of
+    # all 15, though it plans far fewer of them.
+    config = _uneven()
+    screen = PlannerOptions(search=False)
+    for key in ((1, 0, 0), (0, 0, 2), (1, 1, 0), (0, 1, 1)):
+        periods = {p: partition_period(config, key, p, screen) for p in _compositions(7, 3)}
+        choice = best_partition(config, key, screen, max_evaluations=99)
+        assert choice.period == pytest.approx(min(periods.values()))
+        assert choice.evaluated < len(periods)
+
+
+def test_memory_caps_use_the_whole_device_of_a_lighter_stage() -> None:
+    # Stage 0 holds 1 MB more state (an embedding): every device holds capacity 10 MB + stage 0's 13 MB = 23 MB.
+    # Stage 1 taking a third layer holds 18 MB of state: 5 MB left for 3 MB micro-batches -> 1 (the old rule,
+    # capacity + its own 12 MB today - 18 MB, left 4 MB). A stage that keeps its layers keeps its configured cap.
+    config = _config(activation_bytes=[2_000_000, 2_000_000], capacity_bytes=10_000_000)
+    raw = config.to_dict()
+    raw["memory"]["parameter_bytes"] = [5_000_000, 4_000_000]
+    config = parse_config(raw, name="embed")
+    assert worker_memory_bytes(config) == 23_000_000
+    assert partition_caps(config, (2, 2)) == (5, 5)
+    assert partition_caps(config, (1, 3)) == ((23_000_000 - 7_000_000) // 1_000_000, 1)
+    raw["memory"]["capacity_bytes"] = 8_000_000  # 21 MB devices: stage 1 with 3 layers has 3 MB left -> 1
+    assert partition_caps(parse_config(raw, name="embed"), (1, 3))[1] == 1
+    raw["memory"]["capacity_bytes"] = 7_000_000  # 20 MB: 2 MB left, less than one 3 MB micro-batch
+    with pytest.raises(PlanError, match="stage 1 with 3 layers"):
+        partition_caps(parse_config(raw, name="embed"), (1, 3))
+
+
+def test_time_by_state_accounts_for_the_whole_replay() -> None:
+    system, ff = _plus()
+    replay(system, _timeline([(0, {0, 1, 2, 3}), (3600, {0, 1, 3}), (7200, {0, 1, 2, 3})], 9000), ff)
+    states = {(tuple(s["key"]), tuple(s["partition"])): s for s in system.time_by_state(9000)}
+    # As in test_repartition_timeline_hand_computed: 3612 s with 20 s of pauses on the re-partitioned layout until
+    # the re-joined worker is ready at 7212 s; the configured layout before and after, 7 s of pauses on return.
+    moved, home = states[((1, 0), (1, 3))], states[((0, 0), (2, 2))]
+    assert moved["seconds"] == pytest.approx(3612) and moved["running_s"] == pytest.approx(3612 - 20)
+    assert home["seconds"] == pytest.approx(3600 + 1788) and home["running_s"] == pytest.approx(3600 + 1788 - 7)
+    assert moved["rate"] == pytest.approx(4 / 12) and set(states) == {((1, 0), (1, 3)), ((0, 0), (2, 2))}
+
+
+def test_a_reshape_is_weighed_at_the_partition_chosen_for_each_layout() -> None:
+    system, _ = _plus()
+    current = system.current
+    assert current.throughput_for_key((1, 0)) == pytest.approx(4 / 15)  # the configured layers: 10 + 5 slots
+    current.best = True  # as while ReCycleSystem._maybe_reshape runs under ReCycle+
+    assert current.throughput_for_key((1, 0)) == pytest.approx(4 / 12)  # (1, 3), chosen for the key: 10 + 2
+    assert current.throughput_for_key((0, 0)) == pytest.approx(4 / 10)
+    current.best = False
+    system.layout.place_all(frozenset({0, 1, 2, 3}))
+    assert system._maybe_reshape(0.0, frozenset({0, 1, 2, 3})) is None and current.best is False

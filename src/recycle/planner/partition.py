@@ -11,13 +11,15 @@ from recycle.config import Config, parse_config
 from recycle.errors import ConfigError, PlanError
 from recycle.ir.plan import Plan
 from recycle.planner.api import make_plan, plan_for_key
+from recycle.planner.bounds import period_lower_bound
 from recycle.planner.failures import normalize
 from recycle.planner.options import PlannerOptions
 from recycle.planner.routing import check_key
 
 __all__ = ["LayerCosts", "configured_partition", "layer_costs", "partition_config", "partition_caps",
-           "balanced_partition", "PartitionChoice", "best_partition", "partition_period", "ideal_period",
-           "migration_bytes", "make_repartitioned_plan", "plan_with_partition"]
+           "worker_memory_bytes", "balanced_partition", "PartitionChoice", "best_partition", "partition_period",
+           "ideal_period", "PartitionBound", "partition_bound", "migration_bytes", "make_repartitioned_plan",
+           "plan_with_partition"]
 
 # Per-stage values that follow the layers a stage holds; everything else (activation messages: the hidden state
 # between stages) does not depend on the partition.
@@ -119,23 +121,35 @@ def _check_partition(costs: LayerCosts, partition: Sequence[int]) -> tuple[int, 
     return partition
 
 
+def worker_memory_bytes(config: Config, costs: LayerCosts | None = None) -> float:
+    """Memory of one worker for activations and state: every worker is the same device, and the configured
+    activation budget (`capacity_bytes`, one value for all stages) must fit beside the largest configured stage's
+    weights, gradients and optimizer state, so each device holds at least capacity + that state. (GPT-3 6.7B:
+    46.8 GB + stage 0's 29.2 GB = 76.0 GB, the config's 80 GB A100 less 4 GB of context; a stage-1 worker holds
+    25.8 GB of state, so 3.4 GB of its device was never in the activation budget.) inf when unlimited."""
+    if config.memory.capacity_bytes <= 0:
+        return math.inf
+    costs = costs or layer_costs(config)
+    return config.memory.capacity_bytes + max(costs.state_bytes(s, n) for s, n in enumerate(costs.layers))
+
+
 def partition_caps(config: Config, partition: Sequence[int], costs: LayerCosts | None = None,
                    spec: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
-    """Activation cap per stage under `partition`: an explicit cap (`spec`) as given; else each worker keeps its
-    memory: the config's activation budget plus the state its stage holds today, minus the state it holds after
-    re-partitioning, over the new activation bytes per micro-batch. None when the config's memory is unlimited.
-    A stage whose cap falls below 1 cannot hold its layers: PlanError."""
+    """Activation cap per stage under `partition`: an explicit cap (`spec`) as given; else what is left of the
+    worker's memory (`worker_memory_bytes`) once its stage's state under `partition` is placed, over the new
+    activation bytes per micro-batch; a stage that keeps its layers keeps its configured budget (the caps ReCycle's
+    own plans use). None when the config's memory is unlimited. A stage whose cap falls below 1 cannot hold its
+    layers: PlanError."""
     if spec is not None:
         return tuple(spec)
-    capacity = config.memory.capacity_bytes
-    if capacity <= 0:
+    if config.memory.capacity_bytes <= 0:
         return None
     costs = costs or layer_costs(config)
     partition = _check_partition(costs, partition)
+    memory = worker_memory_bytes(config, costs)
     caps = []
     for s, n in enumerate(partition):
-        room = capacity - (costs.state_bytes(s, n) - costs.state_bytes(s, costs.layers[s]))
-        cap = int(room // max(1.0, costs.value("activation_bytes", s, n)))
+        cap = int(_room(config, costs, memory, s, n) // max(1.0, costs.value("activation_bytes", s, n)))
         if cap < 1:
             raise PlanError(f"layer partition {list(partition)}: stage {s} with {n} layers leaves room for {cap} "
                             "micro-batches of activations; give it fewer layers")
@@ -143,10 +157,18 @@ def partition_caps(config: Config, partition: Sequence[int], costs: LayerCosts |
     return tuple(caps)
 
 
+def _room(config: Config, costs: LayerCosts, memory: float, stage: int, n: int) -> float:
+    """Activation bytes a worker of `stage` holding `n` layers may use (the configured budget when n is its
+    configured count: a config that fits keeps its own caps)."""
+    if n == costs.layers[stage]:
+        return float(config.memory.capacity_bytes)
+    return memory - costs.state_bytes(stage, n)
+
+
 def _fits(config: Config, costs: LayerCosts, stage: int, n: int) -> bool:
     if config.memory.capacity_bytes <= 0:
         return True
-    room = config.memory.capacity_bytes - (costs.state_bytes(stage, n) - costs.state_bytes(stage, costs.layers[stage]))
+    room = _room(config, costs, worker_memory_bytes(config, costs), stage, n)
     return room >= costs.value("activation_bytes", stage, n)
 
 
@@ -235,27 +257,108 @@ class PartitionChoice:
                 "balanced": list(self.balanced), "ideal_period": self.ideal_period, "evaluated": self.evaluated}
 
 
-def _neighbours(partition: tuple[int, ...]) -> Iterable[tuple[int, ...]]:
-    """One layer moved across one stage boundary, either way (contiguous layers: only counts change)."""
-    for b in range(len(partition) - 1):
-        for give, take in ((b, b + 1), (b + 1, b)):
-            if partition[give] > 1:
-                out = list(partition)
-                out[give] -= 1
-                out[take] += 1
-                yield tuple(out)
+def _floor(config: Config, costs: LayerCosts, stage: int, n: int, live: int, decoupled: bool) -> float:
+    """A value no larger than `period_lower_bound` of any partition giving `stage` n layers: its busiest live
+    worker's forwards and backwards (ceil(D*M/live) whole micro-batches) plus its step and all-reduce (the bound's
+    `steady_state` term, a hair lower for the byte rounding of `partition_config`). Grows with n."""
+    D, M = config.num_replicas, config.num_microbatches
+    q = math.ceil(D * M / live)
+    fused = costs.value("backward_fused", stage, n)
+    back = min(costs.value("backward_input", stage, n) + costs.value("backward_weight", stage, n), fused) \
+        if decoupled else fused
+    comm = config.communication
+    allreduce = 0.0
+    if live > 1:
+        steps = 2 * (live - 1)
+        transfer = steps / live * costs.value("gradient_bytes", stage, n) / comm.allreduce_bandwidth \
+            if comm.allreduce_bandwidth > 0 else 0.0
+        allreduce = steps * comm.allreduce_latency + transfer
+    value = q * (costs.value("forward", stage, n) + back) + costs.value("optimizer", stage, n) + allreduce
+    return value * (1 - 1e-9) - 1.0
+
+
+def _bound(config: Config, key: tuple[int, ...], partition: tuple[int, ...], options: PlannerOptions,
+           costs: LayerCosts) -> float:
+    return period_lower_bound(partition_config(config, partition, costs), key, options)
+
+
+def _below(config: Config, key: tuple[int, ...], ceiling: float, options: PlannerOptions, costs: LayerCosts,
+           near: tuple[int, ...], limit: int) -> tuple[list[tuple[float, tuple[int, ...]]], bool]:
+    """Every partition that fits in memory and whose lower bound is below `ceiling`, with its bound, by a depth-first
+    walk over the layer counts stage by stage (counts nearest `near` first), pruned by `_floor`. Returns (found,
+    complete): complete is False when the walk stopped after `limit` nodes (found is then a subset)."""
+    S = len(costs.layers)
+    total = sum(costs.layers)
+    live = [config.num_replicas - k for k in key]
+    found: list[tuple[float, tuple[int, ...]]] = []
+    nodes = 0
+
+    def walk(prefix: list[int], left: int) -> bool:
+        nonlocal nodes
+        s = len(prefix)
+        if s == S - 1:
+            options_n = [left]
+        else:
+            top = left - (S - 1 - s)  # every later stage keeps at least one layer
+            options_n = sorted(range(1, top + 1), key=lambda n: (abs(n - near[s]), n))
+        for n in options_n:
+            nodes += 1
+            if nodes > limit:
+                return False
+            if _floor(config, costs, s, n, live[s], options.decoupled) >= ceiling or not _fits(config, costs, s, n):
+                continue  # larger n only raise the floor, but memory may still fail for a smaller one: go on
+            if s == S - 1:
+                partition = tuple(prefix + [n])
+                value = _bound(config, key, partition, options, costs)
+                if value < ceiling:
+                    found.append((value, partition))
+            elif not walk(prefix + [n], left - n):
+                return False
+        return True
+
+    complete = walk([], total)
+    found.sort()
+    return found, complete
+
+
+@dataclass(frozen=True)
+class PartitionBound:
+    """The smallest lower bound on the period of any plan for `key` over every layer partition that fits in memory
+    (whole layers, whole micro-batches: `period_lower_bound` of each partition's config): no re-partitioned plan of
+    this cost model beats it. `exact` is False when the search stopped at its node limit."""
+
+    key: tuple[int, ...]
+    partition: tuple[int, ...]
+    bound: float
+    exact: bool
+
+
+def partition_bound(config: Config, key: Sequence[int], options: PlannerOptions = PlannerOptions(),
+                    limit: int = 200_000) -> PartitionBound:
+    """The best achievable period for `key` with whole layers and whole micro-batches (see PartitionBound)."""
+    key = check_key(config, key)
+    costs = layer_costs(config)
+    start = balanced_partition(config, key, costs)
+    best = min(_bound(config, key, p, options, costs) for p in {start, costs.layers}
+               if all(_fits(config, costs, s, n) for s, n in enumerate(p)))
+    found, complete = _below(config, key, best * (1 + 1e-12) + 1e-9, options, costs, start, limit)
+    value, partition = found[0] if found else (best, start)
+    return PartitionBound(key, partition, value, complete)
 
 
 def best_partition(config: Config, key: Sequence[int], options: PlannerOptions = PlannerOptions(),
                    solver: str = "heuristic", max_evaluations: int = 24,
-                   time_limit_s: float = 10.0) -> PartitionChoice:
-    """The partition with the best simulated period for `key`: the configured one, the balanced one, then a hill
-    climb over one-layer moves from the better of the two (the most promising by `stage_work` first), at most
-    `max_evaluations` partitions screened.
+                   time_limit_s: float = 10.0, polish: int = 2, limit: int = 200_000) -> PartitionChoice:
+    """The partition with the best planned period for `key`, by branch and bound over partitions.
 
-    The screen plans with the priority rules only (`search=False`: milliseconds, and on GPT-3 6.7B it picks the
-    same partitions as the full search); the winner and the configured partition are then planned with `options`
-    and solver as given, and the winner is kept only if it is strictly faster (moving layers is never free)."""
+    Screen: the configured and the balanced partition are planned with the priority rules only (`search=False`:
+    milliseconds); then every partition whose lower bound (`period_lower_bound` of its config) is below the best
+    screened period is a candidate (`_below`: all of them, the walk pruned by each stage's busiest-worker floor),
+    planned in increasing order of its bound until the next bound is no better than the best screened period (no
+    plan of it can win) or `max_evaluations` partitions were screened. Polish: the `polish` best screened
+    re-partitions and the configured partition are planned with `options` and `solver` as given (the local search and
+    CP-SAT polish of the heuristic, or the exact solver), and the fastest wins; a re-partition is kept only when
+    strictly faster than the configured layout (moving layers is never free)."""
     key = check_key(config, key)
     costs = layer_costs(config)
     configured = costs.layers
@@ -268,27 +371,21 @@ def best_partition(config: Config, key: Sequence[int], options: PlannerOptions =
         return periods[p]
 
     balanced = balanced_partition(config, key, costs)
-    best = min((configured, balanced), key=lambda p: (period(p), p != configured))
-    live = [config.num_replicas - k for k in key]
-
-    def bound(p: tuple[int, ...]) -> tuple[float, float]:
-        """Largest, then total, busy time per live worker: the cheap model that orders the neighbours."""
-        works = [stage_work(config, costs, s, n, live[s]) for s, n in enumerate(p)]
-        return max(works), sum(works)
-
-    improved = True
-    while improved and len(periods) < max_evaluations:
-        improved = False
-        for p in sorted(_neighbours(best), key=bound):
-            if len(periods) >= max_evaluations:
+    ceiling = min(period(configured), period(balanced))
+    if any(key):
+        found, _ = _below(config, key, ceiling, screen, costs, balanced, limit)
+        for value, p in found:
+            if len(periods) >= max_evaluations or value >= min(periods.values()):
                 break
-            if p not in periods and period(p) < periods[best]:
-                best, improved = p, True
-                break
+            period(p)
+    ranked = sorted(periods, key=lambda p: (periods[p], p != configured))
     base = partition_period(config, key, configured, options, solver, costs, time_limit_s)
-    final = partition_period(config, key, best, options, solver, costs, time_limit_s) if best != configured else base
-    if final >= base:
-        best, final = configured, base
+    best, final = configured, base
+    for p in [p for p in ranked if p != configured][:polish]:
+        if not math.isinf(periods[p]):
+            value = partition_period(config, key, p, options, solver, costs, time_limit_s)
+            if value < final:
+                best, final = p, value
     return PartitionChoice(key, best, final, configured, base, balanced, ideal_period(config, key), len(periods))
 
 

@@ -160,6 +160,8 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
         # Per failure state ReCycle+ planned: re-routing alone vs re-partitioned vs the ideal live-proportional
         # period (config time units) and the partition chosen.
         "partitions": [c.to_dict() for c in partitions.choices().values()] if partitions is not None else [],
+        # Seconds ReCycle+ spent per (failure key, layer partition), running and in all.
+        "recycle_plus_states": next((b.time_by_state(timeline.end_s) for b in built if b.name == "recycle-plus"), []),
         "skipped": skipped,
     }
     return replace(result, extra=extra)

@@ -38,22 +38,23 @@ _CHOICES: dict[tuple, PartitionChoice] = {}  # in-process cache of planner parti
 class PartitionModel:
     """ReCycle's rate for (failure key, layer partition), the partition chosen per key, and migration times.
 
-    Periods come from the same source as ReCycle's line: the planner (`planner.partition.partition_period`, the
-    heuristic's priority rules on the per-stage config of the partition, memory caps re-derived) or, with the closed-form period
-    model, `estimate_period` on that config (the balanced partition is then taken without a planner screen).
-    The configured partition's periods are the base model's own, so ReCycle and ReCycle+ agree exactly where
-    ReCycle+ keeps the layers where they are."""
+    Periods come from the same source as ReCycle's line: the planner (`planner.partition.partition_period` on the
+    per-stage config of the partition, memory caps re-derived, planned with the same options as ReCycle's own
+    layouts: the heuristic's local search and CP-SAT polish included) or, with the closed-form period model,
+    `estimate_period` on that config (the balanced partition is then taken without a planner screen). The
+    partition per key comes from `best_partition`'s branch and bound (candidates screened with the priority rules
+    only, the `polish` best planned in full), shared across runs in this process. The configured partition's
+    periods are the base model's own, so ReCycle and ReCycle+ agree exactly where ReCycle+ keeps the layers where
+    they are."""
 
-    def __init__(self, base: ThroughputModel, options: PlannerOptions = PlannerOptions(), planner: bool = True, max_evaluations: int = 8) -> None:
+    def __init__(self, base: ThroughputModel, options: PlannerOptions = PlannerOptions(), planner: bool = True,
+                 max_evaluations: int = 8, polish: int = 1) -> None:
         self.base = base
         self.config = base.config
-        # Re-partitioned layouts are planned with the heuristic's priority rules only (milliseconds per plan; the
-        # local search and CP-SAT polish would make a trace with dozens of failure states take many minutes).
-        # ReCycle's own periods (the configured layout) keep the full search, so this only ever understates what
-        # re-partitioning gains.
-        self.screen = replace(options, search=False)
+        self.options = options
         self.planner = planner
         self.max_evaluations = max_evaluations
+        self.polish = polish
         self.costs = layer_costs(self.config)
         self.configured = self.costs.layers
         self._period: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
@@ -65,7 +66,7 @@ class PartitionModel:
         cache_key = (tuple(key), tuple(partition))
         if cache_key not in self._period:
             if self.planner:
-                value = partition_period(self.config, key, partition, self.screen, "heuristic", self.costs)
+                value = partition_period(self.config, key, partition, self.options, "heuristic", self.costs)
             else:
                 derived = partition_config(self.config, partition, self.costs)
                 value = estimate_period(derived, tuple(key), self.base.period((0,) * self.config.num_stages))
@@ -89,10 +90,11 @@ class PartitionModel:
             return self.configured
         if key not in self._choice:
             if self.planner:
-                shared = (self.config.fingerprint(), self.configured, key, self.screen, self.max_evaluations)
+                shared = (self.config.fingerprint(), self.configured, key, self.options, self.max_evaluations,
+                          self.polish)
                 if shared not in _CHOICES:  # the search does not depend on the reference: share it across runs
-                    _CHOICES[shared] = best_partition(self.config, key, self.screen, "heuristic",
-                                                      self.max_evaluations)
+                    _CHOICES[shared] = best_partition(self.config, key, self.options, "heuristic",
+                                                      self.max_evaluations, polish=self.polish)
                 found = _CHOICES[shared]
                 partition, ideal, balanced, evaluated = found.partition, found.ideal_period, found.balanced, \
                     found.evaluated
@@ -145,12 +147,16 @@ class _CurrentPartition:
         self.model = model
         self.partition = model.configured
         self.label = model.base.label
+        self.best = False  # True while a reshape is weighed: each layout at the better of its two partitions
 
     def key_for(self, failed: Iterable[tuple[int, int]]) -> tuple[int, ...]:
         return self.model.base.key_for(failed)
 
     def throughput_for_key(self, key: tuple[int, ...]) -> float:
-        return self.model.rate(key, self.partition)
+        rate = self.model.rate(key, self.partition)
+        if self.best and any(key):
+            rate = max(rate, self.model.rate(key, self.model.choice(key)))
+        return rate
 
     def fault_free(self) -> float:
         return self.model.base.fault_free()
@@ -163,8 +169,9 @@ class ReCyclePlusSystem(ReCycleSystem):
     same expected duration), the policy compares, with one performance model:
     * re-routing alone on the current layer partition: rate r0, no pause;
     * moving to the partition the planner chose for this key (the configured one once nothing has failed:
-      "switch back"): rate r1 after a pause of `plan_switch_s` + the migration of the moved layers' parameters
-      and optimizer state between stages (`PartitionModel.migration_bytes` over one p2p link per worker).
+      "switch back"): rate r1 after a pause for the migration of the moved layers' parameters and optimizer state
+      between stages (`PartitionModel.migration_bytes` over one p2p link per worker), plus `plan_switch_s` unless
+      the change already switches plan (a new key: the re-partitioned plan is the one switched to).
     It re-partitions when r1 * (E - pause) > r0 * E, E = the expected time until the next change
     (`DurationEstimate`, prior `JobCosts.repartition_prior_s`), and always returns to the configured partition
     when no worker is missing. Each decision with a choice, and its predicted gain in samples over E, is logged
@@ -183,6 +190,8 @@ class ReCyclePlusSystem(ReCycleSystem):
         self.expected = DurationEstimate(ctx.costs.repartition_prior_s)
         self.base_costs = ctx.costs
         self._kept: tuple | None = None  # (key, partition) last kept with re-routing alone
+        # (time, (key, partition) or None when down, running rate, pauses decided then): for time_by_state
+        self._segments: list[tuple[float, tuple | None, float, float]] = []
 
     def _with_horizon(self) -> None:
         """Reshape decisions use the same expected duration as the partition decisions."""
@@ -193,6 +202,16 @@ class ReCyclePlusSystem(ReCycleSystem):
         if policy == "adapt" and self.current.partition != self.partitions.configured:
             policy = "re-route (layers moved)"  # re-routing on a re-partitioned layout
         super()._log(now, policy, detail)
+
+    def _maybe_reshape(self, now: float, live: frozenset[int]):
+        """Reshape and re-partition together: the grid as it is and the reshaped one are each weighed at the better
+        of the current layers and the partition chosen for its key (the migration is then priced by _decide, as
+        after any change)."""
+        self.current.best = True
+        try:
+            return super()._maybe_reshape(now, live)
+        finally:
+            self.current.best = False
 
     def _restore(self, now, live, first_loss, lost_stage) -> Decision:
         self.current.partition = self.partitions.configured  # the checkpoint is read into the configured layout
@@ -212,6 +231,27 @@ class ReCyclePlusSystem(ReCycleSystem):
         return self._consider(now, super().on_wake(now))
 
     def _consider(self, now: float, decision: Decision) -> Decision:
+        decision = self._decide(now, decision)
+        state = None if self.down or self.key is None else (self.key, self.current.partition)
+        self._segments.append((now, state, decision.rate, sum(s for _, s in decision.pauses)))
+        return decision
+
+    def time_by_state(self, end_s: float) -> list[dict]:
+        """Seconds spent in each (failure key, layer partition) up to `end_s`, and of them the seconds running
+        (the pauses decided on entering the state taken off), with the running rate: where the goodput goes."""
+        spent: dict[tuple, list[float]] = {}
+        for i, (t, state, rate, paused) in enumerate(self._segments):
+            until = self._segments[i + 1][0] if i + 1 < len(self._segments) else end_s
+            if state is None or until <= t:
+                continue
+            entry = spent.setdefault(state, [0.0, 0.0, rate])
+            entry[0] += until - t
+            entry[1] += max(0.0, until - t - paused)
+            entry[2] = rate
+        return [{"key": list(k), "partition": list(p), "seconds": v[0], "running_s": v[1], "rate": v[2]}
+                for (k, p), v in sorted(spent.items(), key=lambda kv: -kv[1][0])]
+
+    def _decide(self, now: float, decision: Decision) -> Decision:
         if self.down or self.key is None or decision.rate <= 0:
             return decision
         key = self.key
@@ -223,7 +263,10 @@ class ReCyclePlusSystem(ReCycleSystem):
         r0 = self.partitions.rate(key, current)
         r1 = self.partitions.rate(key, target)
         moved = self.partitions.migration_bytes(current, target, key)
-        pause = self.ctx.costs.plan_switch_s + self.ctx.transfer_s(moved)
+        # One plan switch per event: when this change already switches plan (a new key), the re-partitioned plan
+        # is the one switched to, so only the migration is added; otherwise the move is a switch of its own.
+        switching = any(cause in ("plan switch", "restart") for cause, _ in decision.pauses)
+        pause = (0.0 if switching else self.ctx.costs.plan_switch_s) + self.ctx.transfer_s(moved)
         gain = r1 * max(0.0, E - pause) - r0 * E
         back = not any(key)
         words = (f"key {key}: layers {'/'.join(map(str, current))} -> {'/'.join(map(str, target))}, rate "
@@ -233,7 +276,7 @@ class ReCyclePlusSystem(ReCycleSystem):
             if self._kept != (key, current):  # logged once per state, not again on every re-check
                 self._log(now, "re-route", f"{words}: re-routing alone")
                 self._kept = (key, current)
-            return decision
+            return replace(decision, rate=r0)  # a reshape weighed at the chosen partition runs on the current one
         self._kept = None
         self._log(now, "layers back" if back else "repartition", words)
         self.current.partition = target
