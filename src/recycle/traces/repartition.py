@@ -11,11 +11,12 @@ from recycle.config import Config
 from recycle.planner.options import PlannerOptions
 from recycle.planner.partition import (PartitionChoice, best_partition, configured_partition, layer_costs,
                                        migration_bytes, partition_config, partition_period)
+from recycle.planner.policy import DurationEstimate, LayerDecision
 from recycle.traces.model import Decision, JobContext
 from recycle.traces.recycle_system import ReCycleSystem
 from recycle.traces.throughput import ThroughputModel, estimate_period
 
-__all__ = ["PartitionModel", "DurationEstimate", "ReCyclePlusSystem", "partition_support"]
+__all__ = ["PartitionModel", "ReCyclePlusSystem", "partition_support"]
 
 
 def partition_support(config: Config) -> str:
@@ -117,27 +118,6 @@ class PartitionModel:
         live = [self.config.num_replicas - k for k in key]
         received, sent = migration_bytes(self.costs, old, new, live)
         return max(received, sent)
-
-
-class DurationEstimate:
-    """Expected time until the next change of the live set: the mean gap seen so far, with `prior_s` counted as
-    one observation (a memoryless trace's expected remaining time is its mean gap; no look-ahead)."""
-
-    def __init__(self, prior_s: float) -> None:
-        self.prior_s = prior_s
-        self.total_s = 0.0
-        self.count = 0
-        self.last_s: float | None = None
-
-    def observe(self, now: float) -> None:
-        if self.last_s is not None and now > self.last_s:
-            self.total_s += now - self.last_s
-            self.count += 1
-        self.last_s = now
-
-    @property
-    def expected_s(self) -> float:
-        return (self.prior_s + self.total_s) / (1 + self.count)
 
 
 class _CurrentPartition:
@@ -259,7 +239,6 @@ class ReCyclePlusSystem(ReCycleSystem):
         target = self.partitions.choice(key)
         if target == current:
             return decision
-        E = self.expected.expected_s
         r0 = self.partitions.rate(key, current)
         r1 = self.partitions.rate(key, target)
         moved = self.partitions.migration_bytes(current, target, key)
@@ -267,12 +246,12 @@ class ReCyclePlusSystem(ReCycleSystem):
         # is the one switched to, so only the migration is added; otherwise the move is a switch of its own.
         switching = any(cause in ("plan switch", "restart") for cause, _ in decision.pauses)
         pause = (0.0 if switching else self.ctx.costs.plan_switch_s) + self.ctx.transfer_s(moved)
-        gain = r1 * max(0.0, E - pause) - r0 * E
-        back = not any(key)
+        layer_move = LayerDecision(key, current, target, r0, r1, pause, self.expected.expected_s)
+        back = layer_move.back
         words = (f"key {key}: layers {'/'.join(map(str, current))} -> {'/'.join(map(str, target))}, rate "
                  f"{r0:.2f} -> {r1:.2f} samples/s, pause {pause:.1f} s ({moved / 1e9:.1f} GB per worker at most), "
-                 f"expected state {E:.0f} s, predicted gain {gain:+.0f} samples")
-        if not back and gain <= 0:
+                 f"expected state {layer_move.expected_s:.0f} s, predicted gain {layer_move.gain:+.0f} samples")
+        if not layer_move.move:
             if self._kept != (key, current):  # logged once per state, not again on every re-check
                 self._log(now, "re-route", f"{words}: re-routing alone")
                 self._kept = (key, current)
