@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import AbstractSet, Sequence
 
 import numpy as np
 
-__all__ = ["LevelTimer", "build_level_timer", "flat_dependencies"]
+from recycle.config import Config
+from recycle.ir.compact import KIND_CODES, CompactActions
+
+__all__ = ["LevelTimer", "build_level_timer", "flat_dependencies", "time_compact"]
 
 
 @dataclass(frozen=True)
@@ -214,3 +217,63 @@ def flat_dependencies(code: Sequence[int], stage_of: Sequence[int], mb_of: Seque
                       np.asarray(p2p, dtype=np.float64)[boundary[has]])
     msg[has] = np.where(producer_rank != consumer_rank, across, 0.0)
     return dep, msg
+
+
+def time_compact(config: Config, actions: CompactActions, failed: AbstractSet[tuple[int, int]],
+                 staggered: bool) -> tuple[float, float] | None:
+    """`simulate(plan, config)`'s period and makespan for a plan whose actions are CompactActions, read straight
+    from its arrays (no Action objects): the simulator's steps for a large plan, in the same order with the same
+    floats (tests/unit/test_vector_schedule.py checks equality). None when the simulator would not use the level
+    timer (small plans) or the timer does not apply; the caller then simulates."""
+    from recycle.sim.simulator import LEVEL_TIMER_MIN_ACTIONS, MAX_ITERATIONS, _converged, action_duration
+
+    D, S = config.num_replicas, config.num_stages
+    n, TM = D * S, D * config.num_microbatches
+    bounds = np.asarray(actions.bounds, dtype=np.int64)
+    code = np.asarray(actions.code, dtype=np.int64)
+    stage = np.asarray(actions.stage, dtype=np.int64)
+    if len(code) < LEVEL_TIMER_MIN_ACTIONS or len(bounds) != n + 1:
+        return None
+    live_replicas = [[p for p in range(D) if (p, s) not in failed] for s in range(S)]
+    duration_of = np.asarray([[action_duration(config, k, s, len(live_replicas[s])) for s in range(S)]
+                              for k in KIND_CODES])
+    dur = duration_of[code, stage]
+    first, stop = bounds[:-1], bounds[1:]
+    comm = config.communication
+    node = config.topology.node
+    dep, msg = flat_dependencies(code, stage, actions.mb, first, stop, S, TM, [comm.p2p_time(s) for s in range(S)],
+                                 [comm.inter_node_time(s) for s in range(S)], [node(r) for r in range(n)])
+    is_opt = code == 4
+    live = [r for r in range(n) if stop[r] > first[r]]
+    if staggered:
+        by_stage = [tuple(p * S + s for p in live_replicas[s]) for s in range(S)]
+        groups = {r: by_stage[r % S] for r in live}
+    else:
+        everyone = tuple(live)
+        groups = {r: everyone for r in live}
+    timer = build_level_timer(n, first.tolist(), stop.tolist(), is_opt, dep, msg, dur, groups, staggered)
+    if timer is None:
+        return None
+    opt_list = is_opt.tolist()
+    spans: dict[int, list[tuple[int, int]]] = {}  # makespan group (stage when staggered) -> compute spans
+    for r in live:
+        lo, hi = int(first[r]), int(stop[r]) - 1
+        while lo <= hi and opt_list[lo]:
+            lo += 1
+        while hi >= lo and opt_list[hi]:
+            hi -= 1
+        if lo <= hi:
+            spans.setdefault(r % S if staggered else 0, []).append((lo, hi))
+    heads = [int(first[r]) for r in live]
+    free: Sequence[float] = [0.0] * n
+    starts: list[float] = []
+    makespans: list[float] = []
+    for _ in range(MAX_ITERATIONS):
+        start, end, free = timer.run(free)
+        starts.append(float(start[heads].min()))
+        makespans.append(float(max((max(end[b] for _, b in group) - min(start[a] for a, _ in group)
+                                    for group in spans.values()), default=0.0)))
+        if _converged(starts):
+            return starts[-1] - starts[-2], makespans[-1]
+    half = len(starts) // 2
+    return (starts[-1] - starts[half]) / (len(starts) - 1 - half), makespans[-1]
