@@ -105,117 +105,145 @@ def vector_list_schedule(num_replicas: int, num_stages: int, num_microbatches: i
     At each event time every free worker with something to do decides at once, with the Python scheduler's rule:
     a ready B first (with `alternate`: unless an F may run and the last F-or-B was a B), then an F below the
     worker's limit (with `forward_first`, or when no W waits), then a W. Ready F's and B's are taken smallest key
-    first, key = (static_key(stage, replica, mb) (int64, at most `static_max`), ready time if `use_ready`, mb): the Python scheduler's
-    heap order. W's are taken in the order of their B's. Only valid when `vector_eligible` (whole-unit times).
+    first, key = (static_key(stage, replica, mb) (int64, at most `static_max`), ready time if `use_ready`, mb):
+    the Python scheduler's heap order. W's are taken in the order of their B's. Only valid when `vector_eligible`
+    (whole-unit times). Raises OverflowError when the keys would not fit in 64 bits.
     """
-    D, S, M = num_replicas, num_stages, num_microbatches
-    TM, n = D * M, D * S
-    host_arr = np.asarray(host, dtype=np.int64)  # [stage, mb]
-    stage_of = np.arange(n, dtype=np.int64) % S
-    replica_of = np.arange(n, dtype=np.int64) // S
-    dest_rank = host_arr * S + np.arange(S, dtype=np.int64)[:, None]  # [stage, mb] -> the rank that runs it
-    loads = np.bincount(dest_rank.ravel(), minlength=n)
-    dur = np.asarray(durations, dtype=np.float64)  # [stage, code]
-    p2p_arr = np.asarray(p2p, dtype=np.float64)
-    limit_arr = np.asarray(limit, dtype=np.float64)
-    ready_f, ready_b = ReadySets(loads), ReadySets(loads)
-    w_mb = np.zeros(int(loads.sum()), dtype=np.int64)  # per rank a FIFO: W's run in the order of their B's
-    w_head = np.zeros(n, dtype=np.int64)
-    np.cumsum(loads[:-1], out=w_head[1:])
-    w_tail = w_head.copy()
-    busy = np.zeros(n)
-    live = np.zeros(n, dtype=np.int64)
-    last = np.full(n, -1, dtype=np.int64)
-    # Keys must stay below _EMPTY. No time exceeds all the work plus every message, one after another: until
-    # the iteration ends, some action runs or some message is on its way at every moment.
-    horizon = int((loads * dur[stage_of].sum(axis=1)).sum() + 2 * TM * S * p2p_arr.max(initial=0.0)) + 1
-    scale = horizon if use_ready else 1
-    if (static_max + 1) * scale * TM >= _EMPTY:
-        raise OverflowError("priority keys do not fit in 64 bits; use the Python list scheduler")
+    stepper = _Stepper(num_replicas, num_stages, num_microbatches, host, durations, p2p, limit, static_key,
+                       static_max, use_ready, forward_first, alternate, decoupled)
+    while stepper.times:
+        t = heapq.heappop(stepper.times)
+        stepper.receive(t)
+        rf, rb, rw = stepper.decide(t)
+        if len(rf) or len(rb) or len(rw):
+            stepper.start(t, rf, rb, rw)
+    return _compact(stepper.out, num_replicas * num_stages)
 
-    pending: dict[float, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}  # ready time -> (rank, code, mb)
-    times: list[float] = []
 
-    def later(when: np.ndarray, ranks: np.ndarray, codes: np.ndarray, mbs: np.ndarray) -> None:
+class _Stepper:
+    """The state of one numpy list schedule: ready sets, W queues, busy times and live counts per rank, and the
+    pending items by exact time (code -1: a completion, a time to decide at without an item)."""
+
+    def __init__(self, D: int, S: int, M: int, host: Sequence[Sequence[int]],
+                 durations: Sequence[tuple[float, float, float]], p2p: Sequence[float], limit: Sequence[float],
+                 static_key: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray], static_max: int,
+                 use_ready: bool, forward_first: bool, alternate: bool, decoupled: bool) -> None:
+        n = D * S
+        self.S, self.TM = S, D * M
+        self.static_key, self.use_ready = static_key, use_ready
+        self.forward_first, self.alternate, self.decoupled = forward_first, alternate, decoupled
+        self.stage_of = np.arange(n, dtype=np.int64) % S
+        self.replica_of = np.arange(n, dtype=np.int64) // S
+        # [stage, mb] -> the rank that runs it
+        self.dest_rank = np.asarray(host, dtype=np.int64) * S + np.arange(S, dtype=np.int64)[:, None]
+        loads = np.bincount(self.dest_rank.ravel(), minlength=n)
+        self.dur = np.asarray(durations, dtype=np.float64)  # [stage, code]
+        self.p2p = np.asarray(p2p, dtype=np.float64)
+        self.limit = np.asarray(limit, dtype=np.float64)
+        self.ready_f, self.ready_b = ReadySets(loads), ReadySets(loads)
+        self.w_mb = np.zeros(int(loads.sum()), dtype=np.int64)  # per rank a FIFO: W's run in the order of their B's
+        self.w_head = np.zeros(n, dtype=np.int64)
+        np.cumsum(loads[:-1], out=self.w_head[1:])
+        self.w_tail = self.w_head.copy()
+        self.busy = np.zeros(n)
+        self.live = np.zeros(n, dtype=np.int64)
+        self.last = np.full(n, -1, dtype=np.int64)
+        # Keys must stay below _EMPTY. No time exceeds all the work plus every message, one after another: until
+        # the iteration ends, some action runs or some message is on its way at every moment.
+        horizon = int((loads * self.dur[self.stage_of].sum(axis=1)).sum()
+                      + 2 * self.TM * S * self.p2p.max(initial=0.0)) + 1
+        self.scale = horizon if use_ready else 1
+        if (static_max + 1) * self.scale * self.TM >= _EMPTY:
+            raise OverflowError("priority keys do not fit in 64 bits; use the Python list scheduler")
+        self.pending: dict[float, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        self.times: list[float] = []  # a heap of the pending times
+        self.out: list[tuple[np.ndarray, ...]] = []  # per step: rank, code, mb, start, end
+        TM = self.TM
+        self.queue(np.zeros(TM), self.dest_rank[0], np.zeros(TM, dtype=np.int64), np.arange(TM, dtype=np.int64))
+
+    def queue(self, when: np.ndarray, ranks: np.ndarray, codes: np.ndarray, mbs: np.ndarray) -> None:
         for value in np.unique(when).tolist():
             pick = when == value
-            bucket = pending.get(value)
+            bucket = self.pending.get(value)
             if bucket is None:
-                pending[value] = bucket = []
-                heapq.heappush(times, value)
+                self.pending[value] = bucket = []
+                heapq.heappush(self.times, value)
             bucket.append((ranks[pick], codes[pick], mbs[pick]))
 
-    def wake(when: np.ndarray) -> None:  # completions: a time to decide at, no item
+    def wake(self, when: np.ndarray) -> None:
         for value in np.unique(when).tolist():
-            if value not in pending:
-                pending[value] = []
-                heapq.heappush(times, value)
+            if value not in self.pending:
+                self.pending[value] = []
+                heapq.heappush(self.times, value)
 
-    later(np.zeros(TM), dest_rank[0], np.zeros(TM, dtype=np.int64), np.arange(TM, dtype=np.int64))
-    out: list[tuple[np.ndarray, ...]] = []
-    while times:
-        t = heapq.heappop(times)
-        bucket = pending.pop(t)
-        if bucket:
-            ranks = np.concatenate([b[0] for b in bucket])
-            codes = np.concatenate([b[1] for b in bucket])
-            mbs = np.concatenate([b[2] for b in bucket])
-            keys = static_key(stage_of[ranks], replica_of[ranks], mbs) * scale
-            if use_ready:
-                keys += int(t)
-            keys = keys * TM + mbs
-            is_f = codes == _F
-            if is_f.any():
-                ready_f.add(ranks[is_f], keys[is_f])
-            if not is_f.all():
-                ready_b.add(ranks[~is_f], keys[~is_f])
-        free = busy <= t
-        has_b = ready_b.count > 0
-        has_w = w_head < w_tail
-        can_f = (ready_f.count > 0) & (live < limit_arr)
+    def receive(self, t: float) -> None:
+        """Move the items that become ready at t into their workers' ready sets."""
+        bucket = self.pending.pop(t)
+        if not bucket:
+            return
+        ranks = np.concatenate([b[0] for b in bucket])
+        codes = np.concatenate([b[1] for b in bucket])
+        mbs = np.concatenate([b[2] for b in bucket])
+        keys = self.static_key(self.stage_of[ranks], self.replica_of[ranks], mbs) * self.scale
+        if self.use_ready:
+            keys += int(t)
+        keys = keys * self.TM + mbs
+        is_f = codes == _F
+        if is_f.any():
+            self.ready_f.add(ranks[is_f], keys[is_f])
+        if not is_f.all():
+            self.ready_b.add(ranks[~is_f], keys[~is_f])
+
+    def decide(self, t: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The free ranks that start an F, a B and a W at t."""
+        free = self.busy <= t
+        has_b = self.ready_b.count > 0
+        has_w = self.w_head < self.w_tail
+        can_f = (self.ready_f.count > 0) & (self.live < self.limit)
         take_b = free & has_b
-        if alternate:
-            take_b &= ~(can_f & (last == _B))
+        if self.alternate:
+            take_b &= ~(can_f & (self.last == _B))
         take_f = free & ~take_b & can_f
-        if not forward_first:
+        if not self.forward_first:
             take_f &= ~has_w
         take_w = free & ~take_b & ~take_f & has_w
-        rb, rf, rw = np.flatnonzero(take_b), np.flatnonzero(take_f), np.flatnonzero(take_w)
-        if not (len(rb) or len(rf) or len(rw)):
-            continue
-        mb_b = ready_b.pop_min(rb) % TM if len(rb) else rb
-        mb_f = ready_f.pop_min(rf) % TM if len(rf) else rf
-        mb_w = w_mb[w_head[rw]]
-        w_head[rw] += 1
-        live[rf] += 1
-        live[rw] -= 1
-        if not decoupled:
-            live[rb] -= 1
-        last[rb] = _B
-        last[rf] = _F
+        return np.flatnonzero(take_f), np.flatnonzero(take_b), np.flatnonzero(take_w)
+
+    def start(self, t: float, rf: np.ndarray, rb: np.ndarray, rw: np.ndarray) -> None:
+        """Start the chosen actions at t, record them, and queue what they send and when their workers are free."""
+        S, TM = self.S, self.TM
+        mb_b = self.ready_b.pop_min(rb) % TM if len(rb) else rb
+        mb_f = self.ready_f.pop_min(rf) % TM if len(rf) else rf
+        mb_w = self.w_mb[self.w_head[rw]]
+        self.w_head[rw] += 1
+        self.live[rf] += 1
+        self.live[rw] -= 1
+        if not self.decoupled:
+            self.live[rb] -= 1
+        self.last[rb] = _B
+        self.last[rf] = _F
         ranks = np.concatenate((rf, rb, rw))
         codes = np.concatenate((np.full(len(rf), _F), np.full(len(rb), _B), np.full(len(rw), _W)))
         mbs = np.concatenate((mb_f, mb_b, mb_w))
-        stages = stage_of[ranks]
-        ends = t + dur[stages, codes]
-        busy[ranks] = ends
-        out.append((ranks, codes, mbs, np.full(len(ranks), t), ends))
-        wake(ends)
-        if decoupled and len(rb):
-            w_mb[w_tail[rb]] = mb_b
-            w_tail[rb] += 1
+        stages = self.stage_of[ranks]
+        ends = t + self.dur[stages, codes]
+        self.busy[ranks] = ends
+        self.out.append((ranks, codes, mbs, np.full(len(ranks), t), ends))
+        self.wake(ends)
+        if self.decoupled and len(rb):
+            self.w_mb[self.w_tail[rb]] = mb_b
+            self.w_tail[rb] += 1
         # Forward outputs go downstream (the last stage turns its own F into a B); input-gradients go upstream.
         f_end, f_stage = ends[:len(rf)], stages[:len(rf)]
         turn = f_stage == S - 1
         down = ~turn
-        later(f_end[down] + p2p_arr[f_stage[down]], dest_rank[f_stage[down] + 1, mb_f[down]],
-              np.full(int(down.sum()), _F), mb_f[down])
-        later(f_end[turn], rf[turn], np.full(int(turn.sum()), _B), mb_f[turn])
+        self.queue(f_end[down] + self.p2p[f_stage[down]], self.dest_rank[f_stage[down] + 1, mb_f[down]],
+                   np.full(int(down.sum()), _F), mb_f[down])
+        self.queue(f_end[turn], rf[turn], np.full(int(turn.sum()), _B), mb_f[turn])
         b_end, b_stage = ends[len(rf):len(rf) + len(rb)], stages[len(rf):len(rf) + len(rb)]
         up = b_stage > 0
-        later(b_end[up] + p2p_arr[b_stage[up] - 1], dest_rank[b_stage[up] - 1, mb_b[up]],
-              np.full(int(up.sum()), _B), mb_b[up])
-    return _compact(out, n)
+        self.queue(b_end[up] + self.p2p[b_stage[up] - 1], self.dest_rank[b_stage[up] - 1, mb_b[up]],
+                   np.full(int(up.sum()), _B), mb_b[up])
 
 
 def _compact(out: list[tuple[np.ndarray, ...]], n: int) -> CompactSchedule:
