@@ -72,7 +72,17 @@ def test_vector_eligible_needs_whole_units_and_many_actions_per_step() -> None:
     assert not vector_eligible([1.0, 1.0], [0.5], 100_000, 400)
     assert not vector_eligible([1.0, 0.0], [0.0], 100_000, 400)  # zero duration: same-time decisions interact
     assert not vector_eligible([1.0, 1.0], [0.0], 100_000, 10_000)  # too few actions per step to pay off
-    assert not vector_eligible([1.0, 1.0], [0.0], 1_000, 1)  # too small
+
+
+def test_only_large_whole_unit_instances_with_fixed_rules_use_numpy() -> None:
+    def uses(config: Config, variant: Variant = VARIANTS[0]) -> bool:
+        host = failed_routing(config, frozenset({(0, 1)}))
+        return heuristic._use_vector(heuristic._setting(config, host, True, None, variant))
+
+    assert uses(uniform_config(32, 16, 64))
+    assert not uses(uniform_config(32, 16, 64), Variant("random", seed=1))  # one random stream: the Python loop
+    assert not uses(uniform_config(4, 4, 8))  # 384 actions: below VECTOR_MIN_ACTIONS
+    assert not uses(uniform_config(32, 16, 64, forward=1.5))  # not whole units
 
 
 def test_orders_of_the_variants() -> None:

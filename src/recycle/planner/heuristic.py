@@ -9,9 +9,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from enum import Enum
 from functools import cached_property
-from typing import Callable, Iterable, Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from recycle.config import Config
 from recycle.errors import PlanError
@@ -24,8 +22,10 @@ from recycle.planner.bounds import period_lower_bound
 from recycle.planner.local_search import OrderEvaluator, improve_orders, stage_extents
 from recycle.planner.routing import (balanced_routing, check_key, failed_routing, routing_candidates,
                                     worker_loads)
-from recycle.planner.vector_schedule import CompactSchedule, vector_eligible, vector_list_schedule
 from recycle.sim.simulator import action_duration, simulate
+
+if TYPE_CHECKING:  # numpy loads only when a large plan is scheduled (CLI start-up, small plans)
+    from recycle.planner.vector_schedule import CompactSchedule
 
 __all__ = ["Variant", "VARIANTS", "Order", "order_of", "schedule_heuristic", "schedule_failed", "list_schedule", "capacity_cap", "stage_caps",
            "SIMULATE_ALL_LIMIT"]
@@ -59,6 +59,10 @@ ORDER_MOVES = 600
 POLISH_LIMIT = 500
 POLISH_DETERMINISTIC_S = 0.25
 _POLISH_WALL_S = 5.0  # a safety net on a heavily loaded machine; normally the deterministic limit ends first
+
+# From this many actions per iteration, deterministic rules on whole-unit costs are stepped in numpy (see
+# recycle.planner.vector_schedule.vector_eligible); below it numpy's per-call cost outweighs what it saves.
+VECTOR_MIN_ACTIONS = 4_000
 
 _F, _B, _W = 0, 1, 2  # action codes inside the scheduler (_B is a fused BW when the plan is not decoupled)
 
@@ -233,7 +237,7 @@ def list_schedule(config: Config, key: Sequence[int], host: Sequence[Sequence[in
         rows = _event_loop(setting, host, _item_maker(setting, host, rng), rng)
         _check_complete(setting, [len(row) for row in rows], variant, caps)
         return _Timed(rows, _estimate(config, key, rows, staggered))
-    _check_complete(setting, np.diff(compact.bounds).tolist(), variant, caps)
+    _check_complete(setting, compact.counts(), variant, caps)
     return _Timed(None, _estimate_compact(config, key, compact, staggered), compact)
 
 
@@ -251,10 +255,12 @@ def _check_complete(setting: _Setting, counts: Sequence[int], variant: Variant, 
 
 def _use_vector(setting: _Setting) -> bool:
     """The numpy scheduler for deterministic rules where it is exact and faster (see `vector_eligible`)."""
-    if setting.order is Order.RANDOM:
-        return False
     per_mb = 3 if setting.decoupled else 2
     actions = per_mb * setting.D * setting.M * setting.S
+    if setting.order is Order.RANDOM or actions < VECTOR_MIN_ACTIONS:
+        return False
+    from recycle.planner.vector_schedule import vector_eligible
+
     busiest = max(load * sum(setting.dur[s]) for s, row in enumerate(setting.loads) for load in row)
     round_trip = sum(f + b + 2 * m for (f, b, _), m in zip(setting.dur, setting.p2p))
     durations = [d for row in setting.dur for d in (row if setting.decoupled else row[:2])]
@@ -263,6 +269,10 @@ def _use_vector(setting: _Setting) -> bool:
 
 def _vector_schedule(setting: _Setting, host: Sequence[Sequence[int]]) -> CompactSchedule | None:
     """`vector_list_schedule` with the setting's order as an int64 key (None: the keys would overflow)."""
+    import numpy as np
+
+    from recycle.planner.vector_schedule import vector_list_schedule
+
     D, S, M = setting.D, setting.S, setting.M
     order = setting.order
     static_max = 0
@@ -457,16 +467,7 @@ def _estimate(config: Config, key: Sequence[int], entries: Sequence[Sequence[tup
 
 def _estimate_compact(config: Config, key: Sequence[int], compact: CompactSchedule, staggered: bool) -> float:
     """_estimate of a numpy list schedule (the same extents: each rank's first start and last end)."""
-    S = config.num_stages
-    first, last = [math.inf] * S, [0.0] * S
-    bounds = compact.bounds.tolist()
-    for rank in range(len(bounds) - 1):
-        lo, hi = bounds[rank], bounds[rank + 1]
-        if hi > lo:
-            s = rank % S
-            last[s] = max(last[s], float(compact.end[hi - 1]))
-            first[s] = min(first[s], float(compact.start[lo]))
-    return _estimate_from(config, key, (first, last), staggered)
+    return _estimate_from(config, key, compact.stage_extents(config.num_stages), staggered)
 
 
 def _estimate_from(config: Config, key: Sequence[int], extents: tuple[list[float], list[float]],
@@ -490,7 +491,9 @@ def _to_actions(config: Config, timed: _Timed, host: Sequence[Sequence[int]], de
     list schedule gives CompactActions (the same lists, built as Action objects only when read).
     """
     if timed.compact is not None:
-        return _compact_actions(config, timed.compact, decoupled, merge)
+        from recycle.planner.vector_schedule import compact_actions
+
+        return compact_actions(config, timed.compact, decoupled, merge)
     S = config.num_stages
     TM = config.num_replicas * config.num_microbatches
     c = config.costs
@@ -537,46 +540,6 @@ def _to_actions(config: Config, timed: _Timed, host: Sequence[Sequence[int]], de
         append(Action(Kind.OPT, s))
         out.append(tuple(acts))
     return tuple(out)
-
-
-def _compact_actions(config: Config, compact: CompactSchedule, decoupled: bool, merge: bool) -> CompactActions:
-    """_to_actions on a numpy list schedule, fusing in numpy with the same rule (the same floats, compared in the
-    same order), then one OPT at the end of every non-empty list."""
-    S = config.num_stages
-    TM = config.num_replicas * config.num_microbatches
-    c = config.costs
-    code, mb, start = compact.code, compact.mb, compact.start
-    stage = compact.rank % S
-    out_code = np.where(code == _B, 1 if decoupled else 3, code)  # KIND_CODES: F, B, W, BW, OPT
-    keep = np.ones(len(code), dtype=bool)
-    if merge and decoupled and len(code):
-        fused = np.asarray(c.backward_fused, dtype=np.float64)
-        fused_ok = fused <= np.asarray(c.backward_input, dtype=np.float64) + np.asarray(c.backward_weight, dtype=np.float64)
-        message = np.asarray([0.0] + [config.communication.p2p_time(s) for s in range(S - 1)])
-        b_start = np.zeros(S * TM)
-        is_b = code == _B
-        b_start[(stage * TM + mb)[is_b]] = start[is_b]
-        nxt = np.arange(1, len(code) + 1)
-        has_next = nxt < compact.bounds[compact.rank + 1]  # the next row is on the same worker
-        nxt = np.minimum(nxt, len(code) - 1)
-        upstream_ok = (stage == 0) | (b_start[np.maximum(stage - 1, 0) * TM + mb]
-                                      >= start + fused[stage] + message[stage])
-        pair = (is_b & has_next & (code[nxt] == _W) & (mb[nxt] == mb) & fused_ok[stage] & upstream_ok)
-        out_code = np.where(pair, 3, out_code)
-        keep[np.flatnonzero(pair) + 1] = False
-    counts = np.bincount(compact.rank[keep], minlength=len(compact.bounds) - 1)
-    counts = counts + (counts > 0)  # the OPT
-    bounds = np.zeros(len(counts) + 1, dtype=np.int64)
-    np.cumsum(counts, out=bounds[1:])
-    total = int(bounds[-1])
-    is_opt = np.zeros(total, dtype=bool)
-    is_opt[bounds[1:][counts > 0] - 1] = True
-    new_code = np.full(total, 4, dtype=np.int64)
-    new_stage = np.repeat(np.arange(len(counts), dtype=np.int64) % S, counts)
-    new_mb = np.full(total, -1, dtype=np.int64)
-    new_code[~is_opt] = out_code[keep]
-    new_mb[~is_opt] = mb[keep]
-    return CompactActions(bounds, new_code, new_stage, new_mb)
 
 
 def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptions = PlannerOptions(),

@@ -9,13 +9,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["CompactSchedule", "ReadySets", "vector_list_schedule", "vector_eligible"]
+from recycle.config import Config
+from recycle.ir.compact import CompactActions
+
+__all__ = ["CompactSchedule", "ReadySets", "vector_list_schedule", "vector_eligible", "compact_actions"]
 
 _F, _B, _W = 0, 1, 2  # the list scheduler's action codes (_B is a fused BW when the plan is not decoupled)
 _EMPTY = np.iinfo(np.int64).max  # a removed ready item
 # Measured on uniform shapes: one numpy step (~40 array calls) costs what ~50 actions of the Python loop cost.
 MIN_ACTIONS_PER_STEP = 50
-MIN_ACTIONS = 4_000
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,23 @@ class CompactSchedule:
     start: np.ndarray
     end: np.ndarray
     bounds: np.ndarray  # rank r's actions are rows bounds[r]:bounds[r + 1]
+
+    def counts(self) -> list[int]:
+        """Actions per rank."""
+        return np.diff(self.bounds).tolist()
+
+    def stage_extents(self, num_stages: int) -> tuple[list[float], list[float]]:
+        """`recycle.planner.local_search.stage_extents` of these entries: per stage the earliest start and the
+        latest end (inf / 0 when idle)."""
+        first, last = [math.inf] * num_stages, [0.0] * num_stages
+        busy = np.flatnonzero(np.diff(self.bounds) > 0)
+        heads = self.start[self.bounds[busy]].tolist()
+        tails = self.end[self.bounds[busy + 1] - 1].tolist()
+        for rank, head, tail in zip(busy.tolist(), heads, tails):
+            s = rank % num_stages
+            last[s] = max(last[s], tail)
+            first[s] = min(first[s], head)
+        return first, last
 
     def entries(self) -> tuple[tuple[tuple[int, int, float, float], ...], ...]:
         """The per-rank (code, mb, start, end) tuples of the Python list scheduler."""
@@ -48,7 +67,7 @@ def vector_eligible(durations: Sequence[float], messages: Sequence[float], actio
     values = [*durations, *messages]
     if any(not math.isfinite(v) or v != int(v) or v < 0 for v in values) or min(durations) < 1:
         return False
-    return actions >= MIN_ACTIONS and actions >= MIN_ACTIONS_PER_STEP * steps
+    return actions >= MIN_ACTIONS_PER_STEP * steps
 
 
 class ReadySets:
@@ -255,3 +274,43 @@ def _compact(out: list[tuple[np.ndarray, ...]], n: int) -> CompactSchedule:
     np.cumsum(np.bincount(ranks.astype(np.int64), minlength=n), out=bounds[1:])
     return CompactSchedule(ranks[order].astype(np.int64), codes[order].astype(np.int64), mbs[order].astype(np.int64),
                            starts[order].astype(np.float64), ends[order].astype(np.float64), bounds)
+
+
+def compact_actions(config: Config, compact: CompactSchedule, decoupled: bool, merge: bool) -> CompactActions:
+    """`recycle.planner.heuristic._to_actions` on a numpy list schedule: B;W pairs fused by the same rule in numpy
+    (the same floats, compared in the same order), then one OPT at the end of every non-empty list."""
+    S = config.num_stages
+    TM = config.num_replicas * config.num_microbatches
+    c = config.costs
+    code, mb, start = compact.code, compact.mb, compact.start
+    stage = compact.rank % S
+    out_code = np.where(code == _B, 1 if decoupled else 3, code)  # KIND_CODES: F, B, W, BW, OPT
+    keep = np.ones(len(code), dtype=bool)
+    if merge and decoupled and len(code):
+        fused = np.asarray(c.backward_fused, dtype=np.float64)
+        fused_ok = fused <= np.asarray(c.backward_input, dtype=np.float64) + np.asarray(c.backward_weight, dtype=np.float64)
+        message = np.asarray([0.0] + [config.communication.p2p_time(s) for s in range(S - 1)])
+        b_start = np.zeros(S * TM)
+        is_b = code == _B
+        b_start[(stage * TM + mb)[is_b]] = start[is_b]
+        nxt = np.arange(1, len(code) + 1)
+        has_next = nxt < compact.bounds[compact.rank + 1]  # the next row is on the same worker
+        nxt = np.minimum(nxt, len(code) - 1)
+        upstream_ok = (stage == 0) | (b_start[np.maximum(stage - 1, 0) * TM + mb]
+                                      >= start + fused[stage] + message[stage])
+        pair = (is_b & has_next & (code[nxt] == _W) & (mb[nxt] == mb) & fused_ok[stage] & upstream_ok)
+        out_code = np.where(pair, 3, out_code)
+        keep[np.flatnonzero(pair) + 1] = False
+    counts = np.bincount(compact.rank[keep], minlength=len(compact.bounds) - 1)
+    counts = counts + (counts > 0)  # the OPT
+    bounds = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=bounds[1:])
+    total = int(bounds[-1])
+    is_opt = np.zeros(total, dtype=bool)
+    is_opt[bounds[1:][counts > 0] - 1] = True
+    new_code = np.full(total, 4, dtype=np.int64)
+    new_stage = np.repeat(np.arange(len(counts), dtype=np.int64) % S, counts)
+    new_mb = np.full(total, -1, dtype=np.int64)
+    new_code[~is_opt] = out_code[keep]
+    new_mb[~is_opt] = mb[keep]
+    return CompactActions(bounds, new_code, new_stage, new_mb)
