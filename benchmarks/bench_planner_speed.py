@@ -101,7 +101,7 @@ def bench_large(D: int, S: int, M: int, failed_stages: tuple[int, ...], repeats:
     timings: dict[str, list[float]] = {name: [] for name in ("make_plan", "make_plan_cpu", "child", "child_cpu",
                                                               "previous", "previous_cpu", "list", "build",
                                                               "timing", "materialise", "simulate", "loop",
-                                                              "heuristic", "validate")}
+                                                              "heuristic", "symmetric", "validate")}
     plan = None
     same = True
     for _ in range(repeats):
@@ -137,6 +137,10 @@ def bench_large(D: int, S: int, M: int, failed_stages: tuple[int, ...], repeats:
         start = time.perf_counter()
         schedule_heuristic(config, key, options)
         timings["heuristic"].append(time.perf_counter() - start)
+        clear_cache()
+        start = time.perf_counter()
+        make_plan(config, [(3, 5)], options)  # one failure: the canonical plan renamed onto the real ranks
+        timings["symmetric"].append(time.perf_counter() - start)
     assert plan is not None
     start = time.perf_counter()
     validate_plan(plan)
@@ -171,6 +175,7 @@ def print_large(rows: list[dict[str, float | str]], repeats: int) -> None:
              ("materialise", "Action objects, built on first read", "s"),
              ("simulate", "simulate(plan) (Action objects already built)", "s"),
              ("heuristic", "schedule_heuristic (canonical key)", "s"),
+             ("symmetric", "make_plan, one failure (canonical plan renamed)", "s"),
              ("loop", "simulation, per-action loop (reference)", "s"),
              ("ratio", "  loop / level timer", "x"),
              ("validate", f"validate_plan (skipped above {SIMULATE_ALL_LIMIT:,} actions)", "s"),
