@@ -87,10 +87,16 @@ def build_level_timer(num_ranks: int, first: Sequence[int], stop: Sequence[int],
             return None
         opt_rank[r] = stop[r] - 1
     group_ids: dict[tuple[int, ...], int] = {}
+    gid_of: dict[int, int] = {}
+    seen: dict[int, int] = {}  # id(group tuple) -> group id: callers share one tuple per group, hash each once
     for r in live:
-        if any(m not in opt_rank for m in groups[r]):
-            return None
-        group_ids.setdefault(groups[r], len(group_ids))
+        group = groups[r]
+        gid = seen.get(id(group))
+        if gid is None:
+            if any(m not in opt_rank for m in group):
+                return None
+            gid = seen[id(group)] = group_ids.setdefault(group, len(group_ids))
+        gid_of[r] = gid
     G = len(group_ids)
     first_arr = np.asarray(first, dtype=np.int64)
     index = np.arange(N, dtype=np.int64)
@@ -99,7 +105,7 @@ def build_level_timer(num_ranks: int, first: Sequence[int], stop: Sequence[int],
     dep_arr = np.asarray(dep, dtype=np.int64)
     opt_group = np.full(N, -1, dtype=np.int64)
     for r in live:
-        opt_group[opt_rank[r]] = group_ids[groups[r]]
+        opt_group[opt_rank[r]] = gid_of[r]
 
     # Edges into action nodes (prev -> g for compute; barrier -> OPT) and into barrier nodes (member prev -> it).
     node_count = N + G
@@ -166,7 +172,7 @@ def build_level_timer(num_ranks: int, first: Sequence[int], stop: Sequence[int],
     dur_arr = np.asarray(dur, dtype=np.float64)
     longest = np.zeros(G)
     for r in live:
-        gid = group_ids[groups[r]]
+        gid = gid_of[r]
         longest[gid] = max(longest[gid], dur_arr[opt_rank[r]])
     hold = dur_arr.copy() if staggered else np.where(opt_mask, longest[np.maximum(opt_group, 0)], 0.0)
     bounds = []
