@@ -402,9 +402,10 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
             arrivals[p * S].append((0.0, seq, _F, mb))
             seq += 1
         wakeups.push(0.0, p * S)
-    push, pop = heapq.heappush, heapq.heappop  # local names: this loop runs once per action and idle wake-up
-    while wakeups.times:
-        t, rank = wakeups.pop()
+    # Local names: this loop runs once per action and idle wake-up.
+    push, pop, wake, next_wakeup, times = heapq.heappush, heapq.heappop, wakeups.push, wakeups.pop, wakeups.times
+    while times:
+        t, rank = next_wakeup()
         if busy_until[rank] > t:
             continue  # stale: the worker is busy; its completion event decides next
         stage = rank % S
@@ -416,7 +417,7 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
         code = _choose(rb, rf, rw, bool(rf) and live[rank] < limit[rank], last[rank], setting, rng)
         if code < 0:
             if arr:
-                wakeups.push(arr[0][0], rank)
+                wake(arr[0][0], rank)
             continue
         if code == _W:
             mb = pop(rw)[1]
@@ -427,7 +428,7 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
         end = t + dur[stage][code]
         entries[rank].append((code, mb, t, end))
         busy_until[rank] = end
-        wakeups.push(end, rank)
+        wake(end, rank)
         seq += 1
         if code == _F:
             live[rank] += 1
@@ -450,7 +451,7 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
         push(arrivals[dest], (ready, seq, arrival_code, mb))
         seq += 1
         if dest != rank and ready >= busy_until[dest]:
-            wakeups.push(ready, dest)
+            wake(ready, dest)
     return tuple(tuple(row) for row in entries)
 
 
