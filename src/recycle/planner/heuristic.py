@@ -27,8 +27,8 @@ from recycle.sim.simulator import action_duration, simulate
 if TYPE_CHECKING:  # numpy loads only when a large plan is scheduled (CLI start-up, small plans)
     from recycle.planner.vector_schedule import CompactSchedule
 
-__all__ = ["Variant", "VARIANTS", "Order", "order_of", "schedule_heuristic", "schedule_failed", "list_schedule", "capacity_cap", "stage_caps",
-           "SIMULATE_ALL_LIMIT"]
+__all__ = ["Variant", "VARIANTS", "Order", "order_of", "schedule_heuristic", "schedule_failed", "list_schedule",
+           "capacity_cap", "stage_caps", "SIMULATE_ALL_LIMIT", "VECTOR_MIN_ACTIONS"]
 
 # Up to this many actions per iteration the best candidates are simulated and the best simulated period wins; above
 # it the list schedule's own period estimate decides (simulating 100k actions costs ~0.6 s each).

@@ -1,4 +1,4 @@
-"""The heuristic's list scheduler stepped time by time in numpy: every free worker decides at once (whole-unit costs)."""
+"""The heuristic's list scheduler stepped in numpy, one event time at a time: every free worker decides at once."""
 
 from __future__ import annotations
 
@@ -288,7 +288,8 @@ def compact_actions(config: Config, compact: CompactSchedule, decoupled: bool, m
     keep = np.ones(len(code), dtype=bool)
     if merge and decoupled and len(code):
         fused = np.asarray(c.backward_fused, dtype=np.float64)
-        fused_ok = fused <= np.asarray(c.backward_input, dtype=np.float64) + np.asarray(c.backward_weight, dtype=np.float64)
+        split = np.asarray(c.backward_input, dtype=np.float64) + np.asarray(c.backward_weight, dtype=np.float64)
+        fused_ok = fused <= split
         message = np.asarray([0.0] + [config.communication.p2p_time(s) for s in range(S - 1)])
         b_start = np.zeros(S * TM)
         is_b = code == _B
