@@ -158,3 +158,15 @@ def test_compact_actions_read_like_the_tuple_of_action_tuples() -> None:
     twin = dataclasses.replace(plan, actions=rows)
     assert twin == plan and twin.to_json() == plan.to_json()
     assert Plan.from_dict(json.loads(plan.to_json())) == plan
+
+
+def test_a_stalled_schedule_keeps_only_the_written_rows() -> None:
+    """Before any step nothing is written: every rank has zero actions (the caller then reports the stall)."""
+    from recycle.planner.vector_schedule import _Stepper
+
+    config = uniform_config(2, 2, 2)
+    host = failed_routing(config, frozenset())
+    stepper = _Stepper(2, 2, 2, host, [(1.0, 1.0, 1.0)] * 2, [0.0, 0.0], [4.0] * 4,
+                       lambda stage, replica, mb: mb * 0, 0, True, True, False, True)
+    schedule = stepper.schedule()
+    assert schedule.counts() == [0, 0, 0, 0] and len(schedule.code) == 0

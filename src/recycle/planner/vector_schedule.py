@@ -84,9 +84,17 @@ class ReadySets:
         self.lo = base.copy()
         self.hi = base.copy()
         self.count = np.zeros(len(capacity), dtype=np.int64)
+        self.stamp = np.zeros(len(capacity), dtype=np.int64)  # scratch: detects a rank given several items
 
     def add(self, ranks: np.ndarray, keys: np.ndarray) -> None:
         """Insert keys[i] into ranks[i]'s set (a rank may appear several times)."""
+        position = np.arange(len(ranks))
+        self.stamp[ranks] = position
+        if (self.stamp[ranks] == position).all():  # distinct ranks (the usual case): no sort needed
+            self.keys[self.hi[ranks]] = keys
+            self.hi[ranks] += 1
+            self.count[ranks] += 1
+            return
         order = np.argsort(ranks, kind="stable")
         ranks, keys = ranks[order], keys[order]
         unique, first, counts = np.unique(ranks, return_index=True, return_counts=True)
@@ -136,7 +144,7 @@ def vector_list_schedule(num_replicas: int, num_stages: int, num_microbatches: i
         rf, rb, rw = stepper.decide(t)
         if len(rf) or len(rb) or len(rw):
             stepper.start(t, rf, rb, rw)
-    return _compact(stepper.out, num_replicas * num_stages)
+    return stepper.schedule()
 
 
 class _Stepper:
@@ -176,11 +184,42 @@ class _Stepper:
             raise OverflowError("priority keys do not fit in 64 bits; use the Python list scheduler")
         self.pending: dict[float, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         self.times: list[float] = []  # a heap of the pending times
-        self.out: list[tuple[np.ndarray, ...]] = []  # per step: rank, code, mb, start, end
+        # The schedule, written in place: rank r's actions fill rows slot[r]... in start order (steps are in time
+        # order and start at most one action per rank), up to its capacity.
+        capacity = loads * (3 if decoupled else 2)
+        self.base = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(capacity, out=self.base[1:])
+        self.slot = self.base[:-1].copy()
+        total = int(self.base[-1])
+        self.rows = (np.zeros(total, dtype=np.int64), np.zeros(total, dtype=np.int64), np.zeros(total, dtype=np.int64),
+                     np.zeros(total), np.zeros(total))  # rank, code, mb, start, end
         TM = self.TM
         self.queue(np.zeros(TM), self.dest_rank[0], np.zeros(TM, dtype=np.int64), np.arange(TM, dtype=np.int64))
 
+    def schedule(self) -> CompactSchedule:
+        """The rows written so far (all of them unless a worker stalled, which the caller reports)."""
+        n = len(self.slot)
+        filled = self.slot - self.base[:-1]
+        bounds = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(filled, out=bounds[1:])
+        rows = self.rows
+        if bounds[-1] != self.base[-1]:  # keep the written rows only
+            index = np.arange(int(self.base[-1]))
+            written = index < np.repeat(self.slot, np.diff(self.base))
+            rows = tuple(column[written] for column in rows)
+        return CompactSchedule(*rows, bounds)
+
     def queue(self, when: np.ndarray, ranks: np.ndarray, codes: np.ndarray, mbs: np.ndarray) -> None:
+        if not len(when):
+            return
+        if when.min() == when.max():  # one time (the usual case): no sort, no masks
+            value = float(when[0])
+            bucket = self.pending.get(value)
+            if bucket is None:
+                self.pending[value] = bucket = []
+                heapq.heappush(self.times, value)
+            bucket.append((ranks, codes, mbs))
+            return
         for value in np.unique(when).tolist():
             pick = when == value
             bucket = self.pending.get(value)
@@ -190,7 +229,8 @@ class _Stepper:
             bucket.append((ranks[pick], codes[pick], mbs[pick]))
 
     def wake(self, when: np.ndarray) -> None:
-        for value in np.unique(when).tolist():
+        low, high = when.min(), when.max()
+        for value in ((float(low),) if low == high else np.unique(when).tolist()):
             if value not in self.pending:
                 self.pending[value] = []
                 heapq.heappush(self.times, value)
@@ -247,7 +287,10 @@ class _Stepper:
         stages = self.stage_of[ranks]
         ends = t + self.dur[stages, codes]
         self.busy[ranks] = ends
-        self.out.append((ranks, codes, mbs, np.full(len(ranks), t), ends))
+        rows = self.slot[ranks]
+        self.slot[ranks] += 1
+        for column, values in zip(self.rows, (ranks, codes, mbs, t, ends)):
+            column[rows] = values
         self.wake(ends)
         if self.decoupled and len(rb):
             self.w_mb[self.w_tail[rb]] = mb_b
@@ -263,17 +306,6 @@ class _Stepper:
         up = b_stage > 0
         self.queue(b_end[up] + self.p2p[b_stage[up] - 1], self.dest_rank[b_stage[up] - 1, mb_b[up]],
                    np.full(int(up.sum()), _B), mb_b[up])
-
-
-def _compact(out: list[tuple[np.ndarray, ...]], n: int) -> CompactSchedule:
-    """The recorded steps sorted by (rank, start): steps are in time order, so a stable sort by rank suffices."""
-    ranks, codes, mbs, starts, ends = (np.concatenate([step[i] for step in out]) if out else np.zeros(0)
-                                       for i in range(5))
-    order = np.argsort(ranks, kind="stable")
-    bounds = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.bincount(ranks.astype(np.int64), minlength=n), out=bounds[1:])
-    return CompactSchedule(ranks[order].astype(np.int64), codes[order].astype(np.int64), mbs[order].astype(np.int64),
-                           starts[order].astype(np.float64), ends[order].astype(np.float64), bounds)
 
 
 def compact_actions(config: Config, compact: CompactSchedule, decoupled: bool, merge: bool) -> CompactActions:
