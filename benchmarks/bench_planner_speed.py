@@ -231,6 +231,36 @@ def bench_cli_startup(repeats: int = 5) -> None:
           f"{eager:.2f} s = {eager / lazy:.1f}x `--help`")
 
 
+def bench_crossover() -> None:
+    """The Python list scheduler against the numpy one on uniform shapes (one failure, the first rule), by actions
+    per estimated event time: where `vector_eligible`'s MIN_ACTIONS_PER_STEP comes from."""
+    from recycle.planner import heuristic
+    from recycle.planner.vector_schedule import MIN_ACTIONS_PER_STEP
+
+    print(f"list scheduler crossover (best of 3, CPU; numpy used from {MIN_ACTIONS_PER_STEP} actions per step):")
+    for D, S, M in ((6, 4, 48), (8, 8, 16), (16, 8, 32), (32, 8, 32)):
+        config = uniform_config(D, S, M, optimizer=3.0)
+        host = failed_routing(config, frozenset({(1, 1)}))
+        setting = heuristic._setting(config, host, True, None, VARIANTS[0])
+        steps = max(load * sum(setting.dur[s]) for s, row in enumerate(setting.loads) for load in row) + sum(
+            f + b + 2 * m for (f, b, _), m in zip(setting.dur, setting.p2p))
+
+        def best(run) -> float:
+            times = []
+            for _ in range(3):
+                start = time.process_time()
+                run()
+                times.append(time.process_time() - start)
+            return min(times)
+
+        numpy_s = best(lambda: heuristic._vector_schedule(setting, host))
+        python_s = best(lambda: heuristic._event_loop(setting, host, heuristic._item_maker(setting, host, None),
+                                                      None))
+        actions = 3 * D * S * M
+        print(f"  D={D} S={S} M={M}: {actions:,} actions, {actions / steps:.0f} per estimated step: Python "
+              f"{python_s * 1e3:.1f} ms, numpy {numpy_s * 1e3:.1f} ms ({python_s / numpy_s:.2f}x)")
+
+
 def testbed_config() -> Config:
     if TESTBED.is_file():
         return load_config(TESTBED)
@@ -278,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = previous_source(args.compare_with) if args.compare_with else None
     bench_cli_startup()
     bench_toy(20)
+    bench_crossover()
     rows = [bench_large(32, 16, 64, (1, 5, 9, 14), args.repeats, previous)]
     if not args.skip_1024:
         rows.append(bench_large(64, 16, 128, (1, 3, 5, 7, 9, 11, 13, 15), args.repeats, previous))
