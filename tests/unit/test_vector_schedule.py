@@ -170,3 +170,19 @@ def test_a_stalled_schedule_keeps_only_the_written_rows() -> None:
                        lambda stage, replica, mb: mb * 0, 0, True, True, False, True)
     schedule = stepper.schedule()
     assert schedule.counts() == [0, 0, 0, 0] and len(schedule.code) == 0
+
+
+@pytest.mark.timeout(120)
+def test_large_compact_plans_from_the_heuristic_are_valid() -> None:
+    """Above SIMULATE_ALL_LIMIT the heuristic skips validate_plan; a plan from the numpy path passes it."""
+    from recycle.planner.api import plan_for_key
+    from recycle.planner.bounds import period_lower_bound
+    from recycle.planner.options import PlannerOptions
+
+    config = uniform_config(32, 8, 32, optimizer=2.0)
+    key = (0, 1, 0, 0, 0, 0, 2, 0)
+    plan = plan_for_key(config, key)
+    assert isinstance(plan.actions, CompactActions) and plan.num_actions > heuristic.SIMULATE_ALL_LIMIT
+    validate_plan(plan)
+    assert simulate(plan, config).period == plan.meta.predicted_period
+    assert plan.meta.predicted_period >= period_lower_bound(config, key, PlannerOptions()) * (1 - 1e-9)
