@@ -341,53 +341,25 @@ def _item_maker(setting: _Setting, host: Sequence[Sequence[int]], rng: random.Ra
     return lambda rank, stage, ready, mb: (draw(), mb)
 
 
-class _Wakeups:
-    """Pending wake-ups in (time, push order): a heap of distinct times and, per time, its ranks in push order.
-    Float keys compare much faster than (time, seq, rank) tuples, and the order is the same."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.due: dict[float, deque[int]] = {}
-
-    def push(self, time: float, rank: int) -> None:
-        if time in self.due:
-            self.due[time].append(rank)
-        else:
-            self.due[time] = deque((rank,))
-            heapq.heappush(self.times, time)
-
-    def pop(self) -> tuple[float, int]:
-        t = self.times[0]
-        due = self.due[t]
-        rank = due.popleft()
-        if not due:
-            heapq.heappop(self.times)
-            del self.due[t]
-        return t, rank
-
-
-def _choose(rb: list, rf: list, rw: list, can_forward: bool, last: int, setting: _Setting,
-            rng: random.Random | None) -> int:
-    """The kind a free worker runs next (-1: nothing): a ready B first (with `alternate`: not twice in a row when
-    an F may run), then an F (with `forward_first`, or when no W waits), then a W; random rules pick any."""
-    if rng is not None:
-        allowed = [k for k, ok in ((_B, rb), (_F, can_forward), (_W, rw)) if ok]
-        return rng.choice(allowed) if allowed else -1
-    if rb and not (setting.alternate and can_forward and last == _B):
-        return _B
-    if can_forward and (setting.forward_first or not rw):
-        return _F
-    return _W if rw else -1
+def _random_kind(rb: list, can_forward: bool, rw: list, rng: random.Random) -> int:
+    """A random rule's kind: any of B, F, W that may run (-1: none)."""
+    allowed = [k for k, ok in ((_B, rb), (_F, can_forward), (_W, rw)) if ok]
+    return rng.choice(allowed) if allowed else -1
 
 
 def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable[[int, int, float, int], tuple],
                 rng: random.Random | None) -> tuple[tuple[tuple[int, int, float, float], ...], ...]:
     """The Python list scheduler: per rank the (code, mb, start, end) entries in start order. A random rule
-    (`rng`) draws its item keys and its kinds from one stream. One loop on purpose (~70 lines): its body runs once
-    per action and idle wake-up, and every further call in it costs a few percent of the small instances' time."""
+    (`rng`) draws its item keys and its kinds from one stream.
+
+    One function on purpose (~90 lines): its body runs once per action and idle wake-up, and moving its parts into
+    calls cost ~15 % on the toy. A free worker runs a ready B first (with `alternate`: not twice in a row when an
+    F may run), then an F below its limit (with `forward_first`, or when no W waits), then a W.
+    """
     D, S = setting.D, setting.S
     n_ranks = D * S
     dur, p2p, limit, decoupled = setting.dur, setting.p2p, setting.limit, setting.decoupled
+    forward_first, alternate = setting.forward_first, setting.alternate
     arrivals: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_ranks)]  # (ready, seq, F or B, mb)
     ready_f: list[list[tuple]] = [[] for _ in range(n_ranks)]  # heaps of item() tuples, the mb last
     ready_b: list[list[tuple]] = [[] for _ in range(n_ranks)]
@@ -396,17 +368,24 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
     live = [0] * n_ranks
     last = [-1] * n_ranks  # the code of each worker's previous F or B
     entries: list[list[tuple[int, int, float, float]]] = [[] for _ in range(n_ranks)]
-    wakeups = _Wakeups()
+    # Pending wake-ups, in (time, push order): a heap of distinct times and, per time, its ranks in push order.
+    # Float keys compare much faster than (time, seq, rank) tuples, and the order is the same.
+    times: list[float] = [0.0]
+    due_at: dict[float, deque[int]] = {0.0: deque()}
     seq = 0
     for p in range(D):
         for mb in (mb for mb, q in enumerate(host[0]) if q == p):  # stage 0's micro-batches, in id order
             arrivals[p * S].append((0.0, seq, _F, mb))
             seq += 1
-        wakeups.push(0.0, p * S)
-    # Local names: this loop runs once per action and idle wake-up.
-    push, pop, wake, next_wakeup, times = heapq.heappush, heapq.heappop, wakeups.push, wakeups.pop, wakeups.times
+        due_at[0.0].append(p * S)
+    push, pop = heapq.heappush, heapq.heappop  # local names: this loop runs once per action and idle wake-up
     while times:
-        t, rank = next_wakeup()
+        t = times[0]
+        due = due_at[t]
+        rank = due.popleft()
+        if not due:
+            pop(times)
+            del due_at[t]
         if busy_until[rank] > t:
             continue  # stale: the worker is busy; its completion event decides next
         stage = rank % S
@@ -415,10 +394,23 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
         while arr and arr[0][0] <= t:
             ready, _, code, mb = pop(arr)  # an F or a B (W's go straight to `rw`, see below)
             push(rf if code == _F else rb, item(rank, stage, ready, mb))
-        code = _choose(rb, rf, rw, bool(rf) and live[rank] < limit[rank], last[rank], setting, rng)
+        can_forward = bool(rf) and live[rank] < limit[rank]
+        if rng is not None:
+            code = _random_kind(rb, can_forward, rw, rng)
+        elif rb and not (alternate and can_forward and last[rank] == _B):
+            code = _B
+        elif can_forward and (forward_first or not rw):
+            code = _F
+        else:
+            code = _W if rw else -1
         if code < 0:
             if arr:
-                wake(arr[0][0], rank)
+                wake = arr[0][0]
+                if wake in due_at:
+                    due_at[wake].append(rank)
+                else:
+                    due_at[wake] = deque((rank,))
+                    push(times, wake)
             continue
         if code == _W:
             mb = pop(rw)[1]
@@ -429,7 +421,11 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
         end = t + dur[stage][code]
         entries[rank].append((code, mb, t, end))
         busy_until[rank] = end
-        wake(end, rank)
+        if end in due_at:
+            due_at[end].append(rank)
+        else:
+            due_at[end] = deque((rank,))
+            push(times, end)
         seq += 1
         if code == _F:
             live[rank] += 1
@@ -452,7 +448,11 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
         push(arrivals[dest], (ready, seq, arrival_code, mb))
         seq += 1
         if dest != rank and ready >= busy_until[dest]:
-            wake(ready, dest)
+            if ready in due_at:
+                due_at[ready].append(dest)
+            else:
+                due_at[ready] = deque((dest,))
+                push(times, ready)
     return tuple(tuple(row) for row in entries)
 
 
