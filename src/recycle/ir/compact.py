@@ -49,9 +49,6 @@ class CompactActions(Sequence[tuple[Action, ...]]):
             self._rows = tuple(tuple(flat[cut[r]:cut[r + 1]]) for r in range(len(cut) - 1))
         return self._rows
 
-    def row_length(self, rank: int) -> int:
-        return int(self.bounds[rank + 1]) - int(self.bounds[rank])
-
     def __len__(self) -> int:
         return len(self.bounds) - 1
 
