@@ -16,8 +16,8 @@ __all__ = ["CompactSchedule", "ReadySets", "vector_list_schedule", "vector_eligi
 
 _F, _B, _W = 0, 1, 2  # the list scheduler's action codes (_B is a fused BW when the plan is not decoupled)
 _EMPTY = np.iinfo(np.int64).max  # a removed ready item
-# One numpy step (~50 array calls) costs what ~90 actions of the Python loop cost: on uniform shapes the numpy
-# scheduler was 3x slower at ~40 actions per estimated step, 1.2x faster at ~100 and 2.9x at ~200
+# One numpy step (~50 array calls) costs what ~100 actions of the Python loop cost: on uniform shapes the numpy
+# scheduler was 2-5x slower at 19-42 actions per estimated step, as fast at ~100 and 2-3x faster at ~200
 # (`benchmarks/bench_planner_speed.py`, "crossover").
 MIN_ACTIONS_PER_STEP = 100
 
@@ -62,7 +62,7 @@ def vector_eligible(durations: Sequence[float], messages: Sequence[float], actio
 
     Same plan: every duration is a whole number >= 1 and every message time a whole number >= 0 (all times are
     then exact integers, and an action started at t cannot make anything ready at t, so the workers deciding at
-    one time are independent). Faster: a numpy step costs about as much as 90 actions of the Python loop, so
+    one time are independent). Faster: a numpy step costs about as much as 100 actions of the Python loop, so
     the `actions` must be at least MIN_ACTIONS_PER_STEP times the estimated number of distinct event times
     (`steps`, e.g. the busiest worker's work plus one round trip, in whole units).
     """
