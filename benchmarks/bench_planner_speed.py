@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from recycle.config import Config, load_config, uniform_config
+from recycle.ir.compact import CompactActions
 from recycle.ir.validate import validate_plan
 from recycle.planner.api import clear_cache, make_plan
 from recycle.planner.bounds import period_lower_bound
@@ -30,6 +31,7 @@ from recycle.planner.options import PlannerOptions
 from recycle.planner.routing import failed_routing
 from recycle.planner.store import PlanStore, build_store
 from recycle.sim import simulator
+from recycle.sim.levels import time_compact
 from recycle.sim.simulator import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +100,8 @@ def bench_large(D: int, S: int, M: int, failed_stages: tuple[int, ...], repeats:
     host = failed_routing(config, frozenset(failed))
     timings: dict[str, list[float]] = {name: [] for name in ("make_plan", "make_plan_cpu", "child", "child_cpu",
                                                               "previous", "previous_cpu", "list", "build",
-                                                              "simulate", "loop", "heuristic", "validate")}
+                                                              "timing", "materialise", "simulate", "loop",
+                                                              "heuristic", "symmetric", "validate")}
     plan = None
     same = True
     for _ in range(repeats):
@@ -119,12 +122,25 @@ def bench_large(D: int, S: int, M: int, failed_stages: tuple[int, ...], repeats:
         start = time.perf_counter()
         _to_actions(config, timed, host, True, True)
         timings["build"].append(time.perf_counter() - start)
+        if isinstance(plan.actions, CompactActions):  # make_plan's own timing of the plan, then a consumer's cost
+            start = time.perf_counter()
+            time_compact(config, plan.actions, plan.failed, plan.staggered)
+            timings["timing"].append(time.perf_counter() - start)
+            fresh = CompactActions(plan.actions.bounds, plan.actions.code, plan.actions.stage, plan.actions.mb)
+            start = time.perf_counter()
+            fresh.rows
+            timings["materialise"].append(time.perf_counter() - start)
+            plan.actions.rows  # built before the simulator is timed: it reads Action objects
         start = time.perf_counter()
         result = simulate(plan, config)
         timings["simulate"].append(time.perf_counter() - start)
         start = time.perf_counter()
         schedule_heuristic(config, key, options)
         timings["heuristic"].append(time.perf_counter() - start)
+        clear_cache()
+        start = time.perf_counter()
+        make_plan(config, [(3, 5)], options)  # one failure: the canonical plan renamed onto the real ranks
+        timings["symmetric"].append(time.perf_counter() - start)
     assert plan is not None
     start = time.perf_counter()
     validate_plan(plan)
@@ -153,9 +169,13 @@ def print_large(rows: list[dict[str, float | str]], repeats: int) -> None:
              ("actions", "actions per iteration", ""),
              ("make_plan", "make_plan (real ranks, incl. simulation)", "s"),
              ("make_plan_cpu", "  its CPU time (process)", "s"),
-             ("list", "  list scheduling (the one rule used)", "s"), ("build", "  building action lists", "s"),
-             ("simulate", "  simulation for the predicted period", "s"),
+             ("list", "  list scheduling (the one rule used)", "s"),
+             ("build", "  building action lists (compact arrays)", "s"),
+             ("timing", "  period from the arrays (levels.time_compact)", "s"),
+             ("materialise", "Action objects, built on first read", "s"),
+             ("simulate", "simulate(plan) (Action objects already built)", "s"),
              ("heuristic", "schedule_heuristic (canonical key)", "s"),
+             ("symmetric", "make_plan, one failure (canonical plan renamed)", "s"),
              ("loop", "simulation, per-action loop (reference)", "s"),
              ("ratio", "  loop / level timer", "x"),
              ("validate", f"validate_plan (skipped above {SIMULATE_ALL_LIMIT:,} actions)", "s"),
@@ -180,8 +200,10 @@ def print_large(rows: list[dict[str, float | str]], repeats: int) -> None:
             elif name == "speedup_cpu":
                 value = float(row["previous_cpu"]) / float(row["child_cpu"])
             else:
-                value = row[name]
-            if unit == "s":
+                value = row.get(name, "n/a")  # "timing"/"materialise": only for compact plans
+            if value == "n/a":
+                cells.append("n/a")
+            elif unit == "s":
                 cells.append(f"{float(value):.3f} s")
             elif unit == "x":
                 cells.append(f"{float(value):.1f}x")
@@ -207,6 +229,36 @@ def bench_cli_startup(repeats: int = 5) -> None:
     print(f"CLI start-up (best of {repeats}, fresh interpreter; bare python {bare:.2f} s): `recycle --help` "
           f"{lazy:.2f} s, `recycle plan --help` {plan_help:.2f} s; importing every command (the old start-up) "
           f"{eager:.2f} s = {eager / lazy:.1f}x `--help`")
+
+
+def bench_crossover() -> None:
+    """The Python list scheduler against the numpy one on uniform shapes (one failure, the first rule), by actions
+    per estimated event time: where `vector_eligible`'s MIN_ACTIONS_PER_STEP comes from."""
+    from recycle.planner import heuristic
+    from recycle.planner.vector_schedule import MIN_ACTIONS_PER_STEP
+
+    print(f"list scheduler crossover (best of 3, CPU; numpy used from {MIN_ACTIONS_PER_STEP} actions per step):")
+    for D, S, M in ((6, 4, 48), (8, 8, 16), (16, 8, 32), (32, 8, 32)):
+        config = uniform_config(D, S, M, optimizer=3.0)
+        host = failed_routing(config, frozenset({(1, 1)}))
+        setting = heuristic._setting(config, host, True, None, VARIANTS[0])
+        steps = max(load * sum(setting.dur[s]) for s, row in enumerate(setting.loads) for load in row) + sum(
+            f + b + 2 * m for (f, b, _), m in zip(setting.dur, setting.p2p))
+
+        def best(run) -> float:
+            times = []
+            for _ in range(3):
+                start = time.process_time()
+                run()
+                times.append(time.process_time() - start)
+            return min(times)
+
+        numpy_s = best(lambda: heuristic._vector_schedule(setting, host))
+        python_s = best(lambda: heuristic._event_loop(setting, host, heuristic._item_maker(setting, host, None),
+                                                      None))
+        actions = 3 * D * S * M
+        print(f"  D={D} S={S} M={M}: {actions:,} actions, {actions / steps:.0f} per estimated step: Python "
+              f"{python_s * 1e3:.1f} ms, numpy {numpy_s * 1e3:.1f} ms ({python_s / numpy_s:.2f}x)")
 
 
 def testbed_config() -> Config:
@@ -256,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = previous_source(args.compare_with) if args.compare_with else None
     bench_cli_startup()
     bench_toy(20)
+    bench_crossover()
     rows = [bench_large(32, 16, 64, (1, 5, 9, 14), args.repeats, previous)]
     if not args.skip_1024:
         rows.append(bench_large(64, 16, 128, (1, 3, 5, 7, 9, 11, 13, 15), args.repeats, previous))

@@ -9,6 +9,7 @@ from typing import Iterable, Iterator, Sequence
 
 from recycle.config import Config
 from recycle.errors import PlanError
+from recycle.ir.compact import CompactActions
 from recycle.ir.plan import Plan
 from recycle.planner.bounds import period_lower_bound
 from recycle.planner.failures import normalize
@@ -44,6 +45,19 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+def _period_makespan(plan: Plan, config: Config) -> tuple[float, float]:
+    """simulate(plan, config)'s period and makespan; for a large heuristic plan (CompactActions) read straight from
+    its arrays by `recycle.sim.levels.time_compact` (the same floats), so no Action object is built."""
+    if isinstance(plan.actions, CompactActions):
+        from recycle.sim.levels import time_compact  # numpy: only for large plans
+
+        timing = time_compact(config, plan.actions, plan.failed, plan.staggered)
+        if timing is not None:
+            return timing
+    result = simulate(plan, config)
+    return result.period, result.makespan
+
+
 def clear_cache() -> None:
     """Forget the plans cached in this process (tests and benchmarks use it to time cold planning)."""
     _CACHE.clear()
@@ -77,28 +91,28 @@ def plan_for_key(config: Config, key: Sequence[int], options: PlannerOptions = P
         return cached
 
     plan = schedule_heuristic(config, key, options)
-    result = simulate(plan, config)
+    period, makespan = _period_makespan(plan, config)
     notes = plan.meta.notes
     lower_bound = period_lower_bound(config, key, options)
     if solver == "exact":
         exact = _schedule_exact(config, key, options, time_limit_s, plan)
         exact_result = simulate(exact, config)
-        if exact_result.period <= result.period:
-            plan, result = exact, exact_result
+        if exact_result.period <= period:
+            plan, period, makespan = exact, exact_result.period, exact_result.makespan
             notes = exact.meta.notes or f"exact solver (status {exact.meta.status})"
         else:
             notes = (f"{notes}; exact solver returned period {exact_result.period:g} (status "
-                     f"{exact.meta.status}), worse than the heuristic's {result.period:g}, so the heuristic plan "
+                     f"{exact.meta.status}), worse than the heuristic's {period:g}, so the heuristic plan "
                      "was kept")
         theirs = exact.meta.lower_bound
-        if theirs is not None and theirs <= result.period + 1e-9:  # only a bound on this same simulated period
+        if theirs is not None and theirs <= period + 1e-9:  # only a bound on this same simulated period
             lower_bound = max(lower_bound, theirs)
-    if result.period < lower_bound <= result.period * (1 + 1e-9):
-        lower_bound = result.period  # the same sum added in another order: float noise, not a broken bound
+    if period < lower_bound <= period * (1 + 1e-9):
+        lower_bound = period  # the same sum added in another order: float noise, not a broken bound
     plan = plan.with_meta(
         schedule="adaptive", decoupled=options.decoupled, failure_key=key,
         solver=plan.meta.solver or solver, status=plan.meta.status or "FEASIBLE",
-        predicted_period=result.period, predicted_makespan=result.makespan, lower_bound=lower_bound,
+        predicted_period=period, predicted_makespan=makespan, lower_bound=lower_bound,
         memory_cap=options.memory_cap or (), config_fingerprint=fingerprint, notes=notes,
     )
     if len(_CACHE) >= _CACHE_LIMIT:
@@ -142,11 +156,11 @@ def plan_for_failed(config: Config, failed: frozenset[tuple[int, int]],
         return cached
     plan = schedule_failed(config, failed, options)
     key = plan.meta.failure_key
-    result = simulate(plan, config)
+    period, makespan = _period_makespan(plan, config)
     lower_bound = period_lower_bound(config, key, options)
-    if result.period < lower_bound <= result.period * (1 + 1e-9):
-        lower_bound = result.period
-    plan = plan.with_meta(predicted_period=result.period, predicted_makespan=result.makespan,
+    if period < lower_bound <= period * (1 + 1e-9):
+        lower_bound = period
+    plan = plan.with_meta(predicted_period=period, predicted_makespan=makespan,
                           lower_bound=lower_bound, memory_cap=options.memory_cap or (),
                           notes=f"{plan.meta.notes}; traffic-aware routing on the real ranks")
     if len(_CACHE) >= _CACHE_LIMIT:

@@ -7,11 +7,14 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Iterable, Sequence
+from enum import Enum
+from functools import cached_property
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from recycle.config import Config
 from recycle.errors import PlanError
 from recycle.ir.actions import Action, Kind
+from recycle.ir.compact import CompactActions, new_action
 from recycle.ir.plan import Plan, PlanMeta
 from recycle.ir.validate import validate_plan
 from recycle.planner.options import PlannerOptions
@@ -21,8 +24,11 @@ from recycle.planner.routing import (balanced_routing, check_key, failed_routing
                                     worker_loads)
 from recycle.sim.simulator import action_duration, simulate
 
-__all__ = ["Variant", "VARIANTS", "schedule_heuristic", "schedule_failed", "list_schedule", "capacity_cap", "stage_caps",
-           "SIMULATE_ALL_LIMIT"]
+if TYPE_CHECKING:  # numpy loads only when a large plan is scheduled (CLI start-up, small plans)
+    from recycle.planner.vector_schedule import CompactSchedule
+
+__all__ = ["Variant", "VARIANTS", "Order", "order_of", "schedule_heuristic", "schedule_failed", "list_schedule",
+           "capacity_cap", "stage_caps", "SIMULATE_ALL_LIMIT", "VECTOR_MIN_ACTIONS"]
 
 # Up to this many actions per iteration the best candidates are simulated and the best simulated period wins; above
 # it the list schedule's own period estimate decides (simulating 100k actions costs ~0.6 s each).
@@ -53,6 +59,10 @@ ORDER_MOVES = 600
 POLISH_LIMIT = 500
 POLISH_DETERMINISTIC_S = 0.25
 _POLISH_WALL_S = 5.0  # a safety net on a heavily loaded machine; normally the deterministic limit ends first
+
+# From this many actions per iteration, deterministic rules on whole-unit costs are stepped in numpy (see
+# recycle.planner.vector_schedule.vector_eligible); below it numpy's per-call cost outweighs what it saves.
+VECTOR_MIN_ACTIONS = 4_000
 
 _F, _B, _W = 0, 1, 2  # action codes inside the scheduler (_B is a fused BW when the plan is not decoupled)
 
@@ -131,12 +141,84 @@ def stage_caps(config: Config, options: PlannerOptions) -> tuple[int, ...] | Non
     return cap
 
 
-@dataclass(frozen=True)
-class _Timed:
-    """A list schedule: per rank the (code, mb, start, end) entries in start order, and its period estimate."""
+class Order(Enum):
+    """How a worker orders its ready F's and B's: the heap key of each item (the micro-batch id breaks ties)."""
 
-    entries: tuple[tuple[tuple[int, int, float, float], ...], ...]
+    ARRIVAL = "arrival"  # (ready time, mb)
+    URGENT = "urgent"  # (-urgency, ready time, mb): micro-batches bound for the most loaded workers first
+    BY_ID = "by-id"  # (mb,)
+    RANDOM = "random"  # (a seeded random number, mb)
+    OWN_FIRST = "own-first"  # (re-routed, ready time, mb): the worker's own micro-batches first
+    SLOT = "slot"  # (mb mod M, re-routed, ready time, mb): the fault-free schedule's order
+
+
+def order_of(variant: Variant) -> Order:
+    """The ready-item order a variant's flags select (the first that applies: seed, own_first, slot_order,
+    by_id, urgent_first)."""
+    if variant.seed is not None:
+        return Order.RANDOM
+    if variant.own_first:
+        return Order.OWN_FIRST
+    if variant.slot_order:
+        return Order.SLOT
+    if variant.by_id:
+        return Order.BY_ID
+    return Order.URGENT if variant.urgent_first else Order.ARRIVAL
+
+
+@dataclass(frozen=True, eq=False)
+class _Timed:
+    """A list schedule and its period estimate: per rank the (code, mb, start, end) entries in start order
+    (`rows`, from the Python scheduler) or the same as flat arrays (`compact`, from the numpy one)."""
+
+    rows: tuple[tuple[tuple[int, int, float, float], ...], ...] | None
     estimate: float
+    compact: CompactSchedule | None = None
+
+    @cached_property
+    def entries(self) -> tuple[tuple[tuple[int, int, float, float], ...], ...]:
+        if self.rows is not None:
+            return self.rows
+        assert self.compact is not None
+        return self.compact.entries()
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """What one list schedule needs besides the routing: per stage (F, B-or-BW, W) durations and the p2p time
+    after it, per rank the live micro-batch limit, the ready-item order and the variant's kind rules."""
+
+    D: int
+    S: int
+    M: int
+    dur: tuple[tuple[float, float, float], ...]
+    p2p: tuple[float, ...]
+    limit: tuple[float, ...]
+    loads: tuple[tuple[int, ...], ...]
+    order: Order
+    forward_first: bool
+    alternate: bool
+    decoupled: bool
+
+
+def _setting(config: Config, host: Sequence[Sequence[int]], decoupled: bool, caps: Sequence[int] | None,
+             variant: Variant) -> _Setting:
+    D, S, M = config.num_replicas, config.num_stages, config.num_microbatches
+    c = config.costs
+    dur = tuple((c.forward[s], c.backward_input[s] if decoupled else c.backward_fused[s], c.backward_weight[s])
+                for s in range(S))
+    loads = worker_loads(host, D)
+    limit = [math.inf] * (D * S)
+    for p in range(D):
+        for s in range(S):
+            cap = math.inf if caps is None else caps[s]
+            if variant.soft_cap is not None and loads[s][p]:
+                window = math.ceil((S - s) * loads[s][p] / M) + variant.soft_cap
+                cap = min(cap, window)
+            limit[p * S + s] = cap
+    return _Setting(D, S, M, dur, tuple(config.communication.p2p_time(s) for s in range(S)), tuple(limit),
+                    tuple(tuple(row) for row in loads), order_of(variant), variant.forward_first, variant.alternate,
+                    decoupled)
 
 
 def list_schedule(config: Config, key: Sequence[int], host: Sequence[Sequence[int]], decoupled: bool,
@@ -145,126 +227,190 @@ def list_schedule(config: Config, key: Sequence[int], host: Sequence[Sequence[in
 
     Readiness follows the plan's dependencies (F chain forward, B chain backward with message times from the config,
     W after its B on the same worker). Live micro-batches are counted in list order from F to W (BW when fused),
-    exactly as the simulator counts them, and an F is only started below the worker's cap.
+    exactly as the simulator counts them, and an F is only started below the worker's cap. Large instances with
+    whole-unit costs are stepped in numpy (`recycle.planner.vector_schedule`: the same schedule, tested equal).
     """
-    D, S, M = config.num_replicas, config.num_stages, config.num_microbatches
-    c = config.costs
-    comm = config.communication
-    p2p = [comm.p2p_time(s) for s in range(S)]
-    dur = [(c.forward[s], c.backward_input[s] if decoupled else c.backward_fused[s], c.backward_weight[s])
-           for s in range(S)]
-    loads = worker_loads(host, D)
-    total = D * M
-    n_ranks = D * S
+    setting = _setting(config, host, decoupled, caps, variant)
+    compact = _vector_schedule(setting, host) if _use_vector(setting) else None
+    if compact is None:
+        rng = random.Random(variant.seed) if setting.order is Order.RANDOM else None
+        rows = _event_loop(setting, host, _item_maker(setting, host, rng), rng)
+        _check_complete(setting, [len(row) for row in rows], variant, caps)
+        return _Timed(rows, _estimate(config, key, rows, staggered))
+    _check_complete(setting, compact.counts(), variant, caps)
+    return _Timed(None, _estimate_compact(config, key, compact, staggered), compact)
 
-    limit = [math.inf] * n_ranks
-    for p in range(D):
+
+def _check_complete(setting: _Setting, counts: Sequence[int], variant: Variant, caps: Sequence[int] | None) -> None:
+    """Raise when a worker did not run all its actions (cannot happen for a cap >= 1: a scheduler bug guard)."""
+    per_mb = 3 if setting.decoupled else 2
+    S = setting.S
+    for p in range(setting.D):
         for s in range(S):
-            cap = math.inf if caps is None else caps[s]
-            if variant.soft_cap is not None and loads[s][p]:
-                window = math.ceil((S - s) * loads[s][p] / M) + variant.soft_cap
-                cap = min(cap, window)
-            limit[p * S + s] = cap
+            want = setting.loads[s][p] * per_mb
+            if counts[p * S + s] != want:
+                raise PlanError(f"heuristic scheduler stalled on worker ({p},{s}): scheduled {counts[p * S + s]} of "
+                                f"{want} actions (variant {variant.name}, caps {caps})")
 
-    # Ready F's and B's sit in heaps of tuples whose last entry is the micro-batch id.
-    if variant.seed is not None:
-        order_mode = 3
-    elif variant.own_first:
-        order_mode = 4
-    elif variant.slot_order:
-        order_mode = 5
-    else:
-        order_mode = 2 if variant.by_id else 1 if variant.urgent_first else 0
-    rng = random.Random(variant.seed)
 
-    # Urgency: the heaviest worker a micro-batch visits at or after each stage (feed the bottleneck early).
+def _use_vector(setting: _Setting) -> bool:
+    """The numpy scheduler for deterministic rules where it is exact and faster (see `vector_eligible`)."""
+    per_mb = 3 if setting.decoupled else 2
+    actions = per_mb * setting.D * setting.M * setting.S
+    if setting.order is Order.RANDOM or actions < VECTOR_MIN_ACTIONS:
+        return False
+    from recycle.planner.vector_schedule import vector_eligible
+
+    busiest = max(load * sum(setting.dur[s]) for s, row in enumerate(setting.loads) for load in row)
+    round_trip = sum(f + b + 2 * m for (f, b, _), m in zip(setting.dur, setting.p2p))
+    durations = [d for row in setting.dur for d in (row if setting.decoupled else row[:2])]
+    return vector_eligible(durations, setting.p2p, actions, busiest + round_trip)
+
+
+def _vector_schedule(setting: _Setting, host: Sequence[Sequence[int]]) -> CompactSchedule | None:
+    """`vector_list_schedule` with the setting's order as an int64 key (None: the keys would overflow)."""
+    import numpy as np
+
+    from recycle.planner.vector_schedule import vector_list_schedule
+
+    D, S, M = setting.D, setting.S, setting.M
+    order = setting.order
+    static_max = 0
+    urgency = None
+    if order is Order.SLOT:
+        static_max = 2 * M
+    elif order is Order.OWN_FIRST:
+        static_max = 1
+    elif order is Order.BY_ID:
+        static_max = D * M
+    elif order is Order.URGENT:
+        urgency = np.asarray(_urgency(setting, host), dtype=np.int64)
+        static_max = int(urgency.max(initial=0))
+
+    def static_key(stage: np.ndarray, replica: np.ndarray, mb: np.ndarray) -> np.ndarray:
+        rerouted = (mb // M != replica).astype(np.int64)
+        if order is Order.SLOT:
+            return (mb % M) * 2 + rerouted
+        if order is Order.OWN_FIRST:
+            return rerouted
+        if order is Order.BY_ID:
+            return mb.copy()
+        if order is Order.URGENT:
+            assert urgency is not None
+            return static_max - urgency[stage, mb]
+        return np.zeros(len(mb), dtype=np.int64)
+
+    try:
+        return vector_list_schedule(D, S, M, host, setting.dur, setting.p2p, setting.limit, static_key, static_max,
+                                    order is not Order.BY_ID, setting.forward_first, setting.alternate,
+                                    setting.decoupled)
+    except OverflowError:
+        return None
+
+
+def _urgency(setting: _Setting, host: Sequence[Sequence[int]]) -> list[list[int]]:
+    """urgency[s][mb]: the load of the heaviest worker micro-batch mb visits at stage s or later."""
+    S, total = setting.S, setting.D * setting.M
     urgency = [[0] * total for _ in range(S)]
-    if order_mode == 1:
-        for mb in range(total):
-            worst = 0
-            for s in range(S - 1, -1, -1):
-                worst = max(worst, loads[s][host[s][mb]])
-                urgency[s][mb] = worst
+    for mb in range(total):
+        worst = 0
+        for s in range(S - 1, -1, -1):
+            worst = max(worst, setting.loads[s][host[s][mb]])
+            urgency[s][mb] = worst
+    return urgency
 
+
+def _item_maker(setting: _Setting, host: Sequence[Sequence[int]], rng: random.Random | None
+                ) -> Callable[[int, int, float, int], tuple]:
+    """item(rank, stage, ready, mb): the ready-heap entry of an arrived F or B under the setting's order."""
+    M, S = setting.M, setting.S
+    order = setting.order
+    if order is Order.SLOT:
+        return lambda rank, stage, ready, mb: (mb % M, mb // M != rank // S, ready, mb)
+    if order is Order.ARRIVAL:
+        return lambda rank, stage, ready, mb: (ready, mb)
+    if order is Order.URGENT:
+        urgency = _urgency(setting, host)
+        return lambda rank, stage, ready, mb: (-urgency[stage][mb], ready, mb)
+    if order is Order.BY_ID:
+        return lambda rank, stage, ready, mb: (mb,)
+    if order is Order.OWN_FIRST:  # re-routed micro-batches after the worker's own
+        return lambda rank, stage, ready, mb: (mb // M != rank // S, ready, mb)
+    assert rng is not None
+    draw = rng.random
+    return lambda rank, stage, ready, mb: (draw(), mb)
+
+
+def _random_kind(rb: list, can_forward: bool, rw: list, rng: random.Random) -> int:
+    """A random rule's kind: any of B, F, W that may run (-1: none)."""
+    allowed = [k for k, ok in ((_B, rb), (_F, can_forward), (_W, rw)) if ok]
+    return rng.choice(allowed) if allowed else -1
+
+
+def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable[[int, int, float, int], tuple],
+                rng: random.Random | None) -> tuple[tuple[tuple[int, int, float, float], ...], ...]:
+    """The Python list scheduler: per rank the (code, mb, start, end) entries in start order. A random rule
+    (`rng`) draws its item keys and its kinds from one stream.
+
+    One function on purpose (~90 lines): its body runs once per action and idle wake-up, and moving its parts into
+    calls cost ~15 % on the toy. A free worker runs a ready B first (with `alternate`: not twice in a row when an
+    F may run), then an F below its limit (with `forward_first`, or when no W waits), then a W.
+    """
+    D, S = setting.D, setting.S
+    n_ranks = D * S
+    dur, p2p, limit, decoupled = setting.dur, setting.p2p, setting.limit, setting.decoupled
+    forward_first, alternate = setting.forward_first, setting.alternate
     arrivals: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_ranks)]  # (ready, seq, F or B, mb)
-    ready_f: list[list[tuple]] = [[] for _ in range(n_ranks)]
+    ready_f: list[list[tuple]] = [[] for _ in range(n_ranks)]  # heaps of item() tuples, the mb last
     ready_b: list[list[tuple]] = [[] for _ in range(n_ranks)]
     ready_w: list[list[tuple[float, int]]] = [[] for _ in range(n_ranks)]
     busy_until = [0.0] * n_ranks
     live = [0] * n_ranks
+    last = [-1] * n_ranks  # the code of each worker's previous F or B
     entries: list[list[tuple[int, int, float, float]]] = [[] for _ in range(n_ranks)]
     # Pending wake-ups, in (time, push order): a heap of distinct times and, per time, its ranks in push order.
     # Float keys compare much faster than (time, seq, rank) tuples, and the order is the same.
     times: list[float] = [0.0]
-    events: dict[float, deque[int]] = {0.0: deque()}
+    due_at: dict[float, deque[int]] = {0.0: deque()}
     seq = 0
-
-    hosted_first: list[list[int]] = [[] for _ in range(D)]  # stage 0's micro-batches per replica, in id order
-    for mb, p in enumerate(host[0]):
-        hosted_first[p].append(mb)
     for p in range(D):
-        rank = p * S
-        for mb in hosted_first[p]:
-            arrivals[rank].append((0.0, seq, _F, mb))
+        for mb in (mb for mb, q in enumerate(host[0]) if q == p):  # stage 0's micro-batches, in id order
+            arrivals[p * S].append((0.0, seq, _F, mb))
             seq += 1
-        heapq.heapify(arrivals[rank])
-        events[0.0].append(rank)
-        seq += 1
-    forward_first = variant.forward_first
-    alternate = variant.alternate
-    last = [-1] * n_ranks  # the code of each worker's previous F or B
+        due_at[0.0].append(p * S)
     push, pop = heapq.heappush, heapq.heappop  # local names: this loop runs once per action and idle wake-up
-    stage_of = [rank % S for rank in range(n_ranks)]
-    replica_of = [rank // S for rank in range(n_ranks)]
-    last_stage = S - 1
-
     while times:
         t = times[0]
-        due = events[t]
+        due = due_at[t]
         rank = due.popleft()
         if not due:
             pop(times)
-            del events[t]
+            del due_at[t]
         if busy_until[rank] > t:
             continue  # stale: the worker is busy; its completion event decides next
-        stage = stage_of[rank]
+        stage = rank % S
         arr = arrivals[rank]
         rf, rb, rw = ready_f[rank], ready_b[rank], ready_w[rank]
         while arr and arr[0][0] <= t:
             ready, _, code, mb = pop(arr)  # an F or a B (W's go straight to `rw`, see below)
-            if order_mode == 5:
-                item: tuple = (mb % M, mb // M != replica_of[rank], ready, mb)
-            elif order_mode == 0:
-                item = (ready, mb)
-            elif order_mode == 1:
-                item = (-urgency[stage][mb], ready, mb)
-            elif order_mode == 2:
-                item = (mb,)
-            elif order_mode == 4:
-                item = (mb // M != replica_of[rank], ready, mb)  # re-routed micro-batches after the worker's own
-            else:
-                item = (rng.random(), mb)
-            push(rf if code == _F else rb, item)
-        code = -1
+            push(rf if code == _F else rb, item(rank, stage, ready, mb))
         can_forward = bool(rf) and live[rank] < limit[rank]
-        if rb and not (alternate and can_forward and last[rank] == _B):
+        if rng is not None:
+            code = _random_kind(rb, can_forward, rw, rng)
+        elif rb and not (alternate and can_forward and last[rank] == _B):
             code = _B
         elif can_forward and (forward_first or not rw):
             code = _F
-        elif rw:
-            code = _W
-        if order_mode == 3:
-            allowed = [k for k, ok in ((_B, rb), (_F, can_forward), (_W, rw)) if ok]
-            code = rng.choice(allowed) if allowed else -1
+        else:
+            code = _W if rw else -1
         if code < 0:
             if arr:
                 wake = arr[0][0]
-                if wake in events:
-                    events[wake].append(rank)
+                if wake in due_at:
+                    due_at[wake].append(rank)
                 else:
-                    events[wake] = deque((rank,))
+                    due_at[wake] = deque((rank,))
                     push(times, wake)
-                seq += 1
             continue
         if code == _W:
             mb = pop(rw)[1]
@@ -275,57 +421,39 @@ def list_schedule(config: Config, key: Sequence[int], host: Sequence[Sequence[in
         end = t + dur[stage][code]
         entries[rank].append((code, mb, t, end))
         busy_until[rank] = end
-        if end in events:
-            events[end].append(rank)
+        if end in due_at:
+            due_at[end].append(rank)
         else:
-            events[end] = deque((rank,))
+            due_at[end] = deque((rank,))
             push(times, end)
         seq += 1
         if code == _F:
             live[rank] += 1
-            if stage < last_stage:
-                dest = host[stage + 1][mb] * S + stage + 1
-                ready = end + p2p[stage]
-                push(arrivals[dest], (ready, seq, _F, mb))
-                if ready >= busy_until[dest]:
-                    if ready in events:
-                        events[ready].append(dest)
-                    else:
-                        events[ready] = deque((dest,))
-                        push(times, ready)
-                seq += 2
+            if stage < S - 1:
+                dest, ready, arrival_code = host[stage + 1][mb] * S + stage + 1, end + p2p[stage], _F
             else:
-                push(arr, (end, seq, _B, mb))  # loss turn-around on the same worker
-                seq += 1
+                dest, ready, arrival_code = rank, end, _B  # loss turn-around on the same worker
         elif code == _B:
             if decoupled:
                 # The W goes straight into the ready heap, not through the arrivals: the worker decides nothing
                 # before `end` (its events until then are stale), and at `end` it would hold the same item.
                 push(rw, (end, mb))
-                seq += 1
             else:
                 live[rank] -= 1
-            if stage > 0:
-                dest = host[stage - 1][mb] * S + stage - 1
-                ready = end + p2p[stage - 1]
-                push(arrivals[dest], (ready, seq, _B, mb))
-                if ready >= busy_until[dest]:
-                    if ready in events:
-                        events[ready].append(dest)
-                    else:
-                        events[ready] = deque((dest,))
-                        push(times, ready)
-                seq += 2
-
-    per_mb = 3 if decoupled else 2
-    for p in range(D):
-        for s in range(S):
-            want = loads[s][p] * per_mb
-            got = len(entries[p * S + s])
-            if got != want:  # cannot happen for a cap >= 1; guard against a scheduler bug producing a bad plan
-                raise PlanError(f"heuristic scheduler stalled on worker ({p},{s}): scheduled {got} of {want} actions "
-                                f"(variant {variant.name}, caps {caps})")
-    return _Timed(tuple(tuple(e) for e in entries), _estimate(config, key, entries, staggered))
+            if stage == 0:
+                continue
+            dest, ready, arrival_code = host[stage - 1][mb] * S + stage - 1, end + p2p[stage - 1], _B
+        else:
+            continue
+        push(arrivals[dest], (ready, seq, arrival_code, mb))
+        seq += 1
+        if dest != rank and ready >= busy_until[dest]:
+            if ready in due_at:
+                due_at[ready].append(dest)
+            else:
+                due_at[ready] = deque((dest,))
+                push(times, ready)
+    return tuple(tuple(row) for row in entries)
 
 
 def _opt_durations(config: Config, key: Sequence[int]) -> list[float]:
@@ -336,24 +464,38 @@ def _opt_durations(config: Config, key: Sequence[int]) -> list[float]:
 def _estimate(config: Config, key: Sequence[int], entries: Sequence[Sequence[tuple[int, int, float, float]]],
               staggered: bool) -> float:
     """The period if every iteration repeated this one's timing (coupled: exact; staggered: an estimate)."""
-    S = config.num_stages
+    return _estimate_from(config, key, stage_extents(entries, config.num_stages), staggered)
+
+
+def _estimate_compact(config: Config, key: Sequence[int], compact: CompactSchedule, staggered: bool) -> float:
+    """_estimate of a numpy list schedule (the same extents: each rank's first start and last end)."""
+    return _estimate_from(config, key, compact.stage_extents(config.num_stages), staggered)
+
+
+def _estimate_from(config: Config, key: Sequence[int], extents: tuple[list[float], list[float]],
+                   staggered: bool) -> float:
     opt = _opt_durations(config, key)
-    first, end = stage_extents(entries, S)
+    first, end = extents
     if not staggered:
         return max(end) + max(opt)
     # Stage s steps after its last action and must be done before its first forward of the next iteration, which
     # comes `first[s]` after the next iteration's start.
-    return max(end[s] + opt[s] - first[s] for s in range(S))
+    return max(end[s] + opt[s] - first[s] for s in range(config.num_stages))
 
 
 def _to_actions(config: Config, timed: _Timed, host: Sequence[Sequence[int]], decoupled: bool,
-                merge: bool) -> tuple[tuple[Action, ...], ...]:
+                merge: bool) -> Sequence[tuple[Action, ...]]:
     """Turn a list schedule into per-worker action lists; with `merge`, fuse B;W pairs that gain nothing split.
 
     A B immediately followed by its own W is fused into one BW when the fused kernel is no slower and the
     input-gradient's consumer upstream started late enough not to notice the later send (always at stage 0, whose
-    input-gradient goes nowhere). Fused backward is what the paper uses wherever decoupling does not help.
+    input-gradient goes nowhere). Fused backward is what the paper uses wherever decoupling does not help. A numpy
+    list schedule gives CompactActions (the same lists, built as Action objects only when read).
     """
+    if timed.compact is not None:
+        from recycle.planner.vector_schedule import compact_actions
+
+        return compact_actions(config, timed.compact, decoupled, merge)
     S = config.num_stages
     TM = config.num_replicas * config.num_microbatches
     c = config.costs
@@ -367,7 +509,7 @@ def _to_actions(config: Config, timed: _Timed, host: Sequence[Sequence[int]], de
                 if code == _B:
                     b_start[base + mb] = start
     kinds = (Kind.F, Kind.B if decoupled else Kind.BW, Kind.W)
-    new = _new_action
+    new = new_action
     out = []
     for rank, row in enumerate(timed.entries):
         if not row:
@@ -400,20 +542,6 @@ def _to_actions(config: Config, timed: _Timed, host: Sequence[Sequence[int]], de
         append(Action(Kind.OPT, s))
         out.append(tuple(acts))
     return tuple(out)
-
-
-_NEW = object.__new__
-_SET_KIND, _SET_STAGE, _SET_MB = Action.kind.__set__, Action.stage.__set__, Action.mb.__set__  # type: ignore[attr-defined]
-
-
-def _new_action(kind: Kind, stage: int, mb: int) -> Action:
-    """Action(kind, stage, mb) without the frozen dataclass's __init__ (it sets each slot through
-    object.__setattr__): about twice as fast, which matters for the ~400k actions of a 1,024-worker plan."""
-    action = _NEW(Action)
-    _SET_KIND(action, kind)
-    _SET_STAGE(action, stage)
-    _SET_MB(action, mb)
-    return action
 
 
 def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptions = PlannerOptions(),

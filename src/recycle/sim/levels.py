@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import AbstractSet, Sequence
 
 import numpy as np
 
+from recycle.config import Config
 from recycle.ir.actions import Kind
+from recycle.ir.compact import KIND_CODES, CompactActions
 from recycle.ir.dependencies import input_stage_table
 
-__all__ = ["LevelTimer", "build_level_timer", "flat_dependencies"]
+__all__ = ["LevelTimer", "build_level_timer", "flat_dependencies", "time_compact"]
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ def build_level_timer(num_ranks: int, first: Sequence[int], stop: Sequence[int],
     layout = _opt_layout(num_ranks, stop, live, groups, rank_of, opt_mask)
     if layout is None:
         return None
-    opt_rank, group_ids = layout
+    opt_rank, group_ids, gid_of = layout
     G = len(group_ids)
     first_arr = np.asarray(first, dtype=np.int64)
     index = np.arange(N, dtype=np.int64)
@@ -92,7 +94,7 @@ def build_level_timer(num_ranks: int, first: Sequence[int], stop: Sequence[int],
     dep_arr = np.asarray(dep, dtype=np.int64)
     opt_group = np.full(N, -1, dtype=np.int64)
     for r in live:
-        opt_group[opt_rank[r]] = group_ids[groups[r]]
+        opt_group[opt_rank[r]] = gid_of[r]
     src, dst, member_prev = _edges(N, index, is_first, prev, dep_arr, opt_mask, opt_group, opt_rank, group_ids)
     leveled = _levels(src, dst, N + G)
     if leveled is None:
@@ -109,7 +111,7 @@ def build_level_timer(num_ranks: int, first: Sequence[int], stop: Sequence[int],
     dur_arr = np.asarray(dur, dtype=np.float64)
     longest = np.zeros(G)
     for r in live:
-        gid = group_ids[groups[r]]
+        gid = gid_of[r]
         longest[gid] = max(longest[gid], dur_arr[opt_rank[r]])
     hold = dur_arr.copy() if staggered else np.where(opt_mask, longest[np.maximum(opt_group, 0)], 0.0)
     bounds = []
@@ -129,9 +131,9 @@ def build_level_timer(num_ranks: int, first: Sequence[int], stop: Sequence[int],
 
 def _opt_layout(num_ranks: int, stop: Sequence[int], live: list[int], groups: dict[int, tuple[int, ...]],
                 rank_of: np.ndarray, opt_mask: np.ndarray
-                ) -> tuple[dict[int, int], dict[tuple[int, ...], int]] | None:
-    """Each live rank's OPT index (its list must end with its only OPT) and an id per all-reduce group (every
-    member must have actions); None outside that scope."""
+                ) -> tuple[dict[int, int], dict[tuple[int, ...], int], dict[int, int]] | None:
+    """Each live rank's OPT index (its list must end with its only OPT), an id per all-reduce group (every
+    member must have actions) and each live rank's group id; None outside that scope."""
     opts_per_rank = np.bincount(rank_of[opt_mask], minlength=num_ranks)
     opt_rank: dict[int, int] = {}
     for r in live:
@@ -139,11 +141,17 @@ def _opt_layout(num_ranks: int, stop: Sequence[int], live: list[int], groups: di
             return None
         opt_rank[r] = stop[r] - 1
     group_ids: dict[tuple[int, ...], int] = {}
+    gid_of: dict[int, int] = {}
+    seen: dict[int, int] = {}  # id(group tuple) -> group id: callers share one tuple per group, hash each once
     for r in live:
-        if any(m not in opt_rank for m in groups[r]):
-            return None
-        group_ids.setdefault(groups[r], len(group_ids))
-    return opt_rank, group_ids
+        group = groups[r]
+        gid = seen.get(id(group))
+        if gid is None:
+            if any(m not in opt_rank for m in group):
+                return None
+            gid = seen[id(group)] = group_ids.setdefault(group, len(group_ids))
+        gid_of[r] = gid
+    return opt_rank, group_ids, gid_of
 
 
 def _edges(N: int, index: np.ndarray, is_first: np.ndarray, prev: np.ndarray, dep_arr: np.ndarray,
@@ -243,3 +251,64 @@ def flat_dependencies(code: Sequence[int], stage_of: Sequence[int], mb_of: Seque
                       np.asarray(p2p, dtype=np.float64)[boundary[has]])
     msg[has] = np.where(producer_rank != consumer_rank, across, 0.0)
     return dep, msg
+
+
+def time_compact(config: Config, actions: CompactActions, failed: AbstractSet[tuple[int, int]],
+                 staggered: bool) -> tuple[float, float] | None:
+    """`simulate(plan, config)`'s period and makespan for a plan whose actions are CompactActions, read straight
+    from its arrays (no Action objects): the simulator's steps for a large plan, in the same order with the same
+    floats (tests/unit/test_vector_schedule.py checks equality). None when the simulator would not use the level
+    timer (small plans) or the timer does not apply; the caller then simulates."""
+    from recycle.ir.costs import action_duration
+    from recycle.sim.simulator import LEVEL_TIMER_MIN_ACTIONS, MAX_ITERATIONS, _converged
+
+    D, S = config.num_replicas, config.num_stages
+    n, TM = D * S, D * config.num_microbatches
+    bounds = np.asarray(actions.bounds, dtype=np.int64)
+    code = np.asarray(actions.code, dtype=np.int64)
+    stage = np.asarray(actions.stage, dtype=np.int64)
+    if len(code) < LEVEL_TIMER_MIN_ACTIONS or len(bounds) != n + 1:
+        return None
+    live_replicas = [[p for p in range(D) if (p, s) not in failed] for s in range(S)]
+    duration_of = np.asarray([[action_duration(config, k, s, len(live_replicas[s])) for s in range(S)]
+                              for k in KIND_CODES])
+    dur = duration_of[code, stage]
+    first, stop = bounds[:-1], bounds[1:]
+    comm = config.communication
+    node = config.topology.node
+    dep, msg = flat_dependencies(code, stage, actions.mb, first, stop, S, TM, [comm.p2p_time(s) for s in range(S)],
+                                 [comm.inter_node_time(s) for s in range(S)], [node(r) for r in range(n)])
+    is_opt = code == 4
+    live = [r for r in range(n) if stop[r] > first[r]]
+    if staggered:
+        by_stage = [tuple(p * S + s for p in live_replicas[s]) for s in range(S)]
+        groups = {r: by_stage[r % S] for r in live}
+    else:
+        everyone = tuple(live)
+        groups = {r: everyone for r in live}
+    timer = build_level_timer(n, first.tolist(), stop.tolist(), is_opt, dep, msg, dur, groups, staggered)
+    if timer is None:
+        return None
+    opt_list = is_opt.tolist()
+    spans: dict[int, list[tuple[int, int]]] = {}  # makespan group (stage when staggered) -> compute spans
+    for r in live:
+        lo, hi = int(first[r]), int(stop[r]) - 1
+        while lo <= hi and opt_list[lo]:
+            lo += 1
+        while hi >= lo and opt_list[hi]:
+            hi -= 1
+        if lo <= hi:
+            spans.setdefault(r % S if staggered else 0, []).append((lo, hi))
+    heads = [int(first[r]) for r in live]
+    free: Sequence[float] = [0.0] * n
+    starts: list[float] = []
+    makespans: list[float] = []
+    for _ in range(MAX_ITERATIONS):
+        start, end, free = timer.run(free)
+        starts.append(float(start[heads].min()))
+        makespans.append(float(max((max(end[b] for _, b in group) - min(start[a] for a, _ in group)
+                                    for group in spans.values()), default=0.0)))
+        if _converged(starts):
+            return starts[-1] - starts[-2], makespans[-1]
+    half = len(starts) // 2
+    return (starts[-1] - starts[half]) / (len(starts) - 1 - half), makespans[-1]
