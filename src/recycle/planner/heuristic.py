@@ -15,20 +15,24 @@ from recycle.config import Config
 from recycle.errors import PlanError
 from recycle.ir.actions import Action, Kind
 from recycle.ir.compact import CompactActions, new_action
+from recycle.ir.costs import action_duration
+from recycle.ir.dependencies import output_stage_table
 from recycle.ir.plan import Plan, PlanMeta
 from recycle.ir.validate import validate_plan
-from recycle.planner.options import PlannerOptions
 from recycle.planner.bounds import period_lower_bound
+from recycle.planner.failures import canonical_failed
 from recycle.planner.local_search import OrderEvaluator, improve_orders, stage_extents
+from recycle.planner.memory_cap import memory_cap
+from recycle.planner.options import PlannerOptions
 from recycle.planner.routing import (balanced_routing, check_key, failed_routing, routing_candidates,
                                     worker_loads)
-from recycle.sim.simulator import action_duration, simulate
+from recycle.sim.simulator import simulate
 
 if TYPE_CHECKING:  # numpy loads only when a large plan is scheduled (CLI start-up, small plans)
     from recycle.planner.vector_schedule import CompactSchedule
 
 __all__ = ["Variant", "VARIANTS", "Order", "order_of", "schedule_heuristic", "schedule_failed", "list_schedule",
-           "capacity_cap", "stage_caps", "SIMULATE_ALL_LIMIT", "VECTOR_MIN_ACTIONS"]
+           "SIMULATE_ALL_LIMIT", "VECTOR_MIN_ACTIONS"]
 
 # Up to this many actions per iteration the best candidates are simulated and the best simulated period wins; above
 # it the list schedule's own period estimate decides (simulating 100k actions costs ~0.6 s each).
@@ -119,26 +123,6 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("slot-order-forward-first", slot_order=True),
     Variant("slot-order-alternate-1f1b-window+1", alternate=True, slot_order=True, soft_cap=1),
 )
-
-
-def capacity_cap(config: Config) -> tuple[int, ...] | None:
-    """Live micro-batches per worker that fit the config's activation budget, per stage (None: unlimited)."""
-    capacity = config.memory.capacity_bytes
-    if capacity <= 0:
-        return None
-    return tuple(max(1, capacity // max(1, b)) for b in config.memory.activation_bytes)
-
-
-def stage_caps(config: Config, options: PlannerOptions) -> tuple[int, ...] | None:
-    """The hard activation cap per stage that plans must respect: the options' cap, else the config's budget."""
-    cap = options.memory_cap if options.memory_cap is not None else capacity_cap(config)
-    if cap is None:
-        return None
-    cap = tuple(int(c) for c in cap)
-    if len(cap) != config.num_stages or any(c < 1 for c in cap):
-        raise PlanError(f"memory cap {list(cap)} must give one count >= 1 per stage ({config.num_stages} stages); "
-                        "every worker must be able to hold at least one micro-batch")
-    return cap
 
 
 class Order(Enum):
@@ -379,6 +363,8 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
             seq += 1
         due_at[0.0].append(p * S)
     push, pop = heapq.heappush, heapq.heappop  # local names: this loop runs once per action and idle wake-up
+    # Where a finished F's and B's message goes (recycle.ir.dependencies), tabled per stage; -1: none.
+    send_f, send_b = output_stage_table((Kind.F, Kind.B), S)
     while times:
         t = times[0]
         due = due_at[t]
@@ -429,10 +415,11 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
         seq += 1
         if code == _F:
             live[rank] += 1
-            if stage < S - 1:
-                dest, ready, arrival_code = host[stage + 1][mb] * S + stage + 1, end + p2p[stage], _F
+            nxt = send_f[stage]
+            if nxt >= 0:
+                dest, ready, arrival_code = host[nxt][mb] * S + nxt, end + p2p[stage], _F  # boundary(stage, nxt)
             else:
-                dest, ready, arrival_code = rank, end, _B  # loss turn-around on the same worker
+                dest, ready, arrival_code = rank, end, _B  # loss turn-around on the same worker (local_input)
         elif code == _B:
             if decoupled:
                 # The W goes straight into the ready heap, not through the arrivals: the worker decides nothing
@@ -440,9 +427,10 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
                 push(rw, (end, mb))
             else:
                 live[rank] -= 1
-            if stage == 0:
+            nxt = send_b[stage]
+            if nxt < 0:
                 continue
-            dest, ready, arrival_code = host[stage - 1][mb] * S + stage - 1, end + p2p[stage - 1], _B
+            dest, ready, arrival_code = host[nxt][mb] * S + nxt, end + p2p[nxt], _B  # boundary(stage, nxt)
         else:
             continue
         push(arrivals[dest], (ready, seq, arrival_code, mb))
@@ -558,7 +546,7 @@ def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptio
     meta.notes names the winning variant.
     """
     key = check_key(config, key)
-    failed = frozenset((c, s) for s, k in enumerate(key) for c in range(k))
+    failed = canonical_failed(key)
     small = (3 if options.decoupled else 2) * config.num_replicas * config.num_microbatches * config.num_stages \
         <= _RANDOM_RESTART_LIMIT
     routings = routing_candidates(config, key) if small else (balanced_routing(config, key),)
@@ -587,7 +575,7 @@ def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int,
               canonical: bool) -> Plan:
     """schedule_heuristic's body for any failure set and routing candidates (see there)."""
     D, S, M = config.num_replicas, config.num_stages, config.num_microbatches
-    caps = stage_caps(config, options)
+    caps = memory_cap(config, options)
     per_iteration = (3 if options.decoupled else 2) * D * M * S
     if per_iteration > _LARGE_LIMIT:
         variants = variants[:_LARGE_VARIANTS]

@@ -7,6 +7,8 @@ import random
 from typing import Sequence
 
 from recycle.config import Config
+from recycle.ir.actions import Kind
+from recycle.ir.dependencies import input_stage_table, output_stage_table
 
 __all__ = ["OrderEvaluator", "improve_orders", "stage_extents"]
 
@@ -43,6 +45,11 @@ class OrderEvaluator:
         self.p2p = [config.communication.p2p_time(s) for s in range(self.S)]
         self.dur = [(c.forward[s], c.backward_input[s] if decoupled else c.backward_fused[s], c.backward_weight[s])
                     for s in range(self.S)]
+        # The dependency rule (recycle.ir.dependencies), tabled per code (_F, _B, _W): the stage an action's message
+        # comes from and the stage its own message goes to, -1: none.
+        kinds = (Kind.F, Kind.B, Kind.W)
+        self.needs = input_stage_table(kinds, self.S)
+        self.sends = output_stage_table(kinds, self.S)
         self.host = host
         self.decoupled = decoupled
         self.staggered = staggered
@@ -55,6 +62,8 @@ class OrderEvaluator:
     def time(self, orders: Sequence[Sequence[tuple[int, int]]]) -> list[list[tuple[int, int, float, float]]] | None:
         """Per rank the (code, mb, start, end) entries of `orders` timed as soon as possible; None on deadlock."""
         S, total, host, p2p, dur = self.S, self.total, self.host, self.p2p, self.dur
+        needs_f, needs_b = self.needs[_F], self.needs[_B]
+        sends = self.sends
         end = [-1.0] * (3 * S * total)
         free = [0.0] * len(orders)
         pos = [0] * len(orders)
@@ -70,23 +79,25 @@ class OrderEvaluator:
             while pos[rank] < len(row):
                 code, mb = row[pos[rank]]
                 if code == _F:
-                    if stage == 0:
+                    source = needs_f[stage]
+                    if source < 0:
                         ready = 0.0
                     else:
-                        dep = end[(0 * S + stage - 1) * total + mb]
+                        dep = end[(0 * S + source) * total + mb]
                         if dep < 0:
                             break
-                        ready = dep + p2p[stage - 1]
+                        ready = dep + p2p[source]  # boundary(stage, source)
                     if live[rank] >= cap:
                         return None
                     live[rank] += 1
                 elif code == _B:
-                    if stage == S - 1:
+                    source = needs_b[stage]
+                    if source < 0:  # the last stage: after its own F (the loss turn-around, local_input)
                         dep = end[(0 * S + stage) * total + mb]
                         ready = dep
                     else:
-                        dep = end[(1 * S + stage + 1) * total + mb]
-                        ready = dep + p2p[stage]
+                        dep = end[(1 * S + source) * total + mb]
+                        ready = dep + p2p[stage]  # boundary(stage, source)
                     if dep < 0:
                         break
                     if not self.decoupled:
@@ -103,11 +114,10 @@ class OrderEvaluator:
                 out[rank].append((code, mb, start, finish))
                 pos[rank] += 1
                 remaining -= 1
-                # Wake the worker that waits on this action (the next stage's F, the previous stage's B).
-                if code == _F and stage < S - 1:
-                    stack.append(host[stage + 1][mb] * S + stage + 1)
-                elif code == _B and stage > 0:
-                    stack.append(host[stage - 1][mb] * S + stage - 1)
+                # Wake the worker that waits on this action's message (the next stage's F, the previous stage's B).
+                dest = sends[code][stage]
+                if dest >= 0:
+                    stack.append(host[dest][mb] * S + dest)
         return out if remaining == 0 else None
 
     def score(self, timed: Sequence[Sequence[tuple[int, int, float, float]]]) -> tuple[float, float]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from recycle.config import Config
 from recycle.errors import PlanError
 from recycle.ir.actions import Kind
-from recycle.ir.costs import action_duration  # also still imported from here by planner/heuristic.py
+from recycle.ir.costs import action_duration
 from recycle.ir.dependencies import boundary, input_stage_table
 from recycle.ir.plan import Plan
 from recycle.ir.validate import check_plan_matches, format_grid
