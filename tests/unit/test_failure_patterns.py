@@ -4,15 +4,18 @@ key's plan relabelled per stage."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import combinations
 
 import pytest
 
 from recycle.config import parse_config
+from recycle.ir.compact import KIND_CODES, CompactActions
 from recycle.ir.validate import validate_plan
+from recycle.planner.api import plan_for_key
 from recycle.planner.failures import normalize
 from recycle.planner.options import PlannerOptions
-from recycle.planner.patterns import enumerate_patterns, pattern_of
+from recycle.planner.patterns import enumerate_patterns, pattern_of, rename_replicas
 from recycle.planner.provider import PlanLibrary
 from recycle.planner.routing import traffic
 from recycle.sim.simulator import simulate
@@ -59,3 +62,23 @@ def test_every_failure_set_moves_only_failed_workers_microbatches() -> None:
             assert moved["moved_microbatches"] == len(failed) * M
             keyed = library.store.plan_for_key(normalize(failed, D, S).key)
             assert simulate(plan, config).period <= keyed.meta.predicted_period * (1 + 1e-9)
+
+
+def test_renaming_a_compact_plan_equals_renaming_its_actions() -> None:
+    """A large plan keeps its actions as flat arrays (ir.compact): renaming pipelines works on the arrays and
+    gives exactly the Action lists the object path gives."""
+    config = _config(4, 3, 4)
+    state = normalize({(2, 1), (2, 2)}, 4, 3)
+    plan = plan_for_key(config, state.key)
+    rows = [tuple(row) for row in plan.actions]
+    bounds = [0]
+    for row in rows:
+        bounds.append(bounds[-1] + len(row))
+    flat = [a for row in rows for a in row]
+    compact = CompactActions(bounds, [KIND_CODES.index(a.kind) for a in flat], [a.stage for a in flat],
+                             [a.mb for a in flat])
+    fast = rename_replicas(replace(plan, actions=compact), state.perm[0], state.failed)
+    slow = rename_replicas(replace(plan, actions=tuple(rows)), state.perm[0], state.failed)
+    assert isinstance(fast.actions, CompactActions) and state.perm[0] != (0, 1, 2, 3)
+    assert tuple(fast.actions) == tuple(slow.actions) and fast.host == slow.host
+    validate_plan(fast)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Iterator
 
 from recycle.ir.actions import Action, Kind
+from recycle.ir.compact import CompactActions
 from recycle.ir.plan import Plan
 
 __all__ = ["FailurePattern", "pattern_of", "enumerate_patterns", "rename_replicas", "shared_action"]
@@ -92,15 +93,39 @@ def rename_replicas(plan: Plan, perm: tuple[int, ...], failed: frozenset[tuple[i
     owner c becomes the same-index mb of owner perm[c]): a pure symmetry of the problem, same validity and timing."""
     D, S, M = plan.num_replicas, plan.num_stages, plan.num_microbatches
     rename = [perm[mb // M] * M + mb % M for mb in range(D * M)]
-    actions: list[tuple[Action, ...]] = [()] * (D * S)
-    for c in range(D):
-        for s in range(S):
-            actions[perm[c] * S + s] = tuple(a if a.mb < 0 else shared_action(a.kind, a.stage, rename[a.mb])
-                                             for a in plan.actions[c * S + s])
+    actions: list[tuple[Action, ...]] | CompactActions
+    if isinstance(plan.actions, CompactActions):
+        actions = _rename_compact(plan.actions, perm, S, M)  # a large plan: rename its arrays, build no Action
+    else:
+        actions = [()] * (D * S)
+        for c in range(D):
+            for s in range(S):
+                actions[perm[c] * S + s] = tuple(a if a.mb < 0 else shared_action(a.kind, a.stage, rename[a.mb])
+                                                 for a in plan.actions[c * S + s])
     host_rows = []
     for row in plan.host:
         real = [0] * (D * M)
         for mb, c in enumerate(row):
             real[rename[mb]] = perm[c]
         host_rows.append(tuple(real))
-    return replace(plan, host=tuple(host_rows), actions=tuple(actions), failed=failed)
+    return replace(plan, host=tuple(host_rows), actions=actions if isinstance(actions, CompactActions)
+                   else tuple(actions), failed=failed)
+
+
+def _rename_compact(actions: CompactActions, perm: tuple[int, ...], S: int, M: int) -> CompactActions:
+    """rename_replicas on the flat arrays: rank c*S+s's rows become rank perm[c]*S+s's, micro-batches renamed."""
+    import numpy as np  # only large plans are compact, and building them already loaded numpy
+
+    bounds = np.asarray(actions.bounds, dtype=np.int64)
+    mb = np.asarray(actions.mb, dtype=np.int64)
+    old_rank = np.empty(len(bounds) - 1, dtype=np.int64)
+    for c, p in enumerate(perm):
+        old_rank[p * S:(p + 1) * S] = np.arange(c * S, (c + 1) * S)
+    lengths = (bounds[1:] - bounds[:-1])[old_rank]
+    new_bounds = np.concatenate(([0], np.cumsum(lengths)))
+    # Row indices of each new rank's list: its old rank's rows in order.
+    index = np.repeat(bounds[:-1][old_rank] - new_bounds[:-1], lengths) + np.arange(int(new_bounds[-1]))
+    owner = np.asarray(perm, dtype=np.int64)[np.maximum(mb, 0) // M]
+    renamed = np.where(mb >= 0, owner * M + mb % M, mb)
+    return CompactActions(new_bounds, np.asarray(actions.code)[index], np.asarray(actions.stage)[index],
+                          renamed[index])
