@@ -1,6 +1,6 @@
 """The StageExecutor, every worker of a plan on threads over an in-memory transport: fault-free, adaptive and
 switched plans, clipping, float32/bf16 and every optimizer against the single-process reference; aborting an
-iteration."""
+iteration; the pacing hook."""
 
 from __future__ import annotations
 
@@ -267,3 +267,64 @@ def test_every_optimizer_with_warmup_cosine_matches_reference(tiny_config, optim
     config = tiny_config(M=2, steps=4, lr_schedule="cosine", warmup_steps=2, min_lr=0.001, **optimizer)
     assert_matches_reference(config, build_schedule(config, "zb-h1", staggered=True))
 
+
+class _LoneComm:
+    """One worker's transport with no peers: sends are logged, receives are zeros, collectives do nothing."""
+
+    def __init__(self) -> None:
+        self.sent: list[Message] = []
+
+    def send(self, message: Message, tensor: torch.Tensor) -> None:
+        self.sent.append(message)
+
+    def recv(self, message: Message, shape, dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype)
+
+    def flush(self) -> None:
+        pass
+
+    def stage_allreduce_sum(self, stage: int, tensor: torch.Tensor) -> None:
+        pass
+
+    def world_allreduce_sum(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def barrier(self) -> None:
+        pass
+
+
+def test_the_pacing_hook_runs_every_action_wraps_each_transport_and_follows_each_plan(tiny_config) -> None:
+    """Cost emulation is a hook given at construction (no patched methods): it runs every action, the executor
+    talks through its wrapper of whichever transport set_plan hands over, and it paces by the current plan."""
+    from recycle.ir import Kind
+    from recycle.runtime.emulate import Emulation, PacedComm, cost_pacer
+    from recycle.runtime.messages import Channel
+
+    config = tiny_config()
+    plan, later = build_schedule(config, "1f1b", staggered=True), build_schedule(config, "zb-h1", staggered=True)
+    module = build_stages(config.model, 2, 0, "float64", 8)[0]
+    dataset = load_dataset("builtin", 8)
+    first, second = _LoneComm(), _LoneComm()
+    pacer = cost_pacer(config, plan, 0, Emulation(slot_ms=2.0))
+    executor = StageExecutor(plan, 0, module, make_optimizer(module, config.training), first,
+                             lambda it, mb: microbatch(dataset, it, mb, 2, 8), None, (2, 8, 32), torch.float64,
+                             pacing=pacer)
+    assert isinstance(executor.comm, PacedComm) and executor.comm.inner is first
+    result = executor.run_iteration(0)
+    forwards = [a.mb for a in plan.actions[0] if a.kind is Kind.F]
+    assert [m.mb for m in first.sent] == forwards and pacer.stats.actions == len(plan.actions[0])
+    assert result.end - result.start >= 0.99 * sum(pacer.cost_s[a] for a in plan.actions[0])  # padded
+    executor.set_plan(later, second)  # a recovery: a new plan and a new transport
+    assert pacer.plan is later and executor.comm.inner is second
+    executor.run_iteration(1)
+    assert [m.mb for m in second.sent] == [a.mb for a in later.actions[0] if a.kind is Kind.F]
+    assert len(first.sent) == len(forwards)
+
+    def lost_peer(action) -> None:  # an action that sent, then failed: its message must never leave
+        executor.comm.send(Message(Channel.ACTIVATION, 0, 0, 1), torch.ones(1))
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        pacer.run(later.actions[0][0], lost_peer)
+    executor.comm.flush()
+    assert len(second.sent) == len(forwards)

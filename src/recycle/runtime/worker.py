@@ -25,7 +25,7 @@ from recycle.runtime import checkpoint
 from recycle.runtime.checkpoint_writer import CheckpointWriter
 from recycle.runtime.control import Keys, connect_store, job_store
 from recycle.runtime.data import load_dataset, microbatch
-from recycle.runtime.emulate import Emulation, install_pacing
+from recycle.runtime.emulate import Emulation, cost_pacer
 from recycle.runtime.executor import StageExecutor
 from recycle.runtime.faults import FaultInjection, fire
 from recycle.runtime.migration import (exchange_layers, layer_moves, layer_scaled_config, plan_bounds,
@@ -363,14 +363,14 @@ class _Worker:
         def load(iteration: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
             return microbatch(self.dataset, iteration, mb, workload.microbatch_size, workload.seq_len)
 
-        executor = StageExecutor(self.plan, self.spec.rank, self.module, self.optimizer, self.transport, load,
-                                 built.input_shape, built.output_shape, weights_dtype(config.training.dtype),
-                                 grad_clip=config.training.grad_clip, seed=config.training.seed, device=self.device,
-                                 record_timings=self.spec.record_timings, before_action=self._before_action,
-                                 precision=config.training.dtype, loss_fn=built.loss_fn)
-        if self.spec.emulation is not None:
-            install_pacing(executor, layer_scaled_config(config, self.bounds), self.spec.emulation)
-        return executor
+        # A rebuild (new layer range) paces with a fresh pacer: the costs follow the stages' new layers.
+        pacing = cost_pacer(layer_scaled_config(config, self.bounds), self.plan, self.spec.rank, self.spec.emulation) \
+            if self.spec.emulation is not None else None
+        return StageExecutor(self.plan, self.spec.rank, self.module, self.optimizer, self.transport, load,
+                             built.input_shape, built.output_shape, weights_dtype(config.training.dtype),
+                             grad_clip=config.training.grad_clip, seed=config.training.seed, device=self.device,
+                             record_timings=self.spec.record_timings, before_action=self._before_action,
+                             precision=config.training.dtype, loss_fn=built.loss_fn, pacing=pacing)
 
     def _before_action(self, action: Action) -> None:
         if self.heartbeat.aborted >= self.generation:
