@@ -20,8 +20,8 @@ import torch.distributed as dist
 from recycle.config import Config, parse_config
 from recycle.errors import ConfigError
 from recycle.fileio import atomic_write_text
-from recycle.models.gpt import build_stages
 from recycle.ir import Action, Kind, Plan
+from recycle.models.gpt import build_stages
 from recycle.runtime.data import BUILTIN, load_dataset, microbatch
 from recycle.runtime.executor import StageExecutor
 from recycle.runtime.messages import Channel, Message
@@ -98,7 +98,7 @@ class _NoPeers:
         return self.received
 
     def send(self, message: Message, tensor: torch.Tensor) -> None:
-        self.sent = tensor
+        self.sent = tensor.detach()  # the same storage, without keeping the micro-batch's graph alive
 
     def flush(self) -> None:
         pass
