@@ -24,6 +24,16 @@ from recycle.runtime.worker import parameter_digest
 from recycle.schedules.fault_free import build_schedule
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread_per_worker():
+    """Every worker runs with one intra-op thread, as a worker process does (runtime.worker). Several worker threads
+    sharing the default pool oversubscribe a small machine: the same test then took 1 s or 20 s by the load."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 class _Hub:
     """In-memory transport shared by the threads: one FIFO per ordered pair, rank-ordered SUM all-reduces."""
 
