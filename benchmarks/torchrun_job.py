@@ -35,7 +35,7 @@ from recycle.ir import Plan
 from recycle.models.gpt import DTYPES
 from recycle.runtime import checkpoint
 from recycle.runtime.data import load_dataset, microbatch
-from recycle.runtime.emulate import Emulation, install_pacing
+from recycle.runtime.emulate import Emulation, cost_pacer
 from recycle.runtime.executor import StageExecutor
 from recycle.runtime.stage import build_stage
 from recycle.runtime.transport import Transport
@@ -126,8 +126,8 @@ def main() -> None:
 
     executor = StageExecutor(plan, rank, built.module, optimizer, transport, load, built.input_shape,
                              built.output_shape, DTYPES[training.dtype], grad_clip=training.grad_clip,
-                             seed=training.seed, before_action=before_action)
-    install_pacing(executor, config, Emulation(args.slot_ms, 1.0))
+                             seed=training.seed, before_action=before_action,
+                             pacing=cost_pacer(config, plan, rank, Emulation(args.slot_ms, 1.0)))
     writer = replica == plan.live_replicas(stage)[0]
     for step in range(start, training.steps):
         result = executor.run_iteration(step)

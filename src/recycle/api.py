@@ -244,10 +244,10 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
 def _seconds_per_unit(config: Config, emulation: Any) -> float | None:
     """Seconds per config time unit of a run: as paced (--emulate-costs), else microseconds as given; None for
     abstract slots that nothing paces."""
-    from recycle.runtime.emulate import seconds_per_unit
+    from recycle.runtime.emulate import pacing_seconds_per_unit
 
     if emulation is not None:
-        return seconds_per_unit(config, emulation)
+        return pacing_seconds_per_unit(config, emulation)
     return 1e-6 if config.time_unit == "us" else None
 
 

@@ -206,38 +206,6 @@ def test_train_cli_flag_paces_the_run(tmp_path, capsys) -> None:
     assert "--slot-ms 0" in capsys.readouterr().err
 
 
-def test_install_pacing_follows_plan_and_transport_changes_and_drops_a_failed_actions_messages() -> None:
-    from types import SimpleNamespace
-
-    from recycle.runtime.emulate import install_pacing
-
-    config = toy_config()
-    plan = build_schedule(config, "1f1b", staggered=True)
-    clock = FakeClock()
-    first, second = RecordingComm(clock), RecordingComm(clock)
-    message = Message(Channel.ACTIVATION, 0, 0, 1)
-
-    def run_action(action: Action) -> None:
-        executor.comm.send(message, torch.ones(1))
-        if action.mb == 99:
-            raise RuntimeError("Connection closed by peer")
-
-    executor = SimpleNamespace(plan=plan, rank=0, comm=first, run_action=run_action)
-    pacer = install_pacing(executor, config, Emulation(slot_ms=1.0))
-    assert isinstance(executor.comm, PacedComm)
-    executor.run_action(Action(Kind.F, 0, 0))
-    assert [m for _, m in first.sent] == [message]
-    with pytest.raises(RuntimeError):
-        pacer.cost_s[Action(Kind.F, 0, 99)] = 0.0
-        executor.run_action(Action(Kind.F, 0, 99))
-    executor.comm = second  # a recovery installs a new transport and a new plan
-    executor.plan = build_schedule(config, "zb-h1", staggered=True)
-    executor.run_action(Action(Kind.W, 0, 0))
-    assert pacer.plan is executor.plan and isinstance(executor.comm, PacedComm)
-    assert [m for _, m in second.sent] == [message]  # only the new action's message, on the new transport
-    assert len(first.sent) == 1
-
-
 def test_a_send_that_fails_at_release_is_never_sent_on_a_later_transport() -> None:
     """A peer dies while a finished action waits for its padded end: the release raises, and that message must not
     reach the next generation's transport (found by benchmarks/bench_recovery.py)."""

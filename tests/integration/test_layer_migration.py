@@ -4,14 +4,12 @@ the plan goes back to 2 + 2 and the layer returns. The parameters end equal to t
 
 from __future__ import annotations
 
-import functools
 import multiprocessing as mp
 from dataclasses import replace
 
 import pytest
 import torch
 
-from recycle.config import parse_config
 from recycle.planner.api import make_plan
 from recycle.planner.partition import partition_config
 from recycle.runtime.emulate import Emulation
@@ -25,17 +23,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 STEPS = 10
 
 
-@functools.lru_cache(maxsize=None)
-def tiny_config():
-    return parse_config({
-        "topology": {"num_replicas": 2, "num_stages": 2},
-        "workload": {"num_microbatches": 2, "microbatch_size": 2, "seq_len": 8},
-        "costs": {"forward": 1, "backward_input": 1, "backward_weight": 1},
-        "model": {"preset": "tiny"},  # 4 layers: 2 + 2
-        "training": {"steps": STEPS, "lr": 0.01, "weight_decay": 0.1, "dtype": "float64", "seed": 3},
-    }, name="migrate-2x2")
-
-
 def provider(config, base):
     def plans(failed: frozenset) -> PlanChoice:
         if not failed:
@@ -47,8 +34,8 @@ def provider(config, base):
 
 
 @pytest.mark.parametrize("rejoin", [False, True], ids=["stays-repartitioned", "moves-back"])
-def test_layers_move_to_the_stage_with_more_survivors_and_back(tmp_path, rejoin: bool) -> None:
-    config = tiny_config()
+def test_layers_move_to_the_stage_with_more_survivors_and_back(tiny_config, tmp_path, rejoin: bool) -> None:
+    config = tiny_config(steps=STEPS, seed=3, name="migrate-2x2")  # the tiny preset's 4 layers: 2 + 2
     base = build_schedule(config, "zb-h1", staggered=True)
     options = LaunchOptions(save_path=str(tmp_path / "final.pt"), verify_replicas=True, timeout_s=30, progress=None,
                             start_method="forkserver", plan_provider=provider(config, base),

@@ -24,8 +24,10 @@ def test_profile_then_plan_on_the_written_config(tmp_path, capsys) -> None:
     assert main(["plan", "--config", str(out), "--fail", "1:1", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["time_unit"] == "us" and summary["failed"] == [[1, 1]]
-    # Re-routing stage 1's micro-batches onto one survivor cannot be faster than fault-free.
-    assert summary["period"] >= summary["fault_free_period"] > 0
+    # Re-routing stage 1's micro-batches onto one survivor cannot be faster than the planner's fault-free plan with
+    # the same options. (Not than the coupled 1F1B baseline: with the optimizer step measured as the executor runs
+    # it, snapshot included, a staggered plan may beat coupled 1F1B even with a worker down.)
+    assert summary["period"] >= summary["planner_fault_free_period"] > 0 and summary["fault_free_period"] > 0
 
 
 def test_profile_errors_exit_2_with_a_message(tmp_path, capsys) -> None:

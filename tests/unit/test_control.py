@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from recycle.errors import ConfigError
-from recycle.runtime.control import (Announcement, StoppedReport, connect_store, decode, encode, host_store,
-                                     job_store, new_token, read_token)
+from recycle.runtime.control import connect_store, host_store, job_store, new_token, read_token
 from recycle.runtime.faults import FaultInjection, parse_fault
 from recycle.runtime.optim import AdamW
 from recycle.runtime.rollback import StageSnapshot
@@ -69,13 +68,6 @@ def test_token_file_must_be_private_and_well_formed(tmp_path, monkeypatch) -> No
         read_token(str(tmp_path / "missing"))
     monkeypatch.setenv("RECYCLE_JOB_TOKEN", "ab" * 20)
     assert read_token() == "ab" * 20
-
-
-def test_records_round_trip() -> None:
-    report = StoppedReport(3, 1, 4, 5, 2, 0.25, 7, 1.5, "Connection closed by peer", 12.5)
-    assert decode(StoppedReport, encode(report)) == report
-    announcement = Announcement(2, (0, 1, 2), 5, 10, "worker 1:1 died")
-    assert decode(Announcement, encode(announcement)) == announcement
 
 
 @pytest.mark.parametrize("spec,worker,fault", [

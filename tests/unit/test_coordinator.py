@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from recycle.runtime.control import StoppedReport
+from recycle.runtime.records import StoppedReport
 from recycle.runtime.coordinator import (AbortGeneration, Announce, Coordinator, Drain, FailRun, Fence, Move,
                                          Respawn, describe_exit, stale_heartbeats)
 

@@ -12,14 +12,15 @@ from recycle.cli import main
 from recycle.log_setup import configure_logging
 from recycle.errors import ConfigError
 from recycle.runtime.launcher import Recovery, StepMetrics, grad_norm
+from recycle.runtime.records import StepRecord
 from recycle.progress import progress_lines
 from recycle.runtime.tensorboard_sink import TensorBoardSink
 
 TOY = str(Path(__file__).resolve().parents[2] / "configs" / "toy.toml")
 
 
-def _record(replica: int, stage: int, grad_sq: float | None, norm: float | None = None) -> dict:
-    return {"replica": replica, "stage": stage, "grad_sq": grad_sq, "grad_norm": norm}
+def _record(replica: int, stage: int, grad_sq: float | None, norm: float | None = None) -> StepRecord:
+    return StepRecord(replica, stage, 0, 0.0, 1.0, 0.5, None, None, norm, grad_sq)
 
 
 def test_grad_norm_sums_one_replica_per_stage() -> None:

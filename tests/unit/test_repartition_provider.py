@@ -101,3 +101,16 @@ def test_layers_stay_where_they_are_when_moving_them_back_would_not_pay() -> Non
     # One worker per stage: 2/2 would be faster, but 12 s is too short to repay the 6 s move back.
     assert both.plan.partition == (1, 3) and both.source == "re-partition planner"
     assert both.note.startswith("no layer move: layers 1/3 -> 2/2") and set(both.plan.live_ranks()) == {1, 2}
+
+
+def test_periods_are_turned_into_seconds_by_the_pacing_or_a_profiled_config() -> None:
+    from recycle.api import _seconds_per_unit
+    from recycle.runtime.emulate import Emulation
+
+    slot_config = _config()
+    assert _seconds_per_unit(slot_config, Emulation(20.0, 1.0)) == pytest.approx(0.02)
+    assert _seconds_per_unit(slot_config, None) is None  # no clock: the faster plan wins
+    us_config = parse_config({"time_unit": "us", "topology": {"num_replicas": 2, "num_stages": 2},
+                              "workload": {"num_microbatches": 4},
+                              "costs": {"forward": 100, "backward_input": 100, "backward_weight": 100}})
+    assert _seconds_per_unit(us_config, None) == pytest.approx(1e-6)

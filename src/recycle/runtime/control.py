@@ -1,23 +1,19 @@
 """The control plane between the coordinator and the workers: the job's store (bound to one address, every key under
-a per-job secret prefix), the key names, and the JSON records written under them."""
+a per-job secret prefix) and the key names (the records written under them are in runtime.records)."""
 
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import secrets
 import socket
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
 from recycle.errors import ConfigError
 
-__all__ = ["TOKEN_ENV", "new_token", "read_token", "host_store", "connect_store", "job_store", "Keys",
-           "StoppedReport", "Announcement", "encode", "decode"]
+__all__ = ["TOKEN_ENV", "new_token", "read_token", "host_store", "connect_store", "job_store", "Keys"]
 
 TOKEN_ENV = "RECYCLE_JOB_TOKEN"
 _TOKEN_BYTES = 24  # 192 bits: the prefix is the capability to read or write the job's keys
@@ -171,44 +167,3 @@ class Keys:
     ABORT_RUN = "abort"
     FINISHED = "finished"
     RUNNING = "running"  # the first step is done: a node launcher that starts now is a repaired node
-
-
-@dataclass(frozen=True)
-class StoppedReport:
-    """What a worker says when it leaves a generation after a failure: how far its weights got, and the work it had
-    done that a roll-back would throw away."""
-
-    rank: int
-    generation: int
-    applied: int  # the last iteration whose optimizer step this worker applied (start_step - 1: none yet)
-    iteration: int  # the iteration it was running
-    current_actions: int  # actions of `iteration` it had finished
-    current_s: float  # their busy time
-    previous_actions: int  # actions of iteration `applied` (lost too if that iteration is rolled back)
-    previous_s: float
-    error: str  # the first line of the error that stopped it
-    time: float  # wall clock
-
-
-@dataclass(frozen=True)
-class Announcement:
-    """The coordinator's word for a new generation: who is in it and from which iteration everyone continues."""
-
-    generation: int
-    live: tuple[int, ...]  # topology ranks
-    redo_step: int  # the first iteration to run (state rolls back to the end of redo_step - 1)
-    end_step: int
-    reason: str
-    joining: tuple[int, ...] = ()  # ranks admitted in this generation (they take their stage's state from a peer)
-    restore_step: int = -1  # >= 0: every worker loads this checkpoint step instead of rolling back
-
-
-def encode(record: Any) -> str:
-    return json.dumps(asdict(record))
-
-
-def decode(cls: type, text: bytes | str) -> Any:
-    data = json.loads(text)
-    names = {f.name for f in fields(cls)}
-    values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in names}
-    return cls(**values)

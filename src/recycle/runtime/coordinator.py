@@ -8,7 +8,7 @@ import signal
 from dataclasses import dataclass, field, replace
 from typing import Union
 
-from recycle.runtime.control import StoppedReport
+from recycle.runtime.records import StoppedReport
 
 __all__ = ["Death", "Fence", "AbortGeneration", "Drain", "Respawn", "Move", "Announce", "FailRun", "Command",
            "RecoveryFacts", "RunState", "Coordinator", "describe_exit", "stale_heartbeats"]

@@ -17,7 +17,7 @@ from recycle.ir.costs import action_duration, opt_duration
 from recycle.runtime.messages import Message
 
 __all__ = ["Emulation", "DEFAULT_SLOT_MS", "pacing_seconds_per_unit", "action_cost", "PacedComm", "CostPacer",
-           "install_pacing", "PacingStats"]
+           "cost_pacer", "PacingStats"]
 
 DEFAULT_SLOT_MS = 40.0  # one slot of a slot-unit config; far above a tiny model's real action time on a CPU
 
@@ -118,7 +118,8 @@ class PacingStats:
 
 
 class CostPacer:
-    """Runs each action, then sleeps until its emulated end = start + cost, then releases its messages.
+    """Runs each action, then sleeps until its emulated end = start + cost, then releases its messages. A
+    StageExecutor takes it as its `pacing` hook (runtime.executor.Pacing).
 
     start = max(the worker's previous emulated end, the arrival of the action's inputs): a virtual clock per worker,
     so sleep overshoot does not add up along a worker's list; only cross-worker hand-offs see real wake-up and
@@ -136,6 +137,12 @@ class CostPacer:
         self.sleep = sleep
         self.emulated_end: float | None = None  # previous action's emulated end on this worker
         self.stats = PacingStats()
+
+    def wrap(self, comm: object) -> PacedComm:
+        """The transport the executor talks through: this pacer's PacedComm, now in front of `comm` (a recovery
+        hands the executor a new transport)."""
+        self.comm.inner = comm
+        return self.comm
 
     def set_plan(self, plan: Plan) -> None:
         """Use `plan`'s costs from now on (a coordinator may switch plans after a failure)."""
@@ -169,21 +176,6 @@ class CostPacer:
         self.comm.release()
 
 
-def install_pacing(executor: object, config: Config, emulation: Emulation) -> CostPacer:
-    """Make a StageExecutor pace its actions: its transport is wrapped and each run_action is padded."""
-    comm = PacedComm(executor.comm)
-    pacer = CostPacer(config, executor.plan, executor.rank, emulation, comm)
-    work = executor.run_action
-    executor.comm = comm
-
-    def run_action(action: Action) -> None:
-        # After a recovery the executor may hold a new plan or a new transport: follow them.
-        if executor.plan is not pacer.plan:
-            pacer.set_plan(executor.plan)
-        if executor.comm is not comm:
-            comm.inner = executor.comm
-            executor.comm = comm
-        pacer.run(action, work)
-
-    executor.run_action = run_action
-    return pacer
+def cost_pacer(config: Config, plan: Plan, rank: int, emulation: Emulation) -> CostPacer:
+    """The pacing hook for the StageExecutor of `rank` (pass it as `pacing=`): pads each action to `config`'s cost."""
+    return CostPacer(config, plan, rank, emulation, PacedComm(None))

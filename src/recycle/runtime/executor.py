@@ -16,7 +16,7 @@ from recycle.runtime.messages import Channel, Message, incoming, outgoing, send_
 from recycle.runtime.precision import autocast
 from recycle.runtime.rollback import StageSnapshot
 
-__all__ = ["StageExecutor", "IterationProgress", "IterationResult", "Comm", "ActionTiming", "dropout_seed"]
+__all__ = ["StageExecutor", "IterationProgress", "IterationResult", "Comm", "Pacing", "ActionTiming", "dropout_seed"]
 
 
 class Comm(Protocol):
@@ -28,6 +28,15 @@ class Comm(Protocol):
     def stage_allreduce_sum(self, stage: int, tensor: torch.Tensor) -> None: ...
     def world_allreduce_sum(self, tensor: torch.Tensor) -> None: ...
     def barrier(self) -> None: ...
+
+
+class Pacing(Protocol):
+    """A hook around every action (runtime.emulate.CostPacer pads each to an emulated cost): the executor talks
+    through the transport `wrap` returns, tells it each new plan, and lets it run each action."""
+
+    def wrap(self, comm: Comm) -> Comm: ...
+    def set_plan(self, plan: Plan) -> None: ...
+    def run(self, action: Action, work: Callable[[Action], None]) -> None: ...
 
 
 @dataclass
@@ -90,7 +99,7 @@ class StageExecutor:
                  device: torch.device | None = None, record_timings: bool = False,
                  before_action: Callable[[Action], None] | None = None,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 precision: str = "") -> None:
+                 precision: str = "", pacing: Pacing | None = None) -> None:
         self.rank = rank
         self.module = module
         self.loss_fn = loss_fn  # last stage: loss_fn(module(x), targets); None: module(x, targets) is the loss
@@ -113,6 +122,7 @@ class StageExecutor:
         self.completed = IterationProgress(finished=True)
         self.snapshot = StageSnapshot(module, optimizer)
         self.before_action = before_action  # e.g. the check that the generation was aborted
+        self.pacing = pacing  # runs each action (after before_action) and wraps every transport set_plan is given
         self._stage_loss: float | None = None
         self._next_from: dict[int, int] = defaultdict(int)
         self._parked: dict[Message, torch.Tensor] = {}
@@ -128,7 +138,10 @@ class StageExecutor:
         if (replica, stage) in plan.failed:
             raise ValueError(f"worker {replica}:{stage} is failed in the new plan; a failed worker cannot run it")
         self.plan = plan
-        self.comm = comm or self.comm
+        if comm is not None:
+            self.comm = self.pacing.wrap(comm) if self.pacing is not None else comm
+        if self.pacing is not None:
+            self.pacing.set_plan(plan)
         self.replica, self.stage = replica, stage
         self.scale = 1.0 / plan.total_microbatches
         self.is_first = stage == 0
@@ -166,7 +179,10 @@ class StageExecutor:
             if self.before_action is not None:
                 self.before_action(action)
             t0 = time.perf_counter()
-            self.run_action(action)
+            if self.pacing is None:
+                self.run_action(action)
+            else:
+                self.pacing.run(action, self.run_action)
             t1 = time.perf_counter()
             self.progress.busy_s += t1 - t0
             if self.record_timings:

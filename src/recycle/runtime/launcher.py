@@ -21,8 +21,7 @@ from recycle.config import Config
 from recycle.errors import ConfigError, RuntimeFailure
 from recycle.ir import Plan, validate_plan
 from recycle.runtime import checkpoint, preflight
-from recycle.runtime.control import (Announcement, Keys, StoppedReport, connect_store, decode, encode, host_store,
-                                     job_store, new_token)
+from recycle.runtime.control import Keys, connect_store, host_store, job_store, new_token
 from recycle.runtime.coordinator import (AbortGeneration, Announce, Command, Coordinator, Drain, FailRun, Fence,
                                          Move, RecoveryFacts, Respawn, describe_exit, stale_heartbeats)
 from recycle.runtime.chaos import ChaosMonkey, ChaosSpec
@@ -30,6 +29,8 @@ from recycle.runtime.data import config_dataset
 from recycle.runtime.emulate import Emulation
 from recycle.runtime.faults import FaultInjection
 from recycle.runtime.messages import check_plan_matches
+from recycle.runtime.records import (Announcement, ErrorRecord, FaultRecord, JoinReady, MigrationRecord, StepRecord,
+                                     StoppedReport, Timestamp, TransferRecord, from_json, to_json)
 from recycle.runtime.stage import check_model
 from recycle.runtime.transport import default_backend
 from recycle.runtime.worker import EXIT_FENCED, WorkerSpec, worker_main
@@ -416,7 +417,7 @@ class _Coordination:
         for replica, stage in sorted(state.failed):
             rank = replica * self.plan.num_stages + stage
             if rank not in state.joining and self.store.check([Keys.join_ready(rank)]):
-                self.pids[rank] = json.loads(self.store.get(Keys.join_ready(rank)))["pid"]
+                self.pids[rank] = from_json(JoinReady, self.store.get(Keys.join_ready(rank))).pid
                 self.exited.discard(rank)
                 commands += self.coordinator.on_join_ready(rank, now)
         return commands
@@ -456,8 +457,7 @@ class _Coordination:
             return
         for rank, delay in zip(event.ranks, event.repair_after_s):
             # Recorded like an injected fault, so its recovery is timed from the kill, not from its detection.
-            self.store.set(Keys.fault(rank), json.dumps({"time": time.time(), "where": f"a chaos {event.kind}",
-                                                         "mode": event.kind}))
+            self.store.set(Keys.fault(rank), to_json(FaultRecord(time.time(), f"a chaos {event.kind}", event.kind)))
             os.kill(self.processes[rank].pid, signal.SIGSTOP if event.kind == "hang" else signal.SIGKILL)
             self.respawn_at[rank] = now + delay
         record = {"event": "chaos", "time": now, "kind": event.kind, "step": event.step,
@@ -483,13 +483,14 @@ class _Coordination:
         self.pids[rank] = self.spawn(rank, True).pid
 
     def _failed_exit(self, rank: int, code: int, now: float) -> list[Command]:
-        record = json.loads(self.store.get(Keys.error(rank))) if self.store.check([Keys.error(rank)]) else None
-        if record is not None and not record["comm"]:
-            return self.coordinator.on_error(rank, f"{self._name(rank)} raised {record['type']}: {record['message']}")
+        record = from_json(ErrorRecord, self.store.get(Keys.error(rank))) \
+            if self.store.check([Keys.error(rank)]) else None
+        if record is not None and not record.comm:
+            return self.coordinator.on_error(rank, f"{self._name(rank)} raised {record.exception}: {record.message}")
         if code == 3:
             cause = "lost its launcher (node gone)"
         elif record is not None:
-            cause = f"failed on a communication error ({record['message']})"
+            cause = f"failed on a communication error ({record.message})"
         else:
             cause = f"died ({describe_exit(code)})"
         return self.coordinator.on_death(rank, f"{self._name(rank)} {cause}", now)
@@ -519,7 +520,7 @@ class _Coordination:
         for rank in sorted(state.live - set(state.reports) - state.done):
             key = Keys.stopped(state.generation, rank)
             if self.store.check([key]):
-                commands += self.coordinator.on_stopped(decode(StoppedReport, self.store.get(key)), now)
+                commands += self.coordinator.on_stopped(from_json(StoppedReport, self.store.get(key)), now)
         return commands
 
     # -- commands ------------------------------------------------------------------------------------------------
@@ -564,7 +565,7 @@ class _Coordination:
         if facts.restore_step is not None:
             self._forget_steps_from(facts.restore_step)
         self.store.set(Keys.plan(facts.generation), plan.to_json())
-        self.store.set(Keys.announce(facts.generation), encode(Announcement(
+        self.store.set(Keys.announce(facts.generation), to_json(Announcement(
             facts.generation, tuple(sorted(command.live)), facts.redo_step, self.end_step,
             "; ".join(d.cause for d in facts.deaths), tuple(sorted(facts.joining)),
             -1 if facts.restore_step is None else facts.restore_step)))
@@ -612,25 +613,25 @@ class _Coordination:
         self.pending = None
         if not facts.deaths and not facts.joining:
             return  # a drain whose joiner never came in (the run ended first): nothing happened
-        joined = [json.loads(self.store.get(Keys.joined(generation, r)))
+        joined = [from_json(Timestamp, self.store.get(Keys.joined(generation, r))).time
                   for r in live if self.store.check([Keys.joined(generation, r)])]
-        resumed = [json.loads(self.store.get(k)) for k in resumed_keys if self.store.check([k])]
+        resumed = [from_json(Timestamp, self.store.get(k)).time for k in resumed_keys if self.store.check([k])]
         causes, fault_times = [], []
         for death in facts.deaths:
             cause = death.cause
             if self.store.check([Keys.fault(death.rank)]):
-                fault = json.loads(self.store.get(Keys.fault(death.rank)))
+                fault = from_json(FaultRecord, self.store.get(Keys.fault(death.rank)))
                 self.store.delete_key(Keys.fault(death.rank))  # one record, one death: a later outside kill has none
-                if self.wall0 <= fault["time"] <= death.time:
-                    cause += f" during {fault['where']}"
-                    fault_times.append(fault["time"])
+                if self.wall0 <= fault.time <= death.time:
+                    cause += f" during {fault.where}"
+                    fault_times.append(fault.time)
             causes.append(cause)
         failure_time = min(fault_times) if fault_times else facts.started
         choice: PlanChoice = pending["choice"]
         end = max(resumed) if resumed else time.time()
-        transfers = [json.loads(self.store.get(Keys.transfer(generation, r))) for r in sorted(facts.joining)
-                     if self.store.check([Keys.transfer(generation, r)])]
-        migrations = [json.loads(self.store.get(Keys.migration(generation, r))) for r in live
+        transfers = [from_json(TransferRecord, self.store.get(Keys.transfer(generation, r)))
+                     for r in sorted(facts.joining) if self.store.check([Keys.transfer(generation, r)])]
+        migrations = [from_json(MigrationRecord, self.store.get(Keys.migration(generation, r))) for r in live
                       if self.store.check([Keys.migration(generation, r)])]
         # A join without a failure: the survivors' pause runs from their stop at the drain to their first action.
         paused_from = min((r.time for r in facts.reports), default=facts.started)
@@ -644,13 +645,13 @@ class _Coordination:
             resumed_s=end - (failure_time if facts.deaths else paused_from), redone_actions=facts.redone_actions,
             redone_s=facts.redone_s, rolled_back=facts.rolled_back,
             joined=tuple("%d:%d" % self.plan.worker(r) for r in sorted(facts.joining)),
-            transfer_bytes=sum(t["bytes"] for t in transfers),
-            transfer_s=max((t["seconds"] for t in transfers), default=0.0),
+            transfer_bytes=sum(t.bytes for t in transfers),
+            transfer_s=max((t.seconds for t in transfers), default=0.0),
             restored_step=facts.restore_step, steps_lost=facts.steps_lost,
             moved=tuple("%d:%d -> %d:%d" % (*self.plan.worker(d), *self.plan.worker(r)) for d, r in facts.moved),
-            partition=tuple(choice.plan.partition), layers_moved=sum(m["in"] for m in migrations),
-            migration_bytes=sum(m["bytes"] for m in migrations) // 2,
-            migration_s=max((m["seconds"] for m in migrations), default=0.0))
+            partition=tuple(choice.plan.partition), layers_moved=sum(m.layers_in for m in migrations),
+            migration_bytes=sum(m.bytes for m in migrations) // 2,
+            migration_s=max((m.seconds for m in migrations), default=0.0))
         self.recoveries.append(recovery)
         if self.options.progress:
             self.options.progress(recovery.line())
@@ -666,9 +667,9 @@ class _Coordination:
             live = [r for r in sorted(state.live) if self.member_from.get(r, 0) <= self.next_step]
             if not live or not self.store.check([Keys.metrics(self.next_step, r) for r in live]):
                 return
-            records = [json.loads(self.store.get(Keys.metrics(self.next_step, r))) for r in live]
+            records = [from_json(StepRecord, self.store.get(Keys.metrics(self.next_step, r))) for r in live]
             metrics = self._step_metrics(self.next_step, records)
-            self.previous_end = max(r["end"] for r in records)
+            self.previous_end = max(r.end for r in records)
             if self.options.verify_replicas:
                 _check_replicas(self.plan, metrics, self._fail)
             self.steps.append(metrics)
@@ -690,21 +691,21 @@ class _Coordination:
             checkpoint.atomic_write_text(self.options.metrics_path,
                                          "".join(json.dumps(r) + "\n" for r in self.records))
 
-    def _step_metrics(self, step: int, records: list[dict]) -> StepMetrics:
-        first = min(r["start"] for r in records)
-        last = max(r["end"] for r in records)
+    def _step_metrics(self, step: int, records: list[StepRecord]) -> StepMetrics:
+        first = min(r.start for r in records)
+        last = max(r.end for r in records)
         # Steady-state period: time between the completions of consecutive iterations (the first step: its span).
         period = last - self.previous_end if self.previous_end is not None else last - first
-        losses = [r["stage_loss"] for r in records if r.get("stage_loss") is not None]
+        losses = [r.stage_loss for r in records if r.stage_loss is not None]
         return StepMetrics(
             step=step + 1, loss=losses[0] if losses else 0.0,
             tokens_per_s=self.tokens_per_step / period if period > 0 else 0.0,
             period_s=period, step_time_s=last - first, elapsed_s=time.time() - self.wall0,
             grad_norm=grad_norm(records, self.plan.num_stages),
-            worker_time_s={f"{r['replica']}:{r['stage']}": r["end"] - r["start"] for r in records},
-            digests={f"{r['replica']}:{r['stage']}": r["digest"] for r in records if r["digest"]},
-            worker_cpu_s={f"{r['replica']}:{r['stage']}": r["cpu_s"] for r in records if "cpu_s" in r},
-            generation=max(r.get("generation", 0) for r in records), end_time=last)
+            worker_time_s={r.worker: r.end - r.start for r in records},
+            digests={r.worker: r.digest for r in records if r.digest},
+            worker_cpu_s={r.worker: r.cpu_s for r in records},
+            generation=max(r.generation for r in records), end_time=last)
 
     def _mark_checkpoints(self) -> None:
         """Point `latest` at the newest step whose every stage shard is written (never at a partial one). Older
@@ -733,16 +734,16 @@ class _Coordination:
             time.sleep(0.05)
 
 
-def grad_norm(records: list[dict], num_stages: int) -> float | None:
+def grad_norm(records: list[StepRecord], num_stages: int) -> float | None:
     """The global gradient norm of a step from its workers' records: the clipping norm when clipping, else the root of
     the stages' squared norms (one replica each: after the all-reduce every replica of a stage holds the same)."""
-    norms = [r["grad_norm"] for r in records if r.get("grad_norm") is not None]
+    norms = [r.grad_norm for r in records if r.grad_norm is not None]
     if norms:
         return norms[0]
     squares: dict[int, float] = {}
     for r in records:
-        if r.get("grad_sq") is not None:
-            squares.setdefault(r["stage"], r["grad_sq"])
+        if r.grad_sq is not None:
+            squares.setdefault(r.stage, r.grad_sq)
     if len(squares) < num_stages:
         return None  # a stage's record is missing (should not happen): no norm rather than a partial one
     return sum(squares[s] for s in range(num_stages)) ** 0.5

@@ -172,7 +172,7 @@ class TrainingOptimizer:
 class AdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's default CPU path (`_single_tensor_adam`, decoupled weight decay), op for op, with the
     same state_dict layout, so either can load the other's state (checked bit for bit in
-    tests/unit/test_runtime_units.py). It skips torch.optim.Optimizer.__init__, whose dynamo-disabling wrappers
+    tests/unit/test_optim.py). It skips torch.optim.Optimizer.__init__, whose dynamo-disabling wrappers
     import torch._dynamo on first use (seconds per process; measured in docs/runtime.md, "torch.optim")."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1e-3,

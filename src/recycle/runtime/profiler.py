@@ -12,7 +12,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,10 +20,13 @@ import torch.distributed as dist
 from recycle.config import Config, parse_config
 from recycle.errors import ConfigError
 from recycle.fileio import atomic_write_text
+from recycle.ir import Action, Kind, Plan
 from recycle.models.gpt import build_stages
 from recycle.runtime.data import BUILTIN, config_dataset, microbatch
-from recycle.runtime.optim import allreduce_grads, make_optimizer
-from recycle.runtime.precision import autocast, weights_dtype
+from recycle.runtime.executor import StageExecutor
+from recycle.runtime.messages import Channel, Message
+from recycle.runtime.optim import make_optimizer
+from recycle.runtime.precision import weights_dtype
 
 __all__ = ["StageProfile", "CommProfile", "Profile", "DEFAULT_COMM", "profile_stages", "measure_comm",
            "profile_config", "profiled_config_dict", "to_toml", "write_profile"]
@@ -37,7 +40,8 @@ class StageProfile:
     backward_input_us: float  # B as the executor runs it (stage 0 only takes delivery of the output-gradient)
     backward_weight_us: float  # W after B (the graph is kept between them)
     backward_fused_us: float  # BW: input- and weight-gradient in one pass
-    optimizer_us: float  # flatten the gradients, AdamW step, zero the gradients (the all-reduce is separate)
+    optimizer_us: float  # the executor's OPT without the all-reduce's transfer (measured separately): flatten the
+    # gradients, the norm (or clipping), the roll-back snapshot, the optimizer step, zero the gradients
     activation_bytes: int  # what a micro-batch holds from F to W: saved tensors, stage input/output, output-grad
     message_bytes: int  # the stage output sent downstream (0 on the last stage)
     parameter_bytes: int
@@ -79,11 +83,52 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
-def _activation_bytes(module: torch.nn.Module, run_forward: Callable[[], tuple[torch.Tensor | None,
-                                                                             torch.Tensor]]) -> int:
-    """Bytes a micro-batch keeps alive between F and W: the tensors autograd saves (not the parameters), the stage
-    input and output, and the output-gradient kept from B to W (the size of the output)."""
-    parameter_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
+class _NoPeers:
+    """The transport of a stage profiled alone: a receive is a fresh copy of a prepared tensor (a real receive fills
+    a fresh buffer too); sends and collectives cost nothing here (measure_comm measures them). It keeps the last
+    tensor received and sent, for the activation and message sizes."""
+
+    def __init__(self, activation: torch.Tensor | None, gradient: torch.Tensor | None) -> None:
+        self.incoming = {Channel.ACTIVATION: activation, Channel.GRADIENT: gradient}
+        self.received: torch.Tensor | None = None
+        self.sent: torch.Tensor | None = None
+
+    def recv(self, message: Message, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        self.received = self.incoming[message.channel].clone()
+        return self.received
+
+    def send(self, message: Message, tensor: torch.Tensor) -> None:
+        self.sent = tensor.detach()  # the same storage, without keeping the micro-batch's graph alive
+
+    def flush(self) -> None:
+        pass
+
+    def stage_allreduce_sum(self, stage: int, tensor: torch.Tensor) -> None:
+        pass
+
+    def world_allreduce_sum(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def barrier(self) -> None:
+        pass
+
+
+# What one profiling iteration runs on every stage: micro-batch 0 as B then W (the graph kept between them),
+# micro-batch 1 as a fused BW, then the optimizer step.
+_ACTIONS = ((Kind.F, 0), (Kind.B, 0), (Kind.W, 0), (Kind.F, 1), (Kind.BW, 1), (Kind.OPT, -1))
+
+
+def _profiling_plan(num_stages: int) -> Plan:
+    """One pipeline whose every stage runs _ACTIONS: each stage's executor finds the messages it expects."""
+    actions = [[Action(kind, s, mb) for kind, mb in _ACTIONS] for s in range(num_stages)]
+    return Plan.from_worker_lists(1, num_stages, 2, actions, staggered=True)
+
+
+def _activation_bytes(executor: StageExecutor, comm: _NoPeers, parameters: list[torch.nn.Parameter]) -> int:
+    """Bytes a micro-batch keeps alive between F and W, from one F the executor runs: the tensors autograd saves
+    (not the parameters), the stage input and output, and the output-gradient kept from B to W (the size of the
+    output)."""
+    parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -92,18 +137,22 @@ def _activation_bytes(module: torch.nn.Module, run_forward: Callable[[], tuple[t
             saved[ptr] = nbytes
         return t
 
+    executor.abort_iteration()
+    comm.received = comm.sent = None
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        inp, out = run_forward()
-    for t in (inp, out):
+        executor.run_action(Action(Kind.F, executor.stage, 0))
+    executor.abort_iteration()  # drops the micro-batch's graph
+    for t in (comm.received, comm.sent):
         if t is not None:
             ptr, nbytes = _storage_key(t)
             saved[ptr] = nbytes
-    grad_out = out.numel() * out.element_size() if out.dim() > 0 else 0
+    grad_out = comm.sent.numel() * comm.sent.element_size() if comm.sent is not None else 0
     return sum(saved.values()) + grad_out
 
 
 def profile_stages(config: Config, repeats: int = 10, warmup: int = 3) -> tuple[StageProfile, ...]:
-    """Time every stage's F, B, W, BW and optimizer step in this process (one thread, like a worker)."""
+    """Time every stage's F, B, W, BW and optimizer step in this process (one thread, like a worker), as the
+    runtime's StageExecutor runs them: each repeat is one executor iteration of _ACTIONS, timed per action."""
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"--repeats {repeats} must be >= 1 and --warmup {warmup} >= 0")
     training, workload = config.training, config.workload
@@ -111,8 +160,11 @@ def profile_stages(config: Config, repeats: int = 10, warmup: int = 3) -> tuple[
     dtype = weights_dtype(training.dtype)
     stages = build_stages(config.model, S, training.seed, dtype, workload.seq_len)
     dataset = config_dataset(config)
-    tokens, targets = microbatch(dataset, 0, 0, workload.microbatch_size, workload.seq_len)
-    scale = 1.0 / (config.num_replicas * config.num_microbatches)
+    plan = _profiling_plan(S)
+
+    def load(iteration: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return microbatch(dataset, iteration, mb, workload.microbatch_size, workload.seq_len)
+
     out_profiles = []
     for s, module in enumerate(stages):
         module.train()
@@ -122,55 +174,27 @@ def profile_stages(config: Config, repeats: int = 10, warmup: int = 3) -> tuple[
         generator = torch.Generator().manual_seed(s)
         upstream = torch.randn(boundary, generator=generator, dtype=dtype)
         grad_seed = torch.randn(boundary, generator=generator, dtype=dtype) * 1e-3
-
-        def forward() -> tuple[torch.Tensor | None, torch.Tensor]:
-            inp = None if is_first else upstream.clone().requires_grad_()
-            x = tokens if is_first else inp
-            with autocast(training.dtype):
-                out = module(x, targets) * scale if is_last else module(x)
-            return inp, out
-
-        grad_out = None if is_last else grad_seed
-        times: dict[str, list[float]] = {k: [] for k in ("F", "B", "W", "BW", "OPT")}
+        comm = _NoPeers(None if is_first else upstream, None if is_last else grad_seed)
         optimizer = make_optimizer(module, training)
+        executor = StageExecutor(plan, s, module, optimizer, comm, load, None if is_first else boundary,
+                                 None if is_last else boundary, dtype, grad_clip=training.grad_clip,
+                                 seed=training.seed, record_timings=True, precision=training.dtype)
+        times: dict[Kind, list[float]] = {kind: [] for kind, _ in _ACTIONS}
         for i in range(warmup + repeats):
-            keep = i >= warmup
-            t0 = time.perf_counter()
-            inp, out = forward()
-            t1 = time.perf_counter()
-            if not is_first:
-                torch.autograd.grad(out, [inp], grad_out, retain_graph=True)
-            t2 = time.perf_counter()
-            grads = torch.autograd.grad(out, params, grad_out, allow_unused=True)
-            t3 = time.perf_counter()
-            inp, out = forward()
-            t4 = time.perf_counter()
-            torch.autograd.grad(out, params if is_first else [inp, *params], grad_out, allow_unused=True)
-            t5 = time.perf_counter()
-            for p, g in zip(params, grads):
-                p.grad = torch.zeros_like(p) if g is None else g
-            t6 = time.perf_counter()
-            allreduce_grads(params, lambda flat: None)  # the all-reduce itself is timed separately
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            t7 = time.perf_counter()
-            if keep:
-                times["F"].append(t1 - t0)
-                times["B"].append(t2 - t1)
-                times["W"].append(t3 - t2)
-                times["BW"].append(t5 - t4)
-                times["OPT"].append(t7 - t6)
-        _, out = forward()
-        activation = _activation_bytes(module, forward)
+            result = executor.run_iteration(i)
+            if i >= warmup:
+                for (kind, _), timing in zip(_ACTIONS, result.timings):
+                    times[kind].append(timing.end - timing.start)
+        activation = _activation_bytes(executor, comm, params)
         parameter_bytes = sum(p.numel() * p.element_size() for p in params)
         # The optimizer's per-parameter state after the steps above (the step counters are not memory that matters).
         state_bytes = sum(t.numel() * t.element_size() for per_param in optimizer.optimizer.state.values()
                           for key, t in per_param.items() if isinstance(t, torch.Tensor) and key != "step")
         out_profiles.append(StageProfile(
-            forward_us=_median_us(times["F"]), backward_input_us=_median_us(times["B"]),
-            backward_weight_us=_median_us(times["W"]), backward_fused_us=_median_us(times["BW"]),
-            optimizer_us=_median_us(times["OPT"]), activation_bytes=activation,
-            message_bytes=0 if is_last else out.numel() * out.element_size(),
+            forward_us=_median_us(times[Kind.F]), backward_input_us=_median_us(times[Kind.B]),
+            backward_weight_us=_median_us(times[Kind.W]), backward_fused_us=_median_us(times[Kind.BW]),
+            optimizer_us=_median_us(times[Kind.OPT]), activation_bytes=activation,
+            message_bytes=0 if is_last else comm.sent.numel() * comm.sent.element_size(),
             parameter_bytes=parameter_bytes, optimizer_state_bytes=state_bytes))
     return tuple(out_profiles)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import json
 import os
 import sys
 import threading
@@ -24,15 +23,17 @@ from recycle.ir import Action, Plan
 from recycle.models.gpt import GPTStage
 from recycle.runtime import checkpoint
 from recycle.runtime.checkpoint_writer import CheckpointWriter
-from recycle.runtime.control import Announcement, Keys, StoppedReport, connect_store, decode, encode, job_store
+from recycle.runtime.control import Keys, connect_store, job_store
 from recycle.runtime.data import config_dataset, microbatch
-from recycle.runtime.emulate import Emulation, install_pacing
+from recycle.runtime.emulate import Emulation, cost_pacer
 from recycle.runtime.executor import StageExecutor
 from recycle.runtime.faults import FaultInjection, fire
 from recycle.runtime.migration import (exchange_layers, layer_moves, layer_scaled_config, plan_bounds,
                                        rebuild_stage)
 from recycle.runtime.optim import make_optimizer
 from recycle.runtime.precision import weights_dtype
+from recycle.runtime.records import (Announcement, ErrorRecord, FaultRecord, JoinReady, MigrationRecord, StepRecord,
+                                     StoppedReport, Timestamp, TransferRecord, from_json, to_json)
 from recycle.runtime.stage import build_stage
 from recycle.runtime.state_transfer import transfer_stage_state
 from recycle.runtime.transport import Transport, is_comm_error
@@ -141,13 +142,13 @@ def worker_main(spec: WorkerSpec, launcher_alive: Connection | None = None) -> N
     except _Fenced:
         os._exit(EXIT_FENCED)
     except BaseException as exc:  # report every failure, including a KeyboardInterrupt/SystemExit, then exit 1
-        record = {"type": type(exc).__name__, "message": str(exc).splitlines()[0] if str(exc) else "",
-                  "comm": is_comm_error(exc), "time": time.time(), "traceback": traceback.format_exc()}
+        record = ErrorRecord(type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", is_comm_error(exc),
+                             time.time(), traceback.format_exc())
         try:
-            store.set(Keys.error(spec.rank), json.dumps(record))
+            store.set(Keys.error(spec.rank), to_json(record))
         except Exception:
             pass
-        if not record["comm"]:
+        if not record.comm:
             traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # skip interpreter teardown: a broken process group can hang in its destructor
@@ -237,7 +238,7 @@ class _Worker:
                        for s in range(self.plan.num_stages)}
         self.transport = Transport(self.store, generation, self.spec.rank, self.plan.live_ranks(), stage_ranks,
                                    self.spec.timeout_s, self.spec.backend, self.device)
-        self.store.set(Keys.joined(generation, self.spec.rank), json.dumps(time.time()))
+        self.store.set(Keys.joined(generation, self.spec.rank), to_json(Timestamp(time.time())))
         if self.executor is None:
             self.executor = self._make_executor()
             if self.announcement is not None:  # a replacement: its weights are the state after redo_step - 1
@@ -252,7 +253,7 @@ class _Worker:
         """A replacement worker: say it is ready, wait to be admitted into a generation, take that generation's plan
         (and its checkpoint, when the run restores one); the stage's live state arrives after the groups form."""
         spec = self.spec
-        self.store.set(Keys.join_ready(spec.rank), json.dumps({"time": time.time(), "pid": os.getpid()}))
+        self.store.set(Keys.join_ready(spec.rank), to_json(JoinReady(time.time(), os.getpid())))
         key = Keys.join_generation(spec.rank)
         while True:
             try:
@@ -262,7 +263,7 @@ class _Worker:
                 if self.store.check([Keys.FINISHED]):
                     raise _Fenced() from None  # the run ended before this worker was needed
         self.generation = int(self.store.get(key))
-        self.announcement = decode(Announcement, self.store.get(Keys.announce(self.generation)))
+        self.announcement = from_json(Announcement, self.store.get(Keys.announce(self.generation)))
         self.plan = Plan.from_json(self.store.get(Keys.plan(self.generation)).decode())
         self._take_layout()  # this generation's layer partition; the state arrives from a replica or the checkpoint
         if self.announcement.restore_step >= 0:
@@ -322,9 +323,8 @@ class _Worker:
             self._install(module, optimizer, new[self.stage])
         elif self.spec.emulation is not None:  # same layers here, other stages changed: pace to the new costs
             self._install(self.module, self.optimizer, self.layers)
-        self.store.set(Keys.migration(self.generation, self.spec.rank), json.dumps(
-            {"layers": list(self.layers), "in": stats.layers_in, "out": stats.layers_out, "bytes": stats.bytes,
-             "seconds": stats.seconds}))
+        self.store.set(Keys.migration(self.generation, self.spec.rank), to_json(MigrationRecord(
+            tuple(self.layers), stats.layers_in, stats.layers_out, stats.bytes, stats.seconds)))
 
     def _load_checkpoint(self, step: int) -> None:
         checkpoint.load_stage(self.spec.checkpoint_dir, step, self.stage, self.module, self.optimizer,
@@ -352,8 +352,8 @@ class _Worker:
                                            self.spec.rank == source, broadcast, self.device)
         if self.spec.rank in announcement.joining:
             executor.applied_iteration = step - 1
-            self.store.set(Keys.transfer(self.generation, self.spec.rank), json.dumps(
-                {"bytes": stats.bytes, "seconds": stats.seconds, "source": "%d:%d" % self.plan.worker(source)}))
+            self.store.set(Keys.transfer(self.generation, self.spec.rank), to_json(TransferRecord(
+                stats.bytes, stats.seconds, "%d:%d" % self.plan.worker(source))))
 
     def _make_executor(self) -> StageExecutor:
         config, built = self.config, self.built
@@ -362,21 +362,21 @@ class _Worker:
         def load(iteration: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
             return microbatch(self.dataset, iteration, mb, workload.microbatch_size, workload.seq_len)
 
-        executor = StageExecutor(self.plan, self.spec.rank, self.module, self.optimizer, self.transport, load,
-                                 built.input_shape, built.output_shape, weights_dtype(config.training.dtype),
-                                 grad_clip=config.training.grad_clip, seed=config.training.seed, device=self.device,
-                                 record_timings=self.spec.record_timings, before_action=self._before_action,
-                                 precision=config.training.dtype, loss_fn=built.loss_fn)
-        if self.spec.emulation is not None:
-            install_pacing(executor, layer_scaled_config(config, self.bounds), self.spec.emulation)
-        return executor
+        # A rebuild (new layer range) paces with a fresh pacer: the costs follow the stages' new layers.
+        pacing = cost_pacer(layer_scaled_config(config, self.bounds), self.plan, self.spec.rank, self.spec.emulation) \
+            if self.spec.emulation is not None else None
+        return StageExecutor(self.plan, self.spec.rank, self.module, self.optimizer, self.transport, load,
+                             built.input_shape, built.output_shape, weights_dtype(config.training.dtype),
+                             grad_clip=config.training.grad_clip, seed=config.training.seed, device=self.device,
+                             record_timings=self.spec.record_timings, before_action=self._before_action,
+                             precision=config.training.dtype, loss_fn=built.loss_fn, pacing=pacing)
 
     def _before_action(self, action: Action) -> None:
         if self.heartbeat.aborted >= self.generation:
             raise GenerationAborted(f"generation {self.generation} was aborted by the coordinator")
         if self._resumed_pending:
             self._resumed_pending = False
-            self.store.set(Keys.resumed(self.generation, self.spec.rank), json.dumps(time.time()))
+            self.store.set(Keys.resumed(self.generation, self.spec.rank), to_json(Timestamp(time.time())))
         progress = self.executor.progress
         for fault in self.spec.faults:
             if fault.point == "action" and fault.step == progress.iteration and fault.index == progress.index:
@@ -386,8 +386,7 @@ class _Worker:
         if fault in self._fired:
             return
         self._fired.add(fault)
-        self.store.set(Keys.fault(self.spec.rank), json.dumps({"time": time.time(), "where": where,
-                                                               "mode": fault.mode}))
+        self.store.set(Keys.fault(self.spec.rank), to_json(FaultRecord(time.time(), where, fault.mode)))
         fire(fault, where)
 
     def _run_step(self, step: int) -> None:
@@ -402,14 +401,11 @@ class _Worker:
         done = step + 1
         if spec.checkpoint_dir and spec.checkpoint_every > 0 and done % spec.checkpoint_every == 0:
             self._save_checkpoint(done)
-        self.store.set(Keys.metrics(step, spec.rank), json.dumps({
-            "start": result.start, "end": result.end, "loss_sum": result.loss_sum, "stage_loss": result.stage_loss,
-            "grad_norm": result.grad_norm, "grad_sq": result.grad_sq, "replica": self.replica, "stage": self.stage,
-            "cpu_s": cpu_s,
-            "generation": self.generation,
-            "digest": parameter_digest(self.module) if spec.verify_replicas else "",
-            "timings": [[t.action, t.start, t.end] for t in result.timings],
-        }))
+        self.store.set(Keys.metrics(step, spec.rank), to_json(StepRecord(
+            self.replica, self.stage, self.generation, result.start, result.end, cpu_s, result.loss_sum,
+            result.stage_loss, result.grad_norm, result.grad_sq,
+            digest=parameter_digest(self.module) if spec.verify_replicas else "",
+            timings=tuple((t.action, t.start, t.end) for t in result.timings))))
 
     def _is_writer(self) -> bool:
         """One live replica per stage writes the stage's files."""
@@ -466,7 +462,7 @@ class _Worker:
         else:  # failed while forming the first generation: nothing done yet
             report = StoppedReport(spec.rank, self.generation, spec.start_step - 1, spec.start_step, 0, 0.0, 0, 0.0,
                                    error, time.time())
-        self.store.set(Keys.stopped(self.generation, spec.rank), encode(report))
+        self.store.set(Keys.stopped(self.generation, spec.rank), to_json(report))
         self.store.add(Keys.stopped_count(self.generation), 1)  # one key for the coordinator to poll
         announcement = self._await_announcement(self.generation + 1)
         if spec.rank not in announcement.live:
@@ -494,7 +490,7 @@ class _Worker:
         while True:
             try:
                 self.store.wait([Keys.announce(generation)], datetime.timedelta(seconds=5))
-                return decode(Announcement, self.store.get(Keys.announce(generation)))
+                return from_json(Announcement, self.store.get(Keys.announce(generation)))
             except dist.DistStoreError:
                 continue  # the coordinator is still collecting reports; it fences us if it ever gives up on us
 

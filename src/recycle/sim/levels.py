@@ -10,7 +10,9 @@ import numpy as np
 from recycle.config import Config
 from recycle.ir.actions import Kind
 from recycle.ir.compact import KIND_CODES, CompactActions
+from recycle.ir.costs import action_duration
 from recycle.ir.dependencies import input_stage_table
+from recycle.sim.convergence import LEVEL_TIMER_MIN_ACTIONS, MAX_ITERATIONS, converged
 
 __all__ = ["LevelTimer", "build_level_timer", "flat_dependencies", "time_compact"]
 
@@ -259,8 +261,6 @@ def time_compact(config: Config, actions: CompactActions, failed: AbstractSet[tu
     from its arrays (no Action objects): the simulator's steps for a large plan, in the same order with the same
     floats (tests/unit/test_vector_schedule.py checks equality). None when the simulator would not use the level
     timer (small plans) or the timer does not apply; the caller then simulates."""
-    from recycle.ir.costs import action_duration
-    from recycle.sim.simulator import LEVEL_TIMER_MIN_ACTIONS, MAX_ITERATIONS, _converged
 
     D, S = config.num_replicas, config.num_stages
     n, TM = D * S, D * config.num_microbatches
@@ -308,7 +308,7 @@ def time_compact(config: Config, actions: CompactActions, failed: AbstractSet[tu
         starts.append(float(start[heads].min()))
         makespans.append(float(max((max(end[b] for _, b in group) - min(start[a] for a, _ in group)
                                     for group in spans.values()), default=0.0)))
-        if _converged(starts):
+        if converged(starts):
             return starts[-1] - starts[-2], makespans[-1]
     half = len(starts) // 2
     return (starts[-1] - starts[half]) / (len(starts) - 1 - half), makespans[-1]

@@ -16,6 +16,8 @@ from recycle.ir.costs import action_duration
 from recycle.ir.dependencies import boundary, input_stage_table
 from recycle.ir.plan import Plan
 from recycle.ir.validate import check_plan_matches, format_grid
+from recycle.sim.convergence import LEVEL_TIMER_MIN_ACTIONS, MAX_ITERATIONS
+from recycle.sim.convergence import converged as _converged
 
 if TYPE_CHECKING:  # numpy is imported only for large plans
     from recycle.sim.levels import LevelTimer
@@ -70,22 +72,6 @@ _CODE = {k: i for i, k in enumerate(_KINDS)}
 _F, _B, _W, _BW, _OPT = range(5)
 _HELD_DELTA = (1, 0, -1, -1, 0)  # an activation slot is taken at F and released at W or BW
 _KIND_OF, _STAGE_OF, _MB_OF = attrgetter("kind"), attrgetter("stage"), attrgetter("mb")
-
-
-MIN_ITERATIONS = 4
-# From this many actions per iteration the iterations are timed by the level-vectorized timer (recycle.sim.levels):
-# the same floats, faster on large plans and slower on small ones (measurements: docs/planner.md, "Simulator").
-LEVEL_TIMER_MIN_ACTIONS = 4_000
-MAX_ITERATIONS = 32
-
-
-def _converged(starts: list[float]) -> bool:
-    """True once the last three gaps between iteration starts are equal (the schedule has become periodic)."""
-    if len(starts) < MIN_ITERATIONS:
-        return False
-    gaps = [b - a for a, b in zip(starts[-4:], starts[-3:])]
-    tol = 1e-9 * max(1.0, abs(gaps[-1]))
-    return max(gaps) - min(gaps) <= tol
 
 
 def _makespan(plan: Plan, compute_span: dict[int, tuple[int, int]], start: list[float], end: list[float]) -> float:

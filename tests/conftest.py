@@ -1,0 +1,50 @@
+"""Shared pieces of every test tier: the tiny GPT job (D x S x M, float64 by default) as a parsed Config."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+from recycle.config import Config, parse_config
+
+
+def make_tiny_config(D: int = 2, S: int = 2, M: int = 2, dtype: str = "float64", steps: int = 2, seed: int = 7,
+                     name: str = "tiny", **training: Any) -> Config:
+    """The "tiny" GPT preset, micro-batches of 2 x 8 tokens, unit costs; `training` adds [training] keys."""
+    return parse_config({
+        "topology": {"num_replicas": D, "num_stages": S},
+        "workload": {"num_microbatches": M, "microbatch_size": 2, "seq_len": 8},
+        "costs": {"forward": 1, "backward_input": 1, "backward_weight": 1},
+        "model": {"preset": "tiny"},
+        "training": {"steps": steps, "lr": 0.01, "weight_decay": 0.1, "dtype": dtype, "seed": seed, **training},
+    }, name=name)
+
+
+@pytest.fixture()
+def tiny_config() -> Callable[..., Config]:
+    """make_tiny_config, for tests to call with their own D, S, M, dtype, steps and [training] keys."""
+    return make_tiny_config
+
+
+@pytest.fixture()
+def cli_error(capsys: pytest.CaptureFixture[str]) -> Callable[[list[str]], str]:
+    """Run the CLI's main() in-process on arguments that must be refused, and check the user-facing contract: exit
+    code 2, nothing on stdout, one `error:` line on stderr and no traceback. Returns that line. (`python -m recycle`
+    exits with main()'s return value; tests that check the real process keep a subprocess.)"""
+
+    def run(argv: list[str]) -> str:
+        from recycle.cli import main
+
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+        out, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        assert code == 2, (code, err)
+        assert out == "" and "Traceback" not in err, (out, err)
+        assert len(lines) == 1 and lines[0].startswith("error: "), err
+        return lines[0]
+
+    return run
