@@ -674,7 +674,20 @@ def _search(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, i
     2. Orders: `improve_orders` moves single actions within a worker's order, timed as soon as possible.
     Both stop at the analytic lower bound.
     """
-    rng = random.Random(0)
+    rules = _search_rules(config, options, ranked, variants)
+    best, found = _search_routing(config, key, failed, options, caps, ranked[0], rules, bound)
+    if best.estimate > bound * (1 + 1e-9):
+        moved = _search_orders(config, key, options, caps, best, bound)
+        if moved is not None:
+            found.append(moved)
+    # Search results rank ahead of equal-estimate rule schedules (they are at least as good on the estimate).
+    return [replace(c, order=-len(found) + i) for i, c in enumerate(found)]
+
+
+def _search_rules(config: Config, options: PlannerOptions, ranked: Sequence[_Candidate],
+                  variants: Sequence[Variant]) -> list[Variant]:
+    """The rules a routing change is list-scheduled with: those of the best candidates, best first, as many as the
+    search budget allows for this plan size."""
     by_name = {v.name: v for v in variants}
     per_iteration = (3 if options.decoupled else 2) * config.num_replicas * config.num_microbatches * config.num_stages
     want = max(_SEARCH_RULES, _SEARCH_BUDGET // (ROUTING_SWAPS * per_iteration))
@@ -685,7 +698,15 @@ def _search(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, i
             rules.append(variant)
         if len(rules) == want:
             break
-    best = ranked[0]
+    return rules
+
+
+def _search_routing(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, int]],
+                    options: PlannerOptions, caps: Sequence[int] | None, start: _Candidate, rules: Sequence[Variant],
+                    bound: float) -> tuple[_Candidate, list[_Candidate]]:
+    """Step 1 of _search: seeded orphan swaps and moves from `start`; (the best candidate, the improving ones)."""
+    rng = random.Random(0)
+    best = start
     host = [list(row) for row in best.host]
     M, D = config.num_microbatches, config.num_replicas
     orphans = [[mb for mb in range(D * M) if (mb // M, s) in failed] for s in range(config.num_stages)]
@@ -725,14 +746,19 @@ def _search(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, i
         if improved.estimate < best.estimate:
             found.append(improved)
         best = improved
-    if best is not ranked[0] and not found:
+    if best is not start and not found:
         found.append(best)
-    if best.estimate > bound * (1 + 1e-9):
-        evaluator = OrderEvaluator(config, key, best.host, options.decoupled, options.staggered, caps,
-                                   _opt_durations(config, key))
-        entries, score = improve_orders(evaluator, best.timed.entries, ORDER_MOVES, seed=0, target=bound)
-        if score[0] < best.estimate:
-            timed = _Timed(tuple(tuple(row) for row in entries), score[0])
-            found.append(_Candidate(score[0], -1, f"{best.name} + order moves", best.host, timed))
-    # Search results rank ahead of equal-estimate rule schedules (they are at least as good on the estimate).
-    return [replace(c, order=-len(found) + i) for i, c in enumerate(found)]
+    return best, found
+
+
+def _search_orders(config: Config, key: tuple[int, ...], options: PlannerOptions, caps: Sequence[int] | None,
+                   best: _Candidate, bound: float) -> _Candidate | None:
+    """Step 2 of _search: single-action moves within the workers' orders of `best`, timed as soon as possible,
+    down to the lower bound; the result if it beats `best`."""
+    evaluator = OrderEvaluator(config, key, best.host, options.decoupled, options.staggered, caps,
+                               _opt_durations(config, key))
+    entries, score = improve_orders(evaluator, best.timed.entries, ORDER_MOVES, seed=0, target=bound)
+    if score[0] >= best.estimate:
+        return None
+    timed = _Timed(tuple(tuple(row) for row in entries), score[0])
+    return _Candidate(score[0], -1, f"{best.name} + order moves", best.host, timed)
