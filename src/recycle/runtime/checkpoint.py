@@ -136,6 +136,7 @@ def save_shard(root: str | Path, step: int, stage: int, layers: tuple[int, int],
     never finds a complete step without it."""
     import torch.distributed.checkpoint as dcp
 
+    _guard_dcp_logging()
     where = shard_dir(root, step, stage)
     temporary = where.with_name(f"{where.name}.{_writer_tag()}.tmp")
     shutil.rmtree(temporary, ignore_errors=True)
@@ -152,6 +153,30 @@ def save_shard(root: str | Path, step: int, stage: int, layers: tuple[int, int],
     os.replace(temporary, where)
     for stale in where.parent.glob(f"{where.name}.*.tmp"):  # the old copy, and any left by a writer that died
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def _guard_dcp_logging() -> None:
+    """Make DCP's call logging safe against a process group torn down by another thread.
+
+    DCP logs every call with the c10d rank fields: `dist.is_initialized()`, then `dist.get_rank()`. The writer thread
+    saves while the worker's main thread may leave a broken generation (destroy_process_group) in a recovery; in
+    between the two calls the save raised "Default process group has not been initialized" and the checkpoint
+    was lost (found by the chaos soak). A save with no_dist=True needs no process group, so when the rank fields
+    cannot be read the log entry goes without them. Installed once per process; torch is pinned (2.13)."""
+    from torch.distributed.checkpoint import logger as dcp_logger
+
+    original = dcp_logger._get_msg_dict
+    if getattr(original, "_recycle_guarded", False):
+        return
+
+    def get_msg_dict(func_name: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        try:
+            return original(func_name, *args, **kwargs)
+        except (ValueError, RuntimeError):  # the default group went away between is_initialized() and get_rank()
+            return {"func_name": func_name}
+
+    get_msg_dict._recycle_guarded = True  # type: ignore[attr-defined]
+    dcp_logger._get_msg_dict = get_msg_dict
 
 
 def _writer_tag() -> str:
