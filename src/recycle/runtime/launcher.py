@@ -230,7 +230,6 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     """Train `config`'s model with `plan` for the requested steps, surviving worker failures when a plan provider
     is given; raise RuntimeFailure when the run cannot continue."""
     start_step, end_step = _check_options(config, plan, options)
-    backend = options.backend or default_backend()
     token = options.token or new_token()
     store_timeout_s = max(options.timeout_s, 60.0)
     if options.node_rank == 0:
@@ -238,8 +237,7 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     else:
         root = connect_store(options.master_addr, options.master_port, store_timeout_s)
     store = job_store(root, token)
-    live = plan.live_ranks()
-    mine = node_ranks(live, options.nnodes, options.node_rank)
+    mine = node_ranks(plan.live_ranks(), options.nnodes, options.node_rank)
     context = _context(options.start_method)
     processes: dict[int, mp.process.BaseProcess] = {}
     # Workers block reading this pipe; only the launcher holds the write end, so they see EOF the moment it dies.
@@ -247,24 +245,14 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     wall0 = time.time()
     # A node started again while its job runs (a repaired node) brings its workers back as replacements.
     rejoining = options.node_rank > 0 and store.check([Keys.RUNNING])
+    spec_for = _spec_maker(config, plan, options, root.port, token, start_step, end_step, mine)
 
     def spawn(rank: int, joining: bool) -> mp.process.BaseProcess:
         if joining:
             for key in (Keys.join_ready(rank), Keys.join_generation(rank), Keys.exited(rank), Keys.error(rank)):
                 store.delete_key(key)  # left by an earlier life of this rank
-        spec = WorkerSpec(
-            rank=rank, config=config, plan_json=plan.to_json(), store_host=options.master_addr,
-            store_port=root.port, token=token, start_step=start_step, end_step=end_step,
-            timeout_s=options.timeout_s, backend=backend,
-            device_index=(mine.index(rank) if rank in mine else rank) % max(torch.cuda.device_count(), 1),
-            heartbeat_s=options.heartbeat_s, checkpoint_dir=options.checkpoint_dir,
-            checkpoint_every=options.checkpoint_every, resume_dir="" if joining else options.resume_dir,
-            save_path=options.save_path, record_timings=options.record_timings,
-            verify_replicas=options.verify_replicas, model_factory=options.model_factory,
-            faults=() if joining else tuple(f for r, f in options.faults if r == rank),
-            emulation=options.emulation, joining=joining)
         replica, stage = plan.worker(rank)
-        process = context.Process(target=worker_main, args=(spec, launcher_alive),
+        process = context.Process(target=worker_main, args=(spec_for(rank, joining), launcher_alive),
                                   name=f"recycle-worker-{replica}:{stage}", daemon=True)
         process.start()
         processes[rank] = process
@@ -298,6 +286,29 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
                                      {"step": end_step, "config": config.to_dict()})
     return TrainResult(start_step, end_step, tuple(steps), time.time() - wall0, tuple(recoveries),
                        tuple(sorted(failed)), tuple(chaos_events))
+
+
+def _spec_maker(config: Config, plan: Plan, options: LaunchOptions, store_port: int, token: str, start_step: int,
+                end_step: int, mine: list[int]) -> Callable[[int, bool], WorkerSpec]:
+    """What a worker process of this launcher is told: its rank, the run, and whether it joins a running job
+    (a replacement: no resume, no scripted faults)."""
+    backend = options.backend or default_backend()
+    plan_json = plan.to_json()
+
+    def spec_for(rank: int, joining: bool) -> WorkerSpec:
+        return WorkerSpec(
+            rank=rank, config=config, plan_json=plan_json, store_host=options.master_addr,
+            store_port=store_port, token=token, start_step=start_step, end_step=end_step,
+            timeout_s=options.timeout_s, backend=backend,
+            device_index=(mine.index(rank) if rank in mine else rank) % max(torch.cuda.device_count(), 1),
+            heartbeat_s=options.heartbeat_s, checkpoint_dir=options.checkpoint_dir,
+            checkpoint_every=options.checkpoint_every, resume_dir="" if joining else options.resume_dir,
+            save_path=options.save_path, record_timings=options.record_timings,
+            verify_replicas=options.verify_replicas, model_factory=options.model_factory,
+            faults=() if joining else tuple(f for r, f in options.faults if r == rank),
+            emulation=options.emulation, joining=joining)
+
+    return spec_for
 
 
 def _context(start_method: str) -> mp.context.BaseContext:
