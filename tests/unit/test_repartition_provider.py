@@ -114,3 +114,12 @@ def test_periods_are_turned_into_seconds_by_the_pacing_or_a_profiled_config() ->
                               "workload": {"num_microbatches": 4},
                               "costs": {"forward": 100, "backward_input": 100, "backward_weight": 100}})
     assert _seconds_per_unit(us_config, None) == pytest.approx(1e-6)
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "nan", "inf"])
+def test_a_bad_prior_is_one_error_line(cli_error, value: str) -> None:
+    from pathlib import Path
+
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-gpt.toml")
+    line = cli_error(["train", "--config", config, "--steps", "1", "--repartition", f"--repartition-prior-s={value}"])
+    assert "--repartition-prior-s" in line and "positive number of seconds" in line
