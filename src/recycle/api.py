@@ -298,7 +298,12 @@ def repartitioning_provider(config: Config, options: PlannerOptions, base: Calla
         nonlocal current
         estimate.observe(now())
         started = time.perf_counter()
-        target, note = (configured, "") if not failed else decide(failed)
+        if failed:
+            target, note = decide(failed)
+        else:  # every worker is back: the configured split, whatever it costs to get there
+            target = configured
+            note = f"layers back: {'/'.join(map(str, current))} -> {'/'.join(map(str, configured))}" \
+                if current != configured else ""
         current = target
         if target == configured:
             chosen = base(failed)

@@ -123,3 +123,14 @@ def test_a_bad_prior_is_one_error_line(cli_error, value: str) -> None:
     config = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-gpt.toml")
     line = cli_error(["train", "--config", config, "--steps", "1", "--repartition", f"--repartition-prior-s={value}"])
     assert "--repartition-prior-s" in line and "positive number of seconds" in line
+
+
+def test_every_worker_back_brings_the_layers_back_and_says_so() -> None:
+    clock = [0.0]
+    provide = _provider(prior_s=10_000.0, clock=clock)
+    assert provide(frozenset({(0, 0)})).plan.partition == (1, 3)
+    clock[0] = 5.0
+    back = provide(frozenset())
+    assert back.plan.partition in ((), (2, 2)) and back.note == "layers back: 1/3 -> 2/2"
+    clock[0] = 6.0
+    assert provide(frozenset()).note == ""  # already there: nothing to say
