@@ -77,12 +77,14 @@ class PlanLibrary:
 
     def lookup(self, failed: frozenset[tuple[int, int]]) -> PlanLookup:
         started = time.perf_counter()
-        key = normalize(failed, self.store.config.num_replicas, self.store.config.num_stages).key
-        pattern = pattern_of(failed, self.store.config.num_replicas, self.store.config.num_stages)
-        if pattern.lost in self.patterns:
-            plan = pattern.to_real(self.patterns[pattern.lost], frozenset(failed))
-            return PlanLookup(plan, "store", time.perf_counter() - started)
-        source = "store" if self.store.plan_for_key(key) is not None else "heuristic"
+        D, S = self.store.config.num_replicas, self.store.config.num_stages
+        state = normalize(failed, D, S)
+        if not state.symmetric and self.patterns:  # only sets no pipeline relabelling covers have pattern plans
+            pattern = pattern_of(failed, D, S)
+            if pattern.lost in self.patterns:
+                plan = pattern.to_real(self.patterns[pattern.lost], frozenset(failed))
+                return PlanLookup(plan, "store", time.perf_counter() - started)
+        source = "store" if self.store.plan_for_key(state.key) is not None else "heuristic"
         plan = self.store.lookup(failed)
         return PlanLookup(plan, source, time.perf_counter() - started)
 
