@@ -317,7 +317,9 @@ def test_reshape_evens_out_the_stages_and_waits_for_every_moved_worker() -> None
     assert announce.facts.failed == {(0, 1), (1, 1), (2, 0), (3, 0)} and announce.facts.restore_step == 6
 
 
-def test_a_slow_moved_worker_is_not_waited_for_past_the_timeout_once_every_stage_is_held() -> None:
+def _stage_1_lost_with_one_mover_up() -> Coordinator:
+    """D=4, S=2: stage 1's last replica (3:1) dies after a checkpoint of step 6; 3:0 -> 3:1 and 2:0 -> 2:1 move; the
+    survivors have reported and 3:1's new process is up, 2:1's (rank 5) not yet."""
     c = Coordinator(4, 2, frozenset({0, 2, 4, 6, 7}), frozenset({(0, 1), (1, 1), (2, 1)}), end_step=20,
                     report_timeout_s=10.0, checkpointing=True)
     c.on_checkpoint(6)
@@ -325,6 +327,11 @@ def test_a_slow_moved_worker_is_not_waited_for_past_the_timeout_once_every_stage
     for rank in (0, 2):
         c.on_stopped(report(rank, applied=7), 0.1)
     assert c.on_join_ready(7, 1.0) == []
+    return c
+
+
+def test_a_slow_moved_worker_is_not_waited_for_past_the_timeout_once_every_stage_is_held() -> None:
+    c = _stage_1_lost_with_one_mover_up()
     assert c.on_tick(5.0) == []
     (announce,) = c.on_tick(10.5)  # 2:1 (rank 5) is not up: go on with 0:0, 1:0 and 3:1
     assert announce.live == {0, 2, 7} and announce.facts.joining == {7}
@@ -333,13 +340,7 @@ def test_a_slow_moved_worker_is_not_waited_for_past_the_timeout_once_every_stage
 
 
 def test_a_moved_worker_that_dies_while_starting_is_forgotten() -> None:
-    c = Coordinator(4, 2, frozenset({0, 2, 4, 6, 7}), frozenset({(0, 1), (1, 1), (2, 1)}), end_step=20,
-                    report_timeout_s=10.0, checkpointing=True)
-    c.on_checkpoint(6)
-    c.on_death(7, "worker 3:1 died", 0.0)
-    for rank in (0, 2):
-        c.on_stopped(report(rank, applied=7), 0.1)
-    assert c.on_join_ready(7, 1.0) == []
+    c = _stage_1_lost_with_one_mover_up()
     (announce,) = c.on_death(5, "worker 2:1 died while starting", 1.5)
     assert announce.live == {0, 2, 7} and (2, 1) in announce.facts.failed
 
