@@ -49,7 +49,7 @@ class PlanLibrary:
         store = PlanStore(Path("<memory>"), config, options, max_failures, {}, plans)
         patterns = cls._plan_patterns(store, max_failures)
         if progress is not None:
-            print(f"plan store: {len(plans)} failure states and {len(patterns)} failure patterns across pipelines "
+            print(f"plan store: {len(plans)} failure states and {len(patterns)} failure pattern(s) across pipelines "
                   f"(up to {max_failures} failures) planned in {time.perf_counter() - started:.2f} s",
                   file=progress, flush=True)
         return cls(store, patterns)
