@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast bench gpu-check clean
 
 $(VENV_STAMP): requirements.txt pyproject.toml
 	python3 -m venv .venv
@@ -24,6 +24,11 @@ test-fast: $(VENV_STAMP)
 
 bench: $(VENV_STAMP)
 	@for script in benchmarks/bench_*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
+
+# On a CUDA machine: executor, bf16, decoupled backward and NCCL abort checks, one JSON summary (< 5 min);
+# without CUDA it prints {"skipped": "no CUDA device", ...} and exits 0.
+gpu-check: $(VENV_STAMP)
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf .venv out
