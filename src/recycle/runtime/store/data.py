@@ -1,0 +1,129 @@
+"""The job store's keys and values, and the waits on them: thread-safe, with no sockets, so the server's network
+thread and an in-process coordinator share one copy and every operation is unit-tested on its own."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+__all__ = ["Waiter", "KeyValue"]
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A pending wait for keys: every one of them (`any_of=False`) or the first that exists. `ready` is called once,
+    under the store's lock, with the index of the key that satisfied an any-wait (0 for an all-wait)."""
+
+    keys: tuple[bytes, ...]
+    any_of: bool
+    ready: Callable[[int], None]
+    done: bool = field(default=False)
+
+    def satisfied(self, data: dict[bytes, bytes]) -> int | None:
+        if self.any_of:
+            return next((i for i, key in enumerate(self.keys) if key in data), None)
+        return 0 if all(key in data for key in self.keys) else None
+
+
+class KeyValue:
+    """c10d store semantics on a dict: `add` keeps decimal text, `compare_set` sets when the value is the expected
+    one (or the key is missing and the expected value is empty), waits fire when their keys appear."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._data: dict[bytes, bytes] = {}
+        self._waiters: dict[bytes, set[Waiter]] = {}
+
+    # -- writes (each wakes the waits on its key) ------------------------------------------------------------------
+    def set(self, key: bytes, value: bytes) -> None:
+        with self.lock:
+            self._data[key] = value
+            self._notify(key)
+
+    def multi_set(self, items: list[tuple[bytes, bytes]]) -> None:
+        with self.lock:
+            for key, value in items:
+                self._data[key] = value
+            for key, _ in items:
+                self._notify(key)
+
+    def append(self, key: bytes, value: bytes) -> None:
+        with self.lock:
+            self._data[key] = self._data.get(key, b"") + value
+            self._notify(key)
+
+    def add(self, key: bytes, delta: int) -> int:
+        with self.lock:
+            current = self._data.get(key, b"0")
+            try:
+                value = int(current) + delta
+            except ValueError:
+                raise ValueError(f"key {key[:80]!r} holds a value that is not an integer") from None
+            self._data[key] = str(value).encode()
+            self._notify(key)
+            return value
+
+    def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
+        with self.lock:
+            current = self._data.get(key)
+            if (current is None and expected == b"") or current == expected:
+                self._data[key] = desired
+                self._notify(key)
+                return desired
+            return expected if current is None else current
+
+    def delete(self, key: bytes) -> bool:
+        with self.lock:
+            return self._data.pop(key, None) is not None
+
+    # -- reads ---------------------------------------------------------------------------------------------------
+    def get(self, key: bytes) -> bytes | None:
+        with self.lock:
+            return self._data.get(key)
+
+    def check(self, keys: list[bytes]) -> bool:
+        with self.lock:
+            return all(key in self._data for key in keys)
+
+    def num_keys(self) -> int:
+        with self.lock:
+            return len(self._data)
+
+    # -- waits ---------------------------------------------------------------------------------------------------
+    def register(self, waiter: Waiter) -> bool:
+        """Start `waiter`; True when it is satisfied at once (its `ready` has then been called)."""
+        with self.lock:
+            index = waiter.satisfied(self._data)
+            if index is not None:
+                waiter.done = True
+                waiter.ready(index)
+                return True
+            for key in waiter.keys:
+                self._waiters.setdefault(key, set()).add(waiter)
+            return False
+
+    def cancel(self, waiter: Waiter) -> bool:
+        """Stop a wait that has not fired; False when it already fired."""
+        with self.lock:
+            if waiter.done:
+                return False
+            waiter.done = True
+            self._unregister(waiter)
+            return True
+
+    def _unregister(self, waiter: Waiter) -> None:
+        for key in waiter.keys:
+            waiting = self._waiters.get(key)
+            if waiting is not None:
+                waiting.discard(waiter)
+                if not waiting:
+                    del self._waiters[key]
+
+    def _notify(self, key: bytes) -> None:
+        for waiter in list(self._waiters.get(key, ())):
+            index = waiter.satisfied(self._data)
+            if index is not None and not waiter.done:
+                waiter.done = True
+                self._unregister(waiter)
+                waiter.ready(index)

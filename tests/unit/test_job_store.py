@@ -1,0 +1,213 @@
+"""The job store as an attacker and as torch.distributed see it: only token holders get in, every frame is
+authenticated, a fenced process is refused whatever it does, floods and garbage cost bounded resources and at most
+one warning line, and c10d's process groups rendezvous through it."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from recycle.runtime.store import (LocalStore, StoreAuthError, StoreClient, StoreFenced, StoreInterrupted,
+                                   StoreLimits, StoreServer)
+from recycle.runtime.store.wire import MAGIC, NONCE_BYTES, Session, WireError, token_key
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = "ab" * 24
+
+
+@pytest.fixture()
+def server():
+    srv = StoreServer("127.0.0.1", 0, TOKEN).start()
+    yield srv
+    srv.close()
+
+
+def client(srv: StoreServer, identity: str = "worker/0/a", token: str = TOKEN, **kw) -> StoreClient:
+    return StoreClient("127.0.0.1", srv.port, token, identity, timeout_s=kw.pop("timeout_s", 5),
+                       connect_timeout_s=kw.pop("connect_timeout_s", 5), **kw)
+
+
+def test_c10d_calls_have_c10d_semantics(server) -> None:
+    c = client(server)
+    c.set("k", "v")
+    assert c.get("k") == b"v" and c.check(["k"]) and not c.check(["k", "missing"])
+    assert c.add("n", 2) == 2 and c.add("n", 3) == 5 and c.get("n") == b"5"
+    assert c.compare_set("k", "v", "w") == b"w" and c.compare_set("k", "nope", "x") == b"w"
+    assert c.compare_set("fresh", "", "y") == b"y"
+    assert c.try_get("missing") is None and c.try_get("k") == b"w"
+    assert c.delete_key("k") and not c.delete_key("k")
+    c.multi_set(["a", "b"], ["1", "2"])
+    assert c.multi_get(["a", "b"]) == [b"1", b"2"]
+    assert c.num_keys() == 4  # n, fresh, a, b
+    with pytest.raises(dist.DistStoreError, match="timed out after 0.2 s"):
+        c.wait(["never"], datetime.timedelta(seconds=0.2))
+
+
+def test_a_wait_is_answered_the_moment_its_key_appears(server) -> None:
+    waiter, writer = client(server, "worker/0/a"), client(server, "worker/1/a")
+    threading.Timer(0.2, lambda: writer.set("late", "1")).start()
+    started = time.monotonic()
+    assert waiter.get("late") == b"1"
+    assert 0.15 < time.monotonic() - started < 2.0
+    local = LocalStore(server.data)
+    threading.Timer(0.2, lambda: local.set("other", "2")).start()  # the coordinator's in-process writes wake too
+    assert waiter.wait_any(["never", "other"], 5.0) == 1
+    assert waiter.wait_any(["never"], 0.1) is None
+
+
+def test_a_wrong_token_is_refused_at_once_with_a_clear_message(server) -> None:
+    started = time.monotonic()
+    with pytest.raises(StoreAuthError, match="no job there runs with this token"):
+        client(server, token="cd" * 24)
+    assert time.monotonic() - started < 5
+
+
+def test_something_that_is_not_a_job_store_is_named() -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        conn.sendall(struct.pack(">I", 5) + b"hello")
+        time.sleep(1)
+        conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    with pytest.raises(StoreAuthError, match="not as a recycle job store"):
+        StoreClient("127.0.0.1", listener.getsockname()[1], TOKEN, "worker/0/a", connect_timeout_s=5)
+    listener.close()
+
+
+def test_an_outsider_cannot_list_read_or_forge_keys(server) -> None:
+    """torch's TCPStore client (with its list_keys) gets nothing, and a raw peer that fails the proof is cut."""
+    job = client(server)
+    job.set("metrics/0/0", "real")
+    with pytest.raises(Exception):
+        dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=2)).list_keys()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
+        hello = raw.recv(4 + len(MAGIC) + NONCE_BYTES)
+        assert hello[4:].startswith(MAGIC)
+        nonce = os.urandom(NONCE_BYTES)
+        fields = [nonce, b"worker/0/evil", os.urandom(32)]
+        payload = b"\0" + b"".join(struct.pack(">I", len(f)) + f for f in fields)
+        raw.sendall(struct.pack(">I", len(payload)) + payload)
+        reply = raw.recv(64)
+        assert b"AUTH-FAILED" in reply
+        assert raw.recv(64) == b""  # and the connection is closed
+    assert job.get("metrics/0/0") == b"real"
+
+
+def test_frames_are_authenticated_in_order() -> None:
+    key = token_key(TOKEN)
+    server_nonce, client_nonce = os.urandom(NONCE_BYTES), os.urandom(NONCE_BYTES)
+    sender = Session(key, server_nonce, client_nonce, client=True)
+    receiver = Session(key, server_nonce, client_nonce, client=False)
+    first, second = sender.seal(b"\x01set"), sender.seal(b"\x01again")
+    with pytest.raises(WireError):
+        receiver.open(second)  # reordered (or a replay of a later frame)
+    assert receiver.open(first) == b"\x01set"
+    with pytest.raises(WireError):
+        receiver.open(first)  # replayed
+    tampered = bytearray(second)
+    tampered[1] ^= 1
+    with pytest.raises(WireError):
+        receiver.open(bytes(tampered))
+    assert receiver.open(second) == b"\x01again"
+    other = Session(token_key("ef" * 24), server_nonce, client_nonce, client=True)
+    with pytest.raises(WireError):
+        Session(key, server_nonce, client_nonce, client=False).open(other.seal(b"\x01x"))
+
+
+def test_garbage_floods_and_idle_connections_cost_one_warning_and_lock_no_one_out(caplog) -> None:
+    srv = StoreServer("127.0.0.1", 0, TOKEN, StoreLimits(max_unauthenticated=16, handshake_timeout_s=1.0)).start()
+    try:
+        caplog.set_level(logging.WARNING, logger="recycle.runtime.store.server")
+        idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(200)]
+        for _ in range(20):
+            with socket.create_connection(("127.0.0.1", srv.port)) as junk:
+                junk.sendall(os.urandom(4096))
+        with socket.create_connection(("127.0.0.1", srv.port)) as huge:
+            huge.sendall(struct.pack(">I", 1 << 30))  # announces a 1 GiB frame before authenticating
+        c = client(srv, connect_timeout_s=20)  # retries until the flood has been shed
+        c.set("k", "v")
+        assert c.get("k") == b"v"
+        time.sleep(0.3)
+        assert len(srv._pending) <= 16
+        for sock in idle:
+            sock.close()
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) <= 1, [r.getMessage() for r in warnings]
+        assert all("Traceback" not in r.getMessage() for r in warnings)
+    finally:
+        srv.close()
+
+
+def test_a_fenced_process_is_refused_whatever_it_was_doing(server) -> None:
+    seen: list[str] = []
+    frozen = client(server, "worker/3/old", on_fenced=lambda: seen.append("fenced"))
+    other = client(server, "worker/3/old")  # a second connection of the same process (its watcher thread)
+    result: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            other.get("never")
+        except BaseException as exc:  # noqa: BLE001 - the test looks at what it was
+            result.append(exc)
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    time.sleep(0.2)
+    assert server.fence("worker/3/") == ["worker/3/old"]
+    waiting.join(5)
+    assert result and isinstance(result[0], StoreFenced)  # its pending wait is answered at once
+    with pytest.raises(StoreFenced):
+        frozen.set("metrics/0/3", "stale")
+    assert seen == ["fenced"]
+    assert LocalStore(server.data).try_get("metrics/0/3") is None
+    with pytest.raises(StoreFenced):
+        client(server, "worker/3/old")  # nor can it come back on a new connection
+    replacement = client(server, "worker/3/new")  # its successor (a new incarnation) is let in
+    replacement.set("metrics/0/3", "fresh")
+    assert LocalStore(server.data).get("metrics/0/3") == b"fresh"
+
+
+def test_another_thread_can_cut_a_wait_short(server) -> None:
+    c = client(server)
+    threading.Timer(0.2, c.interrupt).start()
+    started = time.monotonic()
+    with pytest.raises(StoreInterrupted):
+        c.get("never")
+    assert time.monotonic() - started < 2
+    c.set("after", "1")  # and the next call reconnects
+    assert c.get("after") == b"1"
+
+
+def test_gloo_process_groups_rendezvous_through_it(server) -> None:
+    results: dict[int, torch.Tensor] = {}
+
+    def member(rank: int) -> None:
+        # Keep the Python store alive: c10d holds only the C++ side, whose calls need the Python object.
+        connection = client(server, f"worker/{rank}/a")
+        store = dist.PrefixStore("gen0/pg", connection)
+        group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=10))
+        tensor = torch.tensor([float(rank + 1)])
+        group.allreduce([tensor]).wait()
+        results[rank] = tensor
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results == {0: torch.tensor([3.0]), 1: torch.tensor([3.0])}
