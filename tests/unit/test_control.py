@@ -1,5 +1,5 @@
-"""The control plane (store bound to one address, keys under the job secret), scripted-fault parsing, and the
-pre-step snapshot that recovery rolls back to."""
+"""The control plane (store bound to one address, peers authenticated by the job token), scripted-fault parsing, and
+the pre-step snapshot that recovery rolls back to."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from recycle.errors import ConfigError
-from recycle.runtime.control import connect_store, host_store, job_store, new_token, read_token
+from recycle.runtime.control import (connect_store, host_store, new_incarnation, new_token, read_token,
+                                     worker_identity)
 from recycle.runtime.faults import FaultInjection, parse_fault
 from recycle.runtime.optim import AdamW
 from recycle.runtime.rollback import StageSnapshot
+from recycle.runtime.store import StoreAuthError
 
 
 def _non_loopback_address() -> str | None:
@@ -27,28 +29,39 @@ def _non_loopback_address() -> str | None:
 
 
 def test_store_listens_on_loopback_only() -> None:
-    store = host_store("127.0.0.1", 0, timeout_s=5)
-    port = store.port
-    with socket.create_connection(("127.0.0.1", port), timeout=2):
-        pass
-    other = _non_loopback_address()
-    if other is None:
-        pytest.skip("this machine has no non-loopback IPv4 address to try")
-    with pytest.raises(OSError):
-        socket.create_connection((other, port), timeout=2).close()
+    server = host_store("127.0.0.1", 0, new_token())
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=2):
+            pass
+        other = _non_loopback_address()
+        if other is None:
+            pytest.skip("this machine has no non-loopback IPv4 address to try")
+        with pytest.raises(OSError):
+            socket.create_connection((other, server.port), timeout=2).close()
+    finally:
+        server.close()
 
 
-def test_a_client_without_the_token_cannot_read_or_forge_job_keys() -> None:
-    server = host_store("127.0.0.1", 0, timeout_s=5)
+def test_a_busy_port_is_a_clear_error() -> None:
+    first = host_store("127.0.0.1", 0, new_token())
+    try:
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{first.port}.*--master-port"):
+            host_store("127.0.0.1", first.port, new_token())
+    finally:
+        first.close()
+
+
+def test_a_process_without_the_token_gets_nothing_and_is_told_why() -> None:
     token = new_token()
-    job = job_store(server, token)
-    job.set("metrics/0/0", "real")
-    foreign = connect_store("127.0.0.1", server.port, timeout_s=5)
-    assert not foreign.check(["metrics/0/0"])  # the job's keys are not where an outsider can name them
-    foreign.set("metrics/0/0", "forged")
-    foreign.set("gen0/metrics/0/0", "forged")
-    assert job.get("metrics/0/0") == b"real"
-    assert not job_store(foreign, new_token()).check(["metrics/0/0"])  # a wrong token sees nothing either
+    server = host_store("127.0.0.1", 0, token)
+    try:
+        job = connect_store("127.0.0.1", server.port, token, worker_identity(0, new_incarnation()), timeout_s=5)
+        job.set("metrics/0/0", "real")
+        with pytest.raises(StoreAuthError, match="no job there runs with this token"):
+            connect_store("127.0.0.1", server.port, new_token(), "worker/0/x", timeout_s=5, connect_timeout_s=5)
+        assert job.get("metrics/0/0") == b"real"
+    finally:
+        server.close()
 
 
 def test_token_file_must_be_private_and_well_formed(tmp_path, monkeypatch) -> None:

@@ -352,3 +352,35 @@ def test_joiners_are_not_admitted_when_no_step_is_left() -> None:
         c.on_done(rank, 0.1)
     (announce,) = c.on_done(5, 0.1)
     assert announce.facts.redo_step == 10 and announce.facts.joining == frozenset() and 3 not in announce.live
+
+
+# -- hang detection: progress, not heartbeats --------------------------------------------------------------------
+def test_progress_restarts_its_clock_only_when_the_main_thread_moves() -> None:
+    from recycle.runtime.coordinator import track_progress
+
+    first = track_progress(None, actions=3, phase="compute", now=10.0)
+    assert track_progress(first, 3, "compute", 12.0) is first  # a beat with no progress keeps the old time
+    assert track_progress(first, 4, "compute", 12.0).since == 12.0
+    assert track_progress(first, 3, "comm", 12.0).since == 12.0
+
+
+def test_only_a_worker_stuck_computing_is_hung() -> None:
+    from recycle.runtime.coordinator import Progress, hung_workers
+
+    progress = {0: Progress(5, "compute", 0.0),  # one action for 20 s: hung
+                1: Progress(5, "comm", 0.0),  # waiting on a peer for 20 s: the peer is the one to blame
+                2: Progress(9, "compute", 15.0),  # slow but moving
+                3: Progress(1, "idle", 0.0)}  # between steps (saving, waiting for an announcement)
+    assert hung_workers(progress, frozenset({0, 1, 2, 3}), now=20.0, limit_s=10.0) == [0]
+    assert hung_workers(progress, frozenset({1, 2, 3}), now=20.0, limit_s=10.0) == []
+    assert hung_workers(progress, frozenset({0}), now=20.0, limit_s=25.0) == []
+
+
+def test_the_hang_limit_follows_the_run_speed_with_a_floor() -> None:
+    from recycle.runtime.coordinator import HANG_FLOOR_S, HANG_MARGIN, hang_limit_s
+
+    assert hang_limit_s(3.0, [100.0], 30.0) == 3.0  # --hang-timeout wins
+    assert hang_limit_s(None, [], 30.0) == 30.0  # before the first step: the op timeout
+    assert hang_limit_s(None, [], 1.0) == HANG_FLOOR_S
+    assert hang_limit_s(None, [0.01, 0.02, 0.03], 30.0) == HANG_FLOOR_S
+    assert hang_limit_s(None, [1.0, 2.0, 50.0], 30.0) == HANG_MARGIN * 2.0  # the median, not one slow step

@@ -80,11 +80,17 @@ def _add_recovery_options(p: argparse.ArgumentParser) -> None:
     recovery.add_argument("--plan-store", default="", metavar="DIR",
                           help="use the plans of a store made by `recycle plan --max-failures F --out DIR`")
     recovery.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="S",
-                          help="a worker that sends no heartbeat for S seconds is hung: it is killed and its "
-                               "micro-batches re-routed (default 5)")
+                          help="a worker (or a node's launcher) that sends no heartbeat for S seconds is frozen or "
+                               "cut off: it is fenced (shut out of the job's store, and killed where its node can "
+                               "be reached) and its micro-batches re-routed (default 5)")
+    recovery.add_argument("--hang-timeout", type=float, default=None, metavar="S",
+                          help="a worker whose heartbeat goes on while one action has computed for S seconds is "
+                               "hung (a stuck compute thread): fenced like a frozen one. Default: 20 x the median "
+                               "step period, at least 10 s (the --timeout before the first step)")
     recovery.add_argument("--inject", action="append", default=[], metavar="MODE:R:S@STEP[.ACTION]",
                           help="scripted fault, repeatable: kill:1:1@3.5 SIGKILLs worker 1:1 before action 5 of "
-                               "step 3; hang: freezes it (SIGSTOP); raise: raises; ACTION may also be 'ckpt' (during "
+                               "step 3; hang: freezes it (SIGSTOP); stall: blocks its main thread while its heartbeat goes on; "
+                               "raise: raises; ACTION may also be 'ckpt' (during "
                                "its checkpoint write) or 'recovery' (while a recovery is under way); rejoin:1:1@8 "
                                "starts worker 1:1 again at step 8 (it takes its state from a live replica)")
     recovery.add_argument("--on-stage-loss", choices=("reshape", "respawn"), default="reshape",
@@ -236,7 +242,8 @@ def _launch_options(args: argparse.Namespace, role: NodeRole, faults: list[tuple
                          metrics_path=args.metrics or "", timeout_s=args.timeout, master_addr=role.master_addr,
                          master_port=role.master_port, nnodes=role.nnodes, node_rank=role.node_rank,
                          model_factory=args.model_factory, start_method=args.start_method,
-                         heartbeat_timeout_s=args.heartbeat_timeout, faults=tuple(faults), rejoins=tuple(rejoins),
+                         heartbeat_timeout_s=args.heartbeat_timeout, hang_timeout_s=args.hang_timeout,
+                         faults=tuple(faults), rejoins=tuple(rejoins),
                          respawn_after_s=args.respawn_after, stage_loss=args.on_stage_loss,
                          chaos=parse_chaos(args.chaos) if args.chaos else None,
                          token=read_token(args.token_file),

@@ -127,13 +127,16 @@ def _sha256(path: Path) -> str:
 
 
 def save_shard(root: str | Path, step: int, stage: int, layers: tuple[int, int], state: dict[str, torch.Tensor],
-               before_write: Callable[[], None] | None = None) -> None:
+               before_write: Callable[[], None] | None = None,
+               before_commit: Callable[[], None] | None = None) -> None:
     """Write stage `stage`'s shard of `step` with DCP (no process group) into a fresh temporary folder, add its
     shard.json (file hashes), and move it into place. `before_write` (a fault-injection hook) runs when the data is
     on disk and shard.json is not: a crash there leaves only a temporary folder, which the shard's next writer removes
     (or the coordinator, once a newer step is complete and the dead writer's step can no longer be written). A
     shard already in place (a step written again after a recovery) is replaced by two renames, so the coordinator
-    never finds a complete step without it."""
+    never finds a complete step without it. `before_commit` runs right before the shard moves into place (a worker
+    checks there that it has not been fenced: a process frozen mid-write that wakes up must not replace the shard
+    its successor wrote)."""
     import torch.distributed.checkpoint as dcp
 
     _guard_dcp_logging()
@@ -147,6 +150,8 @@ def save_shard(root: str | Path, step: int, stage: int, layers: tuple[int, int],
     files = {p.name: _sha256(p) for p in sorted(temporary.iterdir()) if p.is_file()}
     atomic_write_text(temporary / SHARD_MANIFEST, json.dumps({"step": step, "stage": stage, "layers": list(layers),
                                                               "files": files}, indent=1) + "\n")
+    if before_commit is not None:
+        before_commit()
     old = where.with_name(f"{where.name}.old.{_writer_tag()}.tmp")
     if where.exists():
         os.replace(where, old)

@@ -60,7 +60,9 @@ class CheckpointWriter:
                 if item is None:
                     return
                 done_steps, stage, layers, state, before_write = item
-                checkpoint.save_shard(self.root, done_steps, stage, layers, state, before_write=before_write)
+                ping = getattr(self.store, "ping", None)  # a fenced writer's ping ends its process
+                checkpoint.save_shard(self.root, done_steps, stage, layers, state, before_write=before_write,
+                                      before_commit=ping)
                 self.store.set(Keys.checkpointed(done_steps, stage), "1")
             except BaseException as exc:  # reported to the training thread at its next submit or wait
                 self._error = exc

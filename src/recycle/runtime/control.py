@@ -1,22 +1,22 @@
-"""The control plane between the coordinator and the workers: the job's store (bound to one address, every key under
-a per-job secret prefix) and the key names (the records written under them are in runtime.records)."""
+"""The control plane between the coordinator and the workers: the job's store (bound to one address, every peer
+authenticated by the job token, every process named so that it can be fenced) and the key names (the records written
+under them are in runtime.records)."""
 
 from __future__ import annotations
 
-import datetime
 import os
 import secrets
-import socket
 from pathlib import Path
-
-import torch.distributed as dist
+from typing import Callable
 
 from recycle.errors import ConfigError
+from recycle.runtime.store import StoreClient, StoreServer
 
-__all__ = ["TOKEN_ENV", "new_token", "read_token", "host_store", "connect_store", "job_store", "Keys"]
+__all__ = ["TOKEN_ENV", "new_token", "read_token", "host_store", "connect_store", "new_incarnation",
+           "worker_identity", "worker_fence_prefix", "launcher_identity", "launcher_fence_prefix", "Keys"]
 
 TOKEN_ENV = "RECYCLE_JOB_TOKEN"
-_TOKEN_BYTES = 24  # 192 bits: the prefix is the capability to read or write the job's keys
+_TOKEN_BYTES = 24  # 192 bits: the key of every peer's handshake and of every frame's MAC
 
 
 def new_token() -> str:
@@ -44,40 +44,57 @@ def read_token(token_file: str = "") -> str:
     return token
 
 
-def host_store(address: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """The job's TCPStore server, listening on `address` only (loopback for a single-node run), not on every
-    interface as TCPStore does by itself."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def host_store(address: str, port: int, token: str) -> StoreServer:
+    """The job's store, listening on `address` only (loopback for a single-node run) and serving only processes that
+    prove they hold the job token; started."""
     try:
-        listener.bind((address, port))
+        return StoreServer(address, port, token).start()
     except OSError as exc:
-        listener.close()
         raise ConfigError(f"cannot listen on {address}:{port} for the job's store ({exc.strerror}); pick another "
                           "--master-port, or an address of this machine for --master-addr") from None
-    listener.listen(512)
-    port = listener.getsockname()[1]
-    # detach(): the store owns the listening socket from now on (Python must not close it when `listener` goes).
-    return dist.TCPStore(address, port, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=listener.detach())
 
 
-def connect_store(address: str, port: int, timeout_s: float) -> dist.TCPStore:
-    return dist.TCPStore(address, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+def connect_store(host: str, port: int, token: str, identity: str, timeout_s: float,
+                  on_fenced: Callable[[], None] | None = None, connect_timeout_s: float = 60.0) -> StoreClient:
+    """An authenticated connection to the job store as `identity` (see worker_identity, launcher_identity)."""
+    return StoreClient(host, port, token, identity, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+                       on_fenced=on_fenced)
 
 
-def job_store(store: dist.Store, token: str) -> dist.PrefixStore:
-    """Every key of the job lives under its secret: a process without the token cannot name, read or forge them."""
-    return dist.PrefixStore(f"job-{token}", store)
+def new_incarnation() -> str:
+    """What tells two processes that ran as the same rank apart: a fenced one cannot come back as its successor."""
+    return secrets.token_hex(6)
+
+
+def worker_identity(rank: int, incarnation: str) -> str:
+    return f"{worker_fence_prefix(rank)}{incarnation}"
+
+
+def worker_fence_prefix(rank: int) -> str:
+    """Fencing this prefix shuts out every process that has run as `rank` so far (not a replacement started later)."""
+    return f"worker/{rank}/"
+
+
+def launcher_identity(node: int, incarnation: str) -> str:
+    return f"{launcher_fence_prefix(node)}{incarnation}"
+
+
+def launcher_fence_prefix(node: int) -> str:
+    return f"launcher/{node}/"
 
 
 class Keys:
-    """Key names in the job store (relative to the job prefix)."""
+    """Key names in the job store."""
 
     @staticmethod
     def heartbeat(rank: int) -> str:
+        """A worker's Beat record (runtime.records): its beat count and how far its main thread has got."""
         return f"hb/{rank}"
+
+    @staticmethod
+    def node_heartbeat(node: int) -> str:
+        """A node launcher's beat count: a node whose launcher stops beating is frozen or cut off."""
+        return f"node_hb/{node}"
 
     @staticmethod
     def announce(generation: int) -> str:

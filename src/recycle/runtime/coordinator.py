@@ -11,7 +11,8 @@ from typing import Union
 from recycle.runtime.records import StoppedReport
 
 __all__ = ["Death", "Fence", "AbortGeneration", "Drain", "Respawn", "Move", "Announce", "FailRun", "Command",
-           "RecoveryFacts", "RunState", "Coordinator", "describe_exit", "stale_heartbeats"]
+           "RecoveryFacts", "RunState", "Coordinator", "describe_exit", "stale_heartbeats", "Progress", "track_progress",
+           "hung_workers", "hang_limit_s"]
 
 
 def describe_exit(exitcode: int) -> str:
@@ -30,6 +31,45 @@ def stale_heartbeats(last_beat: dict[int, float], ranks: frozenset[int], now: fl
 
 
 @dataclass(frozen=True)
+class Progress:
+    """What the coordinator last saw of a worker's main thread, and since when it has not changed."""
+
+    actions: int
+    phase: str
+    since: float
+
+
+def track_progress(previous: Progress | None, actions: int, phase: str, now: float) -> Progress:
+    """The progress after a beat that reports (`actions`, `phase`): `since` restarts whenever either changes."""
+    if previous is not None and previous.actions == actions and previous.phase == phase:
+        return previous
+    return Progress(actions, phase, now)
+
+
+def hung_workers(progress: dict[int, Progress], ranks: frozenset[int], now: float, limit_s: float) -> list[int]:
+    """The ranks whose main thread has been computing one action for longer than `limit_s` while their heartbeat
+    goes on. A worker waiting on a peer ("comm") is not hung (the peer may be); a slow worker still starts actions."""
+    return sorted(r for r in ranks if r in progress and progress[r].phase == "compute"
+                  and now - progress[r].since > limit_s)
+
+
+HANG_FLOOR_S = 10.0  # no automatic hang limit is shorter: a first action (allocation, warm-up) can take seconds
+HANG_MARGIN = 20.0  # a hang: one action taking this many times the median step period
+
+
+def hang_limit_s(explicit_s: float | None, step_periods: list[float], timeout_s: float) -> float:
+    """How long one action may run before its worker counts as hung: `explicit_s` (--hang-timeout) when given, else
+    HANG_MARGIN times the median step period seen so far (one action is a small part of a step), never below
+    HANG_FLOOR_S; before the first step, the op timeout (nothing is known about the run's speed yet)."""
+    if explicit_s is not None:
+        return explicit_s
+    if not step_periods:
+        return max(HANG_FLOOR_S, timeout_s)
+    ordered = sorted(step_periods)
+    return max(HANG_FLOOR_S, HANG_MARGIN * ordered[len(ordered) // 2])
+
+
+@dataclass(frozen=True)
 class Death:
     rank: int
     cause: str  # "killed by SIGKILL", "stopped responding (no heartbeat for 3.0 s)", ...
@@ -39,7 +79,8 @@ class Death:
 # -- commands ------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Fence:
-    """SIGKILL the worker (it may be frozen, not dead) so it can never send stale tensors again."""
+    """Shut the worker out of the store (whatever it does from now on is refused, so it can never write a key the job
+    reads or join a later generation) and SIGKILL it where its launcher can (it may be frozen, not dead)."""
 
     rank: int
     reason: str

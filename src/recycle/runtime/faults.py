@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 from dataclasses import dataclass
 
 from recycle.errors import ConfigError
 
 __all__ = ["FaultInjection", "MODES", "POINTS", "parse_fault", "parse_rejoin", "fire"]
 
-MODES = ("kill", "hang", "raise")
+MODES = ("kill", "hang", "stall", "raise")
 POINTS = ("action", "ckpt", "recovery")
 
 _SPEC = re.compile(r"^(?P<mode>[a-z]+):(?P<replica>\d+):(?P<stage>\d+)@(?P<step>\d+)(?:\.(?P<point>\d+|[a-z]+))?$")
@@ -21,7 +22,8 @@ _SPEC = re.compile(r"^(?P<mode>[a-z]+):(?P<replica>\d+):(?P<stage>\d+)@(?P<step>
 @dataclass(frozen=True)
 class FaultInjection:
     """At iteration `step` (0-based) the worker SIGKILLs itself ("kill"), freezes with SIGSTOP ("hang": only a
-    heartbeat or the timeout can catch it) or raises ("raise"). `point` says where: before action `index` of its
+    heartbeat or the timeout can catch it), blocks its main thread for good while its heartbeat goes on ("stall": a
+    deadlocked compute thread; only the progress check catches it) or raises ("raise"). `point` says where: before action `index` of its
     action list ("action"), in the middle of writing its checkpoint file after the step ("ckpt"), or as soon as it
     stops for a recovery in that iteration or later ("recovery": a failure during a recovery)."""
 
@@ -48,7 +50,7 @@ def parse_fault(spec: str, num_replicas: int, num_stages: int) -> tuple[tuple[in
     """'kill:1:1@3.5' -> ((1, 1), FaultInjection(step=2, index=5)); STEP is 1-based as the progress lines print it;
     the part after the dot is an action index (0-based, in the worker's action list), 'ckpt' or 'recovery'."""
     match = _SPEC.match(spec.strip())
-    rule = ("--inject takes MODE:REPLICA:STAGE@STEP[.ACTION], e.g. kill:1:1@3.5 (MODE kill, hang or raise; STEP "
+    rule = ("--inject takes MODE:REPLICA:STAGE@STEP[.ACTION], e.g. kill:1:1@3.5 (MODE kill, hang, stall or raise; STEP "
             "1-based; ACTION an index into the worker's action list, or 'ckpt' or 'recovery'), or rejoin:R:S@STEP")
     if not match:
         raise ConfigError(f"--inject {spec!r}: {rule}")
@@ -91,5 +93,7 @@ def fire(fault: FaultInjection, where: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.mode == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)  # if ever continued, it carries on as a slow worker would
+    elif fault.mode == "stall":
+        threading.Event().wait()  # nothing ever sets it: the main thread is stuck, the watcher thread beats on
     else:
         raise ValueError(f"injected fault ({fault.describe()}) at {where}")

@@ -21,17 +21,21 @@ from recycle.config import Config
 from recycle.errors import ConfigError, RuntimeFailure
 from recycle.ir import Plan, validate_plan
 from recycle.runtime import checkpoint, preflight
-from recycle.runtime.control import Keys, connect_store, host_store, job_store, new_token
+from recycle.runtime.control import (Keys, connect_store, host_store, launcher_fence_prefix, launcher_identity,
+                                     new_incarnation, new_token, worker_fence_prefix)
 from recycle.runtime.coordinator import (AbortGeneration, Announce, Command, Coordinator, Drain, FailRun, Fence,
-                                         Move, RecoveryFacts, Respawn, describe_exit, stale_heartbeats)
+                                         Move, Progress, RecoveryFacts, Respawn, describe_exit, hang_limit_s,
+                                         hung_workers, stale_heartbeats, track_progress)
 from recycle.runtime.chaos import ChaosMonkey, ChaosSpec
 from recycle.runtime.data import config_dataset
 from recycle.runtime.emulate import Emulation
 from recycle.runtime.faults import FaultInjection
 from recycle.runtime.messages import check_plan_matches
-from recycle.runtime.records import (Announcement, ErrorRecord, FaultRecord, JoinReady, MigrationRecord, StepRecord,
-                                     StoppedReport, Timestamp, TransferRecord, from_json, to_json)
+from recycle.runtime.records import (Announcement, Beat, ErrorRecord, FaultRecord, Joined, JoinReady, MigrationRecord,
+                                     RecordError, StepRecord, StoppedReport, Timestamp, TransferRecord, from_json,
+                                     to_json)
 from recycle.runtime.stage import check_model
+from recycle.runtime.store import LocalStore, StoreFenced, StoreServer
 from recycle.runtime.transport import default_backend
 from recycle.runtime.worker import EXIT_FENCED, WorkerSpec, worker_main
 
@@ -65,7 +69,9 @@ class LaunchOptions:
     save_path: str = ""
     metrics_path: str = ""
     timeout_s: float = 30.0  # every collective and p2p op; catches peers that are alive but stuck
-    heartbeat_timeout_s: float = 5.0  # a worker whose heartbeat stops this long is hung: fenced and replaced
+    heartbeat_timeout_s: float = 5.0  # a worker (or node launcher) silent this long is frozen: fenced and replaced
+    # One action computing this long (while the heartbeat goes on) is a hang: None = automatic (hang_limit_s).
+    hang_timeout_s: float | None = None
     heartbeat_s: float = 0.5
     master_addr: str = "127.0.0.1"  # node 0's store listens on this address only
     master_port: int = 0  # 0: pick a free port (single node only)
@@ -139,6 +145,7 @@ class Recovery:
     migration_bytes: int = 0  # parameters and optimizer state sent for them
     migration_s: float = 0.0  # the slowest worker's exchange
     plan_note: str = ""  # the plan provider's reason for the plan (PlanChoice.note)
+    formation: str = ""  # how the new generation's groups were made and the slowest worker's time ("init 0.031 s")
 
     def line(self) -> str:
         what = list(self.causes)
@@ -167,7 +174,8 @@ class Recovery:
         after = ("after the others stopped for it" if not self.causes else
                  "after the failure" if self.detected_s is not None else "after it was detected")
         return (f"step {self.step}: {'; '.join(what)}; {detected}plan for {{{state or 'none down'}}} {source} "
-                f"({self.plan_lookup_s * 1e3:.1f} ms); generation {self.generation} in {self.formed_s:.2f} s; "
+                f"({self.plan_lookup_s * 1e3:.1f} ms); generation {self.generation} in {self.formed_s:.2f} s"
+                f"{f' (groups: {self.formation})' if self.formation else ''}; "
                 f"redid {self.redone_actions} actions ({self.redone_s:.2f} s of work); training resumed "
                 f"{self.resumed_s:.2f} s {after}")
 
@@ -213,6 +221,9 @@ def _check_options(config: Config, plan: Plan, options: LaunchOptions) -> tuple[
         raise ConfigError("--nnodes > 1 needs a job secret shared by every node: set RECYCLE_JOB_TOKEN (48 hex "
                           "digits, e.g. from `python -c 'import secrets; print(secrets.token_hex(24))'`) or pass "
                           "--token-file FILE (mode 600) on every node")
+    if options.hang_timeout_s is not None and not options.hang_timeout_s > 0:
+        raise ConfigError(f"--hang-timeout {options.hang_timeout_s:g} s must be > 0 (seconds one action may compute "
+                          "before its worker counts as hung); leave it out for the automatic limit")
     if not options.heartbeat_timeout_s >= 2 * options.heartbeat_s:
         raise ConfigError(f"--heartbeat-timeout {options.heartbeat_timeout_s:g} s must be at least twice the "
                           f"heartbeat interval ({options.heartbeat_s:g} s), or a busy worker counts as hung")
@@ -232,11 +243,17 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     start_step, end_step = _check_options(config, plan, options)
     token = options.token or new_token()
     store_timeout_s = max(options.timeout_s, 60.0)
+    server: StoreServer | None = None
+    store: Any
     if options.node_rank == 0:
-        root = host_store(options.master_addr, options.master_port, store_timeout_s)
+        # Node 0 serves the store; its coordinator reads the data in-process (no socket, and it cannot be fenced).
+        server = host_store(options.master_addr, options.master_port, token)
+        store, store_port = LocalStore(server.data, store_timeout_s), server.port
     else:
-        root = connect_store(options.master_addr, options.master_port, store_timeout_s)
-    store = job_store(root, token)
+        store = connect_store(options.master_addr, options.master_port, token,
+                              launcher_identity(options.node_rank, new_incarnation()), store_timeout_s,
+                              connect_timeout_s=store_timeout_s)
+        store_port = options.master_port
     mine = node_ranks(plan.live_ranks(), options.nnodes, options.node_rank)
     context = _context(options.start_method)
     processes: dict[int, mp.process.BaseProcess] = {}
@@ -245,7 +262,7 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     wall0 = time.time()
     # A node started again while its job runs (a repaired node) brings its workers back as replacements.
     rejoining = options.node_rank > 0 and store.check([Keys.RUNNING])
-    spec_for = _spec_maker(config, plan, options, root.port, token, start_step, end_step, mine)
+    spec_for = _spec_maker(config, plan, options, store_port, token, start_step, end_step, mine)
 
     def spawn(rank: int, joining: bool) -> mp.process.BaseProcess:
         if joining:
@@ -267,7 +284,7 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
         for rank in mine:
             spawn(rank, joining=rejoining)
         if options.node_rank == 0:
-            run = _Coordination(config, plan, options, store, processes, start_step, end_step, wall0, spawn)
+            run = _Coordination(config, plan, options, store, processes, start_step, end_step, wall0, spawn, server)
             steps, recoveries, failed = run.run()
             chaos_events = run.chaos_events
         else:
@@ -278,6 +295,8 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
         _stop(processes)
         alive_writer.close()
         launcher_alive.close()
+        if server is not None:
+            server.close()
         if not finished and options.save_path and options.node_rank == 0:
             for stage in range(plan.num_stages):  # a failed run leaves no half-made --save behind
                 checkpoint.part_file(options.save_path, stage).unlink(missing_ok=True)
@@ -306,7 +325,7 @@ def _spec_maker(config: Config, plan: Plan, options: LaunchOptions, store_port: 
             save_path=options.save_path, record_timings=options.record_timings,
             verify_replicas=options.verify_replicas, model_factory=options.model_factory,
             faults=() if joining else tuple(f for r, f in options.faults if r == rank),
-            emulation=options.emulation, joining=joining)
+            emulation=options.emulation, joining=joining, incarnation=new_incarnation())
 
     return spec_for
 
@@ -327,8 +346,9 @@ class _Coordination:
 
     def __init__(self, config: Config, plan: Plan, options: LaunchOptions, store: dist.Store,
                  processes: dict[int, mp.process.BaseProcess], start_step: int, end_step: int, wall0: float,
-                 spawn: Callable[[int, bool], mp.process.BaseProcess]) -> None:
+                 spawn: Callable[[int, bool], mp.process.BaseProcess], server: StoreServer | None = None) -> None:
         self.config, self.plan, self.options, self.store = config, plan, options, store
+        self.server = server
         self.plan_at_start = plan
         self.processes = processes
         self.start_step, self.end_step, self.wall0 = start_step, end_step, wall0
@@ -357,6 +377,12 @@ class _Coordination:
         self.pids: dict[int, int | None] = {r: p.pid for r, p in processes.items()}
         self.beats: dict[int, int] = {}
         self.last_beat: dict[int, float] = {}
+        self.progress: dict[int, Progress] = {}  # rank -> its main thread's progress (hang detection)
+        self.node_beats: dict[int, int] = {}
+        self.node_last_beat: dict[int, float] = {}
+        self.fenced_nodes: set[int] = set()
+        # Tests only: ranks whose process the launcher must not kill (as if its node could not be reached).
+        self.unfenceable = {int(r) for r in os.environ.get("RECYCLE_TEST_UNFENCEABLE", "").split(",") if r.strip()}
         self.next_beat_check = 0.0
         self.pending: dict[str, Any] | None = None  # the recovery being completed
         self.failing = False
@@ -512,15 +538,60 @@ class _Coordination:
         self.next_beat_check = now + self.options.heartbeat_s / 2
         live = self.coordinator.state.live - self.exited
         for rank in live:
-            beats = self.store.add(Keys.heartbeat(rank), 0)
-            if beats > 0 and beats != self.beats.get(rank):
-                self.beats[rank] = beats
+            beat = self._beat(rank)
+            if beat is None:
+                continue
+            if beat.beats != self.beats.get(rank):
+                self.beats[rank] = beat.beats
                 self.last_beat[rank] = now
+                self.progress[rank] = track_progress(self.progress.get(rank), beat.actions, beat.phase, now)
         commands: list[Command] = []
         for rank in stale_heartbeats(self.last_beat, frozenset(live), now, self.options.heartbeat_timeout_s):
             commands += self.coordinator.on_death(
                 rank, f"{self._name(rank)} stopped responding (no heartbeat for "
                       f"{now - self.last_beat[rank]:.1f} s; fenced)", now, fence=True)
+        limit = hang_limit_s(self.options.hang_timeout_s, [m.period_s for m in self.steps[-50:]],
+                             self.options.timeout_s)
+        for rank in hung_workers(self.progress, frozenset(live) - set(self.coordinator.state.reports), now, limit):
+            progress = self.progress.pop(rank)
+            commands += self.coordinator.on_death(
+                rank, f"{self._name(rank)} is hung (its heartbeat goes on, but one action has computed for "
+                      f"{now - progress.since:.1f} s, over the {limit:.1f} s limit; fenced)", now, fence=True)
+        commands += self._node_heartbeats(now)
+        return commands
+
+    def _beat(self, rank: int) -> Beat | None:
+        raw = self.store.try_get(Keys.heartbeat(rank))
+        if raw is None:
+            return None
+        try:
+            return from_json(Beat, raw)
+        except RecordError:
+            return None  # only the job's own processes can write it; a malformed beat is no beat
+
+    def _node_heartbeats(self, now: float) -> list[Command]:
+        """A node whose launcher stops beating is frozen or cut off: fence its launcher and every worker it runs,
+        so that nothing of it can act on the job when (if) it comes back; the survivors go on without it."""
+        commands: list[Command] = []
+        for node in range(1, self.options.nnodes):
+            raw = self.store.try_get(Keys.node_heartbeat(node))
+            if raw is not None and raw.isdigit() and int(raw) != self.node_beats.get(node):
+                self.node_beats[node] = int(raw)
+                self.node_last_beat[node] = now
+                self.fenced_nodes.discard(node)  # a fenced launcher cannot beat: this is its node's new launcher
+        nodes = frozenset(n for n in range(1, self.options.nnodes) if n not in self.fenced_nodes)
+        for node in stale_heartbeats(self.node_last_beat, nodes, now, self.options.heartbeat_timeout_s):
+            self.fenced_nodes.add(node)
+            if self.server is not None:
+                self.server.fence(launcher_fence_prefix(node))
+            silent = now - self.node_last_beat[node]
+            for rank in node_ranks(self.plan_at_start.live_ranks(), self.options.nnodes, node):
+                commands += self.coordinator.on_death(
+                    rank, f"{self._name(rank)} is on node {node}, which stopped responding (its launcher: no "
+                          f"heartbeat for {silent:.1f} s; frozen or cut off; fenced)", now, fence=True)
+            if self.options.progress:
+                self.options.progress(f"node {node} stopped responding for {silent:.1f} s (frozen or cut off): "
+                                      "fenced; the run goes on without it (start its launcher again to re-join)")
         return commands
 
     def _stopped_reports(self, now: float) -> list[Command]:
@@ -538,8 +609,14 @@ class _Coordination:
     def _execute(self, commands: list[Command]) -> None:
         for command in commands:
             if isinstance(command, Fence):
+                if self.server is not None:
+                    # First shut it out of the store: from now on the store refuses it whatever it does, which needs
+                    # nothing from the process or its node (frozen, cut off or busy alike).
+                    self.server.fence(worker_fence_prefix(command.rank))
                 process = self.processes.get(command.rank)
-                if process is not None and process.exitcode is None:
+                if command.rank in self.unfenceable:
+                    pass  # tests: the kill cannot reach it; the store's fence alone must keep it out
+                elif process is not None and process.exitcode is None:
                     os.kill(process.pid, signal.SIGKILL)  # works on a SIGSTOPped process too
                 elif process is None:
                     self.store.set(Keys.fence(command.rank), command.reason)  # its node's launcher kills it
@@ -624,8 +701,11 @@ class _Coordination:
         self.pending = None
         if not facts.deaths and not facts.joining:
             return  # a drain whose joiner never came in (the run ended first): nothing happened
-        joined = [from_json(Timestamp, self.store.get(Keys.joined(generation, r))).time
-                  for r in live if self.store.check([Keys.joined(generation, r)])]
+        joins = [from_json(Joined, self.store.get(Keys.joined(generation, r)))
+                 for r in live if self.store.check([Keys.joined(generation, r)])]
+        joined = [j.time for j in joins]
+        formation = (f"{'/'.join(sorted({j.method for j in joins}))} {max(j.formation_s for j in joins):.3f} s"
+                     if joins else "")
         resumed = [from_json(Timestamp, self.store.get(k)).time for k in resumed_keys if self.store.check([k])]
         causes, fault_times = [], []
         for death in facts.deaths:
@@ -662,7 +742,7 @@ class _Coordination:
             moved=tuple("%d:%d -> %d:%d" % (*self.plan.worker(d), *self.plan.worker(r)) for d, r in facts.moved),
             partition=tuple(choice.plan.partition), layers_moved=sum(m.layers_in for m in migrations),
             migration_bytes=sum(m.bytes for m in migrations) // 2,
-            migration_s=max((m.seconds for m in migrations), default=0.0))
+            migration_s=max((m.seconds for m in migrations), default=0.0), formation=formation)
         self.recoveries.append(recovery)
         if self.options.progress:
             self.options.progress(recovery.line())
@@ -738,8 +818,8 @@ class _Coordination:
         self.store.set(Keys.FINISHED, "1")
         live = self.coordinator.state.live | self.done
         initial = self.plan_at_start.live_ranks()
-        keys = [Keys.node_done(n) for n in range(1, self.options.nnodes)
-                if set(node_ranks(initial, self.options.nnodes, n)) & live]  # a node with no live worker is gone
+        keys = [Keys.node_done(n) for n in range(1, self.options.nnodes) if n not in self.fenced_nodes
+                and set(node_ranks(initial, self.options.nnodes, n)) & live]  # a node with no live worker is gone
         deadline = time.time() + max(self.options.timeout_s, 60.0)
         while not self.store.check(keys) and time.time() < deadline:
             time.sleep(0.05)
@@ -775,6 +855,12 @@ def _follow(store: dist.Store, processes: dict[int, mp.process.BaseProcess], opt
     """A node other than 0: report its workers' exits, carry out fences and respawns, stop when the run ends."""
     try:
         _follow_loop(store, processes, options, spawn)
+    except StoreFenced:
+        _stop(processes)
+        raise RuntimeFailure(f"node {options.node_rank} was declared dead by the job's coordinator while it did not "
+                             "respond (frozen or cut off), and the run went on without it; its workers have been "
+                             "stopped. Start this node's launcher again (the same command) to re-join the run as a "
+                             "repaired node") from None
     except dist.DistError:
         _stop(processes)
         raise RuntimeFailure(f"node {options.node_rank} lost contact with the job's store on node 0 "
@@ -788,6 +874,7 @@ def _follow_loop(store: dist.Store, processes: dict[int, mp.process.BaseProcess]
     for rank in processes:
         store.delete_key(Keys.fence(rank))
     while True:
+        store.add(Keys.node_heartbeat(options.node_rank), 1)  # node 0 tells a frozen or cut-off node by its silence
         for rank, process in list(processes.items()):
             if process.exitcode is not None and reported.get(rank) != process.pid:
                 store.set(Keys.exited(rank), str(process.exitcode))

@@ -204,11 +204,13 @@ _SMALL_BYTES = 8
 _LARGE_BYTES = 4 << 20
 
 
-def _comm_worker(rank: int, port: int, rounds: int, results: Any) -> None:
+def _comm_worker(rank: int, port: int, token: str, rounds: int, results: Any) -> None:
     """One of two gloo processes: ping-pong and all-reduce at a small and a large size; rank 0 reports medians."""
+    from recycle.runtime.control import connect_store, new_incarnation, worker_identity
+
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    store = connect_store("127.0.0.1", port, token, worker_identity(rank, new_incarnation()), 60.0)
     dist.init_process_group("gloo", store=dist.PrefixStore("profile", store), rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     out: dict[str, float] = {}
@@ -249,11 +251,13 @@ def _fit(small_us: float, large_us: float) -> tuple[float, float]:
 
 def measure_comm(rounds: int = 10, timeout_s: float = 120.0) -> CommProfile:
     """p2p and all-reduce cost between 2 gloo processes on loopback (a few seconds: two interpreters start)."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
+    from recycle.runtime.control import host_store, new_token
+
+    token = new_token()  # the same authenticated store as a training run's: no other process can disturb it
+    store = host_store("127.0.0.1", 0, token)
     context = mp.get_context("spawn")
     results = context.Queue()
-    procs = [context.Process(target=_comm_worker, args=(r, store.port, rounds, results), daemon=True)
+    procs = [context.Process(target=_comm_worker, args=(r, store.port, token, rounds, results), daemon=True)
              for r in range(2)]
     for p in procs:
         p.start()
@@ -269,6 +273,7 @@ def measure_comm(rounds: int = 10, timeout_s: float = 120.0) -> CommProfile:
             if p.exitcode is None:
                 p.kill()
                 p.join(1)
+        store.close()
     p2p_latency, p2p_bandwidth = _fit(measured[f"p2p_{_SMALL_BYTES}"], measured[f"p2p_{_LARGE_BYTES}"])
     # Two processes: a ring all-reduce is 2 steps, each moving half the buffer: T = 2 * latency + size / bandwidth.
     fixed, allreduce_bandwidth = _fit(measured[f"allreduce_{_SMALL_BYTES}"], measured[f"allreduce_{_LARGE_BYTES}"])

@@ -123,7 +123,29 @@ class Announcement:
     restore_step: int = -1  # >= 0: every worker loads this checkpoint step instead of rolling back
 
 
-_KINDS: dict[str, type] = {"step": StepRecord, "error": ErrorRecord, "fault": FaultRecord, "join_ready": JoinReady,
+@dataclass(frozen=True)
+class Joined:
+    """A worker is in a generation's groups: when, and how long forming them took it ("init": full initialisation
+    of the world and the stage groups on the generation's store)."""
+
+    time: float
+    formation_s: float
+    method: str
+
+
+@dataclass(frozen=True)
+class Beat:
+    """A worker's heartbeat: written by its watcher thread, so it goes on while the main thread is stuck. `actions`
+    counts the actions the main thread has started; `phase` is what it is doing now ("compute": an action's own
+    work, "comm": waiting in a p2p op or collective, "idle": anything else). A worker whose beats go on while
+    `actions` stands still in "compute" is hung (coordinator.hung_workers)."""
+
+    beats: int
+    actions: int
+    phase: str
+
+
+_KINDS: dict[str, type] = {"beat": Beat, "joined": Joined, "step": StepRecord, "error": ErrorRecord, "fault": FaultRecord, "join_ready": JoinReady,
                            "timestamp": Timestamp, "transfer": TransferRecord, "migration": MigrationRecord,
                            "stopped": StoppedReport, "announce": Announcement}
 _NAMES = {cls: kind for kind, cls in _KINDS.items()}

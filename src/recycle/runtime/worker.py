@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import socket
 import sys
 import threading
 import time
@@ -23,25 +24,27 @@ from recycle.ir import Action, Plan
 from recycle.models.gpt import GPTStage
 from recycle.runtime import checkpoint
 from recycle.runtime.checkpoint_writer import CheckpointWriter
-from recycle.runtime.control import Keys, connect_store, job_store
+from recycle.runtime.control import Keys, connect_store, worker_identity
 from recycle.runtime.data import config_dataset, microbatch
 from recycle.runtime.emulate import Emulation, cost_pacer
 from recycle.runtime.executor import StageExecutor
 from recycle.runtime.faults import FaultInjection, fire
+from recycle.runtime.nccl_env import prepare_nccl
 from recycle.runtime.migration import (exchange_layers, layer_moves, layer_scaled_config, plan_bounds,
                                        rebuild_stage)
 from recycle.runtime.optim import make_optimizer
 from recycle.runtime.precision import weights_dtype
-from recycle.runtime.records import (Announcement, ErrorRecord, FaultRecord, JoinReady, MigrationRecord, StepRecord,
-                                     StoppedReport, Timestamp, TransferRecord, from_json, to_json)
+from recycle.runtime.records import (Announcement, Beat, ErrorRecord, FaultRecord, Joined, JoinReady, MigrationRecord,
+                                     StepRecord, StoppedReport, Timestamp, TransferRecord, from_json, to_json)
 from recycle.runtime.stage import build_stage
 from recycle.runtime.state_transfer import transfer_stage_state
-from recycle.runtime.transport import Transport, is_comm_error
+from recycle.runtime.store import StoreClient, StoreFenced
+from recycle.runtime.transport import Activity, Transport, is_comm_error
 
 __all__ = ["WorkerSpec", "FaultInjection", "GenerationAborted", "worker_main", "make_optimizer", "parameter_digest",
            "EXIT_FENCED"]
 
-EXIT_FENCED = 4  # the coordinator left this worker out of the new generation
+EXIT_FENCED = 4  # the coordinator left this worker out of the new generation (or fenced it while it was frozen)
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class WorkerSpec:
     plan_json: str
     store_host: str
     store_port: int
-    token: str  # the job secret: every key lives under it
+    token: str  # the job secret: the store lets in only processes that prove they hold it
     start_step: int
     end_step: int  # exclusive
     timeout_s: float
@@ -68,6 +71,7 @@ class WorkerSpec:
     faults: tuple[FaultInjection, ...] = ()
     emulation: Emulation | None = None  # pad every action to the config's cost (runtime.emulate)
     joining: bool = False  # a replacement: waits to be admitted, then takes its stage's state from a peer
+    incarnation: str = ""  # this process among every one that runs as `rank` (the store fences by it)
 
 
 class GenerationAborted(Exception):
@@ -93,20 +97,59 @@ def _watch_launcher(launcher_alive: Connection) -> None:
     os._exit(3)
 
 
-class _Heartbeat(threading.Thread):
-    """Beats every `interval_s` and watches for the abort of the current generation, on a store connection of its
-    own (a blocking wait must not hold the main thread's connection). A frozen process stops beating: that is how
-    the coordinator tells a hung worker from a slow one."""
+def _store_peers(host: str, port: int) -> set[tuple[str, int]]:
+    """The addresses the job store answers on: a generation's abort never cuts these connections."""
+    try:
+        return {(info[4][0], port) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+    except OSError:
+        return {(host, port)}
 
-    def __init__(self, spec: WorkerSpec) -> None:
-        super().__init__(daemon=True, name="recycle-heartbeat")
-        self.store = job_store(connect_store(spec.store_host, spec.store_port, max(spec.timeout_s, 30.0)), spec.token)
+
+def _connect(spec: WorkerSpec, timeout_s: float | None = None) -> StoreClient:
+    """One connection of this worker to the job store; once the coordinator has fenced this process, its first
+    request ends it with one line (it must not write anything the job reads, nor carry on with stale state)."""
+    replica_stage = "%d:%d" % divmod(spec.rank, spec.config.num_stages)
+
+    def fenced() -> None:
+        sys.stderr.write(f"recycle: worker {replica_stage} (rank {spec.rank}, pid {os.getpid()}) was fenced: the "
+                         "coordinator declared it dead while it did not respond and went on without it; it exits "
+                         "without touching the job\n")
+        sys.stderr.flush()
+        os._exit(EXIT_FENCED)
+
+    return connect_store(spec.store_host, spec.store_port, spec.token, worker_identity(spec.rank, spec.incarnation),
+                         timeout_s if timeout_s is not None else max(spec.timeout_s, 30.0), on_fenced=fenced)
+
+
+class _Watcher(threading.Thread):
+    """The worker's second thread, on a store connection of its own: beats every `interval_s` with how far the main
+    thread has got (records.Beat), and waits in the store for the abort or drain of the current generation. On an
+    abort it cuts the generation's communicators itself (`on_abort`), so a main thread blocked on a frozen or
+    silent peer raises at once; nothing here waits on any peer. A frozen process stops beating: that is how the
+    coordinator tells a frozen worker from a slow one; a stuck main thread stops advancing `actions`."""
+
+    def __init__(self, spec: WorkerSpec, activity: Activity, on_abort: Any) -> None:
+        super().__init__(daemon=True, name="recycle-watcher")
+        self.store = _connect(spec)
         self.rank = spec.rank
         self.interval_s = spec.heartbeat_s
+        self.activity = activity
+        self.on_abort = on_abort
         self.generation = 0
         self.aborted = -1  # the newest generation seen aborted
         self.drain: tuple[int, int] | None = None  # (generation, step): stop before that step (a joiner waits)
-        self.poll_s = min(0.05, spec.heartbeat_s)  # how soon a computing worker notices an abort
+        self.beats = 0
+
+    def _watched(self) -> list[tuple[str, str, int]]:
+        """(key, what, generation) for the current generation and the next (the main thread may move on while this
+        thread waits), minus what was already seen."""
+        watched = []
+        for generation in (self.generation, self.generation + 1):
+            if self.aborted < generation:
+                watched.append((Keys.abort(generation), "abort", generation))
+            if self.drain is None or self.drain[0] < generation:
+                watched.append((Keys.drain(generation), "drain", generation))
+        return watched
 
     def run(self) -> None:
         next_beat = 0.0
@@ -114,14 +157,22 @@ class _Heartbeat(threading.Thread):
             try:
                 now = time.monotonic()
                 if now >= next_beat:
-                    self.store.add(Keys.heartbeat(self.rank), 1)
+                    self.beats += 1
+                    self.store.set(Keys.heartbeat(self.rank), to_json(Beat(self.beats, self.activity.actions,
+                                                                          self.activity.phase)))
                     next_beat = now + self.interval_s
-                generation = self.generation
-                if self.aborted < generation and self.store.check([Keys.abort(generation)]):
-                    self.aborted = generation
-                if (self.drain is None or self.drain[0] < generation) and self.store.check([Keys.drain(generation)]):
-                    self.drain = (generation, int(self.store.get(Keys.drain(generation))))
-                time.sleep(self.poll_s)
+                watched = self._watched()
+                hit = self.store.wait_any([key for key, _, _ in watched], max(0.0, next_beat - time.monotonic()))
+                if hit is None:
+                    continue
+                key, what, generation = watched[hit]
+                if what == "abort":
+                    self.aborted = max(self.aborted, generation)
+                    self.on_abort(generation)
+                else:
+                    self.drain = (generation, int(self.store.get(key)))
+            except StoreFenced:
+                return  # the callback has ended the process
             except Exception:
                 time.sleep(self.interval_s)  # the store is the one component that cannot fail; keep trying
 
@@ -133,8 +184,10 @@ def worker_main(spec: WorkerSpec, launcher_alive: Connection | None = None) -> N
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # single machine: keep gloo on loopback
     if launcher_alive is not None:
         threading.Thread(target=_watch_launcher, args=(launcher_alive,), daemon=True).start()
-    store = job_store(connect_store(spec.store_host, spec.store_port, max(spec.timeout_s, 30.0)), spec.token)
+    store = _connect(spec)
     try:
+        if spec.backend == "nccl":
+            prepare_nccl(os.environ, spec.timeout_s)  # before any communicator: errors reported, never an abort()
         _Worker(spec, store).run()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -193,12 +246,14 @@ class _Worker:
             checkpoint.load_stage(spec.resume_dir, spec.start_step, self.stage, self.module, self.optimizer,
                                   self._custom_model)
         self.dataset = config_dataset(config)
-        self.heartbeat = _Heartbeat(spec)
+        self.activity = Activity()
+        self.heartbeat = _Watcher(spec, self.activity, self._abort_generation)
+        self._transport_lock = threading.Lock()
+        self._store_peers = _store_peers(spec.store_host, spec.store_port)
         self.transport: Transport | None = None
         self.executor: StageExecutor | None = None
         self.announcement: Announcement | None = None  # of the current generation (None: generation 0)
-        self.writer = CheckpointWriter(spec.checkpoint_dir, job_store(
-            connect_store(spec.store_host, spec.store_port, max(spec.timeout_s, 30.0)), spec.token)) \
+        self.writer = CheckpointWriter(spec.checkpoint_dir, _connect(spec)) \
             if spec.checkpoint_dir and spec.checkpoint_every > 0 else None
         self._fired: set[FaultInjection] = set()
         self._resumed_pending = False
@@ -236,9 +291,15 @@ class _Worker:
             raise GenerationAborted(f"generation {generation} was aborted before it formed")
         stage_ranks = {s: [self.plan.rank(p, s) for p in self.plan.live_replicas(s)]
                        for s in range(self.plan.num_stages)}
-        self.transport = Transport(self.store, generation, self.spec.rank, self.plan.live_ranks(), stage_ranks,
-                                   self.spec.timeout_s, self.spec.backend, self.device)
-        self.store.set(Keys.joined(generation, self.spec.rank), to_json(Timestamp(time.time())))
+        transport = Transport(self.store, generation, self.spec.rank, self.plan.live_ranks(), stage_ranks,
+                              self.spec.timeout_s, self.spec.backend, self.device, self.activity, self._store_peers)
+        with self._transport_lock:
+            self.transport = transport
+        if self.heartbeat.aborted >= generation:
+            transport.abort()  # the watcher saw the abort before this transport existed
+        transport.form()
+        self.store.set(Keys.joined(generation, self.spec.rank),
+                       to_json(Joined(time.time(), transport.formation_s, "init")))
         if self.executor is None:
             self.executor = self._make_executor()
             if self.announcement is not None:  # a replacement: its weights are the state after redo_step - 1
@@ -269,6 +330,14 @@ class _Worker:
         if self.announcement.restore_step >= 0:
             self._load_checkpoint(self.announcement.restore_step)
         return self.announcement.redo_step
+
+    def _abort_generation(self, generation: int) -> None:
+        """The watcher saw `generation` aborted: cut its communicators now (the main thread may be blocked on a
+        peer that will never answer)."""
+        with self._transport_lock:
+            transport = self.transport
+        if transport is not None and transport.generation == generation:
+            transport.abort()
 
     # -- layer partition -------------------------------------------------------------------------------------------
     def _install(self, module: torch.nn.Module, optimizer: Any, layers: tuple[int, int]) -> None:
@@ -311,11 +380,10 @@ class _Worker:
         survivors = {s: [plan.rank(p, s) for p in plan.live_replicas(s) if plan.rank(p, s) not in joining]
                      for s in range(plan.num_stages)}
         senders = {s: ranks[0] for s, ranks in survivors.items() if ranks}
-        groups = self.transport.groups
+        transport = self.transport
         received, state, stats = exchange_layers(
             self.module, self.optimizer, self.stage, layer_moves(self.bounds, new), senders, survivors,
-            self.spec.rank, lambda t, r: dist.send(t, dst=groups.group_rank(r)),
-            lambda t, r: dist.recv(t, src=groups.group_rank(r)), self.device)
+            self.spec.rank, transport.send_to, transport.recv_from, self.device)
         self.bounds = new
         if new[self.stage] != self.layers:
             module, optimizer = rebuild_stage(self.config, self.module, self.optimizer, new[self.stage], received,
@@ -342,11 +410,9 @@ class _Worker:
             return
         source = self.plan.rank(next(p for p in replicas if p not in joiners), self.stage)
         transport, executor = self.transport, self.executor
-        group = transport.groups.stage_groups[self.stage]
-        src = transport.groups.group_rank(source)
 
         def broadcast(tensor: torch.Tensor) -> None:
-            dist.broadcast(tensor, src=src, group=group)
+            transport.stage_broadcast(self.stage, tensor, source)
 
         step, stats = transfer_stage_state(self.module, self.optimizer, announcement.redo_step,
                                            self.spec.rank == source, broadcast, self.device)
@@ -372,6 +438,7 @@ class _Worker:
                              precision=config.training.dtype, loss_fn=built.loss_fn, pacing=pacing)
 
     def _before_action(self, action: Action) -> None:
+        self.activity.action()
         if self.heartbeat.aborted >= self.generation:
             raise GenerationAborted(f"generation {self.generation} was aborted by the coordinator")
         if self._resumed_pending:
@@ -396,7 +463,10 @@ class _Worker:
             raise GenerationAborted(f"generation {self.generation} drains before step {drain[1] + 1} to admit a "
                                     "replacement worker")
         cpu0 = time.process_time()
-        result = self.executor.run_iteration(step)
+        try:
+            result = self.executor.run_iteration(step)
+        finally:
+            self.activity.phase = "idle"
         cpu_s = time.process_time() - cpu0  # all threads of this process, gloo's included
         done = step + 1
         if spec.checkpoint_dir and spec.checkpoint_every > 0 and done % spec.checkpoint_every == 0:
@@ -442,14 +512,16 @@ class _Worker:
             if fault.point == "recovery" and step >= fault.step:
                 self._fire(fault, f"the recovery from generation {self.generation}")
         executor = self.executor
+        self.activity.phase = "idle"
+        with self._transport_lock:
+            transport, self.transport = self.transport, None
         try:
-            if self.transport is not None:
-                self.transport.close(abort=True)
-            elif dist.is_initialized():  # the groups of a generation that failed while forming
+            if transport is not None:
+                transport.close(abort=True)  # cut first, then destroy: never a blocking destroy of a broken group
+            elif dist.is_initialized():
                 dist.destroy_process_group()
         except Exception:
-            pass  # the group is broken either way; what matters is that its sockets are closed
-        self.transport = None
+            pass  # the group is broken either way; what matters is that its connections are cut
         if executor is not None:
             executor.comm = None  # type: ignore[assignment]  # set again by set_plan in the next generation
             progress, completed = executor.progress, executor.completed
