@@ -64,7 +64,7 @@ def run_case(mode: str, kind: Kind, env: dict[str, str], heartbeat_timeout_s: fl
     try:
         result = launch(cfg, plan, LaunchOptions(
             timeout_s=OP_TIMEOUT_S, heartbeat_timeout_s=heartbeat_timeout_s, heartbeat_s=0.25,
-            hang_timeout_s=hang_timeout_s, progress=None, start_method="forkserver",
+            hang_timeout_s=hang_timeout_s, progress=None, start_method="spawn",  # workers see os.environ now
             plan_provider=library.provider(PlanChoice), faults=((plan.rank(*worker), fault),)))
     finally:
         for key, value in saved.items():
