@@ -216,3 +216,50 @@ def test_a_fenced_worker_that_wakes_up_exits_with_one_line(tmp_path: Path, tiny_
     assert "Traceback" not in err, err
     assert "step 20/20" in out.text()
     _assert_exact_save(save, config_file)
+
+
+@pytest.mark.timeout(180)
+def test_a_flood_of_strangers_at_start_up_keeps_no_worker_out(tmp_path: Path, tiny_config_file) -> None:
+    """Thousands of idle connections and random bytes on the store's port while the workers connect: every worker
+    gets in (they retry), the run ends exactly, and the store says so in at most one warning line."""
+    config_file = tiny_config_file(steps=4)
+    save = tmp_path / "final.pt"
+    port = _free_port()
+    run_ = subprocess.Popen([sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--save",
+                             str(save), "--master-port", str(port)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    stop = threading.Event()
+    opened: list[socket.socket] = []
+
+    def flood() -> None:
+        junk = os.urandom(512)
+        while not stop.is_set() and len(opened) < 3000:
+            try:
+                sock = socket.create_connection(("127.0.0.1", port), timeout=1)
+            except OSError:
+                time.sleep(0.01)  # not listening yet, or busy
+                continue
+            if len(opened) % 10 == 0:
+                try:
+                    sock.sendall(junk)
+                except OSError:
+                    pass
+            opened.append(sock)
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        out, err = run_.communicate(timeout=150)
+    finally:
+        stop.set()
+        flooder.join(10)
+        for sock in opened:
+            sock.close()
+        if run_.poll() is None:
+            run_.kill()
+    assert run_.returncode == 0, err
+    assert "step 4/4" in out
+    assert len(opened) > 500, "the flood did not reach the store"
+    assert "Traceback" not in err
+    assert sum("dropped connections" in line for line in err.splitlines()) <= 2, err
+    _assert_exact_save(save, config_file)

@@ -211,3 +211,34 @@ def test_gloo_process_groups_rendezvous_through_it(server) -> None:
     for t in threads:
         t.join(30)
     assert results == {0: torch.tensor([3.0]), 1: torch.tensor([3.0])}
+
+
+SERVER_WITH_FEW_FDS = """
+import resource, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+from recycle.runtime.store import StoreServer
+server = StoreServer("127.0.0.1", 0, sys.argv[1]).start()
+print(server.port, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_server_out_of_file_descriptors_sheds_strangers_and_keeps_serving() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", SERVER_WITH_FEW_FDS, TOKEN], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(100)]  # more than it has descriptors
+        started = time.monotonic()
+        c = StoreClient("127.0.0.1", port, TOKEN, "worker/0/a", timeout_s=5, connect_timeout_s=20)
+        c.set("k", "v")
+        assert c.get("k") == b"v"
+        assert time.monotonic() - started < 4  # not after the strangers time out of their handshake (5 s)
+        assert proc.poll() is None
+        for sock in idle:
+            sock.close()
+    finally:
+        proc.kill()
+        proc.wait()

@@ -105,10 +105,19 @@ def check_launch(config: Config, options: LaunchOptions, end: int) -> int:
     return start
 
 
+MIN_TIMEOUT_S = 1.0
+
+
 def check_option_ranges(options: LaunchOptions) -> None:
     if not (math.isfinite(options.timeout_s) and options.timeout_s > 0):
         raise ConfigError(f"--timeout {options.timeout_s:g} must be a positive number of seconds (how long a silent "
                           "peer may take before it counts as failed); e.g. --timeout 30")
+    if options.timeout_s < MIN_TIMEOUT_S:
+        raise ConfigError(f"--timeout {options.timeout_s:g} s is below {MIN_TIMEOUT_S:g} s: forming a generation's "
+                          "groups alone takes tens of milliseconds, so every step would count as a failure; use "
+                          "e.g. --timeout 30 (frozen peers are caught by --heartbeat-timeout, not by this)")
+    if options.hang_timeout_s is not None and not math.isfinite(options.hang_timeout_s):
+        raise ConfigError(f"--hang-timeout {options.hang_timeout_s} must be a finite number of seconds, e.g. 60")
     if options.checkpoint_dir and options.checkpoint_every < 1:
         raise ConfigError(f"--checkpoint-dir {options.checkpoint_dir!r} with --checkpoint-every "
                           f"{options.checkpoint_every} would never write a checkpoint; pass --checkpoint-every K "

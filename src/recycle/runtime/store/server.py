@@ -5,6 +5,7 @@ FENCED, whatever it was doing when it froze."""
 
 from __future__ import annotations
 
+import errno
 import heapq
 import logging
 import selectors
@@ -80,6 +81,7 @@ class StoreServer:
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self.requests = 0  # served, for benchmarks
+        self._listen_again_at = 0.0  # the listener is paused (out of descriptors) until then
 
     # -- life ----------------------------------------------------------------------------------------------------
     def start(self) -> "StoreServer":
@@ -140,6 +142,7 @@ class StoreServer:
                     if events & selectors.EVENT_WRITE and conn.sock in self._conns:
                         self._flush(conn)
             self._expire()
+            self._resume_listening()
             self._apply_fences()
             with self._lock:
                 ready, self._ready = self._ready, []
@@ -156,7 +159,7 @@ class StoreServer:
 
     def _next_timeout(self) -> float:
         now = time.monotonic()
-        candidates = [1.0]
+        candidates = [1.0, 0.1] if self._listen_again_at else [1.0]
         if self._deadlines:
             candidates.append(self._deadlines[0][0] - now)
         if self._pending:
@@ -170,7 +173,15 @@ class StoreServer:
                 sock, peer = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors: free one from the oldest stranger, or stop listening for a moment (the
+                    # listener would stay readable and spin this thread).
+                    self._refuse("no file descriptors left for a new connection", None)
+                    if self._pending:
+                        self._drop(self._pending.popitem(last=False)[1])
+                        continue
+                    self._pause_listening()
                 return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -187,6 +198,18 @@ class StoreServer:
             self._pending[sock] = conn
             self._selector.register(sock, selectors.EVENT_READ, conn)
             self._queue(conn, encode_frame(MAGIC + conn.nonce))
+
+    def _pause_listening(self) -> None:
+        try:
+            self._selector.unregister(self._listener)
+        except (KeyError, ValueError):
+            return
+        self._listen_again_at = time.monotonic() + 0.1
+
+    def _resume_listening(self) -> None:
+        if self._listen_again_at and time.monotonic() >= self._listen_again_at:
+            self._listen_again_at = 0.0
+            self._selector.register(self._listener, selectors.EVENT_READ, "listen")
 
     def _read(self, conn: _Conn) -> None:
         try:
