@@ -46,8 +46,9 @@ def run(D: int, S: int, tmp_path, faults=(), rejoins=(), **extra) -> TrainResult
     config = config_for(D, S)
     plan = build_schedule(config, "zb-h1", staggered=True)
     library = PlanLibrary.build(config, PlannerOptions(), max_failures=D * S)
+    extra.setdefault("start_method", "forkserver")
     options = LaunchOptions(save_path=str(tmp_path / "final.pt"), verify_replicas=True, timeout_s=30, progress=None,
-                            start_method="forkserver", plan_provider=library.provider(PlanChoice), emulation=PACING,
+                            plan_provider=library.provider(PlanChoice), emulation=PACING,
                             faults=tuple((plan.rank(*w), f) for w, f in faults),
                             rejoins=tuple((plan.rank(*w), step - 1) for w, step in rejoins), **extra)
     return launch(config, plan, options)
@@ -157,3 +158,22 @@ def test_a_short_chaos_soak_ends_exact(tmp_path) -> None:
     recovered = [w for r in result.recoveries for w in r.workers]
     assert len(result.chaos_events) >= 1 and sorted(injected) == sorted(recovered)
     assert not list((tmp_path / "ckpt").rglob("*.tmp"))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("point", ["ready", "admitted", "formed", "transfer"])
+def test_a_replacement_that_dies_during_its_admission_is_survived(point: str, tmp_path, monkeypatch) -> None:
+    """Worker 0:1 is killed; its replacement (--respawn-after) SIGKILLs itself at `point` of its admission (right
+    after it says it is ready, once admitted, with the groups formed, as its state arrives); the next replacement
+    gets in and the run ends exactly (issue 21 item 2: the launcher crashed in the first case)."""
+    steps = 30  # long enough for two replacements to start (spawn: ~3 s each here)
+    monkeypatch.setenv("RECYCLE_TEST_JOINER_DIES", f"{point}:{tmp_path / 'died'}")
+    result = run(2, 2, tmp_path, faults=[((0, 1), FaultInjection(1, 2))], respawn_after_s=0.3, steps=steps,
+                 start_method="spawn")  # spawn: the replacements see this test's environment
+    assert (tmp_path / "died").exists()  # the first replacement did die at that point
+    got = torch.load(tmp_path / "final.pt", weights_only=True)["model"]
+    ref = reference_train(config_for(2, 2), steps)[0]
+    for key in ref:
+        assert float((got[key] - ref[key]).abs().max() / ref[key].abs().max().clamp_min(1e-12)) < 1e-9, key
+    assert not mp.active_children()
+    assert result.failed == () and joins(result)[-1] == "0:1"

@@ -384,3 +384,18 @@ def test_the_hang_limit_follows_the_run_speed_with_a_floor() -> None:
     assert hang_limit_s(None, [], 1.0) == HANG_FLOOR_S
     assert hang_limit_s(None, [0.01, 0.02, 0.03], 30.0) == HANG_FLOOR_S
     assert hang_limit_s(None, [1.0, 2.0, 50.0], 30.0) == HANG_MARGIN * 2.0  # the median, not one slow step
+
+
+def test_a_replacement_that_dies_after_the_run_finished_is_not_a_crash() -> None:
+    """Issue 21 item 2: every other worker finished while a replacement was getting ready; it (or a stale ready key
+    of it) is seen again and dies: no generation is announced and nothing raises."""
+    c = coordinator(live=ALL - {5}, failed=frozenset({(2, 1)}))
+    assert kinds(c.on_join_ready(5, 1.0)) == [Drain]
+    commands = []
+    for rank in sorted(ALL - {5}):
+        commands += c.on_done(rank, 2.0)
+    (announce,) = commands
+    assert isinstance(announce, Announce) and announce.live == frozenset()  # redo is the end: nobody runs again
+    c.on_join_ready(5, 3.0)
+    assert c.on_death(5, "killed by SIGKILL", 4.0) == []
+    assert not c.state.recovering and c.state.joining == frozenset()

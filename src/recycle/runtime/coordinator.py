@@ -392,6 +392,11 @@ class Coordinator:
             errors = "; ".join(sorted({r.error for r in state.reports.values()}))[:500]
             return [FailRun(f"workers lost contact {retries} times in a row without any worker failing ({errors}); "
                             "check the network between the nodes, or raise --timeout if the peers are only slow")]
+        if not state.live:
+            # Every other worker has finished the run and exited (a replacement got ready, or died, too late to be
+            # admitted): there is no generation left to form.
+            self.state = replace(state, recovering=False, joining=frozenset())
+            return []
         reports = [state.reports[r] for r in sorted(state.live) if r in state.reports]
         applied = [r.applied for r in reports] + [self.end_step - 1] * len(state.live & state.done - set(state.reports))
         redo = min(applied) + 1

@@ -438,6 +438,7 @@ class _Coordination:
             if rank in self.exited:
                 continue
             self.exited.add(rank)
+            self.store.delete_key(Keys.join_ready(rank))  # a replacement that said it was ready and then died
             if code == 0 and rank in self.coordinator.state.live:
                 self.done.add(rank)
                 commands += self.coordinator.on_done(rank, now)
@@ -453,6 +454,9 @@ class _Coordination:
         commands: list[Command] = []
         for replica, stage in sorted(state.failed):
             rank = replica * self.plan.num_stages + stage
+            process = self.processes.get(rank)
+            if process is not None and process.exitcode is not None:
+                continue  # its ready key is stale: the process has died since (its exit is handled next loop)
             if rank not in state.joining and self.store.check([Keys.join_ready(rank)]):
                 self.pids[rank] = from_json(JoinReady, self.store.get(Keys.join_ready(rank))).pid
                 self.exited.discard(rank)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import signal
 import socket
 import sys
 import threading
@@ -207,6 +208,19 @@ def worker_main(spec: WorkerSpec, launcher_alive: Connection | None = None) -> N
         os._exit(1)  # skip interpreter teardown: a broken process group can hang in its destructor
 
 
+def _joiner_dies_here(point: str) -> None:
+    """Tests only (RECYCLE_TEST_JOINER_DIES=POINT:MARKER_FILE): a replacement SIGKILLs itself at this point of its
+    admission, once per marker file (the next replacement gets in)."""
+    spec = os.environ.get("RECYCLE_TEST_JOINER_DIES", "")
+    where, _, marker = spec.partition(":")
+    if where == point and marker:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class _Fenced(Exception):
     """This worker is not in the new generation."""
 
@@ -298,6 +312,8 @@ class _Worker:
         if self.heartbeat.aborted >= generation:
             transport.abort()  # the watcher saw the abort before this transport existed
         transport.form()
+        if self.spec.joining and self.announcement is not None and self.spec.rank in self.announcement.joining:
+            _joiner_dies_here("formed")
         self.store.set(Keys.joined(generation, self.spec.rank),
                        to_json(Joined(time.time(), transport.formation_s, "init")))
         if self.executor is None:
@@ -315,6 +331,7 @@ class _Worker:
         (and its checkpoint, when the run restores one); the stage's live state arrives after the groups form."""
         spec = self.spec
         self.store.set(Keys.join_ready(spec.rank), to_json(JoinReady(time.time(), os.getpid())))
+        _joiner_dies_here("ready")
         key = Keys.join_generation(spec.rank)
         while True:
             try:
@@ -324,6 +341,7 @@ class _Worker:
                 if self.store.check([Keys.FINISHED]):
                     raise _Fenced() from None  # the run ended before this worker was needed
         self.generation = int(self.store.get(key))
+        _joiner_dies_here("admitted")
         self.announcement = from_json(Announcement, self.store.get(Keys.announce(self.generation)))
         self.plan = Plan.from_json(self.store.get(Keys.plan(self.generation)).decode())
         self._take_layout()  # this generation's layer partition; the state arrives from a replica or the checkpoint
@@ -409,6 +427,8 @@ class _Worker:
         if not joiners:
             return
         source = self.plan.rank(next(p for p in replicas if p not in joiners), self.stage)
+        if self.spec.rank in announcement.joining:
+            _joiner_dies_here("transfer")
         transport, executor = self.transport, self.executor
 
         def broadcast(tensor: torch.Tensor) -> None:
