@@ -123,6 +123,19 @@ def test_lost_stage_is_restored_from_the_latest_checkpoint(tmp_path, policy: str
     assert not list((tmp_path / "ckpt").rglob("*.tmp"))
 
 
+@pytest.mark.parametrize("policy", ["reshape", "respawn"])
+def test_a_stage_lost_before_any_checkpoint_completes_restores_the_start(tmp_path, policy: str) -> None:
+    """Issue 21 item 7: both replicas of stage 1 die at step 2 and 3, before the first checkpoint (every 6 steps) is
+    written. The initial state is a pure function of the seed, so the run restores step 0 and redoes everything,
+    rather than stopping with "no checkpoint is complete yet"."""
+    result = run(2, 2, tmp_path, faults=[((1, 1), FaultInjection(1, 3)), ((0, 1), FaultInjection(2, 2))],
+                 checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=6, stage_loss=policy)
+    assert_exact(result, tmp_path, 2, 2)
+    restore = next(r for r in result.recoveries if r.restored_step is not None)
+    assert restore.restored_step == 0 and restore.step == 1 and restore.steps_lost >= 2
+    assert "restored checkpoint step 0" in restore.line()
+
+
 def test_reshape_evens_out_the_live_workers_across_stages(tmp_path) -> None:
     """D=4, S=2: stage 1 loses all four replicas (three at step 2, the last after the checkpoint of step 4). Two
     stage-0 workers move into stage 1 of their own pipelines, so the run goes on 2 + 2 (a D' = 2 layout, global

@@ -204,7 +204,7 @@ class Coordinator:
 
     def __init__(self, num_replicas: int, num_stages: int, live: frozenset[int], failed: frozenset[tuple[int, int]],
                  end_step: int, report_timeout_s: float, max_retries: int = 3, checkpointing: bool = False,
-                 reshape: bool = True) -> None:
+                 reshape: bool = True, start_step: int | None = None) -> None:
         self.num_replicas = num_replicas
         self.num_stages = num_stages
         self.end_step = end_step
@@ -212,7 +212,10 @@ class Coordinator:
         self.reshape = reshape
         self.report_timeout_s = report_timeout_s
         self.max_retries = max_retries
-        self.state = RunState(generation=0, live=frozenset(live), failed=frozenset(failed))
+        # A checkpointing run can always restore its start: step 0 is a pure function of the seed, a resumed run's
+        # start is the checkpoint it resumed from. So a stage lost before the first checkpoint completes is survived.
+        self.state = RunState(generation=0, live=frozenset(live), failed=frozenset(failed),
+                              latest_checkpoint=start_step if checkpointing else None)
 
     def worker(self, rank: int) -> tuple[int, int]:
         return divmod(rank, self.num_stages)

@@ -322,6 +322,7 @@ def _spec_maker(config: Config, plan: Plan, options: LaunchOptions, store_port: 
             device_index=(mine.index(rank) if rank in mine else rank) % max(torch.cuda.device_count(), 1),
             heartbeat_s=options.heartbeat_s, checkpoint_dir=options.checkpoint_dir,
             checkpoint_every=options.checkpoint_every, resume_dir="" if joining else options.resume_dir,
+            start_dir=options.resume_dir,
             save_path=options.save_path, record_timings=options.record_timings,
             verify_replicas=options.verify_replicas, model_factory=options.model_factory,
             faults=() if joining else tuple(f for r, f in options.faults if r == rank),
@@ -356,7 +357,7 @@ class _Coordination:
         self.coordinator = Coordinator(plan.num_replicas, plan.num_stages, frozenset(plan.live_ranks()), plan.failed,
                                        end_step, report_timeout_s=options.timeout_s + 5.0,
                                        checkpointing=bool(options.checkpoint_dir and options.checkpoint_every > 0),
-                                       reshape=options.stage_loss == "reshape")
+                                       reshape=options.stage_loss == "reshape", start_step=start_step)
         self.local = set(processes)  # ranks this node starts (and restarts)
         self.remote = sorted(set(plan.live_ranks()) - self.local)
         self.member_from: dict[int, int] = {}  # rank -> first step it reports (a replacement: its redo step)

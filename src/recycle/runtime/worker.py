@@ -64,7 +64,8 @@ class WorkerSpec:
     heartbeat_s: float = 0.5  # how often the worker says it is alive
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
-    resume_dir: str = ""
+    resume_dir: str = ""  # load the stage from this checkpoint (at start_step) before the first step
+    start_dir: str = ""  # where the run's start_step state lives ("" with start_step 0: the seed's initial state)
     save_path: str = ""
     record_timings: bool = False
     model_factory: str = ""  # "package.module:function" (runtime.stage); "" = the built-in GPT
@@ -413,7 +414,21 @@ class _Worker:
             tuple(self.layers), stats.layers_in, stats.layers_out, stats.bytes, stats.seconds)))
 
     def _load_checkpoint(self, step: int) -> None:
-        checkpoint.load_stage(self.spec.checkpoint_dir, step, self.stage, self.module, self.optimizer,
+        """Take the stage's state after `step` steps: the run's checkpoint of that step, or, for the run's start
+        (restored when a stage was lost before any checkpoint completed), the checkpoint it resumed from or the
+        seed's initial state."""
+        spec = self.spec
+        if step == spec.start_step and not checkpoint.step_dir(spec.checkpoint_dir, step).is_dir():
+            if spec.start_dir:
+                checkpoint.load_stage(spec.start_dir, step, self.stage, self.module, self.optimizer,
+                                      self._custom_model)
+                return
+            if step == 0:
+                built = build_stage(self.config, self.stage, spec.model_factory, self.bounds)
+                module = built.module.to(self.device)
+                self._install(module, make_optimizer(module, self.config.training), built.layout)
+                return
+        checkpoint.load_stage(spec.checkpoint_dir, step, self.stage, self.module, self.optimizer,
                               self._custom_model)
 
     def _transfer_state(self) -> None:
