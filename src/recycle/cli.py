@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 from typing import Sequence
 
@@ -44,6 +45,30 @@ def _add_logging_flags(parser: argparse.ArgumentParser, top: bool) -> None:
                        help="the recycle logger's level (wins over -v/-q; default info)")
 
 
+_TOP_OPTIONS_WITH_VALUE = ("--log-level",)
+
+
+def _command_name(argv: Sequence[str]) -> str:
+    """The first argument that is not a top-level option or its value (`recycle --log-level debug train`)."""
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in _TOP_OPTIONS_WITH_VALUE:
+            skip = True
+        elif not arg.startswith("-"):
+            return arg
+    return ""
+
+
+class Terminated(Exception):
+    """SIGTERM (a scheduler's stop, `kill`): unwound like Ctrl-C so every worker is stopped and reaped first."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The CLI parser. With `argv`, only the command it names is imported and fully registered (the others get a
     stub with their help line), so start-up stays fast; without, every command is registered."""
@@ -51,7 +76,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                                      "by pipeline adaptation (ReCycle).")
     _add_logging_flags(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    chosen = None if argv is None else next((a for a in argv if not a.startswith("-")), "")
+    chosen = None if argv is None else _command_name(argv)
     for name in COMMANDS:
         if chosen is not None and name != chosen:
             sub.add_parser(name, help=COMMAND_HELP[name])
@@ -71,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     from recycle.log_setup import configure_logging  # not before: `--help` never imports logging
 
     configure_logging(args.verbose, args.quiet, args.log_level)
+    if args.command == "train":  # its launcher must stop its workers (and say so); other commands die quietly as is
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         from recycle.outputs import check_command_outputs
 
@@ -83,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("stopped by SIGTERM (every worker process was stopped; the newest complete checkpoint, if the run "
+              "writes them, is where --resume picks up)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except BrokenPipeError:
         # The reader stopped early (`recycle ... | head`): not an error of ours. Point stdout at /dev/null so the
         # interpreter's final flush does not raise again.

@@ -263,3 +263,26 @@ def test_a_flood_of_strangers_at_start_up_keeps_no_worker_out(tmp_path: Path, ti
     assert "Traceback" not in err
     assert sum("dropped connections" in line for line in err.splitlines()) <= 2, err
     _assert_exact_save(save, config_file)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_every_worker_and_says_so(tmp_path: Path, tiny_config_file) -> None:
+    config_file = tiny_config_file(steps=400)
+    run_ = subprocess.Popen([sys.executable, "-m", "recycle", "train", "--config", str(config_file)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = _Lines(run_.stdout)
+    try:
+        out.wait_for(r"step 3/400", 90)
+        workers = _children(run_.pid)
+        run_.terminate()
+        run_.wait(timeout=30)
+        err = run_.stderr.read()
+    finally:
+        if run_.poll() is None:
+            run_.kill()
+    assert run_.returncode == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM" in err and "Traceback" not in err, err
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in workers if _alive(p)]

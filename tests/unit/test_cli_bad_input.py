@@ -201,3 +201,14 @@ def test_a_real_process_piped_to_a_reader_that_quits_exits_quietly() -> None:
     proc.stdout.close()
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 141 and err == b""  # no "Exception ignored ... BrokenPipeError" at interpreter exit
+
+
+def test_top_level_log_level_before_the_command_is_accepted() -> None:
+    """Issue 21 item 8: `recycle --log-level debug train ...` took 'debug' for the command."""
+    from recycle.cli import _command_name, build_parser
+
+    assert _command_name(["--log-level", "debug", "train", "--config", "x"]) == "train"
+    assert _command_name(["-q", "--log-level=info", "plan"]) == "plan"
+    args = build_parser(["--log-level", "debug", "schedule", "--config", "c.toml"]).parse_args(
+        ["--log-level", "debug", "schedule", "--config", "c.toml"])
+    assert args.command == "schedule" and args.log_level == "debug"
