@@ -8,6 +8,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,25 @@ def test_a_worker_killed_on_the_other_node_is_survived(tmp_path: Path, tiny_conf
     ref, _ = reference_train(load_config(config_file))
     for key in ref:
         assert float((got[key] - ref[key]).abs().max() / ref[key].abs().max().clamp_min(1e-12)) < 1e-9, key
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_node_with_another_token_is_told_at_once_that_no_job_runs_with_it(tmp_path: Path, tiny_config_file) -> None:
+    """Issue 21 item 1: it used to wait 85 s and then say that node 0 was gone."""
+    config_file = tiny_config_file(steps=200)
+    port = str(free_port())
+    common = [sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--nnodes", "2",
+              "--master-port", port]
+    node0 = subprocess.Popen([*common, "--node-rank", "0"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env={**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)})
+    try:
+        time.sleep(2)
+        wrong = subprocess.run([*common, "--node-rank", "1"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)})
+    finally:
+        node0.kill()
+        node0.wait()
+    assert wrong.returncode == 2
+    assert "no job there runs with this token" in wrong.stderr and "Traceback" not in wrong.stderr
+    assert wrong.stderr.count("\n") <= 3  # the error line (and at most the start-up lines)
