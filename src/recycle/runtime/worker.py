@@ -40,7 +40,7 @@ from recycle.runtime.records import (Announcement, Beat, ErrorRecord, FaultRecor
 from recycle.runtime.stage import build_stage
 from recycle.runtime.state_transfer import transfer_stage_state
 from recycle.runtime.store import StoreClient, StoreFenced
-from recycle.runtime.transport import Activity, Transport, is_comm_error
+from recycle.runtime.transport import Activity, GenerationCut, Transport, is_comm_error
 
 __all__ = ["WorkerSpec", "FaultInjection", "GenerationAborted", "worker_main", "make_optimizer", "parameter_digest",
            "EXIT_FENCED"]
@@ -222,6 +222,11 @@ def _joiner_dies_here(point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class AdmissionCut(GenerationCut):
+    """A replacement's generation broke before its stage's state arrived: it exits (a communication failure, so
+    the coordinator counts it as a dead replacement and it can be started again)."""
+
+
 class _Fenced(Exception):
     """This worker is not in the new generation."""
 
@@ -272,6 +277,9 @@ class _Worker:
             if spec.checkpoint_dir and spec.checkpoint_every > 0 else None
         self._fired: set[FaultInjection] = set()
         self._resumed_pending = False
+        # A replacement holds its stage's state only once it has arrived (from a replica, or the checkpoint); until
+        # then it must never report itself as a survivor of a generation, or its unset weights would be trained on.
+        self._holds_state = not spec.joining
 
     # -- the life of a worker ------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -296,6 +304,9 @@ class _Worker:
                 error = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
             # Outside the except block: the traceback (which holds the failed op and so the broken group's
             # sockets) is gone before the groups are torn down, so peers still blocked on us see the close at once.
+            if not self._holds_state:
+                raise AdmissionCut(f"this replacement's admission was cut short ({error}) before its stage's state "
+                                   "arrived; it leaves, to be started again")
             step = self._recover(step, error)
 
     def _join(self) -> None:
@@ -348,6 +359,7 @@ class _Worker:
         self._take_layout()  # this generation's layer partition; the state arrives from a replica or the checkpoint
         if self.announcement.restore_step >= 0:
             self._load_checkpoint(self.announcement.restore_step)
+            self._holds_state = True
         return self.announcement.redo_step
 
     def _abort_generation(self, generation: int) -> None:
@@ -453,6 +465,7 @@ class _Worker:
                                            self.spec.rank == source, broadcast, self.device)
         if self.spec.rank in announcement.joining:
             executor.applied_iteration = step - 1
+            self._holds_state = True
             self.store.set(Keys.transfer(self.generation, self.spec.rank), to_json(TransferRecord(
                 stats.bytes, stats.seconds, "%d:%d" % self.plan.worker(source))))
 
@@ -566,9 +579,10 @@ class _Worker:
                                    completed.index if applied >= spec.start_step else 0,
                                    completed.busy_s if applied >= spec.start_step else 0.0,
                                    error, time.time())
-        else:  # failed while forming the first generation: nothing done yet
-            report = StoppedReport(spec.rank, self.generation, spec.start_step - 1, spec.start_step, 0, 0.0, 0, 0.0,
-                                   error, time.time())
+        else:  # failed while forming its first generation: nothing done yet
+            # Its state is the run's start, or (a replacement that loaded the restored checkpoint) that step.
+            start = self.announcement.redo_step if self.announcement is not None else spec.start_step
+            report = StoppedReport(spec.rank, self.generation, start - 1, start, 0, 0.0, 0, 0.0, error, time.time())
         self.store.set(Keys.stopped(self.generation, spec.rank), to_json(report))
         self.store.add(Keys.stopped_count(self.generation), 1)  # one key for the coordinator to poll
         announcement = self._await_announcement(self.generation + 1)
