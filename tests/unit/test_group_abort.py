@@ -84,3 +84,19 @@ def test_a_gloo_op_blocked_on_a_silent_peer_raises_when_cut() -> None:
     connections[0].set("still", "there")  # the store connections were not cut
     assert connections[1].get("still") == b"there"
     server.close()
+
+
+def test_a_settled_generation_never_cuts_a_later_generations_sockets() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    forming = SocketSet.start(set())
+    mine = socket.create_connection(listener.getsockname())
+    mine_far, _ = listener.accept()
+    settled = forming.settled()
+    later = socket.create_connection(listener.getsockname())  # the next generation's, opened after
+    later_far, _ = listener.accept()
+    assert cut(settled) == 2
+    later.sendall(b"still open")
+    assert later_far.recv(32) == b"still open"
+    assert mine_far.recv(8) == b""
+    for s in (mine, mine_far, later, later_far, listener):
+        s.close()

@@ -32,17 +32,24 @@ def open_sockets() -> dict[int, str]:
 
 @dataclass(frozen=True)
 class SocketSet:
-    """The sockets opened between two snapshots (a generation's formation), except `keep`: connections to these
-    (host, port) peers (the job store) are never cut."""
+    """A generation's sockets: while it forms, every socket opened since `before` was taken; once it has formed
+    (`settled`), exactly those that existed then (so a later generation's sockets are never taken for its own).
+    Connections to the `keep` peers (the job store) are never cut."""
 
     before: frozenset[tuple[int, str]]
     keep: frozenset[tuple[str, int]]
+    members: frozenset[tuple[int, str]] | None = None
 
     @staticmethod
     def start(keep: set[tuple[str, int]]) -> "SocketSet":
         return SocketSet(frozenset(open_sockets().items()), frozenset(keep))
 
+    def settled(self) -> "SocketSet":
+        return SocketSet(self.before, self.keep, frozenset(self.new_sockets().items()))
+
     def new_sockets(self) -> dict[int, str]:
+        if self.members is not None:
+            return dict(self.members)
         return {fd: inode for fd, inode in open_sockets().items() if (fd, inode) not in self.before}
 
 

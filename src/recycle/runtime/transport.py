@@ -104,6 +104,7 @@ class Transport:
         self._pending: list[tuple[object, torch.Tensor]] = []
         self._lock = threading.Lock()
         self._aborted = False
+        self._closed = False
         self._forming = False
         self._sockets: SocketSet | None = None
 
@@ -128,6 +129,8 @@ class Transport:
         finally:
             with self._lock:
                 self._forming = False
+                if self._sockets is not None:
+                    self._sockets = self._sockets.settled()
         self.formation_s = time.perf_counter() - started
         if self._aborted:  # cut while its last step ran: the groups exist but their connections are gone
             raise GenerationCut(f"generation {self.generation} was aborted while it formed")
@@ -184,22 +187,24 @@ class Transport:
 
     # -- the end of a generation --------------------------------------------------------------------------------
     def abort(self) -> None:
-        """Cut the generation's communicators, from any thread; idempotent. Needs nothing from any peer."""
+        """Cut the generation's communicators, from any thread; idempotent. Needs nothing from any peer. Under the
+        lock, so that close() (and with it the next generation's formation) waits for a cut in progress: a late cut
+        can never reach the next generation."""
         with self._lock:
+            if self._closed:
+                return
             self._aborted = True
-            forming = self._forming
-            sockets = self._sockets
-        if forming:
-            interrupt = getattr(self._store, "interrupt", None)
-            if interrupt is not None:
-                interrupt()  # a rendezvous wait for a peer that will never come
-        if self.backend == "gloo":
-            if sockets is not None and not _NO_CUT:
-                cut(sockets)
-        elif dist.is_initialized():
-            from torch.distributed.distributed_c10d import _abort_process_group
+            if self._forming:
+                interrupt = getattr(self._store, "interrupt", None)
+                if interrupt is not None:
+                    interrupt()  # a rendezvous wait for a peer that will never come
+            if self.backend == "gloo":
+                if self._sockets is not None and not _NO_CUT:
+                    cut(self._sockets)
+            elif dist.is_initialized():
+                from torch.distributed.distributed_c10d import _abort_process_group
 
-            _abort_process_group()  # every communicator of the job (ncclCommAbort), from this thread
+                _abort_process_group()  # every communicator of the job (ncclCommAbort), from this thread
 
     @property
     def aborted(self) -> bool:
@@ -212,6 +217,8 @@ class Transport:
         self._pending.clear()
         if abort:
             self.abort()
+        with self._lock:
+            self._closed = True
         clear = getattr(self._store, "clear_interrupt", None)
         if clear is not None:
             clear()
