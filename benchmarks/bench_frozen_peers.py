@@ -5,7 +5,8 @@ a whole frozen node (two launchers on 127.0.0.1).
 
 Run: .venv/bin/python benchmarks/bench_frozen_peers.py [--repeats 3] [--heartbeat-timeout 2]
 
-Job: the tiny GPT, D=2 x S=2, M=2, float64, zb-h1 with the staggered optimizer, --timeout 30 s. Each case injects
+Job: the tiny GPT, D=2 x S=2, M=2, float64, zb-h1 with the staggered optimizer, --timeout 30 s (the frozen node:
+configs/tiny-gpt.toml, two launchers, paced at 20 ms per slot). Each case injects
 one fault at step 3 and reports "resumed": the fault -> every worker started its first action of the new plan
 (Recovery.resumed_s, the same number the recovery line prints), and for the hang its detection time.
 """
@@ -21,7 +22,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -94,30 +94,12 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def frozen_node(heartbeat_timeout_s: float, tmp: Path) -> float:
-    """Two launchers; node 1's launcher and workers are SIGSTOPped after step 4. Measured here: the SIGSTOP -> node
-    0 prints its recovery line (printed once every worker has started the new plan; the recovery line itself times
-    from the detection, since the coordinator cannot know when a freeze began)."""
-    cfg_file = tmp / "node.toml"
-    cfg_file.write_text("""[topology]
-num_replicas = 2
-num_stages = 2
-[workload]
-num_microbatches = 2
-microbatch_size = 2
-seq_len = 8
-[costs]
-forward = 1
-backward_input = 1
-backward_weight = 1
-[model]
-preset = "tiny"
-[training]
-steps = 16
-lr = 0.01
-dtype = "float64"
-""")
-    common = [sys.executable, "-m", "recycle", "train", "--config", str(cfg_file), "--nnodes", "2", "--master-addr",
+def frozen_node(heartbeat_timeout_s: float) -> float:
+    """Two launchers (configs/tiny-gpt.toml: D=2 x S=2); node 1's launcher and workers are SIGSTOPped after step 4.
+    Measured here: the SIGSTOP -> node 0 prints its recovery line (printed once every worker has started the new
+    plan; the line itself times from the detection: the coordinator cannot know when a freeze began)."""
+    common = [sys.executable, "-m", "recycle", "train", "--config", str(ROOT / "configs" / "tiny-gpt.toml"), "--steps",
+              "16", "--nnodes", "2", "--master-addr",
               "127.0.0.1", "--master-port", str(_free_port()), "--timeout", str(OP_TIMEOUT_S), "--heartbeat-timeout",
               str(heartbeat_timeout_s), "--emulate-costs", "--slot-ms", "20"]
     env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
@@ -184,8 +166,7 @@ def main() -> None:
                          "detected_median_s": statistics.median(detected) if detected else float("nan")}
         print(f"{name:<50} {statistics.median(resumed):>12.2f} {max(resumed):>10.2f} "
               f"{summary[name]['detected_median_s']:>11.2f} {runs[-1][2]:>14}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        node = [frozen_node(hb, Path(tmp)) for _ in range(max(1, args.repeats - 1))]
+    node = [frozen_node(hb) for _ in range(max(1, args.repeats - 1))]
     summary["frozen node (launcher + workers SIGSTOPped)"] = {"resumed_median_s": statistics.median(node),
                                                               "resumed_max_s": max(node)}
     print(f"{'frozen node (launcher + workers SIGSTOPped)':<50} {statistics.median(node):>12.2f} {max(node):>10.2f}")
