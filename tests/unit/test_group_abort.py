@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from recycle.runtime.group_sockets import SocketSet, cut
 from recycle.runtime.store import StoreClient, StoreServer
-from recycle.runtime.transport import is_comm_error
+from recycle.runtime.transport import _is_peer_error
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -80,7 +80,7 @@ def test_a_gloo_op_blocked_on_a_silent_peer_raises_when_cut() -> None:
     assert cut(sockets) >= 1  # one end may close by itself once the other is cut (both live in this process)
     op.join(5)
     assert not op.is_alive() and time.monotonic() - started < 2
-    assert errors and is_comm_error(errors[0]), errors
+    assert errors and _is_peer_error(errors[0]), errors  # what the transport turns into PeerLost
     connections[0].set("still", "there")  # the store connections were not cut
     assert connections[1].get("still") == b"there"
     server.close()
@@ -100,3 +100,20 @@ def test_a_settled_generation_never_cuts_a_later_generations_sockets() -> None:
     assert mine_far.recv(8) == b""
     for s in (mine, mine_far, later, later_far, listener):
         s.close()
+
+
+def test_a_peer_failure_comes_out_of_the_transport_as_peer_lost_and_nothing_else_does() -> None:
+    from recycle.runtime.transport import Activity, PeerLost, _peer_op, is_comm_error
+
+    activity = Activity()
+    activity.phase = "compute"
+    with pytest.raises(PeerLost, match="stage 1 all-reduce: .*Connection closed by peer") as info:
+        with _peer_op(activity, "stage 1 all-reduce"):
+            assert activity.phase == "comm"
+            raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:4242")
+    assert info.value.__context__ is None  # the failed op's traceback (and the broken group) is not kept
+    assert is_comm_error(info.value) and activity.phase == "compute"
+    with pytest.raises(ValueError):  # a bug is not a lost peer
+        with _peer_op(activity, "send"):
+            raise ValueError("shape mismatch")
+    assert not is_comm_error(RuntimeError("CUDA out of memory"))

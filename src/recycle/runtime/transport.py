@@ -3,11 +3,13 @@ p2p send/recv addressed by topology rank, and the per-stage and all-worker SUM a
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -21,7 +23,8 @@ from recycle.runtime.nccl_env import init_kwargs
 # cut their own groups, to measure that path side by side.
 _NO_CUT = os.environ.get("RECYCLE_TEST_NO_CUT") == "1"
 
-__all__ = ["Transport", "GenerationGroups", "GenerationCut", "Activity", "is_comm_error", "default_backend"]
+__all__ = ["Transport", "GenerationGroups", "GenerationCut", "PeerLost", "Activity", "is_comm_error",
+           "default_backend"]
 
 
 def default_backend() -> str:
@@ -29,14 +32,27 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+class PeerLost(RuntimeError):
+    """A p2p op, collective or group formation failed because a peer died, froze, timed out or the generation was
+    cut: the worker leaves the generation and reports (not a bug to stop the run for)."""
+
+
 def is_comm_error(exc: BaseException) -> bool:
-    """Whether `exc` is what a collective or p2p op raises when a peer died or timed out."""
-    if isinstance(exc, (getattr(dist, "DistError", ()), GenerationCut)):
+    """Whether `exc` ends a generation rather than the run: the transport's PeerLost (and GenerationCut), or a
+    torch.distributed error (the job store's among them)."""
+    return isinstance(exc, (PeerLost, GenerationCut, dist.DistError))
+
+
+_PEER_ERROR_TEXTS = ("Connection closed by peer", "Connection reset", "Timed out waiting", "pair closure",
+                     "Broken pipe", "Transport endpoint", "NCCL", "gloo")
+
+
+def _is_peer_error(exc: BaseException) -> bool:
+    """What gloo and NCCL raise when the other side is gone: only these texts tell it (torch raises RuntimeError)."""
+    if isinstance(exc, dist.DistError):
         return True
     text = str(exc)
-    return isinstance(exc, RuntimeError) and any(s in text for s in (
-        "Connection closed by peer", "Connection reset", "Timed out waiting", "pair closure", "Broken pipe",
-        "Transport endpoint", "NCCL", "gloo"))
+    return isinstance(exc, RuntimeError) and any(s in text for s in _PEER_ERROR_TEXTS)
 
 
 @dataclass
@@ -63,19 +79,24 @@ class Activity:
         self.phase = "compute"
 
 
-class _Comm:
-    """Marks a p2p op or collective: its wait is on a peer, not on this worker's own compute."""
-
-    def __init__(self, activity: Activity) -> None:
-        self.activity = activity
-        self.previous = activity.phase
-
-    def __enter__(self) -> None:
-        self.previous = self.activity.phase
-        self.activity.phase = "comm"
-
-    def __exit__(self, *exc: object) -> None:
-        self.activity.phase = self.previous
+@contextlib.contextmanager
+def _peer_op(activity: Activity, what: str) -> Iterator[None]:
+    """A p2p op, collective or formation: its wait is on a peer ("comm"), and a peer's failure comes out as PeerLost.
+    It is raised after the original exception is gone: that one's traceback holds the failed op, and with it the
+    broken group, alive."""
+    previous = activity.phase
+    activity.phase = "comm"
+    lost = None
+    try:
+        yield
+    except Exception as exc:
+        if not _is_peer_error(exc):
+            raise
+        lost = f"{what}: {(str(exc).splitlines() or [type(exc).__name__])[0][:300]}"
+    finally:
+        activity.phase = previous
+    if lost is not None:
+        raise PeerLost(lost)
 
 
 class Transport:
@@ -117,15 +138,8 @@ class Transport:
             self._sockets = SocketSet.start(self._store_peers) if self.backend == "gloo" else None
         started = time.perf_counter()
         try:
-            prefixed = dist.PrefixStore(Keys.process_groups(self.generation), self._store)
-            dist.init_process_group(self.backend, store=prefixed, rank=self.groups.group_rank(self.rank),
-                                    world_size=len(self.groups.live_ranks), timeout=self.timeout,
-                                    **init_kwargs(self.device, self.backend))
-            # Every worker creates every stage group in the same order (new_group is collective over the world);
-            # new_group does not inherit the init timeout, so pass it explicitly.
-            for stage in sorted(self.groups.stage_ranks):
-                members = [self.groups.group_rank(r) for r in self.groups.stage_ranks[stage]]
-                self.groups.stage_groups[stage] = dist.new_group(members, timeout=self.timeout)
+            with _peer_op(self.activity, f"forming generation {self.generation}"):
+                self._form_groups()
         finally:
             with self._lock:
                 self._forming = False
@@ -135,29 +149,41 @@ class Transport:
         if self._aborted:  # cut while its last step ran: the groups exist but their connections are gone
             raise GenerationCut(f"generation {self.generation} was aborted while it formed")
 
+    def _form_groups(self) -> None:
+        prefixed = dist.PrefixStore(Keys.process_groups(self.generation), self._store)
+        dist.init_process_group(self.backend, store=prefixed, rank=self.groups.group_rank(self.rank),
+                                world_size=len(self.groups.live_ranks), timeout=self.timeout,
+                                **init_kwargs(self.device, self.backend))
+        # Every worker creates every stage group in the same order (new_group is collective over the world);
+        # new_group does not inherit the init timeout, so pass it explicitly.
+        for stage in sorted(self.groups.stage_ranks):
+            members = [self.groups.group_rank(r) for r in self.groups.stage_ranks[stage]]
+            self.groups.stage_groups[stage] = dist.new_group(members, timeout=self.timeout)
+
     # -- p2p ----------------------------------------------------------------------------------------------------
     def send(self, message: Message, tensor: torch.Tensor) -> None:
         buffer = tensor.detach().contiguous()
-        work = dist.isend(buffer, self.groups.group_rank(message.dst), tag=self._tag(message))
+        with _peer_op(self.activity, f"send {message}"):
+            work = dist.isend(buffer, self.groups.group_rank(message.dst), tag=self._tag(message))
         self._pending.append((work, buffer))
 
     def recv(self, message: Message, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        with _Comm(self.activity):
+        with _peer_op(self.activity, f"receive {message}"):
             dist.recv(buffer, self.groups.group_rank(message.src), tag=self._tag(message))
         return buffer
 
     def send_to(self, tensor: torch.Tensor, rank: int) -> None:
         """A blocking send to topology rank `rank` (state moved between workers outside the plan's messages)."""
-        with _Comm(self.activity):
+        with _peer_op(self.activity, f"send to rank {rank}"):
             dist.send(tensor, dst=self.groups.group_rank(rank))
 
     def recv_from(self, tensor: torch.Tensor, rank: int) -> None:
-        with _Comm(self.activity):
+        with _peer_op(self.activity, f"receive from rank {rank}"):
             dist.recv(tensor, src=self.groups.group_rank(rank))
 
     def stage_broadcast(self, stage: int, tensor: torch.Tensor, src_rank: int) -> None:
-        with _Comm(self.activity):
+        with _peer_op(self.activity, f"stage {stage} broadcast"):
             dist.broadcast(tensor, src=self.groups.group_rank(src_rank), group=self.groups.stage_groups[stage])
 
     def _tag(self, message: Message) -> int:
@@ -165,7 +191,7 @@ class Transport:
 
     def flush(self) -> None:
         """Wait for every send of this iteration."""
-        with _Comm(self.activity):
+        with _peer_op(self.activity, "waiting for this iteration's sends"):
             for work, _ in self._pending:
                 work.wait()
         self._pending.clear()
@@ -173,12 +199,12 @@ class Transport:
     # -- collectives ----------------------------------------------------------------------------------------------
     def stage_allreduce_sum(self, stage: int, tensor: torch.Tensor) -> None:
         if len(self.groups.stage_ranks[stage]) > 1:
-            with _Comm(self.activity):
+            with _peer_op(self.activity, f"stage {stage} all-reduce"):
                 dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.groups.stage_groups[stage])
 
     def world_allreduce_sum(self, tensor: torch.Tensor) -> None:
         if len(self.groups.live_ranks) > 1:
-            with _Comm(self.activity):
+            with _peer_op(self.activity, "world all-reduce"):
                 dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
 
     def barrier(self) -> None:
