@@ -81,22 +81,18 @@ class Activity:
 
 @contextlib.contextmanager
 def _peer_op(activity: Activity, what: str) -> Iterator[None]:
-    """A p2p op, collective or formation: its wait is on a peer ("comm"), and a peer's failure comes out as PeerLost.
-    It is raised after the original exception is gone: that one's traceback holds the failed op, and with it the
-    broken group, alive."""
+    """A p2p op, collective or formation: its wait is on a peer ("comm"), and a peer's failure comes out as PeerLost
+    (naming the op; torch's own text after it)."""
     previous = activity.phase
     activity.phase = "comm"
-    lost = None
     try:
         yield
     except Exception as exc:
         if not _is_peer_error(exc):
             raise
-        lost = f"{what}: {(str(exc).splitlines() or [type(exc).__name__])[0][:300]}"
+        raise PeerLost(f"{what}: {(str(exc).splitlines() or [type(exc).__name__])[0][:300]}") from None
     finally:
         activity.phase = previous
-    if lost is not None:
-        raise PeerLost(lost)
 
 
 class Transport:
