@@ -341,6 +341,16 @@ def _context(start_method: str) -> mp.context.BaseContext:
     return context
 
 
+@dataclass(frozen=True)
+class _PendingRecovery:
+    """An announced generation whose recovery is reported once every worker has started in it."""
+
+    facts: RecoveryFacts
+    choice: PlanChoice
+    announced: float  # wall clock of the announcement
+    live: frozenset[int]
+
+
 class _Coordination:
     """Node 0's loop: feed facts from processes and the store to the Coordinator, carry out its commands, report
     steps and recoveries."""
@@ -385,7 +395,7 @@ class _Coordination:
         # Tests only: ranks whose process the launcher must not kill (as if its node could not be reached).
         self.unfenceable = {int(r) for r in os.environ.get("RECYCLE_TEST_UNFENCEABLE", "").split(",") if r.strip()}
         self.next_beat_check = 0.0
-        self.pending: dict[str, Any] | None = None  # the recovery being completed
+        self.pending: _PendingRecovery | None = None  # the recovery being completed
         self.failing = False
         self.pending_checkpoints = [d for d in range(start_step + 1, end_step + 1)
                                     if options.checkpoint_dir and options.checkpoint_every > 0
@@ -667,7 +677,7 @@ class _Coordination:
             self.store.delete_key(Keys.join_ready(rank))
             self.store.set(Keys.join_generation(rank), str(facts.generation))
         self.plan = plan
-        self.pending = {"facts": facts, "choice": choice, "announced": time.time(), "live": command.live}
+        self.pending = _PendingRecovery(facts, choice, time.time(), command.live)
 
     def _forget_steps_from(self, step: int) -> None:
         """A checkpoint restore: steps from `step` on run again, so their records and checkpoint keys are stale."""
@@ -697,8 +707,8 @@ class _Coordination:
         pending = self.pending
         if pending is None:
             return
-        facts: RecoveryFacts = pending["facts"]
-        live = sorted(pending["live"])
+        facts = pending.facts
+        live = sorted(pending.live)
         generation = facts.generation
         resumed_keys = [Keys.resumed(generation, r) for r in live]
         if facts.redo_step < self.end_step and not self.store.check(resumed_keys) and not final:
@@ -723,7 +733,7 @@ class _Coordination:
                     fault_times.append(fault.time)
             causes.append(cause)
         failure_time = min(fault_times) if fault_times else facts.started
-        choice: PlanChoice = pending["choice"]
+        choice = pending.choice
         end = max(resumed) if resumed else time.time()
         transfers = [from_json(TransferRecord, self.store.get(Keys.transfer(generation, r)))
                      for r in sorted(facts.joining) if self.store.check([Keys.transfer(generation, r)])]
@@ -737,7 +747,7 @@ class _Coordination:
             failed=tuple(sorted(facts.failed)), failure_time=failure_time,
             detected_s=(min(d.time for d in facts.deaths) - min(fault_times)) if fault_times and facts.deaths else None,
             plan_source=choice.source, plan_lookup_s=choice.seconds, plan_note=choice.note,
-            formed_s=(max(joined) - pending["announced"]) if joined else 0.0,
+            formed_s=(max(joined) - pending.announced) if joined else 0.0,
             resumed_s=end - (failure_time if facts.deaths else paused_from), redone_actions=facts.redone_actions,
             redone_s=facts.redone_s, rolled_back=facts.rolled_back,
             joined=tuple("%d:%d" % self.plan.worker(r) for r in sorted(facts.joining)),
