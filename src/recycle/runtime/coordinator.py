@@ -220,6 +220,9 @@ class Coordinator:
     def worker(self, rank: int) -> tuple[int, int]:
         return divmod(rank, self.num_stages)
 
+    def rank(self, replica: int, stage: int) -> int:
+        return replica * self.num_stages + stage
+
     # -- facts ---------------------------------------------------------------------------------------------------
     def on_death(self, rank: int, cause: str, now: float, fence: bool = False) -> list[Command]:
         """A live worker is gone: its process ended, or it stopped responding (`fence`: kill it to be sure)."""
@@ -254,7 +257,7 @@ class Coordinator:
             if any(self.worker(r)[1] == stage for r in self.state.joining | self.state.moving):
                 pass  # a replacement (or a moved worker) for the stage is up or starting: it restores the checkpoint
             else:
-                respawn = frozenset(p * self.num_stages + s for p, s in failed if s == stage) - self.state.joining
+                respawn = frozenset(self.rank(p, s) for p, s in failed if s == stage) - self.state.joining
                 commands += [Respawn(respawn, f"{what}: {restoring}")]
         return commands + self._begin_recovery(now, cause) + self._maybe_announce(now)
 
@@ -268,19 +271,19 @@ class Coordinator:
         holders = [{r for r in state.live | state.joining | state.moving if self.worker(r)[1] == s}
                    for s in range(self.num_stages)]
         taken = state.joining | state.moving
-        free = {p * self.num_stages + s for p, s in state.failed} - taken
+        free = {self.rank(p, s) for p, s in state.failed} - taken
         moves: list[tuple[int, int]] = []
         while True:
             counts = [len(h) for h in holders]
             target_stage = min(range(self.num_stages), key=lambda s: (counts[s], s))
             options = [(counts[self.worker(r)[1]], -self.worker(r)[1], r) for r in donors
                        if counts[self.worker(r)[1]] - counts[target_stage] >= 2
-                       and self.worker(r)[0] * self.num_stages + target_stage in free]
+                       and self.rank(self.worker(r)[0], target_stage) in free]
             if not options:
                 return moves
             _, _, donor = max(options)
             replica, donor_stage = self.worker(donor)
-            target = replica * self.num_stages + target_stage
+            target = self.rank(replica, target_stage)
             moves.append((donor, target))
             donors.discard(donor)
             free.discard(target)

@@ -464,7 +464,7 @@ class _Coordination:
         state = self.coordinator.state
         commands: list[Command] = []
         for replica, stage in sorted(state.failed):
-            rank = replica * self.plan.num_stages + stage
+            rank = self.plan.rank(replica, stage)
             process = self.processes.get(rank)
             if process is not None and process.exitcode is not None:
                 continue  # its ready key is stale: the process has died since (its exit is handled next loop)
@@ -476,7 +476,7 @@ class _Coordination:
 
     def _respawn_due(self, now: float) -> None:
         """Bring workers back: --respawn-after (a stand-in for repair) and scripted `rejoin:` events."""
-        failed_ranks = {p * self.plan.num_stages + s for p, s in self.coordinator.state.failed}
+        failed_ranks = {self.plan.rank(p, s) for p, s in self.coordinator.state.failed}
         for rank, at in sorted(self.respawn_at.items()):
             if now >= at:
                 if self.vacated.get(rank) in failed_ranks:
