@@ -179,10 +179,9 @@ def test_a_replacement_that_dies_during_its_admission_is_survived(point: str, tm
     """Worker 0:1 is killed; its replacement (--respawn-after) SIGKILLs itself at `point` of its admission (right
     after it says it is ready, once admitted, with the groups formed, as its state arrives); the next replacement
     gets in and the run ends exactly (issue 21 item 2: the launcher crashed in the first case)."""
-    steps = 30  # long enough for two replacements to start (spawn: ~3 s each here)
+    steps = 30  # long enough for two replacements to start
     monkeypatch.setenv("RECYCLE_TEST_JOINER_DIES", f"{point}:{tmp_path / 'died'}")
-    result = run(2, 2, tmp_path, faults=[((0, 1), FaultInjection(1, 2))], respawn_after_s=0.3, steps=steps,
-                 start_method="spawn")  # spawn: the replacements see this test's environment
+    result = run(2, 2, tmp_path, faults=[((0, 1), FaultInjection(1, 2))], respawn_after_s=0.3, steps=steps)
     assert (tmp_path / "died").exists()  # the first replacement did die at that point
     got = torch.load(tmp_path / "final.pt", weights_only=True)["model"]
     ref = reference_train(config_for(2, 2), steps)[0]

@@ -326,7 +326,8 @@ def _spec_maker(config: Config, plan: Plan, options: LaunchOptions, store_port: 
             save_path=options.save_path, record_timings=options.record_timings,
             verify_replicas=options.verify_replicas, model_factory=options.model_factory,
             faults=() if joining else tuple(f for r, f in options.faults if r == rank),
-            emulation=options.emulation, joining=joining, incarnation=new_incarnation())
+            emulation=options.emulation, joining=joining, incarnation=new_incarnation(),
+            joiner_dies_at=os.environ.get("RECYCLE_TEST_JOINER_DIES", "") if joining else "")
 
     return spec_for
 

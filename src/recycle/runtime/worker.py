@@ -74,6 +74,7 @@ class WorkerSpec:
     emulation: Emulation | None = None  # pad every action to the config's cost (runtime.emulate)
     joining: bool = False  # a replacement: waits to be admitted, then takes its stage's state from a peer
     incarnation: str = ""  # this process among every one that runs as `rank` (the store fences by it)
+    joiner_dies_at: str = ""  # tests only: RECYCLE_TEST_JOINER_DIES as the launcher saw it (see _joiner_dies_here)
 
 
 class GenerationAborted(Exception):
@@ -209,11 +210,11 @@ def worker_main(spec: WorkerSpec, launcher_alive: Connection | None = None) -> N
         os._exit(1)  # skip interpreter teardown: a broken process group can hang in its destructor
 
 
-def _joiner_dies_here(point: str) -> None:
-    """Tests only (RECYCLE_TEST_JOINER_DIES=POINT:MARKER_FILE): a replacement SIGKILLs itself at this point of its
-    admission, once per marker file (the next replacement gets in)."""
-    spec = os.environ.get("RECYCLE_TEST_JOINER_DIES", "")
-    where, _, marker = spec.partition(":")
+def _joiner_dies_here(hook: str, point: str) -> None:
+    """Tests only (the launcher's RECYCLE_TEST_JOINER_DIES=POINT:MARKER_FILE, passed in the spec so that a forkserver
+    started earlier does not hide it): a replacement SIGKILLs itself at this point of its admission, once per marker
+    file (the next replacement gets in)."""
+    where, _, marker = hook.partition(":")
     if where == point and marker:
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
@@ -325,7 +326,7 @@ class _Worker:
             transport.abort()  # the watcher saw the abort before this transport existed
         transport.form()
         if self.spec.joining and self.announcement is not None and self.spec.rank in self.announcement.joining:
-            _joiner_dies_here("formed")
+            _joiner_dies_here(self.spec.joiner_dies_at, "formed")
         self.store.set(Keys.joined(generation, self.spec.rank),
                        to_json(Joined(time.time(), transport.formation_s, "init")))
         if self.executor is None:
@@ -343,7 +344,7 @@ class _Worker:
         (and its checkpoint, when the run restores one); the stage's live state arrives after the groups form."""
         spec = self.spec
         self.store.set(Keys.join_ready(spec.rank), to_json(JoinReady(time.time(), os.getpid())))
-        _joiner_dies_here("ready")
+        _joiner_dies_here(self.spec.joiner_dies_at, "ready")
         key = Keys.join_generation(spec.rank)
         while True:
             try:
@@ -353,7 +354,7 @@ class _Worker:
                 if self.store.check([Keys.FINISHED]):
                     raise _Fenced() from None  # the run ended before this worker was needed
         self.generation = int(self.store.get(key))
-        _joiner_dies_here("admitted")
+        _joiner_dies_here(self.spec.joiner_dies_at, "admitted")
         self.announcement = from_json(Announcement, self.store.get(Keys.announce(self.generation)))
         self.plan = Plan.from_json(self.store.get(Keys.plan(self.generation)).decode())
         self._take_layout()  # this generation's layer partition; the state arrives from a replica or the checkpoint
@@ -455,7 +456,7 @@ class _Worker:
             return
         source = self.plan.rank(next(p for p in replicas if p not in joiners), self.stage)
         if self.spec.rank in announcement.joining:
-            _joiner_dies_here("transfer")
+            _joiner_dies_here(self.spec.joiner_dies_at, "transfer")
         transport, executor = self.transport, self.executor
 
         def broadcast(tensor: torch.Tensor) -> None:
