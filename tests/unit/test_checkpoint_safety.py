@@ -485,3 +485,27 @@ def test_dcps_checkpoint_exception_on_load_is_a_checkpoint_error(tmp_path: Path,
             load()
         assert str(checkpoint.step_dir(tmp_path, 2)) in str(info.value)
         assert "damaged" in str(info.value) or "truncated" in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_in_a_shard_does_not_hang_the_coordinators_merge(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 2, latest=False)
+    manifest = checkpoint.shard_dir(tmp_path, 2, 1) / checkpoint.SHARD_MANIFEST
+    manifest.unlink()
+    os.mkfifo(manifest)
+    assert checkpoint.mark_latest(tmp_path, 2, 2) is False  # not complete: the coordinator tries again later
+    assert not (tmp_path / "latest").exists()
+
+
+@pytest.mark.parametrize("digits,problem", [(5000, "more than a 'latest' pointer may have"),
+                                            (19, "not a step directory name")])
+def test_a_latest_pointer_with_thousands_of_digits_is_reported_not_a_traceback(tmp_path: Path, digits: int,
+                                                                               problem: str) -> None:
+    """Before: int() of 5,000 digits raised ValueError (a traceback). The pointer is read with a 4 KB bound and
+    step names are at most 18 digits."""
+    write_checkpoint(tmp_path, 2)
+    (tmp_path / "latest").write_text("step" + "9" * digits + "\n")
+    point = preflight.find_resume_point(config(), tmp_path)
+    assert point.step == 2 and problem in point.warnings[0]
+    with pytest.raises(ConfigError, match=problem):
+        checkpoint.latest_step(tmp_path)
