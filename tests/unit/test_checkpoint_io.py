@@ -160,3 +160,27 @@ def test_keep_checkpoints_reaches_the_launch_options() -> None:
     assert options.keep_checkpoints == 3 and LaunchOptions().keep_checkpoints is None
     with pytest.raises(ConfigError, match="must be an integer >= 1"):
         preflight.check_checkpoint_options(LaunchOptions(checkpoint_dir="ck", keep_checkpoints=0))
+
+
+def test_settled_steps_are_looked_at_again_by_a_new_run_and_every_few_marks(tmp_path: Path, monkeypatch) -> None:
+    """mark_latest skips the steps it found merged before (a run keeping thousands of checkpoints scans none of
+    them again), but a new run (a new run.json) and every _FULL_SWEEP_EVERY-th mark look again."""
+    cfg = config()
+    monkeypatch.setattr(checkpoint, "_FULL_SWEEP_EVERY", 3)
+    write_checkpoint(tmp_path, 1)  # writes run.json: the run starts
+    write_checkpoint(tmp_path, 2, fingerprint=False)  # step 1 is settled now
+    dead = checkpoint.step_dir(tmp_path, 1) / "stage0.somehost.1.1.tmp"  # e.g. a fenced writer that woke up
+    dead.mkdir()
+    dead.rename(dead.with_name(f"stage0.{checkpoint.socket.gethostname()}.999999999.1.tmp"))
+    write_checkpoint(tmp_path, 3, fingerprint=False)  # mark 3 of this run: step 1 is not looked at
+    assert len(list(checkpoint.step_dir(tmp_path, 1).glob("*.tmp"))) == 1
+    write_checkpoint(tmp_path, 4, fingerprint=False)  # mark 4: a full sweep removes the dead writer's leftover
+    assert not list(checkpoint.step_dir(tmp_path, 1).glob("*.tmp"))
+    import shutil
+
+    shutil.rmtree(checkpoint.step_dir(tmp_path, 2))  # a new run in the same folder, with step 2 written unmerged
+    time.sleep(0.01)
+    write_checkpoint(tmp_path, 5, latest=False)  # (rewrites run.json first)
+    _shards(tmp_path, 2)
+    assert checkpoint.mark_latest(tmp_path, 5, cfg.num_stages)
+    assert checkpoint.read_manifest(checkpoint.step_dir(tmp_path, 2))["step"] == 2

@@ -369,10 +369,10 @@ def mark_latest(root: str | Path, step: int, num_stages: int, keep: int | None =
     return True
 
 
-# Per checkpoint directory: the steps found merged with no temporary shard in them, not looked into again (a run
-# that keeps every checkpoint would otherwise scan thousands of folders per mark), except on every
-# _FULL_SWEEP_EVERY-th mark, which finds a leftover that a fenced writer waking up later may have made.
-_SETTLED: dict[str, tuple[int, set[int]]] = {}
+# Per checkpoint directory and run (its run.json's time): the steps found merged with no temporary shard in them,
+# not looked into again (a run that keeps every checkpoint would otherwise scan thousands of folders per mark),
+# except on every _FULL_SWEEP_EVERY-th mark, which finds a leftover that a fenced writer waking up later may have made.
+_SETTLED: dict[tuple[str, int | None], tuple[int, set[int]]] = {}
 _FULL_SWEEP_EVERY = 64
 
 
@@ -383,10 +383,10 @@ def _settle_older_steps(root: Path, latest: int, num_stages: int, keep: int | No
         started: int | None = os.lstat(root / RUN_FILE).st_mtime_ns
     except OSError:
         started = None
-    marks, settled = _SETTLED.get(str(root), (0, set()))
+    marks, settled = _SETTLED.get((str(root), started), (0, set()))
     if marks % _FULL_SWEEP_EVERY == 0:
         settled = set()
-    _SETTLED[str(root)] = (marks + 1, settled)
+    _SETTLED[(str(root), started)] = (marks + 1, settled)
     folders = _step_folders(root)
     for step, name in sorted(folders.items()):
         if step > latest:
