@@ -297,3 +297,215 @@ def test_no_part_file_outlives_a_failed_merge(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError):  # stage 1's part is missing
         checkpoint.merge_stage_parts(target, 2, {})
     assert not list(tmp_path.iterdir())
+
+
+# -- issue 21 item 4: files of a checkpoint folder are reached without links, regular only, size-bounded ------------
+def _record_hash(root: Path, step: int, name: str, data: bytes) -> None:
+    """Record `data`'s SHA-256 for `name` in the step's recycle.json, as an attacker with write access can."""
+    manifest_path = checkpoint.step_dir(root, step) / checkpoint.MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"][name] = hashlib.sha256(data).hexdigest()
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def _plant(root: Path, kind: str) -> Path:
+    """Replace one file (or folder) of step 2 by a link or a special file; return the path."""
+    where = checkpoint.step_dir(root, 2)
+    if kind == "shard -> /etc/passwd":  # with its hash recorded: only the link gives it away
+        path = where / "stage1" / "__0_0.distcp"
+        path.unlink()
+        path.symlink_to("/etc/passwd")
+        _record_hash(root, 2, "stage1/__0_0.distcp", Path("/etc/passwd").read_bytes())
+    elif kind == ".metadata -> /dev/zero":  # read 7 GB before the fix
+        path = where / ".metadata"
+        path.unlink()
+        path.symlink_to("/dev/zero")
+    elif kind.startswith("FIFO "):  # hung preflight before the fix
+        path = where / kind.removeprefix("FIFO ")
+        path.unlink()
+        os.mkfifo(path)
+    elif kind == "stage folder -> elsewhere":
+        other = root.parent / "other"
+        write_checkpoint(other, 2)
+        path = where / "stage1"
+        import shutil
+
+        shutil.rmtree(path)
+        path.symlink_to(other / "step000002" / "stage1")
+    else:
+        raise AssertionError(kind)
+    return path
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["shard -> /etc/passwd", ".metadata -> /dev/zero", "FIFO recycle.json",
+                                  "FIFO .metadata", "FIFO stage0/__0_0.distcp", "stage folder -> elsewhere"])
+def test_links_and_special_files_in_a_checkpoint_are_refused(tmp_path: Path, kind: str) -> None:
+    """Every file is reached from the checkpoint folder without following a link and must be a regular file:
+    refused (never skipped over quietly, as for a file that would run code), in preflight and in the workers'
+    load."""
+    root = tmp_path / "ck"
+    write_checkpoint(root, 2)
+    path = _plant(root, kind)
+    with pytest.raises(CheckpointError, match="refused") as info:
+        preflight.find_resume_point(config(), root)
+    assert str(path) in str(info.value)
+    cfg = config()
+    built = build_stage(cfg, 0)  # stage 0's load checks every data file the metadata names, stage 1's too
+    with pytest.raises(CheckpointError, match="refused"):
+        checkpoint.load_stage(root, 2, 0, built.module, make_optimizer(built.module, cfg.training))
+
+
+def test_a_data_file_linked_after_preflight_is_refused_by_the_dcp_reader(tmp_path: Path, monkeypatch) -> None:
+    """DCP's own reader opens the data files: recycle's opens each one inside the folder, without links, so a file
+    swapped for a link between preflight and the workers' load is refused there too."""
+    write_checkpoint(tmp_path, 2)
+    where = checkpoint.step_dir(tmp_path, 2)
+    metadata = checkpoint.read_metadata(where, verify_files=True, root=tmp_path)
+    data = where / "stage0" / "__0_0.distcp"
+    copy = tmp_path / "copy.distcp"
+    copy.write_bytes(data.read_bytes())
+    data.unlink()
+    data.symlink_to(copy)
+    state = {k: torch.empty(tuple(e.size), dtype=e.properties.dtype) for k, e in
+             metadata.state_dict_metadata.items() if k == "wte.weight"}
+    monkeypatch.setattr(checkpoint, "_check_data_files", lambda *args: None)  # as if swapped just after the check
+    with pytest.raises(CheckpointError, match="symbolic link.*refused"):
+        checkpoint._dcp_load(state, where, tmp_path)
+
+
+def test_a_metadata_file_over_its_size_bound_is_refused_unread(tmp_path: Path, monkeypatch) -> None:
+    write_checkpoint(tmp_path, 2)
+    size = (checkpoint.step_dir(tmp_path, 2) / ".metadata").stat().st_size
+    monkeypatch.setattr(checkpoint, "METADATA_LIMIT", size - 1)
+    with pytest.raises(CheckpointError, match=f"is {size:,} bytes, more than a checkpoint's .metadata may have"):
+        checkpoint.read_metadata(checkpoint.step_dir(tmp_path, 2))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["FIFO", "link to /dev/zero"])
+def test_a_latest_pointer_that_is_not_a_regular_file_is_reported_and_ignored(tmp_path: Path, kind: str) -> None:
+    write_checkpoint(tmp_path, 2)
+    pointer = tmp_path / "latest"
+    pointer.unlink()
+    os.mkfifo(pointer) if kind == "FIFO" else pointer.symlink_to("/dev/zero")
+    point = preflight.find_resume_point(config(), tmp_path)
+    assert point.step == 2 and len(point.warnings) == 1 and "latest" in point.warnings[0] \
+        and "refused" in point.warnings[0]
+    with pytest.raises(CheckpointError, match="refused"):
+        checkpoint.latest_step(tmp_path)
+
+
+def test_the_coordinators_files_replace_a_planted_link_instead_of_writing_through_it(tmp_path: Path) -> None:
+    """.metadata, recycle.json and `latest` are recycle's own files: a link planted there is replaced, and the
+    file it points to is left alone (a root launcher would otherwise overwrite it)."""
+    cfg = config()
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    root = tmp_path / "ck"
+    write_checkpoint(root, 2, latest=False)
+    for name in (".metadata", checkpoint.MANIFEST):
+        (checkpoint.step_dir(root, 2) / name).symlink_to(victim)
+    (root / "latest").symlink_to(victim)
+    assert checkpoint.mark_latest(root, 2, cfg.num_stages)
+    assert victim.read_text() == "precious\n"
+    assert not any(p.is_symlink() for p in (root / "latest", checkpoint.step_dir(root, 2) / ".metadata"))
+    assert preflight.find_resume_point(cfg, root).step == 2
+
+
+def _metadata_with(root: Path, field: str) -> Path:
+    """Step 2's .metadata with one field of another type or shape (hash recorded, so only the check stops it)."""
+    where = checkpoint.step_dir(root, 2)
+    metadata = pickle.loads((where / ".metadata").read_bytes())
+    entries = metadata.state_dict_metadata
+    optimizer_key = next(k for k in entries if k.startswith("optimizer.") and k.endswith(".exp_avg"))
+    if field == "size given as an int":
+        entries["wte.weight"].size = 8192
+    elif field == "train.rng shape 10^13":
+        entries["train.rng.stage0"].size = torch.Size([10 ** 13])
+        entries["train.rng.stage0"].chunks[0].sizes = torch.Size([10 ** 13])
+    elif field == "train.rng shape 10^13, storage too":  # a sparse data file could claim that much
+        entries["train.rng.stage0"].size = torch.Size([10 ** 13])
+        entries["train.rng.stage0"].chunks[0].sizes = torch.Size([10 ** 13])
+        index = next(i for i in metadata.storage_data if i.fqn == "train.rng.stage0")
+        info = metadata.storage_data[index]
+        metadata.storage_data[index] = type(info)(info.relative_path, info.offset, 10 ** 13)
+    elif field == "model dtype as a string":
+        entries["wte.weight"].properties.dtype = "float32"
+    elif field == "optimizer dtype as a string":
+        entries[optimizer_key].properties.dtype = "float32"
+    elif field == "step of shape (10^12,)":
+        entries["train.step"].size = torch.Size([10 ** 12])
+        entries["train.step"].chunks[0] = type(entries["train.step"].chunks[0])(torch.Size([0]),
+                                                                                 torch.Size([10 ** 12]))
+    elif field == "chunks not a list":
+        entries["wte.weight"].chunks = "x"
+    elif field == "a negative storage length":
+        index = next(iter(metadata.storage_data))
+        info = metadata.storage_data[index]
+        metadata.storage_data[index] = type(info)(info.relative_path, info.offset, -1)
+    else:
+        raise AssertionError(field)
+    return rewrite_metadata(root, 2, pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("field", ["size given as an int", "train.rng shape 10^13",
+                                   "train.rng shape 10^13, storage too", "model dtype as a string",
+                                   "optimizer dtype as a string", "step of shape (10^12,)", "chunks not a list",
+                                   "a negative storage length"])
+def test_every_metadata_field_is_checked_for_type_and_shape(tmp_path: Path, field: str) -> None:
+    """Before: a TypeError traceback in preflight (an int size), or preflight passed and every worker failed (an
+    RNG state of 10^13 bytes to allocate, a dtype string). Now each is a damaged checkpoint: preflight falls back
+    to an older intact one, and a worker's load is a CheckpointError, never a traceback or an allocation."""
+    write_checkpoint(tmp_path, 1)
+    write_checkpoint(tmp_path, 2)
+    path = _metadata_with(tmp_path, field)
+    point = preflight.find_resume_point(config(), tmp_path)
+    assert point.step == 1 and str(path) in point.warnings[0] and "damaged" in point.warnings[0]
+    cfg = config()
+    built = build_stage(cfg, 0)
+    with pytest.raises(CheckpointError, match="damaged"):
+        checkpoint.load_stage(tmp_path, 2, 0, built.module, make_optimizer(built.module, cfg.training))
+
+
+@pytest.mark.parametrize("damage", ["zeroed", "truncated"])
+def test_dcps_checkpoint_exception_on_load_is_a_checkpoint_error(tmp_path: Path, damage: str) -> None:
+    """DCP's CheckpointException derives from BaseException and escaped `except Exception`: a data file that
+    reads wrong is now a CheckpointError (an Exception) naming the folder."""
+    write_checkpoint(tmp_path, 2)
+    data = checkpoint.shard_dir(tmp_path, 2, 0) / "__0_0.distcp"
+    blob = data.read_bytes()
+    data.write_bytes(b"\0" * len(blob) if damage == "zeroed" else blob[:300])
+    cfg = config()
+    built = build_stage(cfg, 0)
+    for load in (lambda: checkpoint.load_model_state(tmp_path),
+                 lambda: checkpoint.load_stage(tmp_path, 2, 0, built.module,
+                                               make_optimizer(built.module, cfg.training))):
+        with pytest.raises(CheckpointError) as info:
+            load()
+        assert str(checkpoint.step_dir(tmp_path, 2)) in str(info.value)
+        assert "damaged" in str(info.value) or "truncated" in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_in_a_shard_does_not_hang_the_coordinators_merge(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 2, latest=False)
+    manifest = checkpoint.shard_dir(tmp_path, 2, 1) / checkpoint.SHARD_MANIFEST
+    manifest.unlink()
+    os.mkfifo(manifest)
+    assert checkpoint.mark_latest(tmp_path, 2, 2) is False  # not complete: the coordinator tries again later
+    assert not (tmp_path / "latest").exists()
+
+
+@pytest.mark.parametrize("digits,problem", [(5000, "more than a 'latest' pointer may have"),
+                                            (19, "not a step directory name")])
+def test_a_latest_pointer_with_thousands_of_digits_is_reported_not_a_traceback(tmp_path: Path, digits: int,
+                                                                               problem: str) -> None:
+    """Before: int() of 5,000 digits raised ValueError (a traceback). The pointer is read with a 4 KB bound and
+    step names are at most 18 digits."""
+    write_checkpoint(tmp_path, 2)
+    (tmp_path / "latest").write_text("step" + "9" * digits + "\n")
+    point = preflight.find_resume_point(config(), tmp_path)
+    assert point.step == 2 and problem in point.warnings[0]
+    with pytest.raises(ConfigError, match=problem):
+        checkpoint.latest_step(tmp_path)

@@ -103,3 +103,79 @@ def test_parallel_build_matches_serial(tmp_path: Path) -> None:
     serial = json.loads((tmp_path / "serial" / INDEX_NAME).read_text())["plans"]
     parallel = json.loads((tmp_path / "parallel" / INDEX_NAME).read_text())["plans"]
     assert {k: v["period"] for k, v in serial.items()} == {k: v["period"] for k, v in parallel.items()}
+
+
+def _copy_store(toy_store: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    out = tmp_path / "store"
+    shutil.copytree(toy_store, out)
+    return out
+
+
+def _name_plan_file(store: Path, file: str) -> None:
+    index = json.loads((store / INDEX_NAME).read_text())
+    index["plans"][key_name((0, 0, 0, 0))]["file"] = file
+    (store / INDEX_NAME).write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("file", ["/etc/passwd", "../../../../../../etc/passwd", "plans/../../store2/x.json",
+                                  "plans//k0-0-0-0.json", ""])
+def test_an_index_naming_a_file_outside_the_store_is_refused(toy: Config, toy_store: Path, tmp_path: Path,
+                                                              file: str) -> None:
+    """Issue 21 item 4: index.json may name only relative paths inside the store folder (before: /etc/passwd was
+    read and parsed as a plan)."""
+    store = _copy_store(toy_store, tmp_path)
+    _name_plan_file(store, file)
+    with pytest.raises(PlanError, match="not inside the store folder.*refused"):
+        PlanStore.load(store, toy)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["plan -> elsewhere", "plan -> /dev/zero", "FIFO plan", "FIFO index.json",
+                                  "plans folder -> elsewhere"])
+def test_links_and_special_files_in_a_plan_store_are_refused(toy: Config, toy_store: Path, tmp_path: Path,
+                                                             kind: str) -> None:
+    """Before: a FIFO hung the load, /dev/zero was read until memory ran out, links were followed."""
+    import os
+    import shutil
+
+    store = _copy_store(toy_store, tmp_path)
+    plan = store / "plans" / f"{key_name((0, 0, 0, 0))}.json"
+    if kind == "plan -> elsewhere":
+        shutil.copy(plan, tmp_path / "elsewhere.json")
+        plan.unlink()
+        plan.symlink_to(tmp_path / "elsewhere.json")
+    elif kind == "plan -> /dev/zero":
+        plan.unlink()
+        plan.symlink_to("/dev/zero")
+    elif kind == "FIFO plan":
+        plan.unlink()
+        os.mkfifo(plan)
+    elif kind == "FIFO index.json":
+        (store / INDEX_NAME).unlink()
+        os.mkfifo(store / INDEX_NAME)
+    else:
+        shutil.move(store / "plans", tmp_path / "plans")
+        (store / "plans").symlink_to(tmp_path / "plans")
+    with pytest.raises(PlanError, match="refused"):
+        PlanStore.load(store, toy)
+
+
+def test_a_plan_over_its_size_bound_is_refused_unread(toy: Config, toy_store: Path, tmp_path: Path,
+                                                      monkeypatch) -> None:
+    import recycle.planner.store as store_module
+
+    store = _copy_store(toy_store, tmp_path)
+    monkeypatch.setattr(store_module, "PLAN_LIMIT", 10)
+    with pytest.raises(PlanError, match="more than a plan file may have"):
+        PlanStore.load(store, toy)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"index"', "3"])
+def test_an_index_that_is_not_a_json_object_is_a_plan_error(toy: Config, toy_store: Path, tmp_path: Path,
+                                                            text: str) -> None:
+    store = _copy_store(toy_store, tmp_path)
+    (store / INDEX_NAME).write_text(text)
+    with pytest.raises(PlanError, match="not a plan store index"):
+        PlanStore.load(store, toy)

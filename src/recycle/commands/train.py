@@ -65,6 +65,9 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
                    help=f"checkpoint every K steps (default with --checkpoint-dir: {DEFAULT_CHECKPOINT_EVERY}); "
                         "written in the background, and what the run restores by itself when a stage loses every "
                         "replica")
+    p.add_argument("--keep-checkpoints", type=int, default=None, metavar="N",
+                   help="keep only the newest N complete checkpoints in --checkpoint-dir (N >= 1): older step "
+                        "folders are deleted once 'latest' has moved past them (default: keep all)")
     p.add_argument("--resume", default="", metavar="DIR",
                    help="resume from the latest checkpoint in DIR (any number of stages or replicas)")
     p.add_argument("--timeout", type=float, default=30.0,
@@ -238,7 +241,8 @@ def _launch_options(args: argparse.Namespace, role: NodeRole, faults: list[tuple
     if checkpoint_every is None:
         checkpoint_every = DEFAULT_CHECKPOINT_EVERY if args.checkpoint_dir else 0
     return LaunchOptions(steps=args.steps, checkpoint_dir=args.checkpoint_dir,
-                         checkpoint_every=checkpoint_every, resume_dir=args.resume, save_path=args.save or "",
+                         checkpoint_every=checkpoint_every, keep_checkpoints=args.keep_checkpoints,
+                         resume_dir=args.resume, save_path=args.save or "",
                          metrics_path=args.metrics or "", timeout_s=args.timeout, master_addr=role.master_addr,
                          master_port=role.master_port, nnodes=role.nnodes, node_rank=role.node_rank,
                          model_factory=args.model_factory, start_method=args.start_method,

@@ -11,7 +11,7 @@ from typing import Any, Iterable, TextIO
 
 from recycle.config import Config
 from recycle.errors import PlanError
-from recycle.fileio import atomic_write_text
+from recycle.fileio import UnsafeFile, atomic_write_text, read_inside, relative_parts
 from recycle.ir.plan import Plan
 from recycle.planner.api import plan_for_key, resolve_options
 from recycle.planner.failures import enumerate_keys, normalize
@@ -22,6 +22,10 @@ __all__ = ["INDEX_NAME", "FORMAT_VERSION", "StoreEntry", "PlanStore", "build_sto
 INDEX_NAME = "index.json"
 FORMAT_VERSION = 1
 _PLANS_DIR = "plans"
+# Size bounds when reading a store (larger files are refused, not read): the index lists one line per key, a plan
+# one entry per action (a D=8, S=16, M=64 plan is ~3 MB).
+INDEX_LIMIT = 64 << 20
+PLAN_LIMIT = 256 << 20
 
 
 def key_name(key: Iterable[int]) -> str:
@@ -87,7 +91,7 @@ def build_store(config: Config, max_failures: int, out_dir: str | Path, options:
     def record(key: tuple[int, ...], text: str, seconds: float) -> None:
         plan = Plan.from_json(text)
         name = f"{_PLANS_DIR}/{key_name(key)}.json"
-        atomic_write_text(out / name, text)
+        atomic_write_text(out / name, text, follow=False)
         meta = plan.meta
         entries[key] = StoreEntry(key, name, float(meta.predicted_period or 0.0), float(meta.predicted_makespan or 0.0),
                                   float(meta.lower_bound or 0.0), meta.solver, meta.status)
@@ -121,7 +125,25 @@ def build_store(config: Config, max_failures: int, out_dir: str | Path, options:
                                 "lower_bound": e.lower_bound, "solver": e.solver, "status": e.status}
                   for k, e in sorted(entries.items())},
     }
-    return atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=1) + "\n")
+    return atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=1) + "\n", follow=False)
+
+
+def _read_plan(directory: Path, file: Any, rebuild: str) -> str:
+    """The text of a plan file an index names: a relative path inside the store folder (like
+    'plans/k0-1-0-0.json'), a regular file reached without following a link, at most PLAN_LIMIT bytes."""
+    if not isinstance(file, str):
+        raise PlanError(f"{directory / INDEX_NAME} names {file!r} as a plan file, not a path; {rebuild}")
+    try:
+        relative_parts(file)
+    except UnsafeFile:
+        raise PlanError(f"{directory / INDEX_NAME} names the plan file {file[:200]!r}, which is not inside the store "
+                        f"folder (plan files are relative paths like 'plans/k0-1.json'); refused; {rebuild}") from None
+    try:
+        return read_inside(directory, file, PLAN_LIMIT, "plan file").decode("utf-8")
+    except UnsafeFile as exc:
+        raise PlanError(f"{exc}; {rebuild}") from None
+    except FileNotFoundError:
+        raise PlanError(f"{directory / file} is missing (the index names it); {rebuild}") from None
 
 
 class PlanStore:
@@ -138,16 +160,30 @@ class PlanStore:
 
     @classmethod
     def load(cls, directory: str | Path, config: Config) -> "PlanStore":
-        """Read a store made for `config`; a store made for another config is a PlanError."""
+        """Read a store made for `config`; a store made for another config is a PlanError. The store is untrusted
+        input: index.json and every plan it names are regular files inside `directory`, reached without following
+        a symbolic link and read with a size bound; a plan file named outside the folder is refused."""
         directory = Path(directory)
         index_path = directory / INDEX_NAME
-        if not index_path.is_file():
-            raise PlanError(f"{index_path} does not exist; build the store with `recycle plan --config FILE "
-                            f"--max-failures F --out {directory}`")
+        rebuild = f"rebuild it with `recycle plan --config FILE --max-failures F --out {directory}`"
         try:
-            index = json.loads(index_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise PlanError(f"{index_path} is not valid JSON ({exc}); rebuild the store") from None
+            raw = read_inside(directory, INDEX_NAME, INDEX_LIMIT, "plan store index")
+        except (FileNotFoundError, NotADirectoryError):
+            raise PlanError(f"{index_path} does not exist; build the store with `recycle plan --config FILE "
+                            f"--max-failures F --out {directory}`") from None
+        except UnsafeFile as exc:
+            raise PlanError(f"{exc}; {rebuild}") from None
+        except OSError as exc:
+            raise PlanError(f"{index_path} cannot be read ({exc.strerror or exc})") from None
+        try:
+            index = json.loads(raw)
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise PlanError(f"{index_path} is not valid JSON ({str(exc)[:120]}); rebuild the store") from None
+        except RecursionError:
+            raise PlanError(f"{index_path} nests too deeply to be a plan store index; rebuild the store") from None
+        if not isinstance(index, dict):
+            raise PlanError(f"{index_path} holds a JSON {type(index).__name__}, not a plan store index (an "
+                            f"object); {rebuild}")
         if index.get("format") != FORMAT_VERSION:
             raise PlanError(f"{index_path} has format {index.get('format')!r}, this version reads {FORMAT_VERSION}; "
                             "rebuild the store with `recycle plan ... --out`")
@@ -165,12 +201,13 @@ class PlanStore:
             plans: dict[tuple[int, ...], Plan] = {}
             for item in index["plans"].values():
                 key = tuple(int(k) for k in item["key"])
-                entries[key] = StoreEntry(key, item["file"], float(item["period"]), float(item["makespan"]),
+                file = item["file"]
+                entries[key] = StoreEntry(key, file, float(item["period"]), float(item["makespan"]),
                                           float(item["lower_bound"]), item["solver"], item["status"])
-                plans[key] = Plan.from_json((directory / item["file"]).read_text())
-        except (KeyError, TypeError, ValueError, OSError) as exc:
-            raise PlanError(f"plan store {directory} is incomplete or damaged ({type(exc).__name__}: {exc}); "
-                            "rebuild it with `recycle plan ... --out`") from None
+                plans[key] = Plan.from_json(_read_plan(directory, file, rebuild))
+        except (KeyError, TypeError, ValueError, AttributeError, OSError) as exc:
+            raise PlanError(f"plan store {directory} is incomplete or damaged ({type(exc).__name__}: "
+                            f"{str(exc)[:200]}); rebuild it with `recycle plan ... --out`") from None
         return cls(directory, config, options, int(index.get("max_failures", 0)), entries, plans)
 
     def keys(self) -> list[tuple[int, ...]]:

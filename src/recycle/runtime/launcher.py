@@ -65,6 +65,7 @@ class LaunchOptions:
     steps: int | None = None  # total steps to reach (default: [training] steps)
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
+    keep_checkpoints: int | None = None  # keep the newest N complete checkpoints (older ones deleted); None: all
     resume_dir: str = ""
     save_path: str = ""
     metrics_path: str = ""
@@ -822,7 +823,7 @@ class _Coordination:
         complete = [d for d in self.pending_checkpoints if d <= self.next_step + 2
                     and self.store.check([Keys.checkpointed(d, s) for s in range(self.plan.num_stages)])]
         if not complete or not checkpoint.mark_latest(self.options.checkpoint_dir, complete[-1],
-                                                      self.plan.num_stages):
+                                                      self.plan.num_stages, self.options.keep_checkpoints):
             return  # nothing new, or a shard is being written again (after a recovery): the next poll merges it
         self.pending_checkpoints = [d for d in self.pending_checkpoints if d > complete[-1]]
         self.coordinator.on_checkpoint(complete[-1])

@@ -23,7 +23,8 @@ import torch
 
 from recycle.config import Config
 from recycle.errors import CheckpointError, ConfigError
-from recycle.fileio import atomic_write_text, check_output_dir, check_output_file
+from recycle.fileio import (UnsafeFile, atomic_write_text, check_output_dir, check_output_file, is_stream_target,
+                            read_inside)
 from recycle.runtime import checkpoint
 from recycle.runtime.optim import OPTIMIZER_KEYS, optimizer_class
 from recycle.runtime.precision import weights_dtype
@@ -33,8 +34,9 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["check_launch", "check_option_ranges", "check_outputs", "run_fingerprint", "find_resume_point",
-           "ResumePoint", "StageSpec", "expected_stages", "RESUME_MUST_MATCH", "RESUME_MAY_CHANGE"]
+__all__ = ["check_launch", "check_option_ranges", "check_checkpoint_options", "check_outputs", "run_fingerprint",
+           "find_resume_point", "ResumePoint", "StageSpec", "expected_stages", "RESUME_MUST_MATCH",
+           "RESUME_MAY_CHANGE"]
 
 # What makes a checkpoint the state of *this* run: the model (shapes; how the stages split it only for a
 # --model-factory model, since the built-in GPT's keys are the whole model's), the numerics (dtype), the optimizer
@@ -47,7 +49,7 @@ RESUME_MUST_MATCH = ("model", "model_factory", "num_stages", "dtype", "seed", "s
 # reported.
 RESUME_MAY_CHANGE = ("lr", "weight_decay", "grad_clip", "dataset", "optimizer_args", "lr_schedule")
 
-_STEP_DIR = re.compile(r"^step(\d+)$")
+_STEP_DIR = re.compile(r"^step(\d{1,18})$")
 _META_ABOVE_PARAMS = 20_000_000  # build shapes on the meta device above this size (below it the CPU is faster)
 
 
@@ -80,6 +82,7 @@ def check_launch(config: Config, options: LaunchOptions, end: int) -> int:
     """Everything a launch can check before spawning a worker; returns the step to start from (0 or the intact
     checkpoint's). Prints which checkpoint is used and any warnings."""
     check_option_ranges(options)
+    check_checkpoint_options(options)
     optimizer_class(config.training)  # an unknown optimizer or argument fails here, not in every worker
     specs = expected_stages(config, options.model_factory) if (options.resume_dir or options.checkpoint_dir) \
         else None
@@ -101,7 +104,7 @@ def check_launch(config: Config, options: LaunchOptions, end: int) -> int:
         checkpoint.preload()  # the coordinator merges each step's shards with DCP's metadata classes
         # Each checkpoint written from now on carries this fingerprint (checkpoint.mark_latest copies it).
         atomic_write_text(Path(options.checkpoint_dir) / checkpoint.RUN_FILE,
-                          _dumps(run_fingerprint(config, options.model_factory)))
+                          _dumps(run_fingerprint(config, options.model_factory)), follow=False)
     return start
 
 
@@ -125,6 +128,21 @@ def check_option_ranges(options: LaunchOptions) -> None:
     if not 0 <= options.master_port <= 65535:
         raise ConfigError(f"--master-port {options.master_port} is not a TCP port; use 1..65535 (or 0 on a single "
                           "node: any free port)")
+
+
+def check_checkpoint_options(options: LaunchOptions) -> None:
+    """--keep-checkpoints needs a checkpoint directory and keeps at least one checkpoint (the one `latest`
+    names); a --save target that is a device or FIFO is written on node 0 from parts in its temporary folder, so
+    it works on one node only."""
+    keep = options.keep_checkpoints
+    if keep is not None and (type(keep) is not int or keep < 1):
+        raise ConfigError(f"--keep-checkpoints {keep} must be an integer >= 1 (the newest N complete checkpoints "
+                          "are kept; 'latest' always names one of them); leave it out to keep every checkpoint")
+    if keep is not None and not options.checkpoint_dir:
+        raise ConfigError(f"--keep-checkpoints {keep} needs --checkpoint-dir DIR (the checkpoints it keeps)")
+    if options.save_path and options.nnodes > 1 and is_stream_target(options.save_path):
+        raise ConfigError(f"--save {options.save_path!r} is a device or FIFO: on several nodes the stages' parts "
+                          "of --save are gathered through a shared filesystem, so pass a regular file path there")
 
 
 def check_outputs(options: LaunchOptions, checkpoint_bytes: int = 0) -> None:
@@ -196,8 +214,9 @@ def find_resume_point(config: Config, root: str | Path, model_factory: str = "",
     warnings: list[str] = []
     pointer = root / "latest"
     latest: int | None = None
-    if pointer.is_file():
-        name = pointer.read_text(errors="replace").strip()
+    reported = len(warnings)
+    name = _read_pointer(root, warnings)
+    if name is not None:
         match = _STEP_DIR.match(name)
         if match:
             latest = int(match.group(1))
@@ -205,7 +224,8 @@ def find_resume_point(config: Config, root: str | Path, model_factory: str = "",
             warnings.append(f"{pointer} holds {name[:40]!r}, not a step directory name like 'step000004'; "
                             "looking for the newest intact checkpoint instead")
     elif steps:
-        warnings.append(f"{root} has no 'latest' pointer; looking for the newest intact checkpoint")
+        if len(warnings) == reported:  # (an unreadable pointer is reported already)
+            warnings.append(f"{root} has no 'latest' pointer; looking for the newest intact checkpoint")
     else:
         raise CheckpointError(f"--resume {str(root)!r}: no checkpoint there (no 'latest' file, no step directory); "
                               "pass a directory written by --checkpoint-dir")
@@ -235,16 +255,29 @@ def find_resume_point(config: Config, root: str | Path, model_factory: str = "",
                           "without --resume or restore the checkpoint files")
 
 
+def _read_pointer(root: Path, warnings: list[str]) -> str | None:
+    """What `latest` says (None when there is none), read as a bounded regular file inside `root`; one that is a
+    link, a FIFO or a device is reported and ignored (the step folders are checked one by one anyway)."""
+    try:
+        return read_inside(root, "latest", checkpoint.POINTER_LIMIT, "'latest' pointer").decode(
+            "utf-8", "replace").strip()
+    except UnsafeFile as exc:
+        warnings.append(f"{exc}; looking for the newest intact checkpoint instead")
+    except OSError:
+        pass
+    return None
+
+
 def _check_step(root: Path, step: int, specs: list[StageSpec], fingerprint: dict[str, Any],
                 warnings: list[str], model_factory: str = "") -> str | None:
     """None if the step is intact; a description if damaged. A checkpoint of another model or run raises, and so
     does one that would run code."""
     where = checkpoint.step_dir(root, step)
     try:
-        manifest = checkpoint.read_manifest(where)
+        manifest = checkpoint.read_manifest(where, root=root)
         if manifest["step"] != step:
             return f"{where / checkpoint.MANIFEST} says step {manifest['step']} (a misplaced folder)"
-        metadata = checkpoint.read_metadata(where, verify_files=True)
+        metadata = checkpoint.read_metadata(where, verify_files=True, root=root)
     except CheckpointError as exc:
         if "refused" in str(exc):
             raise  # a file that would run code is never skipped over quietly
@@ -277,7 +310,8 @@ def _check_tensors(where: Path, entries: dict[str, Any], specs: list[StageSpec],
         if not key.startswith(checkpoint.OPTIMIZER_PREFIX):
             continue
         name = key[len(checkpoint.OPTIMIZER_PREFIX):].rpartition(".")[0]
-        if name not in trainable or tuple(entry.size) not in ((), trainable[name]):
+        if name not in trainable or tuple(entry.size) not in ((), trainable[name]) \
+                or not entry.properties.dtype.is_floating_point:
             raise CheckpointError(f"{where}: optimizer state {key!r} does not match the model's parameters; the "
                                   "checkpoint is damaged or from another model")
     if checkpoint.STEP_KEY not in entries:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from recycle.config import Config
-from recycle.errors import ConfigError
+from recycle.errors import ConfigError, RecycleError
 from recycle.ir import Action, Plan
 from recycle.models.gpt import GPTStage
 from recycle.runtime import checkpoint
@@ -204,7 +204,7 @@ def worker_main(spec: WorkerSpec, launcher_alive: Connection | None = None) -> N
             store.set(Keys.error(spec.rank), to_json(record))
         except Exception:
             pass
-        if not record.comm:
+        if not record.comm and not isinstance(exc, RecycleError):  # a RecycleError's one line says it all
             traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # skip interpreter teardown: a broken process group can hang in its destructor
