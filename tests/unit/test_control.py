@@ -193,3 +193,24 @@ def test_chaos_never_takes_a_last_replica_except_as_a_restorable_stage_loss() ->
     assert ChaosMonkey(ChaosSpec(1, 1.0), 2).decide(0, [0, 1], can_lose_stage=False) is None  # no spare replica
     a, b = ChaosMonkey(ChaosSpec(9, 0.5), 2), ChaosMonkey(ChaosSpec(9, 0.5), 2)
     assert [a.decide(s, live, True) for s in range(50)] == [b.decide(s, live, True) for s in range(50)]
+
+
+def test_records_travel_on_their_declared_channels_only() -> None:
+    from recycle.runtime.control import Channels, JobStore
+    from recycle.runtime.records import RecordError, Timestamp
+    from recycle.runtime.store import LocalStore, StoreServer
+
+    server = StoreServer("127.0.0.1", 0, new_token())
+    try:
+        jobs = JobStore(LocalStore(server.data))
+        assert jobs.read(Channels.RESUMED, 3, 1) is None
+        jobs.put(Channels.RESUMED, Timestamp(12.5), 3, 1)
+        assert jobs.read(Channels.RESUMED, 3, 1) == Timestamp(12.5) == jobs.get(Channels.RESUMED, 3, 1)
+        assert jobs.raw.try_get("gen3/resumed/1") is not None  # the key names are the documented ones
+        jobs.raw.set(Channels.JOINED.key(3, 1), jobs.raw.get("gen3/resumed/1"))  # a record on the wrong channel
+        with pytest.raises(RecordError, match="holds a Timestamp"):
+            jobs.read(Channels.JOINED, 3, 1)
+        jobs.delete(Channels.RESUMED, 3, 1)
+        assert jobs.read(Channels.RESUMED, 3, 1) is None
+    finally:
+        server.close()

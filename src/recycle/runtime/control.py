@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import os
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Generic, TypeVar
 
 from recycle.errors import ConfigError
+from recycle.runtime.records import (Announcement, Beat, ErrorRecord, FaultRecord, Joined, JoinReady, MigrationRecord,
+                                     StepRecord, StoppedReport, Timestamp, TransferRecord, from_json, to_json)
 from recycle.runtime.store import StoreClient, StoreServer
 
 __all__ = ["TOKEN_ENV", "new_token", "read_token", "host_store", "connect_store", "new_incarnation",
-           "worker_identity", "worker_fence_prefix", "launcher_identity", "launcher_fence_prefix", "Keys"]
+           "worker_identity", "worker_fence_prefix", "launcher_identity", "launcher_fence_prefix", "Keys", "Channel",
+           "Channels", "JobStore"]
 
 TOKEN_ENV = "RECYCLE_JOB_TOKEN"
 _TOKEN_BYTES = 24  # 192 bits: the key of every peer's handshake and of every frame's MAC
@@ -184,3 +188,52 @@ class Keys:
     ABORT_RUN = "abort"
     FINISHED = "finished"
     RUNNING = "running"  # the first step is done: a node launcher that starts now is a repaired node
+
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Channel(Generic[R]):
+    """A key of the job store and the one record type written under it: declared once (Channels), read and written
+    only through JobStore, so a reader can never take one record for another."""
+
+    key: Callable[..., str]  # the key's name from its fields (a Keys method)
+    record: type[R]
+
+
+class Channels:
+    """Every typed record the job's processes exchange, by key."""
+
+    HEARTBEAT = Channel(Keys.heartbeat, Beat)  # (rank)
+    ANNOUNCE = Channel(Keys.announce, Announcement)  # (generation)
+    STOPPED = Channel(Keys.stopped, StoppedReport)  # (generation, rank)
+    JOIN_READY = Channel(Keys.join_ready, JoinReady)  # (rank)
+    JOINED = Channel(Keys.joined, Joined)  # (generation, rank)
+    RESUMED = Channel(Keys.resumed, Timestamp)  # (generation, rank)
+    TRANSFER = Channel(Keys.transfer, TransferRecord)  # (generation, rank)
+    MIGRATION = Channel(Keys.migration, MigrationRecord)  # (generation, rank)
+    METRICS = Channel(Keys.metrics, StepRecord)  # (step, rank)
+    ERROR = Channel(Keys.error, ErrorRecord)  # (rank)
+    FAULT = Channel(Keys.fault, FaultRecord)  # (rank)
+
+
+class JobStore:
+    """Typed access to the job store: `put` a record on a channel, `read` it (None when absent) or `get` it (waits
+    for it). `raw` is the store itself, for the plain keys (abort, drain, counters, the plan)."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def put(self, channel: Channel[R], record: R, *key: int) -> None:
+        self.raw.set(channel.key(*key), to_json(record))
+
+    def read(self, channel: Channel[R], *key: int) -> R | None:
+        value = self.raw.try_get(channel.key(*key))
+        return None if value is None else from_json(channel.record, value)
+
+    def get(self, channel: Channel[R], *key: int) -> R:
+        return from_json(channel.record, self.raw.get(channel.key(*key)))
+
+    def delete(self, channel: Channel[Any], *key: int) -> None:
+        self.raw.delete_key(channel.key(*key))

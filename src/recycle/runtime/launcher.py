@@ -12,7 +12,7 @@ import signal
 import time
 from dataclasses import asdict, dataclass, field
 from multiprocessing import connection as mp_connection
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -21,8 +21,9 @@ from recycle.config import Config
 from recycle.errors import ConfigError, RuntimeFailure
 from recycle.ir import Plan, validate_plan
 from recycle.runtime import checkpoint, preflight
-from recycle.runtime.control import (Keys, connect_store, host_store, launcher_fence_prefix, launcher_identity,
-                                     new_incarnation, new_token, worker_fence_prefix)
+from recycle.runtime.control import (Channel, Channels, JobStore, Keys, connect_store, host_store,
+                                     launcher_fence_prefix, launcher_identity, new_incarnation, new_token,
+                                     worker_fence_prefix)
 from recycle.runtime.coordinator import (AbortGeneration, Announce, Command, Coordinator, Drain, FailRun, Fence,
                                          Move, Progress, RecoveryFacts, Respawn, describe_exit, hang_limit_s,
                                          hung_workers, stale_heartbeats, track_progress)
@@ -31,15 +32,15 @@ from recycle.runtime.data import config_dataset
 from recycle.runtime.emulate import Emulation
 from recycle.runtime.faults import FaultInjection
 from recycle.runtime.messages import check_plan_matches
-from recycle.runtime.records import (Announcement, Beat, ErrorRecord, FaultRecord, Joined, JoinReady, MigrationRecord,
-                                     RecordError, StepRecord, StoppedReport, Timestamp, TransferRecord, from_json,
-                                     to_json)
+from recycle.runtime.records import Announcement, Beat, FaultRecord, RecordError, StepRecord
 from recycle.runtime.stage import check_model
 from recycle.runtime.store import LocalStore, StoreFenced, StoreServer
 from recycle.runtime.transport import default_backend
 from recycle.runtime.worker import EXIT_FENCED, WorkerSpec, worker_main
 
 _log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 __all__ = ["LaunchOptions", "StepMetrics", "Recovery", "TrainResult", "PlanChoice", "PlanProvider", "launch",
            "node_ranks", "grad_norm"]
@@ -361,6 +362,7 @@ class _Coordination:
                  processes: dict[int, mp.process.BaseProcess], start_step: int, end_step: int, wall0: float,
                  spawn: Callable[[int, bool], mp.process.BaseProcess], server: StoreServer | None = None) -> None:
         self.config, self.plan, self.options, self.store = config, plan, options, store
+        self.jobs = JobStore(store)
         self.server = server
         self.plan_at_start = plan
         self.processes = processes
@@ -470,8 +472,9 @@ class _Coordination:
             process = self.processes.get(rank)
             if process is not None and process.exitcode is not None:
                 continue  # its ready key is stale: the process has died since (its exit is handled next loop)
-            if rank not in state.joining and self.store.check([Keys.join_ready(rank)]):
-                self.pids[rank] = from_json(JoinReady, self.store.get(Keys.join_ready(rank))).pid
+            ready = self.jobs.read(Channels.JOIN_READY, rank) if rank not in state.joining else None
+            if ready is not None:
+                self.pids[rank] = ready.pid
                 self.exited.discard(rank)
                 commands += self.coordinator.on_join_ready(rank, now)
         return commands
@@ -511,7 +514,7 @@ class _Coordination:
             return
         for rank, delay in zip(event.ranks, event.repair_after_s):
             # Recorded like an injected fault, so its recovery is timed from the kill, not from its detection.
-            self.store.set(Keys.fault(rank), to_json(FaultRecord(time.time(), f"a chaos {event.kind}", event.kind)))
+            self.jobs.put(Channels.FAULT, FaultRecord(time.time(), f"a chaos {event.kind}", event.kind), rank)
             os.kill(self.processes[rank].pid, signal.SIGSTOP if event.kind == "hang" else signal.SIGKILL)
             self.respawn_at[rank] = now + delay
         record = {"event": "chaos", "time": now, "kind": event.kind, "step": event.step,
@@ -537,8 +540,7 @@ class _Coordination:
         self.pids[rank] = self.spawn(rank, True).pid
 
     def _failed_exit(self, rank: int, code: int, now: float) -> list[Command]:
-        record = from_json(ErrorRecord, self.store.get(Keys.error(rank))) \
-            if self.store.check([Keys.error(rank)]) else None
+        record = self.jobs.read(Channels.ERROR, rank)
         if record is not None and not record.comm:
             return self.coordinator.on_error(rank, f"{self._name(rank)} raised {record.exception}: {record.message}")
         if code == 3:
@@ -577,12 +579,14 @@ class _Coordination:
         commands += self._node_heartbeats(now)
         return commands
 
+    def _records(self, channel: Channel[R], first: int, ranks: Iterable[int]) -> list[R]:
+        """The records of `channel` (first, rank) that exist, in the order of `ranks`."""
+        found = (self.jobs.read(channel, first, rank) for rank in ranks)
+        return [record for record in found if record is not None]
+
     def _beat(self, rank: int) -> Beat | None:
-        raw = self.store.try_get(Keys.heartbeat(rank))
-        if raw is None:
-            return None
         try:
-            return from_json(Beat, raw)
+            return self.jobs.read(Channels.HEARTBEAT, rank)
         except RecordError:
             return None  # only the job's own processes can write it; a malformed beat is no beat
 
@@ -617,9 +621,9 @@ class _Coordination:
             return []  # nobody new has stopped in this generation
         commands: list[Command] = []
         for rank in sorted(state.live - set(state.reports) - state.done):
-            key = Keys.stopped(state.generation, rank)
-            if self.store.check([key]):
-                commands += self.coordinator.on_stopped(from_json(StoppedReport, self.store.get(key)), now)
+            report = self.jobs.read(Channels.STOPPED, state.generation, rank)
+            if report is not None:
+                commands += self.coordinator.on_stopped(report, now)
         return commands
 
     # -- commands ------------------------------------------------------------------------------------------------
@@ -670,10 +674,10 @@ class _Coordination:
         if facts.restore_step is not None:
             self._forget_steps_from(facts.restore_step)
         self.store.set(Keys.plan(facts.generation), plan.to_json())
-        self.store.set(Keys.announce(facts.generation), to_json(Announcement(
+        self.jobs.put(Channels.ANNOUNCE, Announcement(
             facts.generation, tuple(sorted(command.live)), facts.redo_step, self.end_step,
             "; ".join(d.cause for d in facts.deaths), tuple(sorted(facts.joining)),
-            -1 if facts.restore_step is None else facts.restore_step)))
+            -1 if facts.restore_step is None else facts.restore_step), facts.generation)
         for rank in facts.joining:
             self.member_from[rank] = facts.redo_step
             self.store.delete_key(Keys.join_ready(rank))
@@ -712,24 +716,22 @@ class _Coordination:
         facts = pending.facts
         live = sorted(pending.live)
         generation = facts.generation
-        resumed_keys = [Keys.resumed(generation, r) for r in live]
-        if facts.redo_step < self.end_step and not self.store.check(resumed_keys) and not final:
+        resumed = [t.time for t in self._records(Channels.RESUMED, generation, live)]
+        if facts.redo_step < self.end_step and len(resumed) < len(live) and not final:
             return
         self.pending = None
         if not facts.deaths and not facts.joining:
             return  # a drain whose joiner never came in (the run ended first): nothing happened
-        joins = [from_json(Joined, self.store.get(Keys.joined(generation, r)))
-                 for r in live if self.store.check([Keys.joined(generation, r)])]
+        joins = self._records(Channels.JOINED, generation, live)
         joined = [j.time for j in joins]
         formation = (f"{'/'.join(sorted({j.method for j in joins}))} {max(j.formation_s for j in joins):.3f} s"
                      if joins else "")
-        resumed = [from_json(Timestamp, self.store.get(k)).time for k in resumed_keys if self.store.check([k])]
         causes, fault_times = [], []
         for death in facts.deaths:
             cause = death.cause
-            if self.store.check([Keys.fault(death.rank)]):
-                fault = from_json(FaultRecord, self.store.get(Keys.fault(death.rank)))
-                self.store.delete_key(Keys.fault(death.rank))  # one record, one death: a later outside kill has none
+            fault = self.jobs.read(Channels.FAULT, death.rank)
+            if fault is not None:
+                self.jobs.delete(Channels.FAULT, death.rank)  # one record, one death: a later outside kill has none
                 if self.wall0 <= fault.time <= death.time:
                     cause += f" during {fault.where}"
                     fault_times.append(fault.time)
@@ -737,10 +739,8 @@ class _Coordination:
         failure_time = min(fault_times) if fault_times else facts.started
         choice = pending.choice
         end = max(resumed) if resumed else time.time()
-        transfers = [from_json(TransferRecord, self.store.get(Keys.transfer(generation, r)))
-                     for r in sorted(facts.joining) if self.store.check([Keys.transfer(generation, r)])]
-        migrations = [from_json(MigrationRecord, self.store.get(Keys.migration(generation, r))) for r in live
-                      if self.store.check([Keys.migration(generation, r)])]
+        transfers = self._records(Channels.TRANSFER, generation, sorted(facts.joining))
+        migrations = self._records(Channels.MIGRATION, generation, live)
         # A join without a failure: the survivors' pause runs from their stop at the drain to their first action.
         paused_from = min((r.time for r in facts.reports), default=facts.started)
         recovery = Recovery(
@@ -773,9 +773,9 @@ class _Coordination:
         state = self.coordinator.state
         while self.next_step < self.end_step:
             live = [r for r in sorted(state.live) if self.member_from.get(r, 0) <= self.next_step]
-            if not live or not self.store.check([Keys.metrics(self.next_step, r) for r in live]):
+            records = self._records(Channels.METRICS, self.next_step, live)
+            if not live or len(records) < len(live):
                 return
-            records = [from_json(StepRecord, self.store.get(Keys.metrics(self.next_step, r))) for r in live]
             metrics = self._step_metrics(self.next_step, records)
             self.previous_end = max(r.end for r in records)
             if self.options.verify_replicas:

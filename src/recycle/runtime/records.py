@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
 __all__ = ["RecordError", "StepRecord", "ErrorRecord", "FaultRecord", "JoinReady", "Timestamp", "TransferRecord",
-           "MigrationRecord", "StoppedReport", "Announcement", "to_json", "from_json"]
+           "MigrationRecord", "StoppedReport", "Announcement", "Joined", "Beat", "to_json", "from_json"]
 
 
 class RecordError(ValueError):

@@ -25,7 +25,7 @@ from recycle.ir import Action, Plan
 from recycle.models.gpt import GPTStage
 from recycle.runtime import checkpoint
 from recycle.runtime.checkpoint_writer import CheckpointWriter
-from recycle.runtime.control import Keys, connect_store, worker_identity
+from recycle.runtime.control import Channels, JobStore, Keys, connect_store, worker_identity
 from recycle.runtime.data import config_dataset, microbatch
 from recycle.runtime.emulate import Emulation, cost_pacer
 from recycle.runtime.executor import StageExecutor
@@ -36,7 +36,7 @@ from recycle.runtime.migration import (exchange_layers, layer_moves, layer_scale
 from recycle.runtime.optim import make_optimizer
 from recycle.runtime.precision import weights_dtype
 from recycle.runtime.records import (Announcement, Beat, ErrorRecord, FaultRecord, Joined, JoinReady, MigrationRecord,
-                                     StepRecord, StoppedReport, Timestamp, TransferRecord, from_json, to_json)
+                                     StepRecord, StoppedReport, Timestamp, TransferRecord)
 from recycle.runtime.stage import build_stage
 from recycle.runtime.state_transfer import transfer_stage_state
 from recycle.runtime.store import StoreClient, StoreFenced
@@ -134,6 +134,7 @@ class _Watcher(threading.Thread):
     def __init__(self, spec: WorkerSpec, activity: Activity, on_abort: Any) -> None:
         super().__init__(daemon=True, name="recycle-watcher")
         self.store = _connect(spec)
+        self.jobs = JobStore(self.store)
         self.rank = spec.rank
         self.interval_s = spec.heartbeat_s
         self.activity = activity
@@ -161,8 +162,8 @@ class _Watcher(threading.Thread):
                 now = time.monotonic()
                 if now >= next_beat:
                     self.beats += 1
-                    self.store.set(Keys.heartbeat(self.rank), to_json(Beat(self.beats, self.activity.actions,
-                                                                          self.activity.phase)))
+                    self.jobs.put(Channels.HEARTBEAT, Beat(self.beats, self.activity.actions, self.activity.phase),
+                                  self.rank)
                     next_beat = now + self.interval_s
                 watched = self._watched()
                 hit = self.store.wait_any([key for key, _, _ in watched], max(0.0, next_beat - time.monotonic()))
@@ -201,7 +202,7 @@ def worker_main(spec: WorkerSpec, launcher_alive: Connection | None = None) -> N
         record = ErrorRecord(type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", is_comm_error(exc),
                              time.time(), traceback.format_exc())
         try:
-            store.set(Keys.error(spec.rank), to_json(record))
+            JobStore(store).put(Channels.ERROR, record, spec.rank)
         except Exception:
             pass
         if not record.comm and not isinstance(exc, RecycleError):  # a RecycleError's one line says it all
@@ -242,6 +243,7 @@ class _Worker:
     def __init__(self, spec: WorkerSpec, store: dist.Store) -> None:
         self.spec = spec
         self.store = store
+        self.jobs = JobStore(store)
         self.config = config = spec.config
         self.plan = Plan.from_json(spec.plan_json)
         self.replica, self.stage = self.plan.worker(spec.rank)
@@ -327,8 +329,7 @@ class _Worker:
         transport.form()
         if self.spec.joining and self.announcement is not None and self.spec.rank in self.announcement.joining:
             _joiner_dies_here(self.spec.joiner_dies_at, "formed")
-        self.store.set(Keys.joined(generation, self.spec.rank),
-                       to_json(Joined(time.time(), transport.formation_s, "init")))
+        self.jobs.put(Channels.JOINED, Joined(time.time(), transport.formation_s, "init"), generation, self.spec.rank)
         if self.executor is None:
             self.executor = self._make_executor()
             if self.announcement is not None:  # a replacement: its weights are the state after redo_step - 1
@@ -343,7 +344,7 @@ class _Worker:
         """A replacement worker: say it is ready, wait to be admitted into a generation, take that generation's plan
         (and its checkpoint, when the run restores one); the stage's live state arrives after the groups form."""
         spec = self.spec
-        self.store.set(Keys.join_ready(spec.rank), to_json(JoinReady(time.time(), os.getpid())))
+        self.jobs.put(Channels.JOIN_READY, JoinReady(time.time(), os.getpid()), spec.rank)
         _joiner_dies_here(self.spec.joiner_dies_at, "ready")
         key = Keys.join_generation(spec.rank)
         while True:
@@ -355,7 +356,7 @@ class _Worker:
                     raise _Fenced() from None  # the run ended before this worker was needed
         self.generation = int(self.store.get(key))
         _joiner_dies_here(self.spec.joiner_dies_at, "admitted")
-        self.announcement = from_json(Announcement, self.store.get(Keys.announce(self.generation)))
+        self.announcement = self.jobs.get(Channels.ANNOUNCE, self.generation)
         self.plan = Plan.from_json(self.store.get(Keys.plan(self.generation)).decode())
         self._take_layout()  # this generation's layer partition; the state arrives from a replica or the checkpoint
         if self.announcement.restore_step >= 0:
@@ -423,8 +424,8 @@ class _Worker:
             self._install(module, optimizer, new[self.stage])
         elif self.spec.emulation is not None:  # same layers here, other stages changed: pace to the new costs
             self._install(self.module, self.optimizer, self.layers)
-        self.store.set(Keys.migration(self.generation, self.spec.rank), to_json(MigrationRecord(
-            tuple(self.layers), stats.layers_in, stats.layers_out, stats.bytes, stats.seconds)))
+        self.jobs.put(Channels.MIGRATION, MigrationRecord(tuple(self.layers), stats.layers_in, stats.layers_out,
+                                                          stats.bytes, stats.seconds), self.generation, self.spec.rank)
 
     def _load_checkpoint(self, step: int) -> None:
         """Take the stage's state after `step` steps: the run's checkpoint of that step, or, for the run's start
@@ -467,8 +468,9 @@ class _Worker:
         if self.spec.rank in announcement.joining:
             executor.applied_iteration = step - 1
             self._holds_state = True
-            self.store.set(Keys.transfer(self.generation, self.spec.rank), to_json(TransferRecord(
-                stats.bytes, stats.seconds, "%d:%d" % self.plan.worker(source))))
+            self.jobs.put(Channels.TRANSFER, TransferRecord(stats.bytes, stats.seconds,
+                                                            "%d:%d" % self.plan.worker(source)),
+                          self.generation, self.spec.rank)
 
     def _make_executor(self) -> StageExecutor:
         config, built = self.config, self.built
@@ -492,7 +494,7 @@ class _Worker:
             raise GenerationAborted(f"generation {self.generation} was aborted by the coordinator")
         if self._resumed_pending:
             self._resumed_pending = False
-            self.store.set(Keys.resumed(self.generation, self.spec.rank), to_json(Timestamp(time.time())))
+            self.jobs.put(Channels.RESUMED, Timestamp(time.time()), self.generation, self.spec.rank)
         progress = self.executor.progress
         for fault in self.spec.faults:
             if fault.point == "action" and fault.step == progress.iteration and fault.index == progress.index:
@@ -502,7 +504,7 @@ class _Worker:
         if fault in self._fired:
             return
         self._fired.add(fault)
-        self.store.set(Keys.fault(self.spec.rank), to_json(FaultRecord(time.time(), where, fault.mode)))
+        self.jobs.put(Channels.FAULT, FaultRecord(time.time(), where, fault.mode), self.spec.rank)
         fire(fault, where)
 
     def _run_step(self, step: int) -> None:
@@ -520,11 +522,11 @@ class _Worker:
         done = step + 1
         if spec.checkpoint_dir and spec.checkpoint_every > 0 and done % spec.checkpoint_every == 0:
             self._save_checkpoint(done)
-        self.store.set(Keys.metrics(step, spec.rank), to_json(StepRecord(
+        self.jobs.put(Channels.METRICS, StepRecord(
             self.replica, self.stage, self.generation, result.start, result.end, cpu_s, result.loss_sum,
             result.stage_loss, result.grad_norm, result.grad_sq,
             digest=parameter_digest(self.module) if spec.verify_replicas else "",
-            timings=tuple((t.action, t.start, t.end) for t in result.timings))))
+            timings=tuple((t.action, t.start, t.end) for t in result.timings)), step, spec.rank)
 
     def _is_writer(self) -> bool:
         """One live replica per stage writes the stage's files."""
@@ -584,7 +586,7 @@ class _Worker:
             # Its state is the run's start, or (a replacement that loaded the restored checkpoint) that step.
             start = self.announcement.redo_step if self.announcement is not None else spec.start_step
             report = StoppedReport(spec.rank, self.generation, start - 1, start, 0, 0.0, 0, 0.0, error, time.time())
-        self.store.set(Keys.stopped(self.generation, spec.rank), to_json(report))
+        self.jobs.put(Channels.STOPPED, report, self.generation, spec.rank)
         self.store.add(Keys.stopped_count(self.generation), 1)  # one key for the coordinator to poll
         announcement = self._await_announcement(self.generation + 1)
         if spec.rank not in announcement.live:
@@ -612,7 +614,7 @@ class _Worker:
         while True:
             try:
                 self.store.wait([Keys.announce(generation)], datetime.timedelta(seconds=5))
-                return from_json(Announcement, self.store.get(Keys.announce(generation)))
+                return self.jobs.get(Channels.ANNOUNCE, generation)
             except dist.DistStoreError:
                 continue  # the coordinator is still collecting reports; it fences us if it ever gives up on us
 
