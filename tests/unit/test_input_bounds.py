@@ -59,3 +59,79 @@ def test_config_sizes_are_bounded(capsys, override: str, needles: tuple[str, ...
 ])
 def test_config_values_torch_would_refuse_fail_up_front(capsys, override: str, needles: tuple[str, ...]) -> None:
     fails_cleanly(capsys, ["schedule", "--config", TINY, "--set", override], *needles)
+
+
+# -- item 6: plan JSON ----------------------------------------------------------------------------------------------
+def _plan_json() -> dict:
+    from recycle.api import load_config, schedule
+
+    return schedule(load_config(TINY), "1f1b").to_dict()
+
+
+def _edit(field: str, raw: str) -> str:
+    """The tiny 1F1B plan's JSON with `field` set to the JSON text `raw`."""
+    import json
+
+    plan = _plan_json()
+    plan[field] = "@@"
+    return json.dumps(plan).replace('"@@"', raw)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),  # was a RecursionError
+    (_edit("num_replicas", "9" * 5000), "an integer of more than 4,300 digits"),  # was a ValueError traceback
+    (_edit("num_replicas", "1e400"), "the number 1e400 is out of range for a float"),  # int(inf): OverflowError
+    (_edit("num_replicas", "2.5"), '"num_replicas" = 2.5 must be a whole number'),  # was read as 2
+    (_edit("num_replicas", "2.0"), '"num_replicas" = 2.0 must be a whole number'),
+    (_edit("num_stages", '"2"'), "\"num_stages\" = '2' must be a whole number (a JSON integer, not a str)"),
+    (_edit("num_microbatches", "true"), '"num_microbatches" = True must be a whole number (a JSON integer, not a '
+                                        'boolean)'),
+    (_edit("num_microbatches", "100000000"), '"num_microbatches" = 100000000 must be in [1, 65,536]'),
+    (_edit("staggered", '"no"'), "\"staggered\" = 'no' must be true or false"),  # "no" was read as true
+    (_edit("staggered", "1"), '"staggered" = 1 must be true or false'),
+    (_edit("host", "[[0, 1.5]]"), '"host[0]" must be a list of whole numbers'),
+    (_edit("failed", '[["0", 1]]'), "each entry must be [replica, stage]"),
+    (_edit("actions", "[7]"), '"actions[0]" = 7 must be a string of actions'),
+    (_edit("meta", '{"decoupled": "no"}'), '"meta.decoupled" = \'no\' must be of type bool'),
+    (_edit("meta", '{"predicted_period": NaN}'), "it holds NaN, which is not a number JSON allows"),
+    (_edit("meta", '{"predicted_period": -Infinity}'), "it holds -Infinity"),
+])
+def test_plan_json_is_read_strictly(tmp_path: Path, capsys, text: str, needle: str) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    fails_cleanly(capsys, ["train", "--config", TINY, "--plan", str(path)], f"--plan {str(path)!r}", needle)
+
+
+def test_a_valid_plan_json_still_loads(tmp_path: Path) -> None:
+    import json
+
+    from recycle.ir import read_plan
+    from recycle.ir.plan import Plan
+
+    original = _plan_json()
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(original))
+    assert read_plan(path).to_dict() == original == Plan.from_json(json.dumps(original)).to_dict()
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda p: p.write_bytes(b"\x00" * 10), "is not valid JSON"),
+    (lambda p: p.write_bytes(b"\xff\xfe"), "is not UTF-8 text"),
+    (lambda p: p.write_text("[]"), "is a JSON list, not the store's index object"),  # was an AttributeError
+    (lambda p: p.write_text('{"format": 1, "plans": []}'), "plan store"),
+    (lambda p: p.write_text("[" * 100_000), "nested too deeply"),
+])
+def test_a_damaged_plan_store_index_is_one_error(tmp_path: Path, capsys, make, needle: str) -> None:
+    from recycle.api import load_config
+
+    store = tmp_path / "store"
+    store.mkdir()
+    make(store / "index.json")
+    if needle == "plan store":  # an index whose fingerprint matches, so that its "plans" list is read
+        import json
+
+        (store / "index.json").write_text(json.dumps({"format": 1, "config_fingerprint":
+                                                      load_config(TINY).fingerprint(), "options": {
+                                                          "decoupled": True, "staggered": True}, "plans": []}))
+        needle = "is incomplete or damaged (AttributeError"
+    fails_cleanly(capsys, ["train", "--config", TINY, "--plan-store", str(store)], needle)

@@ -12,6 +12,7 @@ from typing import Any, Iterable, TextIO
 from recycle.config import Config
 from recycle.errors import PlanError
 from recycle.fileio import atomic_write_text
+from recycle.inputs import MIB, read_input_text, strict_json_loads
 from recycle.ir.plan import Plan
 from recycle.planner.api import plan_for_key, resolve_options
 from recycle.planner.failures import enumerate_keys, normalize
@@ -22,6 +23,7 @@ __all__ = ["INDEX_NAME", "FORMAT_VERSION", "StoreEntry", "PlanStore", "build_sto
 INDEX_NAME = "index.json"
 FORMAT_VERSION = 1
 _PLANS_DIR = "plans"
+MAX_INDEX_BYTES = 64 * MIB  # a line of ~200 bytes per plan: hundreds of thousands of failure states
 
 
 def key_name(key: Iterable[int]) -> str:
@@ -124,6 +126,20 @@ def build_store(config: Config, max_failures: int, out_dir: str | Path, options:
     return atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=1) + "\n")
 
 
+def _read_index(index_path: Path) -> dict[str, Any]:
+    """The store's index.json as a JSON object: bounded in size, strict JSON, an object (not a list)."""
+    fix = "rebuild the store with `recycle plan --config FILE --max-failures F --out DIR`"
+    text = read_input_text(index_path, str(index_path), MAX_INDEX_BYTES, fix, PlanError)
+    try:
+        index = strict_json_loads(text)
+    except ValueError as exc:  # json.JSONDecodeError and UnsafeJSON
+        raise PlanError(f"{index_path} is not valid JSON ({exc}); {fix}") from None
+    if not isinstance(index, dict):
+        raise PlanError(f"{index_path} is a JSON {type(index).__name__}, not the store's index object "
+                        f"({{\"format\": {FORMAT_VERSION}, \"plans\": ...}}); {fix}")
+    return index
+
+
 class PlanStore:
     """A loaded plan store: every plan in memory, so a lookup is a normalization plus a relabelling."""
 
@@ -144,10 +160,7 @@ class PlanStore:
         if not index_path.is_file():
             raise PlanError(f"{index_path} does not exist; build the store with `recycle plan --config FILE "
                             f"--max-failures F --out {directory}`")
-        try:
-            index = json.loads(index_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise PlanError(f"{index_path} is not valid JSON ({exc}); rebuild the store") from None
+        index = _read_index(index_path)
         if index.get("format") != FORMAT_VERSION:
             raise PlanError(f"{index_path} has format {index.get('format')!r}, this version reads {FORMAT_VERSION}; "
                             "rebuild the store with `recycle plan ... --out`")
@@ -168,7 +181,7 @@ class PlanStore:
                 entries[key] = StoreEntry(key, item["file"], float(item["period"]), float(item["makespan"]),
                                           float(item["lower_bound"]), item["solver"], item["status"])
                 plans[key] = Plan.from_json((directory / item["file"]).read_text())
-        except (KeyError, TypeError, ValueError, OSError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, OSError) as exc:
             raise PlanError(f"plan store {directory} is incomplete or damaged ({type(exc).__name__}: {exc}); "
                             "rebuild it with `recycle plan ... --out`") from None
         return cls(directory, config, options, int(index.get("max_failures", 0)), entries, plans)
