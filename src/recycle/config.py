@@ -36,7 +36,8 @@ __all__ = [
 TIME_UNITS = ("slot", "us")
 # Larger magnitudes overflow the simulator's sums to inf (1e15 us is 30 years; 1e15 bytes is a petabyte).
 MAX_MAGNITUDE = 1e15
-MAX_INT = 2**63 - 1  # what torch, numpy and every store record hold in a 64-bit integer
+MAX_INT = 2**63 - 1
+MAX_CONFIG_BYTES = 16 * 1024 * 1024  # a config with per-stage lists for the most stages is a few hundred KB  # what torch, numpy and every store record hold in a 64-bit integer
 
 # Upper bounds on the sizes a config sets (issue 21, item 3): far above any job run so far (Llama 3 405B: 16,384 GPUs
 # as 128 pipelines x 16 stages x 8-way tensor parallelism, 126 layers, a vocabulary of 128,256), low enough that
@@ -339,16 +340,21 @@ _PER_STAGE_KEYS = {section: tuple(f.name for f in fields(cls) if f.metadata.get(
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     """Read and validate a TOML config file, with `section.key=value` overrides applied (see apply_overrides)."""
+    from recycle.inputs import read_input_text
+
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist; pass --config with a path to a TOML file "
-                          "(e.g. configs/toy.toml)")
+    text = read_input_text(path, f"config file {str(path)!r}", MAX_CONFIG_BYTES,
+                           "pass --config with a path to a TOML file (e.g. configs/toy.toml)")
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}; fix the syntax at that line") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text; pass a TOML file") from None
+    except RecursionError:
+        raise ConfigError(f"config file {str(path)!r} nests arrays or tables too deeply to read; a config nests "
+                          "two levels") from None
+    except ValueError:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
+        raise ConfigError(f"config file {str(path)!r} holds an integer of more than 4,300 digits; every value of a "
+                          "config fits in 64 bits") from None
     raw = apply_overrides(raw, overrides)
     return parse_config(raw, name=raw.get("name", path.stem), source=str(path))
 
@@ -400,6 +406,11 @@ def _override_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text  # a bare word such as a path: the key's type check decides whether a string is right
+    except RecursionError:
+        raise ConfigError(f"override value {text[:40]!r}... nests arrays too deeply to read") from None
+    except ValueError:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
+        raise ConfigError(f"override value {text[:20]!r}... is an integer of more than 4,300 digits; every value of "
+                          "a config fits in 64 bits") from None
 
 
 def _where(source: str, section: str, key: str) -> str:

@@ -135,3 +135,27 @@ def test_a_damaged_plan_store_index_is_one_error(tmp_path: Path, capsys, make, n
                                                           "decoupled": True, "staggered": True}, "plans": []}))
         needle = "is incomplete or damaged (AttributeError"
     fails_cleanly(capsys, ["train", "--config", TINY, "--plan-store", str(store)], needle)
+
+
+# -- item 6: other input files --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("make,needle", [
+    (lambda tmp: "/proc/self/mem", "config file '/proc/self/mem' cannot be read (Input/output error)"),  # traceback
+    (lambda tmp: "/dev/zero", "is a character device, not a regular file"),
+    (lambda tmp: _write(tmp / "c.toml", "name = 1" + "0" * 5000), "an integer of more than 4,300 digits"),
+    (lambda tmp: _write(tmp / "c.toml", "a = " + "[" * 100_000), "nests arrays or tables too deeply"),
+])
+def test_unreadable_config_files_are_one_error(tmp_path: Path, capsys, make, needle: str) -> None:
+    path = make(tmp_path)
+    if not Path(path).exists():
+        pytest.skip(f"{path} is not on this machine")
+    fails_cleanly(capsys, ["schedule", "--config", path], needle)
+
+
+def _write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def test_an_override_of_5000_digits_is_one_error(capsys) -> None:
+    fails_cleanly(capsys, ["schedule", "--config", TOY, "--set", "training.seed=" + "9" * 5000],
+                  "is an integer of more than 4,300 digits")
