@@ -159,3 +159,145 @@ def _write(path: Path, text: str) -> str:
 def test_an_override_of_5000_digits_is_one_error(capsys) -> None:
     fails_cleanly(capsys, ["schedule", "--config", TOY, "--set", "training.seed=" + "9" * 5000],
                   "is an integer of more than 4,300 digits")
+
+
+# -- item 3: traces -------------------------------------------------------------------------------------------------
+def test_an_availability_trace_with_a_live_count_of_10_12_is_refused(tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text("0,1000000000000\n1,0\n")  # 20 bytes; took 24 GB before the OOM killer
+    fails_cleanly(capsys, ["simulate", "--config", TOY, "--trace", str(trace), "--out", str(tmp_path / "o")],
+                  "live count 1000000000000 is above the limit of 65,536 nodes")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("poisson:nodes=1e9,mtbf_h=10", "nodes = 1,000,000,000 is above the limit of 65,536"),
+    ("poisson:hours=1e9,mtbf_h=10", "about 6,000,000,000 node events"),
+    ("llama3:days=1e9", "above the limit of 2,000,000 for one trace"),
+    ("llama3:nodes=1e11", "nodes = 100,000,000,000 is above the limit"),
+    ("poisson:nodes=65536,mtbf_h=100,hours=100", "for one replay"),  # 131,072 events x 65,536 live nodes
+    ("poisson:nodes=2.5,mtbf_h=3", "nodes = 2.5 must be a whole number"),
+    ("llama3:gpus_per_node=0", "gpus_per_node = 0 must be >= 1"),  # was a ZeroDivisionError
+])
+def test_generated_traces_are_bounded_before_any_is_drawn(tmp_path: Path, capsys, spec: str, needle: str) -> None:
+    fails_cleanly(capsys, ["simulate", "--config", TOY, "--generate", spec, "--out", str(tmp_path / "o")], needle)
+
+
+def _event_trace(path: Path, lines: int, nodes: int = 8) -> Path:
+    rows = [f"0,add,node{i}" for i in range(nodes)]
+    rows += [f"{1000 * (k + 1)},{'remove' if k % 2 == 0 else 'add'},node{k // 2 % nodes}" for k in range(lines)]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_trace_lines_nodes_and_names_are_bounded(tmp_path: Path, monkeypatch) -> None:
+    from recycle.errors import TraceError
+    from recycle.traces import reader
+    from recycle.traces.reader import read_trace
+
+    path = _event_trace(tmp_path / "t.csv", 30)
+    monkeypatch.setattr(reader, "MAX_TRACE_LINES", 20)
+    with pytest.raises(TraceError, match="more than 20 data lines, the limit for one trace"):
+        read_trace(path)
+    monkeypatch.setattr(reader, "MAX_TRACE_LINES", 1000)
+    monkeypatch.setattr(reader, "MAX_TRACE_NODES", 4)
+    with pytest.raises(TraceError, match="is the trace's 5th distinct node, above the limit of 4"):
+        read_trace(path)
+    (tmp_path / "n.csv").write_text(f"0,add,node{'7' * 3000}\n1,remove,node1\n")  # node_order: int() of 3000 digits
+    with pytest.raises(TraceError, match="has 3,004 characters, above the limit of 200"):
+        read_trace(tmp_path / "n.csv")
+    (tmp_path / "b.csv").write_bytes(b"0,1," + b"x" * 10_000)  # one line of the whole file
+    with pytest.raises(TraceError, match="line of 10,004 characters, above the limit"):
+        read_trace(tmp_path / "b.csv")
+    with pytest.raises(TraceError, match="is a directory, not a regular file"):
+        read_trace(tmp_path)
+
+
+def test_a_replay_too_large_for_memory_is_refused_before_it_is_built(tmp_path: Path, capsys, monkeypatch) -> None:
+    from recycle.traces import trace
+
+    monkeypatch.setattr(trace, "MAX_REPLAY_SIZE", 100)  # 21 change points x 8 units = 168
+    path = _event_trace(tmp_path / "t.csv", 20)
+    fails_cleanly(capsys, ["simulate", "--config", TOY, "--trace", str(path), "--out", str(tmp_path / "o")],
+                  "21 change points x 8 live units = 168 is above the limit of 100 for one replay")
+
+
+def test_an_availability_trace_placing_too_many_events_is_refused(tmp_path: Path, capsys, monkeypatch) -> None:
+    from recycle.traces import placement
+
+    monkeypatch.setattr(placement, "MAX_TRACE_EVENTS", 10)
+    path = tmp_path / "a.csv"
+    path.write_text("0,8\n1000,2\n2000,8\n")  # 12 node events
+    fails_cleanly(capsys, ["simulate", "--config", TOY, "--trace", str(path), "--out", str(tmp_path / "o")],
+                  "rise and fall by 12 nodes in all, above the limit of 10 node events")
+
+
+def test_a_grid_aware_placement_too_slow_to_score_is_refused(tmp_path: Path, capsys, monkeypatch) -> None:
+    from recycle.traces import placement
+
+    monkeypatch.setattr(placement, "MAX_GRID_PLACEMENT_WORK", 20)
+    path = tmp_path / "a.csv"
+    path.write_text("0,12\n1000,9\n2000,12\n")  # 3 removals x 12 nodes
+    fails_cleanly(capsys, ["simulate", "--config", TOY, "--trace", str(path), "--placement", "spread", "--out",
+                           str(tmp_path / "o")], "3 node removals x 12 nodes = 36 is above the limit of 20")
+
+
+def test_traces_are_read_line_by_line(tmp_path: Path) -> None:
+    """A 20,000-line trace is never held whole: the reader's peak is under 350 bytes per line (it was 550: the text,
+    its list of lines and a list of kept lines next to the parsed events)."""
+    import tracemalloc
+
+    from recycle.traces.reader import read_trace
+
+    path = _event_trace(tmp_path / "t.csv", 20_000, nodes=64)
+    tracemalloc.start()
+    try:
+        trace = read_trace(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(trace.events) == 20_000
+    assert peak < 350 * 20_000, peak
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--checkpoint-interval-s", "1e-6", "is 22,680,000,000 checkpoints, above the limit of 1,000,000"),
+    ("--fallback-checkpoint-interval-s", "0.001", "--fallback-checkpoint-interval-s 0.001 over the trace's"),
+    ("--gpus-per-node", "100000000", "--gpus-per-node 100000000 must be in [1, 1024]"),
+    ("--slot-seconds", "nan", "--slot-seconds nan must be a number of seconds in (0, 86400]"),
+    ("--slot-seconds", "inf", "--slot-seconds inf must be"),
+    ("--slot-seconds", "1e300", "--slot-seconds 1e+300 must be"),
+])
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])  # with --json, nan was a traceback; without, a nan report
+def test_simulate_options_are_bounded(tmp_path: Path, capsys, flag: str, value: str, needle: str,
+                                      json_flag: list[str]) -> None:
+    fails_cleanly(capsys, ["simulate", "--config", TOY, "--generate", "paper-gcp", flag, value, "--out",
+                           str(tmp_path / "o"), *json_flag], needle)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.timeout(20)
+def test_node_positions_take_the_lowest_free_position_without_counting_up() -> None:
+    """NodePositions.join keeps a heap of freed positions (counting up from 0 was quadratic: 70 s for the 65,536
+    nodes a trace may have); the position it gives is still the lowest free one not freed at the same instant."""
+    import random
+
+    from recycle.traces.mapping import NodePositions
+
+    rng = random.Random(3)
+    pos = NodePositions(1, 1)
+    for step in range(2000):
+        present = sorted(pos.position)
+        if present and rng.random() < 0.45:
+            excluded = {pos.leave(n) for n in rng.sample(present, rng.randint(1, min(3, len(present))))}
+        else:
+            excluded = set()
+        for k in range(rng.randint(0, 3)):
+            want = next(p for p in range(len(pos.occupied) + len(excluded) + 1)
+                        if p not in pos.occupied and p not in excluded)
+            pos.join(f"n{step}-{k}", excluded)
+            assert pos.position[f"n{step}-{k}"] == want
+    big = NodePositions(1, 1)
+    for i in range(65_536):
+        big.join(f"node{i}", set())
+    assert big.position["node65535"] == 65_535
