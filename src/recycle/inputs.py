@@ -45,19 +45,23 @@ def read_input_text(path: str | Path, what: str, limit_bytes: int, fix: str,
     if not stat.S_ISREG(info.st_mode):
         raise error(f"{what} is {describe_kind(info.st_mode)}, not a regular file; {fix}")
     if info.st_size > limit_bytes:
-        raise error(f"{what} is {info.st_size / MIB:.1f} MiB, above the limit of {limit_bytes / MIB:g} MiB for this "
-                    f"kind of file; {fix}")
+        raise error(f"{what} is {_size(info.st_size)}, above the limit of {_size(limit_bytes)} for this kind of "
+                    f"file; {fix}")
     try:
         with open(path, "rb") as f:
             data = f.read(limit_bytes + 1)  # files that report size 0 (/proc) are bounded here
     except OSError as exc:
         raise error(f"{what} cannot be read ({exc.strerror or exc}); {fix}") from None
     if len(data) > limit_bytes:
-        raise error(f"{what} holds more than {limit_bytes / MIB:g} MiB, the limit for this kind of file; {fix}")
+        raise error(f"{what} holds more than {_size(limit_bytes)}, the limit for this kind of file; {fix}")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise error(f"{what} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}); {fix}") from None
+
+
+def _size(n: int) -> str:
+    return f"{n / MIB:,.1f} MiB" if n >= MIB else f"{n:,} bytes"
 
 
 def _finite_float(text: str) -> float:

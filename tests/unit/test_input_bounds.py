@@ -301,3 +301,66 @@ def test_node_positions_take_the_lowest_free_position_without_counting_up() -> N
     for i in range(65_536):
         big.join(f"node{i}", set())
     assert big.position["node65535"] == 65_535
+
+
+# -- items 3 and 6: `recycle train` options and inputs --------------------------------------------------------------
+@pytest.mark.parametrize("args,needle", [
+    (["--steps", "1000000000", "--checkpoint-dir", "{tmp}/ck", "--checkpoint-every", "1"],
+     "--checkpoint-every 1 over steps 1..1000000000 is 1,000,000,000 checkpoints, above the limit of 10,000"),
+    (["--steps", "10000000000"], "--steps 10000000000 is above the limit of 1,000,000,000"),
+    (["--respawn-after", "nan"], "--respawn-after nan must be >= 0 seconds, a finite number"),  # was accepted
+    (["--respawn-after", "inf"], "--respawn-after inf must be >= 0 seconds, a finite number"),
+    (["--slot-ms", "40"], "--slot-ms 40 paces actions only with --emulate-costs"),  # was silently ignored
+    (["--cost-scale", "2"], "--cost-scale 2 paces actions only with --emulate-costs"),
+    (["--emulate-costs", "--slot-ms", "1e12"], "--slot-ms 1e+12 is above the limit of 60000 ms"),
+    (["--emulate-costs", "--slot-ms", "20000"], "pads the longest action (2 slots) to 40 s, more than --timeout 30"),
+    (["--emulate-costs", "--cost-scale", "1e9"], "--cost-scale 1e+09 is above the limit of 10000"),
+    (["--master-addr", ""], "--master-addr '' is not a host name or IP address"),  # C++ socket dumps until timeout
+    (["--master-addr", " "], "--master-addr ' ' is not a host name or IP address"),
+    (["--master-addr", "a b"], "--master-addr 'a b' is not a host name"),
+    (["--model-factory", "os:getcwd"], "model factory 'os:getcwd' takes (), not (config, num_stages)"),  # TypeError
+    (["--model-factory", "os:system"], "model factory 'os:system' takes (command), not (config, num_stages)"),
+])
+def test_train_options_are_bounded(tmp_path: Path, capsys, args: list[str], needle: str) -> None:
+    fails_cleanly(capsys, ["train", "--config", TINY, "--max-failures", "0",
+                           *[a.format(tmp=tmp_path) for a in args]], needle)
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b"\xff\xfe\x00\x01binary", "is not UTF-8 text (byte 0xff at offset 0)"),  # was a UnicodeDecodeError
+    (b"0" * 100_000, "is 100,000 bytes, above the limit of 4,096 bytes"),
+])
+def test_a_binary_or_huge_token_file_is_one_error(tmp_path: Path, capsys, content: bytes, needle: str) -> None:
+    token = tmp_path / "token"
+    token.write_bytes(content)
+    token.chmod(0o600)
+    fails_cleanly(capsys, ["train", "--config", TINY, "--token-file", str(token)], f"--token-file {str(token)!r}",
+                  needle)
+
+
+def test_a_latest_pointer_of_5000_digits_is_not_a_traceback(tmp_path: Path, capsys) -> None:
+    (tmp_path / "latest").write_text("step" + "1" * 5000 + "\n")  # int() of it was a ValueError traceback
+    fails_cleanly(capsys, ["train", "--config", TINY, "--max-failures", "0", "--resume", str(tmp_path)],
+                  "no intact checkpoint")
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["model.n_embd=16384", "model.n_layer=1024"], "each of its 4 worker(s) builds the whole model"),
+    (["workload.microbatch_size=500000"], "micro-batches of 16,000,000 tokens"),
+])
+def test_a_built_in_gpt_too_large_for_the_machine_is_refused(capsys, monkeypatch, overrides: list[str],
+                                                             needle: str) -> None:
+    from recycle.runtime import preflight
+
+    monkeypatch.setattr(preflight, "_mem_available", lambda: 8 * 10**9)
+    sets = [a for o in overrides for a in ("--set", o)]
+    fails_cleanly(capsys, ["train", "--config", TINY, "--max-failures", "0", *sets], needle, "8.0 GB are available")
+
+
+def test_the_memory_check_passes_the_tiny_gpt() -> None:
+    from recycle.api import load_config
+    from recycle.runtime.launcher import LaunchOptions
+    from recycle.runtime.preflight import check_model_memory
+
+    check_model_memory(load_config(TINY), LaunchOptions(), available=10**8)  # 4 x 0.2M parameters: under 10 MB
