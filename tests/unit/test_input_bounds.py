@@ -364,3 +364,15 @@ def test_the_memory_check_passes_the_tiny_gpt() -> None:
     from recycle.runtime.preflight import check_model_memory
 
     check_model_memory(load_config(TINY), LaunchOptions(), available=10**8)  # 4 x 0.2M parameters: under 10 MB
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--set", "model.n_embd=16384", "--set", "model.n_layer=1024"], "each of its 1 worker(s) builds the whole model"),
+    (["--repeats", "1000000000"], "--repeats 1000000000 is above the limit of 10,000"),
+    (["--warmup", "1000000000"], "--warmup 1000000000 is above the limit of 10,000"),
+])
+def test_profile_is_bounded(tmp_path: Path, capsys, monkeypatch, args: list[str], needle: str) -> None:
+    from recycle.runtime import preflight
+
+    monkeypatch.setattr(preflight, "_mem_available", lambda: 8 * 10**9)
+    fails_cleanly(capsys, ["profile", "--config", TINY, "--out", str(tmp_path / "p.toml"), *args], needle)

@@ -150,12 +150,14 @@ def check_run_length(options: LaunchOptions, start: int, end: int) -> None:
                           f"{-(-(end - start) // MAX_DUE_CHECKPOINTS)} or more")
 
 
-def check_model_memory(config: Config, options: LaunchOptions, available: int | None = None) -> None:
+def check_model_memory(config: Config, options: LaunchOptions | None = None, available: int | None = None,
+                       workers: int | None = None) -> None:
     """Refuse a built-in GPT that cannot fit: every worker builds the whole model before it keeps its stage's layers
     (models.gpt.build_stages) and holds at least one micro-batch's activations (and, on the last stage, its
-    logits), so this node's workers need at least that much memory at once. `available`: MemAvailable (bytes) of
-    /proc/meminfo by default; without it nothing is checked. A lower bound: a run it passes may still not fit."""
-    if options.model_factory or config.model.hf_config:
+    logits), so this node's workers (`workers`, default the node's share of D x S) need at least that much memory
+    at once. `available`: MemAvailable (bytes) of /proc/meminfo by default; without it nothing is checked. A lower
+    bound: a run it passes may still not fit."""
+    if (options is not None and options.model_factory) or config.model.hf_config:
         return
     if available is None:
         available = _mem_available()
@@ -166,8 +168,9 @@ def check_model_memory(config: Config, options: LaunchOptions, available: int | 
     shape = resolve_shape(config.model, config.workload.seq_len)
     element = 8 if config.training.dtype == "float64" else 4
     D, S = config.num_replicas, config.num_stages
-    workers = -(-D * S // options.nnodes)
-    last_stage = -(-D // options.nnodes)  # at most this many of the node's workers hold a last stage
+    nnodes = options.nnodes if options is not None else 1
+    workers = workers or -(-D * S // nnodes)
+    last_stage = -(-D // nnodes)  # at most this many of the node's workers hold a last stage
     tokens = config.workload.microbatch_size * config.workload.seq_len
     whole = shape.num_parameters * element
     need = workers * (whole + tokens * shape.n_embd * element) + min(last_stage, workers) * tokens * \
