@@ -376,3 +376,31 @@ def test_profile_is_bounded(tmp_path: Path, capsys, monkeypatch, args: list[str]
 
     monkeypatch.setattr(preflight, "_mem_available", lambda: 8 * 10**9)
     fails_cleanly(capsys, ["profile", "--config", TINY, "--out", str(tmp_path / "p.toml"), *args], needle)
+
+
+# -- item 3: failure states planned ahead ---------------------------------------------------------------------------
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("argv,needle", [
+    # enumerate_keys filtered all 2^200 (or 4^1000) tuples: it never ended
+    (["train", "--config", TINY, "--set", "topology.num_stages=200", "--set", "model.n_layer=200"],
+     "--max-failures 2 over D=2 x S=200 is more than 10,000 failure states to plan ahead"),
+    (["plan", "--config", TOY, "--set", "topology.num_stages=1000", "--max-failures", "3", "--out", "{tmp}/store"],
+     "--max-failures 3 over D=3 x S=1000 is more than 10,000 failure states"),
+    (["train", "--config", TINY, "--set", "topology.num_stages=120", "--set", "model.n_layer=120", "--set",
+      "topology.num_replicas=3"], "is more than 10,000 failure patterns across pipelines"),
+])
+def test_failure_states_planned_ahead_are_bounded(tmp_path: Path, capsys, argv: list[str], needle: str) -> None:
+    fails_cleanly(capsys, [a.format(tmp=tmp_path) for a in argv], needle)
+    assert not (tmp_path / "store").exists()
+
+
+def test_failure_keys_are_enumerated_within_the_budget() -> None:
+    import itertools
+
+    from recycle.planner.failures import enumerate_keys
+
+    for D, S, F in itertools.product(range(1, 5), range(1, 6), range(-1, 8)):
+        cap = min(D - 1, F)
+        want = [k for k in itertools.product(range(cap + 1), repeat=S) if sum(k) <= F] if F >= 0 else []
+        assert list(enumerate_keys(D, S, F)) == want, (D, S, F)
+    assert sum(1 for _ in enumerate_keys(8, 64, 2)) == 1 + 64 * 2 + 64 * 63 // 2  # 3^64 tuples were filtered
