@@ -404,3 +404,14 @@ def test_failure_keys_are_enumerated_within_the_budget() -> None:
         want = [k for k in itertools.product(range(cap + 1), repeat=S) if sum(k) <= F] if F >= 0 else []
         assert list(enumerate_keys(D, S, F)) == want, (D, S, F)
     assert sum(1 for _ in enumerate_keys(8, 64, 2)) == 1 + 64 * 2 + 64 * 63 // 2  # 3^64 tuples were filtered
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["schedule", "--config", TOY, "--iterations", "100000000"], "--iterations = 100000000 is above the limit of 1,000"),
+    (["schedule", "--config", TOY, "--iterations", "1000", "--set", "topology.num_replicas=1000", "--set",
+      "workload.num_microbatches=100"], "--iterations 1000 x 400,000 (stage, micro-batch) pairs"),
+    (["plan", "--config", TOY, "--fail", "0:0", "--solver", "exact", "--time-limit", "nan"],
+     "--time-limit nan must be a number of seconds in (0, 86400]"),
+])
+def test_schedule_and_plan_options_are_bounded(capsys, argv: list[str], needle: str) -> None:
+    fails_cleanly(capsys, argv, needle)
