@@ -320,6 +320,8 @@ def test_node_positions_take_the_lowest_free_position_without_counting_up() -> N
     (["--master-addr", "a b"], "--master-addr 'a b' is not a host name"),
     (["--model-factory", "os:getcwd"], "model factory 'os:getcwd' takes (), not (config, num_stages)"),  # TypeError
     (["--model-factory", "os:system"], "model factory 'os:system' takes (command), not (config, num_stages)"),
+    (["--nnodes", "1000000000", "--master-port", "29500", "--node-rank", "1"],  # the launcher loops over nodes
+     "--nnodes 1000000000 is more than the job's D x S = 4 workers"),
 ])
 def test_train_options_are_bounded(tmp_path: Path, capsys, args: list[str], needle: str) -> None:
     fails_cleanly(capsys, ["train", "--config", TINY, "--max-failures", "0",

@@ -186,6 +186,9 @@ def run(args: argparse.Namespace) -> int:
         summary_writer(tensorboard)  # a missing extra fails now, not after the plan store is built
     hf = [f"model.hf_config={json.dumps(os.path.abspath(args.hf))}"] if args.hf else []
     config = load_config(args.config, [*args.set, *hf])
+    if role.nnodes > config.topology.num_workers:
+        raise ConfigError(f"--nnodes {role.nnodes} is more than the job's D x S = {config.topology.num_workers} "
+                          "workers: every node runs at least one; use at most that many nodes")
     plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
                        staggered=not args.no_stagger)
     faults, rejoins = _scripted_faults(args.inject, config.topology)
