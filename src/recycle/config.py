@@ -36,8 +36,8 @@ __all__ = [
 TIME_UNITS = ("slot", "us")
 # Larger magnitudes overflow the simulator's sums to inf (1e15 us is 30 years; 1e15 bytes is a petabyte).
 MAX_MAGNITUDE = 1e15
-MAX_INT = 2**63 - 1
-MAX_CONFIG_BYTES = 16 * 1024 * 1024  # a config with per-stage lists for the most stages is a few hundred KB  # what torch, numpy and every store record hold in a 64-bit integer
+MAX_INT = 2**63 - 1  # what torch, numpy and every store record hold in a 64-bit integer
+MAX_CONFIG_BYTES = 16 * 1024 * 1024  # a config with per-stage lists for the most stages is a few hundred KB
 
 # Upper bounds on the sizes a config sets (issue 21, item 3): far above any job run so far (Llama 3 405B: 16,384 GPUs
 # as 128 pipelines x 16 stages x 8-way tensor parallelism, 126 layers, a vocabulary of 128,256), low enough that

@@ -409,7 +409,8 @@ def test_failure_keys_are_enumerated_within_the_budget() -> None:
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["schedule", "--config", TOY, "--iterations", "100000000"], "--iterations = 100000000 is above the limit of 1,000"),
+    (["schedule", "--config", TOY, "--iterations", "100000000"],
+     "--iterations = 100000000 is above the limit of 1,000"),
     (["schedule", "--config", TOY, "--iterations", "1000", "--set", "topology.num_replicas=1000", "--set",
       "workload.num_microbatches=100"], "--iterations 1000 x 400,000 (stage, micro-batch) pairs"),
     (["plan", "--config", TOY, "--fail", "0:0", "--solver", "exact", "--time-limit", "nan"],

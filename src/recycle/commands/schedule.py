@@ -94,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set)
     pairs = config.num_replicas * config.num_stages * config.num_microbatches
     if args.iterations * pairs > MAX_SIMULATED_PAIRS:
-        raise ConfigError(f"--iterations {args.iterations} x {pairs:,} (stage, micro-batch) pairs of {config.name!r} is "
-                          f"above the limit of {MAX_SIMULATED_PAIRS:,} simulated (each ~20 us and, for the charts, "
+        raise ConfigError(f"--iterations {args.iterations} x {pairs:,} (stage, micro-batch) pairs of {config.name!r} "
+                          f"is above the limit of {MAX_SIMULATED_PAIRS:,} simulated (each ~20 us and, for the charts, "
                           f"~1 KB); use --iterations {max(1, MAX_SIMULATED_PAIRS // pairs)} or fewer")
     plan = api.schedule(config, args.schedule, staggered=args.staggered)
     want_timeline = bool(args.gantt or args.trace) or not args.json

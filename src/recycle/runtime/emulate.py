@@ -36,8 +36,8 @@ class Emulation:
         if not (self.slot_ms > 0 and math.isfinite(self.slot_ms)):
             raise ConfigError(f"--slot-ms {self.slot_ms} must be a positive number of milliseconds (e.g. 40)")
         if self.slot_ms > MAX_SLOT_MS:
-            raise ConfigError(f"--slot-ms {self.slot_ms:g} is above the limit of {MAX_SLOT_MS:g} ms (a minute per slot: "
-                              "every action would sleep for minutes); use e.g. 40")
+            raise ConfigError(f"--slot-ms {self.slot_ms:g} is above the limit of {MAX_SLOT_MS:g} ms (a minute per "
+                              "slot: every action would sleep for minutes); use e.g. 40")
         if not (self.scale > 0 and math.isfinite(self.scale)):
             raise ConfigError(f"--cost-scale {self.scale} must be a positive factor (e.g. 1 or 10)")
         if self.scale > MAX_COST_SCALE:

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["check_launch", "check_option_ranges", "check_run_length", "check_model_memory", "check_outputs", "run_fingerprint", "find_resume_point",
+__all__ = ["check_launch", "check_option_ranges", "check_run_length", "check_model_memory", "check_outputs",
+           "run_fingerprint", "find_resume_point",
            "ResumePoint", "StageSpec", "expected_stages", "RESUME_MUST_MATCH", "RESUME_MAY_CHANGE"]
 
 # What makes a checkpoint the state of *this* run: the model (shapes; how the stages split it only for a

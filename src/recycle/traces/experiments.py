@@ -101,9 +101,10 @@ def check_replay(trace: EventTrace, gpus_per_node: int, gpus_per_worker: int, co
     for flag, interval in (("--checkpoint-interval-s", costs.checkpoint_interval_s),
                            ("--fallback-checkpoint-interval-s", costs.fallback_checkpoint_interval_s)):
         if duration_s / interval > MAX_REPLAY_CHECKPOINTS:
-            raise ConfigError(f"{flag} {interval:g} over the trace's {duration_s:,.0f} s is {duration_s / interval:,.0f} "
-                              f"checkpoints, above the limit of {MAX_REPLAY_CHECKPOINTS:,} for one replay (each is a "
-                              f"step of it); raise {flag} or replay a shorter trace")
+            raise ConfigError(f"{flag} {interval:g} over the trace's {duration_s:,.0f} s is "
+                              f"{duration_s / interval:,.0f} checkpoints, above the limit of "
+                              f"{MAX_REPLAY_CHECKPOINTS:,} for one replay (each is a step of it); raise {flag} or "
+                              "replay a shorter trace")
 
 
 def size_to_trace(config: Config, timeline: UnitTimeline, replicas: str) -> Config:

@@ -74,8 +74,8 @@ class FailureModel:
                       "give fewer nodes")
         expected = self.expected_events
         if expected > MAX_TRACE_EVENTS:
-            raise bad(f"nodes x hours / mtbf_h = {self.num_nodes:,} x {self.duration_h:g} / {self.mtbf_h:g} makes about "
-                      f"{expected:,.0f} node events (a failure and a repair each), above the limit of "
+            raise bad(f"nodes x hours / mtbf_h = {self.num_nodes:,} x {self.duration_h:g} / {self.mtbf_h:g} makes "
+                      f"about {expected:,.0f} node events (a failure and a repair each), above the limit of "
                       f"{MAX_TRACE_EVENTS:,} for one trace", "use fewer nodes, fewer hours or a longer mtbf_h")
         check_replay_size(int(expected) + 1, self.num_nodes, "failure model",
                           "use fewer nodes, fewer hours or a longer mtbf_h")

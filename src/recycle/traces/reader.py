@@ -268,8 +268,8 @@ def _parse_count(text: str, source: str, lineno: int, line: str) -> int:
     if count < 0:
         raise TraceError(f"{_where(source, lineno)}: live count {count} must be >= 0")
     if count > MAX_TRACE_NODES:
-        raise TraceError(f"{_where(source, lineno)}: live count {count} is above the limit of {MAX_TRACE_NODES:,} nodes "
-                         f"({MAX_NODES_WHY}); check the column (it counts nodes, not GPUs or bytes)")
+        raise TraceError(f"{_where(source, lineno)}: live count {count} is above the limit of {MAX_TRACE_NODES:,} "
+                         f"nodes ({MAX_NODES_WHY}); check the column (it counts nodes, not GPUs or bytes)")
     return count
 
 
