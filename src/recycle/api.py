@@ -119,15 +119,14 @@ def load_trace(config: Config, path: str | Path | None = None, *, generate: str 
                strict: bool = False) -> EventTrace:
     """A failure trace for the job: read from a CSV `path`, or generated from a spec such as 'paper-gcp'.
     Availability traces (live counts) are placed onto the job's workers by `placement` with `seed`."""
-    from recycle.traces.experiments import job_grid
+    from recycle.traces.experiments import JobSetup, job_grid
     from recycle.traces.generate import parse_generate_spec
     from recycle.traces.reader import read_trace
 
     if (path is None) == (not generate):
         raise ConfigError("a trace needs exactly one of a CSV path (--trace) and a generator spec (--generate, e.g. "
                           "'paper-gcp'); pass one")
-    if gpus_per_node < 1:
-        raise ConfigError(f"--gpus-per-node {gpus_per_node} must be >= 1")
+    JobSetup(gpus_per_node=gpus_per_node)  # checks its range
     grid = job_grid(config, gpus_per_node, replicas)
     if generate:
         return parse_generate_spec(generate, grid=grid, placement=placement, seed=seed)

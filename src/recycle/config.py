@@ -29,11 +29,43 @@ __all__ = [
     "apply_overrides",
     "TIME_UNITS",
     "uniform_config",
+    "SIZE_LIMITS",
+    "MAX_PLAN_PAIRS",
 ]
 
 TIME_UNITS = ("slot", "us")
 # Larger magnitudes overflow the simulator's sums to inf (1e15 us is 30 years; 1e15 bytes is a petabyte).
 MAX_MAGNITUDE = 1e15
+MAX_INT = 2**63 - 1  # what torch, numpy and every store record hold in a 64-bit integer
+MAX_CONFIG_BYTES = 16 * 1024 * 1024  # a config with per-stage lists for the most stages is a few hundred KB
+
+# Upper bounds on the sizes a config sets (issue 21, item 3): far above any job run so far (Llama 3 405B: 16,384 GPUs
+# as 128 pipelines x 16 stages x 8-way tensor parallelism, 126 layers, a vocabulary of 128,256), low enough that
+# no loop or allocation sized by them runs away before a message. Every command builds at least one whole plan
+# (every (stage, micro-batch) pair of every pipeline), so D x S x M is bounded too (MAX_PLAN_PAIRS).
+SIZE_LIMITS: dict[tuple[str, str], tuple[int, str]] = {
+    ("topology", "num_replicas"): (65_536, "4x the 16,384 GPUs of Llama 3's largest job, one replica each"),
+    ("topology", "num_stages"): (1_024, "8x the deepest model's layer count of 126 (Llama 3 405B), one layer per "
+                                 "stage"),
+    ("topology", "gpus_per_worker"): (1_024, "a worker is one tensor-parallel group (8 GPUs in Llama 3)"),
+    ("topology", "workers_per_node"): (1_024, "a node holds a few workers (8 GPUs in a DGX node)"),
+    ("workload", "num_microbatches"): (65_536, "per pipeline per iteration; schedules use 1-8 x num_stages"),
+    ("workload", "microbatch_size"): (1_048_576, "samples per micro-batch"),
+    ("workload", "seq_len"): (1_048_576, "a million tokens, the longest contexts trained"),
+    ("model", "vocab_size"): (2_097_152, "16x Llama 3's 128,256 tokens"),
+    ("model", "n_layer"): (1_024, "8x Llama 3 405B's 126 layers"),
+    ("model", "n_head"): (65_536, "at most one head per channel of n_embd"),
+    ("model", "n_embd"): (65_536, "4x Llama 3 405B's 16,384"),
+    ("training", "steps"): (1_000_000_000, "a billion steps; Llama 3 405B trained for about 1.2 million"),
+    ("training", "warmup_steps"): (1_000_000_000, "at most [training] steps' limit"),
+    ("training", "lr_decay_steps"): (1_000_000_000, "at most [training] steps' limit"),
+}
+# Tokens a micro-batch carries (microbatch_size x seq_len): every worker allocates activations of this many tokens.
+MAX_MICROBATCH_TOKENS = 16_777_216  # Llama 3's whole global batch of 16M tokens in one micro-batch
+MAX_GPUS = 1_048_576  # D x S x gpus_per_worker: 64x Llama 3's 16,384 GPUs
+# A plan holds about 3 actions per (stage, micro-batch) of each pipeline: ~1.4 KB and ~20 us to build and time each
+# (a 1,000 x 4 x 250 schedule: 1.4 GB, 20 s), so D x S x M stays below about a million.
+MAX_PLAN_PAIRS = 1_048_576
 
 Floats = tuple[float, ...]
 Ints = tuple[int, ...]
@@ -308,16 +340,21 @@ _PER_STAGE_KEYS = {section: tuple(f.name for f in fields(cls) if f.metadata.get(
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     """Read and validate a TOML config file, with `section.key=value` overrides applied (see apply_overrides)."""
+    from recycle.inputs import read_input_text
+
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist; pass --config with a path to a TOML file "
-                          "(e.g. configs/toy.toml)")
+    text = read_input_text(path, f"config file {str(path)!r}", MAX_CONFIG_BYTES,
+                           "pass --config with a path to a TOML file (e.g. configs/toy.toml)")
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}; fix the syntax at that line") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text; pass a TOML file") from None
+    except RecursionError:
+        raise ConfigError(f"config file {str(path)!r} nests arrays or tables too deeply to read; a config nests "
+                          "two levels") from None
+    except ValueError:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
+        raise ConfigError(f"config file {str(path)!r} holds an integer of more than 4,300 digits; every value of a "
+                          "config fits in 64 bits") from None
     raw = apply_overrides(raw, overrides)
     return parse_config(raw, name=raw.get("name", path.stem), source=str(path))
 
@@ -369,6 +406,11 @@ def _override_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text  # a bare word such as a path: the key's type check decides whether a string is right
+    except RecursionError:
+        raise ConfigError(f"override value {text[:40]!r}... nests arrays too deeply to read") from None
+    except ValueError:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
+        raise ConfigError(f"override value {text[:20]!r}... is an integer of more than 4,300 digits; every value of "
+                          "a config fits in 64 bits") from None
 
 
 def _where(source: str, section: str, key: str) -> str:
@@ -386,6 +428,9 @@ def _check_type(value: Any, kind: str, where: str) -> Any:
     if kind == "int":
         if not is_int(value):
             raise ConfigError(f"{where} = {value!r} must be an integer; write it without quotes or decimals")
+        if abs(value) > MAX_INT:
+            raise ConfigError(f"{where} = {value} does not fit in 64 bits (|value| <= 2**63 - 1); use a smaller "
+                              "number")
         return value
     if kind == "float":
         if not is_num(value):
@@ -398,6 +443,8 @@ def _check_type(value: Any, kind: str, where: str) -> Any:
     if kind == "intlist":
         if not isinstance(value, list) or not all(is_int(v) for v in value):
             raise ConfigError(f"{where} = {value!r} must be a list of whole numbers, one per stage, e.g. [8, 8, 8, 8]")
+        if any(abs(v) > MAX_INT for v in value):
+            raise ConfigError(f"{where}: every entry must fit in 64 bits (|value| <= 2**63 - 1); use smaller numbers")
         return tuple(value)
     if kind == "str":
         if not isinstance(value, str):
@@ -450,12 +497,14 @@ def parse_config(raw: dict[str, Any], name: str = "config", source: str = "") ->
     if time_unit not in TIME_UNITS:
         raise ConfigError(f"{_where(source, '', 'time_unit')} = {time_unit!r} must be one of {list(TIME_UNITS)}")
     topology = _topology(checked["topology"], source)
+    workload = _workload(checked["workload"], source)
+    _check_plan_size(topology, workload, source)
     S = topology.num_stages
     return Config(
         name=top.get("name", name),
         time_unit=time_unit,
         topology=topology,
-        workload=_workload(checked["workload"], source),
+        workload=workload,
         costs=_costs(checked["costs"], S, source),
         memory=_memory(checked["memory"], S, source),
         communication=_communication(checked["communication"], S, source),
@@ -519,18 +568,52 @@ def _at_least(values: Any, section: str, keys: Sequence[str], low: int, source: 
             raise ConfigError(f"{_where(source, section, key)} = {getattr(values, key)} must be >= {low}{why}")
 
 
+def _at_most(values: Any, section: str, source: str) -> None:
+    """Each key of the section with a SIZE_LIMITS entry is at most its limit (a None, meaning not set, passes)."""
+    for (sec, key), (limit, why) in SIZE_LIMITS.items():
+        value = getattr(values, key) if sec == section else None
+        if value is not None and value > limit:
+            raise ConfigError(f"{_where(source, section, key)} = {value} is above the limit of {limit:,} ({why}); "
+                              "use a smaller value")
+
+
 def _topology(t: dict[str, Any], source: str) -> Topology:
     topology = Topology(**t)
     _at_least(topology, "topology", ("num_replicas", "num_stages", "gpus_per_worker"), 1, source)
     _at_least(topology, "topology", ("workers_per_node",), 0, source,
               " (0 = not given: all messages priced at the p2p cost)")
+    _at_most(topology, "topology", source)
+    gpus = topology.num_workers * topology.gpus_per_worker
+    if gpus > MAX_GPUS:
+        raise ConfigError(f"{_where(source, 'topology', 'num_replicas')}: D x S x gpus_per_worker = "
+                          f"{topology.num_replicas} x {topology.num_stages} x {topology.gpus_per_worker} = {gpus:,} "
+                          f"GPUs is above the limit of {MAX_GPUS:,} (64x Llama 3's 16,384); use fewer replicas or "
+                          "stages")
     return topology
 
 
 def _workload(w: dict[str, Any], source: str) -> Workload:
     workload = Workload(**w)
     _at_least(workload, "workload", ("num_microbatches", "microbatch_size", "seq_len"), 1, source)
+    _at_most(workload, "workload", source)
+    tokens = workload.microbatch_size * workload.seq_len
+    if tokens > MAX_MICROBATCH_TOKENS:
+        raise ConfigError(f"{_where(source, 'workload', 'microbatch_size')}: microbatch_size x seq_len = "
+                          f"{workload.microbatch_size} x {workload.seq_len} = {tokens:,} tokens per micro-batch is "
+                          f"above the limit of {MAX_MICROBATCH_TOKENS:,} (Llama 3's whole 16M-token batch; every "
+                          "worker holds activations of this many tokens); use smaller micro-batches and more of them")
     return workload
+
+
+def _check_plan_size(topology: Topology, workload: Workload, source: str) -> None:
+    """Every command builds at least one whole plan of the config (the simulator's 1F1B reference included): refuse
+    D x S x M (stage, micro-batch) pairs above MAX_PLAN_PAIRS before any is built."""
+    D, S, M = topology.num_replicas, topology.num_stages, workload.num_microbatches
+    if D * S * M > MAX_PLAN_PAIRS:
+        raise ConfigError(f"{_where(source, 'workload', 'num_microbatches')}: D x S x M = {D} x {S} x {M} = "
+                          f"{D * S * M:,} (stage, micro-batch) pairs is above the limit of {MAX_PLAN_PAIRS:,} (a plan "
+                          "holds ~3 actions per pair, each ~1.4 KB and ~20 us to build and time: a million take "
+                          "1.5 GB and 20 s); use fewer micro-batches or replicas")
 
 
 def _costs(c: dict[str, Any], S: int, source: str) -> StageCosts:
@@ -584,11 +667,14 @@ def _model(m: dict[str, Any], S: int, source: str) -> ModelSpec:
             raise ConfigError(f"{where} = {list(per_stage)} sums to {sum(per_stage)} layers but [model] n_layer = "
                               f"{m['n_layer']}; make them agree or drop n_layer (it defaults to the sum)")
         model = replace(model, n_layer=sum(per_stage))
+    _at_least(model, "model", ("vocab_size", "n_layer", "n_head", "n_embd"), 1, source)
+    _at_most(model, "model", source)
+    if not 0 <= model.dropout <= 1:
+        raise ConfigError(f"{_where(source, 'model', 'dropout')} = {model.dropout} must be in [0, 1] (the "
+                          "probability of zeroing an activation, as torch.nn.Dropout takes it); e.g. 0 or 0.1")
     if model.n_embd % model.n_head != 0:
         raise ConfigError(f"{_where(source, 'model', 'n_embd')} = {model.n_embd} must be divisible by n_head = "
                           f"{model.n_head}")
-    if model.n_layer < 1:
-        raise ConfigError(f"{_where(source, 'model', 'n_layer')} = {model.n_layer} must be >= 1")
     return model
 
 
@@ -610,7 +696,25 @@ def _training(t: dict[str, Any], source: str) -> Training:
     if training.steps < 0 or training.lr <= 0 or training.grad_clip < 0:
         raise ConfigError(f"{_where(source, 'training', 'steps/lr/grad_clip')}: need steps >= 0, lr > 0, "
                           f"grad_clip >= 0 (got {training.steps}, {training.lr}, {training.grad_clip})")
+    _at_most(training, "training", source)
+    _optimizer_ranges(training, source)
     return training
+
+
+def _optimizer_ranges(training: Training, source: str) -> None:
+    """The ranges torch.optim's constructors check (AdamW, Adam, SGD, ...), checked here so that a bad value fails
+    once, up front, and for the fast AdamW too (which does not go through torch's constructor)."""
+    def bad(key: str, value: Any, rule: str, fix: str) -> ConfigError:
+        return ConfigError(f"{_where(source, 'training', key)} = {value} {rule} (torch.optim refuses it); {fix}")
+
+    if training.weight_decay < 0:
+        raise bad("weight_decay", training.weight_decay, "must be >= 0", "use 0 for none, e.g. 0.1")
+    if training.eps is not None and training.eps < 0:
+        raise bad("eps", training.eps, "must be >= 0", "e.g. 1e-8 (leave it out for the optimizer's default)")
+    if training.betas is not None and not all(0 <= b < 1 for b in training.betas):
+        raise bad("betas", list(training.betas), "must both be in [0, 1)", "e.g. [0.9, 0.95]")
+    if training.momentum is not None and training.momentum < 0:
+        raise bad("momentum", training.momentum, "must be >= 0", "e.g. 0.9")
 
 
 def uniform_config(num_replicas: int, num_stages: int, num_microbatches: int, forward: float = 1.0,

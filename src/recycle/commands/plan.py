@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -223,7 +224,13 @@ def _build_store(args: argparse.Namespace, config: Config, options: PlannerOptio
     return 0
 
 
+MAX_TIME_LIMIT_S = 86_400.0  # a day per failure state for the exact solver
+
+
 def run(args: argparse.Namespace) -> int:
+    if not (math.isfinite(args.time_limit) and 0 < args.time_limit <= MAX_TIME_LIMIT_S):
+        raise PlanError(f"--time-limit {args.time_limit:g} must be a number of seconds in (0, {MAX_TIME_LIMIT_S:g}] "
+                        "(how long the exact solver may take per failure state), e.g. 10")
     config = load_config(args.config, args.set)
     options = _options(args, config)
     if args.max_failures is not None:

@@ -9,6 +9,7 @@ from dataclasses import asdict
 
 from recycle.commands import add_set_option
 from recycle.config import Config, ModelSpec, load_config
+from recycle.errors import ConfigError
 
 __all__ = ["register", "run"]
 
@@ -35,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
+MAX_REPEATS = 10_000
+
+
 def _say_what_is_profiled(config: Config) -> None:
     """Name the model measured, so that a config without [model] does not silently profile the default one."""
     from recycle.models.gpt import resolve_shape
@@ -53,6 +57,13 @@ def run(args: argparse.Namespace) -> int:
     from recycle.runtime.profiler import profile_config, write_profile  # imports torch: only when used
 
     config = load_config(args.config, args.set)
+    for flag, value in (("--repeats", args.repeats), ("--warmup", args.warmup)):
+        if value > MAX_REPEATS:
+            raise ConfigError(f"{flag} {value} is above the limit of {MAX_REPEATS:,} (each times every stage's "
+                              "actions once more; the medians settle within tens); use e.g. 20")
+    from recycle.runtime.preflight import check_model_memory
+
+    check_model_memory(config, workers=1)  # this process builds the whole model and its stages
     _say_what_is_profiled(config)
     profile = profile_config(config, repeats=args.repeats, warmup=args.warmup, comm=args.comm)
     path, _ = write_profile(config, profile, args.out)

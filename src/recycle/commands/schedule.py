@@ -79,12 +79,24 @@ def summary_table(plan: Plan, config: Config, result: SimResult) -> str:
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
 
+MAX_ITERATIONS = 1_000
+MAX_SIMULATED_PAIRS = 4 * 1_048_576  # the default 4 iterations of the largest plan a config allows
+
+
 def run(args: argparse.Namespace) -> int:
     from recycle.errors import ConfigError
 
     if args.iterations < 1:
         raise ConfigError(f"--iterations = {args.iterations} must be >= 1; pass e.g. --iterations 4")
+    if args.iterations > MAX_ITERATIONS:
+        raise ConfigError(f"--iterations = {args.iterations} is above the limit of {MAX_ITERATIONS:,} (the period "
+                          "settles within a few); pass e.g. --iterations 4")
     config = load_config(args.config, args.set)
+    pairs = config.num_replicas * config.num_stages * config.num_microbatches
+    if args.iterations * pairs > MAX_SIMULATED_PAIRS:
+        raise ConfigError(f"--iterations {args.iterations} x {pairs:,} (stage, micro-batch) pairs of {config.name!r} "
+                          f"is above the limit of {MAX_SIMULATED_PAIRS:,} simulated (each ~20 us and, for the charts, "
+                          f"~1 KB); use --iterations {max(1, MAX_SIMULATED_PAIRS // pairs)} or fewer")
     plan = api.schedule(config, args.schedule, staggered=args.staggered)
     want_timeline = bool(args.gantt or args.trace) or not args.json
     result = api.simulate(plan, config, iterations=args.iterations, record=want_timeline)

@@ -10,7 +10,7 @@ from recycle.api import load_trace, simulate_trace
 from recycle.commands import add_set_option
 from recycle.config import load_config
 from recycle.errors import ConfigError
-from recycle.traces.experiments import SYSTEM_NAMES
+from recycle.traces.experiments import SYSTEM_NAMES, JobSetup, check_replay
 from recycle.traces.generate import GENERATE_HELP
 from recycle.traces.model import JobCosts
 from recycle.traces.placement import PLACEMENT_HELP, PLACEMENTS
@@ -73,11 +73,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set)
     costs = JobCosts(**{name: getattr(args, name) for name in COST_FLAGS}, reshape=not args.no_reshape)
-    if args.gpus_per_node < 1:
-        raise ConfigError(f"--gpus-per-node {args.gpus_per_node} must be >= 1")
+    JobSetup(gpus_per_node=args.gpus_per_node, slot_seconds=args.slot_seconds)  # checks both before the trace is read
     trace = load_trace(config, args.trace, generate=args.generate or "", seed=args.seed,
                        placement=args.placement or "random", gpus_per_node=args.gpus_per_node, replicas=args.replicas,
                        strict=args.strict)
+    check_replay(trace, args.gpus_per_node, config.topology.gpus_per_worker, costs)  # before the notes on it
     if args.placement and not trace.placement:
         raise ConfigError(f"--placement {args.placement} applies to availability traces (counts of live nodes), but "
                           f"{trace.source} is an event trace that already names the failing nodes; drop --placement")

@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import TYPE_CHECKING, Mapping
 
 from recycle.api import select_plan
 from recycle.commands import add_set_option
-from recycle.config import Topology, load_config
+from recycle.config import Config, Topology, load_config
 from recycle.errors import ConfigError
 from recycle.runtime.chaos import parse_chaos
 from recycle.runtime.cluster_env import NodeRole, resolve_role
 from recycle.runtime.faults import FaultInjection, parse_fault, parse_rejoin
 
 if TYPE_CHECKING:
+    from recycle.runtime.emulate import Emulation
     from recycle.runtime.launcher import LaunchOptions, TrainResult
 
 # The launcher and the emulation pull in torch: they are imported in run(), so `recycle train --help` starts fast.
@@ -160,7 +162,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slot-ms", type=float, default=None, metavar="MS",
                    help="with --emulate-costs: milliseconds per slot of a slot-unit config "
                         "(default: runtime.emulate.DEFAULT_SLOT_MS, 40)")
-    p.add_argument("--cost-scale", type=float, default=1.0, metavar="X",
+    p.add_argument("--cost-scale", type=float, default=None, metavar="X",
                    help="with --emulate-costs: factor on the durations of a microsecond (\"us\") config (default 1)")
 
 
@@ -187,15 +189,21 @@ def run(args: argparse.Namespace) -> int:
         summary_writer(tensorboard)  # a missing extra fails now, not after the plan store is built
     hf = [f"model.hf_config={json.dumps(os.path.abspath(args.hf))}"] if args.hf else []
     config = load_config(args.config, [*args.set, *hf])
+    if role.nnodes > config.topology.num_workers:
+        raise ConfigError(f"--nnodes {role.nnodes} is more than the job's D x S = {config.topology.num_workers} "
+                          "workers: every node runs at least one; use at most that many nodes")
     plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
                        staggered=not args.no_stagger)
     faults, rejoins = _scripted_faults(args.inject, config.topology)
-    if args.respawn_after is not None and args.respawn_after < 0:
-        raise ConfigError(f"--respawn-after {args.respawn_after:g} must be >= 0 seconds")
+    if args.respawn_after is not None and not (math.isfinite(args.respawn_after) and args.respawn_after >= 0):
+        raise ConfigError(f"--respawn-after {args.respawn_after:g} must be >= 0 seconds, a finite number (leave it out "
+                          "to never start a dead worker again)")
+    _check_emulation_flags(args)
     if plan.failed:
         print(f"workers down: {' '.join(f'{p}:{s}' for p, s in sorted(plan.failed))}; running plan "
               f"{plan.meta.schedule or 'adaptive'} ({'staggered' if plan.staggered else 'coupled'} optimizer)")
     options = _launch_options(args, role, faults, rejoins)
+    check_emulation(config, options.emulation, options.timeout_s)
     sink = None
     if tensorboard:
         from dataclasses import replace
@@ -250,9 +258,54 @@ def _launch_options(args: argparse.Namespace, role: NodeRole, faults: list[tuple
                          faults=tuple(faults), rejoins=tuple(rejoins),
                          respawn_after_s=args.respawn_after, stage_loss=args.on_stage_loss,
                          chaos=parse_chaos(args.chaos) if args.chaos else None,
-                         token=read_token(args.token_file),
+                         token=read_token(_checked_token_file(args.token_file)),
                          emulation=Emulation(DEFAULT_SLOT_MS if args.slot_ms is None else args.slot_ms,
-                                             args.cost_scale) if args.emulate_costs else None)
+                                             1.0 if args.cost_scale is None else args.cost_scale)
+                         if args.emulate_costs else None)
+
+
+def _check_emulation_flags(args: argparse.Namespace) -> None:
+    """--slot-ms and --cost-scale only pace a run with --emulate-costs: given without it, they would be ignored and
+    the run timed by the host instead, so that is an error (like --checkpoint-every without --checkpoint-dir)."""
+    if args.emulate_costs:
+        return
+    for flag, value in (("--slot-ms", args.slot_ms), ("--cost-scale", args.cost_scale)):
+        if value is not None:
+            raise ConfigError(f"{flag} {value:g} paces actions only with --emulate-costs, which is not given; add "
+                              f"--emulate-costs, or drop {flag}")
+
+
+def check_emulation(config: Config, emulation: Emulation | None, timeout_s: float) -> None:
+    """The longest action padded to its cost must end within --timeout, or its peers count it as stuck."""
+    if emulation is None:
+        return
+    from recycle.runtime.emulate import pacing_seconds_per_unit
+
+    c = config.costs
+    longest = max(max(c.forward), max(c.backward_fused), max(c.backward_input), max(c.backward_weight),
+                  max(c.optimizer))
+    seconds = longest * pacing_seconds_per_unit(config, emulation)
+    if seconds > timeout_s:
+        pace = f"--slot-ms {emulation.slot_ms:g}" if config.time_unit == "slot" else \
+            f"--cost-scale {emulation.scale:g}"
+        unit = "slots" if config.time_unit == "slot" else "us"
+        raise ConfigError(f"{pace} pads the longest action ({longest:g} {unit}) to {seconds:,.3g} s, more "
+                          f"than --timeout {timeout_s:g} s: its peers would count it as stuck; lower "
+                          f"{pace.split()[0]} or raise --timeout")
+
+
+TOKEN_FILE_LIMIT = 4096  # bytes: a job secret is 48 hex digits
+
+
+def _checked_token_file(path: str) -> str:
+    """`path`, once it is known to be a small UTF-8 text file (a binary or huge file was a traceback in read_token,
+    which checks the rest: existence, mode, the secret's form)."""
+    if path and os.path.isfile(path):
+        from recycle.inputs import read_input_text
+
+        read_input_text(path, f"--token-file {path!r}", TOKEN_FILE_LIMIT, "write the job secret there: 48 hex digits "
+                        "from `python -c 'import secrets; print(secrets.token_hex(24))'`")
+    return path
 
 
 def _print_result(result: TrainResult, node_rank: int, save: str | None) -> None:

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from recycle.config import SIZE_LIMITS
 from recycle.errors import PlanError
+from recycle.inputs import MIB, UnsafeJSON, read_input_text, strict_json_loads
 from recycle.ir.actions import Action, Kind
 
-__all__ = ["PlanMeta", "Plan", "derive_host", "read_plan"]
+__all__ = ["PlanMeta", "Plan", "derive_host", "read_plan", "MAX_PLAN_FILE_BYTES"]
+
+# The largest plan a config allows (config.MAX_PLAN_PAIRS pairs, ~3 actions each) is about 25 MB of JSON.
+MAX_PLAN_FILE_BYTES = 64 * MIB
 
 
 @dataclass(frozen=True)
@@ -116,25 +121,31 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        """A plan from its JSON object, every field of its JSON type: counts are whole numbers within the config
+        limits (not 2.5, "2" or true), flags are true or false (not "no"), actions are strings."""
         if not isinstance(d, dict):
             raise PlanError(f"plan data is a JSON {type(d).__name__}, not a plan object ({{\"num_replicas\": ..., "
                             "\"actions\": ...}); regenerate the plan with `recycle plan --save`")
         try:
-            meta_raw = dict(d.get("meta", {}))
-            meta_raw["failure_key"] = tuple(meta_raw.get("failure_key", ()))
-            meta_raw["memory_cap"] = tuple(meta_raw.get("memory_cap", ()))
-            partition = _read_partition(d.get("partition", []), int(d["num_stages"]))
-            return cls(
-                num_replicas=int(d["num_replicas"]),
-                num_stages=int(d["num_stages"]),
-                num_microbatches=int(d["num_microbatches"]),
-                host=tuple(tuple(int(x) for x in row) for row in d["host"]),
-                actions=tuple(tuple(Action.parse(t) for t in line.split()) for line in d["actions"]),
-                failed=frozenset((int(p), int(s)) for p, s in d.get("failed", [])),
-                staggered=bool(d.get("staggered", False)),
-                meta=PlanMeta(**meta_raw),
-                partition=partition,
-            )
+            D = _count(d, "num_replicas", SIZE_LIMITS["topology", "num_replicas"][0])
+            S = _count(d, "num_stages", SIZE_LIMITS["topology", "num_stages"][0])
+            M = _count(d, "num_microbatches", SIZE_LIMITS["workload", "num_microbatches"][0])
+            meta = _read_meta(d.get("meta", {}))
+            partition = _read_partition(d.get("partition", []), S)
+            host = tuple(_int_row(row, f"host[{s}]") for s, row in enumerate(_list(d, "host")))
+            actions = tuple(tuple(Action.parse(t) for t in _text(line, f"actions[{r}]").split())
+                            for r, line in enumerate(_list(d, "actions")))
+            failed = frozenset(_worker(w) for w in d.get("failed", []))
+            staggered = d.get("staggered", False)
+            if not isinstance(staggered, bool):
+                raise PlanError(f"plan field \"staggered\" = {staggered!r} must be true or false (JSON booleans, "
+                                "not strings)")
+            return cls(num_replicas=D, num_stages=S, num_microbatches=M, host=host, actions=actions, failed=failed,
+                       staggered=staggered, meta=meta, partition=partition)
+        except PlanError as exc:
+            if "regenerate" in str(exc):
+                raise
+            raise PlanError(f"{exc}; regenerate the plan with `recycle plan` or `recycle schedule`") from None
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PlanError(f"plan data is malformed ({type(exc).__name__}: {exc}); regenerate the plan with "
                             "`recycle plan` or `recycle schedule`") from None
@@ -142,9 +153,11 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         try:
-            return cls.from_dict(json.loads(text))
+            return cls.from_dict(strict_json_loads(text))
         except json.JSONDecodeError as exc:
             raise PlanError(f"plan file is not valid JSON: {exc}") from None
+        except UnsafeJSON as exc:
+            raise PlanError(f"plan file cannot be read: {exc}") from None
 
     @classmethod
     def from_worker_lists(cls, num_replicas: int, num_stages: int, num_microbatches: int,
@@ -155,6 +168,77 @@ class Plan:
         host = derive_host(num_replicas, num_stages, num_microbatches, acts)
         return cls(num_replicas, num_stages, num_microbatches, host, acts, frozenset(failed), staggered,
                    meta or PlanMeta())
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count(d: dict[str, Any], key: str, limit: int) -> int:
+    value = d[key]
+    if not _is_int(value):
+        raise PlanError(f"plan field \"{key}\" = {_short(value)} must be a whole number (a JSON integer, not "
+                        f"{'a boolean' if isinstance(value, bool) else 'a ' + type(value).__name__})")
+    if not 1 <= value <= limit:
+        raise PlanError(f"plan field \"{key}\" = {value} must be in [1, {limit:,}] (the config limit)")
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _list(d: dict[str, Any], key: str) -> list:
+    value = d[key]
+    if not isinstance(value, list):
+        raise PlanError(f"plan field \"{key}\" must be a JSON list, not {_short(value)}")
+    return value
+
+
+def _text(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise PlanError(f"plan field \"{where}\" = {_short(value)} must be a string of actions (e.g. \"0F0 0B0\")")
+    return value
+
+
+def _int_row(row: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(row, list) or not all(type(x) is int for x in row):  # noqa: E721 -- bools are not replicas
+        raise PlanError(f"plan field \"{where}\" must be a list of whole numbers (replicas), got {_short(row)}")
+    return tuple(row)
+
+
+def _worker(item: Any) -> tuple[int, int]:
+    if not (isinstance(item, list) and len(item) == 2 and all(_is_int(x) for x in item)):
+        raise PlanError(f"plan field \"failed\" lists {_short(item)}; each entry must be [replica, stage], two whole "
+                        "numbers")
+    return item[0], item[1]
+
+
+_META_TYPES = {"str": (str,), "bool": (bool,), "float | None": (int, float, type(None)),
+               "tuple[int, ...]": (list,)}
+
+
+def _read_meta(raw: Any) -> PlanMeta:
+    """PlanMeta from the plan's "meta" object, each entry of its field's JSON type."""
+    if not isinstance(raw, dict):
+        raise PlanError(f"plan field \"meta\" must be a JSON object, not {_short(raw)}")
+    known = {f.name: f.type for f in fields(PlanMeta)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise PlanError(f"plan field \"meta\" has unknown entries {unknown[:5]}; known: {sorted(known)}")
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        kind = str(known[key])
+        ok = isinstance(value, _META_TYPES[kind]) and not (kind == "float | None" and isinstance(value, bool))
+        if kind == "tuple[int, ...]":
+            ok = ok and all(_is_int(x) for x in value)
+            value = tuple(value) if ok else value
+        if not ok:
+            raise PlanError(f"plan field \"meta.{key}\" = {_short(value)} must be of type {kind} (JSON: "
+                            f"{'a list of whole numbers' if kind.startswith('tuple') else kind})")
+        out[key] = value
+    return PlanMeta(**out)
 
 
 def _read_partition(raw: Any, num_stages: int) -> tuple[int, ...]:
@@ -169,25 +253,19 @@ def _read_partition(raw: Any, num_stages: int) -> tuple[int, ...]:
 
 def read_plan(path: str | Path, flag: str = "--plan") -> Plan:
     """A plan from a JSON file written by `recycle plan --save`; every failure names the file and the format."""
-    p = Path(path)
     want = "a plan JSON file written by `recycle plan --save`"
-    if p.is_dir():
+    if Path(path).is_dir():
         raise PlanError(f"{flag} {str(path)!r} is a directory; pass {want}")
-    if not p.is_file():
-        raise PlanError(f"{flag} {str(path)!r} does not exist; pass {want}")
+    text = read_input_text(path, f"{flag} {str(path)!r}", MAX_PLAN_FILE_BYTES, f"pass {want}", PlanError)
     try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise PlanError(f"{flag} {str(path)!r} is not UTF-8 text; pass {want}") from None
-    except OSError as exc:
-        raise PlanError(f"{flag} {str(path)!r} cannot be read ({exc.strerror}); pass {want}") from None
-    try:
-        data = json.loads(text)
+        data = strict_json_loads(text)
     except json.JSONDecodeError as exc:
         looks_csv = "," in text.splitlines()[0] if text.strip() else False
         hint = " (it looks like CSV: `--csv` output is for reading, not for the runtime)" if looks_csv else ""
         raise PlanError(f"{flag} {str(path)!r} is not JSON{hint}: {exc.msg} at line {exc.lineno}; pass "
                         f"{want}") from None
+    except UnsafeJSON as exc:
+        raise PlanError(f"{flag} {str(path)!r} cannot be read: {exc}; pass {want}") from None
     try:
         return Plan.from_dict(data)
     except PlanError as exc:

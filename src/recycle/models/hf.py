@@ -9,7 +9,6 @@ untied model, so the exactness guarantee (float64, 1e-9) compares like with like
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -52,9 +51,13 @@ def resolve_hf_path(path: str, base_dir: str | None = None) -> Path:
 def load_hf_config(path: str | Path, seq_len: int) -> Any:
     """The transformers config of a JSON file, checked against the runtime: a supported model_type, a byte-level
     vocabulary (>= 256), context >= seq_len; embeddings untied, no KV cache."""
+    from recycle.inputs import MIB, read_input_text, strict_json_loads
+
+    text = read_input_text(path, f"Hugging Face config {str(path)!r}", 16 * MIB,
+                           "give the path of a Hugging Face config JSON (e.g. examples/hf-tiny-gpt2.json)")
     try:
-        raw = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raw = strict_json_loads(text)
+    except ValueError as exc:  # json.JSONDecodeError and inputs.UnsafeJSON
         raise ConfigError(f"Hugging Face config {str(path)!r} is not a readable JSON file ({exc})") from None
     if not isinstance(raw, dict) or raw.get("model_type") not in SUPPORTED:
         got = raw.get("model_type") if isinstance(raw, dict) else raw

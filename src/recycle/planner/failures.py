@@ -11,7 +11,8 @@ from recycle.errors import FailureStateError
 from recycle.ir.plan import Plan
 from recycle.planner.patterns import rename_replicas
 
-__all__ = ["FailureState", "canonical_failed", "normalize", "parse_worker", "enumerate_keys", "count_failure_sets"]
+__all__ = ["FailureState", "canonical_failed", "normalize", "parse_worker", "enumerate_keys", "count_failure_sets",
+           "check_failure_states", "MAX_PLANNED_STATES"]
 
 _WORKER = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 
@@ -117,11 +118,40 @@ def _global_permutation(failed: frozenset[tuple[int, int]], num_replicas: int,
 
 
 def enumerate_keys(num_replicas: int, num_stages: int, max_failures: int) -> Iterator[tuple[int, ...]]:
-    """Every normalized key with at most `max_failures` failures and a live replica in every stage."""
+    """Every normalized key with at most `max_failures` failures and a live replica in every stage, in
+    lexicographic order. Built stage by stage within the budget: filtering all (cap + 1)^S tuples, as before, never
+    ended for 64 stages and 2 failures."""
     cap = min(num_replicas - 1, max_failures)
-    for key in itertools.product(range(cap + 1), repeat=num_stages):
-        if sum(key) <= max_failures:
-            yield key
+    if max_failures < 0:
+        return
+    key, total = [0] * num_stages, 0
+    yield tuple(key)
+    while True:  # an odometer: count up the last stage that can take one more failure, zero the ones after it
+        i = num_stages - 1
+        while i >= 0 and not (key[i] < cap and total < max_failures):
+            total -= key[i]
+            key[i] = 0
+            i -= 1
+        if i < 0:
+            return
+        key[i] += 1
+        total += 1
+        yield tuple(key)
+
+
+# States a plan store (or the run's plan library) plans before training: each takes milliseconds to seconds.
+MAX_PLANNED_STATES = 10_000
+
+
+def check_failure_states(num_replicas: int, num_stages: int, max_failures: int, flag: str = "--max-failures") -> None:
+    """Refuse a `max_failures` whose failure states (normalized keys) number more than MAX_PLANNED_STATES."""
+    count = sum(1 for _ in itertools.islice(enumerate_keys(num_replicas, num_stages, max_failures),
+                                            MAX_PLANNED_STATES + 1))
+    if count > MAX_PLANNED_STATES:
+        raise FailureStateError(
+            f"{flag} {max_failures} over D={num_replicas} x S={num_stages} is more than {MAX_PLANNED_STATES:,} failure "
+            f"states to plan ahead (each takes milliseconds to seconds); lower {flag} (a state beyond it is planned "
+            "when it happens)")
 
 
 def count_failure_sets(num_replicas: int, num_stages: int, max_failures: int) -> int:

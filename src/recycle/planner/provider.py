@@ -6,15 +6,18 @@ micro-batches off their pipelines."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
 
 from recycle.config import Config
+from recycle.errors import FailureStateError
 from recycle.ir.plan import Plan
 from recycle.planner.api import plan_for_failed, plan_for_key, resolve_options
-from recycle.planner.failures import enumerate_keys, normalize
+from recycle.planner.failures import MAX_PLANNED_STATES, check_failure_states, enumerate_keys, normalize
 from recycle.planner.patterns import enumerate_patterns, pattern_of
 from recycle.planner.options import PlannerOptions
 from recycle.planner.store import PlanStore
@@ -27,6 +30,20 @@ class PlanLookup:
     plan: Plan  # on the real ranks
     source: str  # "store": precomputed; "heuristic": planned online
     seconds: float
+
+
+def _check_states(config: Config, max_failures: int) -> None:
+    """At most MAX_PLANNED_STATES keys and failure patterns to plan before training starts (--max-failures)."""
+    D, S = config.num_replicas, config.num_stages
+    check_failure_states(D, S, max_failures)
+    sets = sum(math.comb(S, k) for k in range(1, min(max_failures, S) + 1))  # the patterns' stage sets
+    patterns = sets if sets > MAX_PLANNED_STATES else \
+        sum(1 for _ in itertools.islice(enumerate_patterns(D, S, max_failures), MAX_PLANNED_STATES + 1))
+    if patterns > MAX_PLANNED_STATES:
+        raise FailureStateError(
+            f"--max-failures {max_failures} over D={D} x S={S} is more than {MAX_PLANNED_STATES:,} failure patterns "
+            "across pipelines to plan ahead (each takes milliseconds to seconds); lower --max-failures (a state "
+            "beyond it is planned when it happens)")
 
 
 class PlanLibrary:
@@ -43,6 +60,7 @@ class PlanLibrary:
         """Plan every key with at most `max_failures` failures now (heuristic: milliseconds per key), and every
         failure pattern that a key's plan would serve only by relabelling each stage on its own."""
         options = resolve_options(config, options)
+        _check_states(config, max_failures)
         started = time.perf_counter()
         plans = {key: plan_for_key(config, key, options, "heuristic")
                  for key in enumerate_keys(config.num_replicas, config.num_stages, max_failures)}

@@ -14,7 +14,7 @@ from recycle.errors import PlanError
 from recycle.fileio import UnsafeFile, atomic_write_text, read_inside, relative_parts
 from recycle.ir.plan import Plan
 from recycle.planner.api import plan_for_key, resolve_options
-from recycle.planner.failures import enumerate_keys, normalize
+from recycle.planner.failures import check_failure_states, enumerate_keys, normalize
 from recycle.planner.options import PlannerOptions
 
 __all__ = ["INDEX_NAME", "FORMAT_VERSION", "StoreEntry", "PlanStore", "build_store", "key_name"]
@@ -81,6 +81,7 @@ def build_store(config: Config, max_failures: int, out_dir: str | Path, options:
     if jobs < 1:
         raise PlanError(f"--jobs = {jobs} must be >= 1")
     D, S = config.num_replicas, config.num_stages
+    check_failure_states(D, S, max_failures)
     options = resolve_options(config, options)
     keys = list(enumerate_keys(D, S, max_failures))
     out = Path(out_dir)

@@ -80,6 +80,7 @@ def resolve_role(env: Mapping[str, str], nnodes: int | None = None, node_rank: i
         if var is not None:
             addr_env = [(var, env[var], first_host(env[var], var))]
     role_addr = pick("master address", "--master-addr", master_addr, addr_env, DEFAULT_ADDR)
+    _check_address(role_addr, dict(sources)["master address"])
 
     port_env = _ints(env, _PORT, minimum=1, maximum=65535)
     if not port_env and slurm and env.get("SLURM_JOB_ID"):
@@ -91,6 +92,21 @@ def resolve_role(env: Mapping[str, str], nnodes: int | None = None, node_rank: i
                           "PORT or set MASTER_PORT (PET_MASTER_PORT in a PyTorchJob; under SLURM it is derived from "
                           "SLURM_JOB_ID)")
     return NodeRole(role_nnodes, role_rank, role_addr, role_port, tuple(sources))
+
+
+# A host name (RFC 1123 labels), an IPv4 address or an IPv6 address (optionally in brackets, with a %zone).
+_HOST = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})?(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})?)*\.?$")
+_IPV6 = re.compile(r"^\[?[0-9A-Fa-f:.]{2,45}(%[A-Za-z0-9_.-]{1,32})?\]?$")
+
+
+def _check_address(address: str, source: str) -> None:
+    """Node 0's address must look like a host name or an IP address: an empty or malformed one made the C++ store
+    client print socket errors until the timeout."""
+    if _HOST.match(address) or (":" in address and _IPV6.match(address)):
+        return
+    where = "--master-addr" if source == "--master-addr" else f"the master address ({source})"
+    raise ConfigError(f"{where} {address!r} is not a host name or IP address; give node 0's address, e.g. 10.0.0.1 or "
+                      f"node0.cluster (a single-node run needs none: {DEFAULT_ADDR})")
 
 
 def _ints(env: Mapping[str, str], names: tuple[tuple[str, str], ...], minimum: int,

@@ -20,6 +20,8 @@ __all__ = ["Emulation", "DEFAULT_SLOT_MS", "pacing_seconds_per_unit", "action_co
            "cost_pacer", "PacingStats"]
 
 DEFAULT_SLOT_MS = 40.0  # one slot of a slot-unit config; far above a tiny model's real action time on a CPU
+MAX_SLOT_MS = 60_000.0
+MAX_COST_SCALE = 10_000.0
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,14 @@ class Emulation:
     def __post_init__(self) -> None:
         if not (self.slot_ms > 0 and math.isfinite(self.slot_ms)):
             raise ConfigError(f"--slot-ms {self.slot_ms} must be a positive number of milliseconds (e.g. 40)")
+        if self.slot_ms > MAX_SLOT_MS:
+            raise ConfigError(f"--slot-ms {self.slot_ms:g} is above the limit of {MAX_SLOT_MS:g} ms (a minute per "
+                              "slot: every action would sleep for minutes); use e.g. 40")
         if not (self.scale > 0 and math.isfinite(self.scale)):
             raise ConfigError(f"--cost-scale {self.scale} must be a positive factor (e.g. 1 or 10)")
+        if self.scale > MAX_COST_SCALE:
+            raise ConfigError(f"--cost-scale {self.scale:g} is above the limit of {MAX_COST_SCALE:g} (profiled "
+                              "microseconds stretched that far make every action sleep for minutes); use e.g. 10")
 
 
 def pacing_seconds_per_unit(config: Config, emulation: Emulation) -> float:

@@ -34,9 +34,9 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["check_launch", "check_option_ranges", "check_checkpoint_options", "check_outputs", "run_fingerprint",
-           "find_resume_point", "ResumePoint", "StageSpec", "expected_stages", "RESUME_MUST_MATCH",
-           "RESUME_MAY_CHANGE"]
+__all__ = ["check_launch", "check_option_ranges", "check_checkpoint_options", "check_run_length",
+           "check_model_memory", "check_outputs", "run_fingerprint", "find_resume_point", "ResumePoint", "StageSpec",
+           "expected_stages", "RESUME_MUST_MATCH", "RESUME_MAY_CHANGE"]
 
 # What makes a checkpoint the state of *this* run: the model (shapes; how the stages split it only for a
 # --model-factory model, since the built-in GPT's keys are the whole model's), the numerics (dtype), the optimizer
@@ -49,7 +49,7 @@ RESUME_MUST_MATCH = ("model", "model_factory", "num_stages", "dtype", "seed", "s
 # reported.
 RESUME_MAY_CHANGE = ("lr", "weight_decay", "grad_clip", "dataset", "optimizer_args", "lr_schedule")
 
-_STEP_DIR = re.compile(r"^step(\d{1,18})$")
+_STEP_DIR = re.compile(r"^step(\d{1,18})$")  # 18 digits: int() never sees 5,000 (a damaged `latest`)
 _META_ABOVE_PARAMS = 20_000_000  # build shapes on the meta device above this size (below it the CPU is faster)
 
 
@@ -100,6 +100,8 @@ def check_launch(config: Config, options: LaunchOptions, end: int) -> int:
             options.progress(f"resuming from {point.path} (step {point.step}; every file checked against its "
                              "recorded hash)")
         start = point.step
+    check_run_length(options, start, end)
+    check_model_memory(config, options)
     if options.checkpoint_dir:
         checkpoint.preload()  # the coordinator merges each step's shards with DCP's metadata classes
         # Each checkpoint written from now on carries this fingerprint (checkpoint.mark_latest copies it).
@@ -143,6 +145,73 @@ def check_checkpoint_options(options: LaunchOptions) -> None:
     if options.save_path and options.nnodes > 1 and is_stream_target(options.save_path):
         raise ConfigError(f"--save {options.save_path!r} is a device or FIFO: on several nodes the stages' parts "
                           "of --save are gathered through a shared filesystem, so pass a regular file path there")
+
+
+# The launcher lists every checkpoint step due in the run and scans that list about 20 times a second.
+MAX_DUE_CHECKPOINTS = 10_000
+
+
+def check_run_length(options: LaunchOptions, start: int, end: int) -> None:
+    """--steps at most the config limit, and at most MAX_DUE_CHECKPOINTS checkpoints due from `start` to `end`
+    (issue 21, item 3: `--steps 1000000000 --checkpoint-every 1` listed a billion steps before the first one)."""
+    from recycle.config import SIZE_LIMITS
+
+    limit = SIZE_LIMITS["training", "steps"][0]
+    if end > limit:
+        raise ConfigError(f"--steps {end} is above the limit of {limit:,} steps for one run; ask for fewer steps")
+    every = options.checkpoint_every
+    due = (end // every - start // every) if options.checkpoint_dir and every > 0 else 0
+    if due > MAX_DUE_CHECKPOINTS:
+        raise ConfigError(f"--checkpoint-every {every} over steps {start + 1}..{end} is {due:,} checkpoints, above the "
+                          f"limit of {MAX_DUE_CHECKPOINTS:,} for one run (the launcher tracks every due one, and each "
+                          f"writes the whole model); use --checkpoint-every "
+                          f"{-(-(end - start) // MAX_DUE_CHECKPOINTS)} or more")
+
+
+def check_model_memory(config: Config, options: LaunchOptions | None = None, available: int | None = None,
+                       workers: int | None = None) -> None:
+    """Refuse a built-in GPT that cannot fit: every worker builds the whole model before it keeps its stage's layers
+    (models.gpt.build_stages) and holds at least one micro-batch's activations (and, on the last stage, its
+    logits), so this node's workers (`workers`, default the node's share of D x S) need at least that much memory
+    at once. `available`: MemAvailable (bytes) of /proc/meminfo by default; without it nothing is checked. A lower
+    bound: a run it passes may still not fit."""
+    if (options is not None and options.model_factory) or config.model.hf_config:
+        return
+    if available is None:
+        available = _mem_available()
+        if available is None:
+            return
+    from recycle.models.gpt import resolve_shape
+
+    shape = resolve_shape(config.model, config.workload.seq_len)
+    element = 8 if config.training.dtype == "float64" else 4
+    D, S = config.num_replicas, config.num_stages
+    nnodes = options.nnodes if options is not None else 1
+    workers = workers or -(-D * S // nnodes)
+    last_stage = -(-D // nnodes)  # at most this many of the node's workers hold a last stage
+    tokens = config.workload.microbatch_size * config.workload.seq_len
+    whole = shape.num_parameters * element
+    need = workers * (whole + tokens * shape.n_embd * element) + min(last_stage, workers) * tokens * \
+        shape.vocab_size * element
+    if need > available:
+        gb = 1e9
+        raise ConfigError(f"the built-in GPT ([model] n_layer {shape.n_layer}, n_embd {shape.n_embd}, vocab_size "
+                          f"{shape.vocab_size}; micro-batches of {tokens:,} tokens) needs at least {need / gb:,.1f} GB "
+                          f"on this node: each of its {workers} worker(s) builds the whole model ({whole / gb:,.1f} GB "
+                          f"in {config.training.dtype}) and holds a micro-batch's activations, but "
+                          f"{available / gb:,.1f} GB are available; use a smaller [model] or smaller micro-batches, "
+                          "or spread the workers over more nodes")
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def check_outputs(options: LaunchOptions, checkpoint_bytes: int = 0) -> None:

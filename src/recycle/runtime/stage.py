@@ -11,6 +11,7 @@ is split by decoder layers (recycle.models.hf).
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -50,6 +51,15 @@ def load_factory(path: str) -> StageFactory:
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ConfigError(f"model factory {path!r}: {module_name!r} has no function {attr!r}")
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # some builtins have none: their call below says what is wrong
+        return factory
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise ConfigError(f"model factory {path!r} takes {signature}, not (config, num_stages); a model factory is a "
+                          "function (config, num_stages) -> list of stage modules (docs/runtime.md)") from None
     return factory
 
 

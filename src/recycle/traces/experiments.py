@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -14,8 +15,9 @@ from recycle.traces.jobsim import JobResult, replay_all
 from recycle.traces.mapping import UnitTimeline, map_trace_to_units
 from recycle.traces.model import JobContext, JobCosts, SystemModel
 from recycle.traces.recycle_system import ReCycleSystem
-from recycle.traces.throughput import PeriodFn, ThroughputModel, make_period_fn, reference_period, seconds_per_unit
-from recycle.traces.trace import EventTrace, WorkerGrid
+from recycle.traces.throughput import (MAX_SLOT_SECONDS, PeriodFn, ThroughputModel, make_period_fn, reference_period,
+                                       seconds_per_unit)
+from recycle.traces.trace import ADD, EventTrace, WorkerGrid, check_replay_size
 
 if TYPE_CHECKING:
     from recycle.traces.repartition import PartitionModel
@@ -67,6 +69,42 @@ class JobSetup:
     # S29); ReCycle's rate in a failure state is capped at it. "planner": fault-free = ReCycle's own plan for
     # the fault-free key (decoupled, staggered), which can be faster than 1F1B; nothing is capped.
     reference: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.gpus_per_node <= MAX_GPUS_PER_NODE:
+            raise ConfigError(f"--gpus-per-node {self.gpus_per_node} must be in [1, {MAX_GPUS_PER_NODE}] (GPUs of one "
+                              "trace node: 8 in a DGX node, 72 in an NVL72 rack)")
+        if not (math.isfinite(self.slot_seconds) and 0 < self.slot_seconds <= MAX_SLOT_SECONDS):
+            raise ConfigError(f"--slot-seconds {self.slot_seconds:g} must be a number of seconds in (0, "
+                              f"{MAX_SLOT_SECONDS:g}] (the length of one slot of a slot-unit config, e.g. 1)")
+
+
+MAX_GPUS_PER_NODE = 1_024
+# Each checkpoint a system writes is one step of its replay (~ microseconds): the trace's duration over the shortest
+# checkpoint interval is bounded.
+MAX_REPLAY_CHECKPOINTS = 1_000_000
+
+
+def check_replay(trace: EventTrace, gpus_per_node: int, gpus_per_worker: int, costs: JobCosts) -> None:
+    """Before the unit timeline is built: its change points x most live units within MAX_REPLAY_SIZE, and the
+    checkpoints the systems would write over the trace within MAX_REPLAY_CHECKPOINTS."""
+    live = most = len(trace.initial)
+    changes, last = 1, None
+    for e in trace.events:
+        live += 1 if e.action == ADD else -1
+        most = max(most, live)
+        if e.time_ms != last:
+            changes, last = changes + 1, e.time_ms
+    units = most * max(1, gpus_per_node // max(gpus_per_worker, 1))
+    check_replay_size(changes, units, trace.source, "cut the trace into shorter windows")
+    duration_s = trace.end_ms / 1000.0
+    for flag, interval in (("--checkpoint-interval-s", costs.checkpoint_interval_s),
+                           ("--fallback-checkpoint-interval-s", costs.fallback_checkpoint_interval_s)):
+        if duration_s / interval > MAX_REPLAY_CHECKPOINTS:
+            raise ConfigError(f"{flag} {interval:g} over the trace's {duration_s:,.0f} s is "
+                              f"{duration_s / interval:,.0f} checkpoints, above the limit of "
+                              f"{MAX_REPLAY_CHECKPOINTS:,} for one replay (each is a step of it); raise {flag} or "
+                              "replay a shorter trace")
 
 
 def size_to_trace(config: Config, timeline: UnitTimeline, replicas: str) -> Config:
@@ -120,6 +158,7 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
     unknown = [s for s in systems if s not in SYSTEM_NAMES]
     if unknown:
         raise ConfigError(f"unknown system(s) {unknown}; choose from {list(SYSTEM_NAMES)}")
+    check_replay(trace, setup.gpus_per_node, config.topology.gpus_per_worker, costs)
     timeline = map_trace_to_units(trace, setup.gpus_per_node, config.topology.gpus_per_worker)
     config = size_to_trace(config, timeline, setup.replicas)
     _check_placement_grid(trace, config, setup.gpus_per_node, timeline)

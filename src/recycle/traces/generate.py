@@ -8,7 +8,8 @@ from dataclasses import dataclass, fields, replace
 
 from recycle.errors import TraceError
 from recycle.traces.placement import availability_to_events
-from recycle.traces.trace import ADD, REMOVE, AvailabilityTrace, EventTrace, TraceEvent, WorkerGrid
+from recycle.traces.trace import (ADD, MAX_NODES_WHY, MAX_TRACE_EVENTS, MAX_TRACE_NODES, REMOVE, AvailabilityTrace,
+                                  EventTrace, TraceEvent, WorkerGrid, check_replay_size)
 
 __all__ = [
     "FailureModel",
@@ -68,10 +69,26 @@ class FailureModel:
         if self.repair_mean_h < 0 or self.repair_sigma <= 0:
             raise bad(f"repair_h = {self.repair_mean_h}, repair_sigma = {self.repair_sigma}",
                       "repair_h must be >= 0 and repair_sigma > 0")
+        if self.num_nodes > MAX_TRACE_NODES:
+            raise bad(f"nodes = {self.num_nodes:,} is above the limit of {MAX_TRACE_NODES:,} ({MAX_NODES_WHY})",
+                      "give fewer nodes")
+        expected = self.expected_events
+        if expected > MAX_TRACE_EVENTS:
+            raise bad(f"nodes x hours / mtbf_h = {self.num_nodes:,} x {self.duration_h:g} / {self.mtbf_h:g} makes "
+                      f"about {expected:,.0f} node events (a failure and a repair each), above the limit of "
+                      f"{MAX_TRACE_EVENTS:,} for one trace", "use fewer nodes, fewer hours or a longer mtbf_h")
+        check_replay_size(int(expected) + 1, self.num_nodes, "failure model",
+                          "use fewer nodes, fewer hours or a longer mtbf_h")
 
     @property
     def rate_per_node_hour(self) -> float:
         return 1.0 / self.mtbf_h
+
+    @property
+    def expected_events(self) -> float:
+        """About how many events the trace has: each node fails about duration / mtbf times (its up time is at
+        most the duration) and is repaired after each failure (when repairs are on)."""
+        return self.num_nodes * self.duration_h / self.mtbf_h * (2 if self.repair_mean_h > 0 else 1)
 
 
 def llama3_model(num_nodes: int = LLAMA3_GPUS // 8, days: float = LLAMA3_DAYS, gpus_per_node: int = 8,
@@ -121,6 +138,9 @@ def generate_trace(model: FailureModel) -> EventTrace:
             if t >= horizon:
                 break
             events.append((int(t * HOUR_MS), 1, ADD, node))
+            if len(events) > MAX_TRACE_EVENTS:  # a heavy-tailed draw far above the expected count
+                raise TraceError(f"failure model: more than {MAX_TRACE_EVENTS:,} node events drawn, the limit for one "
+                                 "trace; use fewer nodes, fewer hours or a longer mtbf_h")
     events.sort(key=lambda e: (e[0], e[1], e[3]))
     trace = tuple(TraceEvent(t, action, node) for t, _, action, node in events if t > 0)
     return EventTrace(trace, frozenset(names), int(horizon * HOUR_MS), source=f"generated:{_describe(model)}")
@@ -197,23 +217,31 @@ def parse_generate_spec(spec: str, grid: WorkerGrid | None = None, placement: st
             raise TraceError(f"--generate {spec!r}: {key} = {value:g} must be a finite number of sensible size")
         return value
 
+    def whole(key: str, default: int) -> int:
+        value = num(key, default)
+        if value != int(value):
+            raise TraceError(f"--generate {spec!r}: {key} = {value:g} must be a whole number")
+        return int(value)
+
     if kind == "paper-gcp":
         chosen = opts.pop("placement", placement).strip().lower()
-        trace = paper_gcp_shape(seed=int(num("seed", seed)), placement=chosen, grid=grid)
+        trace = paper_gcp_shape(seed=whole("seed", seed), placement=chosen, grid=grid)
     elif kind == "llama3":
-        gpn = int(num("gpus_per_node", 8))
-        model = llama3_model(num_nodes=int(num("nodes", LLAMA3_GPUS // gpn)), days=num("days", LLAMA3_DAYS),
-                             gpus_per_node=gpn, repair_mean_h=num("repair_h", 2.0), seed=int(num("seed", 0)))
+        gpn = whole("gpus_per_node", 8)
+        if gpn < 1:
+            raise TraceError(f"--generate {spec!r}: gpus_per_node = {gpn} must be >= 1")
+        model = llama3_model(num_nodes=whole("nodes", LLAMA3_GPUS // gpn), days=num("days", LLAMA3_DAYS),
+                             gpus_per_node=gpn, repair_mean_h=num("repair_h", 2.0), seed=whole("seed", 0))
         trace = generate_trace(model)
     elif kind in ("poisson", "weibull"):
         hours = num("hours", 0.0) or num("days", 0.0) * 24
         if "mtbf_h" not in opts:
             raise TraceError(f"--generate {spec!r}: give mtbf_h (per-node mean time between failures, hours)")
-        model = FailureModel(num_nodes=int(num("nodes", 30)), duration_h=hours or 12.0, mtbf_h=num("mtbf_h", 1.0),
+        model = FailureModel(num_nodes=whole("nodes", 30), duration_h=hours or 12.0, mtbf_h=num("mtbf_h", 1.0),
                              distribution="exponential" if kind == "poisson" else "weibull",
                              weibull_shape=num("shape", 0.7), repair=opts.pop("repair", "exponential"),
                              repair_mean_h=num("repair_h", 2.0), repair_sigma=num("repair_sigma", 1.0),
-                             seed=int(num("seed", 0)))
+                             seed=whole("seed", 0))
         trace = generate_trace(model)
     else:
         raise TraceError(f"--generate {spec!r}: unknown kind {kind!r}; {GENERATE_HELP}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from recycle.errors import TraceError
@@ -56,18 +57,30 @@ class NodePositions:
             self.units_per_node, self.nodes_per_unit = 1, gpus_per_worker // gpus_per_node
         self.position: dict[str, int] = {}
         self.occupied: set[int] = set()
+        # The free positions: those in the heap `_free` (each freed by a leave) and every one from `_next` on, so a
+        # join takes the lowest in O(log n), not by counting up from 0 (quadratic: 70 s for 65,536 nodes).
+        self._free: list[int] = []
+        self._next = 0
 
     def join(self, node: str, excluded: set[int]) -> None:
         """The node takes the lowest free position, never one in `excluded` (freed at the same instant)."""
-        p = 0
-        while p in self.occupied or p in excluded:
-            p += 1
+        held = []
+        while self._free and self._free[0] in excluded:
+            held.append(heapq.heappop(self._free))
+        if self._free:
+            p = heapq.heappop(self._free)
+        else:
+            p = self._next
+            self._next += 1
+        for q in held:
+            heapq.heappush(self._free, q)
         self.position[node] = p
         self.occupied.add(p)
 
     def leave(self, node: str) -> int:
         p = self.position.pop(node)
         self.occupied.discard(p)
+        heapq.heappush(self._free, p)
         return p
 
     def _node_units(self, p: int) -> list[int]:

@@ -3,13 +3,16 @@ worker grid: spread or worst), turning counts into node events."""
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import random
 from typing import Iterable
 
 from recycle.errors import TraceError
 from recycle.traces.mapping import NodePositions, node_order
 from recycle.traces.model import StageLayout
-from recycle.traces.trace import ADD, REMOVE, AvailabilityTrace, EventTrace, TraceEvent, WorkerGrid
+from recycle.traces.trace import (ADD, MAX_NODES_WHY, MAX_TRACE_EVENTS, MAX_TRACE_NODES, REMOVE, AvailabilityTrace,
+                                  EventTrace, TraceEvent, WorkerGrid, check_replay_size)
 
 __all__ = ["PLACEMENTS", "PLACEMENT_HELP", "availability_to_events", "place_availability"]
 
@@ -18,6 +21,7 @@ __all__ = ["PLACEMENTS", "PLACEMENT_HELP", "availability_to_events", "place_avai
 #   spread: one at a time, a worker of the stage with the most live replicas (ties: seeded);
 #   worst:  one at a time, concentrated on one stage while it keeps >= 1 live replica (an adversarial bound).
 PLACEMENTS = ("random", "spread", "worst")
+MAX_GRID_PLACEMENT_WORK = 10_000_000  # node removals x nodes a grid-aware placement scores (~2.5 us each)
 
 PLACEMENT_HELP = (
     "which workers an availability trace's drops remove (the trace has only counts): 'random' (seeded random live "
@@ -44,18 +48,23 @@ def availability_to_events(trace: AvailabilityTrace, seed: int = 0, capacity: in
         return place_availability(trace, placement, grid, seed=seed, capacity=capacity)
     rng = random.Random(seed)
     names = _node_names(trace, capacity)
-    live = set(names[: trace.live[0]])
+    _check_size(trace, len(names))
+    # Nodes by index into `names` (node1, node2, ...: index order is node_order). `live` is kept sorted, so that
+    # sampling it picks the same nodes as sampling the sorted live names; `absent` is a heap (lowest re-joins first).
+    live = list(range(trace.live[0]))
+    absent = list(range(trace.live[0], len(names)))
     events: list[TraceEvent] = []
     for t, count in zip(trace.times_ms[1:], trace.live[1:]):
         if count < len(live):
-            for node in sorted(rng.sample(sorted(live, key=node_order), len(live) - count), key=node_order):
-                live.discard(node)
-                events.append(TraceEvent(t, REMOVE, node))
+            for i in sorted(rng.sample(live, len(live) - count)):
+                live.pop(bisect.bisect_left(live, i))
+                heapq.heappush(absent, i)
+                events.append(TraceEvent(t, REMOVE, names[i]))
         elif count > len(live):
-            absent = [n for n in names if n not in live][: count - len(live)]
-            for node in absent:
-                live.add(node)
-                events.append(TraceEvent(t, ADD, node))
+            for _ in range(count - len(live)):
+                i = heapq.heappop(absent)
+                bisect.insort(live, i)
+                events.append(TraceEvent(t, ADD, names[i]))
     initial = frozenset(names[: trace.live[0]])
     return EventTrace(tuple(events), initial, trace.end_ms, trace.source, trace.notes,
                       placement=f"random (seed {seed})")
@@ -66,7 +75,29 @@ def _node_names(trace: AvailabilityTrace, capacity: int | None) -> list[str]:
     total = capacity if capacity is not None else max(trace.live)
     if max(trace.live) > total:
         raise TraceError(f"{trace.source or 'trace'}: {max(trace.live)} live nodes exceed the capacity {total}")
+    if total > MAX_TRACE_NODES:
+        raise TraceError(f"{trace.source or 'trace'}: {total:,} nodes is above the limit of {MAX_TRACE_NODES:,} "
+                         f"({MAX_NODES_WHY}); check the live counts (they count nodes, not GPUs)")
     return [f"node{i + 1}" for i in range(total)]
+
+
+def _check_size(trace: AvailabilityTrace, nodes: int, grid_aware: bool = False) -> None:
+    """Before placing: the node events the counts make (every unit of a rise or drop is one) at most
+    MAX_TRACE_EVENTS, the replay of the result within MAX_REPLAY_SIZE, and for a grid-aware placement (which
+    scores every live node for each node it removes) removals x nodes within MAX_GRID_PLACEMENT_WORK."""
+    source = trace.source or "trace"
+    steps = [abs(b - a) for a, b in zip(trace.live, trace.live[1:])]
+    if sum(steps) > MAX_TRACE_EVENTS:
+        raise TraceError(f"{source}: its live counts rise and fall by {sum(steps):,} nodes in all, above the limit of "
+                         f"{MAX_TRACE_EVENTS:,} node events for one trace (one event per node that leaves or "
+                         "joins); cut the trace into shorter windows")
+    check_replay_size(len(trace.times_ms), nodes, source, "cut the trace into shorter windows")
+    removals = sum(a - b for a, b in zip(trace.live, trace.live[1:]) if b < a)
+    if grid_aware and removals * nodes > MAX_GRID_PLACEMENT_WORK:
+        raise TraceError(f"{source}: {removals:,} node removals x {nodes:,} nodes = {removals * nodes:,} is above the "
+                         f"limit of {MAX_GRID_PLACEMENT_WORK:,} for a grid-aware placement (it scores every live node "
+                         "for each removal, ~2.5 us each: ~25 s at the limit); use --placement random or a shorter "
+                         "trace")
 
 
 class _GridTracker:
@@ -172,6 +203,7 @@ def place_availability(trace: AvailabilityTrace, placement: str, grid: WorkerGri
         raise TraceError(f"placement {placement!r} is not grid-aware; use spread or worst (or random)")
     rng = random.Random(seed)
     names = _node_names(trace, capacity)
+    _check_size(trace, len(names), grid_aware=True)
     live = list(names[: trace.live[0]])
     tracker = _GridTracker(grid, live, max(trace.live), trace.source)
     events: list[TraceEvent] = []

@@ -6,21 +6,30 @@ from __future__ import annotations
 import collections
 import datetime
 import itertools
+import os
 import re
+import stat
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import IO, Callable, Iterable, Iterator
 
 from recycle.errors import TraceError
+from recycle.inputs import MIB, describe_kind
 from recycle.traces.placement import availability_to_events
-from recycle.traces.trace import ADD, REMOVE, AvailabilityTrace, EventTrace, TraceEvent, TraceNotes, WorkerGrid
+from recycle.traces.trace import (ADD, MAX_NODES_WHY, MAX_TRACE_LINES, MAX_TRACE_NODES, REMOVE, AvailabilityTrace,
+                                  EventTrace, TraceEvent, TraceNotes, WorkerGrid)
 
 __all__ = [
     "parse_event_lines",
     "parse_availability_lines",
     "parse_dated_availability_lines",
     "read_trace",
+    "MAX_TRACE_BYTES",
 ]
+
+MAX_TRACE_BYTES = 512 * MIB  # MAX_TRACE_LINES lines of ~20 bytes plus comments
+MAX_LINE_CHARS = 4096
+MAX_NODE_NAME = 200  # characters (node_order reads the digits of a name as one number)
 
 def _where(source: str, lineno: int) -> str:
     return f"{source or 'trace'}:{lineno}"
@@ -51,12 +60,12 @@ def _is_number(text: str) -> bool:
     return bool(_NUMBER.match(text.strip()))
 
 
-def _header(kept: list[tuple[int, str]], source: str, columns: tuple[int, ...]) -> bool:
+def _header(first: tuple[int, str] | None, source: str, columns: tuple[int, ...]) -> bool:
     """Whether the first content line is a header (every field a name, e.g. `time_ms,live` or `date, time,
     #instances`). A first line that is neither a header nor data is an error, never skipped silently."""
-    if not kept:
+    if first is None:
         return False
-    lineno, line = kept[0]
+    lineno, line = first
     fields = _split(line)
     if _is_number(fields[0]) or _DATE.match(fields[0]):
         return False
@@ -70,37 +79,49 @@ def _header(kept: list[tuple[int, str]], source: str, columns: tuple[int, ...]) 
                      "(availability), optionally under one header line of column names")
 
 
-def _content_lines(lines: Iterable[str]) -> tuple[list[tuple[int, str]], int, int]:
-    """Non-blank, non-comment lines with their 1-based numbers, plus the counts of skipped ones. A UTF-8 byte-order
-    mark at the start is dropped (editors on Windows write one)."""
-    blank = comments = 0
-    kept = []
+class _Skipped:
+    """Blank and comment lines seen so far (the lines are read lazily, so the counts grow as they are)."""
+
+    def __init__(self) -> None:
+        self.blank = self.comments = 0
+
+
+def _content_lines(lines: Iterable[str], skipped: _Skipped) -> Iterator[tuple[int, str]]:
+    """Non-blank, non-comment lines with their 1-based numbers, lazily; the skipped ones are counted in `skipped`.
+    A UTF-8 byte-order mark at the start is dropped (editors on Windows write one)."""
     for lineno, raw in enumerate(lines, start=1):
         line = (raw.lstrip("\ufeff") if lineno == 1 else raw).strip()
         if not line:
-            blank += 1
+            skipped.blank += 1
         elif line.startswith("#"):
-            comments += 1
+            skipped.comments += 1
         else:
-            kept.append((lineno, line))
-    return kept, blank, comments
+            yield lineno, line
 
 
 def _data_rows(lines: Iterable[str], source: str, width: int,
-               form: str) -> tuple[TraceNotes, Iterator[tuple[int, str, list[str]]]]:
-    """Notes on the skipped lines (blank, comment, header), and the data lines as (line number, line, fields),
-    each checked to have `width` fields (else a TraceError saying the line's `form`), lazily: in file order."""
-    kept, blank, comments = _content_lines(lines)
-    header = _header(kept, source, (width,))
+               form: str) -> tuple[Callable[[], TraceNotes], Iterator[tuple[int, str, list[str]]]]:
+    """A function giving the notes on the skipped lines (blank, comment, header: complete once the rows are
+    consumed), and the data lines as (line number, line, fields), each checked to have `width` fields (else a
+    TraceError saying the line's `form`), lazily, in file order; more than MAX_TRACE_LINES data lines is an error."""
+    skipped = _Skipped()
+    kept = _content_lines(lines, skipped)
+    first = next(kept, None)
+    header = _header(first, source, (width,))
 
     def rows() -> Iterator[tuple[int, str, list[str]]]:
-        for lineno, line in kept[1:] if header else kept:
+        pending = [] if header or first is None else [first]
+        for count, (lineno, line) in enumerate(itertools.chain(pending, kept), start=1):
+            if count > MAX_TRACE_LINES:
+                raise TraceError(f"{_where(source, lineno)}: more than {MAX_TRACE_LINES:,} data lines, the limit for "
+                                 "one trace (each becomes a change point of the replay, which keeps the live set at "
+                                 "every one); cut the trace into shorter windows")
             parts = _split(line)
             if len(parts) != width:
                 raise TraceError(f"{_where(source, lineno)}: line {line!r} has {len(parts)} field(s); {form}")
             yield lineno, line, parts
 
-    return TraceNotes(blank, comments, header), rows()
+    return (lambda: TraceNotes(skipped.blank, skipped.comments, header)), rows()
 
 
 def parse_event_lines(lines: Iterable[str], source: str = "", strict: bool = False,
@@ -118,13 +139,14 @@ def parse_event_lines(lines: Iterable[str], source: str = "", strict: bool = Fal
     parsed, out_of_order = _timed_events(rows, source, strict)
     if not parsed:
         raise TraceError(f"{source or 'trace'}: no events found; an event trace has lines time_ms,add|remove,node")
-    events, initial, counts = _net_changes(parsed, source, strict)
     last = parsed[-1][0]
+    events, initial, counts = _net_changes(parsed, source, strict)
+    del parsed
     end = last if end_ms is None else end_ms
     if end < last:
         raise TraceError(f"{source or 'trace'}: the trace ends at {end} ms but has events up to {last} ms; give an "
                          "end time at or after the last event")
-    notes = replace(notes, out_of_order=out_of_order, **counts)
+    notes = replace(notes(), out_of_order=out_of_order, **counts)
     return EventTrace(tuple(events), frozenset(initial), end, source, notes)
 
 
@@ -134,6 +156,7 @@ def _timed_events(rows: Iterable[tuple[int, str, list[str]]], source: str,
     parsed: list[tuple[int, int, TraceEvent]] = []
     out_of_order = 0
     last_time = -1
+    names: dict[str, str] = {}  # one string per node name, not one per line
     for lineno, line, parts in rows:
         t = _parse_time(parts[0], source, lineno, line)
         action = parts[1].lower()
@@ -149,8 +172,16 @@ def _timed_events(rows: Iterable[tuple[int, str, list[str]]], source: str,
                 raise TraceError(f"{_where(source, lineno)}: time {t} is earlier than the line before ({last_time});"
                                  " sort the trace by time (or read it without --strict)")
         last_time = max(last_time, t)
-        parsed.append((t, lineno, TraceEvent(t, action, parts[2])))
-    parsed.sort(key=lambda item: item[0])  # stable: simultaneous events keep their file order
+        if len(parts[2]) > MAX_NODE_NAME:
+            raise TraceError(f"{_where(source, lineno)}: node name {parts[2][:40]!r}... has {len(parts[2]):,} "
+                             f"characters, above the limit of {MAX_NODE_NAME}; name nodes briefly (e.g. node7)")
+        node = names.setdefault(parts[2], parts[2])
+        if len(names) > MAX_TRACE_NODES:
+            raise TraceError(f"{_where(source, lineno)}: node {node[:40]!r} is the trace's {len(names):,}th distinct "
+                             f"node, above the limit of {MAX_TRACE_NODES:,} ({MAX_NODES_WHY}); name fewer nodes")
+        parsed.append((t, lineno, TraceEvent(t, ADD if action == ADD else REMOVE, node)))
+    if out_of_order:
+        parsed.sort(key=lambda item: item[0])  # stable: simultaneous events keep their file order
     return parsed, out_of_order
 
 
@@ -203,7 +234,7 @@ def parse_availability_lines(lines: Iterable[str], source: str = "", strict: boo
     notes, rows = _data_rows(lines, source, 2, "an availability line is time_ms,live (e.g. 3600000,22)")
     samples = [(lineno, _parse_time(parts[0], source, lineno, line), _parse_count(parts[1], source, lineno, line))
                for lineno, line, parts in rows]
-    return _availability(samples, source, strict, end_ms, notes)
+    return _availability(samples, source, strict, end_ms, notes())
 
 
 def parse_dated_availability_lines(lines: Iterable[str], source: str = "", strict: bool = False,
@@ -225,7 +256,7 @@ def parse_dated_availability_lines(lines: Iterable[str], source: str = "", stric
                          "YYYY-MM-DD, HH:MM:SS, live")
     origin = min(when for _, when, _ in stamped)
     rows_ms = [(lineno, int(round((when - origin).total_seconds() * 1000)), count) for lineno, when, count in stamped]
-    return _availability(rows_ms, source, strict, end_ms, notes)
+    return _availability(rows_ms, source, strict, end_ms, notes())
 
 
 def _parse_count(text: str, source: str, lineno: int, line: str) -> int:
@@ -236,6 +267,9 @@ def _parse_count(text: str, source: str, lineno: int, line: str) -> int:
                          "number of nodes >= 0") from None
     if count < 0:
         raise TraceError(f"{_where(source, lineno)}: live count {count} must be >= 0")
+    if count > MAX_TRACE_NODES:
+        raise TraceError(f"{_where(source, lineno)}: live count {count} is above the limit of {MAX_TRACE_NODES:,} "
+                         f"nodes ({MAX_NODES_WHY}); check the column (it counts nodes, not GPUs or bytes)")
     return count
 
 
@@ -286,35 +320,69 @@ def _availability(rows: list[tuple[int, int, int]], source: str, strict: bool, e
 def read_trace(path: str | Path, strict: bool = False, end_ms: int | None = None, seed: int = 0,
                placement: str = "random", grid: WorkerGrid | None = None) -> EventTrace:
     """Read an event trace (3 columns) or an availability trace (2 columns) from a file, as an EventTrace.
-    `seed`, `placement` and `grid` choose the failing nodes of an availability trace (`availability_to_events`)."""
+    `seed`, `placement` and `grid` choose the failing nodes of an availability trace (`availability_to_events`).
+    The file is read line by line (never whole), at most MAX_TRACE_BYTES of a regular file."""
     path = Path(path)
-    if not path.is_file():
-        raise TraceError(f"trace file {str(path)!r} does not exist; pass --trace with a CSV of time_ms,add|remove,"
-                         "node lines (e.g. ../shared/data/traces/bamboo-ec2-p3.csv) or use --generate")
+    fix = ("pass --trace with a CSV of time_ms,add|remove,node lines (e.g. ../shared/data/traces/bamboo-ec2-p3.csv) "
+           "or use --generate")
     try:
-        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is not part of the first line
+        info = os.stat(path)
+    except OSError:
+        raise TraceError(f"trace file {str(path)!r} does not exist; {fix}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise TraceError(f"trace file {str(path)!r} is {describe_kind(info.st_mode)}, not a regular file; {fix}")
+    if info.st_size > MAX_TRACE_BYTES:
+        raise TraceError(f"trace file {str(path)!r} is {info.st_size / MIB:.0f} MiB, above the limit of "
+                         f"{MAX_TRACE_BYTES / MIB:g} MiB for one trace; cut it into shorter windows")
+    try:
+        with _open_text(path) as f:
+            kind = _detect(f, str(path))
+        with _open_text(path) as f:
+            lines = _bounded(f, str(path))
+            if kind == "event":
+                return parse_event_lines(lines, str(path), strict, end_ms)
+            parse = parse_availability_lines if kind == "availability" else parse_dated_availability_lines
+            counts = parse(lines, str(path), strict, end_ms)
     except UnicodeDecodeError:
         raise TraceError(f"trace file {str(path)!r} is not UTF-8 text; pass a CSV file") from None
-    lines = text.splitlines()
-    kind = _detect(lines, str(path))
-    if kind == "event":
-        return parse_event_lines(lines, str(path), strict, end_ms)
-    parse = parse_availability_lines if kind == "availability" else parse_dated_availability_lines
-    return availability_to_events(parse(lines, str(path), strict, end_ms), seed=seed, placement=placement,
-                                  grid=grid)
+    except OSError as exc:
+        raise TraceError(f"trace file {str(path)!r} cannot be read ({exc.strerror or exc}); {fix}") from None
+    return availability_to_events(counts, seed=seed, placement=placement, grid=grid)
 
 
-def _detect(lines: list[str], source: str) -> str:
-    """'event', 'availability' or 'dated' from the first data line (after an optional header)."""
-    kept, _, _ = _content_lines(lines)
-    if not kept:
+def _open_text(path: Path) -> IO[str]:
+    # utf-8-sig: a byte-order mark is not part of the first line; universal newlines (\n, \r\n, \r)
+    return open(path, encoding="utf-8-sig", newline=None)
+
+
+def _bounded(lines: Iterable[str], source: str) -> Iterator[str]:
+    """The lines, refusing any longer than MAX_LINE_CHARS (a binary file with no newline would otherwise be one
+    line of the whole file) and stopping at MAX_TRACE_BYTES read (a file that grows while it is read)."""
+    read = 0
+    for lineno, line in enumerate(lines, start=1):
+        if len(line) > MAX_LINE_CHARS:
+            raise TraceError(f"{_where(source, lineno)}: line of {len(line):,} characters, above the limit of "
+                             f"{MAX_LINE_CHARS:,}; a trace line is a few fields of CSV")
+        read += len(line)
+        if read > MAX_TRACE_BYTES:
+            raise TraceError(f"{source}: more than {MAX_TRACE_BYTES / MIB:g} MiB read, the limit for one trace; cut "
+                             "it into shorter windows")
+        yield line
+
+
+def _detect(lines: Iterable[str], source: str) -> str:
+    """'event', 'availability' or 'dated' from the first data line (after an optional header); reads only up to
+    that line."""
+    kept = _content_lines(_bounded(lines, source), _Skipped())
+    first = next(kept, None)
+    if first is None:
         raise TraceError(f"{source}: no data lines; a trace is CSV lines time_ms,add|remove,node (events), "
                          "time_ms,live or YYYY-MM-DD, HH:MM:SS, live (availability)")
-    if _header(kept, source, (2, 3)):
-        kept = kept[1:]
-    if not kept:
+    if _header(first, source, (2, 3)):
+        first = next(kept, None)
+    if first is None:
         raise TraceError(f"{source}: only a header line; add the data lines under it")
-    lineno, line = kept[0]
+    lineno, line = first
     fields = _split(line)
     if len(fields) == 3 and _DATE.match(fields[0]):
         return "dated"

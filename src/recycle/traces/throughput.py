@@ -25,12 +25,16 @@ __all__ = [
 PeriodFn = Callable[[tuple[int, ...]], float]
 
 
+MAX_SLOT_SECONDS = 86_400.0  # a slot is about one forward of one micro-batch: a day is far above any
+
+
 def seconds_per_unit(config: Config, slot_seconds: float = 1.0) -> float:
     """Seconds per config time unit: 1e-6 for "us"; `slot_seconds` for abstract "slot" configs."""
     if config.time_unit == "us":
         return 1e-6
-    if slot_seconds <= 0:
-        raise ConfigError(f"slot length {slot_seconds} s must be > 0 (used to turn slot-unit periods into seconds)")
+    if not (math.isfinite(slot_seconds) and 0 < slot_seconds <= MAX_SLOT_SECONDS):
+        raise ConfigError(f"--slot-seconds {slot_seconds:g} must be a number of seconds in (0, {MAX_SLOT_SECONDS:g}] "
+                          "(the length of one slot of a slot-unit config, e.g. 1; it turns periods into seconds)")
     return slot_seconds
 
 

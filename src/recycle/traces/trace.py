@@ -5,12 +5,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ADD", "REMOVE", "TraceEvent", "TraceNotes", "EventTrace", "AvailabilityTrace", "WorkerGrid"]
+__all__ = ["ADD", "REMOVE", "TraceEvent", "TraceNotes", "EventTrace", "AvailabilityTrace", "WorkerGrid",
+           "MAX_TRACE_NODES", "MAX_TRACE_LINES", "MAX_TRACE_EVENTS", "MAX_REPLAY_SIZE", "MAX_NODES_WHY",
+           "check_replay_size"]
 
 ADD, REMOVE = "add", "remove"
 
+# Bounds on what a trace may make the reader, a generator or the replay allocate (issue 21, item 3).
+MAX_TRACE_NODES = 65_536  # distinct nodes of an event trace, or a live count of an availability trace
+MAX_NODES_WHY = "4x the 16,384 GPUs of Llama 3's largest job, one node each"
+MAX_TRACE_LINES = 2_000_000  # data lines of one trace file (the reader keeps ~0.2 KB per line until it is cleaned)
+MAX_TRACE_EVENTS = 2_000_000  # node events of a generated trace, or of an availability trace's placed drops
+# The replay keeps the live unit set at every change point (~50 bytes per live unit): change points x most live
+# units is bounded (measured: a million change points over 64 units replay in 3.1 GB and 2 minutes).
+MAX_REPLAY_SIZE = 80_000_000
 
-@dataclass(frozen=True)
+
+def check_replay_size(change_points: int, live_units: int, source: str, fix: str) -> None:
+    """Refuse a replay of `change_points` changes over up to `live_units` live units above MAX_REPLAY_SIZE."""
+    if change_points * live_units > MAX_REPLAY_SIZE:
+        from recycle.errors import TraceError
+
+        raise TraceError(f"{source or 'trace'}: {change_points:,} change points x {live_units:,} live units = "
+                         f"{change_points * live_units:,} is above the limit of {MAX_REPLAY_SIZE:,} for one replay (it "
+                         f"keeps the live set at every change point, ~50 bytes per unit: ~4 GB at the limit); {fix}")
+
+
+@dataclass(frozen=True, slots=True)
 class TraceEvent:
     """One node joining (`add`) or leaving (`remove`) the job at `time_ms`."""
 
