@@ -61,8 +61,10 @@ def _command_name(argv: Sequence[str]) -> str:
     return ""
 
 
-class Terminated(Exception):
-    """SIGTERM (a scheduler's stop, `kill`): unwound like Ctrl-C so every worker is stopped and reaped first."""
+class Terminated(BaseException):
+    """SIGTERM (a scheduler's stop, `kill`): unwound like Ctrl-C so every worker is stopped and reaped first. A
+    BaseException, like KeyboardInterrupt: an `except Exception` on the way (logging's emit, for one) must not
+    swallow it."""
 
 
 def _raise_terminated(signum: int, frame: object) -> None:

@@ -267,9 +267,10 @@ def test_a_flood_of_strangers_at_start_up_keeps_no_worker_out(tmp_path: Path, ti
 
 @pytest.mark.timeout(120)
 def test_sigterm_stops_every_worker_and_says_so(tmp_path: Path, tiny_config_file) -> None:
-    config_file = tiny_config_file(steps=400)
-    run_ = subprocess.Popen([sys.executable, "-m", "recycle", "train", "--config", str(config_file)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    config_file = tiny_config_file(steps=400)  # paced: ~2 minutes, so it is still running when the signal comes
+    run_ = subprocess.Popen([sys.executable, "-m", "recycle", "train", "--config", str(config_file),
+                             "--emulate-costs", "--slot-ms", "20"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     out = _Lines(run_.stdout)
     try:
         out.wait_for(r"step 3/400", 90)

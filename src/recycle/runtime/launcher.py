@@ -390,7 +390,7 @@ class _Coordination:
         self.exited: set[int] = set()
         self.done: set[int] = set()  # exited cleanly after the last step
         self.pids: dict[int, int | None] = {r: p.pid for r, p in processes.items()}
-        self.beats: dict[int, int] = {}
+        self.beats: dict[int, tuple[str, int]] = {}  # rank -> (incarnation, beats) of its last beat seen
         self.last_beat: dict[int, float] = {}
         self.progress: dict[int, Progress] = {}  # rank -> its main thread's progress (hang detection)
         self.node_beats: dict[int, int] = {}
@@ -560,8 +560,8 @@ class _Coordination:
             beat = self._beat(rank)
             if beat is None:
                 continue
-            if beat.beats != self.beats.get(rank):
-                self.beats[rank] = beat.beats
+            if (beat.incarnation, beat.beats) != self.beats.get(rank):
+                self.beats[rank] = (beat.incarnation, beat.beats)
                 self.last_beat[rank] = now
                 self.progress[rank] = track_progress(self.progress.get(rank), beat.actions, beat.phase, now)
         commands: list[Command] = []
@@ -679,6 +679,10 @@ class _Coordination:
             "; ".join(d.cause for d in facts.deaths), tuple(sorted(facts.joining)),
             -1 if facts.restore_step is None else facts.restore_step), facts.generation)
         for rank in facts.joining:
+            # A replacement is timed from its admission, not from the last beat of the process it replaces.
+            self.last_beat[rank] = time.time()
+            self.beats.pop(rank, None)
+            self.progress.pop(rank, None)
             self.member_from[rank] = facts.redo_step
             self.store.delete_key(Keys.join_ready(rank))
             self.store.set(Keys.join_generation(rank), str(facts.generation))
@@ -835,8 +839,12 @@ class _Coordination:
         self.store.set(Keys.FINISHED, "1")
         live = self.coordinator.state.live | self.done
         initial = self.plan_at_start.live_ranks()
+        # A node is waited for while it has a live worker or its launcher still beats (a repaired node whose
+        # replacements came too late to be admitted: they see the end and exit, then it says it is done too).
+        now = time.time()
+        beating = {n for n, t in self.node_last_beat.items() if now - t <= self.options.heartbeat_timeout_s}
         keys = [Keys.node_done(n) for n in range(1, self.options.nnodes) if n not in self.fenced_nodes
-                and set(node_ranks(initial, self.options.nnodes, n)) & live]  # a node with no live worker is gone
+                and (set(node_ranks(initial, self.options.nnodes, n)) & live or n in beating)]
         deadline = time.time() + max(self.options.timeout_s, 60.0)
         while not self.store.check(keys) and time.time() < deadline:
             time.sleep(0.05)

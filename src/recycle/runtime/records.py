@@ -143,6 +143,7 @@ class Beat:
     beats: int
     actions: int
     phase: str
+    incarnation: str = ""  # a replacement counts its beats from 1 again: (incarnation, beats) tells a new beat
 
 
 _KINDS: dict[str, type] = {"beat": Beat, "joined": Joined, "step": StepRecord, "error": ErrorRecord, "fault": FaultRecord, "join_ready": JoinReady,

@@ -136,6 +136,7 @@ class _Watcher(threading.Thread):
         self.store = _connect(spec)
         self.jobs = JobStore(self.store)
         self.rank = spec.rank
+        self.incarnation = spec.incarnation
         self.interval_s = spec.heartbeat_s
         self.activity = activity
         self.on_abort = on_abort
@@ -162,8 +163,8 @@ class _Watcher(threading.Thread):
                 now = time.monotonic()
                 if now >= next_beat:
                     self.beats += 1
-                    self.jobs.put(Channels.HEARTBEAT, Beat(self.beats, self.activity.actions, self.activity.phase),
-                                  self.rank)
+                    self.jobs.put(Channels.HEARTBEAT, Beat(self.beats, self.activity.actions, self.activity.phase,
+                                                           self.incarnation), self.rank)
                     next_beat = now + self.interval_s
                 watched = self._watched()
                 hit = self.store.wait_any([key for key, _, _ in watched], max(0.0, next_beat - time.monotonic()))
