@@ -287,3 +287,22 @@ def test_sigterm_stops_every_worker_and_says_so(tmp_path: Path, tiny_config_file
     while any(_alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in workers if _alive(p)]
+
+
+@pytest.mark.timeout(240)
+def test_a_fault_free_run_under_a_cpu_hog_has_no_spurious_failure(tmp_path) -> None:
+    """Issue 21: two busy processes take both cores while a fault-free job runs with the default heartbeat and hang
+    limits: slow is not failed, so no worker is fenced and the parameters are exact."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        config = config_for(2, 2)
+        result = run(config, [], tmp_path, heartbeat_timeout_s=5.0, steps=30)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert result.recoveries == () and result.failed == ()
+    assert [m.step for m in result.steps] == list(range(1, 31))
+    got = torch.load(tmp_path / "final.pt", weights_only=True)["model"]
+    for key, ref in reference_train(config, 30)[0].items():
+        assert float((got[key] - ref).abs().max() / ref.abs().max().clamp_min(1e-12)) < 1e-9, key
