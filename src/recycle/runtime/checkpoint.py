@@ -23,6 +23,7 @@ must be a regular file, and the small ones (JSON, `.metadata`) are read with a s
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -654,20 +655,27 @@ def read_metadata(where: str | Path, verify_files: bool = False, root: str | Pat
             except UnsafeFile:
                 raise CheckpointError(f"{where / MANIFEST} names {name!r}, outside the checkpoint folder; "
                                       "refused") from None
-            try:
+            with _file_errors(file):
                 actual = sha256_inside(base, _inside(prefix, name))
-            except UnsafeFile as exc:
-                raise CheckpointError(str(exc)) from None
-            except FileNotFoundError:
-                raise CheckpointError(f"{file} is missing (incomplete checkpoint)") from None
-            except OSError as exc:
-                raise CheckpointError(f"{file} cannot be read ({exc.strerror or exc})") from None
             if actual != digest:
                 raise CheckpointError(f"{file} is damaged (its SHA-256 differs from the one recorded when it was "
                                       "written: truncated, empty or overwritten)")
     metadata = _safe_unpickle(data, path)
     _check_data_files(metadata, where, base, prefix, manifest["files"] if verify_files else None)
     return metadata
+
+
+@contextlib.contextmanager
+def _file_errors(file: Path) -> Iterator[None]:
+    """A checkpoint file that is unsafe, missing or unreadable, as one CheckpointError naming it."""
+    try:
+        yield
+    except UnsafeFile as exc:
+        raise CheckpointError(str(exc)) from None
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing (incomplete checkpoint)") from None
+    except OSError as exc:
+        raise CheckpointError(f"{file} cannot be read ({exc.strerror or exc})") from None
 
 
 def _check_data_files(metadata: Any, where: Path, base: Path, prefix: str, hashed: dict[str, str] | None) -> None:
@@ -681,14 +689,8 @@ def _check_data_files(metadata: Any, where: Path, base: Path, prefix: str, hashe
         if hashed is not None and (relative not in hashed or relative == ".metadata"):
             raise CheckpointError(f"{where / '.metadata'} places data in {relative!r}, a file {MANIFEST} does not "
                                   "list; refused")
-        try:
+        with _file_errors(file):
             size = lstat_inside(base, _inside(prefix, relative)).st_size
-        except UnsafeFile as exc:
-            raise CheckpointError(str(exc)) from None
-        except FileNotFoundError:
-            raise CheckpointError(f"{file} is missing (incomplete checkpoint)") from None
-        except OSError as exc:
-            raise CheckpointError(f"{file} cannot be read ({exc.strerror or exc})") from None
         if size < end:
             raise CheckpointError(f"{file} is {size:,} bytes but the checkpoint's metadata places data up to byte "
                                   f"{end:,} (truncated, or the metadata is damaged)")
