@@ -18,6 +18,7 @@ def _run(*argv: str, timeout: int = 240) -> str:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg"}
     done = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "leaked semaphore" not in done.stderr, done.stderr  # issue 21 item 8 (tqdm's lock in the workers)
     return done.stdout
 
 

@@ -182,9 +182,21 @@ class _Watcher(threading.Thread):
                 time.sleep(self.interval_s)  # the store is the one component that cannot fail; keep trying
 
 
+def _thread_lock_for_progress_bars() -> None:
+    """torch.fx's Interpreter (which runs a torch.export/pipelining stage) opens a tqdm bar, whose class lock is a
+    multiprocessing RLock, i.e. a named semaphore. A worker leaves by os._exit, so the resource tracker would find it
+    and warn at shutdown ("leaked semaphore objects"). One process needs only a thread lock."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def worker_main(spec: WorkerSpec, launcher_alive: Connection | None = None) -> None:
     """Process entry point; exits non-zero after writing an error record to the store if anything fails."""
     torch.set_num_threads(1)
+    _thread_lock_for_progress_bars()
     if spec.backend == "gloo" and spec.store_host in ("127.0.0.1", "localhost", "::1"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # single machine: keep gloo on loopback
     if launcher_alive is not None:
