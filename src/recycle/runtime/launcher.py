@@ -172,9 +172,10 @@ class Recovery:
             down[stage] = down.get(stage, 0) + 1
         state = ", ".join(f"stage {s}: {k} down" for s, k in sorted(down.items()))
         source = "from the store" if self.plan_source == "store" else f"planned by the {self.plan_source}"
-        # An outside kill or a freeze leaves no record of its moment: time it from its detection then, and say so.
+        # An outside kill or a freeze leaves no record of its moment: time it from its first sign then (a survivor's
+        # failed op, which can come well before the death is detected, or the detection itself), and say so.
         after = ("after the others stopped for it" if not self.causes else
-                 "after the failure" if self.detected_s is not None else "after it was detected")
+                 "after the failure" if self.detected_s is not None else "after its first sign")
         return (f"step {self.step}: {'; '.join(what)}; {detected}plan for {{{state or 'none down'}}} {source} "
                 f"({self.plan_lookup_s * 1e3:.1f} ms); generation {self.generation} in {self.formed_s:.2f} s"
                 f"{f' (groups: {self.formation})' if self.formation else ''}; "
