@@ -86,6 +86,7 @@ def test_token_file_must_be_private_and_well_formed(tmp_path, monkeypatch) -> No
 @pytest.mark.parametrize("spec,worker,fault", [
     ("kill:1:1@3.5", (1, 1), FaultInjection(2, 5, "kill", "action")),
     ("hang:0:2@1", (0, 2), FaultInjection(0, 0, "hang", "action")),
+    ("stall:0:1@2.4", (0, 1), FaultInjection(1, 4, "stall", "action")),
     ("raise:2:0@4.ckpt", (2, 0), FaultInjection(3, 0, "raise", "ckpt")),
     ("kill:0:0@2.recovery", (0, 0), FaultInjection(1, 0, "kill", "recovery")),
 ])

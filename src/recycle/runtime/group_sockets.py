@@ -69,17 +69,14 @@ def cut(sockets: SocketSet) -> int:
                 continue
             if probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 continue
-            if probe.family in (socket.AF_INET, socket.AF_INET6):
-                try:
-                    peer = probe.getpeername()[:2]
-                except OSError:
-                    continue  # not connected (yet or any more)
-                if (peer[0], peer[1]) in sockets.keep:
-                    continue
-            elif probe.family != socket.AF_UNIX:
-                continue
-            else:
+            if probe.family not in (socket.AF_INET, socket.AF_INET6):
                 continue  # unix sockets: multiprocessing's, never gloo's
+            try:
+                peer = probe.getpeername()[:2]
+            except OSError:
+                continue  # not connected (yet or any more)
+            if (peer[0], peer[1]) in sockets.keep:
+                continue
             probe.shutdown(socket.SHUT_RDWR)
             count += 1
         except OSError:

@@ -228,10 +228,6 @@ class Transport:
 
                 _abort_process_group()  # every communicator of the job (ncclCommAbort), from this thread
 
-    @property
-    def aborted(self) -> bool:
-        return self._aborted
-
     def close(self, abort: bool = False) -> None:
         """Leave this generation's groups. `abort`: after a failure, cut the communicators first (a broken one is
         never destroyed without an abort: NCCL would wait on the dead peer, gloo on a silent one), which is also how

@@ -108,7 +108,7 @@ def _store_peers(host: str, port: int) -> set[tuple[str, int]]:
         return {(host, port)}
 
 
-def _connect(spec: WorkerSpec, timeout_s: float | None = None) -> StoreClient:
+def _connect(spec: WorkerSpec) -> StoreClient:
     """One connection of this worker to the job store; once the coordinator has fenced this process, its first
     request ends it with one line (it must not write anything the job reads, nor carry on with stale state)."""
     replica_stage = "%d:%d" % divmod(spec.rank, spec.config.num_stages)
@@ -121,7 +121,7 @@ def _connect(spec: WorkerSpec, timeout_s: float | None = None) -> StoreClient:
         os._exit(EXIT_FENCED)
 
     return connect_store(spec.store_host, spec.store_port, spec.token, worker_identity(spec.rank, spec.incarnation),
-                         timeout_s if timeout_s is not None else max(spec.timeout_s, 30.0), on_fenced=fenced)
+                         max(spec.timeout_s, 30.0), on_fenced=fenced)
 
 
 class _Watcher(threading.Thread):
