@@ -11,7 +11,8 @@ __all__ = ["KIND_CODES", "CompactActions", "new_action"]
 KIND_CODES = (Kind.F, Kind.B, Kind.W, Kind.BW, Kind.OPT)  # code i in the arrays is KIND_CODES[i]
 
 _NEW = object.__new__
-_SET_KIND, _SET_STAGE, _SET_MB = Action.kind.__set__, Action.stage.__set__, Action.mb.__set__  # type: ignore[attr-defined]
+# The slots' member descriptors, read from the class dict (the checker takes `Action.kind` for the instance field).
+_SET_KIND, _SET_STAGE, _SET_MB = (vars(Action)[name].__set__ for name in ("kind", "stage", "mb"))
 
 
 def new_action(kind: Kind, stage: int, mb: int) -> Action:

@@ -80,7 +80,7 @@ def num_hf_layers(config: Any) -> int:
     return int(config.num_hidden_layers)
 
 
-def build_hf_model(path: str | Path, seq_len: int, seed: int, dtype: torch.dtype) -> nn.Module:
+def build_hf_model(path: str | Path, seq_len: int, seed: int, dtype: torch.dtype) -> HFCausalLM:
     """The whole model, randomly initialised from `seed` (the global RNG is left as it was), in `dtype`."""
     transformers = _transformers()
     config = load_hf_config(path, seq_len)

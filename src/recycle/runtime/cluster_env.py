@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence, TypeVar
 
 from recycle.errors import ConfigError
 
@@ -20,6 +20,8 @@ _NODE_RANK = (("env://", "NODE_RANK"), ("PyTorchJob", "PET_NODE_RANK"), ("SLURM"
 _ADDR = (("env://", "MASTER_ADDR"), ("PyTorchJob", "PET_MASTER_ADDR"))
 _PORT = (("env://", "MASTER_PORT"), ("PyTorchJob", "PET_MASTER_PORT"))
 _PROCS_PER_NODE = ("PET_NPROC_PER_NODE", "LOCAL_WORLD_SIZE")
+
+T = TypeVar("T")  # the type of one setting in resolve_role
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ def resolve_role(env: Mapping[str, str], nnodes: int | None = None, node_rank: i
     Two conventions that state different values, or a value that does not parse, raise a ConfigError."""
     sources: list[tuple[str, str]] = []
 
-    def pick(name: str, flag: str, given, candidates: list[tuple[str, str, object]], default):
+    def pick(name: str, flag: str, given: T | None, candidates: Sequence[tuple[str, str, T]], default: T) -> T:
         if given is not None:
             sources.append((name, flag))
             return given
@@ -169,7 +171,9 @@ _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 def _split_top(text: str) -> list[str]:
     """Split at commas outside brackets: "a[1,3],b" -> ["a[1,3]", "b"]."""
-    parts, depth, current = [], 0, []
+    parts: list[str] = []
+    current: list[str] = []
+    depth = 0
     for char in text:
         if char == "[":
             depth += 1

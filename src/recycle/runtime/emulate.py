@@ -14,6 +14,7 @@ from recycle.config import Config
 from recycle.errors import ConfigError
 from recycle.ir import Action, Kind, Plan
 from recycle.ir.costs import action_duration, opt_duration
+from recycle.runtime.executor import Comm
 from recycle.runtime.messages import Message
 
 __all__ = ["Emulation", "DEFAULT_SLOT_MS", "pacing_seconds_per_unit", "action_cost", "PacedComm", "CostPacer",
@@ -67,14 +68,19 @@ class PacedComm:
     reach its consumer before the emulated producer is done), and the moment each blocking receive or collective
     returns is noted (that is when the action's inputs were there)."""
 
-    def __init__(self, inner: object, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.inner = inner
+    def __init__(self, inner: Comm | None, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.inner = inner  # None until CostPacer.wrap hands it the executor's transport
         self.clock = clock
         self.held: list[tuple[Message, torch.Tensor]] = []
         # When this action's inputs were there: the return of its last receive (the message it waited for comes
         # last) or of its first collective (the group's meeting point; later collectives are the action's work).
         self.last_arrival: float | None = None
         self.met_group = False
+
+    def _transport(self) -> Comm:
+        if self.inner is None:
+            raise RuntimeError("a PacedComm was used before CostPacer.wrap gave it a transport")
+        return self.inner
 
     def send(self, message: Message, tensor: torch.Tensor) -> None:
         # Detached: holding the message must not keep the micro-batch's autograd graph alive.
@@ -83,10 +89,10 @@ class PacedComm:
     def release(self) -> None:
         held, self.held = self.held, []  # cleared even when a send raises (a dead peer): never sent later
         for message, tensor in held:
-            self.inner.send(message, tensor)
+            self._transport().send(message, tensor)
 
     def recv(self, message: Message, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        tensor = self.inner.recv(message, shape, dtype)
+        tensor = self._transport().recv(message, shape, dtype)
         self.last_arrival = self.clock()
         return tensor
 
@@ -101,18 +107,18 @@ class PacedComm:
 
     def flush(self) -> None:
         self.release()
-        self.inner.flush()
+        self._transport().flush()
 
     def stage_allreduce_sum(self, stage: int, tensor: torch.Tensor) -> None:
-        self.inner.stage_allreduce_sum(stage, tensor)
+        self._transport().stage_allreduce_sum(stage, tensor)
         self._met()
 
     def world_allreduce_sum(self, tensor: torch.Tensor) -> None:
-        self.inner.world_allreduce_sum(tensor)
+        self._transport().world_allreduce_sum(tensor)
         self._met()
 
     def barrier(self) -> None:
-        self.inner.barrier()
+        self._transport().barrier()
         self._met()
 
 
@@ -146,7 +152,7 @@ class CostPacer:
         self.emulated_end: float | None = None  # previous action's emulated end on this worker
         self.stats = PacingStats()
 
-    def wrap(self, comm: object) -> PacedComm:
+    def wrap(self, comm: Comm) -> PacedComm:
         """The transport the executor talks through: this pacer's PacedComm, now in front of `comm` (a recovery
         hands the executor a new transport)."""
         self.comm.inner = comm

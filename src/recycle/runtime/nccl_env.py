@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Mapping, MutableMapping
+from typing import Callable, Mapping, MutableMapping, TypedDict
 
 import torch
 
 from recycle.errors import ConfigError
 
 __all__ = ["Setting", "VersionRule", "nccl_settings", "nccl_environment", "apply_nccl_environment",
-           "prepare_nccl", "check_nccl_version", "nccl_version", "init_kwargs", "supports_shrink", "VERSION_RULES",
-           "MIN_NCCL", "SHRINK_MIN_NCCL", "SHRINK_BROKEN_FROM"]
+           "prepare_nccl", "check_nccl_version", "nccl_version", "init_kwargs", "InitKwargs", "supports_shrink",
+           "VERSION_RULES", "MIN_NCCL", "SHRINK_MIN_NCCL", "SHRINK_BROKEN_FROM"]
 
 Version = tuple[int, int, int]
 
@@ -182,7 +182,7 @@ VERSION_RULES: tuple[VersionRule, ...] = (
 )
 
 
-def _text(version: Version) -> str:
+def _text(version: tuple[int, ...]) -> str:
     return ".".join(str(part) for part in version[:3])
 
 
@@ -223,7 +223,13 @@ def prepare_nccl(env: MutableMapping[str, str], timeout_s: float) -> list[str]:
     return apply_nccl_environment(env, timeout_s, version)
 
 
-def init_kwargs(device: torch.device | str, backend: str = "nccl") -> dict[str, object]:
+class InitKwargs(TypedDict, total=False):
+    """The keyword arguments init_kwargs may add to dist.init_process_group (typed, so the call is checked)."""
+
+    device_id: torch.device
+
+
+def init_kwargs(device: torch.device | str, backend: str = "nccl") -> InitKwargs:
     """Extra init_process_group arguments: on NCCL `device_id`, which binds the group to its GPU and creates the
     communicator at init (eager init). torchft: "always eager init to avoid duplicate communicators for p2p ops";
     split_group needs the bound device. gloo (or a CPU device) gets none: device_id must be an accelerator."""

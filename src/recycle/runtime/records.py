@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:  # typeshed's type of a dataclass (what fields() takes); it exists only in the stubs
+    from _typeshed import DataclassInstance
 
 __all__ = ["RecordError", "StepRecord", "ErrorRecord", "FaultRecord", "JoinReady", "Timestamp", "TransferRecord",
            "MigrationRecord", "StoppedReport", "Announcement", "Joined", "Beat", "to_json", "from_json"]
@@ -146,9 +149,10 @@ class Beat:
     incarnation: str = ""  # a replacement counts its beats from 1 again: (incarnation, beats) tells a new beat
 
 
-_KINDS: dict[str, type] = {"beat": Beat, "joined": Joined, "step": StepRecord, "error": ErrorRecord, "fault": FaultRecord, "join_ready": JoinReady,
-                           "timestamp": Timestamp, "transfer": TransferRecord, "migration": MigrationRecord,
-                           "stopped": StoppedReport, "announce": Announcement}
+_KINDS: dict[str, type[DataclassInstance]] = {
+    "beat": Beat, "joined": Joined, "step": StepRecord, "error": ErrorRecord, "fault": FaultRecord,
+    "join_ready": JoinReady, "timestamp": Timestamp, "transfer": TransferRecord, "migration": MigrationRecord,
+    "stopped": StoppedReport, "announce": Announcement}
 _NAMES = {cls: kind for kind, cls in _KINDS.items()}
 
 R = TypeVar("R")
@@ -183,7 +187,7 @@ def from_json(cls: type[R], text: bytes | str) -> R:
                           "process of a run must be the same recycle version")
     if _KINDS[kind] is not cls:
         raise RecordError(f"{where} was expected, but the key holds a {_KINDS[kind].__name__} (kind {kind!r})")
-    names = {f.name for f in fields(cls)}
+    names = {f.name for f in fields(_KINDS[kind])}  # cls itself, checked above
     try:
         return cls(**{k: _tuples(v) for k, v in data.items() if k in names})
     except TypeError as exc:

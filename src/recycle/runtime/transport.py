@@ -61,7 +61,7 @@ class GenerationGroups:
 
     live_ranks: list[int]  # topology ranks, ascending; index = rank in this generation's world
     stage_ranks: dict[int, list[int]]  # stage -> topology ranks of its live replicas
-    stage_groups: dict[int, object] = field(default_factory=dict)
+    stage_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
 
     def group_rank(self, topology_rank: int) -> int:
         return self.live_ranks.index(topology_rank)
@@ -118,7 +118,7 @@ class Transport:
         self.formation_s = 0.0
         self._store = store
         self._store_peers = store_peers or set()
-        self._pending: list[tuple[object, torch.Tensor]] = []
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._lock = threading.Lock()
         self._aborted = False
         self._closed = False
@@ -161,6 +161,7 @@ class Transport:
         buffer = tensor.detach().contiguous()
         with _peer_op(self.activity, f"send {message}"):
             work = dist.isend(buffer, self.groups.group_rank(message.dst), tag=self._tag(message))
+        assert work is not None  # None only for a rank outside the default group, which is this generation's world
         self._pending.append((work, buffer))
 
     def recv(self, message: Message, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

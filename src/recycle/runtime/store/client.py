@@ -56,6 +56,9 @@ class StoreClient(dist.Store):
     store says this process is fenced (the worker's watcher uses it to exit with one line); the call then raises
     StoreFenced."""
 
+    # dist.Store's property, which set_timeout sets (c10d's rendezvous may too); torch's stub lacks it.
+    timeout: datetime.timedelta
+
     def __init__(self, host: str, port: int, token: str, identity: str, timeout_s: float = 300.0,
                  connect_timeout_s: float = 60.0, on_fenced: Callable[[], None] | None = None) -> None:
         super().__init__()

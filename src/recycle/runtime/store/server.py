@@ -14,6 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from recycle.runtime.store.data import KeyValue, Waiter
 from recycle.runtime.store.wire import (AUTH_FAILED, MAGIC, MAX_FRAME_BYTES, MAX_HANDSHAKE_BYTES, MAX_KEY_BYTES,
@@ -291,7 +292,7 @@ class StoreServer:
             if not keys:
                 raise ValueError("a wait for no keys")
             if op == Op.MULTI_GET:
-                def answer(_i: int) -> None:
+                def answer(i: int) -> None:  # i: the key that ended the wait; a multi_get answers every value
                     self._reply(conn, Status.OK, tuple(data.get(k) or b"" for k in keys))
             else:
                 def answer(i: int) -> None:
@@ -316,7 +317,8 @@ class StoreServer:
         else:
             raise ValueError(f"unknown op {op}")
 
-    def _wait(self, conn: _Conn, keys: tuple[bytes, ...], any_of: bool, timeout_ms: int, answer) -> None:
+    def _wait(self, conn: _Conn, keys: tuple[bytes, ...], any_of: bool, timeout_ms: int,
+              answer: Callable[[int], None]) -> None:
         def ready(index: int) -> None:
             conn.waiter = None
             answer(index)

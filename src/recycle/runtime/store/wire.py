@@ -117,7 +117,8 @@ def pack_fields(head: int, fields: tuple[bytes, ...] | list[bytes]) -> bytes:
 def unpack_fields(payload: bytes) -> tuple[int, list[bytes]]:
     if not payload:
         raise WireError("an empty message")
-    head, fields, offset, size = payload[0], [], 1, len(payload)
+    fields: list[bytes] = []
+    head, offset, size = payload[0], 1, len(payload)
     while offset < size:
         if offset + 4 > size or len(fields) >= MAX_FIELDS:
             raise WireError("a truncated field")
