@@ -16,10 +16,13 @@ $(VENV_STAMP): requirements.txt pyproject.toml
 demo: $(VENV_STAMP)
 	$(PY) -m recycle demo --out out/demo
 
+# Both type-check runtime/ and ir/ first ([tool.mypy] in pyproject.toml): a mypy error fails the target.
 test: $(VENV_STAMP)
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 test-fast: $(VENV_STAMP)
+	$(PY) -m mypy
 	$(PY) -m pytest -q -m "not slow"
 
 bench: $(VENV_STAMP)
