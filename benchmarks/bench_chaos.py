@@ -24,7 +24,9 @@ from recycle.planner.provider import PlanLibrary
 from recycle.runtime.chaos import ChaosSpec
 from recycle.runtime.checkpoint import latest_step, read_metadata
 from recycle.runtime.emulate import Emulation
-from recycle.runtime.launcher import LaunchOptions, PlanChoice, launch
+from recycle.runtime.launcher import launch
+from recycle.runtime.options import (CheckpointOptions, ClusterOptions, DebugOptions, FaultOptions, LaunchOptions,
+                                     OutputOptions, RecoveryOptions)
 from recycle.runtime.reference import reference_train
 from recycle.schedules.fault_free import build_schedule
 
@@ -62,10 +64,12 @@ def main() -> int:
         print(f"soak: D=3 x S=2 tiny GPT, float64, {args.steps} steps paced at {args.slot_ms:g} ms/slot, chaos seed "
               f"{args.seed} rate {args.rate}/step, checkpoint every 5 steps", flush=True)
         result = launch(config, plan, LaunchOptions(
-            save_path=str(save), checkpoint_dir=str(ckpt), checkpoint_every=5, timeout_s=20, heartbeat_timeout_s=1.0,
-            heartbeat_s=0.25, start_method="forkserver", plan_provider=library.provider(PlanChoice),
-            emulation=Emulation(args.slot_ms, 1.0), verify_replicas=True,
-            chaos=ChaosSpec(args.seed, args.rate), progress=_quiet_progress))
+            outputs=OutputOptions(save_path=str(save)), checkpoint=CheckpointOptions(dir=str(ckpt), every=5),
+            recovery=RecoveryOptions(timeout_s=20, heartbeat_timeout_s=1.0, heartbeat_s=0.25),
+            cluster=ClusterOptions(start_method="forkserver"),
+            faults=FaultOptions(chaos=ChaosSpec(args.seed, args.rate)),
+            debug=DebugOptions(verify_replicas=True, emulation=Emulation(args.slot_ms, 1.0)),
+            plan_provider=library.lookup, progress=_quiet_progress))
         wall = time.time() - started
         got = torch.load(save, weights_only=True)["model"]
         ref, _ = reference_train(config)

@@ -30,7 +30,8 @@ from recycle.ir import Kind, Plan
 from recycle.planner.options import PlannerOptions
 from recycle.planner.provider import PlanLibrary
 from recycle.runtime.faults import FaultInjection
-from recycle.runtime.launcher import LaunchOptions, PlanChoice, launch
+from recycle.runtime.launcher import launch
+from recycle.runtime.options import ClusterOptions, FaultOptions, LaunchOptions, RecoveryOptions
 from recycle.schedules.fault_free import build_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,9 +64,11 @@ def run_case(mode: str, kind: Kind, env: dict[str, str], heartbeat_timeout_s: fl
     os.environ.update(env)
     try:
         result = launch(cfg, plan, LaunchOptions(
-            timeout_s=OP_TIMEOUT_S, heartbeat_timeout_s=heartbeat_timeout_s, heartbeat_s=0.25,
-            hang_timeout_s=hang_timeout_s, progress=None, start_method="spawn",  # workers see os.environ now
-            plan_provider=library.provider(PlanChoice), faults=((plan.rank(*worker), fault),)))
+            recovery=RecoveryOptions(timeout_s=OP_TIMEOUT_S, heartbeat_timeout_s=heartbeat_timeout_s, heartbeat_s=0.25,
+                                     hang_timeout_s=hang_timeout_s),
+            cluster=ClusterOptions(start_method="spawn"),  # workers see os.environ now
+            faults=FaultOptions(injections=((plan.rank(*worker), fault),)), plan_provider=library.lookup,
+            progress=None))
     finally:
         for key, value in saved.items():
             if value is None:

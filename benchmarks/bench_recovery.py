@@ -42,7 +42,8 @@ from recycle.planner.options import PlannerOptions
 from recycle.planner.provider import PlanLibrary
 from recycle.runtime.emulate import Emulation
 from recycle.runtime.faults import FaultInjection
-from recycle.runtime.launcher import LaunchOptions, PlanChoice, TrainResult, launch
+from recycle.runtime.launcher import TrainResult, launch
+from recycle.runtime.options import ClusterOptions, DebugOptions, FaultOptions, LaunchOptions, RecoveryOptions
 from recycle.schedules.fault_free import build_schedule
 from recycle.sim.simulator import simulate
 
@@ -128,8 +129,10 @@ def run_recycle(config: Config, plan: Plan, library: PlanLibrary, kills: list[Ki
         if "/" not in word or int(word.split("/")[0]) % 5 == 0:  # every recovery line, every 5th step line
             say(f"  [{label}] {line}")
 
-    options = LaunchOptions(steps=steps, emulation=Emulation(slot_ms, 1.0), plan_provider=library.provider(PlanChoice),
-                            faults=faults, start_method="forkserver", timeout_s=30.0, progress=progress)
+    options = LaunchOptions(steps=steps, recovery=RecoveryOptions(timeout_s=30.0),
+                            cluster=ClusterOptions(start_method="forkserver"), faults=FaultOptions(injections=faults),
+                            debug=DebugOptions(emulation=Emulation(slot_ms, 1.0)), plan_provider=library.lookup,
+                            progress=progress)
     began = time.time()
     try:
         result = launch(config, plan, options)

@@ -18,14 +18,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from recycle.api import repartitioning_provider
 from recycle.config import load_config
+from recycle.ir import PlanProvider
 from recycle.planner.options import PlannerOptions
 from recycle.planner.partition import partition_config
-from recycle.planner.provider import PlanLibrary
+from recycle.planner.provider import PlanLibrary, RepartitioningProvider
 from recycle.runtime.emulate import Emulation
 from recycle.runtime.faults import FaultInjection
-from recycle.runtime.launcher import LaunchOptions, PlanChoice, launch
+from recycle.runtime.launcher import launch
+from recycle.runtime.options import ClusterOptions, DebugOptions, FaultOptions, LaunchOptions, OutputOptions
 from recycle.schedules.fault_free import build_schedule
 from recycle.sim.simulator import simulate
 
@@ -40,9 +41,9 @@ def main() -> int:
     config = load_config(ROOT / "configs" / "tiny-gpt.toml")
     plan = build_schedule(config, "zb-h1", staggered=True)
     library = PlanLibrary.build(config, PlannerOptions(), max_failures=2)
-    providers = {"re-route only (ReCycle)": library.provider(PlanChoice),
-                 "re-route + move layers (--repartition)": repartitioning_provider(
-                     config, PlannerOptions(), library.provider(PlanChoice), PlanChoice)}
+    providers: dict[str, PlanProvider] = {"re-route only (ReCycle)": library.lookup,
+                                          "re-route + move layers (--repartition)": RepartitioningProvider(
+                                              config, PlannerOptions(), library.lookup)}
     slot_s = args.slot_ms / 1e3
     ff = simulate(plan, config).period * slot_s
     print(f"tiny GPT D=2 x S=2 M=4, float64, {args.steps} steps at {args.slot_ms:g} ms/slot; worker 1:1 SIGKILLed at "
@@ -53,9 +54,11 @@ def main() -> int:
     for name, provider in providers.items():
         with tempfile.TemporaryDirectory() as tmp:
             result = launch(config, plan, LaunchOptions(
-                steps=args.steps, save_path=str(Path(tmp) / "m.pt"), progress=None, start_method="forkserver",
-                emulation=Emulation(args.slot_ms, 1.0), faults=((plan.rank(1, 1), FaultInjection(2, 3)),),
-                plan_provider=provider))
+                steps=args.steps, outputs=OutputOptions(save_path=str(Path(tmp) / "m.pt")),
+                cluster=ClusterOptions(start_method="forkserver"),
+                debug=DebugOptions(emulation=Emulation(args.slot_ms, 1.0)),
+                faults=FaultOptions(injections=((plan.rank(1, 1), FaultInjection(2, 3)),)), plan_provider=provider,
+                progress=None))
         (recovery,) = result.recoveries
         after = [s.period_s for s in result.steps if s.step > recovery.step + 1]
         measured = statistics.median(after)

@@ -19,7 +19,9 @@ from recycle.config import load_config
 from recycle.errors import RuntimeFailure
 from recycle.planner.api import make_plan
 from recycle.planner.options import PlannerOptions
-from recycle.runtime.launcher import LaunchOptions, launch
+from recycle.runtime.launcher import launch
+from recycle.runtime.options import (ClusterOptions, DebugOptions, FaultOptions, LaunchOptions, OutputOptions,
+                                     RecoveryOptions)
 from recycle.runtime.reference import reference_train
 from recycle.runtime.worker import FaultInjection
 from recycle.schedules.fault_free import build_schedule
@@ -50,8 +52,9 @@ def main() -> None:
         baseline = None
         for name, plan in plans.items():
             save = Path(tmp) / "final.pt"
-            result = launch(config, plan, LaunchOptions(save_path=str(save), progress=None,
-                                                        start_method="forkserver", verify_replicas=True))
+            result = launch(config, plan, LaunchOptions(outputs=OutputOptions(save_path=str(save)),
+                                                        cluster=ClusterOptions(start_method="forkserver"),
+                                                        debug=DebugOptions(verify_replicas=True), progress=None))
             got = torch.load(save, weights_only=True)["model"]
             err = max(float((got[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-12)) for k in ref)
             periods = [s.period_s for s in result.steps[1:]]  # skip the warm-up step
@@ -64,9 +67,10 @@ def main() -> None:
         plan = plans["zb-h1 (staggered)"]
         seen: list[float] = []
         try:
-            launch(config, plan, LaunchOptions(progress=lambda _: seen.append(time.monotonic()),
-                                               faults=((3, FaultInjection(2, 2, "kill")),), timeout_s=60,
-                                               start_method="forkserver"))
+            launch(config, plan, LaunchOptions(faults=FaultOptions(injections=((3, FaultInjection(2, 2, "kill")),)),
+                                               recovery=RecoveryOptions(timeout_s=60),
+                                               cluster=ClusterOptions(start_method="forkserver"),
+                                               progress=lambda _: seen.append(time.monotonic())))
         except RuntimeFailure as exc:
             stop = time.monotonic()
             print(f"SIGKILL of worker 1:1 in step 3 with no plan provider: job stopped {stop - seen[-1]:.2f} s after "

@@ -29,9 +29,10 @@ from torch.nn import functional as F
 from recycle.config import Config, parse_config
 from recycle.models.gpt import DTYPES, build_stages
 from recycle.runtime.data import load_dataset, microbatch
-from recycle.runtime.launcher import LaunchOptions, launch
+from recycle.runtime.launcher import launch
 from recycle.runtime.optim import allreduce_grads
 from recycle.runtime.optim import make_optimizer
+from recycle.runtime.options import ClusterOptions, LaunchOptions, RecoveryOptions
 from recycle.schedules.fault_free import build_schedule
 
 
@@ -55,8 +56,8 @@ def periods(ends_per_step: list[float], warmup: int) -> list[float]:
 def run_ours(config: Config, steps: int, warmup: int) -> tuple[list[float], list[float]]:
     """(step periods, CPU seconds per step summed over workers) after the warm-up steps."""
     plan = build_schedule(config, "1f1b", staggered=True)
-    result = launch(config, plan, LaunchOptions(steps=steps, progress=None, start_method="forkserver",
-                                                timeout_s=120))
+    result = launch(config, plan, LaunchOptions(steps=steps, cluster=ClusterOptions(start_method="forkserver"),
+                                                recovery=RecoveryOptions(timeout_s=120), progress=None))
     # period_s of step k = last end of step k - last end of step k-1 (step 1: its own span; dropped as warm-up)
     kept = result.steps[warmup:]
     return [s.period_s for s in kept], [sum(s.worker_cpu_s.values()) for s in kept]

@@ -43,7 +43,9 @@ from recycle.planner.options import PlannerOptions  # noqa: E402
 from recycle.planner.provider import PlanLibrary  # noqa: E402
 from recycle.runtime.chaos import ChaosSpec  # noqa: E402
 from recycle.runtime.emulate import Emulation  # noqa: E402
-from recycle.runtime.launcher import LaunchOptions, PlanChoice, TrainResult, launch  # noqa: E402
+from recycle.runtime.launcher import TrainResult, launch  # noqa: E402
+from recycle.runtime.options import (CheckpointOptions, ClusterOptions, DebugOptions, FaultOptions,  # noqa: E402
+                                     LaunchOptions, RecoveryOptions)
 from recycle.schedules.fault_free import build_schedule  # noqa: E402
 from recycle.sim.simulator import simulate  # noqa: E402
 from recycle.traces.experiments import JobSetup, run_job  # noqa: E402
@@ -83,9 +85,12 @@ def run_soak(args, config, plan, library) -> TrainResult:
                                             and int(line.split()[1].split("/")[0]) % 25 == 0):
                 say(f"  [soak] {line}")
         return launch(config, plan, LaunchOptions(
-            checkpoint_dir=str(Path(tmp) / "ckpt"), checkpoint_every=5, timeout_s=20, heartbeat_timeout_s=1.0,
-            heartbeat_s=0.25, start_method="forkserver", plan_provider=library.provider(PlanChoice),
-            emulation=Emulation(args.slot_ms, 1.0), chaos=ChaosSpec(args.seed, args.rate), progress=progress))
+            checkpoint=CheckpointOptions(dir=str(Path(tmp) / "ckpt"), every=5),
+            recovery=RecoveryOptions(timeout_s=20, heartbeat_timeout_s=1.0, heartbeat_s=0.25),
+            cluster=ClusterOptions(start_method="forkserver"),
+            faults=FaultOptions(chaos=ChaosSpec(args.seed, args.rate)),
+            debug=DebugOptions(emulation=Emulation(args.slot_ms, 1.0)), plan_provider=library.lookup,
+            progress=progress))
 
 
 def main() -> int:

@@ -14,8 +14,12 @@ from recycle.ir.plan import Plan
 # needs it, so `import recycle` stays cheap.
 if TYPE_CHECKING:
     from recycle.planner.options import PlannerOptions
+    from recycle.planner.provider import PlanLibrary
     from recycle.planner.store import PlanStore
-    from recycle.runtime.launcher import LaunchOptions, TrainResult
+    from recycle.ir.provider import PlanProvider
+    from recycle.runtime.emulate import Emulation
+    from recycle.runtime.launcher import TrainResult
+    from recycle.runtime.options import LaunchOptions
     from recycle.sim.simulator import SimResult
     from recycle.traces.jobsim import JobResult
     from recycle.traces.model import JobCosts
@@ -23,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["load_config", "config_from_dict", "apply_overrides", "Config", "Plan", "planner_options", "plan",
            "schedule", "plan_store", "load_plan_store", "read_plan", "pipelining_csv", "simulate", "load_trace",
-           "simulate_trace", "select_plan", "train", "repartitioning_provider", "factory_name", "RecycleError"]
+           "simulate_trace", "select_plan", "train", "factory_name", "RecycleError"]
 
 Worker = tuple[int, int]
 
@@ -187,22 +191,23 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
 
     The run starts on `plan`, or on `select_plan(config, schedule, down=down, ...)`. With `recover` (the default) a
     worker failure switches to the plan for the new failure state: from `plan_store` (a folder from plan_store())
-    or from a store built now for up to `max_failures` failures (heuristic beyond). `options` are the fields of
-    runtime.launcher.LaunchOptions (steps, save_path, metrics_path, model_factory, checkpoint_dir, ...), or pass a
-    whole `launch_options`. `repartition`: failure states may also move whole layers between stages when the
-    planner finds a faster layer partition that repays its migration over the state's expected duration
-    (`repartition_prior_s` before any change has been seen; built-in GPT only; see repartitioning_provider). `model_factory` may be a function (config, num_stages) -> stages (see
-    recycle.models.split) defined at the top level of an importable module or of the script being run: every worker
-    process imports it by name.
+    or from a store built now for up to `max_failures` failures (heuristic beyond). `options` are the launch options
+    by their flat names, runtime.options.KEYWORDS (steps, save_path, metrics_path, model_factory, checkpoint_dir,
+    timeout_s, ...), set on top of `launch_options` (a whole runtime.options.LaunchOptions). `repartition`: failure
+    states may also move whole layers between stages when the planner finds a faster layer partition that repays its
+    migration over the state's expected duration (`repartition_prior_s` before any change has been seen; built-in
+    GPT only; see planner.provider.RepartitioningProvider). `model_factory` may be a function (config, num_stages) ->
+    stages (see recycle.models.split) defined at the top level of an importable module or of the script being run:
+    every worker process imports it by name.
     """
-    from dataclasses import fields, replace
+    from dataclasses import replace
 
-    from recycle.runtime.launcher import LaunchOptions, PlanChoice, launch
+    from recycle.runtime.launcher import launch
+    from recycle.runtime.options import KEYWORDS, LaunchOptions, with_keywords
 
-    known = {f.name for f in fields(LaunchOptions)}
-    unknown = sorted(set(options) - known)
+    unknown = sorted(set(options) - set(KEYWORDS))
     if unknown:
-        raise ConfigError(f"train() got unknown option(s) {unknown}; known: {', '.join(sorted(known))}")
+        raise ConfigError(f"train() got unknown option(s) {unknown}; known: {', '.join(sorted(KEYWORDS))}")
     factory = options.get("model_factory")
     if callable(factory):
         options["model_factory"] = factory_name(factory)
@@ -210,7 +215,7 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
         plan = select_plan(config, schedule, None, down, decoupled, staggered)
     elif schedule or tuple(down):
         raise ConfigError("train() takes a plan or schedule=/down=, not both; drop one")
-    launch_opts = replace(launch_options or LaunchOptions(), **options)
+    launch_opts = with_keywords(launch_options or LaunchOptions(), options)
     if repartition and (launch_opts.model_factory or config.model.hf_config):
         raise ConfigError("--repartition moves layers of the built-in GPT between stages; a --model-factory or --hf "
                           "model's split is fixed. Drop one of the two")
@@ -222,25 +227,30 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
                           "the run switches to")
     if recover and launch_opts.plan_provider is None:
         from recycle.planner.options import PlannerOptions  # the API may use the planner; the runtime may not
-        from recycle.planner.provider import PlanLibrary
+        from recycle.planner.provider import RepartitioningProvider
 
-        if max_failures < 0:
-            raise ConfigError(f"--max-failures {max_failures} must be >= 0 (0: plan every failure when it happens)")
-        if plan_store:
-            library = PlanLibrary.load(plan_store, config)
-        else:
-            library = PlanLibrary.build(config, PlannerOptions(decoupled=decoupled, staggered=staggered),
-                                        max_failures, progress=store_progress)
-        provider = library.provider(PlanChoice)
+        planner_opts = PlannerOptions(decoupled=decoupled, staggered=staggered)
+        provider: PlanProvider = _plan_library(config, planner_opts, max_failures, plan_store, store_progress).lookup
         if repartition:
-            provider = repartitioning_provider(config, PlannerOptions(decoupled=decoupled, staggered=staggered),
-                                               provider, PlanChoice, prior_s=repartition_prior_s,
-                                               seconds_per_unit=_seconds_per_unit(config, launch_opts.emulation))
+            provider = RepartitioningProvider(config, planner_opts, provider, prior_s=repartition_prior_s,
+                                              seconds_per_unit=_seconds_per_unit(config, launch_opts.debug.emulation))
         launch_opts = replace(launch_opts, plan_provider=provider)
     return launch(config, plan, launch_opts)
 
 
-def _seconds_per_unit(config: Config, emulation: Any) -> float | None:
+def _plan_library(config: Config, options: PlannerOptions, max_failures: int, plan_store: str | Path,
+                  progress: IO[str] | None) -> PlanLibrary:
+    """The plans a recovering run switches to: loaded from `plan_store`, or built now for `max_failures`."""
+    from recycle.planner.provider import PlanLibrary
+
+    if max_failures < 0:
+        raise ConfigError(f"--max-failures {max_failures} must be >= 0 (0: plan every failure when it happens)")
+    if plan_store:
+        return PlanLibrary.load(plan_store, config)
+    return PlanLibrary.build(config, options, max_failures, progress=progress)
+
+
+def _seconds_per_unit(config: Config, emulation: Emulation | None) -> float | None:
     """Seconds per config time unit of a run: as paced (--emulate-costs), else microseconds as given; None for
     abstract slots that nothing paces."""
     from recycle.runtime.emulate import pacing_seconds_per_unit
@@ -248,70 +258,6 @@ def _seconds_per_unit(config: Config, emulation: Any) -> float | None:
     if emulation is not None:
         return pacing_seconds_per_unit(config, emulation)
     return 1e-6 if config.time_unit == "us" else None
-
-
-def repartitioning_provider(config: Config, options: PlannerOptions, base: Callable[[frozenset], Any],
-                            make: Callable[..., Any], *, seconds_per_unit: float | None = None,
-                            prior_s: float = 1800.0, clock: Callable[[], float] | None = None
-                            ) -> Callable[[frozenset], Any]:
-    """A plan provider whose failure states may also re-partition layers (recycle.planner.partition). Per failed
-    set it finds the fastest layer partition (planned on demand, cached) and moves to it only when that pays: the
-    iterations gained over the state's expected duration (the mean gap between changes of the live set so far,
-    `prior_s` counted as one gap) exceed those lost to the migration pause (recycle.planner.policy, the rule the job
-    simulator's ReCycle+ uses). Otherwise the layers stay where they are; with every worker back they return to
-    the configured split. `seconds_per_unit` turns the config's periods into seconds (None: no clock to weigh
-    them by, so the faster plan wins). `base(failed)` gives the configured partition's plan (e.g. from a plan
-    store); `make(plan, source, seconds, note=...)` wraps a plan the way the launcher wants it
-    (runtime.launcher.PlanChoice)."""
-    import time
-
-    from recycle.planner.failures import normalize
-    from recycle.planner.partition import (configured_partition, layer_costs, make_repartitioned_plan,
-                                           migration_bytes, partition_period, plan_with_partition)
-    from recycle.planner.policy import DurationEstimate, LayerDecision
-
-    configured = configured_partition(config)
-    costs = layer_costs(config)
-    best: dict[frozenset, Any] = {}  # failed set -> (plan, PartitionChoice)
-    estimate = DurationEstimate(prior_s)
-    now = clock or time.monotonic
-    current = configured
-
-    def decide(failed: frozenset) -> tuple[tuple[int, ...], str]:
-        if failed not in best:
-            best[failed] = make_repartitioned_plan(config, failed, options)
-        choice = best[failed][1]
-        if choice.partition == current or seconds_per_unit is None:
-            return choice.partition, ""
-        key = normalize(failed, config.num_replicas, config.num_stages).key
-        live = [config.num_replicas - k for k in key]
-        period_now = choice.configured_period if current == configured else partition_period(
-            config, key, current, options, costs=costs)
-        received, sent = migration_bytes(costs, current, choice.partition, live)
-        pause_s = config.communication.transfer_time(max(received, sent)) * seconds_per_unit
-        decision = LayerDecision(key, current, choice.partition, 1 / (period_now * seconds_per_unit),
-                                 1 / (choice.period * seconds_per_unit), pause_s, estimate.expected_s)
-        return (choice.partition if decision.move else current), decision.describe()
-
-    def provide(failed: frozenset) -> Any:
-        nonlocal current
-        estimate.observe(now())
-        started = time.perf_counter()
-        if failed:
-            target, note = decide(failed)
-        else:  # every worker is back: the configured split, whatever it costs to get there
-            target = configured
-            note = f"layers back: {'/'.join(map(str, current))} -> {'/'.join(map(str, configured))}" \
-                if current != configured else ""
-        current = target
-        if target == configured:
-            chosen = base(failed)
-            return make(chosen.plan, chosen.source, chosen.seconds, note=note)
-        plan = best[failed][0] if target == best[failed][1].partition else \
-            plan_with_partition(config, failed, target, options, note="kept from the previous failure state")
-        return make(plan, "re-partition planner", time.perf_counter() - started, note=note)
-
-    return provide
 
 
 def factory_name(factory: Callable[..., Any]) -> str:

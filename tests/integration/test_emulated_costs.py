@@ -175,15 +175,18 @@ def adaptive_toy_plan(config) -> Plan:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("which", ["1f1b", "adaptive-1:2-down"])
 def test_emulated_period_matches_the_simulator(which: str, tmp_path) -> None:
-    from recycle.runtime.launcher import LaunchOptions, launch
+    from recycle.runtime.launcher import launch
+    from recycle.runtime.options import ClusterOptions, DebugOptions, LaunchOptions, OutputOptions, RecoveryOptions
 
     config = toy_config()
     plan = build_schedule(config, "1f1b", staggered=False) if which == "1f1b" else adaptive_toy_plan(config)
     slot_ms = 50.0
     predicted = simulate(plan, config).period * slot_ms / 1e3
     metrics = tmp_path / "metrics.jsonl"
-    launch(config, plan, LaunchOptions(steps=6, emulation=Emulation(slot_ms=slot_ms), metrics_path=str(metrics),
-                                       progress=None, start_method="forkserver", timeout_s=60))
+    launch(config, plan, LaunchOptions(steps=6, debug=DebugOptions(emulation=Emulation(slot_ms=slot_ms)),
+                                       outputs=OutputOptions(metrics_path=str(metrics)),
+                                       cluster=ClusterOptions(start_method="forkserver"),
+                                       recovery=RecoveryOptions(timeout_s=60), progress=None))
     period = measured_period(metrics)
     assert abs(period / predicted - 1) < 0.10, (which, period, predicted)
 

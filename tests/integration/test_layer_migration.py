@@ -10,11 +10,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+from recycle.ir import PlanChoice
 from recycle.planner.api import make_plan
 from recycle.planner.partition import partition_config
 from recycle.runtime.emulate import Emulation
 from recycle.runtime.faults import FaultInjection
-from recycle.runtime.launcher import LaunchOptions, PlanChoice, launch
+from recycle.runtime.launcher import launch
+from recycle.runtime.options import (ClusterOptions, DebugOptions, FaultOptions, LaunchOptions, OutputOptions,
+                                     RecoveryOptions)
 from recycle.runtime.reference import reference_train
 from recycle.schedules.fault_free import build_schedule
 
@@ -26,10 +29,10 @@ STEPS = 10
 def provider(config, base):
     def plans(failed: frozenset) -> PlanChoice:
         if not failed:
-            return PlanChoice(base, "fault-free", 0.0)
+            return PlanChoice(base, "store", 0.0)
         partition = (3, 1) if (1, 1) in failed or (0, 1) in failed else (1, 3)
         plan = make_plan(partition_config(config, partition), failed)
-        return PlanChoice(replace(plan, partition=partition), "re-partitioned", 0.0)
+        return PlanChoice(replace(plan, partition=partition), "re-partition planner", 0.0)
     return plans
 
 
@@ -37,10 +40,13 @@ def provider(config, base):
 def test_layers_move_to_the_stage_with_more_survivors_and_back(tiny_config, tmp_path, rejoin: bool) -> None:
     config = tiny_config(steps=STEPS, seed=3, name="migrate-2x2")  # the tiny preset's 4 layers: 2 + 2
     base = build_schedule(config, "zb-h1", staggered=True)
-    options = LaunchOptions(save_path=str(tmp_path / "final.pt"), verify_replicas=True, timeout_s=30, progress=None,
-                            start_method="forkserver", plan_provider=provider(config, base),
-                            emulation=Emulation(20.0, 1.0), faults=((base.rank(1, 1), FaultInjection(2, 3)),),
-                            rejoins=((base.rank(1, 1), 5),) if rejoin else ())
+    options = LaunchOptions(
+        outputs=OutputOptions(save_path=str(tmp_path / "final.pt")), recovery=RecoveryOptions(timeout_s=30),
+        cluster=ClusterOptions(start_method="forkserver"),
+        debug=DebugOptions(verify_replicas=True, emulation=Emulation(20.0, 1.0)),
+        faults=FaultOptions(injections=((base.rank(1, 1), FaultInjection(2, 3)),),
+                            rejoins=((base.rank(1, 1), 5),) if rejoin else ()),
+        plan_provider=provider(config, base), progress=None)
     result = launch(config, base, options)
     got = torch.load(tmp_path / "final.pt", weights_only=True)["model"]
     ref = reference_train(config)[0]

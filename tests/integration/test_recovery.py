@@ -17,7 +17,8 @@ from recycle.planner.options import PlannerOptions
 from recycle.planner.provider import PlanLibrary
 from recycle.runtime.checkpoint import load_model_state
 from recycle.runtime.faults import FaultInjection
-from recycle.runtime.launcher import LaunchOptions, PlanChoice, TrainResult, launch
+from recycle.runtime.launcher import TrainResult, launch
+from recycle.runtime.options import LaunchOptions, with_keywords
 from recycle.runtime.reference import reference_train
 from recycle.schedules.fault_free import build_schedule
 
@@ -52,9 +53,10 @@ def action_index(plan: Plan, worker: tuple[int, int], what: str) -> int:
 def run(config, faults: list[tuple[tuple[int, int], FaultInjection]], tmp_path, **extra) -> TrainResult:
     plan = build_schedule(config, "zb-h1", staggered=True)
     library = PlanLibrary.build(config, PlannerOptions(), max_failures=config.num_replicas * config.num_stages)
-    options = LaunchOptions(save_path=str(tmp_path / "final.pt"), verify_replicas=True, timeout_s=30, progress=None,
-                            start_method="forkserver", plan_provider=library.provider(PlanChoice),
-                            faults=tuple((plan.rank(*w), f) for w, f in faults), **extra)
+    options = with_keywords(LaunchOptions(), dict(
+        save_path=str(tmp_path / "final.pt"), verify_replicas=True, timeout_s=30, progress=None,
+        start_method="forkserver", plan_provider=library.lookup, faults=tuple((plan.rank(*w), f) for w, f in faults),
+        **extra))
     return launch(config, plan, options)
 
 

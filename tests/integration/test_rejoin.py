@@ -16,7 +16,9 @@ from recycle.planner.options import PlannerOptions
 from recycle.planner.provider import PlanLibrary
 from recycle.runtime.emulate import Emulation
 from recycle.runtime.faults import FaultInjection
-from recycle.runtime.launcher import LaunchOptions, PlanChoice, TrainResult, launch
+from recycle.runtime.launcher import TrainResult, launch
+from recycle.runtime.options import (CheckpointOptions, ClusterOptions, DebugOptions, FaultOptions, LaunchOptions,
+                                     OutputOptions, RecoveryOptions, with_keywords)
 from recycle.runtime.reference import reference_train
 from recycle.schedules.fault_free import build_schedule
 
@@ -47,10 +49,10 @@ def run(D: int, S: int, tmp_path, faults=(), rejoins=(), **extra) -> TrainResult
     plan = build_schedule(config, "zb-h1", staggered=True)
     library = PlanLibrary.build(config, PlannerOptions(), max_failures=D * S)
     extra.setdefault("start_method", "forkserver")
-    options = LaunchOptions(save_path=str(tmp_path / "final.pt"), verify_replicas=True, timeout_s=30, progress=None,
-                            plan_provider=library.provider(PlanChoice), emulation=PACING,
-                            faults=tuple((plan.rank(*w), f) for w, f in faults),
-                            rejoins=tuple((plan.rank(*w), step - 1) for w, step in rejoins), **extra)
+    options = with_keywords(LaunchOptions(), dict(
+        save_path=str(tmp_path / "final.pt"), verify_replicas=True, timeout_s=30, progress=None,
+        plan_provider=library.lookup, emulation=PACING, faults=tuple((plan.rank(*w), f) for w, f in faults),
+        rejoins=tuple((plan.rank(*w), step - 1) for w, step in rejoins), **extra))
     return launch(config, plan, options)
 
 
@@ -162,10 +164,13 @@ def test_a_short_chaos_soak_ends_exact(tmp_path) -> None:
 
     config = config_for(3, 2)
     result = launch(config, build_schedule(config, "zb-h1", staggered=True), LaunchOptions(
-        save_path=str(tmp_path / "final.pt"), checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2,
-        verify_replicas=True, timeout_s=20, heartbeat_timeout_s=1.0, heartbeat_s=0.25, progress=None,
-        start_method="forkserver", emulation=PACING, chaos=ChaosSpec(4, 0.6, stage_loss_share=0.3),
-        plan_provider=PlanLibrary.build(config, PlannerOptions(), max_failures=4).provider(PlanChoice)))
+        outputs=OutputOptions(save_path=str(tmp_path / "final.pt")),
+        checkpoint=CheckpointOptions(dir=str(tmp_path / "ckpt"), every=2),
+        recovery=RecoveryOptions(timeout_s=20, heartbeat_timeout_s=1.0, heartbeat_s=0.25),
+        cluster=ClusterOptions(start_method="forkserver"),
+        faults=FaultOptions(chaos=ChaosSpec(4, 0.6, stage_loss_share=0.3)),
+        debug=DebugOptions(verify_replicas=True, emulation=PACING), progress=None,
+        plan_provider=PlanLibrary.build(config, PlannerOptions(), max_failures=4).lookup))
     assert_exact(result, tmp_path, 3, 2)
     injected = [w for e in result.chaos_events for w in e["workers"]]
     recovered = [w for r in result.recoveries for w in r.workers]

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from recycle.config import parse_config
 from recycle.runtime import checkpoint
-from recycle.runtime.launcher import LaunchOptions, launch
+from recycle.runtime.launcher import launch
+from recycle.runtime.options import LaunchOptions, with_keywords
 from recycle.runtime.reference import reference_train
 from recycle.schedules.fault_free import build_schedule
 
@@ -33,8 +34,8 @@ def config(S: int, D: int = 2, M: int = 2):
 
 
 def train(cfg, tmp_path, save: str, **extra) -> dict[str, torch.Tensor]:
-    options = LaunchOptions(save_path=str(tmp_path / save), timeout_s=30, progress=None, start_method="forkserver",
-                            **extra)
+    options = with_keywords(LaunchOptions(), dict(save_path=str(tmp_path / save), timeout_s=30, progress=None,
+                                                  start_method="forkserver", **extra))
     launch(cfg, build_schedule(cfg, "zb-h1", staggered=True), options)
     assert not mp.active_children()
     return checkpoint.load_model_state(tmp_path / save)

@@ -10,8 +10,9 @@ from torch.nn import functional as F
 
 from recycle.config import parse_config
 from recycle.runtime.data import load_dataset, microbatch
-from recycle.runtime.launcher import LaunchOptions, launch
+from recycle.runtime.launcher import launch
 from recycle.runtime.optim import AdamW
+from recycle.runtime.options import ClusterOptions, DebugOptions, LaunchOptions, OutputOptions
 from recycle.schedules.fault_free import build_schedule
 
 
@@ -77,8 +78,9 @@ def test_user_factory_trains_like_the_chained_stages(tmp_path) -> None:
     cfg = config()
     save = tmp_path / "final.pt"
     launch(cfg, build_schedule(cfg, "zb-h1", staggered=True),
-           LaunchOptions(save_path=str(save), model_factory=f"{__name__}:two_stage_mlp", progress=None,
-                         start_method="forkserver", verify_replicas=True))
+           LaunchOptions(model_factory=f"{__name__}:two_stage_mlp", outputs=OutputOptions(save_path=str(save)),
+                         cluster=ClusterOptions(start_method="forkserver"), debug=DebugOptions(verify_replicas=True),
+                         progress=None))
     saved = torch.load(save, weights_only=True)
     assert saved["model"] is None  # both stages have a parameter named lin.weight
     for got, ref in zip(saved["stages"], chained_reference(cfg)):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from recycle.ir import Plan
-from recycle.runtime.launcher import LaunchOptions, TrainResult, launch
+from recycle.runtime.launcher import TrainResult, launch
+from recycle.runtime.options import ClusterOptions, DebugOptions, LaunchOptions, OutputOptions, RecoveryOptions
 from recycle.runtime.reference import reference_train
 from recycle.schedules.fault_free import build_schedule
 
@@ -27,8 +28,10 @@ def adaptive_plan(config, down: set[tuple[int, int]], staggered: bool, decoupled
 def train(config, plan: Plan, tmp_path) -> tuple[dict[str, torch.Tensor], TrainResult]:
     save = tmp_path / "final.pt"
     # forkserver: torch is imported once per test session instead of once per worker per launch.
-    result = launch(config, plan, LaunchOptions(save_path=str(save), verify_replicas=True, timeout_s=30,
-                                                progress=None, start_method="forkserver"))
+    result = launch(config, plan, LaunchOptions(outputs=OutputOptions(save_path=str(save)),
+                                                debug=DebugOptions(verify_replicas=True),
+                                                recovery=RecoveryOptions(timeout_s=30),
+                                                cluster=ClusterOptions(start_method="forkserver"), progress=None))
     return torch.load(save, weights_only=True)["model"], result
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from recycle.config import parse_config
 from recycle.errors import RuntimeFailure
-from recycle.runtime.launcher import LaunchOptions, launch
+from recycle.runtime.launcher import launch
+from recycle.runtime.options import ClusterOptions, FaultOptions, LaunchOptions, RecoveryOptions
 from recycle.runtime.worker import FaultInjection
 from recycle.schedules.fault_free import build_schedule
 
@@ -34,9 +35,9 @@ def test_without_a_plan_provider_a_failing_worker_stops_the_run_and_is_named(mod
     config = tiny_config()
     plan = build_schedule(config, "zb-h1", staggered=True)
     reported: list[float] = []
-    options = LaunchOptions(faults=((3, FaultInjection(step=2, index=2, mode=mode)),), timeout_s=60,
-                            progress=lambda line: line.startswith("step ") and reported.append(time.monotonic()),
-                            start_method="forkserver")
+    options = LaunchOptions(faults=FaultOptions(injections=((3, FaultInjection(step=2, index=2, mode=mode)),)),
+                            recovery=RecoveryOptions(timeout_s=60), cluster=ClusterOptions(start_method="forkserver"),
+                            progress=lambda line: line.startswith("step ") and reported.append(time.monotonic()))
     with pytest.raises(RuntimeFailure, match=expected):
         launch(config, plan, options)
     stopped = time.monotonic()
@@ -49,8 +50,9 @@ def test_without_a_plan_provider_a_failing_worker_stops_the_run_and_is_named(mod
 def test_a_frozen_worker_without_a_plan_provider_is_caught_by_its_heartbeat_and_named() -> None:
     config = tiny_config()
     plan = build_schedule(config, "1f1b", staggered=True)
-    options = LaunchOptions(faults=((2, FaultInjection(step=1, index=1, mode="hang")),), timeout_s=30,
-                            heartbeat_timeout_s=2.0, heartbeat_s=0.25, progress=None, start_method="forkserver")
+    options = LaunchOptions(faults=FaultOptions(injections=((2, FaultInjection(step=1, index=1, mode="hang")),)),
+                            recovery=RecoveryOptions(timeout_s=30, heartbeat_timeout_s=2.0, heartbeat_s=0.25),
+                            cluster=ClusterOptions(start_method="forkserver"), progress=None)
     began = time.monotonic()
     with pytest.raises(RuntimeFailure, match=r"worker 1:0 \(rank 2, pid \d+\) stopped responding"):
         launch(config, plan, options)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from recycle.config import load_config
-from recycle.runtime.launcher import LaunchOptions, launch
+from recycle.runtime.launcher import launch
+from recycle.runtime.options import ClusterOptions, DebugOptions, LaunchOptions, OutputOptions
 from recycle.runtime.reference import reference_train
 from recycle.schedules.fault_free import build_schedule
 
@@ -47,7 +48,8 @@ def test_a_hugging_face_gpt2_trains_like_the_whole_model_in_one_process(tmp_path
     cfg = load_config(path)
     save = tmp_path / "final.pt"
     launch(cfg, build_schedule(cfg, "zb-h1", staggered=True),
-           LaunchOptions(save_path=str(save), progress=None, start_method="forkserver", verify_replicas=True))
+           LaunchOptions(outputs=OutputOptions(save_path=str(save)), cluster=ClusterOptions(start_method="forkserver"),
+                         debug=DebugOptions(verify_replicas=True), progress=None))
     saved = torch.load(save, weights_only=True)["model"]  # the stages keep the HF model's names
     reference, _ = reference_train(cfg)
     assert sorted(saved) == sorted(reference)

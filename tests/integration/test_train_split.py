@@ -11,7 +11,8 @@ from torch import nn
 from recycle.config import parse_config
 from recycle.models.split import StageModel, causal_lm_loss, split_model
 from recycle.runtime.data import load_dataset, microbatch
-from recycle.runtime.launcher import LaunchOptions, launch
+from recycle.runtime.launcher import launch
+from recycle.runtime.options import ClusterOptions, DebugOptions, LaunchOptions, OutputOptions
 from recycle.runtime.worker import make_optimizer
 from recycle.schedules.fault_free import build_schedule
 
@@ -75,8 +76,9 @@ def test_a_pipelining_split_model_trains_like_the_whole_model(tmp_path) -> None:
     cfg = config()
     save = tmp_path / "final.pt"
     launch(cfg, build_schedule(cfg, "zb-h1", staggered=True),
-           LaunchOptions(save_path=str(save), model_factory=f"{__name__}:pipelined_tiny_lm", progress=None,
-                         start_method="forkserver", verify_replicas=True))
+           LaunchOptions(model_factory=f"{__name__}:pipelined_tiny_lm", outputs=OutputOptions(save_path=str(save)),
+                         cluster=ClusterOptions(start_method="forkserver"), debug=DebugOptions(verify_replicas=True),
+                         progress=None))
     saved = torch.load(save, weights_only=True)["model"]  # pipeline() keeps the model's names: one state dict
     reference = whole_model_reference(cfg)
     assert sorted(saved) == sorted(reference)

@@ -15,7 +15,7 @@ import torch
 from recycle.cli import main
 from recycle.errors import ConfigError, OutputError
 from recycle.runtime import checkpoint, preflight
-from recycle.runtime.launcher import LaunchOptions
+from recycle.runtime.options import CheckpointOptions
 from recycle.runtime.optim import make_optimizer
 from recycle.runtime.stage import build_stage
 
@@ -157,9 +157,9 @@ def test_keep_checkpoints_reaches_the_launch_options() -> None:
     args = build_parser().parse_args(["train", "--config", "x.toml", "--checkpoint-dir", "ck",
                                       "--keep-checkpoints", "3"])
     options = _launch_options(args, node_role(args, {}), [], [])
-    assert options.keep_checkpoints == 3 and LaunchOptions().keep_checkpoints is None
+    assert options.checkpoint.keep == 3 and CheckpointOptions().keep is None
     with pytest.raises(ConfigError, match="must be an integer >= 1"):
-        preflight.check_checkpoint_options(LaunchOptions(checkpoint_dir="ck", keep_checkpoints=0))
+        CheckpointOptions(dir="ck", every=1, keep=0)
 
 
 def test_settled_steps_are_looked_at_again_by_a_new_run_and_every_few_marks(tmp_path: Path, monkeypatch) -> None:

@@ -19,8 +19,9 @@ from recycle.cli import main
 from recycle.config import parse_config
 from recycle.errors import CheckpointError, ConfigError
 from recycle.runtime import checkpoint, preflight
-from recycle.runtime.launcher import LaunchOptions, _check_options
+from recycle.runtime.launcher import _check_options
 from recycle.runtime.optim import make_optimizer
+from recycle.runtime.options import CheckpointOptions, LaunchOptions
 from recycle.runtime.stage import build_stage
 from recycle.schedules.fault_free import build_schedule
 
@@ -283,12 +284,13 @@ def test_the_launcher_says_which_checkpoint_it_resumes(tmp_path: Path) -> None:
     write_checkpoint(tmp_path, 4)
     said: list[str] = []
     cfg = config()
-    start, end = _check_options(cfg, build_schedule(cfg, "1f1b"),
-                                LaunchOptions(resume_dir=str(tmp_path), progress=said.append))
+    options = LaunchOptions(checkpoint=CheckpointOptions(resume_dir=str(tmp_path)), progress=said.append)
+    start, end = _check_options(cfg, build_schedule(cfg, "1f1b"), options)
     assert (start, end) == (4, 6) and said == [f"resuming from {tmp_path / 'step000004'} (step 4; every file "
                                                "checked against its recorded hash)"]
     with pytest.raises(ConfigError, match="past --steps 3"):
-        _check_options(cfg, build_schedule(cfg, "1f1b"), LaunchOptions(steps=3, resume_dir=str(tmp_path)))
+        _check_options(cfg, build_schedule(cfg, "1f1b"),
+                       LaunchOptions(steps=3, checkpoint=CheckpointOptions(resume_dir=str(tmp_path))))
 
 
 def test_no_part_file_outlives_a_failed_merge(tmp_path: Path) -> None:

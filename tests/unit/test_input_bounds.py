@@ -362,7 +362,7 @@ def test_a_built_in_gpt_too_large_for_the_machine_is_refused(capsys, monkeypatch
 
 def test_the_memory_check_passes_the_tiny_gpt() -> None:
     from recycle.api import load_config
-    from recycle.runtime.launcher import LaunchOptions
+    from recycle.runtime.options import LaunchOptions
     from recycle.runtime.preflight import check_model_memory
 
     check_model_memory(load_config(TINY), LaunchOptions(), available=10**8)  # 4 x 0.2M parameters: under 10 MB

@@ -16,7 +16,7 @@ import torch
 from recycle.errors import ConfigError, OutputError
 from recycle.fileio import atomic_write_bytes, atomic_write_text, check_output_file, is_stream_target
 from recycle.runtime import checkpoint, preflight
-from recycle.runtime.launcher import LaunchOptions
+from recycle.runtime.options import ClusterOptions, LaunchOptions, OutputOptions
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="making a device node (mknod) needs root")
@@ -183,5 +183,6 @@ def test_a_stream_save_target_is_refused_on_several_nodes(tmp_path: Path) -> Non
     fifo = tmp_path / "model.fifo"
     os.mkfifo(fifo)
     with pytest.raises(ConfigError, match="is a device or FIFO: on several nodes"):
-        preflight.check_checkpoint_options(LaunchOptions(save_path=str(fifo), nnodes=2, token="x" * 48))
-    preflight.check_checkpoint_options(LaunchOptions(save_path=str(fifo)))
+        preflight.check_save_target(LaunchOptions(outputs=OutputOptions(save_path=str(fifo)),
+                                                  cluster=ClusterOptions(nnodes=2, master_port=29500, token="x" * 48)))
+    preflight.check_save_target(LaunchOptions(outputs=OutputOptions(save_path=str(fifo))))

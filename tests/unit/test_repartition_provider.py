@@ -1,29 +1,19 @@
-"""The runtime's layer re-partition decision (api.repartitioning_provider with planner.policy): a state moves
-layers only when the faster plan repays the migration pause within the state's expected duration."""
+"""The runtime's layer re-partition decision (planner.provider.RepartitioningProvider with planner.policy): a state
+moves layers only when the faster plan repays the migration pause within the state's expected duration."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
-from recycle.api import repartitioning_provider
 from recycle.config import parse_config
-from recycle.ir.plan import Plan
+from recycle.ir import PlanChoice
 from recycle.planner.api import make_plan
 from recycle.planner.options import PlannerOptions
 from recycle.planner.partition import best_partition
 from recycle.planner.policy import DurationEstimate, LayerDecision
+from recycle.planner.provider import RepartitioningProvider
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@dataclass(frozen=True)
-class Choice:
-    plan: Plan
-    source: str
-    seconds: float
-    note: str = ""
 
 
 def _config():
@@ -40,11 +30,11 @@ def _config():
     }, name="provider")
 
 
-def _provider(prior_s: float, clock: list[float]):
+def _provider(prior_s: float, clock: list[float]) -> RepartitioningProvider:
     config = _config()
-    return repartitioning_provider(config, PlannerOptions(), lambda failed: Choice(make_plan(config, failed), "store",
-                                                                                    0.0),
-                                   Choice, seconds_per_unit=1.0, prior_s=prior_s, clock=lambda: clock[0])
+    return RepartitioningProvider(config, PlannerOptions(), lambda failed: PlanChoice(make_plan(config, failed), "store",
+                                                                                      0.0),
+                                  seconds_per_unit=1.0, prior_s=prior_s, clock=lambda: clock[0])
 
 
 def test_the_break_even_duration_is_the_hand_computed_one() -> None:

@@ -152,7 +152,8 @@ def training_section(ctx: DemoContext) -> None:
     import torch
 
     from recycle.commands.train import select_plan
-    from recycle.runtime.launcher import LaunchOptions, launch
+    from recycle.runtime.launcher import launch
+    from recycle.runtime.options import ClusterOptions, LaunchOptions, OutputOptions
 
     cfg = _repo_config("tiny-gpt.toml")
     if cfg is None:
@@ -162,7 +163,8 @@ def training_section(ctx: DemoContext) -> None:
         plan = select_plan(cfg, None if down else "1f1b", None, down, decoupled=True, staggered=True)
         out = ctx.out_dir / f"train-{'down' if down else 'fault-free'}.pt"
         print(f"-- {label}: {len(plan.live_ranks())} processes")
-        launch(cfg, plan, LaunchOptions(steps=3, save_path=str(out), start_method="forkserver"))
+        launch(cfg, plan, LaunchOptions(steps=3, outputs=OutputOptions(save_path=str(out)),
+                                        cluster=ClusterOptions(start_method="forkserver")))
         saved[label] = torch.load(out, weights_only=True)["model"]
         ctx.written.append(out)
     a, b = saved.values()
@@ -179,7 +181,8 @@ def live_failure_section(ctx: DemoContext) -> None:
     from recycle.planner.options import PlannerOptions
     from recycle.planner.provider import PlanLibrary
     from recycle.runtime.faults import parse_fault
-    from recycle.runtime.launcher import LaunchOptions, PlanChoice, launch
+    from recycle.runtime.launcher import launch
+    from recycle.runtime.options import ClusterOptions, FaultOptions, LaunchOptions, OutputOptions
 
     tiny = _repo_config("tiny-gpt.toml")
     if tiny is None:
@@ -188,15 +191,16 @@ def live_failure_section(ctx: DemoContext) -> None:
     data["training"] = {**data["training"], "dtype": "float64", "steps": 6}
     cfg = parse_config(data, name="tiny-gpt-float64")
     plan = build_schedule(cfg, "zb-h1", staggered=True)
-    provider = PlanLibrary.build(cfg, PlannerOptions(), max_failures=2).provider(PlanChoice)
+    provider = PlanLibrary.build(cfg, PlannerOptions(), max_failures=2).lookup
     (replica, stage), fault = parse_fault("kill:1:1@3.5", cfg.num_replicas, cfg.num_stages)
     saved = {}
     for label, faults in (("fault-free", ()), ("worker 1:1 SIGKILLed before action 5 of step 3", (
             (replica * cfg.num_stages + stage, fault),))):
         out = ctx.out_dir / f"live-{'killed' if faults else 'fault-free'}.pt"
         print(f"-- {label}")
-        result = launch(cfg, plan, LaunchOptions(save_path=str(out), start_method="forkserver", faults=faults,
-                                                 plan_provider=provider))
+        result = launch(cfg, plan, LaunchOptions(outputs=OutputOptions(save_path=str(out)),
+                                                 cluster=ClusterOptions(start_method="forkserver"),
+                                                 faults=FaultOptions(injections=faults), plan_provider=provider))
         saved[label] = torch.load(out, weights_only=True)["model"]
         ctx.written.append(out)
         if result.recoveries:

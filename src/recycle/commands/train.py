@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from typing import TYPE_CHECKING, Mapping
@@ -17,10 +16,12 @@ from recycle.errors import ConfigError
 from recycle.runtime.chaos import parse_chaos
 from recycle.runtime.cluster_env import NodeRole, resolve_role
 from recycle.runtime.faults import FaultInjection, parse_fault, parse_rejoin
+from recycle.runtime.options import (STAGE_LOSS_POLICIES, START_METHODS, CheckpointOptions, ClusterOptions,
+                                     DebugOptions, FaultOptions, LaunchOptions, OutputOptions, RecoveryOptions)
 
 if TYPE_CHECKING:
     from recycle.runtime.emulate import Emulation
-    from recycle.runtime.launcher import LaunchOptions, TrainResult
+    from recycle.runtime.launcher import TrainResult
 
 # The launcher and the emulation pull in torch: they are imported in run(), so `recycle train --help` starts fast.
 
@@ -98,7 +99,7 @@ def _add_recovery_options(p: argparse.ArgumentParser) -> None:
                                "raise: raises; ACTION may also be 'ckpt' (during "
                                "its checkpoint write) or 'recovery' (while a recovery is under way); rejoin:1:1@8 "
                                "starts worker 1:1 again at step 8 (it takes its state from a live replica)")
-    recovery.add_argument("--on-stage-loss", choices=("reshape", "respawn"), default="reshape",
+    recovery.add_argument("--on-stage-loss", choices=STAGE_LOSS_POLICIES, default="reshape",
                           help="when a stage loses every replica (the run restores the latest checkpoint): reshape = "
                                "move a live worker of the stage with the most replicas into it (no spare machine "
                                "needed; default), respawn = wait for a replacement worker for the dead slot (a "
@@ -142,7 +143,7 @@ def _add_cluster_options(p: argparse.ArgumentParser) -> None:
                          "(default 127.0.0.1)")
     cluster.add_argument("--master-port", type=int, default=None,
                          help="store port on node 0 (default 0: any free port, 1 node only)")
-    p.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn",
+    p.add_argument("--start-method", choices=START_METHODS, default="spawn",
                    help="how workers start: spawn (fresh interpreter each) or forkserver (torch imported once per "
                         "launcher process; faster for repeated launches)")
 
@@ -195,15 +196,12 @@ def run(args: argparse.Namespace) -> int:
     plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
                        staggered=not args.no_stagger)
     faults, rejoins = _scripted_faults(args.inject, config.topology)
-    if args.respawn_after is not None and not (math.isfinite(args.respawn_after) and args.respawn_after >= 0):
-        raise ConfigError(f"--respawn-after {args.respawn_after:g} must be >= 0 seconds, a finite number (leave it out "
-                          "to never start a dead worker again)")
     _check_emulation_flags(args)
     if plan.failed:
         print(f"workers down: {' '.join(f'{p}:{s}' for p, s in sorted(plan.failed))}; running plan "
               f"{plan.meta.schedule or 'adaptive'} ({'staggered' if plan.staggered else 'coupled'} optimizer)")
     options = _launch_options(args, role, faults, rejoins)
-    check_emulation(config, options.emulation, options.timeout_s)
+    check_emulation(config, options.debug.emulation, options.recovery.timeout_s)
     sink = None
     if tensorboard:
         from dataclasses import replace
@@ -240,28 +238,28 @@ def _scripted_faults(specs: list[str],
 
 def _launch_options(args: argparse.Namespace, role: NodeRole, faults: list[tuple[int, FaultInjection]],
                     rejoins: list[tuple[int, int]]) -> LaunchOptions:
-    """The launcher's options from the command line."""
+    """The launcher's options from the command line (each part checks its flags' values as it is made)."""
     from recycle.runtime.control import read_token
     from recycle.runtime.emulate import DEFAULT_SLOT_MS, Emulation
-    from recycle.runtime.launcher import LaunchOptions
 
     checkpoint_every = args.checkpoint_every
     if checkpoint_every is None:
         checkpoint_every = DEFAULT_CHECKPOINT_EVERY if args.checkpoint_dir else 0
-    return LaunchOptions(steps=args.steps, checkpoint_dir=args.checkpoint_dir,
-                         checkpoint_every=checkpoint_every, keep_checkpoints=args.keep_checkpoints,
-                         resume_dir=args.resume, save_path=args.save or "",
-                         metrics_path=args.metrics or "", timeout_s=args.timeout, master_addr=role.master_addr,
-                         master_port=role.master_port, nnodes=role.nnodes, node_rank=role.node_rank,
-                         model_factory=args.model_factory, start_method=args.start_method,
-                         heartbeat_timeout_s=args.heartbeat_timeout, hang_timeout_s=args.hang_timeout,
-                         faults=tuple(faults), rejoins=tuple(rejoins),
-                         respawn_after_s=args.respawn_after, stage_loss=args.on_stage_loss,
-                         chaos=parse_chaos(args.chaos) if args.chaos else None,
-                         token=read_token(_checked_token_file(args.token_file)),
-                         emulation=Emulation(DEFAULT_SLOT_MS if args.slot_ms is None else args.slot_ms,
-                                             1.0 if args.cost_scale is None else args.cost_scale)
-                         if args.emulate_costs else None)
+    return LaunchOptions(
+        steps=args.steps, model_factory=args.model_factory,
+        outputs=OutputOptions(save_path=args.save or "", metrics_path=args.metrics or ""),
+        checkpoint=CheckpointOptions(dir=args.checkpoint_dir, every=checkpoint_every, keep=args.keep_checkpoints,
+                                     resume_dir=args.resume),
+        recovery=RecoveryOptions(timeout_s=args.timeout, heartbeat_timeout_s=args.heartbeat_timeout,
+                                 hang_timeout_s=args.hang_timeout, stage_loss=args.on_stage_loss),
+        cluster=ClusterOptions(master_addr=role.master_addr, master_port=role.master_port, nnodes=role.nnodes,
+                               node_rank=role.node_rank, token=read_token(_checked_token_file(args.token_file)),
+                               start_method=args.start_method),
+        faults=FaultOptions(injections=tuple(faults), rejoins=tuple(rejoins), respawn_after_s=args.respawn_after,
+                            chaos=parse_chaos(args.chaos) if args.chaos else None),
+        debug=DebugOptions(emulation=Emulation(DEFAULT_SLOT_MS if args.slot_ms is None else args.slot_ms,
+                                               1.0 if args.cost_scale is None else args.cost_scale)
+                           if args.emulate_costs else None))
 
 
 def _check_emulation_flags(args: argparse.Namespace) -> None:

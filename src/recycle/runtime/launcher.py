@@ -5,12 +5,11 @@ plan for the new failure state and announces the next generation; it also gather
 from __future__ import annotations
 
 import json
-import logging
 import multiprocessing as mp
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing import connection as mp_connection
 from typing import Any, Callable, Iterable, TypeVar
 
@@ -19,7 +18,7 @@ import torch.distributed as dist
 
 from recycle.config import Config
 from recycle.errors import ConfigError, RuntimeFailure
-from recycle.ir import Plan, validate_plan
+from recycle.ir import Plan, PlanChoice, PlanSource, validate_plan
 from recycle.runtime import checkpoint, preflight
 from recycle.runtime.control import (Channel, Channels, JobStore, Keys, connect_store, host_store,
                                      launcher_fence_prefix, launcher_identity, new_incarnation, new_token,
@@ -27,79 +26,19 @@ from recycle.runtime.control import (Channel, Channels, JobStore, Keys, connect_
 from recycle.runtime.coordinator import (AbortGeneration, Announce, Command, Coordinator, Drain, FailRun, Fence,
                                          Move, Progress, RecoveryFacts, Respawn, describe_exit, hang_limit_s,
                                          hung_workers, stale_heartbeats, track_progress)
-from recycle.runtime.chaos import ChaosMonkey, ChaosSpec
+from recycle.runtime.chaos import ChaosMonkey
 from recycle.runtime.data import config_dataset
-from recycle.runtime.emulate import Emulation
-from recycle.runtime.faults import FaultInjection
 from recycle.runtime.messages import check_plan_matches
+from recycle.runtime.options import ClusterOptions, LaunchOptions, StartMethod
 from recycle.runtime.records import Announcement, Beat, FaultRecord, RecordError, StepRecord
 from recycle.runtime.stage import check_model
 from recycle.runtime.store import LocalStore, StoreFenced, StoreServer
 from recycle.runtime.transport import default_backend
 from recycle.runtime.worker import EXIT_FENCED, WorkerSpec, worker_main
 
-_log = logging.getLogger(__name__)
-
 R = TypeVar("R")
 
-__all__ = ["LaunchOptions", "StepMetrics", "Recovery", "TrainResult", "PlanChoice", "PlanProvider", "launch",
-           "node_ranks", "grad_norm"]
-
-
-@dataclass(frozen=True)
-class PlanChoice:
-    """A plan for a failure state, where it came from ("store" or "heuristic") and how long getting it took."""
-
-    plan: Plan
-    source: str
-    seconds: float
-    note: str = ""  # why this plan (e.g. a layer re-partition decision), printed with the recovery
-
-
-# Given every (replica, stage) that is down, the plan to run. The command layer builds it from the planner's plan
-# store; the runtime never imports the planner.
-PlanProvider = Callable[[frozenset[tuple[int, int]]], PlanChoice]
-
-
-@dataclass(frozen=True)
-class LaunchOptions:
-    steps: int | None = None  # total steps to reach (default: [training] steps)
-    checkpoint_dir: str = ""
-    checkpoint_every: int = 0
-    keep_checkpoints: int | None = None  # keep the newest N complete checkpoints (older ones deleted); None: all
-    resume_dir: str = ""
-    save_path: str = ""
-    metrics_path: str = ""
-    timeout_s: float = 30.0  # every collective and p2p op; catches peers that are alive but stuck
-    heartbeat_timeout_s: float = 5.0  # a worker (or node launcher) silent this long is frozen: fenced and replaced
-    # One action computing this long (while the heartbeat goes on) is a hang: None = automatic (hang_limit_s).
-    hang_timeout_s: float | None = None
-    heartbeat_s: float = 0.5
-    master_addr: str = "127.0.0.1"  # node 0's store listens on this address only
-    master_port: int = 0  # 0: pick a free port (single node only)
-    nnodes: int = 1
-    node_rank: int = 0
-    token: str = ""  # the job secret; "" = a fresh one (single node); multi-node runs must share one
-    backend: str = ""  # "" = nccl with CUDA, else gloo
-    record_timings: bool = False
-    model_factory: str = ""  # "package.module:function" returning the S stage modules; "" = the built-in GPT
-    verify_replicas: bool = False  # check after every step that all live replicas of a stage are bit-identical
-    faults: tuple[tuple[int, FaultInjection], ...] = ()  # (topology rank, fault); a rank may have several
-    rejoins: tuple[tuple[int, int], ...] = ()  # (topology rank, 0-based step): bring the worker back then (if down)
-    respawn_after_s: float | None = None  # bring every dead worker of this node back after this delay
-    # When a stage loses every replica (and a checkpoint exists): "reshape" moves a live worker of the stage with the
-    # most replicas into it (no spare machine needed), falling back to "respawn" (wait for a replacement process for
-    # the dead slot, i.e. a repaired machine) when no stage has a replica to spare.
-    stage_loss: str = "reshape"
-    chaos: ChaosSpec | None = None  # seeded random kills, hangs and stage losses, each repaired (soak runs)
-    plan_provider: PlanProvider | None = None  # None: a worker failure stops the run (nothing to switch to)
-    emulation: Emulation | None = None  # pad every action to the config's cost (--emulate-costs)
-    # "spawn": a fresh interpreter per worker. "forkserver": workers fork from one clean server process that has
-    # imported torch once (per launcher process), so repeated launches (tests, benchmarks) skip ~2 s of imports each.
-    start_method: str = "spawn"
-    progress: Callable[[str], None] | None = _log.info  # one line per step, recovery and event; None: silent
-    # Node 0 calls it with each StepMetrics, Recovery and chaos record (a dict) as it reports them (--tensorboard).
-    on_event: Callable[[Any], None] | None = None
+__all__ = ["StepMetrics", "Recovery", "TrainResult", "launch", "node_ranks", "grad_norm"]
 
 
 @dataclass(frozen=True)
@@ -129,7 +68,7 @@ class Recovery:
     failed: tuple[tuple[int, int], ...]  # every worker down after it
     failure_time: float  # the injected fault's time when known, else when it was detected (or the joiner was up)
     detected_s: float | None  # fault -> coordinator knows (None: an outside kill, whose moment is unknown)
-    plan_source: str
+    plan_source: PlanSource
     plan_lookup_s: float
     formed_s: float  # announcement -> every worker joined the new groups
     resumed_s: float  # failure (unknown moment: its detection; a join: the survivors' stop) -> first actions of the new plan
@@ -194,8 +133,6 @@ class TrainResult:
     chaos_events: tuple[dict[str, Any], ...] = ()  # what --chaos did: time, kind, workers, step
 
 
-STAGE_LOSS_POLICIES = ("reshape", "respawn")
-
 
 def node_ranks(live: list[int], nnodes: int, node_rank: int) -> list[int]:
     """The live workers node `node_rank` starts: contiguous, as even as possible."""
@@ -205,38 +142,18 @@ def node_ranks(live: list[int], nnodes: int, node_rank: int) -> list[int]:
 
 
 def _check_options(config: Config, plan: Plan, options: LaunchOptions) -> tuple[int, int]:
+    """What the options cannot check alone (each sub-config checked its own values): against the config and the
+    plan, the model, the outputs and the checkpoint to resume."""
     check_plan_matches(plan, config.num_replicas, config.num_stages, config.num_microbatches)
     validate_plan(plan)
-    end = config.training.steps if options.steps is None else options.steps
-    if end < 0:
-        raise ConfigError(f"--steps {end} must be >= 0")
-    if options.stage_loss not in STAGE_LOSS_POLICIES:
-        raise ConfigError(f"--on-stage-loss {options.stage_loss!r} is not a policy; use one of "
-                          f"{', '.join(STAGE_LOSS_POLICIES)}")
-    if options.checkpoint_every < 0 or (options.checkpoint_every > 0 and not options.checkpoint_dir):
-        raise ConfigError(f"--checkpoint-every {options.checkpoint_every} needs --checkpoint-dir DIR and a value "
-                          ">= 1")
-    if not 0 <= options.node_rank < options.nnodes:
-        raise ConfigError(f"--node-rank {options.node_rank} must be in [0, --nnodes {options.nnodes})")
-    if options.nnodes > 1 and options.master_port == 0:
-        raise ConfigError("--nnodes > 1 needs a fixed --master-port that every node uses")
-    if options.nnodes > 1 and not options.token:
-        raise ConfigError("--nnodes > 1 needs a job secret shared by every node: set RECYCLE_JOB_TOKEN (48 hex "
-                          "digits, e.g. from `python -c 'import secrets; print(secrets.token_hex(24))'`) or pass "
-                          "--token-file FILE (mode 600) on every node")
-    if options.hang_timeout_s is not None and not options.hang_timeout_s > 0:
-        raise ConfigError(f"--hang-timeout {options.hang_timeout_s:g} s must be > 0 (seconds one action may compute "
-                          "before its worker counts as hung); leave it out for the automatic limit")
-    if not options.heartbeat_timeout_s >= 2 * options.heartbeat_s:
-        raise ConfigError(f"--heartbeat-timeout {options.heartbeat_timeout_s:g} s must be at least twice the "
-                          f"heartbeat interval ({options.heartbeat_s:g} s), or a busy worker counts as hung")
+    end = config.training.steps if options.steps is None else options.steps  # both checked >= 0
     # Catch model and data errors here, with a clear message, rather than in every worker.
     check_model(config, options.model_factory)
     config_dataset(config)
-    start = preflight.check_launch(config, options, end)  # options, outputs, checkpoint: before any worker
+    start = preflight.check_launch(config, options, end)  # outputs, checkpoint: before any worker
     if start > end:
-        raise ConfigError(f"the checkpoint in {options.resume_dir!r} is at step {start}, past --steps {end}; "
-                          f"ask for more steps than {start}")
+        raise ConfigError(f"the checkpoint in {options.checkpoint.resume_dir!r} is at step {start}, past --steps "
+                          f"{end}; ask for more steps than {start}")
     return start, end
 
 
@@ -244,28 +161,31 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     """Train `config`'s model with `plan` for the requested steps, surviving worker failures when a plan provider
     is given; raise RuntimeFailure when the run cannot continue."""
     start_step, end_step = _check_options(config, plan, options)
-    token = options.token or new_token()
-    store_timeout_s = max(options.timeout_s, 60.0)
+    cluster = options.cluster
+    token = cluster.token or new_token()
+    store_timeout_s = max(options.recovery.timeout_s, 60.0)
     server: StoreServer | None = None
     store: Any
-    if options.node_rank == 0:
+    if cluster.node_rank == 0:
         # Node 0 serves the store; its coordinator reads the data in-process (no socket, and it cannot be fenced).
-        server = host_store(options.master_addr, options.master_port, token)
+        server = host_store(cluster.master_addr, cluster.master_port, token)
         store, store_port = LocalStore(server.data, store_timeout_s), server.port
     else:
-        store = connect_store(options.master_addr, options.master_port, token,
-                              launcher_identity(options.node_rank, new_incarnation()), store_timeout_s,
+        store = connect_store(cluster.master_addr, cluster.master_port, token,
+                              launcher_identity(cluster.node_rank, new_incarnation()), store_timeout_s,
                               connect_timeout_s=store_timeout_s)
-        store_port = options.master_port
-    mine = node_ranks(plan.live_ranks(), options.nnodes, options.node_rank)
-    context = _context(options.start_method)
+        store_port = cluster.master_port
+    # What the workers are told: the store's real port, the job secret and the backend, all settled.
+    resolved = replace(cluster, master_port=store_port, token=token, backend=cluster.backend or default_backend())
+    mine = node_ranks(plan.live_ranks(), cluster.nnodes, cluster.node_rank)
+    context = _context(cluster.start_method)
     processes: dict[int, mp.process.BaseProcess] = {}
     # Workers block reading this pipe; only the launcher holds the write end, so they see EOF the moment it dies.
     launcher_alive, alive_writer = context.Pipe(duplex=False)
     wall0 = time.time()
     # A node started again while its job runs (a repaired node) brings its workers back as replacements.
-    rejoining = options.node_rank > 0 and store.check([Keys.RUNNING])
-    spec_for = _spec_maker(config, plan, options, store_port, token, start_step, end_step, mine)
+    rejoining = cluster.node_rank > 0 and store.check([Keys.RUNNING])
+    spec_for = _spec_maker(config, plan, options, resolved, start_step, end_step, mine)
 
     def spawn(rank: int, joining: bool) -> mp.process.BaseProcess:
         if joining:
@@ -281,12 +201,12 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     finished = False
     try:
         if options.progress:
-            options.progress(f"starting {len(mine)} worker process(es) ({options.start_method}): each imports torch and "
-                             "builds its stage; step 1 follows when every worker has joined"
+            options.progress(f"starting {len(mine)} worker process(es) ({cluster.start_method}): each imports torch "
+                             "and builds its stage; step 1 follows when every worker has joined"
                              + (" (this node re-joins a running job)" if rejoining else ""))
         for rank in mine:
             spawn(rank, joining=rejoining)
-        if options.node_rank == 0:
+        if cluster.node_rank == 0:
             run = _Coordination(config, plan, options, store, processes, start_step, end_step, wall0, spawn, server)
             steps, recoveries, failed = run.run()
             chaos_events = run.chaos_events
@@ -300,45 +220,35 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
         launcher_alive.close()
         if server is not None:
             server.close()
-        if not finished and options.save_path and options.node_rank == 0:
+        if not finished and options.outputs.save_path and cluster.node_rank == 0:
             for stage in range(plan.num_stages):  # a failed run leaves no half-made --save behind
-                checkpoint.part_file(options.save_path, stage).unlink(missing_ok=True)
-    if options.save_path and options.node_rank == 0 and end_step > start_step:
-        checkpoint.merge_stage_parts(options.save_path, plan.num_stages,
+                checkpoint.part_file(options.outputs.save_path, stage).unlink(missing_ok=True)
+    if options.outputs.save_path and cluster.node_rank == 0 and end_step > start_step:
+        checkpoint.merge_stage_parts(options.outputs.save_path, plan.num_stages,
                                      {"step": end_step, "config": config.to_dict()})
     return TrainResult(start_step, end_step, tuple(steps), time.time() - wall0, tuple(recoveries),
                        tuple(sorted(failed)), tuple(chaos_events))
 
 
-def _spec_maker(config: Config, plan: Plan, options: LaunchOptions, store_port: int, token: str, start_step: int,
+def _spec_maker(config: Config, plan: Plan, options: LaunchOptions, cluster: ClusterOptions, start_step: int,
                 end_step: int, mine: list[int]) -> Callable[[int, bool], WorkerSpec]:
     """What a worker process of this launcher is told: its rank, the run, and whether it joins a running job
     (a replacement: no resume, no scripted faults)."""
-    backend = options.backend or default_backend()
     plan_json = plan.to_json()
 
     def spec_for(rank: int, joining: bool) -> WorkerSpec:
         return WorkerSpec(
-            rank=rank, config=config, plan_json=plan_json, store_host=options.master_addr,
-            store_port=store_port, token=token, start_step=start_step, end_step=end_step,
-            timeout_s=options.timeout_s, backend=backend,
+            rank=rank, config=config, plan_json=plan_json, cluster=cluster, start_step=start_step, end_step=end_step,
+            model_factory=options.model_factory, outputs=options.outputs, checkpoint=options.checkpoint,
+            recovery=options.recovery, debug=options.debug, faults=() if joining else options.faults.of(rank),
             device_index=(mine.index(rank) if rank in mine else rank) % max(torch.cuda.device_count(), 1),
-            heartbeat_s=options.heartbeat_s, checkpoint_dir=options.checkpoint_dir,
-            checkpoint_every=options.checkpoint_every, resume_dir="" if joining else options.resume_dir,
-            start_dir=options.resume_dir,
-            save_path=options.save_path, record_timings=options.record_timings,
-            verify_replicas=options.verify_replicas, model_factory=options.model_factory,
-            faults=() if joining else tuple(f for r, f in options.faults if r == rank),
-            emulation=options.emulation, joining=joining, incarnation=new_incarnation(),
+            joining=joining, incarnation=new_incarnation(),
             joiner_dies_at=os.environ.get("RECYCLE_TEST_JOINER_DIES", "") if joining else "")
 
     return spec_for
 
 
-def _context(start_method: str) -> mp.context.BaseContext:
-    if start_method not in ("spawn", "forkserver"):
-        raise ConfigError(f"start method {start_method!r} is not supported; use 'spawn' or 'forkserver' (plain fork "
-                          "would copy the launcher's threads and store connection)")
+def _context(start_method: StartMethod) -> mp.context.BaseContext:
     context = mp.get_context(start_method)
     if start_method == "forkserver":
         context.set_forkserver_preload(["torch", "torch.distributed", "recycle.runtime.worker"])
@@ -370,16 +280,16 @@ class _Coordination:
         self.start_step, self.end_step, self.wall0 = start_step, end_step, wall0
         self.spawn = spawn
         self.coordinator = Coordinator(plan.num_replicas, plan.num_stages, frozenset(plan.live_ranks()), plan.failed,
-                                       end_step, report_timeout_s=options.timeout_s + 5.0,
-                                       checkpointing=bool(options.checkpoint_dir and options.checkpoint_every > 0),
-                                       reshape=options.stage_loss == "reshape", start_step=start_step)
+                                       end_step, report_timeout_s=options.recovery.timeout_s + 5.0,
+                                       checkpointing=bool(options.checkpoint.dir and options.checkpoint.every > 0),
+                                       reshape=options.recovery.stage_loss == "reshape", start_step=start_step)
         self.local = set(processes)  # ranks this node starts (and restarts)
         self.remote = sorted(set(plan.live_ranks()) - self.local)
         self.member_from: dict[int, int] = {}  # rank -> first step it reports (a replacement: its redo step)
         self.respawn_at: dict[int, float] = {}  # rank -> when to bring it back (--respawn-after)
         self.vacated: dict[int, int] = {}  # a lost stage's slot -> the slot its reshape donor left empty
-        self.rejoins = sorted(options.rejoins, key=lambda item: item[1])
-        self.monkey = ChaosMonkey(options.chaos, plan.num_stages) if options.chaos is not None else None
+        self.rejoins = sorted(options.faults.rejoins, key=lambda item: item[1])
+        self.monkey = ChaosMonkey(options.faults.chaos, plan.num_stages) if options.faults.chaos is not None else None
         self.chaos_events: list[dict[str, Any]] = []
         self.last_chaos_step = start_step
         self.tokens_per_step = plan.total_microbatches * config.workload.microbatch_size * config.workload.seq_len
@@ -403,8 +313,8 @@ class _Coordination:
         self.pending: _PendingRecovery | None = None  # the recovery being completed
         self.failing = False
         self.pending_checkpoints = [d for d in range(start_step + 1, end_step + 1)
-                                    if options.checkpoint_dir and options.checkpoint_every > 0
-                                    and d % options.checkpoint_every == 0]
+                                    if options.checkpoint.dir and options.checkpoint.every > 0
+                                    and d % options.checkpoint.every == 0]
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> tuple[list[StepMetrics], list[Recovery], frozenset[tuple[int, int]]]:
@@ -460,8 +370,8 @@ class _Coordination:
                 commands += self.coordinator.on_done(rank, now)
             elif code not in (0, EXIT_FENCED):
                 commands += self._failed_exit(rank, code, now)
-            if code not in (0, EXIT_FENCED) and rank in self.local and self.options.respawn_after_s is not None:
-                self.respawn_at[rank] = now + self.options.respawn_after_s
+            if code not in (0, EXIT_FENCED) and rank in self.local and self.options.faults.respawn_after_s is not None:
+                self.respawn_at[rank] = now + self.options.faults.respawn_after_s
         return commands
 
     def _joiners(self, now: float) -> list[Command]:
@@ -555,7 +465,7 @@ class _Coordination:
     def _heartbeats(self, now: float) -> list[Command]:
         if now < self.next_beat_check:
             return []
-        self.next_beat_check = now + self.options.heartbeat_s / 2
+        self.next_beat_check = now + self.options.recovery.heartbeat_s / 2
         live = self.coordinator.state.live - self.exited
         for rank in live:
             beat = self._beat(rank)
@@ -566,12 +476,12 @@ class _Coordination:
                 self.last_beat[rank] = now
                 self.progress[rank] = track_progress(self.progress.get(rank), beat.actions, beat.phase, now)
         commands: list[Command] = []
-        for rank in stale_heartbeats(self.last_beat, frozenset(live), now, self.options.heartbeat_timeout_s):
+        for rank in stale_heartbeats(self.last_beat, frozenset(live), now, self.options.recovery.heartbeat_timeout_s):
             commands += self.coordinator.on_death(
                 rank, f"{self._name(rank)} stopped responding (no heartbeat for "
                       f"{now - self.last_beat[rank]:.1f} s; fenced)", now, fence=True)
-        limit = hang_limit_s(self.options.hang_timeout_s, [m.period_s for m in self.steps[-50:]],
-                             self.options.timeout_s)
+        limit = hang_limit_s(self.options.recovery.hang_timeout_s, [m.period_s for m in self.steps[-50:]],
+                             self.options.recovery.timeout_s)
         for rank in hung_workers(self.progress, frozenset(live) - set(self.coordinator.state.reports), now, limit):
             progress = self.progress.pop(rank)
             commands += self.coordinator.on_death(
@@ -595,19 +505,19 @@ class _Coordination:
         """A node whose launcher stops beating is frozen or cut off: fence its launcher and every worker it runs,
         so that nothing of it can act on the job when (if) it comes back; the survivors go on without it."""
         commands: list[Command] = []
-        for node in range(1, self.options.nnodes):
+        for node in range(1, self.options.cluster.nnodes):
             raw = self.store.try_get(Keys.node_heartbeat(node))
             if raw is not None and raw.isdigit() and int(raw) != self.node_beats.get(node):
                 self.node_beats[node] = int(raw)
                 self.node_last_beat[node] = now
                 self.fenced_nodes.discard(node)  # a fenced launcher cannot beat: this is its node's new launcher
-        nodes = frozenset(n for n in range(1, self.options.nnodes) if n not in self.fenced_nodes)
-        for node in stale_heartbeats(self.node_last_beat, nodes, now, self.options.heartbeat_timeout_s):
+        nodes = frozenset(n for n in range(1, self.options.cluster.nnodes) if n not in self.fenced_nodes)
+        for node in stale_heartbeats(self.node_last_beat, nodes, now, self.options.recovery.heartbeat_timeout_s):
             self.fenced_nodes.add(node)
             if self.server is not None:
                 self.server.fence(launcher_fence_prefix(node))
             silent = now - self.node_last_beat[node]
-            for rank in node_ranks(self.plan_at_start.live_ranks(), self.options.nnodes, node):
+            for rank in node_ranks(self.plan_at_start.live_ranks(), self.options.cluster.nnodes, node):
                 commands += self.coordinator.on_death(
                     rank, f"{self._name(rank)} is on node {node}, which stopped responding (its launcher: no "
                           f"heartbeat for {silent:.1f} s; frozen or cut off; fenced)", now, fence=True)
@@ -698,7 +608,7 @@ class _Coordination:
         for done in range(step + 1, self.end_step + 1):
             for stage in range(self.plan.num_stages):
                 self.store.delete_key(Keys.checkpointed(done, stage))
-        every = self.options.checkpoint_every
+        every = self.options.checkpoint.every
         self.pending_checkpoints = [d for d in range(step + 1, self.end_step + 1) if every > 0 and d % every == 0]
         self.next_step = min(self.next_step, step)
         self.previous_end = None
@@ -708,7 +618,7 @@ class _Coordination:
             self.failing = True
             self._drain()  # report the steps that completed before the failure
         _stop(self.processes)
-        if self.options.nnodes > 1:
+        if self.options.cluster.nnodes > 1:
             self.store.set(Keys.ABORT_RUN, message)  # the other nodes' launchers stop their workers and report this
         raise RuntimeFailure(message)
 
@@ -783,7 +693,7 @@ class _Coordination:
                 return
             metrics = self._step_metrics(self.next_step, records)
             self.previous_end = max(r.end for r in records)
-            if self.options.verify_replicas:
+            if self.options.debug.verify_replicas:
                 _check_replicas(self.plan, metrics, self._fail)
             self.steps.append(metrics)
             self.records.append(asdict(metrics))
@@ -800,8 +710,8 @@ class _Coordination:
             self.next_step += 1
 
     def _write_metrics(self) -> None:
-        if self.options.metrics_path:
-            checkpoint.atomic_write_text(self.options.metrics_path,
+        if self.options.outputs.metrics_path:
+            checkpoint.atomic_write_text(self.options.outputs.metrics_path,
                                          "".join(json.dumps(r) + "\n" for r in self.records))
 
     def _step_metrics(self, step: int, records: list[StepRecord]) -> StepMetrics:
@@ -827,15 +737,15 @@ class _Coordination:
         # Only steps a worker can have reached (every worker is at most in next_step + 1) are looked up.
         complete = [d for d in self.pending_checkpoints if d <= self.next_step + 2
                     and self.store.check([Keys.checkpointed(d, s) for s in range(self.plan.num_stages)])]
-        if not complete or not checkpoint.mark_latest(self.options.checkpoint_dir, complete[-1],
-                                                      self.plan.num_stages, self.options.keep_checkpoints):
+        if not complete or not checkpoint.mark_latest(self.options.checkpoint.dir, complete[-1],
+                                                      self.plan.num_stages, self.options.checkpoint.keep):
             return  # nothing new, or a shard is being written again (after a recovery): the next poll merges it
         self.pending_checkpoints = [d for d in self.pending_checkpoints if d > complete[-1]]
         self.coordinator.on_checkpoint(complete[-1])
 
     def _finish_nodes(self) -> None:
         """Multi-node: say the run is over; keep the store up until every node has said it is done."""
-        if self.options.nnodes == 1:
+        if self.options.cluster.nnodes == 1:
             return
         self.store.set(Keys.FINISHED, "1")
         live = self.coordinator.state.live | self.done
@@ -843,10 +753,10 @@ class _Coordination:
         # A node is waited for while it has a live worker or its launcher still beats (a repaired node whose
         # replacements came too late to be admitted: they see the end and exit, then it says it is done too).
         now = time.time()
-        beating = {n for n, t in self.node_last_beat.items() if now - t <= self.options.heartbeat_timeout_s}
-        keys = [Keys.node_done(n) for n in range(1, self.options.nnodes) if n not in self.fenced_nodes
-                and (set(node_ranks(initial, self.options.nnodes, n)) & live or n in beating)]
-        deadline = time.time() + max(self.options.timeout_s, 60.0)
+        beating = {n for n, t in self.node_last_beat.items() if now - t <= self.options.recovery.heartbeat_timeout_s}
+        keys = [Keys.node_done(n) for n in range(1, self.options.cluster.nnodes) if n not in self.fenced_nodes
+                and (set(node_ranks(initial, self.options.cluster.nnodes, n)) & live or n in beating)]
+        deadline = time.time() + max(self.options.recovery.timeout_s, 60.0)
         while not self.store.check(keys) and time.time() < deadline:
             time.sleep(0.05)
 
@@ -883,14 +793,15 @@ def _follow(store: dist.Store, processes: dict[int, mp.process.BaseProcess], opt
         _follow_loop(store, processes, options, spawn)
     except StoreFenced:
         _stop(processes)
-        raise RuntimeFailure(f"node {options.node_rank} was declared dead by the job's coordinator while it did not "
-                             "respond (frozen or cut off), and the run went on without it; its workers have been "
-                             "stopped. Start this node's launcher again (the same command) to re-join the run as a "
+        raise RuntimeFailure(f"node {options.cluster.node_rank} was declared dead by the job's coordinator while it "
+                             "did not respond (frozen or cut off), and the run went on without it; its workers have "
+                             "been stopped. Start this node's launcher again (the same command) to re-join the run as a "
                              "repaired node") from None
     except dist.DistError:
         _stop(processes)
-        raise RuntimeFailure(f"node {options.node_rank} lost contact with the job's store on node 0 "
-                             f"({options.master_addr}:{options.master_port}): the run has ended or node 0 is gone") \
+        raise RuntimeFailure(f"node {options.cluster.node_rank} lost contact with the job's store on node 0 "
+                             f"({options.cluster.master_addr}:{options.cluster.master_port}): the run has ended or "
+                             "node 0 is gone") \
             from None
 
 
@@ -900,7 +811,8 @@ def _follow_loop(store: dist.Store, processes: dict[int, mp.process.BaseProcess]
     for rank in processes:
         store.delete_key(Keys.fence(rank))
     while True:
-        store.add(Keys.node_heartbeat(options.node_rank), 1)  # node 0 tells a frozen or cut-off node by its silence
+        # Node 0 tells a frozen or cut-off node by its silence.
+        store.add(Keys.node_heartbeat(options.cluster.node_rank), 1)
         for rank, process in list(processes.items()):
             if process.exitcode is not None and reported.get(rank) != process.pid:
                 store.set(Keys.exited(rank), str(process.exitcode))
@@ -915,7 +827,7 @@ def _follow_loop(store: dist.Store, processes: dict[int, mp.process.BaseProcess]
             _stop(processes)
             raise RuntimeFailure(store.get(Keys.ABORT_RUN).decode())
         if store.check([Keys.FINISHED]) and all(p.exitcode is not None for p in processes.values()):
-            store.set(Keys.node_done(options.node_rank), "1")
+            store.set(Keys.node_done(options.cluster.node_rank), "1")
             return
         waiting = [p.sentinel for p in processes.values() if p.exitcode is None]
         if waiting:

@@ -198,7 +198,7 @@ def check_nccl_version(version: Version) -> None:
                 f"refused because {rule.reason}; fix: use NCCL >= {_text(MIN_NCCL)} and not 2.28.3-2.28.8, e.g. "
                 "`pip install 'nvidia-nccl-cu12>=2.28.9'` (or -cu13, as torch.version.cuda says: the library "
                 "torch's CUDA wheels load) or a torch CUDA build that bundles such an NCCL; or train on gloo "
-                "(LaunchOptions(backend='gloo'))")
+                "(recycle.train(..., backend='gloo'))")
 
 
 def nccl_version() -> Version | None:

@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -27,14 +27,12 @@ from recycle.fileio import (UnsafeFile, atomic_write_text, check_output_dir, che
                             read_inside)
 from recycle.runtime import checkpoint
 from recycle.runtime.optim import OPTIMIZER_KEYS, optimizer_class
+from recycle.runtime.options import LaunchOptions
 from recycle.runtime.precision import weights_dtype
-
-if TYPE_CHECKING:
-    from recycle.runtime.launcher import LaunchOptions
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["check_launch", "check_option_ranges", "check_checkpoint_options", "check_run_length",
+__all__ = ["check_launch", "check_save_target", "check_run_length",
            "check_model_memory", "check_outputs", "run_fingerprint", "find_resume_point", "ResumePoint", "StageSpec",
            "expected_stages", "RESUME_MUST_MATCH", "RESUME_MAY_CHANGE"]
 
@@ -79,18 +77,17 @@ class ResumePoint:
 
 
 def check_launch(config: Config, options: LaunchOptions, end: int) -> int:
-    """Everything a launch can check before spawning a worker; returns the step to start from (0 or the intact
-    checkpoint's). Prints which checkpoint is used and any warnings."""
-    check_option_ranges(options)
-    check_checkpoint_options(options)
+    """Everything a launch can check before spawning a worker beyond the options' own ranges; returns the step to
+    start from (0 or the intact checkpoint's). Prints which checkpoint is used and any warnings."""
+    check_save_target(options)
     optimizer_class(config.training)  # an unknown optimizer or argument fails here, not in every worker
-    specs = expected_stages(config, options.model_factory) if (options.resume_dir or options.checkpoint_dir) \
-        else None
+    ckpt = options.checkpoint
+    specs = expected_stages(config, options.model_factory) if (ckpt.resume_dir or ckpt.dir) else None
     # One checkpoint with headroom for the file format (measured: ~7 % over the raw tensor bytes for the tiny GPT).
     check_outputs(options, int(1.1 * sum(s.checkpoint_bytes for s in specs)) + 65536 * len(specs) if specs else 0)
     start = 0
-    if options.resume_dir:
-        point = find_resume_point(config, options.resume_dir, options.model_factory, specs)
+    if ckpt.resume_dir:
+        point = find_resume_point(config, ckpt.resume_dir, options.model_factory, specs)
         for warning in point.warnings:
             _log.warning(warning)
         if point.step > end:
@@ -102,48 +99,20 @@ def check_launch(config: Config, options: LaunchOptions, end: int) -> int:
         start = point.step
     check_run_length(options, start, end)
     check_model_memory(config, options)
-    if options.checkpoint_dir:
+    if ckpt.dir:
         checkpoint.preload()  # the coordinator merges each step's shards with DCP's metadata classes
         # Each checkpoint written from now on carries this fingerprint (checkpoint.mark_latest copies it).
-        atomic_write_text(Path(options.checkpoint_dir) / checkpoint.RUN_FILE,
+        atomic_write_text(Path(ckpt.dir) / checkpoint.RUN_FILE,
                           _dumps(run_fingerprint(config, options.model_factory)), follow=False)
     return start
 
 
-MIN_TIMEOUT_S = 1.0
-
-
-def check_option_ranges(options: LaunchOptions) -> None:
-    if not (math.isfinite(options.timeout_s) and options.timeout_s > 0):
-        raise ConfigError(f"--timeout {options.timeout_s:g} must be a positive number of seconds (how long a silent "
-                          "peer may take before it counts as failed); e.g. --timeout 30")
-    if options.timeout_s < MIN_TIMEOUT_S:
-        raise ConfigError(f"--timeout {options.timeout_s:g} s is below {MIN_TIMEOUT_S:g} s: forming a generation's "
-                          "groups alone takes tens of milliseconds, so every step would count as a failure; use "
-                          "e.g. --timeout 30 (frozen peers are caught by --heartbeat-timeout, not by this)")
-    if options.hang_timeout_s is not None and not math.isfinite(options.hang_timeout_s):
-        raise ConfigError(f"--hang-timeout {options.hang_timeout_s} must be a finite number of seconds, e.g. 60")
-    if options.checkpoint_dir and options.checkpoint_every < 1:
-        raise ConfigError(f"--checkpoint-dir {options.checkpoint_dir!r} with --checkpoint-every "
-                          f"{options.checkpoint_every} would never write a checkpoint; pass --checkpoint-every K "
-                          "with K >= 1 (steps between checkpoints)")
-    if not 0 <= options.master_port <= 65535:
-        raise ConfigError(f"--master-port {options.master_port} is not a TCP port; use 1..65535 (or 0 on a single "
-                          "node: any free port)")
-
-
-def check_checkpoint_options(options: LaunchOptions) -> None:
-    """--keep-checkpoints needs a checkpoint directory and keeps at least one checkpoint (the one `latest`
-    names); a --save target that is a device or FIFO is written on node 0 from parts in its temporary folder, so
-    it works on one node only."""
-    keep = options.keep_checkpoints
-    if keep is not None and (type(keep) is not int or keep < 1):
-        raise ConfigError(f"--keep-checkpoints {keep} must be an integer >= 1 (the newest N complete checkpoints "
-                          "are kept; 'latest' always names one of them); leave it out to keep every checkpoint")
-    if keep is not None and not options.checkpoint_dir:
-        raise ConfigError(f"--keep-checkpoints {keep} needs --checkpoint-dir DIR (the checkpoints it keeps)")
-    if options.save_path and options.nnodes > 1 and is_stream_target(options.save_path):
-        raise ConfigError(f"--save {options.save_path!r} is a device or FIFO: on several nodes the stages' parts "
+def check_save_target(options: LaunchOptions) -> None:
+    """A --save target that is a device or FIFO is written on node 0 from parts in its temporary folder, so it works
+    on one node only."""
+    save = options.outputs.save_path
+    if save and options.cluster.nnodes > 1 and is_stream_target(save):
+        raise ConfigError(f"--save {save!r} is a device or FIFO: on several nodes the stages' parts "
                           "of --save are gathered through a shared filesystem, so pass a regular file path there")
 
 
@@ -159,8 +128,8 @@ def check_run_length(options: LaunchOptions, start: int, end: int) -> None:
     limit = SIZE_LIMITS["training", "steps"][0]
     if end > limit:
         raise ConfigError(f"--steps {end} is above the limit of {limit:,} steps for one run; ask for fewer steps")
-    every = options.checkpoint_every
-    due = (end // every - start // every) if options.checkpoint_dir and every > 0 else 0
+    every = options.checkpoint.every
+    due = (end // every - start // every) if options.checkpoint.enabled else 0
     if due > MAX_DUE_CHECKPOINTS:
         raise ConfigError(f"--checkpoint-every {every} over steps {start + 1}..{end} is {due:,} checkpoints, above the "
                           f"limit of {MAX_DUE_CHECKPOINTS:,} for one run (the launcher tracks every due one, and each "
@@ -186,7 +155,7 @@ def check_model_memory(config: Config, options: LaunchOptions | None = None, ava
     shape = resolve_shape(config.model, config.workload.seq_len)
     element = 8 if config.training.dtype == "float64" else 4
     D, S = config.num_replicas, config.num_stages
-    nnodes = options.nnodes if options is not None else 1
+    nnodes = options.cluster.nnodes if options is not None else 1
     workers = workers or -(-D * S // nnodes)
     last_stage = -(-D // nnodes)  # at most this many of the node's workers hold a last stage
     tokens = config.workload.microbatch_size * config.workload.seq_len
@@ -216,12 +185,13 @@ def _mem_available() -> int | None:
 
 def check_outputs(options: LaunchOptions, checkpoint_bytes: int = 0) -> None:
     """Every path the run will write, checked now rather than after the training it would cost."""
-    if options.save_path:
-        check_output_file(options.save_path, "--save")
-    if options.metrics_path:
-        check_output_file(options.metrics_path, "--metrics")
-    if options.checkpoint_dir:
-        check_output_dir(options.checkpoint_dir, "--checkpoint-dir", need_bytes=checkpoint_bytes)
+    outputs = options.outputs
+    if outputs.save_path:
+        check_output_file(outputs.save_path, "--save")
+    if outputs.metrics_path:
+        check_output_file(outputs.metrics_path, "--metrics")
+    if options.checkpoint.dir:
+        check_output_dir(options.checkpoint.dir, "--checkpoint-dir", need_bytes=checkpoint_bytes)
 
 
 def run_fingerprint(config: Config, model_factory: str = "") -> dict[str, Any]:

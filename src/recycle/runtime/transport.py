@@ -18,6 +18,7 @@ from recycle.runtime.control import Keys
 from recycle.runtime.group_sockets import SocketSet, cut
 from recycle.runtime.messages import Channel, Message, message_tag
 from recycle.runtime.nccl_env import init_kwargs
+from recycle.runtime.options import Backend
 
 # Benchmarks only (bench_frozen_peers.py): leave an aborted gloo generation's connections open, as before survivors
 # cut their own groups, to measure that path side by side.
@@ -27,7 +28,7 @@ __all__ = ["Transport", "GenerationGroups", "GenerationCut", "PeerLost", "Activi
            "default_backend"]
 
 
-def default_backend() -> str:
+def default_backend() -> Backend:
     """NCCL when CUDA is present, gloo otherwise."""
     return "nccl" if torch.cuda.is_available() else "gloo"
 

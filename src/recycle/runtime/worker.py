@@ -27,13 +27,15 @@ from recycle.runtime import checkpoint
 from recycle.runtime.checkpoint_writer import CheckpointWriter
 from recycle.runtime.control import Channels, JobStore, Keys, connect_store, worker_identity
 from recycle.runtime.data import config_dataset, microbatch
-from recycle.runtime.emulate import Emulation, cost_pacer
+from recycle.runtime.emulate import cost_pacer
 from recycle.runtime.executor import StageExecutor
 from recycle.runtime.faults import FaultInjection, fire
 from recycle.runtime.nccl_env import prepare_nccl
 from recycle.runtime.migration import (exchange_layers, layer_moves, layer_scaled_config, plan_bounds,
                                        rebuild_stage)
 from recycle.runtime.optim import make_optimizer
+from recycle.runtime.options import (Backend, CheckpointOptions, ClusterOptions, DebugOptions, OutputOptions,
+                                     RecoveryOptions)
 from recycle.runtime.precision import weights_dtype
 from recycle.runtime.records import (Announcement, Beat, ErrorRecord, FaultRecord, Joined, JoinReady, MigrationRecord,
                                      StepRecord, StoppedReport, Timestamp, TransferRecord)
@@ -53,28 +55,24 @@ class WorkerSpec:
     rank: int  # topology rank = replica * S + stage
     config: Config
     plan_json: str
-    store_host: str
-    store_port: int
-    token: str  # the job secret: the store lets in only processes that prove they hold it
+    cluster: ClusterOptions  # as resolved by the launcher: the store's real port, the job secret, the backend
     start_step: int
     end_step: int  # exclusive
-    timeout_s: float
-    backend: str
-    device_index: int = 0
-    heartbeat_s: float = 0.5  # how often the worker says it is alive
-    checkpoint_dir: str = ""
-    checkpoint_every: int = 0
-    resume_dir: str = ""  # load the stage from this checkpoint (at start_step) before the first step
-    start_dir: str = ""  # where the run's start_step state lives ("" with start_step 0: the seed's initial state)
-    save_path: str = ""
-    record_timings: bool = False
     model_factory: str = ""  # "package.module:function" (runtime.stage); "" = the built-in GPT
-    verify_replicas: bool = False  # report a digest of the stage parameters after every step
-    faults: tuple[FaultInjection, ...] = ()
-    emulation: Emulation | None = None  # pad every action to the config's cost (runtime.emulate)
+    outputs: OutputOptions = OutputOptions()
+    checkpoint: CheckpointOptions = CheckpointOptions()  # its resume_dir holds the run's start_step state
+    recovery: RecoveryOptions = RecoveryOptions()
+    debug: DebugOptions = DebugOptions()
+    faults: tuple[FaultInjection, ...] = ()  # this worker's scripted faults
+    device_index: int = 0
     joining: bool = False  # a replacement: waits to be admitted, then takes its stage's state from a peer
     incarnation: str = ""  # this process among every one that runs as `rank` (the store fences by it)
     joiner_dies_at: str = ""  # tests only: RECYCLE_TEST_JOINER_DIES as the launcher saw it (see _joiner_dies_here)
+
+    @property
+    def backend(self) -> Backend:
+        assert self.cluster.backend is not None, "the launcher resolves the backend"
+        return self.cluster.backend
 
 
 class GenerationAborted(Exception):
@@ -120,8 +118,10 @@ def _connect(spec: WorkerSpec) -> StoreClient:
         sys.stderr.flush()
         os._exit(EXIT_FENCED)
 
-    return connect_store(spec.store_host, spec.store_port, spec.token, worker_identity(spec.rank, spec.incarnation),
-                         max(spec.timeout_s, 30.0), on_fenced=fenced)
+    cluster = spec.cluster
+    return connect_store(cluster.master_addr, cluster.master_port, cluster.token,
+                         worker_identity(spec.rank, spec.incarnation), max(spec.recovery.timeout_s, 30.0),
+                         on_fenced=fenced)
 
 
 class _Watcher(threading.Thread):
@@ -137,7 +137,7 @@ class _Watcher(threading.Thread):
         self.jobs = JobStore(self.store)
         self.rank = spec.rank
         self.incarnation = spec.incarnation
-        self.interval_s = spec.heartbeat_s
+        self.interval_s = spec.recovery.heartbeat_s
         self.activity = activity
         self.on_abort = on_abort
         self.generation = 0
@@ -197,14 +197,15 @@ def worker_main(spec: WorkerSpec, launcher_alive: Connection | None = None) -> N
     """Process entry point; exits non-zero after writing an error record to the store if anything fails."""
     torch.set_num_threads(1)
     _thread_lock_for_progress_bars()
-    if spec.backend == "gloo" and spec.store_host in ("127.0.0.1", "localhost", "::1"):
+    if spec.backend == "gloo" and spec.cluster.master_addr in ("127.0.0.1", "localhost", "::1"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # single machine: keep gloo on loopback
     if launcher_alive is not None:
         threading.Thread(target=_watch_launcher, args=(launcher_alive,), daemon=True).start()
     store = _connect(spec)
     try:
         if spec.backend == "nccl":
-            prepare_nccl(os.environ, spec.timeout_s)  # before any communicator: errors reported, never an abort()
+            # Before any communicator: errors reported, never an abort().
+            prepare_nccl(os.environ, spec.recovery.timeout_s)
         _Worker(spec, store).run()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -278,19 +279,18 @@ class _Worker:
         # A factory's or Hugging Face model's stages are checkpointed under per-stage key prefixes (their names need
         # not be the whole model's); the built-in GPT's under the whole model's names (checkpoint.key_prefix).
         self._custom_model = spec.model_factory or config.model.hf_config
-        if spec.resume_dir:
-            checkpoint.load_stage(spec.resume_dir, spec.start_step, self.stage, self.module, self.optimizer,
+        if spec.checkpoint.resume_dir and not spec.joining:  # a replacement takes its state from the job instead
+            checkpoint.load_stage(spec.checkpoint.resume_dir, spec.start_step, self.stage, self.module, self.optimizer,
                                   self._custom_model)
         self.dataset = config_dataset(config)
         self.activity = Activity()
         self.heartbeat = _Watcher(spec, self.activity, self._abort_generation)
         self._transport_lock = threading.Lock()
-        self._store_peers = _store_peers(spec.store_host, spec.store_port)
+        self._store_peers = _store_peers(spec.cluster.master_addr, spec.cluster.master_port)
         self.transport: Transport | None = None
         self.executor: StageExecutor | None = None
         self.announcement: Announcement | None = None  # of the current generation (None: generation 0)
-        self.writer = CheckpointWriter(spec.checkpoint_dir, _connect(spec)) \
-            if spec.checkpoint_dir and spec.checkpoint_every > 0 else None
+        self.writer = CheckpointWriter(spec.checkpoint.dir, _connect(spec)) if spec.checkpoint.enabled else None
         self._fired: set[FaultInjection] = set()
         self._resumed_pending = False
         # A replacement holds its stage's state only once it has arrived (from a replica, or the checkpoint); until
@@ -334,7 +334,8 @@ class _Worker:
         stage_ranks = {s: [self.plan.rank(p, s) for p in self.plan.live_replicas(s)]
                        for s in range(self.plan.num_stages)}
         transport = Transport(self.store, generation, self.spec.rank, self.plan.live_ranks(), stage_ranks,
-                              self.spec.timeout_s, self.spec.backend, self.device, self.activity, self._store_peers)
+                              self.spec.recovery.timeout_s, self.spec.backend, self.device, self.activity,
+                              self._store_peers)
         with self._transport_lock:
             self.transport = transport
         if self.heartbeat.aborted >= generation:
@@ -435,7 +436,7 @@ class _Worker:
             module, optimizer = rebuild_stage(self.config, self.module, self.optimizer, new[self.stage], received,
                                               state, lambda m: make_optimizer(m, self.config.training))
             self._install(module, optimizer, new[self.stage])
-        elif self.spec.emulation is not None:  # same layers here, other stages changed: pace to the new costs
+        elif self.spec.debug.emulation is not None:  # same layers here, other stages changed: pace to the new costs
             self._install(self.module, self.optimizer, self.layers)
         self.jobs.put(Channels.MIGRATION, MigrationRecord(tuple(self.layers), stats.layers_in, stats.layers_out,
                                                           stats.bytes, stats.seconds), self.generation, self.spec.rank)
@@ -445,9 +446,9 @@ class _Worker:
         (restored when a stage was lost before any checkpoint completed), the checkpoint it resumed from or the
         seed's initial state."""
         spec = self.spec
-        if step == spec.start_step and not checkpoint.step_dir(spec.checkpoint_dir, step).is_dir():
-            if spec.start_dir:
-                checkpoint.load_stage(spec.start_dir, step, self.stage, self.module, self.optimizer,
+        if step == spec.start_step and not checkpoint.step_dir(spec.checkpoint.dir, step).is_dir():
+            if spec.checkpoint.resume_dir:
+                checkpoint.load_stage(spec.checkpoint.resume_dir, step, self.stage, self.module, self.optimizer,
                                       self._custom_model)
                 return
             if step == 0:
@@ -455,7 +456,7 @@ class _Worker:
                 module = built.module.to(self.device)
                 self._install(module, make_optimizer(module, self.config.training), built.layout)
                 return
-        checkpoint.load_stage(spec.checkpoint_dir, step, self.stage, self.module, self.optimizer,
+        checkpoint.load_stage(spec.checkpoint.dir, step, self.stage, self.module, self.optimizer,
                               self._custom_model)
 
     def _transfer_state(self) -> None:
@@ -493,12 +494,13 @@ class _Worker:
             return microbatch(self.dataset, iteration, mb, workload.microbatch_size, workload.seq_len)
 
         # A rebuild (new layer range) paces with a fresh pacer: the costs follow the stages' new layers.
-        pacing = cost_pacer(layer_scaled_config(config, self.bounds), self.plan, self.spec.rank, self.spec.emulation) \
-            if self.spec.emulation is not None else None
+        emulation = self.spec.debug.emulation
+        pacing = cost_pacer(layer_scaled_config(config, self.bounds), self.plan, self.spec.rank, emulation) \
+            if emulation is not None else None
         return StageExecutor(self.plan, self.spec.rank, self.module, self.optimizer, self.transport, load,
                              built.input_shape, built.output_shape, weights_dtype(config.training.dtype),
                              grad_clip=config.training.grad_clip, seed=config.training.seed, device=self.device,
-                             record_timings=self.spec.record_timings, before_action=self._before_action,
+                             record_timings=self.spec.debug.record_timings, before_action=self._before_action,
                              precision=config.training.dtype, loss_fn=built.loss_fn, pacing=pacing)
 
     def _before_action(self, action: Action) -> None:
@@ -533,12 +535,12 @@ class _Worker:
             self.activity.phase = "idle"
         cpu_s = time.process_time() - cpu0  # all threads of this process, gloo's included
         done = step + 1
-        if spec.checkpoint_dir and spec.checkpoint_every > 0 and done % spec.checkpoint_every == 0:
+        if spec.checkpoint.due(done):
             self._save_checkpoint(done)
         self.jobs.put(Channels.METRICS, StepRecord(
             self.replica, self.stage, self.generation, result.start, result.end, cpu_s, result.loss_sum,
             result.stage_loss, result.grad_norm, result.grad_sq,
-            digest=parameter_digest(self.module) if spec.verify_replicas else "",
+            digest=parameter_digest(self.module) if spec.debug.verify_replicas else "",
             timings=tuple((t.action, t.start, t.end) for t in result.timings)), step, spec.rank)
 
     def _is_writer(self) -> bool:
@@ -556,9 +558,9 @@ class _Worker:
 
     def _save_final(self) -> None:
         """The --save part of this stage, and every checkpoint on disk (and reported) before the worker leaves."""
-        if self._is_writer() and self.spec.save_path:
+        if self._is_writer() and self.spec.outputs.save_path:
             checkpoint.atomic_torch_save({k: v.detach().cpu() for k, v in self.module.state_dict().items()},
-                                         checkpoint.part_file(self.spec.save_path, self.stage))
+                                         checkpoint.part_file(self.spec.outputs.save_path, self.stage))
         if self.writer is not None:
             self.writer.wait()
 
@@ -635,8 +637,7 @@ class _Worker:
         """A checkpoint due at the step we roll back to may have lost its writer mid-save: write it again from the
         rolled-back state (which is exactly that step's state)."""
         spec = self.spec
-        if not (spec.checkpoint_dir and spec.checkpoint_every > 0 and redo > spec.start_step
-                and redo % spec.checkpoint_every == 0 and self._is_writer()):
+        if not (spec.checkpoint.due(redo) and redo > spec.start_step and self._is_writer()):
             return
         if self.writer is not None:
             # This worker's own write of that step may still be in flight: let it finish (and report) first, or the
