@@ -1,13 +1,11 @@
 """The StageExecutor, every worker of a plan on threads over an in-memory transport: fault-free, adaptive and
 switched plans, clipping, float32/bf16 and every optimizer against the single-process reference; aborting an
-iteration; the pacing hook."""
+iteration; the pacing hook; the shipped fakes (runtime.fakes) themselves, and a peer lost at a scripted point."""
 
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
 from dataclasses import replace
-from queue import Queue
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from recycle.ir import Plan
 from recycle.models.gpt import build_stages
 from recycle.runtime.data import load_dataset, microbatch
 from recycle.runtime.executor import StageExecutor
+from recycle.runtime.fakes import FaultyComm, LoneComm, MemoryFabric
 from recycle.runtime.messages import Message
 from recycle.runtime.optim import make_optimizer
 from recycle.runtime.precision import weights_dtype
@@ -34,69 +33,11 @@ def _one_torch_thread_per_worker():
     torch.set_num_threads(threads)
 
 
-class _Hub:
-    """In-memory transport shared by the threads: one FIFO per ordered pair, rank-ordered SUM all-reduces."""
-
-    def __init__(self, plan: Plan) -> None:
-        self.plan = plan
-        self.queues: dict[tuple[int, int], Queue] = defaultdict(Queue)
-        self.lock = threading.Lock()
-        live = plan.live_ranks()
-        self.groups = {("world",): live}
-        for s in range(plan.num_stages):
-            self.groups[("stage", s)] = [plan.rank(p, s) for p in plan.live_replicas(s)]
-        self.barriers = {k: threading.Barrier(len(v), timeout=20) for k, v in self.groups.items()}
-        self.slots: dict[tuple, dict[int, torch.Tensor]] = defaultdict(dict)
-
-    def allreduce(self, key: tuple, rank: int, count: int, tensor: torch.Tensor) -> None:
-        with self.lock:
-            self.slots[(key, count)][rank] = tensor.clone()
-        self.barriers[key].wait()
-        parts = self.slots[(key, count)]
-        total = parts[min(parts)].clone()
-        for r in sorted(parts)[1:]:
-            total += parts[r]
-        tensor.copy_(total)
-        self.barriers[key].wait()
-
-
-class _ThreadComm:
-    def __init__(self, hub: _Hub, rank: int) -> None:
-        self.hub, self.rank = hub, rank
-        self.counts: dict[tuple, int] = defaultdict(int)
-
-    def send(self, message: Message, tensor: torch.Tensor) -> None:
-        self.hub.queues[(message.src, message.dst)].put((message, tensor.detach().clone()))
-
-    def recv(self, message: Message, shape, dtype) -> torch.Tensor:
-        got, tensor = self.hub.queues[(message.src, self.rank)].get(timeout=20)
-        # The NCCL-safety contract: messages between a pair are taken in exactly the order they were sent.
-        assert got == message, f"rank {self.rank} expected {message} next from {message.src} but got {got}"
-        assert tensor.shape == shape and tensor.dtype == dtype
-        return tensor
-
-    def flush(self) -> None:
-        pass
-
-    def _reduce(self, key: tuple, tensor: torch.Tensor) -> None:
-        self.counts[key] += 1
-        self.hub.allreduce(key, self.rank, self.counts[key], tensor)
-
-    def stage_allreduce_sum(self, stage: int, tensor: torch.Tensor) -> None:
-        self._reduce(("stage", stage), tensor)
-
-    def world_allreduce_sum(self, tensor: torch.Tensor) -> None:
-        self._reduce(("world",), tensor)
-
-    def barrier(self) -> None:
-        self.world_allreduce_sum(torch.zeros(1))
-
-
 def run_in_threads(config, plan: Plan) -> dict[int, torch.nn.Module]:
     """Train `plan` on threads; returns each live rank's stage module."""
     training, workload = config.training, config.workload
     dataset = load_dataset("builtin", workload.seq_len)
-    hub = _Hub(plan)
+    fabric = MemoryFabric.for_plan(plan)
     modules, errors = {}, []
 
     def work(rank: int) -> None:
@@ -107,7 +48,7 @@ def run_in_threads(config, plan: Plan) -> dict[int, torch.nn.Module]:
             modules[rank] = module
             shape = module.boundary_shape(workload.microbatch_size, workload.seq_len)  # the same at every boundary
             executor = StageExecutor(
-                plan, rank, module, make_optimizer(module, training), _ThreadComm(hub, rank),
+                plan, rank, module, make_optimizer(module, training), fabric.endpoint(rank),
                 lambda it, mb: microbatch(dataset, it, mb, workload.microbatch_size, workload.seq_len),
                 shape, shape, next(module.parameters()).dtype, grad_clip=training.grad_clip,
                 precision=training.dtype)
@@ -115,8 +56,7 @@ def run_in_threads(config, plan: Plan) -> dict[int, torch.nn.Module]:
                 executor.run_iteration(step)
         except BaseException as exc:  # surface worker errors in the test thread
             errors.append((rank, exc))
-            for b in hub.barriers.values():
-                b.abort()
+            fabric.cut()  # the peers blocked on this worker raise at once
 
     threads = [threading.Thread(target=work, args=(r,)) for r in plan.live_ranks()]
     for t in threads:
@@ -209,7 +149,7 @@ def test_executor_switches_plans_between_iterations(tiny_config) -> None:
     before = build_schedule(config, "zb-h1", staggered=True)
     after = make_plan(config, frozenset({(1, 1)}), options=PlannerOptions(True, True), solver="heuristic")
     dataset = load_dataset("builtin", workload.seq_len)
-    hubs = [_Hub(before), _Hub(after)]
+    fabrics = [MemoryFabric.for_plan(before), MemoryFabric.for_plan(after)]
     modules, errors = {}, []
     step0_done = threading.Barrier(len(before.live_ranks()), timeout=30)
 
@@ -221,13 +161,13 @@ def test_executor_switches_plans_between_iterations(tiny_config) -> None:
             shape = module.boundary_shape(workload.microbatch_size, workload.seq_len)
             executor = StageExecutor(
                 before, rank, module, make_optimizer(module, training),
-                _ThreadComm(hubs[0], rank),
+                fabrics[0].endpoint(rank),
                 lambda it, mb: microbatch(dataset, it, mb, workload.microbatch_size, workload.seq_len),
                 shape, shape, torch.float64)
             executor.run_iteration(0)
             step0_done.wait()
             if rank in after.live_ranks():
-                executor.set_plan(after, _ThreadComm(hubs[1], rank))
+                executor.set_plan(after, fabrics[1].endpoint(rank))
                 executor.run_iteration(1)
         except BaseException as exc:
             errors.append((rank, exc))
@@ -249,7 +189,7 @@ def test_abort_iteration_drops_partial_work(tiny_config) -> None:
     plan = build_schedule(config, "1f1b")
     module = build_stages(config.model, 2, 0, "float64", 8)[0]
     dataset = load_dataset("builtin", 8)
-    executor = StageExecutor(plan, 0, module, make_optimizer(module, config.training), _ThreadComm(_Hub(plan), 0),
+    executor = StageExecutor(plan, 0, module, make_optimizer(module, config.training), MemoryFabric.for_plan(plan).endpoint(0),
                              lambda it, mb: microbatch(dataset, it, mb, 2, 8), None, (2, 8, 32), torch.float64)
     executor.progress.iteration = 5
     executor.run_action(plan.actions[0][0])  # 0F0: stashes the micro-batch's graph
@@ -278,31 +218,6 @@ def test_every_optimizer_with_warmup_cosine_matches_reference(tiny_config, optim
     assert_matches_reference(config, build_schedule(config, "zb-h1", staggered=True))
 
 
-class _LoneComm:
-    """One worker's transport with no peers: sends are logged, receives are zeros, collectives do nothing."""
-
-    def __init__(self) -> None:
-        self.sent: list[Message] = []
-
-    def send(self, message: Message, tensor: torch.Tensor) -> None:
-        self.sent.append(message)
-
-    def recv(self, message: Message, shape, dtype) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype)
-
-    def flush(self) -> None:
-        pass
-
-    def stage_allreduce_sum(self, stage: int, tensor: torch.Tensor) -> None:
-        pass
-
-    def world_allreduce_sum(self, tensor: torch.Tensor) -> None:
-        pass
-
-    def barrier(self) -> None:
-        pass
-
-
 def test_the_pacing_hook_runs_every_action_wraps_each_transport_and_follows_each_plan(tiny_config) -> None:
     """Cost emulation is a hook given at construction (no patched methods): it runs every action, the executor
     talks through its wrapper of whichever transport set_plan hands over, and it paces by the current plan."""
@@ -314,7 +229,7 @@ def test_the_pacing_hook_runs_every_action_wraps_each_transport_and_follows_each
     plan, later = build_schedule(config, "1f1b", staggered=True), build_schedule(config, "zb-h1", staggered=True)
     module = build_stages(config.model, 2, 0, "float64", 8)[0]
     dataset = load_dataset("builtin", 8)
-    first, second = _LoneComm(), _LoneComm()
+    first, second = LoneComm(), LoneComm()
     pacer = cost_pacer(config, plan, 0, Emulation(slot_ms=2.0))
     executor = StageExecutor(plan, 0, module, make_optimizer(module, config.training), first,
                              lambda it, mb: microbatch(dataset, it, mb, 2, 8), None, (2, 8, 32), torch.float64,
@@ -338,3 +253,99 @@ def test_the_pacing_hook_runs_every_action_wraps_each_transport_and_follows_each
         pacer.run(later.actions[0][0], lost_peer)
     executor.comm.flush()
     assert len(second.sent) == len(forwards)
+
+
+def _two_workers() -> MemoryFabric:
+    return MemoryFabric([0, 1], {0: [0], 1: [1]}, timeout_s=0.2)
+
+
+@pytest.mark.timeout(5)
+def test_the_memory_fabric_keeps_the_pair_order_and_refuses_a_message_out_of_it() -> None:
+    from recycle.runtime.messages import Channel
+
+    fabric = _two_workers()
+    first, second = Message(Channel.ACTIVATION, 0, 0, 1), Message(Channel.ACTIVATION, 1, 0, 1)
+    fabric.endpoint(0).send(first, torch.ones(2))
+    fabric.endpoint(0).send(second, torch.full((2,), 2.0))
+    receiver = fabric.endpoint(1)
+    assert receiver.recv(first, (2,), torch.float32).tolist() == [1.0, 1.0]
+    with pytest.raises(RuntimeError, match="expected"):
+        receiver.recv(first, (2,), torch.float32)  # the next one from 0 is `second`
+
+
+@pytest.mark.timeout(5)
+def test_a_wait_on_a_silent_peer_ends_in_peer_lost_after_the_timeout_or_at_once_when_cut() -> None:
+    from recycle.runtime.messages import Channel
+    from recycle.runtime.transport import PeerLost, is_comm_error
+
+    fabric = _two_workers()
+    wanted = Message(Channel.ACTIVATION, 0, 0, 1)
+    with pytest.raises(PeerLost, match="timed out") as lost:
+        fabric.endpoint(1).recv(wanted, (1,), torch.float32)
+    assert is_comm_error(lost.value)
+    blocked: list[BaseException] = []
+    waiter = threading.Thread(target=lambda: _record(blocked, lambda: fabric.endpoint(1).barrier()))
+    waiter.start()
+    fabric.cut()
+    waiter.join(1)
+    assert len(blocked) == 1 and isinstance(blocked[0], PeerLost) and "cut" in str(blocked[0])
+
+
+def _record(into: list[BaseException], op) -> None:
+    try:
+        op()
+    except BaseException as exc:
+        into.append(exc)
+
+
+@pytest.mark.timeout(5)
+def test_collectives_sum_in_rank_order_on_every_member() -> None:
+    fabric = MemoryFabric([0, 1, 2], {0: [0, 2], 1: [1]})
+    tensors = {r: torch.tensor([float(r + 1)]) for r in (0, 1, 2)}
+    threads = [threading.Thread(target=fabric.endpoint(r).world_allreduce_sum, args=(tensors[r],)) for r in tensors]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2)
+    assert [float(t) for t in tensors.values()] == [6.0, 6.0, 6.0]
+    alone = torch.tensor([5.0])
+    fabric.endpoint(1).stage_allreduce_sum(1, alone)  # a stage with one replica: nothing to meet
+    assert float(alone) == 5.0
+
+
+@pytest.mark.timeout(20)
+def test_a_faulty_comm_loses_its_peer_at_the_scripted_op_of_the_scripted_iteration(tiny_config) -> None:
+    """Worker 0 of a 1x2 pipeline fails at the second comm op of iteration 1: iteration 0 completes everywhere, and
+    the failure is the transport's typed PeerLost at that op (the executor does not catch it)."""
+    from recycle.runtime.transport import PeerLost
+
+    config = tiny_config(D=1, M=2, steps=2)
+    plan = build_schedule(config, "1f1b", staggered=True)
+    fabric = MemoryFabric.for_plan(plan, timeout_s=5)
+    dataset = load_dataset("builtin", 8)
+    faulty = FaultyComm(fabric.endpoint(0), fail_at=(1, 1))
+    outcomes: dict[int, object] = {}
+
+    def work(rank: int, comm) -> None:
+        module = build_stages(config.model, 2, 0, "float64", 8)[rank]
+        executor = StageExecutor(plan, rank, module, make_optimizer(module, config.training), comm,
+                                 lambda it, mb: microbatch(dataset, it, mb, 2, 8), None if rank == 0 else (2, 8, 32),
+                                 (2, 8, 32) if rank == 0 else None, torch.float64)
+        try:
+            executor.run_iteration(0)
+            outcomes[rank, 0] = executor.applied_iteration
+            executor.run_iteration(1)
+        except PeerLost as exc:
+            outcomes[rank] = exc
+            fabric.cut()  # what the coordinator's abort does: the peer blocked on us raises too
+
+    threads = [threading.Thread(target=work, args=(0, faulty)), threading.Thread(target=work,
+                                                                                args=(1, fabric.endpoint(1)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert outcomes[0, 0] == 0 and outcomes[1, 0] == 0
+    assert isinstance(outcomes[0], PeerLost) and "iteration 1, op 1" in str(outcomes[0])
+    assert isinstance(outcomes[1], PeerLost)
+    assert faulty.fired and (faulty.iteration, faulty.ops) == (1, 1)

@@ -24,7 +24,8 @@ from recycle.ir import Action, Kind, Plan
 from recycle.models.gpt import build_stages
 from recycle.runtime.data import BUILTIN, config_dataset, microbatch
 from recycle.runtime.executor import StageExecutor
-from recycle.runtime.messages import Channel, Message
+from recycle.runtime.fakes import LoneComm
+from recycle.runtime.messages import Channel
 from recycle.runtime.optim import make_optimizer
 from recycle.runtime.precision import weights_dtype
 
@@ -83,36 +84,6 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
-class _NoPeers:
-    """The transport of a stage profiled alone: a receive is a fresh copy of a prepared tensor (a real receive fills
-    a fresh buffer too); sends and collectives cost nothing here (measure_comm measures them). It keeps the last
-    tensor received and sent, for the activation and message sizes."""
-
-    def __init__(self, activation: torch.Tensor | None, gradient: torch.Tensor | None) -> None:
-        self.incoming = {Channel.ACTIVATION: activation, Channel.GRADIENT: gradient}
-        self.received: torch.Tensor | None = None
-        self.sent: torch.Tensor | None = None
-
-    def recv(self, message: Message, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        self.received = self.incoming[message.channel].clone()
-        return self.received
-
-    def send(self, message: Message, tensor: torch.Tensor) -> None:
-        self.sent = tensor.detach()  # the same storage, without keeping the micro-batch's graph alive
-
-    def flush(self) -> None:
-        pass
-
-    def stage_allreduce_sum(self, stage: int, tensor: torch.Tensor) -> None:
-        pass
-
-    def world_allreduce_sum(self, tensor: torch.Tensor) -> None:
-        pass
-
-    def barrier(self) -> None:
-        pass
-
-
 # What one profiling iteration runs on every stage: micro-batch 0 as B then W (the graph kept between them),
 # micro-batch 1 as a fused BW, then the optimizer step.
 _ACTIONS = ((Kind.F, 0), (Kind.B, 0), (Kind.W, 0), (Kind.F, 1), (Kind.BW, 1), (Kind.OPT, -1))
@@ -124,7 +95,7 @@ def _profiling_plan(num_stages: int) -> Plan:
     return Plan.from_worker_lists(1, num_stages, 2, actions, staggered=True)
 
 
-def _activation_bytes(executor: StageExecutor, comm: _NoPeers, parameters: list[torch.nn.Parameter]) -> int:
+def _activation_bytes(executor: StageExecutor, comm: LoneComm, parameters: list[torch.nn.Parameter]) -> int:
     """Bytes a micro-batch keeps alive between F and W, from one F the executor runs: the tensors autograd saves
     (not the parameters), the stage input and output, and the output-gradient kept from B to W (the size of the
     output)."""
@@ -138,15 +109,15 @@ def _activation_bytes(executor: StageExecutor, comm: _NoPeers, parameters: list[
         return t
 
     executor.abort_iteration()
-    comm.received = comm.sent = None
+    comm.last_received = comm.last_sent = None
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         executor.run_action(Action(Kind.F, executor.stage, 0))
     executor.abort_iteration()  # drops the micro-batch's graph
-    for t in (comm.received, comm.sent):
+    for t in (comm.last_received, comm.last_sent):
         if t is not None:
             ptr, nbytes = _storage_key(t)
             saved[ptr] = nbytes
-    grad_out = comm.sent.numel() * comm.sent.element_size() if comm.sent is not None else 0
+    grad_out = comm.last_sent.numel() * comm.last_sent.element_size() if comm.last_sent is not None else 0
     return sum(saved.values()) + grad_out
 
 
@@ -174,7 +145,9 @@ def profile_stages(config: Config, repeats: int = 10, warmup: int = 3) -> tuple[
         generator = torch.Generator().manual_seed(s)
         upstream = torch.randn(boundary, generator=generator, dtype=dtype)
         grad_seed = torch.randn(boundary, generator=generator, dtype=dtype) * 1e-3
-        comm = _NoPeers(None if is_first else upstream, None if is_last else grad_seed)
+        # Alone: sends and collectives cost nothing here (measure_comm measures them).
+        comm = LoneComm({Channel.ACTIVATION: None if is_first else upstream,
+                         Channel.GRADIENT: None if is_last else grad_seed})
         optimizer = make_optimizer(module, training)
         executor = StageExecutor(plan, s, module, optimizer, comm, load, None if is_first else boundary,
                                  None if is_last else boundary, dtype, grad_clip=training.grad_clip,
@@ -194,7 +167,7 @@ def profile_stages(config: Config, repeats: int = 10, warmup: int = 3) -> tuple[
             forward_us=_median_us(times[Kind.F]), backward_input_us=_median_us(times[Kind.B]),
             backward_weight_us=_median_us(times[Kind.W]), backward_fused_us=_median_us(times[Kind.BW]),
             optimizer_us=_median_us(times[Kind.OPT]), activation_bytes=activation,
-            message_bytes=0 if is_last else comm.sent.numel() * comm.sent.element_size(),
+            message_bytes=0 if is_last else comm.last_sent.numel() * comm.last_sent.element_size(),
             parameter_bytes=parameter_bytes, optimizer_state_bytes=state_bytes))
     return tuple(out_profiles)
 
