@@ -189,8 +189,9 @@ def test_abort_iteration_drops_partial_work(tiny_config) -> None:
     plan = build_schedule(config, "1f1b")
     module = build_stages(config.model, 2, 0, "float64", 8)[0]
     dataset = load_dataset("builtin", 8)
-    executor = StageExecutor(plan, 0, module, make_optimizer(module, config.training), MemoryFabric.for_plan(plan).endpoint(0),
-                             lambda it, mb: microbatch(dataset, it, mb, 2, 8), None, (2, 8, 32), torch.float64)
+    executor = StageExecutor(plan, 0, module, make_optimizer(module, config.training),
+                             MemoryFabric.for_plan(plan).endpoint(0), lambda it, mb: microbatch(dataset, it, mb, 2, 8),
+                             None, (2, 8, 32), torch.float64)
     executor.progress.iteration = 5
     executor.run_action(plan.actions[0][0])  # 0F0: stashes the micro-batch's graph
     assert executor._stash

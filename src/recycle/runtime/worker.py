@@ -14,7 +14,7 @@ import time
 import traceback
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -44,8 +44,8 @@ from recycle.runtime.state_transfer import transfer_stage_state
 from recycle.runtime.store import StoreClient, StoreFenced
 from recycle.runtime.transport import Activity, GenerationCut, Transport, is_comm_error
 
-__all__ = ["WorkerSpec", "FaultInjection", "GenerationAborted", "worker_main", "make_optimizer", "parameter_digest",
-           "EXIT_FENCED"]
+__all__ = ["WorkerSpec", "WorkerHooks", "FaultInjection", "GenerationAborted", "worker_main", "run_worker",
+           "make_optimizer", "parameter_digest", "EXIT_FENCED"]
 
 EXIT_FENCED = 4  # the coordinator left this worker out of the new generation (or fenced it while it was frozen)
 
@@ -124,6 +124,18 @@ def _connect(spec: WorkerSpec) -> StoreClient:
                          on_fenced=fenced)
 
 
+@dataclass(frozen=True)
+class WorkerHooks:
+    """What a worker reaches outside its own code through: each store connection (a fenced one ends the process),
+    each generation's transport (runtime.transport.Transport's signature), a scripted fault carried out. A worker
+    process takes these; the thread-cluster tests (tests/threads) run the same worker code as threads with their
+    own (in-memory transport, a thread's death for a process's)."""
+
+    connect: Callable[[WorkerSpec], Any] = _connect
+    transport: Callable[..., Any] = Transport
+    fire: Callable[[FaultInjection, str], None] = fire
+
+
 class _Watcher(threading.Thread):
     """The worker's second thread, on a store connection of its own: beats every `interval_s` with how far the main
     thread has got (records.Beat), and waits in the store for the abort or drain of the current generation. On an
@@ -131,9 +143,10 @@ class _Watcher(threading.Thread):
     silent peer raises at once; nothing here waits on any peer. A frozen process stops beating: that is how the
     coordinator tells a frozen worker from a slow one; a stuck main thread stops advancing `actions`."""
 
-    def __init__(self, spec: WorkerSpec, activity: Activity, on_abort: Any) -> None:
+    def __init__(self, spec: WorkerSpec, activity: Activity, on_abort: Any,
+                 connect: Callable[[WorkerSpec], Any]) -> None:
         super().__init__(daemon=True, name="recycle-watcher")
-        self.store = _connect(spec)
+        self.store = connect(spec)
         self.jobs = JobStore(self.store)
         self.rank = spec.rank
         self.incarnation = spec.incarnation
@@ -201,17 +214,24 @@ def worker_main(spec: WorkerSpec, launcher_alive: Connection | None = None) -> N
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # single machine: keep gloo on loopback
     if launcher_alive is not None:
         threading.Thread(target=_watch_launcher, args=(launcher_alive,), daemon=True).start()
-    store = _connect(spec)
+    # Skip interpreter teardown: of gloo's threads (seconds) after a clean end, everything flushed and closed; of a
+    # broken process group after a failure, which can hang in its destructor.
+    os._exit(run_worker(spec, _connect(spec)))
+
+
+def run_worker(spec: WorkerSpec, store: StoreClient, hooks: WorkerHooks = WorkerHooks()) -> int:
+    """The worker's life on `store`; returns its exit code (0, EXIT_FENCED, or 1 after writing an error record to
+    the store)."""
     try:
         if spec.backend == "nccl":
             # Before any communicator: errors reported, never an abort().
             prepare_nccl(os.environ, spec.recovery.timeout_s)
-        _Worker(spec, store).run()
+        _Worker(spec, store, hooks).run()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)  # skip interpreter teardown of gloo's threads (seconds); everything is flushed and closed
+        return 0
     except _Fenced:
-        os._exit(EXIT_FENCED)
+        return EXIT_FENCED
     except BaseException as exc:  # report every failure, including a KeyboardInterrupt/SystemExit, then exit 1
         record = ErrorRecord(type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", is_comm_error(exc),
                              time.time(), traceback.format_exc())
@@ -222,7 +242,7 @@ def worker_main(spec: WorkerSpec, launcher_alive: Connection | None = None) -> N
         if not record.comm and not isinstance(exc, RecycleError):  # a RecycleError's one line says it all
             traceback.print_exc()
         sys.stderr.flush()
-        os._exit(1)  # skip interpreter teardown: a broken process group can hang in its destructor
+        return 1
 
 
 def _joiner_dies_here(hook: str, point: str) -> None:
@@ -254,8 +274,9 @@ def _recoverable(exc: BaseException) -> bool:
 class _Worker:
     """One worker's life: generations of (join, run steps) separated by recoveries."""
 
-    def __init__(self, spec: WorkerSpec, store: dist.Store) -> None:
+    def __init__(self, spec: WorkerSpec, store: dist.Store, hooks: WorkerHooks) -> None:
         self.spec = spec
+        self.hooks = hooks
         self.store = store
         self.jobs = JobStore(store)
         self.config = config = spec.config
@@ -284,13 +305,13 @@ class _Worker:
                                   self._custom_model)
         self.dataset = config_dataset(config)
         self.activity = Activity()
-        self.heartbeat = _Watcher(spec, self.activity, self._abort_generation)
+        self.heartbeat = _Watcher(spec, self.activity, self._abort_generation, hooks.connect)
         self._transport_lock = threading.Lock()
         self._store_peers = _store_peers(spec.cluster.master_addr, spec.cluster.master_port)
         self.transport: Transport | None = None
         self.executor: StageExecutor | None = None
         self.announcement: Announcement | None = None  # of the current generation (None: generation 0)
-        self.writer = CheckpointWriter(spec.checkpoint.dir, _connect(spec)) if spec.checkpoint.enabled else None
+        self.writer = CheckpointWriter(spec.checkpoint.dir, hooks.connect(spec)) if spec.checkpoint.enabled else None
         self._fired: set[FaultInjection] = set()
         self._resumed_pending = False
         # A replacement holds its stage's state only once it has arrived (from a replica, or the checkpoint); until
@@ -333,9 +354,9 @@ class _Worker:
             raise GenerationAborted(f"generation {generation} was aborted before it formed")
         stage_ranks = {s: [self.plan.rank(p, s) for p in self.plan.live_replicas(s)]
                        for s in range(self.plan.num_stages)}
-        transport = Transport(self.store, generation, self.spec.rank, self.plan.live_ranks(), stage_ranks,
-                              self.spec.recovery.timeout_s, self.spec.backend, self.device, self.activity,
-                              self._store_peers)
+        transport = self.hooks.transport(self.store, generation, self.spec.rank, self.plan.live_ranks(), stage_ranks,
+                                         self.spec.recovery.timeout_s, self.spec.backend, self.device, self.activity,
+                                         self._store_peers)
         with self._transport_lock:
             self.transport = transport
         if self.heartbeat.aborted >= generation:
@@ -520,7 +541,7 @@ class _Worker:
             return
         self._fired.add(fault)
         self.jobs.put(Channels.FAULT, FaultRecord(time.time(), where, fault.mode), self.spec.rank)
-        fire(fault, where)
+        self.hooks.fire(fault, where)
 
     def _run_step(self, step: int) -> None:
         spec = self.spec
