@@ -9,6 +9,7 @@ so nothing of it runs or writes again, as after os._exit; the test's end wakes t
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import os
 import threading
@@ -21,6 +22,8 @@ import torch
 
 from recycle.config import Config
 from recycle.ir import Plan
+from recycle.planner.api import make_plan  # tests may use the planner; the runtime may not
+from recycle.planner.options import PlannerOptions
 from recycle.runtime.control import Channels, JobStore, Keys, connect_store, host_store, new_token, worker_identity
 from recycle.runtime.fakes import FaultyComm, MemoryNetwork
 from recycle.runtime.faults import FaultInjection, fire
@@ -67,7 +70,9 @@ class Injector:
         return self
 
     def rejoin(self, worker: tuple[int, int], step: int) -> "Injector":
-        """Bring the worker back (a replacement process) once `step` steps are done, if it is down then."""
+        """Bring the worker back (a replacement process) once `step` steps are done, if it is down then. The
+        others wait at the end of `step` until it says it is ready (torchft's barrier_at): its admission point is
+        then the same in every run, not a race between its start and the end of the run."""
         self.rejoins.append((worker, step))
         return self
 
@@ -170,6 +175,8 @@ class _Gated:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             self._process.gate()
+            if name == "set":
+                self._process.cluster.hold(args[0])
             result = attribute(*args, **kwargs)
             self._process.gate()  # died while it waited: the answer never arrives
             return result
@@ -215,11 +222,23 @@ class ThreadCluster:
         self.server = host_store("127.0.0.1", 0, self.token)
         self.store = LocalStore(self.server.data, 30.0)
         self.end_step = config.training.steps
+        self.rejoined = {self.rank(worker): (step, threading.Event()) for worker, step in injector.rejoins}
         self._spec_for = _spec_maker(config, plan, options, self.server.port, self.token, 0, self.end_step,
                                      plan.live_ranks())
 
     def rank(self, worker: tuple[int, int]) -> int:
         return self.plan.rank(*worker)
+
+    def hold(self, key: str) -> None:
+        """Before a worker writes its record of a step that a scripted re-join waits at: wait for the replacement."""
+        kind, _, rest = key.partition("/")
+        if kind != "metrics":
+            return
+        step = int(rest.split("/")[0])
+        for rank, (at, ready) in self.rejoined.items():
+            if step >= at and not ready.is_set():
+                self.store.wait([Keys.join_ready(rank)], datetime.timedelta(seconds=10))
+                ready.set()  # the launcher deletes the key when it admits the replacement
 
     def spawn(self, rank: int, joining: bool) -> ThreadProcess:
         if joining:
@@ -266,9 +285,6 @@ def _one_torch_thread_per_worker() -> Iterator[None]:
 
 
 def _heuristic(config: Config) -> Callable[[frozenset[tuple[int, int]]], PlanChoice]:
-    from recycle.planner.api import make_plan  # tests may use the planner; the runtime may not
-    from recycle.planner.options import PlannerOptions
-
     def provide(failed: frozenset[tuple[int, int]]) -> PlanChoice:
         started = time.perf_counter()
         plan = make_plan(config, failed, options=PlannerOptions(search=False))  # the priority rules: fast

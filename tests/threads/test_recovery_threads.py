@@ -7,6 +7,9 @@ import pytest
 
 from conftest import Injector
 
+from recycle.errors import RuntimeFailure
+from recycle.runtime.control import Channels
+
 pytestmark = pytest.mark.timeout(20)
 
 
@@ -25,3 +28,67 @@ def test_a_killed_worker_is_replaced_by_its_stage_replicas_in_the_next_generatio
     assert "died (killed by SIGKILL) during 1B3" in recovery.causes[0], recovery.causes
     assert outcome.failed == frozenset({(1, 1)})
     print(f"{outcome.seconds:.3f} s")
+
+
+def test_a_frozen_worker_is_told_by_its_silent_heartbeat_fenced_and_recovered_from(tiny_config, run_cluster) -> None:
+    outcome = run_cluster(tiny_config(steps=4), Injector().freeze((0, 1), step=1, action=2),
+                          heartbeat_timeout_s=0.3)
+    assert [m.step for m in outcome.steps] == [1, 2, 3, 4]
+    (recovery,) = outcome.recoveries
+    assert recovery.workers == ("0:1",) and recovery.step == 2
+    assert "stopped responding (no heartbeat for" in recovery.causes[0], recovery.causes
+    print(f"{outcome.seconds:.3f} s")
+
+
+def test_a_stalled_main_thread_with_a_live_heartbeat_is_hung_fenced_and_recovered_from(tiny_config,
+                                                                                      run_cluster) -> None:
+    outcome = run_cluster(tiny_config(steps=4), Injector().stall((1, 0), step=2, action=1), hang_timeout_s=0.25)
+    assert [m.step for m in outcome.steps] == [1, 2, 3, 4]
+    (recovery,) = outcome.recoveries
+    assert recovery.workers == ("1:0",) and recovery.step == 3
+    assert "is hung (its heartbeat goes on" in recovery.causes[0], recovery.causes
+    print(f"{outcome.seconds:.3f} s")
+
+
+def test_a_lost_link_with_nobody_dead_is_retried_with_the_same_workers(tiny_config, run_cluster) -> None:
+    """The transport's typed PeerLost at one op of 1:0's second iteration: every worker stops and reports, the
+    next generation keeps all four, and the run completes (a retry leaves no Recovery record: nobody was lost)."""
+    outcome = run_cluster(tiny_config(steps=4), Injector().lose_link((1, 0), iteration=1, op=2))
+    assert [m.step for m in outcome.steps] == [1, 2, 3, 4]
+    assert not outcome.recoveries and not outcome.failed
+    announcement = outcome.jobs.get(Channels.ANNOUNCE, 1)
+    assert announcement.live == (0, 1, 2, 3) and announcement.redo_step == 1
+    report = outcome.jobs.get(Channels.STOPPED, 0, 2)
+    assert "injected loss of a peer at iteration 1, op 2" in report.error
+    print(f"{outcome.seconds:.3f} s")
+
+
+def test_a_worker_killed_and_brought_back_is_admitted_at_a_drain_and_takes_its_state_from_a_replica(
+        tiny_config, run_cluster) -> None:
+    outcome = run_cluster(tiny_config(steps=8), Injector().kill((1, 1), step=1, action=0).rejoin((1, 1), step=3))
+    assert [m.step for m in outcome.steps] == list(range(1, 9))
+    death, join = outcome.recoveries
+    assert death.workers == ("1:1",) and death.failed == ((1, 1),)
+    assert join.workers == () and join.joined == ("1:1",) and join.transfer_bytes > 0 and join.failed == ()
+    assert not outcome.failed
+    assert len(outcome.steps[-1].digests) == 4  # all four back, replicas checked bit-identical after every step
+    print(f"{outcome.seconds:.3f} s")
+
+
+def test_a_second_death_during_the_recovery_joins_the_same_recovery(tiny_config, run_cluster) -> None:
+    outcome = run_cluster(tiny_config(steps=4), Injector().kill((1, 1), step=1, action=3).kill_in_recovery((1, 0), 1))
+    assert [m.step for m in outcome.steps] == [1, 2, 3, 4]
+    (recovery,) = outcome.recoveries
+    assert sorted(recovery.workers) == ["1:0", "1:1"] and recovery.failed == ((1, 0), (1, 1))
+    assert "during the recovery from generation 0" in " ".join(recovery.causes), recovery.causes
+    print(f"{outcome.seconds:.3f} s")
+
+
+def test_an_ordinary_exception_in_a_worker_fails_the_run_instead_of_recovering(tiny_config, run_cluster) -> None:
+    with pytest.raises(RuntimeFailure, match=r"worker 0:1 .* raised ValueError: injected fault"):
+        run_cluster(tiny_config(steps=4), Injector().raise_error((0, 1), step=1, action=2))
+
+
+def test_losing_a_stage_without_a_checkpoint_fails_the_run_with_its_reason(tiny_config, run_cluster) -> None:
+    with pytest.raises(RuntimeFailure, match="last live replica of stage 1.*writes no checkpoints"):
+        run_cluster(tiny_config(steps=4), Injector().kill((1, 1), step=1).kill((0, 1), step=2))
