@@ -10,6 +10,7 @@ from typing import Any, Callable, Hashable, Mapping
 
 import torch
 
+from recycle.ir import Plan
 from recycle.runtime.messages import Channel, Message
 from recycle.runtime.transport import Activity, GenerationCut, PeerLost
 
@@ -34,8 +35,8 @@ class MemoryFabric:
         self._cut = False
 
     @classmethod
-    def for_plan(cls, plan: Any, timeout_s: float = 20.0) -> "MemoryFabric":
-        """The fabric of `plan`'s live workers (ir.Plan)."""
+    def for_plan(cls, plan: Plan, timeout_s: float = 20.0) -> "MemoryFabric":
+        """The fabric of `plan`'s live workers."""
         stages = {s: [plan.rank(p, s) for p in plan.live_replicas(s)] for s in range(plan.num_stages)}
         return cls(plan.live_ranks(), stages, timeout_s)
 
