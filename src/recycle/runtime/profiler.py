@@ -79,6 +79,10 @@ def _median_us(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
 
 
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     storage = t.untyped_storage()
     return storage.data_ptr(), storage.nbytes()
@@ -117,7 +121,7 @@ def _activation_bytes(executor: StageExecutor, comm: LoneComm, parameters: list[
         if t is not None:
             ptr, nbytes = _storage_key(t)
             saved[ptr] = nbytes
-    grad_out = comm.last_sent.numel() * comm.last_sent.element_size() if comm.last_sent is not None else 0
+    grad_out = _nbytes(comm.last_sent)
     return sum(saved.values()) + grad_out
 
 
@@ -167,7 +171,7 @@ def profile_stages(config: Config, repeats: int = 10, warmup: int = 3) -> tuple[
             forward_us=_median_us(times[Kind.F]), backward_input_us=_median_us(times[Kind.B]),
             backward_weight_us=_median_us(times[Kind.W]), backward_fused_us=_median_us(times[Kind.BW]),
             optimizer_us=_median_us(times[Kind.OPT]), activation_bytes=activation,
-            message_bytes=0 if is_last else comm.last_sent.numel() * comm.last_sent.element_size(),
+            message_bytes=0 if is_last else _nbytes(comm.last_sent),
             parameter_bytes=parameter_bytes, optimizer_state_bytes=state_bytes))
     return tuple(out_profiles)
 
