@@ -8,7 +8,7 @@ import itertools
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from recycle.config import Config
@@ -18,7 +18,9 @@ from recycle.planner.options import PlannerOptions
 from recycle.runtime.control import Channels, JobStore, Keys, connect_store, host_store, new_token, worker_identity
 from recycle.runtime.fakes import FaultyComm, MemoryNetwork
 from recycle.runtime.faults import FaultInjection, fire
-from recycle.runtime.launcher import LaunchOptions, PlanChoice, Recovery, StepMetrics, _Coordination, _spec_maker
+from recycle.runtime.options import LaunchOptions, with_keywords
+from recycle.ir import PlanChoice
+from recycle.runtime.launcher import Recovery, StepMetrics, _Coordination, _spec_maker
 from recycle.runtime.store import LocalStore, StoreFenced, StoreServer
 from recycle.runtime.worker import EXIT_FENCED, WorkerHooks, WorkerSpec, run_worker
 
@@ -126,8 +128,9 @@ class ThreadProcess:
 
     # -- the worker's hooks -------------------------------------------------------------------------------------
     def _connect(self, spec: WorkerSpec) -> Any:
-        client = connect_store(spec.store_host, spec.store_port, spec.token,
-                               worker_identity(spec.rank, spec.incarnation), max(spec.timeout_s, 30.0),
+        cluster = spec.cluster
+        client = connect_store(cluster.master_addr, cluster.master_port, cluster.token,
+                               worker_identity(spec.rank, spec.incarnation), max(spec.recovery.timeout_s, 30.0),
                                on_fenced=self._fenced)
         self.cluster.clients.append(client)
         return _Gated(client, self)
@@ -217,8 +220,8 @@ class ThreadCluster:
         self.store = LocalStore(self.server.data, 30.0)
         self.end_step = config.training.steps
         self.rejoined = {self.rank(worker): (step, threading.Event()) for worker, step in injector.rejoins}
-        self._spec_for = _spec_maker(config, plan, options, self.server.port, self.token, 0, self.end_step,
-                                     plan.live_ranks())
+        cluster = replace(options.cluster, master_port=self.server.port, token=self.token)
+        self._spec_for = _spec_maker(config, plan, options, cluster, 0, self.end_step, plan.live_ranks())
 
     def rank(self, worker: tuple[int, int]) -> int:
         return self.plan.rank(*worker)
@@ -286,6 +289,7 @@ def job(config: Config, injector: Injector, **options: Any) -> ThreadCluster:
     settings: dict[str, Any] = dict(timeout_s=5.0, heartbeat_s=0.02, heartbeat_timeout_s=2.0, backend="gloo",
                                     progress=None, plan_provider=provider, verify_replicas=True)
     settings.update(options)
-    launch_options = LaunchOptions(faults=tuple((plan.rank(*w), f) for w, f in injector.faults),
-                                   rejoins=tuple((plan.rank(*w), step) for w, step in injector.rejoins), **settings)
+    settings.update(faults=tuple((plan.rank(*w), f) for w, f in injector.faults),
+                    rejoins=tuple((plan.rank(*w), step) for w, step in injector.rejoins))
+    launch_options = with_keywords(LaunchOptions(), settings)
     return ThreadCluster(config, plan, launch_options, injector)
