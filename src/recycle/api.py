@@ -186,7 +186,7 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
           decoupled: bool = True, staggered: bool = True, recover: bool = True, max_failures: int = 2,
           plan_store: str | Path = "", store_progress: IO[str] | None = None, repartition: bool = False,
           repartition_prior_s: float = 1800.0, launch_options: LaunchOptions | None = None,
-          **options: Any) -> TrainResult:
+          data_source: str | Callable[..., Any] | None = None, **options: Any) -> TrainResult:
     """Train `config`'s model on D x S worker processes and return the TrainResult (per-step metrics, recoveries).
 
     The run starts on `plan`, or on `select_plan(config, schedule, down=down, ...)`. With `recover` (the default) a
@@ -198,7 +198,9 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
     migration over the state's expected duration (`repartition_prior_s` before any change has been seen; built-in
     GPT only; see planner.provider.RepartitioningProvider). `model_factory` may be a function (config, num_stages) ->
     stages (see recycle.models.split) defined at the top level of an importable module or of the script being run:
-    every worker process imports it by name.
+    every worker process imports it by name. `data_source` (the same as [training] data_source) may be such a
+    function (config) -> source, or its 'module:function' name: source(iteration, mb) returns (inputs, targets) (see
+    recycle.data.DataSource).
     """
     from dataclasses import replace
 
@@ -208,6 +210,8 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
     unknown = sorted(set(options) - set(KEYWORDS))
     if unknown:
         raise ConfigError(f"train() got unknown option(s) {unknown}; known: {', '.join(sorted(KEYWORDS))}")
+    if data_source is not None:
+        config = _with_data_source(config, data_source)
     factory = options.get("model_factory")
     if callable(factory):
         options["model_factory"] = factory_name(factory)
@@ -258,6 +262,18 @@ def _seconds_per_unit(config: Config, emulation: Emulation | None) -> float | No
     if emulation is not None:
         return pacing_seconds_per_unit(config, emulation)
     return 1e-6 if config.time_unit == "us" else None
+
+
+def _with_data_source(config: Config, data_source: str | Callable[..., Any]) -> Config:
+    """The config with [training] data_source set (checked as in a TOML file)."""
+    import json
+
+    from recycle.config import parse_config
+    from recycle.data.source import source_name
+
+    name = data_source if isinstance(data_source, str) else source_name(data_source)
+    raw = apply_overrides(config.to_dict(), [f"training.data_source={json.dumps(name)}"])
+    return parse_config(raw, name=config.name, source=config.source)
 
 
 def factory_name(factory: Callable[..., Any]) -> str:

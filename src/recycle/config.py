@@ -210,7 +210,15 @@ class Training:
     grad_clip: float = 0.0  # 0 = no clipping
     seed: int = 0
     dtype: str = "float32"  # "float32", "float64", or "bfloat16" (bf16 autocast, float32 weights and state)
-    dataset: str = "builtin"  # "builtin" or a path to a UTF-8 text file
+    # The corpus (recycle.runtime.data): "builtin", a UTF-8 text file (its bytes, or its tokens with `tokenizer`), a
+    # token file (with `token_dtype`), or a Hugging Face dataset folder from save_to_disk (column `dataset_column`).
+    dataset: str = "builtin"
+    token_dtype: str = ""  # "uint16" or "uint32": `dataset` is a token file of ids of that width (nanoGPT's .bin)
+    tokenizer: str = ""  # a local tokenizer.json (tokenizers) that encodes a text `dataset` or text column
+    dataset_column: str = ""  # of a Hugging Face dataset; "" = "text" with a tokenizer, else "input_ids"
+    data_order: str = "random"  # "random" (hashed window offsets) or "epochs" (disjoint windows shuffled from seed)
+    eval_fraction: float = 0.0  # the corpus's tail held out from training, for evaluation
+    data_source: str = ""  # "package.module:function" (config) -> DataSource, instead of `dataset` (--data-source)
     optimizer: str = "AdamW"  # any torch.optim optimizer class, by name
     # Optimizer arguments passed only when set (None: the optimizer's own default); lr and weight_decay always are.
     betas: tuple[float, float] | None = None
@@ -686,6 +694,18 @@ def _training(t: dict[str, Any], source: str) -> Training:
     if training.lr_schedule not in ("constant", "cosine"):
         raise ConfigError(f"{_where(source, 'training', 'lr_schedule')} = {training.lr_schedule!r} must be "
                           "'constant' or 'cosine' (both after the optional warmup_steps)")
+    if training.token_dtype not in ("", "uint16", "uint32"):
+        raise ConfigError(f"{_where(source, 'training', 'token_dtype')} = {training.token_dtype!r} must be 'uint16' "
+                          "or 'uint32' (the width of the token file's ids; nanoGPT writes uint16)")
+    if training.data_order not in ("random", "epochs"):
+        raise ConfigError(f"{_where(source, 'training', 'data_order')} = {training.data_order!r} must be 'random' "
+                          "(windows at hashed offsets) or 'epochs' (disjoint windows, shuffled from the seed)")
+    if not 0 <= training.eval_fraction < 1:
+        raise ConfigError(f"{_where(source, 'training', 'eval_fraction')} = {training.eval_fraction} must be in "
+                          "[0, 1) (the share of the corpus held out from training), e.g. 0.05")
+    if training.data_source and training.dataset != "builtin":
+        raise ConfigError(f"{_where(source, 'training', 'data_source')} = {training.data_source!r} and [training] "
+                          f"dataset = {training.dataset!r} both say where the data comes from; keep one")
     if training.warmup_steps < 0 or training.lr_decay_steps < 0:
         raise ConfigError(f"{_where(source, 'training', 'warmup_steps/lr_decay_steps')}: need >= 0 (got "
                           f"{training.warmup_steps}, {training.lr_decay_steps}); 0 = no warm-up / decay over "

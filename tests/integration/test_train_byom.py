@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from recycle.config import parse_config
-from recycle.runtime.data import load_dataset, microbatch
+from recycle.runtime.data import data_source
 from recycle.runtime.launcher import launch
 from recycle.runtime.optim import AdamW
 from recycle.runtime.options import ClusterOptions, DebugOptions, LaunchOptions, OutputOptions
@@ -60,11 +60,11 @@ def config():
 def chained_reference(cfg) -> list[dict[str, torch.Tensor]]:
     stages = [s.double() for s in two_stage_mlp(cfg, 2)]
     optimizers = [AdamW(s.parameters(), lr=cfg.training.lr, weight_decay=cfg.training.weight_decay) for s in stages]
-    data = load_dataset("builtin", cfg.workload.seq_len)
+    load = data_source(cfg)
     total = cfg.num_replicas * cfg.num_microbatches
     for step in range(cfg.training.steps):
         for mb in range(total):
-            tokens, targets = microbatch(data, step, mb, cfg.workload.microbatch_size, cfg.workload.seq_len)
+            tokens, targets = load(step, mb)
             (stages[1](stages[0](tokens), targets) / total).backward()
         for opt in optimizers:
             opt.step()

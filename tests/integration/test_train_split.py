@@ -10,7 +10,7 @@ from torch import nn
 
 from recycle.config import parse_config
 from recycle.models.split import StageModel, causal_lm_loss, split_model
-from recycle.runtime.data import load_dataset, microbatch
+from recycle.runtime.data import data_source
 from recycle.runtime.launcher import launch
 from recycle.runtime.options import ClusterOptions, DebugOptions, LaunchOptions, OutputOptions
 from recycle.runtime.worker import make_optimizer
@@ -59,11 +59,11 @@ def config(num_stages: int = 2):
 def whole_model_reference(cfg) -> dict[str, torch.Tensor]:
     model = make_model(cfg).double()
     optimizer = make_optimizer(model, cfg.training)
-    data = load_dataset("builtin", cfg.workload.seq_len)
+    load = data_source(cfg)
     total = cfg.num_replicas * cfg.num_microbatches
     for step in range(cfg.training.steps):
         for mb in range(total):
-            tokens, targets = microbatch(data, step, mb, cfg.workload.microbatch_size, cfg.workload.seq_len)
+            tokens, targets = load(step, mb)
             (causal_lm_loss(model(tokens), targets) / total).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

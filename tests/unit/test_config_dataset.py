@@ -6,7 +6,7 @@ import pytest
 
 from recycle.config import load_config
 from recycle.errors import ConfigError
-from recycle.runtime.data import config_dataset
+from recycle.runtime.data import config_stream
 
 
 def _config(folder, dataset: str):
@@ -22,7 +22,7 @@ def test_relative_dataset_resolves_beside_the_config(tmp_path, monkeypatch) -> N
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    dataset = config_dataset(_config(tmp_path, "corpus.txt"))
+    dataset = config_stream(_config(tmp_path, "corpus.txt"))
     assert dataset.source == str(tmp_path / "corpus.txt") and len(dataset) == 53
     with pytest.raises(ConfigError, match=r"\[training\] dataset = 'missing.txt' is not a file"):
-        config_dataset(_config(tmp_path, "missing.txt"))
+        config_stream(_config(tmp_path, "missing.txt"))

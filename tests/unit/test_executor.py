@@ -12,7 +12,7 @@ import torch
 
 from recycle.ir import Plan
 from recycle.models.gpt import build_stages
-from recycle.runtime.data import load_dataset, microbatch
+from recycle.runtime.data import data_source
 from recycle.runtime.executor import StageExecutor
 from recycle.runtime.fakes import FaultyComm, LoneComm, MemoryFabric
 from recycle.runtime.messages import Message
@@ -36,7 +36,7 @@ def _one_torch_thread_per_worker():
 def run_in_threads(config, plan: Plan) -> dict[int, torch.nn.Module]:
     """Train `plan` on threads; returns each live rank's stage module."""
     training, workload = config.training, config.workload
-    dataset = load_dataset("builtin", workload.seq_len)
+    load = data_source(config)
     fabric = MemoryFabric.for_plan(plan)
     modules, errors = {}, []
 
@@ -49,7 +49,7 @@ def run_in_threads(config, plan: Plan) -> dict[int, torch.nn.Module]:
             shape = module.boundary_shape(workload.microbatch_size, workload.seq_len)  # the same at every boundary
             executor = StageExecutor(
                 plan, rank, module, make_optimizer(module, training), fabric.endpoint(rank),
-                lambda it, mb: microbatch(dataset, it, mb, workload.microbatch_size, workload.seq_len),
+                load,
                 shape, shape, next(module.parameters()).dtype, grad_clip=training.grad_clip,
                 precision=training.dtype)
             for step in range(training.steps):
@@ -148,7 +148,7 @@ def test_executor_switches_plans_between_iterations(tiny_config) -> None:
     training, workload = config.training, config.workload
     before = build_schedule(config, "zb-h1", staggered=True)
     after = make_plan(config, frozenset({(1, 1)}), options=PlannerOptions(True, True), solver="heuristic")
-    dataset = load_dataset("builtin", workload.seq_len)
+    load = data_source(config)
     fabrics = [MemoryFabric.for_plan(before), MemoryFabric.for_plan(after)]
     modules, errors = {}, []
     step0_done = threading.Barrier(len(before.live_ranks()), timeout=30)
@@ -162,7 +162,7 @@ def test_executor_switches_plans_between_iterations(tiny_config) -> None:
             executor = StageExecutor(
                 before, rank, module, make_optimizer(module, training),
                 fabrics[0].endpoint(rank),
-                lambda it, mb: microbatch(dataset, it, mb, workload.microbatch_size, workload.seq_len),
+                load,
                 shape, shape, torch.float64)
             executor.run_iteration(0)
             step0_done.wait()
@@ -188,9 +188,9 @@ def test_abort_iteration_drops_partial_work(tiny_config) -> None:
     config = tiny_config()
     plan = build_schedule(config, "1f1b")
     module = build_stages(config.model, 2, 0, "float64", 8)[0]
-    dataset = load_dataset("builtin", 8)
+    load = data_source(config)
     executor = StageExecutor(plan, 0, module, make_optimizer(module, config.training),
-                             MemoryFabric.for_plan(plan).endpoint(0), lambda it, mb: microbatch(dataset, it, mb, 2, 8),
+                             MemoryFabric.for_plan(plan).endpoint(0), load,
                              None, (2, 8, 32), torch.float64)
     executor.progress.iteration = 5
     executor.run_action(plan.actions[0][0])  # 0F0: stashes the micro-batch's graph
@@ -229,11 +229,11 @@ def test_the_pacing_hook_runs_every_action_wraps_each_transport_and_follows_each
     config = tiny_config()
     plan, later = build_schedule(config, "1f1b", staggered=True), build_schedule(config, "zb-h1", staggered=True)
     module = build_stages(config.model, 2, 0, "float64", 8)[0]
-    dataset = load_dataset("builtin", 8)
+    load = data_source(config)
     first, second = LoneComm(), LoneComm()
     pacer = cost_pacer(config, plan, 0, Emulation(slot_ms=2.0))
     executor = StageExecutor(plan, 0, module, make_optimizer(module, config.training), first,
-                             lambda it, mb: microbatch(dataset, it, mb, 2, 8), None, (2, 8, 32), torch.float64,
+                             load, None, (2, 8, 32), torch.float64,
                              pacing=pacer)
     assert isinstance(executor.comm, PacedComm) and executor.comm.inner is first
     result = executor.run_iteration(0)
@@ -323,14 +323,14 @@ def test_a_faulty_comm_loses_its_peer_at_the_scripted_op_of_the_scripted_iterati
     config = tiny_config(D=1, M=2, steps=2)
     plan = build_schedule(config, "1f1b", staggered=True)
     fabric = MemoryFabric.for_plan(plan, timeout_s=5)
-    dataset = load_dataset("builtin", 8)
+    load = data_source(config)
     faulty = FaultyComm(fabric.endpoint(0), fail_at=(1, 1))
     outcomes: dict[int, object] = {}
 
     def work(rank: int, comm) -> None:
         module = build_stages(config.model, 2, 0, "float64", 8)[rank]
         executor = StageExecutor(plan, rank, module, make_optimizer(module, config.training), comm,
-                                 lambda it, mb: microbatch(dataset, it, mb, 2, 8), None if rank == 0 else (2, 8, 32),
+                                 load, None if rank == 0 else (2, 8, 32),
                                  (2, 8, 32) if rank == 0 else None, torch.float64)
         try:
             executor.run_iteration(0)

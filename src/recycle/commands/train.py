@@ -153,6 +153,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-factory", default="", metavar="MODULE:FUNC",
                    help="bring your own model: a function (config, num_stages) -> list of stage modules "
                         "(see docs/runtime.md); default: the built-in GPT of [model]")
+    p.add_argument("--data-source", default="", metavar="MODULE:FUNC",
+                   help="bring your own data: a function (config) -> source, source(iteration, mb) returning "
+                        "(inputs, targets) (see docs/runtime.md; same as [training] data_source); default: [training] "
+                        "dataset")
     p.add_argument("--hf", default="", metavar="CONFIG_JSON",
                    help="train a Hugging Face causal LM built from this config JSON (random init from [training] "
                         "seed, nothing downloaded; same as [model] hf_config; needs the extra: pip install "
@@ -189,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
 
         summary_writer(tensorboard)  # a missing extra fails now, not after the plan store is built
     hf = [f"model.hf_config={json.dumps(os.path.abspath(args.hf))}"] if args.hf else []
-    config = load_config(args.config, [*args.set, *hf])
+    data = [f"training.data_source={json.dumps(args.data_source)}"] if args.data_source else []
+    config = load_config(args.config, [*args.set, *hf, *data])
     if role.nnodes > config.topology.num_workers:
         raise ConfigError(f"--nnodes {role.nnodes} is more than the job's D x S = {config.topology.num_workers} "
                           "workers: every node runs at least one; use at most that many nodes")

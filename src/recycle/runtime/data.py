@@ -1,110 +1,125 @@
-"""Training data: a built-in byte-level corpus (generated, no download) or a UTF-8 text file, and the
-deterministic micro-batch sampler every worker uses to load any micro-batch of any iteration."""
+"""The job's data source from its config ([training] dataset, token_dtype, tokenizer, dataset_column, data_order,
+eval_fraction, data_source): opened by any worker that loads micro-batches, and checked once per job, before any
+worker starts, so that bad data gets one message rather than one per worker."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
+from recycle.data.corpus import builtin_corpus
+from recycle.data.encode import encode_hf_dataset, encode_text_file, is_hf_dataset, CACHE_DTYPE
+from recycle.data.source import DataSource, check_microbatch, load_data_source
+from recycle.data.tokens import TokenStream, check_utf8, check_vocab, open_text_bytes, open_token_file, \
+    stream_of_bytes
+from recycle.data.windows import TokenWindows
 from recycle.errors import ConfigError
 
 if TYPE_CHECKING:
     from recycle.config import Config
 
-__all__ = ["TextDataset", "builtin_corpus", "load_dataset", "config_dataset", "microbatch", "BUILTIN"]
+__all__ = ["BUILTIN", "data_source", "check_data", "config_stream"]
 
 BUILTIN = "builtin"
-_MASK64 = (1 << 64) - 1
-
-# A small vocabulary and sentence grammar: enough structure (word spelling, agreement, punctuation) that the loss
-# visibly falls within a few hundred steps of the tiny model, and it is identical on every Python version.
-_SUBJECTS = ("the worker", "a pipeline", "the stage", "every replica", "the planner", "a micro-batch", "the optimizer",
-             "the coordinator", "each peer", "the scheduler", "a bubble", "the gradient")
-_VERBS = ("sends", "receives", "computes", "reroutes", "stashes", "reduces", "waits for", "fills", "skips",
-          "replays", "steps over", "checks")
-_OBJECTS = ("the activation", "its gradient", "the weights", "a message", "the next batch", "an idle slot",
-            "the failed worker", "the plan", "every stage", "the loss", "the bubble", "a checkpoint")
-_TAILS = (".", ".", ".", "!", " again.", " quickly.", " in order.", " before the step.", " after the barrier.")
 
 
-def _splitmix64(x: int) -> int:
-    """A tiny, well-mixed 64-bit hash (SplitMix64); independent of Python's and torch's RNGs."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+def _path(config: Config, key: str) -> Path:
+    """A [training] path key's file: as given, or (relative and not found) beside the config file."""
+    name = getattr(config.training, key)
+    path = Path(name)
+    base = os.path.dirname(config.source)
+    if not path.is_absolute() and base and not path.exists():
+        path = Path(base) / path
+    return path
 
 
-def builtin_corpus(num_sentences: int = 8000, seed: int = 1234) -> bytes:
-    """The built-in corpus: `num_sentences` generated English-like sentences (about 40 bytes each)."""
-    parts = []
-    state = seed
-    for i in range(num_sentences):
-        state = _splitmix64(state + i)
-        s, v, o, t = (state & 0xFF) % len(_SUBJECTS), ((state >> 8) & 0xFF) % len(_VERBS), \
-            ((state >> 16) & 0xFF) % len(_OBJECTS), ((state >> 24) & 0xFF) % len(_TAILS)
-        sentence = f"{_SUBJECTS[s]} {_VERBS[v]} {_OBJECTS[o]}{_TAILS[t]}"
-        parts.append(sentence[0].upper() + sentence[1:])
-        parts.append("\n" if (state >> 32) % 5 == 0 else " ")
-    return "".join(parts).encode("utf-8")
+def config_stream(config: Config) -> TokenStream:
+    """The config's corpus as a token stream: the built-in corpus, a token file, a Hugging Face dataset on disk, or
+    a text file (its UTF-8 bytes, or its tokens through a local tokenizer)."""
+    t = config.training
+    where = f"[training] dataset = {t.dataset!r}"
+    if t.dataset == BUILTIN:
+        if t.token_dtype or t.tokenizer or t.dataset_column:
+            raise ConfigError(f"{where} is byte-level text; token_dtype, tokenizer and dataset_column apply to your "
+                              "own files: drop them or name a dataset file")
+        return stream_of_bytes(builtin_corpus(), BUILTIN)
+    path = _path(config, "dataset")
+    tokenizer = _path(config, "tokenizer") if t.tokenizer else None
+    if tokenizer is not None and not tokenizer.is_file():
+        raise ConfigError(f"[training] tokenizer = {t.tokenizer!r} is not a file; give the path of a local "
+                          "tokenizer.json (nothing is downloaded)")
+    if is_hf_dataset(path):
+        if t.token_dtype:
+            raise ConfigError(f"{where} is a Hugging Face dataset folder, whose column types say how ids are "
+                              "stored; drop [training] token_dtype")
+        cached, column = encode_hf_dataset(path, t.dataset_column, tokenizer, where)
+        stream = open_token_file(cached, CACHE_DTYPE, where)
+        return TokenStream(stream.tokens, f"{path} (column {column!r})", stream.path)
+    if not path.is_file():
+        raise ConfigError(f"{where} is not a file; give a UTF-8 text file, a token file (with token_dtype), a "
+                          "Hugging Face dataset folder (save_to_disk) or \"builtin\"")
+    if t.dataset_column:
+        raise ConfigError(f"[training] dataset_column = {t.dataset_column!r} names a column of a Hugging Face dataset "
+                          f"folder, but {str(path)!r} is a file; drop dataset_column")
+    if t.token_dtype:
+        if tokenizer is not None:
+            raise ConfigError(f"{where}: token_dtype reads it as token ids and tokenizer encodes it as text; give "
+                              "one of the two")
+        return open_token_file(path, t.token_dtype, where)
+    if tokenizer is not None:
+        stream = open_token_file(encode_text_file(path, tokenizer, where), CACHE_DTYPE, where)
+        return TokenStream(stream.tokens, f"{path} (tokenized)", stream.path)
+    if path.suffix == ".bin":
+        raise ConfigError(f"{where} looks like a token file (.bin); give [training] token_dtype = 'uint16' "
+                          "or 'uint32' (the width its ids were written with), or use a UTF-8 text file")
+    return open_text_bytes(path)
 
 
-@dataclass(frozen=True)
-class TextDataset:
-    """A byte sequence as a 1-D int64 tensor, and where it came from."""
-
-    tokens: torch.Tensor
-    source: str
-
-    def __len__(self) -> int:
-        return int(self.tokens.numel())
-
-
-def load_dataset(dataset: str, seq_len: int, base_dir: str | Path | None = None) -> TextDataset:
-    """`dataset` is "builtin" or a path to a UTF-8 text file (relative paths resolve against `base_dir`)."""
-    if dataset == BUILTIN:
-        data, source = builtin_corpus(), BUILTIN
-    else:
-        path = Path(dataset)
-        if not path.is_absolute() and base_dir is not None and not path.exists():
-            path = Path(base_dir) / path
-        if not path.is_file():
-            raise ConfigError(f"[training] dataset = {dataset!r} is not a file; give a path to a UTF-8 text file "
-                              "or \"builtin\"")
-        data = path.read_bytes()
-        try:
-            data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"[training] dataset = {dataset!r} is not UTF-8 text ({exc}); convert it to UTF-8 "
-                              "or use \"builtin\"") from None
-        source = str(path)
-    if len(data) < seq_len + 2:
-        raise ConfigError(f"dataset {source!r} has {len(data)} bytes but [workload] seq_len = {seq_len} needs at "
-                          f"least {seq_len + 2}; use a longer text or a shorter seq_len")
-    return TextDataset(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64), source)
+def data_source(config: Config, split: str = "train") -> DataSource:
+    """The job's DataSource: the user's [training] data_source (--data-source), or windows of the config's corpus.
+    Opening maps the corpus; nothing of it is read until a micro-batch is."""
+    t = config.training
+    if t.data_source:
+        if split != "train":
+            raise ConfigError(f"a --data-source ({t.data_source!r}) has no held-out split; evaluate with the built-in "
+                              "sources' [training] eval_fraction")
+        return load_data_source(t.data_source)(config)
+    return _windows(config, split)
 
 
-def config_dataset(config: Config) -> TextDataset:
-    """The config's `[training] dataset` for its `[workload] seq_len`; a relative path is looked up beside the
-    config file too."""
-    return load_dataset(config.training.dataset, config.workload.seq_len,
-                        base_dir=os.path.dirname(config.source) or None)
+def _windows(config: Config, split: str) -> TokenWindows:
+    t, w = config.training, config.workload
+    return TokenWindows(config_stream(config), w.microbatch_size, w.seq_len,
+                        config.num_replicas * config.num_microbatches, t.data_order, t.seed, t.eval_fraction, split)
 
 
-def microbatch(dataset: TextDataset, iteration: int, mb: int, microbatch_size: int,
-               seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, targets), each [microbatch_size, seq_len]; a pure function of (iteration, mb), so any worker can
-    load any micro-batch and a re-routed micro-batch sees exactly the data its owner would have."""
-    span = len(dataset) - seq_len - 1
-    rows = []
-    for sample in range(microbatch_size):
-        key = _splitmix64((iteration << 40) ^ (mb << 20) ^ sample)
-        rows.append(key % span)
-    offsets = torch.tensor(rows, dtype=torch.int64)
-    index = offsets[:, None] + torch.arange(seq_len + 1)[None, :]
-    window = dataset.tokens[index]
-    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+def _vocab_size(config: Config, model_factory: str) -> int | None:
+    """The vocabulary of the model the job trains (None: a factory's model, which recycle cannot see into)."""
+    if model_factory:
+        return None
+    if config.model.hf_config:
+        from recycle.models.hf import load_hf_config, resolve_hf_path
+
+        path = resolve_hf_path(config.model.hf_config, os.path.dirname(config.source) or None)
+        return int(load_hf_config(path, config.workload.seq_len).vocab_size)
+    from recycle.models.gpt import resolve_shape
+
+    return resolve_shape(config.model, config.workload.seq_len).vocab_size
+
+
+def check_data(config: Config, model_factory: str = "") -> None:
+    """Everything about the data that can be wrong, once per job: the file, its length, its encoding or its ids
+    against the model's vocabulary (scanned in chunks, so memory stays flat), and a user's source's first answer."""
+    if config.training.data_source:
+        check_microbatch(data_source(config)(0, 0), f"data source {config.training.data_source!r}")
+        return
+    stream = _windows(config, "train").stream
+    where = f"[training] dataset = {config.training.dataset!r}"
+    if stream.unit == "bytes":
+        if stream.source != BUILTIN:
+            check_utf8(stream, where)
+        return
+    vocab = _vocab_size(config, model_factory)
+    if vocab is not None:
+        check_vocab(stream, vocab, where)

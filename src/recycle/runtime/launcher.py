@@ -27,7 +27,7 @@ from recycle.runtime.coordinator import (AbortGeneration, Announce, Command, Coo
                                          Move, Progress, RecoveryFacts, Respawn, describe_exit, hang_limit_s,
                                          hung_workers, stale_heartbeats, track_progress)
 from recycle.runtime.chaos import ChaosMonkey
-from recycle.runtime.data import config_dataset
+from recycle.runtime.data import check_data
 from recycle.runtime.messages import check_plan_matches
 from recycle.runtime.options import ClusterOptions, LaunchOptions, StartMethod
 from recycle.runtime.records import Announcement, Beat, FaultRecord, RecordError, StepRecord
@@ -149,7 +149,7 @@ def _check_options(config: Config, plan: Plan, options: LaunchOptions) -> tuple[
     end = config.training.steps if options.steps is None else options.steps  # both checked >= 0
     # Catch model and data errors here, with a clear message, rather than in every worker.
     check_model(config, options.model_factory)
-    config_dataset(config)
+    check_data(config, options.model_factory)
     start = preflight.check_launch(config, options, end)  # outputs, checkpoint: before any worker
     if start > end:
         raise ConfigError(f"the checkpoint in {options.checkpoint.resume_dir!r} is at step {start}, past --steps "

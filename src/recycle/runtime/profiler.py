@@ -22,7 +22,7 @@ from recycle.errors import ConfigError
 from recycle.fileio import atomic_write_text
 from recycle.ir import Action, Kind, Plan
 from recycle.models.gpt import build_stages
-from recycle.runtime.data import BUILTIN, config_dataset, microbatch
+from recycle.runtime.data import BUILTIN, data_source
 from recycle.runtime.executor import StageExecutor
 from recycle.runtime.fakes import LoneComm
 from recycle.runtime.messages import Channel
@@ -134,11 +134,8 @@ def profile_stages(config: Config, repeats: int = 10, warmup: int = 3) -> tuple[
     S = config.num_stages
     dtype = weights_dtype(training.dtype)
     stages = build_stages(config.model, S, training.seed, dtype, workload.seq_len)
-    dataset = config_dataset(config)
+    load = data_source(config)
     plan = _profiling_plan(S)
-
-    def load(iteration: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return microbatch(dataset, iteration, mb, workload.microbatch_size, workload.seq_len)
 
     out_profiles = []
     for s, module in enumerate(stages):
@@ -306,10 +303,11 @@ def profiled_config_dict(config: Config, profile: Profile) -> dict[str, Any]:
         "allreduce_bandwidth": round(c.allreduce_bandwidth, 3),
         "gradient_bytes": [p.parameter_bytes for p in st],  # the flat gradient the OPT all-reduces
     }
-    dataset = raw["training"]["dataset"]
-    if dataset != BUILTIN and not os.path.isabs(dataset) and config.source:
-        # The output may live elsewhere: keep a relative text path pointing at the same file.
-        raw["training"]["dataset"] = str((Path(config.source).parent / dataset).resolve())
+    for key in ("dataset", "tokenizer"):
+        name = raw["training"].get(key, "")
+        if name and name != BUILTIN and not os.path.isabs(name) and config.source:
+            # The output may live elsewhere: keep a relative data path pointing at the same file.
+            raw["training"][key] = str((Path(config.source).parent / name).resolve())
     return raw
 
 

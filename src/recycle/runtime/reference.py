@@ -10,7 +10,7 @@ import torch
 from recycle.config import Config
 from recycle.errors import ConfigError
 from recycle.models.gpt import full_model
-from recycle.runtime.data import config_dataset, microbatch
+from recycle.runtime.data import data_source
 from recycle.runtime.optim import make_optimizer
 from recycle.runtime.precision import autocast, weights_dtype
 
@@ -43,13 +43,13 @@ def reference_train(config: Config, steps: int | None = None) -> tuple[dict[str,
         module = model = full_model(config.model, workload.seq_len, training.seed,
                                     weights_dtype(training.dtype))
     optimizer = make_optimizer(module, training)
-    dataset = config_dataset(config)
+    load = data_source(config)
     total = config.num_replicas * config.num_microbatches
     losses = []
     for step in range(steps):
         step_loss = 0.0
         for mb in range(total):
-            tokens, targets = microbatch(dataset, step, mb, workload.microbatch_size, workload.seq_len)
+            tokens, targets = load(step, mb)
             with autocast(training.dtype):
                 loss = model(tokens, targets) * (1.0 / total)
             loss.backward()

@@ -26,7 +26,7 @@ from recycle.models.gpt import GPTStage
 from recycle.runtime import checkpoint
 from recycle.runtime.checkpoint_writer import CheckpointWriter
 from recycle.runtime.control import Channels, JobStore, Keys, connect_store, worker_identity
-from recycle.runtime.data import config_dataset, microbatch
+from recycle.runtime.data import data_source
 from recycle.runtime.emulate import cost_pacer
 from recycle.runtime.executor import StageExecutor
 from recycle.runtime.faults import FaultInjection, fire
@@ -303,7 +303,8 @@ class _Worker:
         if spec.checkpoint.resume_dir and not spec.joining:  # a replacement takes its state from the job instead
             checkpoint.load_stage(spec.checkpoint.resume_dir, spec.start_step, self.stage, self.module, self.optimizer,
                                   self._custom_model)
-        self.dataset = config_dataset(config)
+        # Only the first stage (inputs) and the last (targets) load micro-batches; the others never open the data.
+        self.data = data_source(config) if self.stage in (0, config.num_stages - 1) else None
         self.activity = Activity()
         self.heartbeat = _Watcher(spec, self.activity, self._abort_generation, hooks.connect)
         self._transport_lock = threading.Lock()
@@ -509,10 +510,10 @@ class _Worker:
 
     def _make_executor(self) -> StageExecutor:
         config, built = self.config, self.built
-        workload = config.workload
 
         def load(iteration: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return microbatch(self.dataset, iteration, mb, workload.microbatch_size, workload.seq_len)
+            assert self.data is not None, "only the first and the last stage load micro-batches"
+            return self.data(iteration, mb)
 
         # A rebuild (new layer range) paces with a fresh pacer: the costs follow the stages' new layers.
         emulation = self.spec.debug.emulation
