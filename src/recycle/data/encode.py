@@ -90,7 +90,7 @@ def _lines(path: Path, where: str) -> Iterator[list[str]]:
                     yield batch
                     batch = []
         except UnicodeDecodeError as exc:
-            raise ConfigError(f"{where}: {str(path)!r} is not UTF-8 text ({exc.reason}); convert it to UTF-8") \
+            raise ConfigError(f"{where} is not UTF-8 text ({exc.reason}); convert it to UTF-8") \
                 from None
     if batch:
         yield batch
@@ -113,13 +113,14 @@ def _hf_split(path: Path, where: str) -> Any:
     except ImportError:
         raise ConfigError(f"{where} is a Hugging Face dataset folder, which needs the datasets package (pip install "
                           "datasets)") from None
+    datasets.disable_progress_bars()  # recycle's own lines only, on stdout and stderr
     try:
         data = datasets.load_from_disk(str(path))
     except Exception as exc:  # datasets raises FileNotFoundError, ValueError, pyarrow errors for a bad folder
-        raise ConfigError(f"{where}: {str(path)!r} is not a dataset saved with save_to_disk ({exc})") from None
+        raise ConfigError(f"{where} is not a dataset saved with save_to_disk ({exc})") from None
     if isinstance(data, datasets.DatasetDict):
         if "train" not in data:
-            raise ConfigError(f"{where}: {str(path)!r} has splits {sorted(data)} but no 'train'; save the split to "
+            raise ConfigError(f"{where} has splits {sorted(data)} but no 'train'; save the split to "
                               "train on by itself, or under the name 'train'")
         data = data["train"]
     return data
@@ -131,15 +132,15 @@ def encode_hf_dataset(path: Path, column: str, tokenizer: Path | None, where: st
     column = column or ("text" if tokenizer else "input_ids")
     data = _hf_split(path, where)
     if column not in data.column_names:
-        raise ConfigError(f"{where}: {str(path)!r} has no column {column!r} (it has {data.column_names}); name the "
+        raise ConfigError(f"{where} has no column {column!r} (it has {data.column_names}); name the "
                           "column with [training] dataset_column")
     feature = str(data.features[column])
     is_text = "string" in feature and "List" not in feature and "Sequence" not in feature
     if tokenizer is None and is_text:
-        raise ConfigError(f"{where}: column {column!r} of {str(path)!r} holds text; give [training] tokenizer (a "
+        raise ConfigError(f"{where}: its column {column!r} holds text; give [training] tokenizer (a "
                           "tokenizer.json) to encode it, or name a token-id column")
     if tokenizer is not None and not is_text:
-        raise ConfigError(f"{where}: column {column!r} of {str(path)!r} is {feature}, not text; drop [training] "
+        raise ConfigError(f"{where}: its column {column!r} is {feature}, not text; drop [training] "
                           "tokenizer to read it as token ids")
     tok = _tokenizer(tokenizer) if tokenizer is not None else None
     rows = data.select_columns([column])
@@ -152,7 +153,7 @@ def encode_hf_dataset(path: Path, column: str, tokenizer: Path | None, where: st
                 continue
             for row, ids in enumerate(values, start):
                 if ids is None or (len(ids) and min(ids) < 0):
-                    raise ConfigError(f"{where}: row {row} of column {column!r} of {str(path)!r} is {ids!r:.60}, "
+                    raise ConfigError(f"{where}: row {row} of its column {column!r} is {ids!r:.60}, "
                                       "not a list of token ids >= 0")
             yield values
 

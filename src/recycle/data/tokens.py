@@ -4,9 +4,10 @@ whole-file checks run once per job, in fixed-size chunks so that they do not gro
 from __future__ import annotations
 
 import codecs
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import IO, Iterator
 
 import numpy as np
 
@@ -16,7 +17,7 @@ __all__ = ["TOKEN_DTYPES", "TokenStream", "open_token_file", "open_text_bytes", 
            "check_utf8", "check_length"]
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-_CHUNK = 1 << 22  # elements per chunk of a whole-file scan (8-16 MB)
+_CHUNK = 1 << 20  # elements per chunk of a whole-file scan (1-4 MB)
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,19 @@ class TokenStream:
     source: str
     path: str = ""
     unit: str = "tokens"  # what one element is, for messages ("bytes" for byte-level text)
+    file: IO[bytes] | None = None  # `path` open for pread (closed with the stream)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
+
+    def read(self, offset: int, count: int) -> np.ndarray:
+        """Ids [offset, offset + count). A file is read with pread rather than through the map: a page touched
+        through a map counts in the process's RSS (with the kernel's read-around, ~100 KB per window), so a long
+        run's RSS would grow towards the file's size; read, the pages stay in the shared page cache only."""
+        if self.file is None:
+            return self.tokens[offset:offset + count]
+        size = self.tokens.dtype.itemsize
+        return np.frombuffer(os.pread(self.file.fileno(), count * size, offset * size), dtype=self.tokens.dtype)
 
     def chunks(self) -> Iterator[tuple[int, np.ndarray]]:
         """(offset, ids) over the whole stream, read from the file rather than through the map: touching every page
@@ -60,14 +71,15 @@ def open_token_file(path: Path, token_dtype: str, where: str) -> TokenStream:
     dtype = np.dtype(TOKEN_DTYPES[token_dtype])
     size = path.stat().st_size
     if size % dtype.itemsize:
-        raise ConfigError(f"{where}: {str(path)!r} has {size} bytes, not a multiple of {dtype.itemsize} ([training] "
+        raise ConfigError(f"{where} has {size} bytes, not a multiple of {dtype.itemsize} ([training] "
                           f"token_dtype = {token_dtype!r}); the file is truncated or its token_dtype is another")
-    return TokenStream(_map(path, dtype), str(path), str(path))
+    return TokenStream(_map(path, dtype), str(path), str(path), file=open(path, "rb", buffering=0))
 
 
 def open_text_bytes(path: Path) -> TokenStream:
     """A UTF-8 text file's bytes as tokens (the byte-level vocabulary of 256)."""
-    return TokenStream(_map(path, np.dtype(np.uint8)), str(path), str(path), unit="bytes")
+    return TokenStream(_map(path, np.dtype(np.uint8)), str(path), str(path), unit="bytes",
+                       file=open(path, "rb", buffering=0))
 
 
 def stream_of_bytes(data: bytes, source: str) -> TokenStream:
@@ -78,10 +90,10 @@ def stream_of_bytes(data: bytes, source: str) -> TokenStream:
 def check_vocab(stream: TokenStream, vocab_size: int, where: str) -> None:
     """Every id is below the model's vocabulary; the first one that is not is named with its position."""
     for start, ids in stream.chunks():
-        bad = np.flatnonzero(ids >= vocab_size)
-        if bad.size:
+        if ids.size and int(ids.max()) >= vocab_size:
+            bad = np.flatnonzero(ids >= vocab_size)
             position = start + int(bad[0])
-            raise ConfigError(f"{where}: {stream.source!r} has token id {int(ids[bad[0]])} at position {position:,}, "
+            raise ConfigError(f"{where} has token id {int(ids[bad[0]])} at position {position:,}, "
                               f"not below the model's vocabulary of {vocab_size:,}; use the tokenizer the model was "
                               "made for, or a model with a larger vocab_size")
 
@@ -93,12 +105,12 @@ def check_utf8(stream: TokenStream, where: str) -> None:
         try:
             decoder.decode(ids.tobytes())
         except UnicodeDecodeError as exc:
-            raise ConfigError(f"{where}: {stream.source!r} is not UTF-8 text (byte {start + exc.start:,}: {exc.reason})"
+            raise ConfigError(f"{where} is not UTF-8 text (byte {start + exc.start:,}: {exc.reason})"
                               "; convert it to UTF-8, or give [training] token_dtype if it is a token file") from None
     try:
         decoder.decode(b"", final=True)
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{where}: {stream.source!r} is not UTF-8 text (it ends inside a character: {exc.reason}); "
+        raise ConfigError(f"{where} is not UTF-8 text (it ends inside a character: {exc.reason}); "
                           "convert it to UTF-8") from None
 
 

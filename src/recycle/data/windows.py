@@ -90,7 +90,7 @@ class TokenWindows:
         return out
 
     def __call__(self, iteration: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, span = self.stream.tokens, self.seq_len + 1
-        window = torch.from_numpy(np.stack([tokens[o:o + span] for o in self._offsets(iteration, mb)])
+        stream, span = self.stream, self.seq_len + 1
+        window = torch.from_numpy(np.stack([stream.read(o, span) for o in self._offsets(iteration, mb)])
                                   .astype(np.int64))
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()

@@ -5,6 +5,7 @@ worker starts, so that bad data gets one message rather than one per worker."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,8 @@ def config_stream(config: Config) -> TokenStream:
                               "own files: drop them or name a dataset file")
         return stream_of_bytes(builtin_corpus(), BUILTIN)
     path = _path(config, "dataset")
+    if str(path) != t.dataset:
+        where += f" ({path})"
     tokenizer = _path(config, "tokenizer") if t.tokenizer else None
     if tokenizer is not None and not tokenizer.is_file():
         raise ConfigError(f"[training] tokenizer = {t.tokenizer!r} is not a file; give the path of a local "
@@ -54,8 +57,7 @@ def config_stream(config: Config) -> TokenStream:
             raise ConfigError(f"{where} is a Hugging Face dataset folder, whose column types say how ids are "
                               "stored; drop [training] token_dtype")
         cached, column = encode_hf_dataset(path, t.dataset_column, tokenizer, where)
-        stream = open_token_file(cached, CACHE_DTYPE, where)
-        return TokenStream(stream.tokens, f"{path} (column {column!r})", stream.path)
+        return replace(open_token_file(cached, CACHE_DTYPE, where), source=f"{path} (column {column!r})")
     if not path.is_file():
         raise ConfigError(f"{where} is not a file; give a UTF-8 text file, a token file (with token_dtype), a "
                           "Hugging Face dataset folder (save_to_disk) or \"builtin\"")
@@ -68,8 +70,8 @@ def config_stream(config: Config) -> TokenStream:
                               "one of the two")
         return open_token_file(path, t.token_dtype, where)
     if tokenizer is not None:
-        stream = open_token_file(encode_text_file(path, tokenizer, where), CACHE_DTYPE, where)
-        return TokenStream(stream.tokens, f"{path} (tokenized)", stream.path)
+        return replace(open_token_file(encode_text_file(path, tokenizer, where), CACHE_DTYPE, where),
+                       source=f"{path} (tokenized)")
     if path.suffix == ".bin":
         raise ConfigError(f"{where} looks like a token file (.bin); give [training] token_dtype = 'uint16' "
                           "or 'uint32' (the width its ids were written with), or use a UTF-8 text file")
