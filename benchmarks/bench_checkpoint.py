@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from recycle.config import ModelSpec, Training
 from recycle.models.gpt import full_model
 from recycle.runtime import checkpoint
-from recycle.runtime.data import load_dataset, microbatch
+from recycle.data import builtin_windows
 from recycle.runtime.optim import make_optimizer
 
 
@@ -89,13 +89,13 @@ def run(mode_cls: type, preset: str, steps: int, every: int, root: Path) -> tupl
     training = Training(lr=1e-3)
     model = full_model(spec, 64, seed=0, dtype="float32")
     optimizer = make_optimizer(model, training)
-    dataset = load_dataset("builtin", 64)
+    load = builtin_windows(8, 64)
     mode = mode_cls(root, model, optimizer)
     step_times, blocked = [], []
     started = time.perf_counter()
     for step in range(steps + 1):
         t0 = time.perf_counter()
-        tokens, targets = microbatch(dataset, step, 0, 8, 64)
+        tokens, targets = load(step, 0)
         model(tokens, targets).backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -28,7 +28,7 @@ from torch.nn import functional as F
 
 from recycle.config import Config, parse_config
 from recycle.models.gpt import DTYPES, build_stages
-from recycle.runtime.data import load_dataset, microbatch
+from recycle.runtime.data import data_source
 from recycle.runtime.launcher import launch
 from recycle.runtime.optim import allreduce_grads
 from recycle.runtime.optim import make_optimizer
@@ -105,12 +105,11 @@ def _their_worker(rank: int, config: Config, port: int, steps: int, results: mp.
 
     # scale_grads=False: the loss already carries 1/(D*M), as in our runtime.
     schedule = Schedule1F1B(pipe_stage, M, loss_fn=loss_fn, scale_grads=False)
-    dataset = load_dataset(training.dataset, workload.seq_len)
+    load = data_source(config)
     ends, cpu = [], []
     for step in range(steps):
         cpu0 = time.process_time()
-        batches = [microbatch(dataset, step, replica * M + j, workload.microbatch_size, workload.seq_len)
-                   for j in range(M)]
+        batches = [load(step, replica * M + j) for j in range(M)]
         tokens = torch.cat([b[0] for b in batches])
         targets = torch.cat([b[1] for b in batches])
         if is_first:

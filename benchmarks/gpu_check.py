@@ -123,13 +123,13 @@ class _ThreadComm:
 def _train_in_threads(config: Any, plan: Any, device: torch.device) -> tuple[dict[int, torch.nn.Module], list]:
     """Train `plan` with every live worker on a thread on `device`; (rank -> stage module, per-rank results)."""
     from recycle.models.gpt import build_stages
-    from recycle.runtime.data import config_dataset, microbatch
+    from recycle.runtime.data import data_source
     from recycle.runtime.executor import StageExecutor
     from recycle.runtime.optim import make_optimizer
     from recycle.runtime.precision import weights_dtype
 
     training, workload = config.training, config.workload
-    dataset = config_dataset(config)
+    load = data_source(config)
     hub = _Hub(plan)
     modules: dict[int, torch.nn.Module] = {}
     results: dict[int, list] = {}
@@ -144,7 +144,7 @@ def _train_in_threads(config: Any, plan: Any, device: torch.device) -> tuple[dic
             shape = module.boundary_shape(workload.microbatch_size, workload.seq_len)
             executor = StageExecutor(
                 plan, rank, module, make_optimizer(module, training), _ThreadComm(hub, rank, device),
-                lambda it, mb: microbatch(dataset, it, mb, workload.microbatch_size, workload.seq_len),
+                load,
                 shape, shape, next(module.parameters()).dtype, grad_clip=training.grad_clip, seed=training.seed,
                 device=device, precision=training.dtype)
             results[rank] = [executor.run_iteration(step) for step in range(training.steps)]
@@ -229,12 +229,12 @@ def check_bf16(device: str = "cuda", preset: str = "gpt2", batch: int = 8, seq: 
     """The project's GPT forward + backward under recycle's "bfloat16" recipe (bf16 autocast over float32 weights)."""
     from recycle.config import ModelSpec
     from recycle.models.gpt import full_model
-    from recycle.runtime.data import load_dataset, microbatch
+    from recycle.data import builtin_windows
     from recycle.runtime.precision import autocast
 
     dev = torch.device(device)
     model = full_model(ModelSpec(preset=preset), seq, seed=0, dtype="float32").to(dev)
-    tokens, targets = (t.to(dev) for t in microbatch(load_dataset("builtin", seq), 0, 0, batch, seq))
+    tokens, targets = (t.to(dev) for t in builtin_windows(batch, seq)(0, 0))
     seen: list[torch.dtype] = []
     first_linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
     hook = first_linear.register_forward_hook(lambda _m, _i, output: seen.append(output.dtype))

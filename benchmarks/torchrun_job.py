@@ -34,7 +34,7 @@ from recycle.config import parse_config
 from recycle.ir import Plan
 from recycle.models.gpt import DTYPES
 from recycle.runtime import checkpoint
-from recycle.runtime.data import load_dataset, microbatch
+from recycle.runtime.data import data_source
 from recycle.runtime.emulate import Emulation, cost_pacer
 from recycle.runtime.executor import StageExecutor
 from recycle.runtime.stage import build_stage
@@ -97,7 +97,7 @@ def main() -> None:
     start = checkpoint.latest_step(ckpt) if (ckpt / "latest").is_file() else 0
     if start > 0:
         checkpoint.load_stage(ckpt, start, stage, built.module, optimizer)
-    dataset = load_dataset(training.dataset, workload.seq_len)
+    load = data_source(config)
 
     # The store torchrun's env points at (rank 0 hosts it; with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every attempt
     # gets a new MASTER_PORT), keyed by the attempt as well so that no key of a dead attempt is ever read.
@@ -120,9 +120,6 @@ def main() -> None:
                                                                          "time": time.time(),
                                                                          "action": str(action)}))
             time.sleep(args.timeout)  # the benchmark SIGKILLs this process now
-
-    def load(iteration: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return microbatch(dataset, iteration, mb, workload.microbatch_size, workload.seq_len)
 
     executor = StageExecutor(plan, rank, built.module, optimizer, transport, load, built.input_shape,
                              built.output_shape, DTYPES[training.dtype], grad_clip=training.grad_clip,

@@ -13,7 +13,7 @@ from torch import nn
 
 import recycle
 from recycle.models.split import StageModel, causal_lm_loss, split_model
-from recycle.runtime.data import load_dataset, microbatch
+from recycle.runtime.data import data_source
 from recycle.runtime.worker import make_optimizer
 
 CONFIG = {
@@ -56,11 +56,11 @@ def train_whole(config) -> dict[str, torch.Tensor]:
     """The same training, one process, the whole model: the D*M micro-batches of each step, loss scaled 1/(D*M)."""
     model = make_model(config).double()
     optimizer = make_optimizer(model, config.training)
-    data = load_dataset("builtin", config.workload.seq_len)
+    load = data_source(config)
     total = config.num_replicas * config.num_microbatches
     for step in range(config.training.steps):
         for mb in range(total):
-            tokens, targets = microbatch(data, step, mb, config.workload.microbatch_size, config.workload.seq_len)
+            tokens, targets = load(step, mb)
             (causal_lm_loss(model(tokens), targets) / total).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -4,6 +4,6 @@
 from recycle.data.corpus import builtin_corpus
 from recycle.data.source import DataSource, load_data_source, source_name
 from recycle.data.tokens import TokenStream
-from recycle.data.windows import TokenWindows
+from recycle.data.windows import TokenWindows, builtin_windows
 
-__all__ = ["DataSource", "TokenStream", "TokenWindows", "builtin_corpus", "load_data_source", "source_name"]
+__all__ = ["DataSource", "TokenStream", "TokenWindows", "builtin_corpus", "builtin_windows", "load_data_source", "source_name"]

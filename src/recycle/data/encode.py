@@ -109,7 +109,7 @@ def encode_text_file(path: Path, tokenizer: Path, where: str) -> Path:
 
 def _hf_split(path: Path, where: str) -> Any:
     try:
-        import datasets
+        import datasets  # type: ignore[import-untyped]
     except ImportError:
         raise ConfigError(f"{where} is a Hugging Face dataset folder, which needs the datasets package (pip install "
                           "datasets)") from None

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from recycle.data.corpus import splitmix64
-from recycle.data.tokens import TokenStream, check_length
+from recycle.data.corpus import builtin_corpus, splitmix64
+from recycle.data.tokens import TokenStream, check_length, stream_of_bytes
 from recycle.errors import ConfigError
 
-__all__ = ["ORDERS", "SPLITS", "TokenWindows", "permute"]
+__all__ = ["ORDERS", "SPLITS", "TokenWindows", "builtin_windows", "permute"]
 
 # "random": each sample a window at an offset hashed from (iteration, mb, sample), overlapping, with replacement
 # (the seed does not enter; the micro-batches every earlier run trained on). "epochs": the stream cut into
@@ -94,3 +94,9 @@ class TokenWindows:
         window = torch.from_numpy(np.stack([stream.read(o, span) for o in self._offsets(iteration, mb)])
                                   .astype(np.int64))
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def builtin_windows(microbatch_size: int, seq_len: int) -> TokenWindows:
+    """The built-in corpus in the default order, for any micro-batch shape (what a config that leaves the
+    [training] data keys out trains on, at its own shape)."""
+    return TokenWindows(stream_of_bytes(builtin_corpus(), "builtin"), microbatch_size, seq_len, per_iteration=1)
