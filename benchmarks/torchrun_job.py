@@ -90,7 +90,7 @@ def main() -> None:
         raise SystemExit(f"torchrun started {world} workers but the plan has {len(plan.live_ranks())}; pass "
                          f"--nproc-per-node {len(plan.live_ranks())}")
     replica, stage = plan.worker(rank)
-    training, workload = config.training, config.workload
+    training = config.training
     ckpt = out / "ckpt"
     built = build_stage(config, stage)
     optimizer = make_optimizer(built.module, training)
