@@ -6,4 +6,5 @@ from recycle.data.source import DataSource, load_data_source, source_name
 from recycle.data.tokens import TokenStream
 from recycle.data.windows import TokenWindows, builtin_windows
 
-__all__ = ["DataSource", "TokenStream", "TokenWindows", "builtin_corpus", "builtin_windows", "load_data_source", "source_name"]
+__all__ = ["DataSource", "TokenStream", "TokenWindows", "builtin_corpus", "builtin_windows", "load_data_source",
+           "source_name"]

@@ -91,9 +91,11 @@ class TokenWindows:
 
     def __call__(self, iteration: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         stream, span = self.stream, self.seq_len + 1
-        window = torch.from_numpy(np.stack([stream.read(o, span) for o in self._offsets(iteration, mb)])
-                                  .astype(np.int64))
-        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+        window = np.stack([stream.read(o, span) for o in self._offsets(iteration, mb)]).astype(np.int64)
+        # numpy's copies, not torch's .contiguous(): torch parallelises a copy this size over its intra-op threads,
+        # which costs milliseconds on a busy host (a worker's compute threads are busy).
+        inputs, targets = np.ascontiguousarray(window[:, :-1]), np.ascontiguousarray(window[:, 1:])
+        return torch.from_numpy(inputs), torch.from_numpy(targets)
 
 
 def builtin_windows(microbatch_size: int, seq_len: int) -> TokenWindows:
