@@ -24,5 +24,5 @@ def test_relative_dataset_resolves_beside_the_config(tmp_path, monkeypatch) -> N
     monkeypatch.chdir(elsewhere)
     dataset = config_stream(_config(tmp_path, "corpus.txt"))
     assert dataset.source == str(tmp_path / "corpus.txt") and len(dataset) == 53
-    with pytest.raises(ConfigError, match=r"\[training\] dataset = 'missing.txt' is not a file"):
+    with pytest.raises(ConfigError, match=r"\[training\] dataset = 'missing.txt' \(\S+/missing.txt\) is not a file"):
         config_stream(_config(tmp_path, "missing.txt"))
