@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from recycle.runtime.records import StoppedReport
-from recycle.runtime.coordinator import (AbortGeneration, Announce, Coordinator, Drain, FailRun, Fence, Move,
-                                         Respawn, describe_exit, stale_heartbeats)
+from recycle.runtime.coordinator import (AbortGeneration, Announce, Coordinator, Drain, FailRun, Fence, MarkLatest,
+                                         Move, Respawn, describe_exit, stale_heartbeats)
 
 D, S = 3, 2  # ranks: replica * S + stage -> (0,0)=0 (0,1)=1 (1,0)=2 (1,1)=3 (2,0)=4 (2,1)=5
 ALL = frozenset(range(D * S))
@@ -206,7 +206,7 @@ def test_a_joiner_that_dies_before_admission_is_forgotten() -> None:
 
 def test_a_lost_stage_restores_the_latest_checkpoint_with_replacements() -> None:
     c = Coordinator(D, S, ALL - {1, 3}, frozenset({(0, 1), (1, 1)}), end_step=20, report_timeout_s=10.0,
-                    checkpointing=True, reshape=False)
+                    checkpoint_every=1, reshape=False)
     c.on_checkpoint(8)
     c.on_checkpoint(4)  # an older one reported late does not move it back
     commands = c.on_death(5, "worker 2:1 died", 3.0)
@@ -223,17 +223,17 @@ def test_a_lost_stage_restores_the_latest_checkpoint_with_replacements() -> None
     assert isinstance(drain, Drain) and drain.generation == 1
 
 
-@pytest.mark.parametrize("checkpointing,message", [(False, "writes no checkpoints"), (True, "no checkpoint is complete")])
-def test_a_lost_stage_without_a_checkpoint_fails_with_a_clear_message(checkpointing: bool, message: str) -> None:
+@pytest.mark.parametrize("every,message", [(0, "writes no checkpoints"), (1, "no checkpoint is complete")])
+def test_a_lost_stage_without_a_checkpoint_fails_with_a_clear_message(every: int, message: str) -> None:
     c = Coordinator(D, S, ALL - {1, 3}, frozenset({(0, 1), (1, 1)}), end_step=20, report_timeout_s=10.0,
-                    checkpointing=checkpointing)
+                    checkpoint_every=every)
     (fail,) = c.on_death(5, "worker 2:1 died", 3.0)
     assert isinstance(fail, FailRun) and message in fail.message and "--resume" in fail.message
 
 
 def test_a_restore_without_any_replacement_gives_up_after_the_report_timeout() -> None:
     c = Coordinator(D, S, ALL - {1, 3}, frozenset({(0, 1), (1, 1)}), end_step=20, report_timeout_s=10.0,
-                    checkpointing=True, reshape=False)
+                    checkpoint_every=1, reshape=False)
     c.on_checkpoint(4)
     c.on_death(5, "died", 0.0)
     for rank in (0, 2, 4):
@@ -247,7 +247,7 @@ def test_a_lost_stage_is_refilled_by_moving_a_worker_of_the_stage_with_the_most_
     """Reshape: stage 1 loses its last replica while stage 0 has three; worker 2:0 (the last replica of stage 0) is
     stopped and its pipeline's stage-1 slot (2:1, rank 5) started in its place: no spare machine needed."""
     c = Coordinator(D, S, ALL - {1, 3}, frozenset({(0, 1), (1, 1)}), end_step=20, report_timeout_s=10.0,
-                    checkpointing=True)
+                    checkpoint_every=1)
     c.on_checkpoint(8)
     commands = c.on_death(5, "worker 2:1 died", 3.0)
     assert kinds(commands) == [Move, AbortGeneration]
@@ -266,7 +266,7 @@ def test_a_lost_stage_is_refilled_by_moving_a_worker_of_the_stage_with_the_most_
 
 def test_a_lost_stage_with_a_replacement_already_waiting_needs_no_respawn() -> None:
     c = Coordinator(D, S, ALL - {1, 3}, frozenset({(0, 1), (1, 1)}), end_step=20, report_timeout_s=10.0,
-                    checkpointing=True)
+                    checkpoint_every=1)
     c.on_checkpoint(8)
     c.on_join_ready(1, 2.0)  # 0:1 is repaired and waits for an iteration boundary
     commands = c.on_death(5, "worker 2:1 died", 3.0)
@@ -284,7 +284,7 @@ def test_a_lost_stage_with_a_replacement_already_waiting_needs_no_respawn() -> N
 def test_reshape_falls_back_to_respawn_when_no_stage_has_a_replica_to_spare() -> None:
     # Stage 0 keeps only worker 0:0: moving it would lose stage 0 too.
     c = Coordinator(D, S, frozenset({0, 5}), frozenset({(1, 0), (2, 0), (0, 1), (1, 1)}), end_step=20,
-                    report_timeout_s=10.0, checkpointing=True)
+                    report_timeout_s=10.0, checkpoint_every=1)
     c.on_checkpoint(4)
     commands = c.on_death(5, "worker 2:1 died", 1.0)
     assert kinds(commands) == [Respawn, AbortGeneration] and commands[0].ranks == {1, 3, 5}
@@ -293,7 +293,7 @@ def test_reshape_falls_back_to_respawn_when_no_stage_has_a_replica_to_spare() ->
 def test_the_donor_comes_from_the_fullest_stage() -> None:
     # D=4, S=3. Stage 0 keeps only 0:0; stage 1 has 4 live replicas (ranks 1, 4, 7, 10), stage 2 has 3.
     c = Coordinator(4, 3, frozenset(range(12)) - {3, 6, 9, 2}, frozenset({(1, 0), (2, 0), (3, 0), (0, 2)}),
-                    end_step=20, report_timeout_s=10.0, checkpointing=True)
+                    end_step=20, report_timeout_s=10.0, checkpoint_every=1)
     c.on_checkpoint(2)
     moves = [cmd for cmd in c.on_death(0, "worker 0:0 died", 1.0) if isinstance(cmd, Move)]
     # 3:1 moves into 3:0 (counts 0/4/3 -> 1/3/3), then 2:1 into 2:0 (-> 2/2/3): within one of each other.
@@ -304,7 +304,7 @@ def test_reshape_evens_out_the_stages_and_waits_for_every_moved_worker() -> None
     """D=4, S=2: stage 1 loses all four replicas. Two workers of stage 0 move (3:0 -> 3:1, 2:0 -> 2:1), as a
     D' = live // S = 2 pipeline layout would hold them; the restore waits for both."""
     c = Coordinator(4, 2, frozenset({0, 2, 4, 6, 7}), frozenset({(0, 1), (1, 1), (2, 1)}), end_step=20,
-                    report_timeout_s=10.0, checkpointing=True)
+                    report_timeout_s=10.0, checkpoint_every=1)
     c.on_checkpoint(6)
     commands = c.on_death(7, "worker 3:1 died", 1.0)
     assert [(m.donor, m.rank) for m in commands if isinstance(m, Move)] == [(6, 7), (4, 5)]
@@ -321,7 +321,7 @@ def _stage_1_lost_with_one_mover_up() -> Coordinator:
     """D=4, S=2: stage 1's last replica (3:1) dies after a checkpoint of step 6; 3:0 -> 3:1 and 2:0 -> 2:1 move; the
     survivors have reported and 3:1's new process is up, 2:1's (rank 5) not yet."""
     c = Coordinator(4, 2, frozenset({0, 2, 4, 6, 7}), frozenset({(0, 1), (1, 1), (2, 1)}), end_step=20,
-                    report_timeout_s=10.0, checkpointing=True)
+                    report_timeout_s=10.0, checkpoint_every=1)
     c.on_checkpoint(6)
     c.on_death(7, "worker 3:1 died", 0.0)
     for rank in (0, 2):
@@ -399,3 +399,131 @@ def test_a_replacement_that_dies_after_the_run_finished_is_not_a_crash() -> None
     c.on_join_ready(5, 3.0)
     assert c.on_death(5, "killed by SIGKILL", 4.0) == []
     assert not c.state.recovering and c.state.joining == frozenset()
+
+
+# -- checkpoints, repairs, reporting and the plan check ------------------------------------------------------------
+def test_a_checkpoint_is_marked_only_once_every_stage_shard_is_written_and_until_it_is_marked() -> None:
+    c = Coordinator(D, S, ALL, frozenset(), end_step=6, report_timeout_s=10.0, checkpoint_every=2, start_step=0)
+    assert c.awaited_shards() == [(2, 0), (2, 1)]  # next_step 0: no worker can have written step 4 yet
+    assert c.on_shards_written([(2, 0)]) == []
+    assert c.awaited_shards() == [(2, 1)]
+    assert c.on_shards_written([(2, 1)]) == [MarkLatest(2)]
+    assert c.on_shards_written([]) == [MarkLatest(2)]  # not marked yet (a shard was being written again): again
+    c.on_checkpoint(2)
+    assert c.state.latest_checkpoint == 2 and c.on_shards_written([]) == [] and c.awaited_shards() == []
+
+
+def test_only_the_newest_complete_checkpoint_is_marked_and_older_pending_ones_go_with_it() -> None:
+    c = Coordinator(D, S, ALL, frozenset(), end_step=8, report_timeout_s=10.0, checkpoint_every=2, start_step=0)
+    for step in range(4):
+        c.on_step_reported(step)
+    assert c.awaited_shards() == [(d, s) for d in (2, 4, 6) for s in range(S)]
+    assert c.on_shards_written([(2, 0), (4, 0), (4, 1), (6, 1)]) == [MarkLatest(4)]  # step 2 lacks stage 1
+    c.on_checkpoint(4)
+    assert c.awaited_shards() == [(6, 0)]  # step 2 can no longer be completed: its writer moved on
+
+
+def test_a_dead_local_worker_is_respawned_once_its_repair_is_due() -> None:
+    c = Coordinator(D, S, ALL, frozenset(), end_step=10, report_timeout_s=10.0, local=ALL, respawn_after_s=2.0)
+    c.on_death(3, "died", 1.0)
+    c.on_crashed(3, 1.0)
+    c.on_crashed(9, 1.0)  # not this node's: its own launcher repairs it
+    assert c.on_repair_check(2.5, running=ALL - {3}) == []
+    (respawn,) = c.on_repair_check(3.0, running=ALL - {3})
+    assert isinstance(respawn, Respawn) and respawn.ranks == {3}
+    assert c.on_repair_check(4.0, running=ALL - {3}) == []  # once
+
+
+def test_a_repair_waits_for_a_frozen_worker_to_be_declared_dead_and_is_dropped_when_nothing_is_down() -> None:
+    c = Coordinator(D, S, ALL, frozenset(), end_step=10, report_timeout_s=10.0, local=ALL)
+    c.on_repair_planned(3, at=1.0)  # chaos froze it: its process still runs
+    c.on_repair_planned(4, at=1.0)  # chaos killed it, but its exit was fenced, not a failure
+    assert c.on_repair_check(2.0, running=ALL - {4}) == []
+    assert c.repairs.at == {3: 1.0}
+    c.on_death(3, "stopped responding", 2.5, fence=True)
+    assert [r.ranks for r in c.on_repair_check(3.0, running=ALL - {4})] == [{3}]
+
+
+def test_a_repaired_machine_takes_the_slot_a_reshape_donor_left() -> None:
+    c = Coordinator(D, S, ALL - {1, 3}, frozenset({(0, 1), (1, 1)}), end_step=20, report_timeout_s=10.0,
+                    checkpoint_every=1, local=ALL, respawn_after_s=1.0)
+    c.on_checkpoint(8)
+    (move, _) = c.on_death(5, "worker 2:1 died", 3.0)
+    assert (move.donor, move.rank) == (4, 5)
+    c.on_crashed(5, 3.0)
+    (respawn,) = c.on_repair_check(4.5, running=ALL - {1, 3, 4, 5})
+    assert respawn.ranks == {4}  # 2:0, the donor's slot, not 2:1, which the moved worker fills
+
+
+def test_a_scripted_rejoin_comes_once_the_reports_reach_its_step() -> None:
+    c = Coordinator(D, S, ALL - {3}, frozenset({(1, 1)}), end_step=10, report_timeout_s=10.0, local=ALL - {5},
+                    rejoins=[(5, 1), (3, 2)])
+    c.on_step_reported(0)
+    assert c.on_repair_check(0.0, running=ALL - {3}) == []  # step 1: worker 5 is not down, nothing to bring back
+    c.on_step_reported(1)
+    assert [r.ranks for r in c.on_repair_check(0.0, running=ALL - {3})] == [{3}]
+    assert c.repairs.rejoins == []
+
+
+def test_a_drain_stops_the_workers_past_the_step_they_can_have_reached() -> None:
+    c = coordinator(live=ALL - {3}, failed=frozenset({(1, 1)}))
+    c.on_step_reported(4)
+    (drain,) = c.on_join_ready(3, 1.0)
+    assert drain.stop_before == 5 + 3  # every worker is at most in step 6
+
+
+def _admit_replacement(c: Coordinator) -> Announce:
+    c.on_join_ready(3, 1.0)
+    for rank in (0, 1, 2, 4):
+        c.on_stopped(report(rank, applied=4, current=0), 1.1)
+    (announce,) = c.on_stopped(report(5, applied=4, current=0), 1.1)
+    return announce
+
+
+def test_a_replacement_counts_from_its_redo_step_once_the_plan_is_accepted() -> None:
+    c = coordinator(live=ALL - {3}, failed=frozenset({(1, 1)}))
+    assert c.members(0) == [0, 1, 2, 4, 5]
+    announce = _admit_replacement(c)
+    assert announce.facts.redo_step == 5
+    assert c.on_plan_chosen(sorted(ALL)) == []
+    assert c.members(4) == [0, 1, 2, 4, 5] and c.members(5) == sorted(ALL)
+
+
+def test_a_plan_for_other_workers_than_the_generation_is_refused() -> None:
+    c = coordinator(live=ALL - {3}, failed=frozenset({(1, 1)}))
+    _admit_replacement(c)
+    (fail,) = c.on_plan_chosen([0, 1, 2, 4, 5])
+    assert isinstance(fail, FailRun) and "live workers [0, 1, 2, 4, 5] are not the live workers [0, 1, 2, 3, 4, 5]" \
+        in fail.message
+    assert c.state.finished
+
+
+def test_workers_that_finished_belong_to_the_plan_of_a_last_recovery() -> None:
+    c = coordinator(end_step=10)
+    c.on_done(0, 1.0)
+    c.on_done(1, 1.0)
+    c.on_death(3, "died", 1.1)
+    for rank in (2, 4, 5):
+        c.on_stopped(report(rank, applied=8), 1.2)
+    assert c.participants() == ALL - {3}
+    assert c.on_plan_chosen([0, 1, 2, 4, 5]) == []
+
+
+def test_an_accepted_restore_reports_and_checkpoints_the_steps_after_its_checkpoint_again() -> None:
+    c = Coordinator(D, S, ALL - {1, 3}, frozenset({(0, 1), (1, 1)}), end_step=20, report_timeout_s=10.0,
+                    checkpoint_every=4, reshape=False, start_step=0)
+    for step in range(10):
+        c.on_step_reported(step)
+    c.on_shards_written([(8, 0), (8, 1), (12, 0)])
+    c.on_checkpoint(8)
+    c.on_death(5, "worker 2:1 died", 3.0)
+    for rank in (0, 2, 4):
+        c.on_stopped(report(rank, applied=10), 3.1)
+    (announce,) = c.on_join_ready(3, 4.0)
+    assert announce.facts.restore_step == 8 and c.next_step == 10  # not before the plan is accepted
+    assert c.on_plan_chosen([0, 2, 3, 4]) == []
+    assert c.next_step == 8 and c.checkpoints.pending == [12, 16, 20]
+    c.on_step_reported(8)
+    c.on_step_reported(9)
+    assert c.awaited_shards() == [(12, 0), (12, 1)]  # step 12's old shard is stale: it is written again
+

@@ -17,7 +17,7 @@ from recycle.runtime.store import StoreClient, StoreServer
 
 __all__ = ["TOKEN_ENV", "new_token", "read_token", "host_store", "connect_store", "new_incarnation",
            "worker_identity", "worker_fence_prefix", "launcher_identity", "launcher_fence_prefix", "Keys", "Channel",
-           "Channels", "JobStore"]
+           "Channels", "Flag", "Flags", "JobStore"]
 
 TOKEN_ENV = "RECYCLE_JOB_TOKEN"
 _TOKEN_BYTES = 24  # 192 bits: the key of every peer's handshake and of every frame's MAC
@@ -218,9 +218,34 @@ class Channels:
     FAULT = Channel(Keys.fault, FaultRecord)  # (rank)
 
 
+@dataclass(frozen=True)
+class Flag:
+    """A key of the job store that only matters by being there; what it holds, if anything, is a short text (a
+    reason for people, an exit code). Declared once (Flags), tested and raised only through JobStore."""
+
+    key: str | Callable[..., str]  # a fixed name, or the name from its fields (a Keys method)
+
+    def name(self, *key: int) -> str:
+        return self.key if isinstance(self.key, str) else self.key(*key)
+
+
+class Flags:
+    """Every flag the launchers and the coordinator raise, by key."""
+
+    FINISHED = Flag(Keys.FINISHED)  # the run is over (multi-node: the other launchers stop)
+    ABORT_RUN = Flag(Keys.ABORT_RUN)  # the run failed: holds the message
+    RUNNING = Flag(Keys.RUNNING)
+    EXITED = Flag(Keys.exited)  # (rank): a remote worker's process ended; holds its exit code
+    FENCE = Flag(Keys.fence)  # (rank): kill the remote worker; holds the reason
+    RESPAWN = Flag(Keys.respawn)  # (rank): start the remote worker again; holds the reason
+    NODE_DONE = Flag(Keys.node_done)  # (node)
+    CHECKPOINTED = Flag(Keys.checkpointed)  # (done steps, stage): the stage's shard of that step is written
+
+
 class JobStore:
     """Typed access to the job store: `put` a record on a channel, `read` it (None when absent) or `get` it (waits
-    for it). `raw` is the store itself, for the plain keys (abort, drain, counters, the plan)."""
+    for it); raise, test and lower flags. `raw` is the store itself, for the plain keys (abort, drain, counters, the
+    plan)."""
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
@@ -237,3 +262,17 @@ class JobStore:
 
     def delete(self, channel: Channel[Any], *key: int) -> None:
         self.raw.delete_key(channel.key(*key))
+
+    def is_set(self, flag: Flag, *key: int) -> bool:
+        return bool(self.raw.check([flag.name(*key)]))
+
+    def raise_flag(self, flag: Flag, *key: int, text: str = "1") -> None:
+        self.raw.set(flag.name(*key), text)
+
+    def lower_flag(self, flag: Flag, *key: int) -> None:
+        self.raw.delete_key(flag.name(*key))
+
+    def flag_text(self, flag: Flag, *key: int) -> str | None:
+        """What a raised flag holds; None while it is not raised."""
+        value = self.raw.try_get(flag.name(*key))
+        return None if value is None else value.decode()

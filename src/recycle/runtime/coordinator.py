@@ -1,17 +1,18 @@
-"""The coordinator's decisions as a pure state machine: facts in (a worker died, stopped, hung, raised), commands
-out (fence, abort a generation, announce the next one, fail the run). No processes, sockets or clocks of its own,
-so every transition is unit-tested with plain values (tests/unit/test_coordinator.py)."""
+"""The coordinator's decisions as a pure state machine: facts in (a worker died, stopped, hung, raised, a shard was
+written, a plan was chosen), commands out (fence, abort a generation, announce the next one, respawn, mark a
+checkpoint, fail the run). No processes, sockets or clocks of its own, so every transition is unit-tested with plain
+values (tests/unit/test_coordinator.py)."""
 
 from __future__ import annotations
 
 import signal
 from dataclasses import dataclass, field, replace
-from typing import Union
+from typing import Iterable, Union
 
 from recycle.runtime.records import StoppedReport
 
-__all__ = ["Death", "Fence", "AbortGeneration", "Drain", "Respawn", "Move", "Announce", "FailRun", "Command",
-           "RecoveryFacts", "RunState", "Coordinator", "describe_exit", "stale_heartbeats", "Progress", "track_progress",
+__all__ = ["Death", "Fence", "AbortGeneration", "Drain", "Respawn", "Move", "Announce", "FailRun", "MarkLatest",
+           "Command", "RecoveryFacts", "RunState", "Checkpoints", "Repairs", "Coordinator", "describe_exit", "stale_heartbeats", "Progress", "track_progress",
            "hung_workers", "hang_limit_s"]
 
 
@@ -96,10 +97,12 @@ class AbortGeneration:
 
 @dataclass(frozen=True)
 class Drain:
-    """Ask every worker of `generation` to stop at the next iteration boundary and report (to admit joiners)."""
+    """Ask every worker of `generation` to stop at the iteration boundary before `stop_before` (a 0-based step) and
+    report (to admit joiners)."""
 
     generation: int
     reason: str
+    stop_before: int
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,15 @@ class FailRun:
     message: str
 
 
-Command = Union[Fence, AbortGeneration, Drain, Respawn, Move, Announce, FailRun]
+@dataclass(frozen=True)
+class MarkLatest:
+    """Every stage's shard of the checkpoint after `step` steps is written: merge it and point `latest` at it; once
+    that is done, say so with on_checkpoint (it can fail while a writer saves the step again: then it comes again)."""
+
+    step: int
+
+
+Command = Union[Fence, AbortGeneration, Drain, Respawn, Move, Announce, FailRun, MarkLatest]
 
 
 @dataclass(frozen=True)
@@ -178,6 +189,75 @@ class RunState:
     moving: frozenset[int] = frozenset()  # ranks of `moved` whose new process is not up yet (the restore waits)
 
 
+class Checkpoints:
+    """Which checkpoints the run still waits for and which of their stage shards are written: a step is complete
+    (ready to be marked `latest`) once every stage's shard of it is, never before."""
+
+    def __init__(self, num_stages: int, every: int, start_step: int, end_step: int) -> None:
+        self.num_stages, self.every, self.end_step = num_stages, every, end_step
+        self.pending = self._due_after(start_step)
+        self.written: set[tuple[int, int]] = set()  # (done steps, stage) of pending steps
+
+    def _due_after(self, step: int) -> list[int]:
+        return [d for d in range(step + 1, self.end_step + 1) if self.every > 0 and d % self.every == 0]
+
+    def awaited(self, next_step: int) -> list[tuple[int, int]]:
+        """The shards (done steps, stage) not yet seen written, of steps a worker can have reached: every worker is
+        at most in next_step + 1, so it can have written at most done step next_step + 2."""
+        return [(d, s) for d in self.pending if d <= next_step + 2 for s in range(self.num_stages)
+                if (d, s) not in self.written]
+
+    def newest_complete(self, shards: Iterable[tuple[int, int]]) -> int | None:
+        """With `shards` written too, the newest pending step whose every shard is written (None: none is)."""
+        self.written.update(shards)
+        complete = [d for d in self.pending if all((d, s) in self.written for s in range(self.num_stages))]
+        return complete[-1] if complete else None
+
+    def marked(self, step: int) -> None:
+        """`latest` points at `step`. Older pending steps go with it: a writer has one checkpoint in flight, so an
+        older step still incomplete lost its writer and can no longer be written (its state is gone)."""
+        self.pending = [d for d in self.pending if d > step]
+        self.written = {(d, s) for d, s in self.written if d > step}
+
+    def restart_from(self, step: int) -> None:
+        """A checkpoint restore: the steps after `step` run again, and so are written again."""
+        self.pending = self._due_after(step)
+        self.written = {(d, s) for d, s in self.written if d <= step}
+
+
+class Repairs:
+    """When dead workers of node 0 come back: a repair time per rank (--respawn-after, chaos) and scripted re-joins
+    at a step. A repaired machine takes the slot a reshape's donor left empty when a moved worker holds its own."""
+
+    def __init__(self, local: frozenset[int], respawn_after_s: float | None,
+                 rejoins: Iterable[tuple[int, int]]) -> None:
+        self.local, self.respawn_after_s = local, respawn_after_s
+        self.at: dict[int, float] = {}  # rank -> when to bring it back
+        self.vacated: dict[int, int] = {}  # a lost stage's slot -> the slot its reshape donor left empty
+        self.rejoins = sorted(rejoins, key=lambda item: item[1])  # (rank, 0-based step)
+
+    def due(self, now: float, next_step: int, failed: frozenset[int], running: frozenset[int]) -> list[int]:
+        """The ranks to start again now, given the failed ranks and the local ones whose process runs."""
+        ranks: list[int] = []
+        for rank, at in sorted(self.at.items()):
+            if now < at:
+                continue
+            if self.vacated.get(rank) in failed:
+                del self.at[rank]
+                ranks.append(self.vacated.pop(rank))
+            elif rank in failed:
+                del self.at[rank]
+                ranks.append(rank)
+            elif rank not in running:
+                del self.at[rank]  # nothing to repair
+            # else: a frozen worker not yet declared dead: repaired once it is
+        while self.rejoins and next_step >= self.rejoins[0][1]:
+            rank, _ = self.rejoins.pop(0)
+            if rank in failed and rank in self.local:
+                ranks.append(rank)
+        return ranks
+
+
 class Coordinator:
     """Decides what a failure means. Call the `on_*` methods with facts; execute the commands they return.
 
@@ -200,28 +280,48 @@ class Coordinator:
       not yet applied, so all stages redo the same iterations (at most the one in flight).
     - Recoveries in which nobody died (a transient network error) are retried with the same workers, at most
       `max_retries` times in a row.
+    - A plan for the new generation must run exactly its workers (and those that finished); otherwise the run fails.
+    - Steps are reported in order, each once every member has finished it; a replacement is a member from its redo
+      step on. A checkpoint is complete once every stage's shard is written.
+    - With `respawn_after_s`, a local worker whose process failed is started again after that delay (a stand-in for
+      repair); scripted `rejoins` bring a worker back once the reports reach their step.
     """
 
     def __init__(self, num_replicas: int, num_stages: int, live: frozenset[int], failed: frozenset[tuple[int, int]],
-                 end_step: int, report_timeout_s: float, max_retries: int = 3, checkpointing: bool = False,
-                 reshape: bool = True, start_step: int | None = None) -> None:
+                 end_step: int, report_timeout_s: float, max_retries: int = 3, checkpoint_every: int = 0,
+                 reshape: bool = True, start_step: int | None = None, local: frozenset[int] = frozenset(),
+                 respawn_after_s: float | None = None, rejoins: Iterable[tuple[int, int]] = ()) -> None:
         self.num_replicas = num_replicas
         self.num_stages = num_stages
         self.end_step = end_step
-        self.checkpointing = checkpointing
+        self.checkpointing = checkpoint_every > 0
         self.reshape = reshape
         self.report_timeout_s = report_timeout_s
         self.max_retries = max_retries
         # A checkpointing run can always restore its start: step 0 is a pure function of the seed, a resumed run's
         # start is the checkpoint it resumed from. So a stage lost before the first checkpoint completes is survived.
         self.state = RunState(generation=0, live=frozenset(live), failed=frozenset(failed),
-                              latest_checkpoint=start_step if checkpointing else None)
+                              latest_checkpoint=start_step if self.checkpointing else None)
+        self.next_step = start_step or 0  # the 0-based step reported next
+        self.done: frozenset[int] = frozenset()  # ranks that finished every step and exited, over all generations
+        self.member_from: dict[int, int] = {}  # rank -> first step it reports (a replacement: its redo step)
+        self.announced: RecoveryFacts | None = None  # the generation announced, until its plan is chosen
+        self.checkpoints = Checkpoints(num_stages, checkpoint_every, self.next_step, end_step)
+        self.repairs = Repairs(local, respawn_after_s, rejoins)
 
     def worker(self, rank: int) -> tuple[int, int]:
         return divmod(rank, self.num_stages)
 
     def rank(self, replica: int, stage: int) -> int:
         return replica * self.num_stages + stage
+
+    def members(self, step: int) -> list[int]:
+        """The live ranks whose record of `step` (0-based) it takes to report it."""
+        return [r for r in sorted(self.state.live) if self.member_from.get(r, 0) <= step]
+
+    def participants(self) -> frozenset[int]:
+        """Every rank of the run that has not died: the live ones and those that finished."""
+        return self.state.live | self.done
 
     # -- facts ---------------------------------------------------------------------------------------------------
     def on_death(self, rank: int, cause: str, now: float, fence: bool = False) -> list[Command]:
@@ -298,6 +398,7 @@ class Coordinator:
         state = self.state
         self.state = replace(state, live=state.live - {donor}, failed=state.failed | {(replica, donor_stage)},
                              moved=state.moved + ((donor, rank),), moving=state.moving | {rank})
+        self.repairs.vacated[rank] = donor
         return [Move(donor, rank, f"{reason}; worker {replica}:{donor_stage} moves to stage {stage} (reshape: no "
                                   "spare machine needed)")]
 
@@ -312,12 +413,61 @@ class Coordinator:
         if state.recovering:
             return self._maybe_announce(now)
         self.state = replace(self.state, recovering=True, recovery_started=now)
-        return [Drain(state.generation, f"worker {'%d:%d' % self.worker(rank)} is back")]
+        # Every worker is at most in next_step + 1 now: the one after is a boundary each can still stop at.
+        return [Drain(state.generation, f"worker {'%d:%d' % self.worker(rank)} is back", self.next_step + 3)]
+
+    def on_shards_written(self, shards: Iterable[tuple[int, int]]) -> list[Command]:
+        """These stage shards (done steps, stage) are written (of those `awaited_shards` asked about; none is a
+        poll): mark the newest checkpoint whose every shard is, until on_checkpoint says it is marked."""
+        step = self.checkpoints.newest_complete(shards)
+        return [] if step is None else [MarkLatest(step)]
+
+    def awaited_shards(self) -> list[tuple[int, int]]:
+        """The stage shards (done steps, stage) worth looking for now."""
+        return self.checkpoints.awaited(self.next_step)
 
     def on_checkpoint(self, done_steps: int) -> None:
-        """Every stage's file of `done_steps` is complete."""
+        """The checkpoint of `done_steps` is complete and marked `latest`."""
         latest = self.state.latest_checkpoint
         self.state = replace(self.state, latest_checkpoint=done_steps if latest is None else max(latest, done_steps))
+        self.checkpoints.marked(done_steps)
+
+    def on_step_reported(self, step: int) -> None:
+        """Every member's record of `step` (0-based) is in and the step is reported."""
+        self.next_step = step + 1
+
+    def on_plan_chosen(self, live_ranks: list[int]) -> list[Command]:
+        """The plan provider's plan for the generation just announced runs `live_ranks`. Refused (the run fails)
+        unless they are its live workers and those that finished. Accepted: its replacements report from the redo
+        step on, and a restore reports (and checkpoints) the steps after its checkpoint again."""
+        facts = self.announced
+        assert facts is not None, "on_plan_chosen without an announced generation"
+        if set(live_ranks) != self.participants():
+            self.state = replace(self.state, finished=True)
+            return [FailRun(f"the plan provider returned a plan whose live workers {live_ranks} are not the live "
+                            f"workers {sorted(self.state.live)}")]
+        self.announced = None
+        for rank in facts.joining:
+            self.member_from[rank] = facts.redo_step
+        if facts.restore_step is not None:
+            self.next_step = min(self.next_step, facts.restore_step)
+            self.checkpoints.restart_from(facts.restore_step)
+        return []
+
+    def on_crashed(self, rank: int, now: float) -> None:
+        """A worker's process ended in failure (not fenced, not done): a local one comes back after respawn_after_s."""
+        if rank in self.repairs.local and self.repairs.respawn_after_s is not None:
+            self.repairs.at[rank] = now + self.repairs.respawn_after_s
+
+    def on_repair_planned(self, rank: int, at: float) -> None:
+        """A local worker's machine is repaired at `at` (chaos: the repair of what it broke)."""
+        self.repairs.at[rank] = at
+
+    def on_repair_check(self, now: float, running: frozenset[int]) -> list[Command]:
+        """Time passes; `running`: the local ranks whose process runs. Respawn the workers whose repair is due."""
+        failed = frozenset(self.rank(p, s) for p, s in self.state.failed)
+        return [Respawn(frozenset({rank}), "its machine is repaired")
+                for rank in self.repairs.due(now, self.next_step, failed, running)]
 
     def on_stopped(self, report: StoppedReport, now: float) -> list[Command]:
         """A worker left the current generation after a communication error or an abort."""
@@ -334,7 +484,10 @@ class Coordinator:
         """A worker ran every step and exited cleanly. It counts as reported (with every step applied) if a failure
         at the very end, in the final barrier, starts a recovery it will never join."""
         state = self.state
-        if rank not in state.live or state.finished:
+        if rank not in state.live:
+            return []
+        self.done |= {rank}
+        if state.finished:
             return []
         self.state = replace(state, done=state.done | {rank})
         return self._maybe_announce(now)
@@ -426,4 +579,5 @@ class Coordinator:
                               moved=state.moved)
         self.state = RunState(generation=generation, live=live, failed=failed, retries=retries,
                               joining=state.joining - joining, latest_checkpoint=state.latest_checkpoint)
+        self.announced = facts
         return [Announce(live, facts)]
