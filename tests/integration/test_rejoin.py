@@ -116,7 +116,7 @@ def test_lost_stage_is_restored_from_the_latest_checkpoint(tmp_path, policy: str
     restore = next(r for r in result.recoveries if r.restored_step is not None)
     assert restore.restored_step == 4 and restore.steps_lost == 1 and restore.step == 5
     if policy == "reshape":
-        assert restore.moved == ("1:0 -> 1:1",) and restore.joined == ("1:1",)
+        assert restore.moved == (((1, 0), (1, 1)),) and restore.joined == ("1:1",)
         assert "worker 1:0 moved to stage 1 as 1:1 (reshape)" in restore.line()
         assert result.failed == ((0, 1), (1, 0))  # two live workers, one per stage: the job runs on
     else:
@@ -147,7 +147,7 @@ def test_reshape_evens_out_the_live_workers_across_stages(tmp_path) -> None:
                  checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2)
     assert_exact(result, tmp_path, 4, 2)
     restore = next(r for r in result.recoveries if r.restored_step is not None)
-    assert restore.moved == ("3:0 -> 3:1", "2:0 -> 2:1") and sorted(restore.joined) == ["2:1", "3:1"]
+    assert restore.moved == (((3, 0), (3, 1)), ((2, 0), (2, 1))) and sorted(restore.joined) == ["2:1", "3:1"]
     assert result.failed == ((0, 1), (1, 1), (2, 0), (3, 0))
 
 

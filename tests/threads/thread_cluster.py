@@ -20,8 +20,11 @@ from recycle.runtime.fakes import FaultyComm, MemoryNetwork
 from recycle.runtime.faults import FaultInjection, fire
 from recycle.runtime.options import LaunchOptions, with_keywords
 from recycle.ir import PlanChoice
-from recycle.runtime.launcher import Recovery, StepMetrics, _Coordination, _spec_maker
+from recycle.runtime.launcher import _spec_maker
+from recycle.runtime.processes import WorkerProcesses
+from recycle.runtime.reporter import Recovery, StepMetrics
 from recycle.runtime.store import LocalStore, StoreFenced, StoreServer
+from recycle.runtime.supervisor import Supervisor
 from recycle.runtime.worker import EXIT_FENCED, WorkerHooks, WorkerSpec, run_worker
 
 _PIDS = itertools.count(1 << 30)  # above any kernel's pid_max: a signal the launcher sends to one reaches nobody
@@ -222,6 +225,7 @@ class ThreadCluster:
         self.rejoined = {self.rank(worker): (step, threading.Event()) for worker, step in injector.rejoins}
         cluster = replace(options.cluster, master_port=self.server.port, token=self.token)
         self._spec_for = _spec_maker(config, plan, options, cluster, 0, self.end_step, plan.live_ranks())
+        self.workers = WorkerProcesses(JobStore(self.store), self.spawn)
 
     def rank(self, worker: tuple[int, int]) -> int:
         return self.plan.rank(*worker)
@@ -238,9 +242,7 @@ class ThreadCluster:
                 ready.set()  # the launcher deletes the key when it admits the replacement
 
     def spawn(self, rank: int, joining: bool) -> ThreadProcess:
-        if joining:
-            for key in (Keys.join_ready(rank), Keys.join_generation(rank), Keys.exited(rank), Keys.error(rank)):
-                self.store.delete_key(key)  # left by an earlier life of this rank
+        """A worker 'process' started as `rank` (WorkerProcesses' spawner)."""
         process = ThreadProcess(self, rank, self._spec_for(rank, joining))
         self.processes[rank] = process
         process.start()
@@ -249,11 +251,11 @@ class ThreadCluster:
     def run(self) -> Outcome:
         started = time.perf_counter()
         for rank in self.plan.live_ranks():
-            self.spawn(rank, joining=False)
+            self.workers.start(rank, joining=False)
         server = _KillingServer(self.server, self.processes)
-        coordination = _Coordination(self.config, self.plan, self.options, self.store, self.processes, 0,
-                                     self.end_step, time.time(), self.spawn, server)
-        steps, recoveries, failed = coordination.run()
+        supervisor = Supervisor(self.config, self.plan, self.options, self.store, self.workers, 0, self.end_step,
+                                time.time(), server)
+        steps, recoveries, failed = supervisor.run()
         return Outcome(tuple(steps), tuple(recoveries), frozenset(failed), time.perf_counter() - started,
                        JobStore(self.store))
 

@@ -11,8 +11,8 @@ import pytest
 from recycle.cli import main
 from recycle.log_setup import configure_logging
 from recycle.errors import ConfigError
-from recycle.runtime.launcher import Recovery, StepMetrics, grad_norm
 from recycle.runtime.records import StepRecord
+from recycle.runtime.reporter import ChaosEvent, Recovery, StepMetrics, grad_norm
 from recycle.progress import progress_lines
 from recycle.runtime.tensorboard_sink import TensorBoardSink
 
@@ -43,12 +43,12 @@ def test_tensorboard_event_file_holds_the_scalars(tmp_path: Path) -> None:
     sink = TensorBoardSink(str(tmp_path))
     workers = {"0:0": 1.0, "0:1": 1.0, "1:0": 1.0, "1:1": 1.0}
     for step in (1, 2):
-        sink(StepMetrics(step=step, loss=5.0 - step, tokens_per_s=100.0 * step, period_s=0.5, step_time_s=0.4,
-                         elapsed_s=step, grad_norm=2.0 * step, worker_time_s=workers))
-    sink(_recovery())
-    sink(StepMetrics(step=3, loss=1.5, tokens_per_s=90.0, period_s=0.6, step_time_s=0.5, elapsed_s=3.0,
-                     grad_norm=None, worker_time_s={k: v for k, v in workers.items() if k != "1:1"}))
-    sink({"event": "chaos", "kind": "kill", "step": 3, "workers": ["1:1"]})
+        sink.on_step(StepMetrics(step=step, loss=5.0 - step, tokens_per_s=100.0 * step, period_s=0.5,
+                                 step_time_s=0.4, elapsed_s=step, grad_norm=2.0 * step, worker_time_s=workers))
+    sink.on_recovery(_recovery())
+    sink.on_step(StepMetrics(step=3, loss=1.5, tokens_per_s=90.0, period_s=0.6, step_time_s=0.5, elapsed_s=3.0,
+                             grad_norm=None, worker_time_s={k: v for k, v in workers.items() if k != "1:1"}))
+    sink.on_chaos(ChaosEvent(time=0.0, kind="kill", step=3, workers=("1:1",)))
     sink.close()
     events = EventAccumulator(str(tmp_path))
     events.Reload()

@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         from recycle.runtime.tensorboard_sink import TensorBoardSink
 
         sink = TensorBoardSink(tensorboard)
-        options = replace(options, on_event=sink)
+        options = replace(options, sink=sink)
     try:
         result = train(config, plan, decoupled=not args.no_decouple, staggered=not args.no_stagger,
                        recover=not args.no_recover, max_failures=args.max_failures, plan_store=args.plan_store,

@@ -235,6 +235,7 @@ class Flags:
     FINISHED = Flag(Keys.FINISHED)  # the run is over (multi-node: the other launchers stop)
     ABORT_RUN = Flag(Keys.ABORT_RUN)  # the run failed: holds the message
     RUNNING = Flag(Keys.RUNNING)
+    ABORT = Flag(Keys.abort)  # (generation): its workers stop at their next action; holds the reason
     EXITED = Flag(Keys.exited)  # (rank): a remote worker's process ended; holds its exit code
     FENCE = Flag(Keys.fence)  # (rank): kill the remote worker; holds the reason
     RESPAWN = Flag(Keys.respawn)  # (rank): start the remote worker again; holds the reason

@@ -13,6 +13,7 @@ from recycle.runtime.faults import FaultInjection
 
 if TYPE_CHECKING:
     from recycle.runtime.emulate import Emulation  # imports torch; `recycle train --help` does not need it
+    from recycle.runtime.reporter import EventSink
 
 __all__ = ["StageLossPolicy", "StartMethod", "Backend", "STAGE_LOSS_POLICIES", "START_METHODS", "BACKENDS",
            "MIN_TIMEOUT_S", "OutputOptions", "CheckpointOptions", "RecoveryOptions", "ClusterOptions", "FaultOptions",
@@ -190,8 +191,8 @@ class LaunchOptions:
     debug: DebugOptions = DebugOptions()
     plan_provider: PlanProvider | None = None  # None: a worker failure stops the run (nothing to switch to)
     progress: Callable[[str], None] | None = log_progress  # one line per step, recovery and event; None: silent
-    # Node 0 calls it with each StepMetrics, Recovery and chaos record (a dict) as it reports them (--tensorboard).
-    on_event: Callable[[Any], None] | None = None
+    # Node 0 hands it each StepMetrics, Recovery and ChaosEvent as it reports them (--tensorboard).
+    sink: EventSink | None = None
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.steps < 0:
@@ -211,7 +212,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "faults": ("faults", "injections"),
     **{name: ("faults", name) for name in ("rejoins", "respawn_after_s", "chaos")},
     **{name: ("debug", name) for name in ("record_timings", "verify_replicas", "emulation")},
-    **{name: ("", name) for name in ("plan_provider", "progress", "on_event")},
+    **{name: ("", name) for name in ("plan_provider", "progress", "sink")},
 }
 
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from recycle.errors import ConfigError
-from recycle.runtime.launcher import Recovery, StepMetrics
+from recycle.runtime.reporter import ChaosEvent, Recovery, StepMetrics
 
 __all__ = ["TensorBoardSink", "EXTRA", "summary_writer"]
 
@@ -24,23 +22,18 @@ def summary_writer(log_dir: str) -> type:
 
 
 class TensorBoardSink:
-    """Called with each StepMetrics, Recovery and chaos record (dict) the launcher reports; writes event files into
-    `log_dir` through torch.utils.tensorboard. Scalars are indexed by the 1-based step."""
+    """An event sink (runtime.reporter.EventSink) that writes each step, recovery and chaos event the launcher
+    reports as event files into `log_dir` through torch.utils.tensorboard. Scalars are indexed by the 1-based step."""
 
     def __init__(self, log_dir: str, flush_secs: int = 5) -> None:
         self.writer = summary_writer(log_dir)(log_dir=log_dir, flush_secs=flush_secs)
         self.recoveries = 0
         self.last_step = 0
 
-    def __call__(self, event: StepMetrics | Recovery | dict[str, Any]) -> None:
-        if isinstance(event, StepMetrics):
-            self._step(event)
-        elif isinstance(event, Recovery):
-            self._recovery(event)
-        elif isinstance(event, dict) and event.get("event") == "chaos":
-            self.writer.add_text("events/chaos", f"{event['kind']} {' '.join(event['workers'])}", event["step"])
+    def on_chaos(self, event: ChaosEvent) -> None:
+        self.writer.add_text("events/chaos", f"{event.kind} {' '.join(event.workers)}", event.step)
 
-    def _step(self, m: StepMetrics) -> None:
+    def on_step(self, m: StepMetrics) -> None:
         w, step = self.writer, m.step
         self.last_step = step
         w.add_scalar("train/loss", m.loss, step)
@@ -54,7 +47,7 @@ class TensorBoardSink:
         w.add_scalar("workers/live", len(m.worker_time_s), step)
         w.add_scalar("workers/generation", m.generation, step)
 
-    def _recovery(self, r: Recovery) -> None:
+    def on_recovery(self, r: Recovery) -> None:
         w, step = self.writer, r.step
         if r.causes:
             self.recoveries += 1
