@@ -12,8 +12,8 @@ from typing import Iterable, Union
 from recycle.runtime.records import StoppedReport
 
 __all__ = ["Death", "Fence", "AbortGeneration", "Drain", "Respawn", "Move", "Announce", "FailRun", "MarkLatest",
-           "Command", "RecoveryFacts", "RunState", "Checkpoints", "Repairs", "Coordinator", "describe_exit", "stale_heartbeats", "Progress", "track_progress",
-           "hung_workers", "hang_limit_s"]
+           "Command", "RecoveryFacts", "RunState", "Checkpoints", "Repairs", "Coordinator", "describe_exit",
+           "stale_heartbeats", "Progress", "track_progress", "hung_workers", "hang_limit_s"]
 
 
 def describe_exit(exitcode: int) -> str:

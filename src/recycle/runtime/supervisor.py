@@ -17,11 +17,11 @@ from recycle.runtime.chaos import ChaosMonkey
 from recycle.runtime.control import (Channel, Channels, Flags, JobStore, Keys, launcher_fence_prefix,
                                      worker_fence_prefix)
 from recycle.runtime.coordinator import (AbortGeneration, Announce, Command, Coordinator, Drain, FailRun, Fence,
-                                         MarkLatest, Move, Progress, RecoveryFacts, Respawn, describe_exit,
-                                         hang_limit_s, hung_workers, stale_heartbeats, track_progress)
+                                         MarkLatest, Move, RecoveryFacts, Respawn, describe_exit, hang_limit_s)
+from recycle.runtime.liveness import Liveness
 from recycle.runtime.options import LaunchOptions
 from recycle.runtime.processes import WorkerProcesses, node_ranks
-from recycle.runtime.records import Announcement, Beat, FaultRecord, RecordError
+from recycle.runtime.records import Announcement, FaultRecord
 from recycle.runtime.reporter import (ChaosEvent, EventSink, GenerationRecords, MetricsFile, ProgressSink, Recovery,
                                       Reporter, StepMetrics, measure_recovery, replica_mismatch)
 from recycle.runtime.store import StoreServer
@@ -76,15 +76,9 @@ class Supervisor:
         self.last_chaos_step = start_step
         self.exited: set[int] = set()
         self.pids: dict[int, int | None] = {r: workers.pid(r) for r in workers.ranks}
-        self.beats: dict[int, tuple[str, int]] = {}  # rank -> (incarnation, beats) of its last beat seen
-        self.last_beat: dict[int, float] = {}
-        self.progress: dict[int, Progress] = {}  # rank -> its main thread's progress (hang detection)
-        self.node_beats: dict[int, int] = {}
-        self.node_last_beat: dict[int, float] = {}
-        self.fenced_nodes: set[int] = set()
+        self.liveness = Liveness(self.jobs, options.cluster.nnodes, options.recovery.heartbeat_s, options.recovery.heartbeat_timeout_s)
         # Tests only: ranks whose process the launcher must not kill (as if its node could not be reached).
         self.unfenceable = {int(r) for r in os.environ.get("RECYCLE_TEST_UNFENCEABLE", "").split(",") if r.strip()}
-        self.next_beat_check = 0.0
         self.pending: _PendingRecovery | None = None  # the recovery being completed
         self.failing = False
 
@@ -169,55 +163,25 @@ class Supervisor:
         return commands
 
     def _heartbeats(self, now: float) -> list[Command]:
-        if now < self.next_beat_check:
+        if not self.liveness.due(now):
             return []
-        self.next_beat_check = now + self.options.recovery.heartbeat_s / 2
         live = self.coordinator.state.live - self.exited
-        for rank in live:
-            beat = self._beat(rank)
-            if beat is None:
-                continue
-            if (beat.incarnation, beat.beats) != self.beats.get(rank):
-                self.beats[rank] = (beat.incarnation, beat.beats)
-                self.last_beat[rank] = now
-                self.progress[rank] = track_progress(self.progress.get(rank), beat.actions, beat.phase, now)
         commands: list[Command] = []
-        for rank in stale_heartbeats(self.last_beat, frozenset(live), now, self.options.recovery.heartbeat_timeout_s):
+        for rank, silent in self.liveness.silent_workers(live, now):
             commands += self.coordinator.on_death(
-                rank, f"{self._name(rank)} stopped responding (no heartbeat for "
-                      f"{now - self.last_beat[rank]:.1f} s; fenced)", now, fence=True)
+                rank, f"{self._name(rank)} stopped responding (no heartbeat for {silent:.1f} s; fenced)", now,
+                fence=True)
         limit = hang_limit_s(self.options.recovery.hang_timeout_s, [m.period_s for m in self.reporter.steps[-50:]],
                              self.options.recovery.timeout_s)
-        for rank in hung_workers(self.progress, frozenset(live) - set(self.coordinator.state.reports), now, limit):
-            progress = self.progress.pop(rank)
+        for rank, computing in self.liveness.hung_workers(live - set(self.coordinator.state.reports), now, limit):
             commands += self.coordinator.on_death(
                 rank, f"{self._name(rank)} is hung (its heartbeat goes on, but one action has computed for "
-                      f"{now - progress.since:.1f} s, over the {limit:.1f} s limit; fenced)", now, fence=True)
-        commands += self._node_heartbeats(now)
-        return commands
-
-    def _beat(self, rank: int) -> Beat | None:
-        try:
-            return self.jobs.read(Channels.HEARTBEAT, rank)
-        except RecordError:
-            return None  # only the job's own processes can write it; a malformed beat is no beat
-
-    def _node_heartbeats(self, now: float) -> list[Command]:
-        """A node whose launcher stops beating is frozen or cut off: fence its launcher and every worker it runs,
-        so that nothing of it can act on the job when (if) it comes back; the survivors go on without it."""
-        commands: list[Command] = []
-        for node in range(1, self.options.cluster.nnodes):
-            raw = self.store.try_get(Keys.node_heartbeat(node))
-            if raw is not None and raw.isdigit() and int(raw) != self.node_beats.get(node):
-                self.node_beats[node] = int(raw)
-                self.node_last_beat[node] = now
-                self.fenced_nodes.discard(node)  # a fenced launcher cannot beat: this is its node's new launcher
-        nodes = frozenset(n for n in range(1, self.options.cluster.nnodes) if n not in self.fenced_nodes)
-        for node in stale_heartbeats(self.node_last_beat, nodes, now, self.options.recovery.heartbeat_timeout_s):
-            self.fenced_nodes.add(node)
+                      f"{computing:.1f} s, over the {limit:.1f} s limit; fenced)", now, fence=True)
+        for node, silent in self.liveness.silent_nodes(now):
+            # Fence its launcher and every worker it runs, so that nothing of it can act on the job when (if) it
+            # comes back; the survivors go on without it.
             if self.server is not None:
                 self.server.fence(launcher_fence_prefix(node))
-            silent = now - self.node_last_beat[node]
             for rank in node_ranks(self.plan_at_start.live_ranks(), self.options.cluster.nnodes, node):
                 commands += self.coordinator.on_death(
                     rank, f"{self._name(rank)} is on node {node}, which stopped responding (its launcher: no "
@@ -332,10 +296,7 @@ class Supervisor:
             "; ".join(d.cause for d in facts.deaths), tuple(sorted(facts.joining)),
             -1 if facts.restore_step is None else facts.restore_step), facts.generation)
         for rank in facts.joining:
-            # A replacement is timed from its admission, not from the last beat of the process it replaces.
-            self.last_beat[rank] = time.time()
-            self.beats.pop(rank, None)
-            self.progress.pop(rank, None)
+            self.liveness.admit(rank, time.time())
             self.store.delete_key(Keys.join_ready(rank))
             self.store.set(Keys.join_generation(rank), str(facts.generation))
         self.plan = plan
@@ -416,9 +377,8 @@ class Supervisor:
         initial = self.plan_at_start.live_ranks()
         # A node is waited for while it has a live worker or its launcher still beats (a repaired node whose
         # replacements came too late to be admitted: they see the end and exit, then it says it is done too).
-        now = time.time()
-        beating = {n for n, t in self.node_last_beat.items() if now - t <= self.options.recovery.heartbeat_timeout_s}
-        nodes = [n for n in range(1, self.options.cluster.nnodes) if n not in self.fenced_nodes
+        beating = self.liveness.beating_nodes(time.time())
+        nodes = [n for n in range(1, self.options.cluster.nnodes) if n not in self.liveness.fenced_nodes
                  and (set(node_ranks(initial, self.options.cluster.nnodes, n)) & live or n in beating)]
         deadline = time.time() + max(self.options.recovery.timeout_s, 60.0)
         while not all(self.jobs.is_set(Flags.NODE_DONE, n) for n in nodes) and time.time() < deadline:
