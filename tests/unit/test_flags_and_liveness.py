@@ -1,0 +1,58 @@
+"""Store flags through JobStore, and what node 0 reads from the heartbeats (Liveness), on an in-process store."""
+
+from __future__ import annotations
+
+from recycle.runtime.control import Channels, Flags, JobStore, Keys
+from recycle.runtime.liveness import Liveness
+from recycle.runtime.records import Beat
+from recycle.runtime.store import LocalStore, StoreServer
+
+TOKEN = "ab" * 24
+
+
+def _jobs() -> tuple[JobStore, StoreServer]:
+    server = StoreServer("127.0.0.1", 0, TOKEN).start()
+    return JobStore(LocalStore(server.data, 5.0)), server
+
+
+def test_a_flag_is_raised_tested_read_and_lowered_under_its_key() -> None:
+    jobs, server = _jobs()
+    try:
+        assert not jobs.is_set(Flags.FINISHED) and jobs.flag_text(Flags.EXITED, 3) is None
+        jobs.raise_flag(Flags.FINISHED)
+        jobs.raise_flag(Flags.EXITED, 3, text="-9")
+        jobs.raise_flag(Flags.CHECKPOINTED, 4, 1)
+        assert jobs.is_set(Flags.FINISHED) and jobs.flag_text(Flags.EXITED, 3) == "-9"
+        assert jobs.raw.try_get(Keys.checkpointed(4, 1)) == b"1"  # the keys the workers read and write
+        assert Flags.ABORT.name(2) == Keys.abort(2) and Flags.FINISHED.name() == Keys.FINISHED
+        jobs.lower_flag(Flags.EXITED, 3)
+        assert not jobs.is_set(Flags.EXITED, 3) and jobs.is_set(Flags.CHECKPOINTED, 4, 1)
+    finally:
+        server.close()
+
+
+def _beat(jobs: JobStore, rank: int, beats: int, actions: int, phase: str = "compute") -> None:
+    jobs.put(Channels.HEARTBEAT, Beat(beats, actions, phase, "inc"), rank)
+
+
+def test_silent_and_hung_workers_and_silent_nodes() -> None:
+    jobs, server = _jobs()
+    try:
+        watch = Liveness(jobs, nnodes=2, heartbeat_s=0.5, timeout_s=2.0)
+        assert watch.due(0.0) and not watch.due(0.1) and watch.due(0.25)
+        _beat(jobs, 0, 1, 5)
+        _beat(jobs, 1, 1, 5)
+        jobs.raw.add(Keys.node_heartbeat(1), 1)
+        assert watch.silent_workers(frozenset({0, 1, 2}), 0.0) == [] and watch.silent_nodes(0.0) == []
+        _beat(jobs, 0, 2, 5)  # beats, but still in the same action
+        assert watch.silent_workers(frozenset({0, 1, 2}), 3.0) == [(1, 3.0)]  # 2 never beat: not counted yet
+        assert watch.hung_workers(frozenset({0}), 3.0, limit_s=2.5) == [(0, 3.0)]
+        assert watch.hung_workers(frozenset({0}), 4.0, limit_s=2.5) == []  # once
+        assert watch.silent_nodes(2.5) == [(1, 2.5)] and watch.fenced_nodes == {1}
+        assert watch.silent_nodes(5.0) == []  # fenced: not reported again
+        jobs.raw.add(Keys.node_heartbeat(1), 1)  # a new launcher of node 1
+        assert watch.silent_nodes(5.5) == [] and watch.fenced_nodes == set() and watch.beating_nodes(6.0) == {1}
+        watch.admit(1, 6.0)
+        assert watch.silent_workers(frozenset({1}), 7.0) == []  # timed from its admission
+    finally:
+        server.close()
