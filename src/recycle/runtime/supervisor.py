@@ -76,7 +76,8 @@ class Supervisor:
         self.last_chaos_step = start_step
         self.exited: set[int] = set()
         self.pids: dict[int, int | None] = {r: workers.pid(r) for r in workers.ranks}
-        self.liveness = Liveness(self.jobs, options.cluster.nnodes, options.recovery.heartbeat_s, options.recovery.heartbeat_timeout_s)
+        self.liveness = Liveness(self.jobs, options.cluster.nnodes, options.recovery.heartbeat_s,
+                                 options.recovery.heartbeat_timeout_s)
         # Tests only: ranks whose process the launcher must not kill (as if its node could not be reached).
         self.unfenceable = {int(r) for r in os.environ.get("RECYCLE_TEST_UNFENCEABLE", "").split(",") if r.strip()}
         self.pending: _PendingRecovery | None = None  # the recovery being completed
