@@ -25,6 +25,7 @@ from recycle.models.gpt import full_model
 from recycle.runtime import checkpoint
 from recycle.data import builtin_windows
 from recycle.runtime.optim import make_optimizer
+from recycle.runtime.stage_state import IterationPosition, StageState
 
 
 class _Mode:
@@ -35,7 +36,8 @@ class _Mode:
         self.pending: list[Any] = []
 
     def state(self, step: int, copy: bool) -> dict[str, torch.Tensor]:
-        return checkpoint.stage_state(self.model, self.optimizer, 0, step, copy=copy)
+        state = StageState(self.model, self.optimizer, 0, IterationPosition(step - 1))
+        return checkpoint.shard_entries(state, copy=copy)
 
     def save(self, step: int) -> None:
         raise NotImplementedError

@@ -38,6 +38,7 @@ from recycle.runtime.data import data_source
 from recycle.runtime.emulate import Emulation, cost_pacer
 from recycle.runtime.executor import StageExecutor
 from recycle.runtime.stage import build_stage
+from recycle.runtime.stage_state import IterationPosition, StageState
 from recycle.runtime.transport import Transport
 from recycle.runtime.optim import make_optimizer
 
@@ -95,8 +96,10 @@ def main() -> None:
     built = build_stage(config, stage)
     optimizer = make_optimizer(built.module, training)
     start = checkpoint.latest_step(ckpt) if (ckpt / "latest").is_file() else 0
+    position = IterationPosition(start - 1)
+    state = StageState(built.module, optimizer, stage, position)
     if start > 0:
-        checkpoint.load_stage(ckpt, start, stage, built.module, optimizer)
+        checkpoint.load_stage(ckpt, start, state)
     load = data_source(config)
 
     # The store torchrun's env points at (rank 0 hosts it; with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every attempt
@@ -124,7 +127,7 @@ def main() -> None:
     executor = StageExecutor(plan, rank, built.module, optimizer, transport, load, built.input_shape,
                              built.output_shape, DTYPES[training.dtype], grad_clip=training.grad_clip,
                              seed=training.seed, before_action=before_action,
-                             pacing=cost_pacer(config, plan, rank, Emulation(args.slot_ms, 1.0)))
+                             pacing=cost_pacer(config, plan, rank, Emulation(args.slot_ms, 1.0)), position=position)
     writer = replica == plan.live_replicas(stage)[0]
     for step in range(start, training.steps):
         result = executor.run_iteration(step)
@@ -132,7 +135,7 @@ def main() -> None:
                                                   "end": result.end})
         if writer:  # every step, as a restart-based job must to lose little work
             checkpoint.save_shard(ckpt, step + 1, stage, built.layout,
-                                  checkpoint.stage_state(built.module, optimizer, stage, step + 1, copy=False))
+                                  checkpoint.shard_entries(state, copy=False))
             if store.add(f"ckpt/{step + 1}", 1) == plan.num_stages:  # the last stage file of this step is written
                 # Two stages' writers may mark steps n and n+1 at about the same moment: never move `latest` back.
                 if not (ckpt / "latest").is_file() or checkpoint.latest_step(ckpt) < step + 1:

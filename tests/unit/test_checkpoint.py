@@ -7,6 +7,7 @@ import torch
 from recycle.models.gpt import build_stages
 from recycle.runtime import checkpoint
 from recycle.runtime.optim import make_optimizer
+from recycle.runtime.stage_state import IterationPosition, StageState
 from recycle.runtime.worker import parameter_digest
 
 
@@ -17,10 +18,11 @@ def test_checkpoint_round_trip_and_latest(tiny_config, tmp_path) -> None:
     for p in stage.parameters():
         p.grad = torch.ones_like(p)
     opt.step()
-    checkpoint.save_shard(tmp_path, 3, 1, (2, 4), checkpoint.stage_state(stage, opt, 1, 3))
-    checkpoint.save_shard(tmp_path, 3, 0, (0, 2), checkpoint.stage_state(
+    checkpoint.save_shard(tmp_path, 3, 1, (2, 4), checkpoint.shard_entries(StageState(stage, opt, 1,
+                                                                                       IterationPosition(2))))
+    checkpoint.save_shard(tmp_path, 3, 0, (0, 2), checkpoint.shard_entries(StageState(
         build_stages(config.model, 2, seed=1, dtype="float64", seq_len=8)[0], make_optimizer(stage, config.training),
-        0, 3))
+        0, IterationPosition(2))))
     assert not (tmp_path / "latest").exists()  # only the coordinator's merge makes a step complete
     checkpoint.mark_latest(tmp_path, 3, 2)
     assert checkpoint.latest_step(tmp_path) == 3
@@ -28,9 +30,11 @@ def test_checkpoint_round_trip_and_latest(tiny_config, tmp_path) -> None:
 
     fresh = build_stages(config.model, 2, seed=2, dtype="float64", seq_len=8)[1]
     fresh_opt = make_optimizer(fresh, config.training)
-    checkpoint.load_stage(tmp_path, 3, 1, fresh, fresh_opt)
+    position = IterationPosition(snapshot=5)
+    checkpoint.load_stage(tmp_path, 3, StageState(fresh, fresh_opt, 1, position))
     assert parameter_digest(fresh) == parameter_digest(stage)
     assert fresh_opt.steps == 3  # the schedule's position is the checkpoint's step
+    assert position == IterationPosition(applied=2, snapshot=None)  # and so is the iteration position
     ours, theirs = fresh_opt.state_dict()["optimizer"]["state"], opt.state_dict()["optimizer"]["state"]
     assert all(torch.equal(ours[i][k], theirs[i][k]) for i in theirs for k in theirs[i])
 
@@ -45,5 +49,6 @@ def test_a_save_survives_the_process_group_going_away_under_it(tiny_config, tmp_
     stage = build_stages(config.model, 2, seed=1, dtype="float64", seq_len=8)[0]
     opt = make_optimizer(stage, config.training)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    checkpoint.save_shard(tmp_path, 2, 0, (0, 2), checkpoint.stage_state(stage, opt, 0, 2))
+    checkpoint.save_shard(tmp_path, 2, 0, (0, 2), checkpoint.shard_entries(StageState(stage, opt, 0,
+                                                                                       IterationPosition(1))))
     assert (checkpoint.shard_dir(tmp_path, 2, 0) / checkpoint.SHARD_MANIFEST).exists()

@@ -18,6 +18,7 @@ from recycle.runtime import checkpoint, preflight
 from recycle.runtime.options import CheckpointOptions
 from recycle.runtime.optim import make_optimizer
 from recycle.runtime.stage import build_stage
+from recycle.runtime.stage_state import IterationPosition, StageState
 
 from test_checkpoint_safety import TOML, config, write_checkpoint
 
@@ -25,8 +26,8 @@ from test_checkpoint_safety import TOML, config, write_checkpoint
 def _stage_state(stage: int, step: int) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
     cfg = config()
     built = build_stage(cfg, stage)
-    return built.layout, checkpoint.stage_state(built.module, make_optimizer(built.module, cfg.training), stage,
-                                                step)
+    return built.layout, checkpoint.shard_entries(StageState(
+        built.module, make_optimizer(built.module, cfg.training), stage, IterationPosition(step - 1)))
 
 
 @pytest.mark.parametrize("where", ["write_data", "finish"])

@@ -23,6 +23,7 @@ from recycle.runtime.launcher import _check_options
 from recycle.runtime.optim import make_optimizer
 from recycle.runtime.options import CheckpointOptions, LaunchOptions
 from recycle.runtime.stage import build_stage
+from recycle.runtime.stage_state import IterationPosition, StageState
 from recycle.schedules.fault_free import build_schedule
 
 RAW = {
@@ -60,6 +61,11 @@ def config(**training):
     return parse_config(raw, name="ck")
 
 
+def fresh_state(built, cfg, stage: int = 0) -> StageState:
+    """A built stage with a new optimizer, as a worker loads a checkpoint into it."""
+    return StageState(built.module, make_optimizer(built.module, cfg.training), stage, IterationPosition())
+
+
 def write_checkpoint(root: Path, step: int, cfg=None, latest: bool = True, fingerprint: bool = True) -> None:
     """What the workers and the coordinator write: one DCP shard per stage (after one optimizer step, so the
     optimizer state exists), merged, with the run fingerprint from run.json."""
@@ -73,7 +79,8 @@ def write_checkpoint(root: Path, step: int, cfg=None, latest: bool = True, finge
             p.grad = torch.full_like(p, 0.5)
         optimizer.step()
         checkpoint.save_shard(root, step, stage, built.layout,
-                              checkpoint.stage_state(built.module, optimizer, stage, step))
+                              checkpoint.shard_entries(StageState(built.module, optimizer, stage,
+                                                                 IterationPosition(step - 1))))
     if latest:
         checkpoint.mark_latest(root, step, cfg.num_stages)
 
@@ -115,7 +122,7 @@ def test_a_malicious_dcp_metadata_is_refused_and_never_runs(tmp_path: Path) -> N
     cfg = config()
     built = build_stage(cfg, 0)
     with pytest.raises(CheckpointError, match="refused"):  # the worker's load path, through DCP's reader
-        checkpoint.load_stage(tmp_path, 2, 0, built.module, make_optimizer(built.module, cfg.training))
+        checkpoint.load_stage(tmp_path, 2, fresh_state(built, cfg))
     with pytest.raises(CheckpointError, match="refused"):
         checkpoint.load_model_state(tmp_path)
     with pytest.raises(CheckpointError, match="refused"):  # never skipped over by the fallback
@@ -184,7 +191,7 @@ def test_a_checkpoint_loads_under_another_number_of_stages(tmp_path: Path, S: in
     for stage in range(S):
         built = build_stage(cfg, stage)
         optimizer = make_optimizer(built.module, cfg.training)
-        checkpoint.load_stage(tmp_path, 2, stage, built.module, optimizer)
+        checkpoint.load_stage(tmp_path, 2, StageState(built.module, optimizer, stage, IterationPosition()))
         assert all(torch.equal(v, saved[k]) for k, v in built.module.state_dict().items())
         state = optimizer.state_dict()
         assert state["steps"] == 2 and len(state["optimizer"]["state"]) == len(list(built.module.parameters()))
@@ -355,7 +362,7 @@ def test_links_and_special_files_in_a_checkpoint_are_refused(tmp_path: Path, kin
     cfg = config()
     built = build_stage(cfg, 0)  # stage 0's load checks every data file the metadata names, stage 1's too
     with pytest.raises(CheckpointError, match="refused"):
-        checkpoint.load_stage(root, 2, 0, built.module, make_optimizer(built.module, cfg.training))
+        checkpoint.load_stage(root, 2, fresh_state(built, cfg))
 
 
 def test_a_data_file_linked_after_preflight_is_refused_by_the_dcp_reader(tmp_path: Path, monkeypatch) -> None:
@@ -467,7 +474,7 @@ def test_every_metadata_field_is_checked_for_type_and_shape(tmp_path: Path, fiel
     cfg = config()
     built = build_stage(cfg, 0)
     with pytest.raises(CheckpointError, match="damaged"):
-        checkpoint.load_stage(tmp_path, 2, 0, built.module, make_optimizer(built.module, cfg.training))
+        checkpoint.load_stage(tmp_path, 2, fresh_state(built, cfg))
 
 
 @pytest.mark.parametrize("damage", ["zeroed", "truncated"])
@@ -481,8 +488,7 @@ def test_dcps_checkpoint_exception_on_load_is_a_checkpoint_error(tmp_path: Path,
     cfg = config()
     built = build_stage(cfg, 0)
     for load in (lambda: checkpoint.load_model_state(tmp_path),
-                 lambda: checkpoint.load_stage(tmp_path, 2, 0, built.module,
-                                               make_optimizer(built.module, cfg.training))):
+                 lambda: checkpoint.load_stage(tmp_path, 2, fresh_state(built, cfg))):
         with pytest.raises(CheckpointError) as info:
             load()
         assert str(checkpoint.step_dir(tmp_path, 2)) in str(info.value)

@@ -14,8 +14,10 @@ from recycle.errors import ConfigError
 from recycle.runtime.control import (connect_store, host_store, new_incarnation, new_token, read_token,
                                      worker_identity)
 from recycle.runtime.faults import FaultInjection, parse_fault
-from recycle.runtime.optim import AdamW
+from recycle.config import Training
+from recycle.runtime.optim import make_optimizer
 from recycle.runtime.rollback import StageSnapshot
+from recycle.runtime.stage_state import IterationPosition, StageState
 from recycle.runtime.store import StoreAuthError
 
 
@@ -109,7 +111,7 @@ def test_bad_fault_specs_name_the_rule(spec: str, message: str) -> None:
 def test_snapshot_restores_parameters_and_optimizer_state_exactly() -> None:
     torch.manual_seed(0)
     module = torch.nn.Linear(4, 3).double()
-    optimizer = AdamW(module.parameters(), lr=0.1, weight_decay=0.01)
+    optimizer = make_optimizer(module, Training(lr=0.1, weight_decay=0.01))
 
     def step() -> None:
         module(torch.randn(5, 4, dtype=torch.float64)).sum().backward()
@@ -117,26 +119,32 @@ def test_snapshot_restores_parameters_and_optimizer_state_exactly() -> None:
         optimizer.zero_grad()
 
     step()
-    before = {k: v.clone() for k, v in module.state_dict().items()}
-    moments = [s["exp_avg"].clone() for s in optimizer.state_dict()["state"].values()]
-    snapshot = StageSnapshot(module, optimizer)
+    position = IterationPosition(applied=0)
+    snapshot = StageSnapshot(StageState(module, optimizer, 0, position))
     snapshot.take(iteration=1)
     step()
+    position.applied = 1
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    moments = [s["exp_avg"].clone() for s in optimizer.state_dict()["optimizer"]["state"].values()]
+    snapshot.take(iteration=2)  # into the first take's tensors
+    step()
+    position.applied = 2
     assert not torch.equal(module.weight, before["weight"])
-    with pytest.raises(RuntimeError, match="iteration 2"):
-        snapshot.restore(2)
-    snapshot.restore(1)
+    with pytest.raises(RuntimeError, match="held is of iteration 2"):
+        snapshot.restore(3)
+    snapshot.restore(2)
+    assert position == IterationPosition(applied=1, snapshot=None) and optimizer.steps == 2
     assert all(torch.equal(module.state_dict()[k], v) for k, v in before.items())
-    state = optimizer.state_dict()["state"]
+    state = optimizer.state_dict()["optimizer"]["state"]
     assert all(torch.equal(s["exp_avg"], b) for s, b in zip(state.values(), moments))
-    assert all(float(s["step"]) == 1 for s in state.values())
+    assert all(float(s["step"]) == 2 for s in state.values())
+    with pytest.raises(RuntimeError, match="held is of iteration None"):  # one restore per take
+        snapshot.restore(2)
 
 
 @pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
 def test_state_transfer_copies_parameters_moments_and_step_count(optimizer: str) -> None:
     """The joiner's optimizer has no state yet (torch.optim creates it lazily): it arrives with its layout."""
-    from recycle.config import Training
-    from recycle.runtime.optim import make_optimizer
     from recycle.runtime.state_transfer import transfer_stage_state
 
     training = Training(lr=0.1, optimizer=optimizer, momentum=0.9 if optimizer == "SGD" else None,
@@ -158,12 +166,14 @@ def test_state_transfer_copies_parameters_moments_and_step_count(optimizer: str)
     def send(t: torch.Tensor) -> None:
         sent.append(t.clone())
 
-    step, stats = transfer_stage_state(source, source_opt, 7, True, send, torch.device("cpu"))
-    assert step == 7 and stats.bytes == sum(t.numel() * t.element_size() for t in sent)
+    stats = transfer_stage_state(StageState(source, source_opt, 0, IterationPosition(applied=2)), True, send,
+                                 torch.device("cpu"))
+    assert stats.bytes == sum(t.numel() * t.element_size() for t in sent)
     received = iter(sent)
-    step, _ = transfer_stage_state(joiner, joiner_opt, -1, False, lambda t: t.copy_(next(received)),
-                                   torch.device("cpu"))
-    assert step == 7
+    position = IterationPosition(snapshot=3)
+    transfer_stage_state(StageState(joiner, joiner_opt, 0, position), False, lambda t: t.copy_(next(received)),
+                         torch.device("cpu"))
+    assert position == IterationPosition(applied=2, snapshot=None)  # three steps done, as the source
     assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), joiner.state_dict().values()))
     theirs, ours = source_opt.state_dict(), joiner_opt.state_dict()
     assert ours["steps"] == theirs["steps"] == 3 and joiner_opt.lr == source_opt.lr != 0.1

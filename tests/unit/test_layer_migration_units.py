@@ -14,6 +14,7 @@ from recycle.models.gpt import build_stages
 from recycle.runtime.migration import (LayerMove, bundles, exchange_layers, layer_bounds, layer_moves, plan_bounds,
                                        rebuild_stage)
 from recycle.runtime.optim import make_optimizer
+from recycle.runtime.stage_state import IterationPosition, StageState
 
 CONFIG = parse_config({
     "topology": {"num_replicas": 2, "num_stages": 2}, "workload": {"num_microbatches": 2, "seq_len": 8},
@@ -52,22 +53,23 @@ def test_exchange_and_rebuild_keep_every_parameter_and_its_optimizer_state() -> 
     wire: deque[torch.Tensor] = deque()
     moves = layer_moves([(0, 2), (2, 4)], [(0, 3), (3, 4)])
     senders, receivers = {0: 0, 1: 1}, {0: [0], 1: [1]}  # one worker per stage: rank = stage
+    positions = [IterationPosition(applied=1, snapshot=1) for _ in stages]
+    states = [StageState(stages[s], optimizers[s], s, positions[s]) for s in range(2)]
     results = []
     for stage in (1, 0):  # the sender first: the fake wire is a queue
-        results.append(exchange_layers(stages[stage], optimizers[stage], stage, moves, senders, receivers, stage,
+        results.append(exchange_layers(states[stage], moves, senders, receivers, stage,
                                        lambda t, r: wire.append(t.clone()), lambda t, r: t.copy_(wire.popleft()),
                                        torch.device("cpu")))
-    (_, _, sent), (received, received_state, got) = results
+    (_, sent), (received, got) = results
     assert sent.layers_out == 1 and got.layers_in == 1 and sent.bytes == got.bytes > 0 and not wire
-    assert set(received) == {n for n in before if n.startswith("blocks.2.")}
-    new0, opt0 = rebuild_stage(CONFIG, stages[0], optimizers[0], (0, 3), received, received_state,
-                               lambda m: make_optimizer(m, CONFIG.training))
-    new1, opt1 = rebuild_stage(CONFIG, stages[1], optimizers[1], (3, 4), {}, {},
-                               lambda m: make_optimizer(m, CONFIG.training))
-    after = {**new0.state_dict(), **new1.state_dict()}
+    assert {k for k in received if not k.startswith("optimizer.")} == {n for n in before if n.startswith("blocks.2.")}
+    rebuilt = [rebuild_stage(states[0], (0, 3), received, lambda m: make_optimizer(m, CONFIG.training)),
+               rebuild_stage(states[1], (3, 4), {}, lambda m: make_optimizer(m, CONFIG.training))]
+    after = {**rebuilt[0].module.state_dict(), **rebuilt[1].module.state_dict()}
     assert sorted(after) == sorted(before)
     assert all(torch.equal(after[k], before[k]) for k in before)
-    for module, opt in ((new0, opt0), (new1, opt1)):
+    assert positions == [IterationPosition(applied=1)] * 2  # the steps done are kept; no snapshot survives
+    for module, opt in ((state.module, state.optimizer) for state in rebuilt):
         assert opt.steps == 2
         names = [n for n, p in module.named_parameters() if p.requires_grad]
         for index, st in opt.state_dict()["optimizer"]["state"].items():

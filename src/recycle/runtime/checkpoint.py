@@ -48,8 +48,9 @@ from torch import nn
 from recycle.errors import CheckpointError, ConfigError, OutputError, RecycleError
 from recycle.fileio import (UnsafeFile, atomic_write_bytes, atomic_write_text, is_stream_target, lstat_inside,
                             open_inside, read_inside, relative_parts, sha256_inside)
+from recycle.runtime.stage_state import OPTIMIZER_PREFIX, RNG_PREFIX, STEP_KEY, StageState
 
-__all__ = ["preload", "atomic_torch_save", "atomic_write_text", "step_dir", "shard_dir", "key_prefix", "stage_state",
+__all__ = ["preload", "atomic_torch_save", "atomic_write_text", "step_dir", "shard_dir", "key_prefix", "shard_entries",
            "save_shard", "load_stage", "mark_latest", "latest_step", "read_metadata", "read_manifest",
            "load_model_state", "load_full_model", "merge_stage_parts", "part_file", "safe_load", "RUN_FILE",
            "MANIFEST", "SHARD_MANIFEST", "FORMAT", "safe_reader"]
@@ -58,9 +59,6 @@ RUN_FILE = "run.json"  # the fingerprint of the run writing a checkpoint directo
 MANIFEST = "recycle.json"  # per step: what recycle knows about the DCP checkpoint (written last, with the hashes)
 SHARD_MANIFEST = "shard.json"  # per stage shard: its files' hashes (written last: the shard is complete)
 FORMAT = 3  # 3 = DCP folders keyed by the whole model's names
-OPTIMIZER_PREFIX = "optimizer.state."
-STEP_KEY = "train.step"
-RNG_PREFIX = "train.rng.stage"
 # Size bounds of the small files read from a checkpoint folder (a larger one is refused, not read): the JSON files
 # (recycle.json lists one hash per file), and DCP's .metadata (~200 bytes per tensor: a million tensors fit).
 JSON_LIMIT = 16 << 20
@@ -121,27 +119,12 @@ def _read_json(root: str | Path, relative: str, what: str) -> Any:
 
 
 # -- saving -------------------------------------------------------------------------------------------------------
-def _trainable_names(module: nn.Module) -> list[str]:
-    """Parameter names in the optimizer's order (it was built from module.parameters() that require grad)."""
-    return [name for name, p in module.named_parameters() if p.requires_grad]
-
-
-def stage_state(module: nn.Module, optimizer: Any, stage: int, done_steps: int, prefix: str = "",
-                copy: bool = True) -> dict[str, torch.Tensor]:
-    """One stage's checkpoint entries, flat and keyed by whole-model names (copied to CPU when `copy`, so that the
-    training step can go on while a background thread writes them)."""
-    def own(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to("cpu", copy=True) if copy else t.detach()
-
-    state = {prefix + name: own(t) for name, t in module.state_dict().items()}
-    names = _trainable_names(module)
-    for index, per_param in optimizer.state_dict()["optimizer"]["state"].items():
-        for key, value in per_param.items():
-            if isinstance(value, torch.Tensor):  # torch.optim keeps None for a state not made yet (SGD momentum)
-                state[f"{OPTIMIZER_PREFIX}{prefix}{names[index]}.{key}"] = own(value)
-    state[STEP_KEY] = torch.tensor(done_steps, dtype=torch.int64)
-    state[f"train.rng.stage{stage}"] = torch.get_rng_state()
-    return state
+def shard_entries(state: StageState, copy: bool = True) -> dict[str, torch.Tensor]:
+    """One stage's checkpoint entries: its state's tensors (copied to CPU when `copy`, so that the training step can
+    go on while a background thread writes them). torch.optim keeps None for a state not made yet (SGD momentum):
+    such entries are not written."""
+    return {key: value.detach().to("cpu", copy=True) if copy else value.detach()
+            for key, value in state.state_dict().items() if isinstance(value, torch.Tensor)}
 
 
 def _sha256(path: Path) -> str:
@@ -753,40 +736,27 @@ def _dcp_load(state: dict[str, torch.Tensor], where: Path, root: str | Path | No
                               "is damaged or incomplete") from None
 
 
-def load_stage(root: str | Path, step: int, stage: int, module: nn.Module, optimizer: Any,
-               model_factory: str = "") -> None:
-    """Load a stage's parameters, optimizer state and schedule position from the checkpoint of `step`, whatever the
-    number of stages it was written with (the keys are the whole model's)."""
+def load_stage(root: str | Path, step: int, state: StageState) -> None:
+    """Load a stage's state (parameters, optimizer state, schedule and iteration position) from the checkpoint of
+    `step`, whatever the number of stages it was written with (the keys are the whole model's)."""
     where = step_dir(root, step)
     metadata = read_metadata(where, root=root)
-    prefix = key_prefix(stage, model_factory)
-    state: dict[str, torch.Tensor] = {prefix + name: t for name, t in module.state_dict().items()}
-    names = _trainable_names(module)
-    optimizer_keys: dict[int, dict[str, str]] = {}
-    for index, name in enumerate(names):
-        head = f"{OPTIMIZER_PREFIX}{prefix}{name}."
-        for key, entry in metadata.state_dict_metadata.items():
-            if key.startswith(head) and "." not in key[len(head):]:
-                state[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-                optimizer_keys.setdefault(index, {})[key[len(head):]] = key
-    state[STEP_KEY] = torch.zeros((), dtype=torch.int64)
-    # The CPU generator's position. Dropout is seeded per forward, so this matters little; under another number of
-    # stages this stage's entry is another stage's (or absent), which is just as harmless.
-    rng_key = f"train.rng.stage{stage}"
-    has_rng = rng_key in metadata.state_dict_metadata
-    if has_rng:
-        state[rng_key] = torch.empty(tuple(metadata.state_dict_metadata[rng_key].size), dtype=torch.uint8)
-    missing = sorted(k for k in state if k not in metadata.state_dict_metadata)
+    available = metadata.state_dict_metadata
+    # DCP loads in place: into the live module tensors, and into new ones for the optimizer's entries (a fresh
+    # optimizer holds none yet). The CPU generator's position: dropout is seeded per forward, so it matters little;
+    # under another number of stages this stage's entry is another stage's (or absent), which is just as harmless.
+    template: dict[str, torch.Tensor] = state.module_entries()
+    template.update({key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+                     for key, entry in available.items() if state.parameter_of(key) is not None})
+    template[STEP_KEY] = torch.zeros((), dtype=torch.int64)
+    if state.rng_key in available:
+        template[state.rng_key] = torch.empty(tuple(available[state.rng_key].size), dtype=torch.uint8)
+    missing = sorted(k for k in template if k not in available)
     if missing:
         raise CheckpointError(f"{where} has no {missing[0]!r} (and {len(missing) - 1} more missing); it is of "
                               "another model")
-    _dcp_load(state, where, root)
-    current = optimizer.state_dict()["optimizer"]
-    optimizer.load_state_dict({"optimizer": {
-        "state": {index: {k: state[key] for k, key in keys.items()} for index, keys in optimizer_keys.items()},
-        "param_groups": current["param_groups"]}, "steps": int(state[STEP_KEY])})
-    if has_rng:
-        torch.set_rng_state(state[rng_key])
+    _dcp_load(template, where, root)
+    state.load_state_dict(template)
 
 
 def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:

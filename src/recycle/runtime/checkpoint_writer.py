@@ -7,11 +7,9 @@ import queue
 import threading
 from typing import Any, Callable
 
-from torch import nn
-
 from recycle.runtime import checkpoint
 from recycle.runtime.control import Keys
-from recycle.runtime.optim import StageOptimizer
+from recycle.runtime.stage_state import StageState
 
 __all__ = ["CheckpointWriter"]
 
@@ -33,16 +31,17 @@ class CheckpointWriter:
         self._thread = threading.Thread(target=self._run, daemon=True, name="recycle-checkpoint-writer")
         self._thread.start()
 
-    def submit(self, done_steps: int, stage: int, layers: tuple[int, int], module: nn.Module,
-               optimizer: StageOptimizer, before_write: Callable[[], None] | None = None, prefix: str = "") -> None:
+    def submit(self, state: StageState, layers: tuple[int, int],
+               before_write: Callable[[], None] | None = None) -> None:
+        """Checkpoint `state` as the shard of the step it holds (its position's steps done)."""
         self._raise_if_failed()
         # At most one checkpoint in flight (as with dcp.async_save): memory stays at one copy, and a writer never
         # falls steps behind the training it checkpoints. A step that checkpoints before the previous checkpoint
         # is written waits for it.
         self._queue.join()
         self._raise_if_failed()
-        state = checkpoint.stage_state(module, optimizer, stage, done_steps, prefix, copy=True)
-        self._queue.put((done_steps, stage, layers, state, before_write))
+        entries = checkpoint.shard_entries(state, copy=True)
+        self._queue.put((state.position.done, state.stage, layers, entries, before_write))
 
     def wait(self) -> None:
         """Block until every submitted checkpoint is written; raise if one failed."""

@@ -15,6 +15,7 @@ from recycle.runtime.optim import StageOptimizer, allreduce_grads
 from recycle.runtime.messages import Channel, Message, incoming, outgoing, send_order
 from recycle.runtime.precision import autocast
 from recycle.runtime.rollback import StageSnapshot
+from recycle.runtime.stage_state import IterationPosition, StageState
 
 __all__ = ["StageExecutor", "IterationProgress", "IterationResult", "Comm", "Pacing", "ActionTiming", "dropout_seed"]
 
@@ -99,7 +100,8 @@ class StageExecutor:
                  device: torch.device | None = None, record_timings: bool = False,
                  before_action: Callable[[Action], None] | None = None,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 precision: str = "", pacing: Pacing | None = None) -> None:
+                 precision: str = "", pacing: Pacing | None = None,
+                 position: IterationPosition | None = None) -> None:
         self.rank = rank
         self.module = module
         self.loss_fn = loss_fn  # last stage: loss_fn(module(x), targets); None: module(x, targets) is the loss
@@ -116,11 +118,11 @@ class StageExecutor:
         self.device = device or torch.device("cpu")
         self.record_timings = record_timings
         self.progress = IterationProgress()
-        # The last iteration whose optimizer step this worker applied, and how much work that iteration took (a
-        # recovery that rolls it back reports it as redone).
-        self.applied_iteration: int | None = None
+        # The last iteration whose optimizer step this worker applied (the worker's, kept across executors), and how
+        # much work that iteration took (a recovery that rolls it back reports it as redone).
+        self.position = position if position is not None else IterationPosition()
         self.completed = IterationProgress(finished=True)
-        self.snapshot = StageSnapshot(module, optimizer)
+        self.snapshot = StageSnapshot(StageState(module, optimizer, plan.worker(rank)[1], self.position))
         self.before_action = before_action  # e.g. the check that the generation was aborted
         self.pacing = pacing  # runs each action (after before_action) and wraps every transport set_plan is given
         self._stage_loss: float | None = None
@@ -153,6 +155,10 @@ class StageExecutor:
             message = incoming(plan, self.rank, action)
             if message is not None and message.src not in self._expected:
                 self._expected[message.src] = send_order(plan, message.src, self.rank)
+
+    def drop_comm(self) -> None:
+        """Let go of a broken generation's transport (set_plan gives the next one)."""
+        self.comm = None  # type: ignore[assignment]
 
     def abort_iteration(self) -> None:
         """Forget the current iteration's partial work (stashed graphs, parked messages, accumulated gradients) so
@@ -273,16 +279,15 @@ class StageExecutor:
                                       if p.grad is not None))
         self.snapshot.take(self.progress.iteration)
         self.optimizer.step()
-        self.applied_iteration = self.progress.iteration
+        self.position.applied = self.progress.iteration
         self.optimizer.zero_grad(set_to_none=True)
 
     def roll_back(self, redo_iteration: int) -> bool:
         """Return to the state before the optimizer step of `redo_iteration` if this worker already applied it;
         forget any partial iteration. Returns whether weights were rolled back."""
         self.abort_iteration()
-        if self.applied_iteration is not None and self.applied_iteration >= redo_iteration:
-            self.snapshot.restore(redo_iteration)
-            self.applied_iteration = redo_iteration - 1
+        if self.position.applied >= redo_iteration:
+            self.snapshot.restore(redo_iteration)  # the position then holds redo_iteration - 1
             return True
         return False
 

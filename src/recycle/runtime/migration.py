@@ -5,10 +5,9 @@ sequence of re-partitions equal the fault-free run's."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 from torch import nn
@@ -16,9 +15,10 @@ from torch import nn
 from recycle.config import Config
 from recycle.errors import ConfigError
 from recycle.models.gpt import GPTStage, resolve_shape, stage_layers
-from recycle.runtime.state_transfer import decode_layout, encode_layout, group_by_dtype
+from recycle.runtime.stage_state import OPTIMIZER_PREFIX, StageState
+from recycle.runtime.state_transfer import receive_state, send_state
 
-__all__ = ["LayerMove", "MigrationStats", "layer_bounds", "plan_bounds", "layer_moves", "bundles", "layer_names",
+__all__ = ["LayerMove", "MigrationStats", "layer_bounds", "plan_bounds", "layer_moves", "bundles", "layer_entries",
            "exchange_layers", "rebuild_stage", "layer_scaled_config"]
 
 Bounds = list[tuple[int, int]]  # [first, last) blocks per stage
@@ -104,116 +104,51 @@ def bundles(moves: Sequence[LayerMove]) -> list[tuple[int, int, tuple[int, ...]]
     return [(source, target, tuple(layers)) for (source, target), layers in sorted(grouped.items())]
 
 
-def layer_names(module: nn.Module, layers: Sequence[int]) -> list[str]:
-    """The trainable parameter names of `layers` in the built-in GPT (blocks keep their global index)."""
-    prefixes = tuple(f"blocks.{layer}." for layer in layers)
-    return [name for name, p in module.named_parameters() if p.requires_grad and name.startswith(prefixes)]
+def layer_entries(state: StageState, layers: Sequence[int]) -> dict[str, Any]:
+    """The entries of `layers` in the built-in GPT's stage state (blocks keep their global index): their parameters
+    and their optimizer state."""
+    heads = tuple(f"{head}{state.prefix}blocks.{layer}." for layer in layers for head in ("", OPTIMIZER_PREFIX))
+    return {key: value for key, value in state.state_dict().items() if key.startswith(heads)}
 
 
-def _optimizer_state_by_name(module: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(per-parameter optimizer state keyed by parameter name, the rest of the optimizer's state dict)."""
-    full = optimizer.state_dict()
-    inner = full["optimizer"]
-    names = [name for name, p in module.named_parameters() if p.requires_grad]
-    by_name = {names[int(index)]: state for index, state in inner["state"].items()}
-    return by_name, full
-
-
-def _send(obj: Any, send: Callable[[torch.Tensor], None], device: torch.device) -> int:
-    tensors: list[torch.Tensor] = []
-    layout = encode_layout(obj, tensors)
-    blob = torch.frombuffer(bytearray(json.dumps(layout).encode()), dtype=torch.uint8).to(device)
-    send(torch.tensor([blob.numel()], dtype=torch.int64, device=device))
-    send(blob)
-    moved = 8 + blob.numel()
-    for group in group_by_dtype(tensors):
-        flat = torch.cat([t.detach().reshape(-1).to(device) for t in group])
-        send(flat)
-        moved += flat.numel() * flat.element_size()
-    return moved
-
-
-def _receive(recv: Callable[[torch.Tensor], None], device: torch.device) -> tuple[Any, int]:
-    size = torch.zeros(1, dtype=torch.int64, device=device)
-    recv(size)
-    blob = torch.empty(int(size[0]), dtype=torch.uint8, device=device)
-    recv(blob)
-    moved = 8 + blob.numel()
-    tensors: list[torch.Tensor] = []
-
-    def make(entry: dict[str, Any]) -> torch.Tensor:
-        tensor = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]), device=device)
-        tensors.append(tensor)
-        return tensor
-
-    obj = decode_layout(json.loads(bytes(blob.cpu().numpy()).decode()), make)
-    for group in group_by_dtype(tensors):
-        flat = torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype, device=device)
-        recv(flat)
-        moved += flat.numel() * flat.element_size()
-        offset = 0
-        for tensor in group:
-            tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
-    return obj, moved
-
-
-def exchange_layers(module: nn.Module, optimizer: Any, stage: int, moves: Sequence[LayerMove],
-                    senders: dict[int, int], receivers: dict[int, list[int]], me: int,
-                    send: Callable[[torch.Tensor, int], None], recv: Callable[[torch.Tensor, int], None],
-                    device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, Any], MigrationStats]:
+def exchange_layers(state: StageState, moves: Sequence[LayerMove], senders: dict[int, int],
+                    receivers: dict[int, list[int]], me: int, send: Callable[[torch.Tensor, int], None],
+                    recv: Callable[[torch.Tensor, int], None],
+                    device: torch.device) -> tuple[dict[str, Any], MigrationStats]:
     """Move layers between stages. `senders[s]`: the rank that sends stage s's departing layers (one live replica);
     `receivers[s]`: every rank of stage s that receives arriving layers; `me`: this worker's rank. Returns the
-    parameters and per-parameter optimizer state this worker received, keyed by parameter name."""
+    state entries (parameters and optimizer state, stage_state's keys) this worker received."""
     started = time.perf_counter()
-    by_name, _ = _optimizer_state_by_name(module, optimizer)
-    params = dict(module.named_parameters())
-    received: dict[str, torch.Tensor] = {}
-    received_state: dict[str, Any] = {}
+    received: dict[str, Any] = {}
     moved = layers_in = layers_out = 0
     for source, target, layers in bundles(moves):
-        if source == stage and senders[source] == me:
-            names = layer_names(module, layers)
-            payload = {"params": {n: params[n].detach() for n in names},
-                       "state": {n: by_name[n] for n in names if n in by_name}}
+        if source == state.stage and senders[source] == me:
+            payload = layer_entries(state, layers)
             for rank in receivers[target]:
-                moved += _send(payload, lambda t, r=rank: send(t, r), device)
+                moved += send_state(payload, lambda t, r=rank: send(t, r), device)
             layers_out += len(layers)
-        elif target == stage and me in receivers[target]:
-            payload, size = _receive(lambda t: recv(t, senders[source]), device)
+        elif target == state.stage and me in receivers[target]:
+            payload, size = receive_state(lambda t: recv(t, senders[source]), device)
             moved += size
-            received.update(payload["params"])
-            received_state.update(payload["state"])
+            received.update(payload)
             layers_in += len(layers)
-    return received, received_state, MigrationStats(layers_in, layers_out, moved, time.perf_counter() - started)
+    return received, MigrationStats(layers_in, layers_out, moved, time.perf_counter() - started)
 
 
-def rebuild_stage(config: Config, module: GPTStage, optimizer: Any, new_range: tuple[int, int],
-                  received: dict[str, torch.Tensor], received_state: dict[str, Any],
-                  make_optimizer: Callable[[nn.Module], Any]) -> tuple[GPTStage, Any]:
-    """The stage module for `new_range` and its optimizer: kept layers (and the embedding / head) from `module`,
-    arriving layers from `received`; optimizer state moved with each parameter, the schedule position kept."""
+def rebuild_stage(state: StageState, new_range: tuple[int, int], received: dict[str, Any],
+                  make_optimizer: Callable[[nn.Module], Any]) -> StageState:
+    """The stage state for `new_range`: a new module and optimizer holding the kept layers (and the embedding / head)
+    of `state` and the arriving ones of `received`, optimizer state moved with each parameter, the schedule and
+    iteration positions kept."""
     first, last = new_range
+    module = cast(GPTStage, state.module)  # layers move only between the built-in GPT's stages
     reference = next(module.parameters())
     fresh = GPTStage(module.shape, first, last).to(device=reference.device, dtype=reference.dtype)
-    old_state = module.state_dict()
-    wanted = fresh.state_dict()
-    state = {}
-    for name in wanted:
-        if name in received:
-            state[name] = received[name]
-        elif name in old_state:
-            state[name] = old_state[name]
-        else:
+    merged = {**state.state_dict(), **received}
+    for name in fresh.state_dict():
+        if state.prefix + name not in merged:
             raise ConfigError(f"layer re-partition to {new_range}: parameter {name!r} neither kept nor received; the "
                               "workers disagree on the current partition")
-    fresh.load_state_dict(state)
-    by_name, full = _optimizer_state_by_name(module, optimizer)
-    by_name.update(received_state)
-    new_optimizer = make_optimizer(fresh)
-    names = [name for name, p in fresh.named_parameters() if p.requires_grad]
-    groups = new_optimizer.state_dict()["optimizer"]["param_groups"]
-    new_optimizer.load_state_dict({**full, "optimizer": {
-        "state": {index: by_name[name] for index, name in enumerate(names) if name in by_name},
-        "param_groups": groups}})
-    return fresh, new_optimizer
+    rebuilt = StageState(fresh, make_optimizer(fresh), state.stage, state.position, state.prefix)
+    rebuilt.load_state_dict(merged)
+    return rebuilt

@@ -1,20 +1,21 @@
-"""Live state transfer for a re-joining worker: a surviving replica of its stage broadcasts the stage's parameters,
-buffers and optimizer state (any torch.optim optimizer's, with its schedule position) over the stage's process
-group: first the optimizer state's layout as JSON, then the tensors as one flat buffer per dtype."""
+"""Stage state over torch.distributed: a flat state (runtime.stage_state) goes as its layout in JSON, then its
+tensors as one flat buffer per dtype; live state transfer broadcasts a re-joining worker's whole stage state from
+a surviving replica of its stage."""
 
 from __future__ import annotations
 
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
-from torch import nn
 
-from recycle.runtime.optim import StageOptimizer
+from recycle.runtime.stage_state import StageState
 
-__all__ = ["TransferStats", "transfer_stage_state", "encode_layout", "decode_layout", "group_by_dtype"]
+__all__ = ["TransferStats", "transfer_stage_state", "send_state", "receive_state", "group_by_dtype"]
+
+Wire = Callable[[torch.Tensor], None]  # sends a tensor, or fills it with the one received (a broadcast does both)
 
 
 @dataclass(frozen=True)
@@ -23,35 +24,20 @@ class TransferStats:
     seconds: float
 
 
-def encode_layout(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """A JSON-able description of a state dict: every tensor replaced by its index in `tensors` (appended), shape
-    and dtype; dict keys keep their type (optimizer state is keyed by int); tuples stay tuples."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return {"t": len(tensors) - 1, "shape": list(obj.shape), "dtype": str(obj.dtype).removeprefix("torch."),
-                "cpu": obj.device.type == "cpu"}
-    if isinstance(obj, dict):
-        return {"d": [[encode_layout(k, tensors), encode_layout(v, tensors)] for k, v in obj.items()]}
-    if isinstance(obj, tuple):
-        return {"tuple": [encode_layout(v, tensors) for v in obj]}
-    if isinstance(obj, list):
-        return [encode_layout(v, tensors) for v in obj]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(f"cannot transfer optimizer state of type {type(obj).__name__}")
-
-
-def decode_layout(obj: Any, make: Callable[[dict[str, Any]], torch.Tensor]) -> Any:
-    """The inverse of encode_layout; `make(entry)` returns the tensor for a tensor entry."""
-    if isinstance(obj, list):
-        return [decode_layout(v, make) for v in obj]
-    if isinstance(obj, dict):
-        if "t" in obj:
-            return make(obj)
-        if "tuple" in obj:
-            return tuple(decode_layout(v, make) for v in obj["tuple"])
-        return {decode_layout(k, make): decode_layout(v, make) for k, v in obj["d"]}
-    return obj
+def _layout(state: Mapping[str, Any], tensors: list[torch.Tensor]) -> dict[str, Any]:
+    """A JSON-able description of a flat state: each tensor's shape, dtype and whether it lives on the CPU (an
+    optimizer's step counters do), appended to `tensors` in order; plain values as they are."""
+    layout: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+            layout[key] = {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
+                           "cpu": value.device.type == "cpu"}
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            layout[key] = {"value": value}
+        else:
+            raise TypeError(f"cannot transfer stage state {key!r} of type {type(value).__name__}")
+    return layout
 
 
 def group_by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -64,49 +50,57 @@ def group_by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return [groups[dtype] for dtype in sorted(groups, key=str)]
 
 
-def transfer_stage_state(module: nn.Module, optimizer: StageOptimizer, step: int, is_source: bool,
-                         broadcast: Callable[[torch.Tensor], None], device: torch.device) -> tuple[int, TransferStats]:
-    """Broadcast the stage's state from the source replica to the joiners (every member of the group calls this;
-    `broadcast` sends from the source in place). Returns the training step the joiners continue from, and the volume
-    moved. A joiner's optimizer may hold no state yet (torch.optim creates it at the first step), so the layout
-    travels first and the joiner allocates what it receives into."""
-    started = time.perf_counter()
-    params = list(module.state_dict().values())
-    optimizer_tensors: list[torch.Tensor] = []
-    if is_source:
-        layout = encode_layout({"step": step, "optimizer": optimizer.state_dict()}, optimizer_tensors)
-        blob = torch.frombuffer(bytearray(json.dumps(layout).encode()), dtype=torch.uint8).to(device)
-        size = torch.tensor([blob.numel()], dtype=torch.int64, device=device)
-    else:
-        size = torch.zeros(1, dtype=torch.int64, device=device)
-    broadcast(size)
-    if not is_source:
-        blob = torch.empty(int(size[0]), dtype=torch.uint8, device=device)
-    broadcast(blob)
-    moved = size.numel() * 8 + blob.numel()
-    if not is_source:
-        def make(entry: dict[str, Any]) -> torch.Tensor:
-            tensor = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]),
-                                 device="cpu" if entry["cpu"] else device)
-            optimizer_tensors.append(tensor)
-            return tensor
-
-        layout = decode_layout(json.loads(bytes(blob.cpu().numpy()).decode()), make)
-    for group in group_by_dtype(params + optimizer_tensors):
-        dtype = group[0].dtype
-        flat = torch.cat([t.detach().reshape(-1).to(device) for t in group]) if is_source else \
-            torch.empty(sum(t.numel() for t in group), dtype=dtype, device=device)
-        broadcast(flat)
+def send_state(state: Mapping[str, Any], send: Wire, device: torch.device) -> int:
+    """Send a flat state (the receiver calls receive_state); returns the bytes sent."""
+    tensors: list[torch.Tensor] = []
+    blob = torch.frombuffer(bytearray(json.dumps(_layout(state, tensors)).encode()), dtype=torch.uint8).to(device)
+    send(torch.tensor([blob.numel()], dtype=torch.int64, device=device))
+    send(blob)
+    moved = 8 + blob.numel()
+    for group in group_by_dtype(tensors):
+        flat = torch.cat([t.detach().reshape(-1).to(device) for t in group])
+        send(flat)
         moved += flat.numel() * flat.element_size()
-        if not is_source:
-            offset = 0
-            with torch.no_grad():
-                for tensor in group:
-                    tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-                    offset += tensor.numel()
-    if not is_source:
-        # The parameters were filled in place (they share storage with module.state_dict()); the optimizer's state
-        # is new tensors, loaded with its step count and schedule position.
-        optimizer.load_state_dict(layout["optimizer"])
-        step = int(layout["step"])
-    return step, TransferStats(moved, time.perf_counter() - started)
+    return moved
+
+
+def receive_state(recv: Wire, device: torch.device) -> tuple[dict[str, Any], int]:
+    """The flat state send_state sent, in new tensors (on the CPU where the sender's were), and the bytes received."""
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    recv(size)
+    blob = torch.empty(int(size[0]), dtype=torch.uint8, device=device)
+    recv(blob)
+    moved = 8 + blob.numel()
+    state: dict[str, Any] = {}
+    tensors: list[torch.Tensor] = []
+    for key, entry in json.loads(bytes(blob.cpu().numpy()).decode()).items():
+        if "value" in entry:
+            state[key] = entry["value"]
+        else:
+            state[key] = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]),
+                                     device="cpu" if entry["cpu"] else device)
+            tensors.append(state[key])
+    for group in group_by_dtype(tensors):
+        flat = torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype, device=device)
+        recv(flat)
+        moved += flat.numel() * flat.element_size()
+        offset = 0
+        for tensor in group:
+            tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+    return state, moved
+
+
+def transfer_stage_state(state: StageState, is_source: bool, broadcast: Wire,
+                         device: torch.device) -> TransferStats:
+    """Broadcast the stage's state from the source replica to the joiners (every member of the group calls this;
+    `broadcast` sends from the source in place): parameters, optimizer state and schedule position, and the
+    iteration position the joiners continue from. A joiner's optimizer may hold no state yet (torch.optim creates it
+    at the first step), so the layout travels first and the joiner allocates what it receives into."""
+    started = time.perf_counter()
+    if is_source:
+        moved = send_state(state.state_dict(), broadcast, device)
+    else:
+        received, moved = receive_state(broadcast, device)
+        state.load_state_dict(received)
+    return TransferStats(moved, time.perf_counter() - started)

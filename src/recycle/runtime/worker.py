@@ -40,6 +40,7 @@ from recycle.runtime.precision import weights_dtype
 from recycle.runtime.records import (Announcement, Beat, ErrorRecord, FaultRecord, Joined, JoinReady, MigrationRecord,
                                      StepRecord, StoppedReport, Timestamp, TransferRecord)
 from recycle.runtime.stage import build_stage
+from recycle.runtime.stage_state import IterationPosition, StageState
 from recycle.runtime.state_transfer import transfer_stage_state
 from recycle.runtime.store import StoreClient, StoreFenced
 from recycle.runtime.transport import Activity, GenerationCut, Transport, is_comm_error
@@ -295,14 +296,15 @@ class _Worker:
                               "built-in GPT supports; run a plan without a partition with --model-factory / --hf")
         built = build_stage(config, self.stage, spec.model_factory, self.bounds)
         self.built = built
-        self.module, self.layers = built.module.to(self.device), built.layout
-        self.optimizer = make_optimizer(self.module, training)
+        self.layers = built.layout
         # A factory's or Hugging Face model's stages are checkpointed under per-stage key prefixes (their names need
         # not be the whole model's); the built-in GPT's under the whole model's names (checkpoint.key_prefix).
-        self._custom_model = spec.model_factory or config.model.hf_config
+        self._key_prefix = checkpoint.key_prefix(self.stage, spec.model_factory or config.model.hf_config)
+        # Where the stage's state stands (the executors step it; recoveries roll it back, restore or receive it).
+        self.position = IterationPosition(spec.start_step - 1)
+        self.state = self._stage_state(built.module.to(self.device))
         if spec.checkpoint.resume_dir and not spec.joining:  # a replacement takes its state from the job instead
-            checkpoint.load_stage(spec.checkpoint.resume_dir, spec.start_step, self.stage, self.module, self.optimizer,
-                                  self._custom_model)
+            checkpoint.load_stage(spec.checkpoint.resume_dir, spec.start_step, self.state)
         # Only the first stage (inputs) and the last (targets) load micro-batches; the others never open the data.
         self.data = data_source(config) if self.stage in (0, config.num_stages - 1) else None
         self.activity = Activity()
@@ -369,7 +371,7 @@ class _Worker:
         if self.executor is None:
             self.executor = self._make_executor()
             if self.announcement is not None:  # a replacement: its weights are the state after redo_step - 1
-                self.executor.applied_iteration = self.announcement.redo_step - 1
+                self.position.restart(self.announcement.redo_step)
         else:
             self.executor.set_plan(self.plan, self.transport)
         self._migrate_layers()
@@ -409,14 +411,17 @@ class _Worker:
             transport.abort()
 
     # -- layer partition -------------------------------------------------------------------------------------------
-    def _install(self, module: torch.nn.Module, optimizer: Any, layers: tuple[int, int]) -> None:
-        """Run from now on with this stage module (new layer range): the executor is rebuilt around it."""
-        self.module, self.optimizer, self.layers = module, optimizer, layers
-        self.built = replace(self.built, module=module, layout=layers)
+    def _stage_state(self, module: torch.nn.Module) -> StageState:
+        """`module` with a new optimizer, at this worker's iteration position."""
+        return StageState(module, make_optimizer(module, self.config.training), self.stage, self.position,
+                          self._key_prefix)
+
+    def _install(self, state: StageState, layers: tuple[int, int]) -> None:
+        """Run from now on with this stage state (new layer range): the executor is rebuilt around it."""
+        self.state, self.layers = state, layers
+        self.built = replace(self.built, module=state.module, layout=layers)
         if self.executor is not None:
-            applied = self.executor.applied_iteration
             self.executor = self._make_executor()
-            self.executor.applied_iteration = applied
 
     def _take_layout(self) -> None:
         """Build this stage for the plan's partition with no state of its own (a replacement, or a restore that
@@ -426,10 +431,10 @@ class _Worker:
         bounds = plan_bounds(self.config, self.plan.partition)
         self.bounds = bounds  # before _install: the cost pacing follows the partition
         if bounds[self.stage] != self.layers:
-            reference = next(self.module.parameters())
-            module = GPTStage(self.module.shape, *bounds[self.stage]).to(device=reference.device,
-                                                                          dtype=reference.dtype)
-            self._install(module, make_optimizer(module, self.config.training), bounds[self.stage])
+            current = self.state.module
+            reference = next(current.parameters())
+            module = GPTStage(current.shape, *bounds[self.stage]).to(device=reference.device, dtype=reference.dtype)
+            self._install(self._stage_state(module), bounds[self.stage])
 
     def _migrate_layers(self) -> None:
         """The new generation's plan holds the layers in another partition: stages that lose layers send them
@@ -450,16 +455,14 @@ class _Worker:
                      for s in range(plan.num_stages)}
         senders = {s: ranks[0] for s, ranks in survivors.items() if ranks}
         transport = self.transport
-        received, state, stats = exchange_layers(
-            self.module, self.optimizer, self.stage, layer_moves(self.bounds, new), senders, survivors,
-            self.spec.rank, transport.send_to, transport.recv_from, self.device)
+        received, stats = exchange_layers(self.state, layer_moves(self.bounds, new), senders, survivors,
+                                          self.spec.rank, transport.send_to, transport.recv_from, self.device)
         self.bounds = new
         if new[self.stage] != self.layers:
-            module, optimizer = rebuild_stage(self.config, self.module, self.optimizer, new[self.stage], received,
-                                              state, lambda m: make_optimizer(m, self.config.training))
-            self._install(module, optimizer, new[self.stage])
+            self._install(rebuild_stage(self.state, new[self.stage], received,
+                                        lambda m: make_optimizer(m, self.config.training)), new[self.stage])
         elif self.spec.debug.emulation is not None:  # same layers here, other stages changed: pace to the new costs
-            self._install(self.module, self.optimizer, self.layers)
+            self._install(self.state, self.layers)
         self.jobs.put(Channels.MIGRATION, MigrationRecord(tuple(self.layers), stats.layers_in, stats.layers_out,
                                                           stats.bytes, stats.seconds), self.generation, self.spec.rank)
 
@@ -470,16 +473,14 @@ class _Worker:
         spec = self.spec
         if step == spec.start_step and not checkpoint.step_dir(spec.checkpoint.dir, step).is_dir():
             if spec.checkpoint.resume_dir:
-                checkpoint.load_stage(spec.checkpoint.resume_dir, step, self.stage, self.module, self.optimizer,
-                                      self._custom_model)
+                checkpoint.load_stage(spec.checkpoint.resume_dir, step, self.state)
                 return
             if step == 0:
                 built = build_stage(self.config, self.stage, spec.model_factory, self.bounds)
-                module = built.module.to(self.device)
-                self._install(module, make_optimizer(module, self.config.training), built.layout)
+                self._install(self._stage_state(built.module.to(self.device)), built.layout)
+                self.position.restart(0)
                 return
-        checkpoint.load_stage(spec.checkpoint.dir, step, self.stage, self.module, self.optimizer,
-                              self._custom_model)
+        checkpoint.load_stage(spec.checkpoint.dir, step, self.state)
 
     def _transfer_state(self) -> None:
         """If replacements joined this stage in this generation (and no checkpoint is being restored), the first
@@ -494,15 +495,13 @@ class _Worker:
         source = self.plan.rank(next(p for p in replicas if p not in joiners), self.stage)
         if self.spec.rank in announcement.joining:
             _joiner_dies_here(self.spec.joiner_dies_at, "transfer")
-        transport, executor = self.transport, self.executor
+        transport = self.transport
 
         def broadcast(tensor: torch.Tensor) -> None:
             transport.stage_broadcast(self.stage, tensor, source)
 
-        step, stats = transfer_stage_state(self.module, self.optimizer, announcement.redo_step,
-                                           self.spec.rank == source, broadcast, self.device)
-        if self.spec.rank in announcement.joining:
-            executor.applied_iteration = step - 1
+        stats = transfer_stage_state(self.state, self.spec.rank == source, broadcast, self.device)
+        if self.spec.rank in announcement.joining:  # its position is now the source's
             self._holds_state = True
             self.jobs.put(Channels.TRANSFER, TransferRecord(stats.bytes, stats.seconds,
                                                             "%d:%d" % self.plan.worker(source)),
@@ -519,11 +518,12 @@ class _Worker:
         emulation = self.spec.debug.emulation
         pacing = cost_pacer(layer_scaled_config(config, self.bounds), self.plan, self.spec.rank, emulation) \
             if emulation is not None else None
-        return StageExecutor(self.plan, self.spec.rank, self.module, self.optimizer, self.transport, load,
+        return StageExecutor(self.plan, self.spec.rank, self.state.module, self.state.optimizer, self.transport, load,
                              built.input_shape, built.output_shape, weights_dtype(config.training.dtype),
                              grad_clip=config.training.grad_clip, seed=config.training.seed, device=self.device,
                              record_timings=self.spec.debug.record_timings, before_action=self._before_action,
-                             precision=config.training.dtype, loss_fn=built.loss_fn, pacing=pacing)
+                             precision=config.training.dtype, loss_fn=built.loss_fn, pacing=pacing,
+                             position=self.position)
 
     def _before_action(self, action: Action) -> None:
         self.activity.action()
@@ -558,30 +558,31 @@ class _Worker:
         cpu_s = time.process_time() - cpu0  # all threads of this process, gloo's included
         done = step + 1
         if spec.checkpoint.due(done):
-            self._save_checkpoint(done)
+            self._save_checkpoint()
         self.jobs.put(Channels.METRICS, StepRecord(
             self.replica, self.stage, self.generation, result.start, result.end, cpu_s, result.loss_sum,
             result.stage_loss, result.grad_norm, result.grad_sq,
-            digest=parameter_digest(self.module) if spec.debug.verify_replicas else "",
+            digest=parameter_digest(self.state.module) if spec.debug.verify_replicas else "",
             timings=tuple((t.action, t.start, t.end) for t in result.timings)), step, spec.rank)
 
     def _is_writer(self) -> bool:
         """One live replica per stage writes the stage's files."""
         return self.replica == self.plan.live_replicas(self.stage)[0]
 
-    def _save_checkpoint(self, done: int) -> None:
-        """Hand a copy of the stage's state to the background writer: the step goes on while it is written."""
+    def _save_checkpoint(self) -> None:
+        """Hand a copy of the stage's state (after the steps it holds) to the background writer: the step goes on
+        while it is written."""
         if not self._is_writer():
             return
+        done = self.position.done
         faults = [f for f in self.spec.faults if f.point == "ckpt" and f.step == done - 1]
         before_write = (lambda: self._fire(faults[0], f"the checkpoint of step {done}")) if faults else None
-        self.writer.submit(done, self.stage, self.layers, self.module, self.optimizer, before_write,
-                           checkpoint.key_prefix(self.stage, self._custom_model))
+        self.writer.submit(self.state, self.layers, before_write)
 
     def _save_final(self) -> None:
         """The --save part of this stage, and every checkpoint on disk (and reported) before the worker leaves."""
         if self._is_writer() and self.spec.outputs.save_path:
-            checkpoint.atomic_torch_save({k: v.detach().cpu() for k, v in self.module.state_dict().items()},
+            checkpoint.atomic_torch_save({k: v.detach().cpu() for k, v in self.state.module.state_dict().items()},
                                          checkpoint.part_file(self.spec.outputs.save_path, self.stage))
         if self.writer is not None:
             self.writer.wait()
@@ -610,10 +611,10 @@ class _Worker:
                 dist.destroy_process_group()
         except Exception:
             pass  # the group is broken either way; what matters is that its connections are cut
+        applied = self.position.applied
         if executor is not None:
-            executor.comm = None  # type: ignore[assignment]  # set again by set_plan in the next generation
+            executor.drop_comm()
             progress, completed = executor.progress, executor.completed
-            applied = executor.applied_iteration if executor.applied_iteration is not None else spec.start_step - 1
             current = (progress.index, progress.busy_s) if not progress.finished else (0, 0.0)
             report = StoppedReport(spec.rank, self.generation, applied, progress.iteration, current[0], current[1],
                                    completed.index if applied >= spec.start_step else 0,
@@ -621,8 +622,8 @@ class _Worker:
                                    error, time.time())
         else:  # failed while forming its first generation: nothing done yet
             # Its state is the run's start, or (a replacement that loaded the restored checkpoint) that step.
-            start = self.announcement.redo_step if self.announcement is not None else spec.start_step
-            report = StoppedReport(spec.rank, self.generation, start - 1, start, 0, 0.0, 0, 0.0, error, time.time())
+            report = StoppedReport(spec.rank, self.generation, applied, applied + 1, 0, 0.0, 0, 0.0, error,
+                                   time.time())
         self.jobs.put(Channels.STOPPED, report, self.generation, spec.rank)
         self.store.add(Keys.stopped_count(self.generation), 1)  # one key for the coordinator to poll
         announcement = self._await_announcement(self.generation + 1)
@@ -636,11 +637,9 @@ class _Worker:
             if self.writer is not None:
                 self.writer.wait()
             self._take_layout()  # the checkpoint's keys are the whole model's: it loads into any partition
-            self._load_checkpoint(announcement.restore_step)
-            if executor is not None:
-                executor.abort_iteration()
-                executor.applied_iteration = redo - 1
-                executor.snapshot.iteration = None
+            self._load_checkpoint(announcement.restore_step)  # the position then holds redo - 1
+            if self.executor is not None:
+                self.executor.abort_iteration()
         elif executor is not None:
             executor.roll_back(redo)
         self._repair_checkpoint(redo)
@@ -667,4 +666,4 @@ class _Worker:
             # hashes (a "damaged" file in a complete checkpoint).
             self.writer.wait()
         if not self.store.check([Keys.checkpointed(redo, self.stage)]):
-            self._save_checkpoint(redo)
+            self._save_checkpoint()  # the state holds `redo` steps
