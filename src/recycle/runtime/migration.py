@@ -125,7 +125,7 @@ def exchange_layers(state: StageState, moves: Sequence[LayerMove], senders: dict
         if source == state.stage and senders[source] == me:
             payload = layer_entries(state, layers)
             for rank in receivers[target]:
-                moved += send_state(payload, lambda t, r=rank: send(t, r), device)
+                moved += send_state(payload, lambda t: send(t, rank), device)
             layers_out += len(layers)
         elif target == state.stage and me in receivers[target]:
             payload, size = receive_state(lambda t: recv(t, senders[source]), device)

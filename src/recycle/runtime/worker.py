@@ -14,7 +14,7 @@ import time
 import traceback
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -431,7 +431,7 @@ class _Worker:
         bounds = plan_bounds(self.config, self.plan.partition)
         self.bounds = bounds  # before _install: the cost pacing follows the partition
         if bounds[self.stage] != self.layers:
-            current = self.state.module
+            current = cast(GPTStage, self.state.module)  # layouts change only for the built-in GPT
             reference = next(current.parameters())
             module = GPTStage(current.shape, *bounds[self.stage]).to(device=reference.device, dtype=reference.dtype)
             self._install(self._stage_state(module), bounds[self.stage])
