@@ -334,7 +334,7 @@ def test_a_faulty_comm_loses_its_peer_at_the_scripted_op_of_the_scripted_iterati
                                  (2, 8, 32) if rank == 0 else None, torch.float64)
         try:
             executor.run_iteration(0)
-            outcomes[rank, 0] = executor.applied_iteration
+            outcomes[rank, 0] = executor.position.applied
             executor.run_iteration(1)
         except PeerLost as exc:
             outcomes[rank] = exc
