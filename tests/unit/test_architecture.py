@@ -23,9 +23,11 @@ def _imports(folder: Path) -> dict[str, set[str]]:
 
 
 # What the runtime may build on (docs/runtime.md): the plan IR (with the plan-provider protocol), the config, errors,
-# file I/O and the models. The planner reaches it only through a PlanProvider handed in by the command layer.
+# file I/O, the models and the data sources. The planner reaches it only through a PlanProvider handed in by the command layer.
 RUNTIME_MAY_IMPORT = ("recycle.runtime", "recycle.ir", "recycle.config", "recycle.errors", "recycle.fileio",
-                      "recycle.models")
+                      "recycle.models", "recycle.data")
+# The data sources sit beside the models: they read the config's values and nothing that runs.
+DATA_MAY_IMPORT = ("recycle.data", "recycle.config", "recycle.errors", "recycle.fileio")
 
 
 def test_runtime_imports_only_the_layers_below_it() -> None:
@@ -35,6 +37,15 @@ def test_runtime_imports_only_the_layers_below_it() -> None:
     }
     offenders = {f: n for f, n in offenders.items() if n}
     assert not offenders, f"runtime modules import above their layer (planner, sim, commands, ...): {offenders}"
+
+
+def test_data_sources_import_only_config_and_errors() -> None:
+    offenders = {
+        f: sorted(n for n in names if n.startswith("recycle") and not n.startswith(DATA_MAY_IMPORT))
+        for f, names in _imports(SRC / "data").items()
+    }
+    offenders = {f: n for f, n in offenders.items() if n}
+    assert not offenders, f"data modules import the runtime, planner or models: {offenders}"
 
 
 def test_ir_is_torch_free_and_lowest_layer() -> None:
