@@ -143,7 +143,7 @@ class _GPT2Stage(nn.Module):
         return x
 
 
-def hf_stages(path: str | Path, num_stages: int, seq_len: int, seed: int, dtype: torch.dtype) -> list[nn.Module]:
+def hf_stages(path: str | Path, num_stages: int, seq_len: int, seed: int, dtype: torch.dtype) -> list[_GPT2Stage]:
     """The S stage modules of the model, sliced by decoder layers as evenly as possible (earlier stages get the
     extra layer), with exactly the weights of build_hf_model(path, seq_len, seed, dtype)."""
     whole = build_hf_model(path, seq_len, seed, dtype)

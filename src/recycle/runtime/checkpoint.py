@@ -703,7 +703,7 @@ def safe_reader(where: str | Path, root: str | Path | None = None) -> Any:
             except UnsafeFile as exc:
                 raise CheckpointError(str(exc)) from None
             with os.fdopen(fd, "rb") as stream:
-                yield stream  # type: ignore[misc]
+                yield stream
 
     class SafeReader(FileSystemReader):
         def __init__(self, path: str | Path) -> None:

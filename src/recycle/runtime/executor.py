@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -131,6 +131,7 @@ class StageExecutor:
         self._stash: dict[int, _Stash] = {}
         self._loss_sum = 0.0
         self._grad_norm: float | None = None
+        self._grad_sq: float | None = None
         self.set_plan(plan, comm)
 
     def set_plan(self, plan: Plan, comm: Comm | None = None) -> None:
@@ -215,14 +216,16 @@ class StageExecutor:
         tokens, targets = self.load_microbatch(self.progress.iteration, mb) if (self.is_first or self.is_last) \
             else (None, None)
         if self.is_first:
+            assert tokens is not None
             inp = None
             x = tokens.to(self.device)
         else:
-            inp = self._receive(incoming(self.plan, self.rank, action)).requires_grad_()
+            inp = self._receive(self._incoming(action)).requires_grad_()
             x = inp
         self._seed_dropout(dropout_seed(self.seed, self.progress.iteration, mb, self.stage))
         with autocast(self.precision, self.device):
             if self.is_last:
+                assert targets is not None
                 targets = targets.to(self.device)
                 loss = self.loss_fn(self.module(x), targets) if self.loss_fn else self.module(x, targets)
                 out = loss * self.scale
@@ -233,7 +236,7 @@ class StageExecutor:
         else:
             if out.dtype != self.dtype:  # a stage whose output autocast left in bf16: the boundary is float32
                 out = out.to(self.dtype)
-            self.comm.send(outgoing(self.plan, self.rank, action), out)
+            self.comm.send(self._outgoing(action), out)
         self._stash[mb] = _Stash(inp, out)
 
     def backward_input(self, action: Action) -> None:
@@ -242,8 +245,9 @@ class StageExecutor:
         stash.grad_out = self._output_grad(action)
         if self.is_first:
             return  # token ids have no gradient: stage 0's B only takes delivery of the output-gradient
+        assert stash.inp is not None  # every stage but the first receives its input
         (grad_in,) = torch.autograd.grad(stash.out, [stash.inp], stash.grad_out, retain_graph=True)
-        self.comm.send(outgoing(self.plan, self.rank, action), grad_in)
+        self.comm.send(self._outgoing(action), grad_in)
 
     def backward_weight(self, action: Action) -> None:
         """W: the weight-gradient, accumulated into .grad; frees the micro-batch's graph."""
@@ -257,9 +261,11 @@ class StageExecutor:
         if self.is_first:
             self._backward_into_grad(stash.out, grad_out, self.params)
             return
+        assert stash.inp is not None  # every stage but the first receives its input
         self._backward_into_grad(stash.out, grad_out, [stash.inp, *self.params])
         # stash.inp is this micro-batch's own leaf (a fresh receive buffer): its .grad is exactly the input-gradient.
-        self.comm.send(outgoing(self.plan, self.rank, action), stash.inp.grad)
+        assert stash.inp.grad is not None
+        self.comm.send(self._outgoing(action), stash.inp.grad)
 
     def optimizer_step(self, action: Action) -> None:
         """OPT: SUM all-reduce of the stage's gradients over its live replicas, optional clipping, AdamW step."""
@@ -275,8 +281,8 @@ class StageExecutor:
             self._clip_global_norm()
         else:
             # For the grad-norm metric: the launcher sums the stages' squares, so no cross-stage collective is needed.
-            self._grad_sq = float(sum(p.grad.detach().double().pow(2).sum() for p in self.params
-                                      if p.grad is not None))
+            self._grad_sq = sum(float(p.grad.detach().double().pow(2).sum()) for p in self.params
+                                if p.grad is not None)
         self.snapshot.take(self.progress.iteration)
         self.optimizer.step()
         self.position.applied = self.progress.iteration
@@ -301,19 +307,33 @@ class StageExecutor:
         squares = torch.zeros(self.plan.num_stages, dtype=torch.float64, device=self.device)
         # Only the lowest live replica of each stage contributes, so the world sum counts each stage once.
         if self.replica == self.plan.live_replicas(self.stage)[0]:
-            squares[self.stage] = sum(float(p.grad.detach().double().pow(2).sum()) for p in self.params)
+            squares[self.stage] = sum(float(p.grad.detach().double().pow(2).sum()) for p in self.params
+                                      if p.grad is not None)
         self.comm.world_allreduce_sum(squares)
         total = float(squares.sum()) ** 0.5
         self._grad_norm = total
         coefficient = self.grad_clip / (total + 1e-6)  # the same formula as torch.nn.utils.clip_grad_norm_
         if coefficient < 1.0:
             for p in self.params:
-                p.grad.mul_(coefficient)
+                if p.grad is not None:
+                    p.grad.mul_(coefficient)
 
     def _output_grad(self, action: Action) -> torch.Tensor | None:
         if self.is_last:
             return None  # the scaled loss is a scalar: autograd seeds it with 1
-        return self._receive(incoming(self.plan, self.rank, action))
+        return self._receive(self._incoming(action))
+
+    def _incoming(self, action: Action) -> Message:
+        message = incoming(self.plan, self.rank, action)
+        if message is None:
+            raise RuntimeError(f"worker {self.replica}:{self.stage}: {action} receives nothing in its plan")
+        return message
+
+    def _outgoing(self, action: Action) -> Message:
+        message = outgoing(self.plan, self.rank, action)
+        if message is None:
+            raise RuntimeError(f"worker {self.replica}:{self.stage}: {action} sends nothing in its plan")
+        return message
 
     def _receive(self, wanted: Message) -> torch.Tensor:
         """Take messages from `wanted.src` in its send order until `wanted` arrives; park the earlier ones."""
@@ -327,7 +347,11 @@ class StageExecutor:
                                    "such message in its plan")
             message = order[position]
             self._next_from[wanted.src] = position + 1
-            tensor = self.comm.recv(message, self.receive_shapes[message.channel], self.dtype)
+            shape = self.receive_shapes[message.channel]
+            if shape is None:
+                raise RuntimeError(f"worker {self.replica}:{self.stage} has no {message.channel.name} shape to "
+                                   f"receive {message}")
+            tensor = self.comm.recv(message, shape, self.dtype)
             if message == wanted:
                 return tensor
             self._parked[message] = tensor
@@ -344,7 +368,7 @@ class StageExecutor:
             torch.cuda.manual_seed(seed)  # the current device (worker_main sets it); CUDA is initialised there
 
     @staticmethod
-    def _backward_into_grad(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: list[torch.Tensor]) -> None:
+    def _backward_into_grad(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: Sequence[torch.Tensor]) -> None:
         """Accumulate d(out)/d(inputs) into the inputs' .grad, as loss.backward() would: autograd's AccumulateGrad
         adopts the first micro-batch's gradient and adds the later ones in place, in C++ (the same sums, in the same
         micro-batch order, as a Python clone-then-add_ loop over autograd.grad's results, without the copies and

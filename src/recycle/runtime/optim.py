@@ -31,18 +31,20 @@ def allreduce_grads(params: list[torch.nn.Parameter], allreduce: Callable[[torch
     """The data-parallel half of an OPT: flatten the stage's gradients (zeros for unused parameters) into one buffer,
     SUM-all-reduce it with `allreduce`, and copy the result back into every .grad. `extra` (a small 1-D tensor of
     the gradients' dtype) is summed in the same all-reduce and updated in place."""
+    grads = []
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    pieces = [p.grad.reshape(-1) for p in params]
+        grads.append(p.grad)
+    pieces = [g.reshape(-1) for g in grads]
     flat = torch.cat(pieces if extra is None else [*pieces, extra.reshape(-1)])
     allreduce(flat)
     if extra is not None:
         extra.copy_(flat[flat.numel() - extra.numel():].view_as(extra))
     offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[offset:offset + n].view_as(p))
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset:offset + n].view_as(g))
         offset += n
 
 
@@ -248,7 +250,7 @@ class AdamW(torch.optim.Optimizer):
         if len(groups) != len(self.param_groups) or any(
                 len(g["params"]) != len(own["params"]) for g, own in zip(groups, self.param_groups)):
             raise ValueError("loaded optimizer state has parameter groups that do not match this optimizer's")
-        by_index = {}
+        by_index: dict[int, Any] = {}
         for saved, own in zip(groups, self.param_groups):
             by_index.update(zip(saved["params"], own["params"]))
             own.update({k: v for k, v in saved.items() if k != "params"})

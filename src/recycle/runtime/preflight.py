@@ -236,7 +236,7 @@ def expected_stages(config: Config, model_factory: str = "") -> list[StageSpec]:
         with torch.device(device):
             modules = [GPTStage(shape, first, last).to(weights_dtype(config.training.dtype))
                        for first, last in layouts]
-    return [StageSpec(tuple(layout), {k: (tuple(v.shape), v.dtype) for k, v in m.state_dict().items()},
+    return [StageSpec((layout[0], layout[1]), {k: (tuple(v.shape), v.dtype) for k, v in m.state_dict().items()},
                       {n: tuple(p.shape) for n, p in m.named_parameters() if p.requires_grad})
             for m, layout in zip(modules, layouts)]
 
@@ -278,6 +278,7 @@ def find_resume_point(config: Config, root: str | Path, model_factory: str = "",
     problems: list[str] = []
     for step in candidates:
         where = checkpoint.step_dir(root, step)
+        problem: str | None
         if not where.is_dir():
             problem = (f"'latest' names step {step} but {where} is missing" if step == latest
                        else f"{where} is missing")

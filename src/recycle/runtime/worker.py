@@ -102,7 +102,7 @@ def _watch_launcher(launcher_alive: Connection) -> None:
 def _store_peers(host: str, port: int) -> set[tuple[str, int]]:
     """The addresses the job store answers on: a generation's abort never cuts these connections."""
     try:
-        return {(info[4][0], port) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+        return {(str(info[4][0]), port) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
     except OSError:
         return {(host, port)}
 
@@ -373,7 +373,7 @@ class _Worker:
             if self.announcement is not None:  # a replacement: its weights are the state after redo_step - 1
                 self.position.restart(self.announcement.redo_step)
         else:
-            self.executor.set_plan(self.plan, self.transport)
+            self.executor.set_plan(self.plan, transport)
         self._migrate_layers()
         self._transfer_state()
         self._resumed_pending = generation > 0
@@ -454,7 +454,7 @@ class _Worker:
         survivors = {s: [plan.rank(p, s) for p in plan.live_replicas(s) if plan.rank(p, s) not in joining]
                      for s in range(plan.num_stages)}
         senders = {s: ranks[0] for s, ranks in survivors.items() if ranks}
-        transport = self.transport
+        transport = self._transport()
         received, stats = exchange_layers(self.state, layer_moves(self.bounds, new), senders, survivors,
                                           self.spec.rank, transport.send_to, transport.recv_from, self.device)
         self.bounds = new
@@ -463,7 +463,7 @@ class _Worker:
                                         lambda m: make_optimizer(m, self.config.training)), new[self.stage])
         elif self.spec.debug.emulation is not None:  # same layers here, other stages changed: pace to the new costs
             self._install(self.state, self.layers)
-        self.jobs.put(Channels.MIGRATION, MigrationRecord(tuple(self.layers), stats.layers_in, stats.layers_out,
+        self.jobs.put(Channels.MIGRATION, MigrationRecord((self.layers[0], self.layers[1]), stats.layers_in, stats.layers_out,
                                                           stats.bytes, stats.seconds), self.generation, self.spec.rank)
 
     def _load_checkpoint(self, step: int) -> None:
@@ -495,7 +495,7 @@ class _Worker:
         source = self.plan.rank(next(p for p in replicas if p not in joiners), self.stage)
         if self.spec.rank in announcement.joining:
             _joiner_dies_here(self.spec.joiner_dies_at, "transfer")
-        transport = self.transport
+        transport = self._transport()
 
         def broadcast(tensor: torch.Tensor) -> None:
             transport.stage_broadcast(self.stage, tensor, source)
@@ -518,7 +518,7 @@ class _Worker:
         emulation = self.spec.debug.emulation
         pacing = cost_pacer(layer_scaled_config(config, self.bounds), self.plan, self.spec.rank, emulation) \
             if emulation is not None else None
-        return StageExecutor(self.plan, self.spec.rank, self.state.module, self.state.optimizer, self.transport, load,
+        return StageExecutor(self.plan, self.spec.rank, self.state.module, self.state.optimizer, self._transport(), load,
                              built.input_shape, built.output_shape, weights_dtype(config.training.dtype),
                              grad_clip=config.training.grad_clip, seed=config.training.seed, device=self.device,
                              record_timings=self.spec.debug.record_timings, before_action=self._before_action,
@@ -532,7 +532,7 @@ class _Worker:
         if self._resumed_pending:
             self._resumed_pending = False
             self.jobs.put(Channels.RESUMED, Timestamp(time.time()), self.generation, self.spec.rank)
-        progress = self.executor.progress
+        progress = self._executor().progress
         for fault in self.spec.faults:
             if fault.point == "action" and fault.step == progress.iteration and fault.index == progress.index:
                 self._fire(fault, str(action))
@@ -552,7 +552,7 @@ class _Worker:
                                     "replacement worker")
         cpu0 = time.process_time()
         try:
-            result = self.executor.run_iteration(step)
+            result = self._executor().run_iteration(step)
         finally:
             self.activity.phase = "idle"
         cpu_s = time.process_time() - cpu0  # all threads of this process, gloo's included
@@ -577,6 +577,7 @@ class _Worker:
         done = self.position.done
         faults = [f for f in self.spec.faults if f.point == "ckpt" and f.step == done - 1]
         before_write = (lambda: self._fire(faults[0], f"the checkpoint of step {done}")) if faults else None
+        assert self.writer is not None, "checkpoints are due only when a checkpoint folder is set"
         self.writer.submit(self.state, self.layers, before_write)
 
     def _save_final(self) -> None:
@@ -589,9 +590,20 @@ class _Worker:
 
     def _finish(self) -> None:
         self._save_final()
-        self.transport.flush()
-        self.transport.barrier()  # nobody tears its connections down while a peer may still be talking to it
-        self.transport.close()
+        transport = self._transport()
+        transport.flush()
+        transport.barrier()  # nobody tears its connections down while a peer may still be talking to it
+        transport.close()
+
+    def _transport(self) -> Transport:
+        if self.transport is None:
+            raise RuntimeError(f"worker {self.replica}:{self.stage} has no transport: it is between generations")
+        return self.transport
+
+    def _executor(self) -> StageExecutor:
+        if self.executor is None:
+            raise RuntimeError(f"worker {self.replica}:{self.stage} has no executor: it has not joined a generation")
+        return self.executor
 
     # -- recovery ------------------------------------------------------------------------------------------------
     def _recover(self, step: int, error: str) -> int:
