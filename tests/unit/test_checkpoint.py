@@ -52,3 +52,28 @@ def test_a_save_survives_the_process_group_going_away_under_it(tiny_config, tmp_
     checkpoint.save_shard(tmp_path, 2, 0, (0, 2), checkpoint.shard_entries(StageState(stage, opt, 0,
                                                                                        IterationPosition(1))))
     assert (checkpoint.shard_dir(tmp_path, 2, 0) / checkpoint.SHARD_MANIFEST).exists()
+
+
+def test_clearing_dead_writers_removes_only_the_shards_of_writers_that_are_gone(tmp_path) -> None:
+    """A run that failed while a worker was writing: once its workers are stopped, their temporary shard folders
+    go; a live writer's (this process's) and other hosts' stay, and a merged shard is never touched."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(gone.stdout)
+    host = socket.gethostname()
+    step = checkpoint.step_dir(tmp_path, 4)
+    dead = step / f"stage0.{host}.{dead_pid}.1.tmp"
+    live = step / f"stage1.{host}.{os.getpid()}.1.tmp"
+    foreign = step / f"stage1.old.another-host.{dead_pid}.1.tmp"
+    done = checkpoint.shard_dir(tmp_path, 4, 2)
+    for folder in (dead, live, foreign, done):
+        folder.mkdir(parents=True)
+    checkpoint.clear_dead_writers(tmp_path)
+    assert not dead.exists()
+    assert live.exists() and foreign.exists() and done.exists()
+    checkpoint.clear_dead_writers(tmp_path / "missing")  # no checkpoint folder yet: nothing to do

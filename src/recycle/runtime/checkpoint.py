@@ -294,6 +294,13 @@ def _clear_dead_writers(folder: Path) -> bool:
     return busy
 
 
+def clear_dead_writers(root: str | Path) -> None:
+    """Remove every temporary shard folder whose writer (a process of this host) is gone: a run that failed while
+    another worker was writing its shard leaves none behind once its workers are stopped."""
+    for name in _step_folders(root).values():
+        _clear_dead_writers(Path(root) / name)
+
+
 def _remove_tree(path: Path) -> None:
     """Remove a folder (a symbolic link: the link only)."""
     if path.is_symlink():

@@ -93,7 +93,7 @@ class StageExecutor:
     a (channel, micro-batch) tag.
     """
 
-    def __init__(self, plan: Plan, rank: int, module: nn.Module, optimizer: StageOptimizer, comm: Comm,
+    def __init__(self, plan: Plan, rank: int, module: nn.Module, optimizer: StageOptimizer, comm: Comm | None,
                  load_microbatch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
                  input_shape: tuple[int, ...] | None, output_shape: tuple[int, ...] | None, dtype: torch.dtype,
                  grad_clip: float = 0.0, seed: int = 0,
@@ -107,7 +107,7 @@ class StageExecutor:
         self.loss_fn = loss_fn  # last stage: loss_fn(module(x), targets); None: module(x, targets) is the loss
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = optimizer
-        self.comm = comm
+        self._comm: Comm | None = None  # None between generations (built before the next one formed)
         self.load_microbatch = load_microbatch
         # Received activations have the previous stage's output shape; received gradients our own output's.
         self.receive_shapes = {Channel.ACTIVATION: input_shape, Channel.GRADIENT: output_shape}
@@ -142,7 +142,7 @@ class StageExecutor:
             raise ValueError(f"worker {replica}:{stage} is failed in the new plan; a failed worker cannot run it")
         self.plan = plan
         if comm is not None:
-            self.comm = self.pacing.wrap(comm) if self.pacing is not None else comm
+            self._comm = self.pacing.wrap(comm) if self.pacing is not None else comm
         if self.pacing is not None:
             self.pacing.set_plan(plan)
         self.replica, self.stage = replica, stage
@@ -159,7 +159,14 @@ class StageExecutor:
 
     def drop_comm(self) -> None:
         """Let go of a broken generation's transport (set_plan gives the next one)."""
-        self.comm = None  # type: ignore[assignment]
+        self._comm = None
+
+    @property
+    def comm(self) -> Comm:
+        """This generation's transport (paced when costs are emulated)."""
+        if self._comm is None:
+            raise RuntimeError(f"worker {self.replica}:{self.stage} has no transport: it is between generations")
+        return self._comm
 
     def abort_iteration(self) -> None:
         """Forget the current iteration's partial work (stashed graphs, parked messages, accumulated gradients) so

@@ -110,6 +110,8 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
         spawner.close()
         if server is not None:
             server.close()
+        if not finished and options.checkpoint.dir:  # a shard being written when the run failed
+            checkpoint.clear_dead_writers(options.checkpoint.dir)
         if not finished and options.outputs.save_path and cluster.node_rank == 0:
             for stage in range(plan.num_stages):  # a failed run leaves no half-made --save behind
                 checkpoint.part_file(options.outputs.save_path, stage).unlink(missing_ok=True)

@@ -518,7 +518,7 @@ class _Worker:
         emulation = self.spec.debug.emulation
         pacing = cost_pacer(layer_scaled_config(config, self.bounds), self.plan, self.spec.rank, emulation) \
             if emulation is not None else None
-        return StageExecutor(self.plan, self.spec.rank, self.state.module, self.state.optimizer, self._transport(), load,
+        return StageExecutor(self.plan, self.spec.rank, self.state.module, self.state.optimizer, self.transport, load,
                              built.input_shape, built.output_shape, weights_dtype(config.training.dtype),
                              grad_clip=config.training.grad_clip, seed=config.training.seed, device=self.device,
                              record_timings=self.spec.debug.record_timings, before_action=self._before_action,
