@@ -354,6 +354,14 @@ def test_joiners_are_not_admitted_when_no_step_is_left() -> None:
     assert announce.facts.redo_step == 10 and announce.facts.joining == frozenset() and 3 not in announce.live
 
 
+def test_a_joiner_that_gets_ready_after_every_worker_finished_is_not_drained_for() -> None:
+    c = coordinator(live=ALL - {3}, failed=frozenset({(1, 1)}), end_step=10)
+    for rank in (0, 1, 2, 4, 5):
+        assert c.on_done(rank, 0.1) == []
+    assert c.on_join_ready(3, 0.2) == []  # a drain now would wait for reports that never come
+    assert not c.state.recovering and 3 not in c.state.joining
+
+
 # -- hang detection: progress, not heartbeats --------------------------------------------------------------------
 def test_progress_restarts_its_clock_only_when_the_main_thread_moves() -> None:
     from recycle.runtime.coordinator import track_progress

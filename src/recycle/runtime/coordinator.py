@@ -409,6 +409,8 @@ class Coordinator:
             return []
         if self.worker(rank) not in state.failed:
             return []
+        if state.live <= state.done:
+            return []  # every live worker has finished the run: no generation is left to admit it into
         self.state = replace(state, joining=state.joining | {rank}, moving=state.moving - {rank})
         if state.recovering:
             return self._maybe_announce(now)

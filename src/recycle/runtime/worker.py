@@ -25,7 +25,7 @@ from recycle.ir import Action, Plan
 from recycle.models.gpt import GPTStage
 from recycle.runtime import checkpoint
 from recycle.runtime.checkpoint_writer import CheckpointWriter
-from recycle.runtime.control import Channels, JobStore, Keys, connect_store, worker_identity
+from recycle.runtime.control import Channels, Flags, JobStore, Keys, connect_store, worker_identity
 from recycle.runtime.data import data_source
 from recycle.runtime.emulate import cost_pacer
 from recycle.runtime.executor import StageExecutor
@@ -353,7 +353,7 @@ class _Worker:
         """Form this generation's process groups and take its plan."""
         generation = self.generation
         self.heartbeat.generation = generation
-        if self.store.check([Keys.abort(generation)]):
+        if self.jobs.is_set(Flags.ABORT, generation):
             raise GenerationAborted(f"generation {generation} was aborted before it formed")
         stage_ranks = {s: [self.plan.rank(p, s) for p in self.plan.live_replicas(s)]
                        for s in range(self.plan.num_stages)}
@@ -390,7 +390,7 @@ class _Worker:
                 self.store.wait([key], datetime.timedelta(seconds=5))
                 break
             except dist.DistStoreError:
-                if self.store.check([Keys.FINISHED]):
+                if self.jobs.is_set(Flags.FINISHED):
                     raise _Fenced() from None  # the run ended before this worker was needed
         self.generation = int(self.store.get(key))
         _joiner_dies_here(self.spec.joiner_dies_at, "admitted")
@@ -677,5 +677,5 @@ class _Worker:
             # step would be written twice and the second copy could land after the coordinator recorded the first's
             # hashes (a "damaged" file in a complete checkpoint).
             self.writer.wait()
-        if not self.store.check([Keys.checkpointed(redo, self.stage)]):
+        if not self.jobs.is_set(Flags.CHECKPOINTED, redo, self.stage):
             self._save_checkpoint()  # the state holds `redo` steps
