@@ -21,13 +21,13 @@ import torch
 from recycle.config import parse_config
 from recycle.planner.options import PlannerOptions
 from recycle.planner.provider import PlanLibrary
-from recycle.runtime.chaos import ChaosSpec
-from recycle.runtime.checkpoint import latest_step, read_metadata
-from recycle.runtime.emulate import Emulation
-from recycle.runtime.launcher import launch
+from recycle.runtime.control.launcher import launch
 from recycle.runtime.options import (CheckpointOptions, ClusterOptions, DebugOptions, FaultOptions, LaunchOptions,
                                      OutputOptions, RecoveryOptions)
-from recycle.runtime.reference import reference_train
+from recycle.runtime.state.checkpoint import latest_step, read_metadata
+from recycle.runtime.tools.chaos import ChaosSpec
+from recycle.runtime.tools.reference import reference_train
+from recycle.runtime.worker.emulate import Emulation
 from recycle.schedules.fault_free import build_schedule
 
 

@@ -21,11 +21,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from recycle.config import ModelSpec, Training
-from recycle.models.gpt import full_model
-from recycle.runtime import checkpoint
 from recycle.data import builtin_windows
-from recycle.runtime.optim import make_optimizer
-from recycle.runtime.stage_state import IterationPosition, StageState
+from recycle.models.gpt import full_model
+from recycle.runtime.state import checkpoint
+from recycle.runtime.state.optim import make_optimizer
+from recycle.runtime.state.stage_state import IterationPosition, StageState
 
 
 class _Mode:

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from recycle.config import parse_config
-from recycle.runtime.data import data_source
+from recycle.runtime.worker.data import data_source
 
 SHAPES = ((8, 256), (8, 1024), (32, 1024), (16, 4096))  # (microbatch_size, seq_len)
 

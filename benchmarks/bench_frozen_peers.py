@@ -29,9 +29,9 @@ from recycle.config import parse_config
 from recycle.ir import Kind, Plan
 from recycle.planner.options import PlannerOptions
 from recycle.planner.provider import PlanLibrary
-from recycle.runtime.faults import FaultInjection
-from recycle.runtime.launcher import launch
+from recycle.runtime.control.launcher import launch
 from recycle.runtime.options import ClusterOptions, FaultOptions, LaunchOptions, RecoveryOptions
+from recycle.runtime.tools.faults import FaultInjection
 from recycle.schedules.fault_free import build_schedule
 
 ROOT = Path(__file__).resolve().parents[1]

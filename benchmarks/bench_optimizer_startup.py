@@ -15,7 +15,7 @@ import sys
 CODE = """
 import sys, time, torch
 from recycle.config import Training
-from recycle.runtime.optim import TrainingOptimizer
+from recycle.runtime.state.optim import TrainingOptimizer
 model = torch.nn.Linear(8, 8)
 training = Training(lr_schedule="cosine", warmup_steps=2, steps=10, amsgrad={amsgrad})
 t0 = time.perf_counter()

@@ -40,10 +40,10 @@ from recycle.errors import RuntimeFailure
 from recycle.ir import Kind, Plan
 from recycle.planner.options import PlannerOptions
 from recycle.planner.provider import PlanLibrary
-from recycle.runtime.emulate import Emulation
-from recycle.runtime.faults import FaultInjection
-from recycle.runtime.launcher import TrainResult, launch
+from recycle.runtime.control.launcher import TrainResult, launch
 from recycle.runtime.options import ClusterOptions, DebugOptions, FaultOptions, LaunchOptions, RecoveryOptions
+from recycle.runtime.tools.faults import FaultInjection
+from recycle.runtime.worker.emulate import Emulation
 from recycle.schedules.fault_free import build_schedule
 from recycle.sim.simulator import simulate
 

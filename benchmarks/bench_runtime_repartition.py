@@ -23,10 +23,10 @@ from recycle.ir import PlanProvider
 from recycle.planner.options import PlannerOptions
 from recycle.planner.partition import partition_config
 from recycle.planner.provider import PlanLibrary, RepartitioningProvider
-from recycle.runtime.emulate import Emulation
-from recycle.runtime.faults import FaultInjection
-from recycle.runtime.launcher import launch
+from recycle.runtime.control.launcher import launch
 from recycle.runtime.options import ClusterOptions, DebugOptions, FaultOptions, LaunchOptions, OutputOptions
+from recycle.runtime.tools.faults import FaultInjection
+from recycle.runtime.worker.emulate import Emulation
 from recycle.schedules.fault_free import build_schedule
 from recycle.sim.simulator import simulate
 

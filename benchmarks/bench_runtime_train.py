@@ -19,11 +19,11 @@ from recycle.config import load_config
 from recycle.errors import RuntimeFailure
 from recycle.planner.api import make_plan
 from recycle.planner.options import PlannerOptions
-from recycle.runtime.launcher import launch
+from recycle.runtime.control.launcher import launch
 from recycle.runtime.options import (ClusterOptions, DebugOptions, FaultOptions, LaunchOptions, OutputOptions,
                                      RecoveryOptions)
-from recycle.runtime.reference import reference_train
-from recycle.runtime.worker import FaultInjection
+from recycle.runtime.tools.reference import reference_train
+from recycle.runtime.worker.process import FaultInjection
 from recycle.schedules.fault_free import build_schedule
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,11 +28,10 @@ from torch.nn import functional as F
 
 from recycle.config import Config, parse_config
 from recycle.models.gpt import DTYPES, build_stages
-from recycle.runtime.data import data_source
-from recycle.runtime.launcher import launch
-from recycle.runtime.optim import allreduce_grads
-from recycle.runtime.optim import make_optimizer
+from recycle.runtime.control.launcher import launch
 from recycle.runtime.options import ClusterOptions, LaunchOptions, RecoveryOptions
+from recycle.runtime.state.optim import allreduce_grads, make_optimizer
+from recycle.runtime.worker.data import data_source
 from recycle.schedules.fault_free import build_schedule
 
 

@@ -41,11 +41,11 @@ from recycle.fileio import atomic_write_text  # noqa: E402
 from recycle.planner.failures import normalize  # noqa: E402
 from recycle.planner.options import PlannerOptions  # noqa: E402
 from recycle.planner.provider import PlanLibrary  # noqa: E402
-from recycle.runtime.chaos import ChaosSpec  # noqa: E402
-from recycle.runtime.emulate import Emulation  # noqa: E402
-from recycle.runtime.launcher import TrainResult, launch  # noqa: E402
+from recycle.runtime.control.launcher import TrainResult, launch  # noqa: E402
 from recycle.runtime.options import (CheckpointOptions, ClusterOptions, DebugOptions, FaultOptions,  # noqa: E402
                                      LaunchOptions, RecoveryOptions)
+from recycle.runtime.tools.chaos import ChaosSpec  # noqa: E402
+from recycle.runtime.worker.emulate import Emulation  # noqa: E402
 from recycle.schedules.fault_free import build_schedule  # noqa: E402
 from recycle.sim.simulator import simulate  # noqa: E402
 from recycle.traces.experiments import JobSetup, run_job  # noqa: E402

@@ -123,10 +123,10 @@ class _ThreadComm:
 def _train_in_threads(config: Any, plan: Any, device: torch.device) -> tuple[dict[int, torch.nn.Module], list]:
     """Train `plan` with every live worker on a thread on `device`; (rank -> stage module, per-rank results)."""
     from recycle.models.gpt import build_stages
-    from recycle.runtime.data import data_source
-    from recycle.runtime.executor import StageExecutor
-    from recycle.runtime.optim import make_optimizer
-    from recycle.runtime.precision import weights_dtype
+    from recycle.runtime.state.optim import make_optimizer
+    from recycle.runtime.state.precision import weights_dtype
+    from recycle.runtime.worker.data import data_source
+    from recycle.runtime.worker.executor import StageExecutor
 
     training, workload = config.training, config.workload
     load = data_source(config)
@@ -176,7 +176,7 @@ def check_executor(device: str = "cuda", steps: int = 3) -> dict[str, Any]:
     from recycle.config import parse_config
     from recycle.planner.api import make_plan
     from recycle.planner.options import PlannerOptions
-    from recycle.runtime.reference import reference_train
+    from recycle.runtime.tools.reference import reference_train
     from recycle.schedules.fault_free import build_schedule
 
     dev = torch.device(device)
@@ -228,9 +228,9 @@ def check_executor(device: str = "cuda", steps: int = 3) -> dict[str, Any]:
 def check_bf16(device: str = "cuda", preset: str = "gpt2", batch: int = 8, seq: int = 512) -> dict[str, Any]:
     """The project's GPT forward + backward under recycle's "bfloat16" recipe (bf16 autocast over float32 weights)."""
     from recycle.config import ModelSpec
-    from recycle.models.gpt import full_model
     from recycle.data import builtin_windows
-    from recycle.runtime.precision import autocast
+    from recycle.models.gpt import full_model
+    from recycle.runtime.state.precision import autocast
 
     dev = torch.device(device)
     model = full_model(ModelSpec(preset=preset), seq, seed=0, dtype="float32").to(dev)
@@ -273,8 +273,8 @@ def check_decoupled(device: str = "cuda", widths: tuple[int, ...] = (2048, 4096)
     """One GPT layer as a middle stage: fused backward (BW) against B then W, with the executor's own calls
     (StageExecutor.backward_input's autograd.grad with retain_graph, _backward_into_grad for W and BW)."""
     from recycle.models.gpt import Block, GPTShape
-    from recycle.runtime.executor import StageExecutor
-    from recycle.runtime.precision import autocast
+    from recycle.runtime.state.precision import autocast
+    from recycle.runtime.worker.executor import StageExecutor
 
     dev = torch.device(device)
     out: dict[str, Any] = {"device": str(dev), "tokens": batch * seq, "batch": batch, "seq": seq,
@@ -354,7 +354,7 @@ def _decoupled_one(dev: torch.device, width: int, batch: int, seq: int, repeats:
 def _prepare_env(backend: str, timeout_s: float) -> dict[str, Any]:
     """recycle's NCCL environment and version gate, as a worker applies them before its first group."""
     from recycle.errors import ConfigError
-    from recycle.runtime.nccl_env import apply_nccl_environment, check_nccl_version, nccl_version
+    from recycle.runtime.worker.nccl_env import apply_nccl_environment, check_nccl_version, nccl_version
 
     if backend != "nccl":
         return {"nccl_version": None, "gate": "not nccl", "env_set": []}
@@ -381,7 +381,7 @@ def check_cycles(backend: str = "nccl", device: str = "cuda:0", cycles: int = 5,
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _abort_process_group
 
-    from recycle.runtime.nccl_env import init_kwargs
+    from recycle.runtime.worker.nccl_env import init_kwargs
 
     if nonblocking is not None:
         os.environ["TORCH_NCCL_USE_COMM_NONBLOCKING"] = nonblocking  # a user's value: kept by apply_nccl_environment
@@ -432,7 +432,7 @@ def kill_worker(rank: int, port: int, backend: str, device: str, timeout_s: floa
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _abort_process_group
 
-    from recycle.runtime.nccl_env import init_kwargs
+    from recycle.runtime.worker.nccl_env import init_kwargs
 
     env = _prepare_env(backend, timeout_s)
     dev = torch.device(device)
@@ -619,7 +619,7 @@ def _run_part(name: str, device: str, timeout_s: float) -> dict[str, Any]:
 
 def _environment() -> dict[str, Any]:
     from recycle.errors import ConfigError
-    from recycle.runtime.nccl_env import check_nccl_version, nccl_version
+    from recycle.runtime.worker.nccl_env import check_nccl_version, nccl_version
 
     version = nccl_version()
     info: dict[str, Any] = {"torch": torch.__version__, "cuda_build": torch.version.cuda,

@@ -33,14 +33,14 @@ import torch.distributed as dist
 from recycle.config import parse_config
 from recycle.ir import Plan
 from recycle.models.gpt import DTYPES
-from recycle.runtime import checkpoint
-from recycle.runtime.data import data_source
-from recycle.runtime.emulate import Emulation, cost_pacer
-from recycle.runtime.executor import StageExecutor
-from recycle.runtime.stage import build_stage
-from recycle.runtime.stage_state import IterationPosition, StageState
-from recycle.runtime.transport import Transport
-from recycle.runtime.optim import make_optimizer
+from recycle.runtime.state import checkpoint
+from recycle.runtime.state.optim import make_optimizer
+from recycle.runtime.state.stage_state import IterationPosition, StageState
+from recycle.runtime.worker.data import data_source
+from recycle.runtime.worker.emulate import Emulation, cost_pacer
+from recycle.runtime.worker.executor import StageExecutor
+from recycle.runtime.worker.stage import build_stage
+from recycle.runtime.worker.transport import Transport
 
 
 def _append(path: Path, record: dict) -> None:

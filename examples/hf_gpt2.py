@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be fetched: the mode
 import torch  # noqa: E402
 
 import recycle  # noqa: E402
-from recycle.runtime.reference import reference_train  # noqa: E402
+from recycle.runtime.tools.reference import reference_train  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CONFIG = {

@@ -13,8 +13,8 @@ from torch import nn
 
 import recycle
 from recycle.models.split import StageModel, causal_lm_loss, split_model
-from recycle.runtime.data import data_source
-from recycle.runtime.worker import make_optimizer
+from recycle.runtime.worker.data import data_source
+from recycle.runtime.worker.process import make_optimizer
 
 CONFIG = {
     "topology": {"num_replicas": 2, "num_stages": 2},

@@ -13,13 +13,13 @@ from recycle.ir.plan import Plan
 # Everything heavy (the planner, the simulator, torch through the runtime) is imported inside the function that
 # needs it, so `import recycle` stays cheap.
 if TYPE_CHECKING:
+    from recycle.ir.provider import PlanProvider
     from recycle.planner.options import PlannerOptions
     from recycle.planner.provider import PlanLibrary
     from recycle.planner.store import PlanStore
-    from recycle.ir.provider import PlanProvider
-    from recycle.runtime.emulate import Emulation
-    from recycle.runtime.launcher import TrainResult
+    from recycle.runtime.control.launcher import TrainResult
     from recycle.runtime.options import LaunchOptions
+    from recycle.runtime.worker.emulate import Emulation
     from recycle.sim.simulator import SimResult
     from recycle.traces.jobsim import JobResult
     from recycle.traces.model import JobCosts
@@ -204,7 +204,7 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
     """
     from dataclasses import replace
 
-    from recycle.runtime.launcher import launch
+    from recycle.runtime.control.launcher import launch
     from recycle.runtime.options import KEYWORDS, LaunchOptions, with_keywords
 
     unknown = sorted(set(options) - set(KEYWORDS))
@@ -257,7 +257,7 @@ def _plan_library(config: Config, options: PlannerOptions, max_failures: int, pl
 def _seconds_per_unit(config: Config, emulation: Emulation | None) -> float | None:
     """Seconds per config time unit of a run: as paced (--emulate-costs), else microseconds as given; None for
     abstract slots that nothing paces."""
-    from recycle.runtime.emulate import pacing_seconds_per_unit
+    from recycle.runtime.worker.emulate import pacing_seconds_per_unit
 
     if emulation is not None:
         return pacing_seconds_per_unit(config, emulation)

@@ -210,8 +210,9 @@ class Training:
     grad_clip: float = 0.0  # 0 = no clipping
     seed: int = 0
     dtype: str = "float32"  # "float32", "float64", or "bfloat16" (bf16 autocast, float32 weights and state)
-    # The corpus (recycle.runtime.data): "builtin", a UTF-8 text file (its bytes, or its tokens with `tokenizer`), a
-    # token file (with `token_dtype`), or a Hugging Face dataset folder from save_to_disk (column `dataset_column`).
+    # The corpus (recycle.runtime.worker.data): "builtin", a UTF-8 text file (its bytes, or its tokens with
+    # `tokenizer`), a token file (with `token_dtype`), or a Hugging Face dataset folder from save_to_disk (column
+    # `dataset_column`).
     dataset: str = "builtin"
     token_dtype: str = ""  # "uint16" or "uint32": `dataset` is a token file of ids of that width (nanoGPT's .bin)
     tokenizer: str = ""  # a local tokenizer.json (tokenizers) that encodes a text `dataset` or text column

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from recycle.config import load_config
-from recycle.runtime.cluster_env import slurm_port
-from recycle.runtime.reference import reference_train
+from recycle.runtime.control.cluster_env import slurm_port
+from recycle.runtime.tools.reference import reference_train
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_VARS = ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE")

@@ -12,8 +12,8 @@ import torch
 from recycle.config import load_config, parse_config
 from recycle.errors import ConfigError
 from recycle.ir import Action, Kind, Plan
-from recycle.runtime.emulate import CostPacer, Emulation, PacedComm, action_cost, pacing_seconds_per_unit
-from recycle.runtime.messages import Channel, Message
+from recycle.runtime.protocol.messages import Channel, Message
+from recycle.runtime.worker.emulate import CostPacer, Emulation, PacedComm, action_cost, pacing_seconds_per_unit
 from recycle.schedules.fault_free import build_schedule
 from recycle.sim.simulator import simulate
 
@@ -175,7 +175,7 @@ def adaptive_toy_plan(config) -> Plan:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("which", ["1f1b", "adaptive-1:2-down"])
 def test_emulated_period_matches_the_simulator(which: str, tmp_path) -> None:
-    from recycle.runtime.launcher import launch
+    from recycle.runtime.control.launcher import launch
     from recycle.runtime.options import ClusterOptions, DebugOptions, LaunchOptions, OutputOptions, RecoveryOptions
 
     config = toy_config()

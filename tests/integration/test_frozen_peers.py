@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_recovery import KILL_STEP, action_index, assert_exact, config_for, run
 
 from recycle.config import load_config
-from recycle.runtime.faults import FaultInjection
-from recycle.runtime.reference import reference_train
+from recycle.runtime.tools.faults import FaultInjection
+from recycle.runtime.tools.reference import reference_train
 from recycle.schedules.fault_free import build_schedule
-from test_recovery import KILL_STEP, action_index, assert_exact, config_for, run
 
 pytestmark = [pytest.mark.slow]
 

@@ -13,12 +13,12 @@ import torch
 from recycle.ir import PlanChoice
 from recycle.planner.api import make_plan
 from recycle.planner.partition import partition_config
-from recycle.runtime.emulate import Emulation
-from recycle.runtime.faults import FaultInjection
-from recycle.runtime.launcher import launch
+from recycle.runtime.control.launcher import launch
 from recycle.runtime.options import (ClusterOptions, DebugOptions, FaultOptions, LaunchOptions, OutputOptions,
                                      RecoveryOptions)
-from recycle.runtime.reference import reference_train
+from recycle.runtime.tools.faults import FaultInjection
+from recycle.runtime.tools.reference import reference_train
+from recycle.runtime.worker.emulate import Emulation
 from recycle.schedules.fault_free import build_schedule
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]

@@ -15,11 +15,11 @@ from recycle.config import parse_config
 from recycle.ir import Kind, Plan
 from recycle.planner.options import PlannerOptions
 from recycle.planner.provider import PlanLibrary
-from recycle.runtime.checkpoint import load_model_state
-from recycle.runtime.faults import FaultInjection
-from recycle.runtime.launcher import TrainResult, launch
+from recycle.runtime.control.launcher import TrainResult, launch
 from recycle.runtime.options import LaunchOptions, with_keywords
-from recycle.runtime.reference import reference_train
+from recycle.runtime.state.checkpoint import load_model_state
+from recycle.runtime.tools.faults import FaultInjection
+from recycle.runtime.tools.reference import reference_train
 from recycle.schedules.fault_free import build_schedule
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from recycle.config import load_config
-from recycle.runtime.reference import reference_train
+from recycle.runtime.tools.reference import reference_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -14,12 +14,12 @@ from recycle.config import parse_config
 from recycle.errors import RuntimeFailure
 from recycle.planner.options import PlannerOptions
 from recycle.planner.provider import PlanLibrary
-from recycle.runtime.emulate import Emulation
-from recycle.runtime.faults import FaultInjection
-from recycle.runtime.launcher import TrainResult, launch
+from recycle.runtime.control.launcher import TrainResult, launch
 from recycle.runtime.options import (CheckpointOptions, ClusterOptions, DebugOptions, FaultOptions, LaunchOptions,
                                      OutputOptions, RecoveryOptions, with_keywords)
-from recycle.runtime.reference import reference_train
+from recycle.runtime.tools.faults import FaultInjection
+from recycle.runtime.tools.reference import reference_train
+from recycle.runtime.worker.emulate import Emulation
 from recycle.schedules.fault_free import build_schedule
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
@@ -160,7 +160,7 @@ def test_lost_stage_without_a_checkpoint_stops_with_a_clear_error(tmp_path) -> N
 def test_a_short_chaos_soak_ends_exact(tmp_path) -> None:
     """Random kills, hangs and a whole-stage loss, each repaired, in one run (benchmarks/bench_chaos.py is the long
     version)."""
-    from recycle.runtime.chaos import ChaosSpec
+    from recycle.runtime.tools.chaos import ChaosSpec
 
     config = config_for(3, 2)
     result = launch(config, build_schedule(config, "zb-h1", staggered=True), LaunchOptions(

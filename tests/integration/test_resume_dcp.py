@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from recycle.config import parse_config
-from recycle.runtime import checkpoint
-from recycle.runtime.launcher import launch
+from recycle.runtime.control.launcher import launch
 from recycle.runtime.options import LaunchOptions, with_keywords
-from recycle.runtime.reference import reference_train
+from recycle.runtime.state import checkpoint
+from recycle.runtime.tools.reference import reference_train
 from recycle.schedules.fault_free import build_schedule
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -9,10 +9,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from recycle.config import parse_config
-from recycle.runtime.data import data_source
-from recycle.runtime.launcher import launch
-from recycle.runtime.optim import AdamW
+from recycle.runtime.control.launcher import launch
 from recycle.runtime.options import ClusterOptions, DebugOptions, LaunchOptions, OutputOptions
+from recycle.runtime.state.optim import AdamW
+from recycle.runtime.worker.data import data_source
 from recycle.schedules.fault_free import build_schedule
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from recycle.ir import Plan
-from recycle.runtime.launcher import TrainResult, launch
+from recycle.runtime.control.launcher import TrainResult, launch
 from recycle.runtime.options import ClusterOptions, DebugOptions, LaunchOptions, OutputOptions, RecoveryOptions
-from recycle.runtime.reference import reference_train
+from recycle.runtime.tools.reference import reference_train
 from recycle.schedules.fault_free import build_schedule
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]

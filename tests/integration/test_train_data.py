@@ -14,7 +14,7 @@ import torch
 from recycle import api
 from recycle.config import load_config
 from recycle.data import DataSource
-from recycle.runtime.reference import reference_train
+from recycle.runtime.tools.reference import reference_train
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]

@@ -10,9 +10,9 @@ import pytest
 
 from recycle.config import parse_config
 from recycle.errors import RuntimeFailure
-from recycle.runtime.launcher import launch
+from recycle.runtime.control.launcher import launch
 from recycle.runtime.options import ClusterOptions, FaultOptions, LaunchOptions, RecoveryOptions
-from recycle.runtime.worker import FaultInjection
+from recycle.runtime.worker.process import FaultInjection
 from recycle.schedules.fault_free import build_schedule
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from recycle.config import load_config
-from recycle.runtime.launcher import launch
+from recycle.runtime.control.launcher import launch
 from recycle.runtime.options import ClusterOptions, DebugOptions, LaunchOptions, OutputOptions
-from recycle.runtime.reference import reference_train
+from recycle.runtime.tools.reference import reference_train
 from recycle.schedules.fault_free import build_schedule
 
 pytest.importorskip("transformers")  # in requirements.txt; the optional extra 'hf' for users

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from recycle.config import load_config
-from recycle.runtime.reference import reference_train
+from recycle.runtime.tools.reference import reference_train
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,10 +10,10 @@ from torch import nn
 
 from recycle.config import parse_config
 from recycle.models.split import StageModel, causal_lm_loss, split_model
-from recycle.runtime.data import data_source
-from recycle.runtime.launcher import launch
+from recycle.runtime.control.launcher import launch
 from recycle.runtime.options import ClusterOptions, DebugOptions, LaunchOptions, OutputOptions
-from recycle.runtime.worker import make_optimizer
+from recycle.runtime.worker.data import data_source
+from recycle.runtime.worker.process import make_optimizer
 from recycle.schedules.fault_free import build_schedule
 
 

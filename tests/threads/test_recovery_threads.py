@@ -4,11 +4,10 @@ coordination loop on the job's real store, with scripted deaths, freezes, stalls
 from __future__ import annotations
 
 import pytest
-
 from thread_cluster import Injector
 
 from recycle.errors import RuntimeFailure
-from recycle.runtime.control import Channels
+from recycle.runtime.protocol.channels import Channels
 
 pytestmark = pytest.mark.timeout(10)  # each takes well under a second; a hang fails fast
 

@@ -12,20 +12,20 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from recycle.config import Config
-from recycle.ir import Plan
+from recycle.ir import Plan, PlanChoice
 from recycle.planner.api import make_plan  # tests may use the planner; the runtime may not
 from recycle.planner.options import PlannerOptions
-from recycle.runtime.control import Channels, JobStore, Keys, connect_store, host_store, new_token, worker_identity
-from recycle.runtime.fakes import FaultyComm, MemoryNetwork
-from recycle.runtime.faults import FaultInjection, fire
+from recycle.runtime.control.launcher import _spec_maker
+from recycle.runtime.control.processes import WorkerProcesses
+from recycle.runtime.control.reporter import Recovery, StepMetrics
+from recycle.runtime.control.supervisor import Supervisor
 from recycle.runtime.options import LaunchOptions, with_keywords
-from recycle.ir import PlanChoice
-from recycle.runtime.launcher import _spec_maker
-from recycle.runtime.processes import WorkerProcesses
-from recycle.runtime.reporter import Recovery, StepMetrics
-from recycle.runtime.store import LocalStore, StoreFenced, StoreServer
-from recycle.runtime.supervisor import Supervisor
-from recycle.runtime.worker import EXIT_FENCED, WorkerHooks, WorkerSpec, run_worker
+from recycle.runtime.protocol.channels import (Channels, JobStore, Keys, connect_store, host_store, new_token,
+                                               worker_identity)
+from recycle.runtime.protocol.store import LocalStore, StoreFenced, StoreServer
+from recycle.runtime.tools.fakes import FaultyComm, MemoryNetwork
+from recycle.runtime.tools.faults import FaultInjection, fire
+from recycle.runtime.worker.process import EXIT_FENCED, WorkerHooks, WorkerSpec, run_worker
 
 _PIDS = itertools.count(1 << 30)  # above any kernel's pid_max: a signal the launcher sends to one reaches nobody
 

@@ -91,3 +91,31 @@ def test_no_import_cycles() -> None:
                     seen.add(dep)
                     stack.append((dep, (*path, dep)))
     assert not cycles, f"modules that import each other (move the shared piece into a module of its own): {cycles}"
+
+
+# The runtime's folders by role (docs/runtime.md, "Layout"): protocol/ at the bottom, then state/, then the worker
+# process with its fault hooks; control/ (node 0 and the launchers) above all of them, never loaded by a worker.
+ROLE_MAY_IMPORT = {
+    "protocol": ("protocol",),
+    "state": ("protocol", "state"),
+    "worker": ("protocol", "state", "worker", "tools.faults", "options"),
+    "tools": ("protocol", "state", "worker", "tools", "options"),
+    "control": ("protocol", "state", "worker", "tools", "options", "control"),
+}
+
+
+def test_runtime_folders_import_only_the_roles_below_them() -> None:
+    roles = {p.name for p in (SRC / "runtime").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert roles == set(ROLE_MAY_IMPORT), f"runtime folders {sorted(roles)} differ from the documented roles"
+    loose = sorted(p.name for p in (SRC / "runtime").glob("*.py"))
+    assert loose == ["__init__.py", "options.py"], f"runtime modules outside a role folder: {loose}"
+    offenders = {}
+    for f, names in _imports(SRC / "runtime").items():
+        role = Path(f).parts[1]
+        if role not in ROLE_MAY_IMPORT:
+            continue
+        allowed = tuple(f"recycle.runtime.{r}" for r in ROLE_MAY_IMPORT[role])
+        bad = sorted(n for n in names if n.startswith("recycle.runtime.") and not n.startswith(allowed))
+        if bad:
+            offenders[f] = bad
+    assert not offenders, f"runtime modules import a role above theirs: {offenders}"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from recycle.models.gpt import build_stages
-from recycle.runtime import checkpoint
-from recycle.runtime.optim import make_optimizer
-from recycle.runtime.stage_state import IterationPosition, StageState
-from recycle.runtime.worker import parameter_digest
+from recycle.runtime.state import checkpoint
+from recycle.runtime.state.optim import make_optimizer
+from recycle.runtime.state.stage_state import IterationPosition, StageState
+from recycle.runtime.worker.process import parameter_digest
 
 
 def test_checkpoint_round_trip_and_latest(tiny_config, tmp_path) -> None:

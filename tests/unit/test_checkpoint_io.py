@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_checkpoint_safety import TOML, config, write_checkpoint
 
 from recycle.cli import main
 from recycle.errors import ConfigError, OutputError
-from recycle.runtime import checkpoint, preflight
+from recycle.runtime.control import preflight
 from recycle.runtime.options import CheckpointOptions
-from recycle.runtime.optim import make_optimizer
-from recycle.runtime.stage import build_stage
-from recycle.runtime.stage_state import IterationPosition, StageState
-
-from test_checkpoint_safety import TOML, config, write_checkpoint
+from recycle.runtime.state import checkpoint
+from recycle.runtime.state.optim import make_optimizer
+from recycle.runtime.state.stage_state import IterationPosition, StageState
+from recycle.runtime.worker.stage import build_stage
 
 
 def _stage_state(stage: int, step: int) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:

@@ -18,12 +18,13 @@ import torch
 from recycle.cli import main
 from recycle.config import parse_config
 from recycle.errors import CheckpointError, ConfigError
-from recycle.runtime import checkpoint, preflight
-from recycle.runtime.launcher import _check_options
-from recycle.runtime.optim import make_optimizer
+from recycle.runtime.control import preflight
+from recycle.runtime.control.launcher import _check_options
 from recycle.runtime.options import CheckpointOptions, LaunchOptions
-from recycle.runtime.stage import build_stage
-from recycle.runtime.stage_state import IterationPosition, StageState
+from recycle.runtime.state import checkpoint
+from recycle.runtime.state.optim import make_optimizer
+from recycle.runtime.state.stage_state import IterationPosition, StageState
+from recycle.runtime.worker.stage import build_stage
 from recycle.schedules.fault_free import build_schedule
 
 RAW = {

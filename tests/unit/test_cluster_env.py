@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from recycle.errors import ConfigError
-from recycle.runtime.cluster_env import expand_hostlist, first_host, resolve_role, slurm_port
+from recycle.runtime.control.cluster_env import expand_hostlist, first_host, resolve_role, slurm_port
 
 
 def test_nothing_set_is_a_single_node_on_loopback() -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from recycle.config import load_config
 from recycle.errors import ConfigError
-from recycle.runtime.data import config_stream
+from recycle.runtime.worker.data import config_stream
 
 
 def _config(folder, dataset: str):

@@ -10,15 +10,15 @@ import subprocess
 import pytest
 import torch
 
-from recycle.errors import ConfigError
-from recycle.runtime.control import (connect_store, host_store, new_incarnation, new_token, read_token,
-                                     worker_identity)
-from recycle.runtime.faults import FaultInjection, parse_fault
 from recycle.config import Training
-from recycle.runtime.optim import make_optimizer
-from recycle.runtime.rollback import StageSnapshot
-from recycle.runtime.stage_state import IterationPosition, StageState
-from recycle.runtime.store import StoreAuthError
+from recycle.errors import ConfigError
+from recycle.runtime.protocol.channels import (connect_store, host_store, new_incarnation, new_token, read_token,
+                                               worker_identity)
+from recycle.runtime.protocol.store import StoreAuthError
+from recycle.runtime.state.optim import make_optimizer
+from recycle.runtime.state.rollback import StageSnapshot
+from recycle.runtime.state.stage_state import IterationPosition, StageState
+from recycle.runtime.tools.faults import FaultInjection, parse_fault
 
 
 def _non_loopback_address() -> str | None:
@@ -145,7 +145,7 @@ def test_snapshot_restores_parameters_and_optimizer_state_exactly() -> None:
 @pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
 def test_state_transfer_copies_parameters_moments_and_step_count(optimizer: str) -> None:
     """The joiner's optimizer has no state yet (torch.optim creates it lazily): it arrives with its layout."""
-    from recycle.runtime.state_transfer import transfer_stage_state
+    from recycle.runtime.state.state_transfer import transfer_stage_state
 
     training = Training(lr=0.1, optimizer=optimizer, momentum=0.9 if optimizer == "SGD" else None,
                         lr_schedule="cosine", warmup_steps=2, steps=10)
@@ -182,7 +182,7 @@ def test_state_transfer_copies_parameters_moments_and_step_count(optimizer: str)
 
 
 def test_chaos_never_takes_a_last_replica_except_as_a_restorable_stage_loss() -> None:
-    from recycle.runtime.chaos import ChaosMonkey, ChaosSpec, parse_chaos
+    from recycle.runtime.tools.chaos import ChaosMonkey, ChaosSpec, parse_chaos
 
     assert parse_chaos("7,0.5") == ChaosSpec(7, 0.5)
     for bad in ("7", "x,0.5", "7,0", "7,2", "7,0.5,1"):
@@ -207,9 +207,9 @@ def test_chaos_never_takes_a_last_replica_except_as_a_restorable_stage_loss() ->
 
 
 def test_records_travel_on_their_declared_channels_only() -> None:
-    from recycle.runtime.control import Channels, JobStore
-    from recycle.runtime.records import RecordError, Timestamp
-    from recycle.runtime.store import LocalStore, StoreServer
+    from recycle.runtime.protocol.channels import Channels, JobStore
+    from recycle.runtime.protocol.records import RecordError, Timestamp
+    from recycle.runtime.protocol.store import LocalStore, StoreServer
 
     server = StoreServer("127.0.0.1", 0, new_token())
     try:

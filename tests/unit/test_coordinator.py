@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from recycle.runtime.records import StoppedReport
-from recycle.runtime.coordinator import (AbortGeneration, Announce, Coordinator, Drain, FailRun, Fence, MarkLatest,
-                                         Move, Respawn, describe_exit, stale_heartbeats)
+from recycle.runtime.control.coordinator import (AbortGeneration, Announce, Coordinator, Drain, FailRun, Fence,
+                                                 MarkLatest, Move, Respawn, describe_exit, stale_heartbeats)
+from recycle.runtime.protocol.records import StoppedReport
 
 D, S = 3, 2  # ranks: replica * S + stage -> (0,0)=0 (0,1)=1 (1,0)=2 (1,1)=3 (2,0)=4 (2,1)=5
 ALL = frozenset(range(D * S))
@@ -364,7 +364,7 @@ def test_a_joiner_that_gets_ready_after_every_worker_finished_is_not_drained_for
 
 # -- hang detection: progress, not heartbeats --------------------------------------------------------------------
 def test_progress_restarts_its_clock_only_when_the_main_thread_moves() -> None:
-    from recycle.runtime.coordinator import track_progress
+    from recycle.runtime.control.coordinator import track_progress
 
     first = track_progress(None, actions=3, phase="compute", now=10.0)
     assert track_progress(first, 3, "compute", 12.0) is first  # a beat with no progress keeps the old time
@@ -373,7 +373,7 @@ def test_progress_restarts_its_clock_only_when_the_main_thread_moves() -> None:
 
 
 def test_only_a_worker_stuck_computing_is_hung() -> None:
-    from recycle.runtime.coordinator import Progress, hung_workers
+    from recycle.runtime.control.coordinator import Progress, hung_workers
 
     progress = {0: Progress(5, "compute", 0.0),  # one action for 20 s: hung
                 1: Progress(5, "comm", 0.0),  # waiting on a peer for 20 s: the peer is the one to blame
@@ -385,7 +385,7 @@ def test_only_a_worker_stuck_computing_is_hung() -> None:
 
 
 def test_the_hang_limit_follows_the_run_speed_with_a_floor() -> None:
-    from recycle.runtime.coordinator import HANG_FLOOR_S, HANG_MARGIN, hang_limit_s
+    from recycle.runtime.control.coordinator import HANG_FLOOR_S, HANG_MARGIN, hang_limit_s
 
     assert hang_limit_s(3.0, [100.0], 30.0) == 3.0  # --hang-timeout wins
     assert hang_limit_s(None, [], 30.0) == 30.0  # before the first step: the op timeout

@@ -8,7 +8,7 @@ import torch
 
 from recycle.data import builtin_corpus
 from recycle.errors import ConfigError
-from recycle.runtime.data import check_data, data_source
+from recycle.runtime.worker.data import check_data, data_source
 
 
 def test_builtin_corpus_is_deterministic_text() -> None:

@@ -14,7 +14,7 @@ import torch
 from recycle.data import DataSource, builtin_corpus
 from recycle.data.windows import permute
 from recycle.errors import ConfigError
-from recycle.runtime.data import check_data, data_source
+from recycle.runtime.worker.data import check_data, data_source
 
 KEYS = [(it, mb) for it in range(3) for mb in range(4)]
 

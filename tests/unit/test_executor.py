@@ -12,14 +12,14 @@ import torch
 
 from recycle.ir import Plan
 from recycle.models.gpt import build_stages
-from recycle.runtime.data import data_source
-from recycle.runtime.executor import StageExecutor
-from recycle.runtime.fakes import FaultyComm, LoneComm, MemoryFabric
-from recycle.runtime.messages import Message
-from recycle.runtime.optim import make_optimizer
-from recycle.runtime.precision import weights_dtype
-from recycle.runtime.reference import reference_train
-from recycle.runtime.worker import parameter_digest
+from recycle.runtime.protocol.messages import Message
+from recycle.runtime.state.optim import make_optimizer
+from recycle.runtime.state.precision import weights_dtype
+from recycle.runtime.tools.fakes import FaultyComm, LoneComm, MemoryFabric
+from recycle.runtime.tools.reference import reference_train
+from recycle.runtime.worker.data import data_source
+from recycle.runtime.worker.executor import StageExecutor
+from recycle.runtime.worker.process import parameter_digest
 from recycle.schedules.fault_free import build_schedule
 
 
@@ -223,8 +223,8 @@ def test_the_pacing_hook_runs_every_action_wraps_each_transport_and_follows_each
     """Cost emulation is a hook given at construction (no patched methods): it runs every action, the executor
     talks through its wrapper of whichever transport set_plan hands over, and it paces by the current plan."""
     from recycle.ir import Kind
-    from recycle.runtime.emulate import Emulation, PacedComm, cost_pacer
-    from recycle.runtime.messages import Channel
+    from recycle.runtime.protocol.messages import Channel
+    from recycle.runtime.worker.emulate import Emulation, PacedComm, cost_pacer
 
     config = tiny_config()
     plan, later = build_schedule(config, "1f1b", staggered=True), build_schedule(config, "zb-h1", staggered=True)
@@ -262,7 +262,7 @@ def _two_workers() -> MemoryFabric:
 
 @pytest.mark.timeout(5)
 def test_the_memory_fabric_keeps_the_pair_order_and_refuses_a_message_out_of_it() -> None:
-    from recycle.runtime.messages import Channel
+    from recycle.runtime.protocol.messages import Channel
 
     fabric = _two_workers()
     first, second = Message(Channel.ACTIVATION, 0, 0, 1), Message(Channel.ACTIVATION, 1, 0, 1)
@@ -276,8 +276,8 @@ def test_the_memory_fabric_keeps_the_pair_order_and_refuses_a_message_out_of_it(
 
 @pytest.mark.timeout(5)
 def test_a_wait_on_a_silent_peer_ends_in_peer_lost_after_the_timeout_or_at_once_when_cut() -> None:
-    from recycle.runtime.messages import Channel
-    from recycle.runtime.transport import PeerLost, is_comm_error
+    from recycle.runtime.protocol.messages import Channel
+    from recycle.runtime.worker.transport import PeerLost, is_comm_error
 
     fabric = _two_workers()
     wanted = Message(Channel.ACTIVATION, 0, 0, 1)
@@ -318,7 +318,7 @@ def test_collectives_sum_in_rank_order_on_every_member() -> None:
 def test_a_faulty_comm_loses_its_peer_at_the_scripted_op_of_the_scripted_iteration(tiny_config) -> None:
     """Worker 0 of a 1x2 pipeline fails at the second comm op of iteration 1: iteration 0 completes everywhere, and
     the failure is the transport's typed PeerLost at that op (the executor does not catch it)."""
-    from recycle.runtime.transport import PeerLost
+    from recycle.runtime.worker.transport import PeerLost
 
     config = tiny_config(D=1, M=2, steps=2)
     plan = build_schedule(config, "1f1b", staggered=True)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from recycle.runtime.control import Channels, Flags, JobStore, Keys
-from recycle.runtime.liveness import Liveness
-from recycle.runtime.records import Beat
-from recycle.runtime.store import LocalStore, StoreServer
+from recycle.runtime.control.liveness import Liveness
+from recycle.runtime.protocol.channels import Channels, Flags, JobStore, Keys
+from recycle.runtime.protocol.records import Beat
+from recycle.runtime.protocol.store import LocalStore, StoreServer
 
 TOKEN = "ab" * 24
 

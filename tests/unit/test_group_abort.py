@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recycle.runtime.group_sockets import SocketSet, cut
-from recycle.runtime.store import StoreClient, StoreServer
-from recycle.runtime.transport import _is_peer_error
+from recycle.runtime.protocol.store import StoreClient, StoreServer
+from recycle.runtime.worker.group_sockets import SocketSet, cut
+from recycle.runtime.worker.transport import _is_peer_error
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -103,7 +103,7 @@ def test_a_settled_generation_never_cuts_a_later_generations_sockets() -> None:
 
 
 def test_a_peer_failure_comes_out_of_the_transport_as_peer_lost_and_nothing_else_does() -> None:
-    from recycle.runtime.transport import Activity, PeerLost, _peer_op, is_comm_error
+    from recycle.runtime.worker.transport import Activity, PeerLost, _peer_op, is_comm_error
 
     activity = Activity()
     activity.phase = "compute"

@@ -353,7 +353,7 @@ def test_a_latest_pointer_of_5000_digits_is_not_a_traceback(tmp_path: Path, caps
 ])
 def test_a_built_in_gpt_too_large_for_the_machine_is_refused(capsys, monkeypatch, overrides: list[str],
                                                              needle: str) -> None:
-    from recycle.runtime import preflight
+    from recycle.runtime.control import preflight
 
     monkeypatch.setattr(preflight, "_mem_available", lambda: 8 * 10**9)
     sets = [a for o in overrides for a in ("--set", o)]
@@ -362,8 +362,8 @@ def test_a_built_in_gpt_too_large_for_the_machine_is_refused(capsys, monkeypatch
 
 def test_the_memory_check_passes_the_tiny_gpt() -> None:
     from recycle.api import load_config
+    from recycle.runtime.control.preflight import check_model_memory
     from recycle.runtime.options import LaunchOptions
-    from recycle.runtime.preflight import check_model_memory
 
     check_model_memory(load_config(TINY), LaunchOptions(), available=10**8)  # 4 x 0.2M parameters: under 10 MB
 
@@ -374,7 +374,7 @@ def test_the_memory_check_passes_the_tiny_gpt() -> None:
     (["--warmup", "1000000000"], "--warmup 1000000000 is above the limit of 10,000"),
 ])
 def test_profile_is_bounded(tmp_path: Path, capsys, monkeypatch, args: list[str], needle: str) -> None:
-    from recycle.runtime import preflight
+    from recycle.runtime.control import preflight
 
     monkeypatch.setattr(preflight, "_mem_available", lambda: 8 * 10**9)
     fails_cleanly(capsys, ["profile", "--config", TINY, "--out", str(tmp_path / "p.toml"), *args], needle)

@@ -14,8 +14,8 @@ from recycle.ir.validate import dependencies
 from recycle.planner.failures import canonical_failed, normalize
 from recycle.planner.memory_cap import budget_memory_cap, memory_cap
 from recycle.planner.options import PlannerOptions
-from recycle.runtime.emulate import action_cost
-from recycle.runtime.messages import incoming, outgoing
+from recycle.runtime.protocol.messages import incoming, outgoing
+from recycle.runtime.worker.emulate import action_cost
 from recycle.schedules.fault_free import build_schedule
 
 S = 4

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recycle.runtime.store import (LocalStore, StoreAuthError, StoreClient, StoreFenced, StoreInterrupted,
-                                   StoreLimits, StoreServer)
-from recycle.runtime.store.wire import MAGIC, NONCE_BYTES, Session, WireError, token_key
+from recycle.runtime.protocol.store import (LocalStore, StoreAuthError, StoreClient, StoreFenced, StoreInterrupted,
+                                            StoreLimits, StoreServer)
+from recycle.runtime.protocol.store.wire import MAGIC, NONCE_BYTES, Session, WireError, token_key
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -132,7 +132,7 @@ def test_frames_are_authenticated_in_order() -> None:
 def test_garbage_floods_and_idle_connections_cost_one_warning_and_lock_no_one_out(caplog) -> None:
     srv = StoreServer("127.0.0.1", 0, TOKEN, StoreLimits(max_unauthenticated=16, handshake_timeout_s=1.0)).start()
     try:
-        caplog.set_level(logging.WARNING, logger="recycle.runtime.store.server")
+        caplog.set_level(logging.WARNING, logger="recycle.runtime.protocol.store.server")
         idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(200)]
         for _ in range(20):
             with socket.create_connection(("127.0.0.1", srv.port)) as junk:
@@ -216,7 +216,7 @@ def test_gloo_process_groups_rendezvous_through_it(server) -> None:
 SERVER_WITH_FEW_FDS = """
 import resource, sys, time
 resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
-from recycle.runtime.store import StoreServer
+from recycle.runtime.protocol.store import StoreServer
 server = StoreServer("127.0.0.1", 0, sys.argv[1]).start()
 print(server.port, flush=True)
 time.sleep(60)

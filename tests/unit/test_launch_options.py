@@ -10,10 +10,10 @@ from dataclasses import fields, is_dataclass
 import pytest
 
 from recycle.errors import ConfigError
-from recycle.runtime.faults import FaultInjection
-from recycle.runtime.launcher import _check_options, node_ranks
+from recycle.runtime.control.launcher import _check_options, node_ranks
 from recycle.runtime.options import (KEYWORDS, CheckpointOptions, ClusterOptions, DebugOptions, FaultOptions,
                                      LaunchOptions, OutputOptions, RecoveryOptions, with_keywords)
+from recycle.runtime.tools.faults import FaultInjection
 from recycle.schedules.fault_free import build_schedule
 
 

@@ -11,10 +11,10 @@ import torch
 from recycle.config import parse_config
 from recycle.errors import ConfigError
 from recycle.models.gpt import build_stages
-from recycle.runtime.migration import (LayerMove, bundles, exchange_layers, layer_bounds, layer_moves, plan_bounds,
-                                       rebuild_stage)
-from recycle.runtime.optim import make_optimizer
-from recycle.runtime.stage_state import IterationPosition, StageState
+from recycle.runtime.state.migration import (LayerMove, bundles, exchange_layers, layer_bounds, layer_moves,
+                                             plan_bounds, rebuild_stage)
+from recycle.runtime.state.optim import make_optimizer
+from recycle.runtime.state.stage_state import IterationPosition, StageState
 
 CONFIG = parse_config({
     "topology": {"num_replicas": 2, "num_stages": 2}, "workload": {"num_microbatches": 2, "seq_len": 8},

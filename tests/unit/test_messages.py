@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from recycle.errors import PlanError
-from recycle.runtime.launcher import _check_options
-from recycle.runtime.messages import Channel, check_plan_matches, message_tag, send_order
+from recycle.runtime.control.launcher import _check_options
 from recycle.runtime.options import LaunchOptions
+from recycle.runtime.protocol.messages import Channel, check_plan_matches, message_tag, send_order
 from recycle.schedules.fault_free import build_schedule
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from recycle.cli import main
-from recycle.log_setup import configure_logging
 from recycle.errors import ConfigError
-from recycle.runtime.records import StepRecord
-from recycle.runtime.reporter import ChaosEvent, Recovery, StepMetrics, grad_norm
+from recycle.log_setup import configure_logging
 from recycle.progress import progress_lines
-from recycle.runtime.tensorboard_sink import TensorBoardSink
+from recycle.runtime.control.reporter import ChaosEvent, Recovery, StepMetrics, grad_norm
+from recycle.runtime.control.tensorboard_sink import TensorBoardSink
+from recycle.runtime.protocol.records import StepRecord
 
 TOY = str(Path(__file__).resolve().parents[2] / "configs" / "toy.toml")
 
@@ -70,7 +70,7 @@ def test_a_missing_tensorboard_names_the_extra(tmp_path: Path, monkeypatch: pyte
 
 
 def test_cli_routes_info_to_stdout_and_warnings_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:
-    log = logging.getLogger("recycle.runtime.launcher")
+    log = logging.getLogger("recycle.runtime.control.launcher")
     try:
         assert configure_logging() == logging.INFO
         log.info("step 1/2 loss 4.0")
@@ -82,7 +82,7 @@ def test_cli_routes_info_to_stdout_and_warnings_to_stderr(capsys: pytest.Capture
         assert capsys.readouterr().out == ""
         assert configure_logging(verbose=1) == logging.DEBUG
         log.debug("detail")
-        assert capsys.readouterr().out == "recycle.runtime.launcher: detail\n"
+        assert capsys.readouterr().out == "recycle.runtime.control.launcher: detail\n"
         assert configure_logging(verbose=1, level="error") == logging.ERROR  # --log-level wins
         ours = [h for h in logging.getLogger("recycle").handlers if type(h).__name__ == "_StdStream"]
         assert len(ours) == 2  # configured again, not stacked (pytest may add its own capture handlers)

@@ -10,7 +10,7 @@ from torch import nn
 from recycle.config import parse_config
 from recycle.errors import ConfigError
 from recycle.models.split import StageModel, as_stage_model, boundary_shapes, causal_lm_loss, split_model
-from recycle.runtime.stage import build_stage, check_model
+from recycle.runtime.worker.stage import build_stage, check_model
 
 
 class _Embed(nn.Module):

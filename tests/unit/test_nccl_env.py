@@ -1,4 +1,4 @@
-"""recycle.runtime.nccl_env with fakes (no GPU): the settings applied, a user's value kept, a value that breaks
+"""recycle.runtime.worker.nccl_env with fakes (no GPU): the settings applied, a user's value kept, a value that breaks
 recovery refused, the version gate's boundaries, nccl_version without CUDA, init arguments, shrink support; and
 benchmarks/gpu_check.py: the skip path without CUDA, its parts on CPU, the whole dry run on gloo."""
 
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from recycle.errors import ConfigError
-from recycle.runtime import nccl_env
-from recycle.runtime.nccl_env import (apply_nccl_environment, check_nccl_version, init_kwargs, nccl_environment,
-                                      nccl_settings, nccl_version, prepare_nccl, supports_shrink)
+from recycle.runtime.worker import nccl_env
+from recycle.runtime.worker.nccl_env import (apply_nccl_environment, check_nccl_version, init_kwargs, nccl_environment,
+                                             nccl_settings, nccl_version, prepare_nccl, supports_shrink)
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_CHECK = ROOT / "benchmarks" / "gpu_check.py"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from recycle.errors import ConfigError
-from recycle.runtime.optim import AdamW, lr_factor, make_optimizer
+from recycle.runtime.state.optim import AdamW, lr_factor, make_optimizer
 
 
 @pytest.mark.parametrize("dtype,weight_decay,betas", [(torch.float64, 0.1, (0.9, 0.999)),
@@ -90,7 +90,7 @@ def test_the_fast_path_keeps_torch_dynamo_out_of_a_worker() -> None:
 
     code = ("import sys, torch\n"
             "from recycle.config import Training\n"
-            "from recycle.runtime.optim import make_optimizer\n"
+            "from recycle.runtime.state.optim import make_optimizer\n"
             "m = torch.nn.Linear(3, 2)\n"
             "o = make_optimizer(m, Training(lr_schedule='cosine', warmup_steps=1, steps=3))\n"
             "m(torch.ones(1, 3)).sum().backward(); o.step(); o.load_state_dict(o.state_dict()); o.zero_grad()\n"

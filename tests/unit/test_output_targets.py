@@ -15,8 +15,9 @@ import torch
 
 from recycle.errors import ConfigError, OutputError
 from recycle.fileio import atomic_write_bytes, atomic_write_text, check_output_file, is_stream_target
-from recycle.runtime import checkpoint, preflight
+from recycle.runtime.control import preflight
 from recycle.runtime.options import ClusterOptions, LaunchOptions, OutputOptions
+from recycle.runtime.state import checkpoint
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="making a device node (mknod) needs root")

@@ -9,8 +9,8 @@ import pytest
 from recycle.config import load_config, parse_config
 from recycle.errors import ConfigError
 from recycle.models.gpt import build_stages
-from recycle.runtime.profiler import (DEFAULT_COMM, Profile, StageProfile, _fit, _LARGE_BYTES, _SMALL_BYTES,
-                                      profile_stages, profiled_config_dict, to_toml, write_profile)
+from recycle.runtime.tools.profiler import (_LARGE_BYTES, _SMALL_BYTES, DEFAULT_COMM, Profile, StageProfile, _fit,
+                                            profile_stages, profiled_config_dict, to_toml, write_profile)
 from recycle.schedules.fault_free import build_schedule
 from recycle.sim.simulator import simulate
 

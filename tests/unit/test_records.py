@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from recycle.runtime.records import (Announcement, ErrorRecord, FaultRecord, JoinReady, MigrationRecord, RecordError,
-                                     StepRecord, StoppedReport, Timestamp, TransferRecord, from_json, to_json)
+from recycle.runtime.protocol.records import (Announcement, ErrorRecord, FaultRecord, JoinReady, MigrationRecord,
+                                              RecordError, StepRecord, StoppedReport, Timestamp, TransferRecord,
+                                              from_json, to_json)
 
 RECORDS = [
     StepRecord(1, 0, 2, 1700000000.123456, 1700000000.5, 0.1 + 0.2, 0.3, 1 / 3, None, 2.0 ** -40, "ab12",

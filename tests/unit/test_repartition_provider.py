@@ -95,7 +95,7 @@ def test_layers_stay_where_they_are_when_moving_them_back_would_not_pay() -> Non
 
 def test_periods_are_turned_into_seconds_by_the_pacing_or_a_profiled_config() -> None:
     from recycle.api import _seconds_per_unit
-    from recycle.runtime.emulate import Emulation
+    from recycle.runtime.worker.emulate import Emulation
 
     slot_config = _config()
     assert _seconds_per_unit(slot_config, Emulation(20.0, 1.0)) == pytest.approx(0.02)

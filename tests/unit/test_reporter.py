@@ -7,9 +7,9 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from recycle.runtime.records import StepRecord
-from recycle.runtime.reporter import (ChaosEvent, MetricsFile, ProgressSink, Recovery, Reporter, StepMetrics,
-                                      replica_mismatch)
+from recycle.runtime.control.reporter import (ChaosEvent, MetricsFile, ProgressSink, Recovery, Reporter, StepMetrics,
+                                              replica_mismatch)
+from recycle.runtime.protocol.records import StepRecord
 
 
 def _recovery(**fields) -> Recovery:

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from recycle.config import Training
-from recycle.runtime.optim import make_optimizer
-from recycle.runtime.stage_state import IterationPosition, StageState, copy_state
-from recycle.runtime.state_transfer import receive_state, send_state
+from recycle.runtime.state.optim import make_optimizer
+from recycle.runtime.state.stage_state import IterationPosition, StageState, copy_state
+from recycle.runtime.state.state_transfer import receive_state, send_state
 
 TRAINING = Training(lr=0.1, optimizer="SGD", momentum=0.9)
 

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from recycle.config import Config, load_config, uniform_config
 from recycle.errors import ConfigError
+from recycle.ir.worker import workers_text
 from recycle.schedules.fault_free import build_schedule
 from recycle.sim.simulator import simulate
 
@@ -143,7 +144,7 @@ def degradation_section(ctx: DemoContext) -> None:
         plan = make_plan(cfg, failed, PlannerOptions())
         period = plan.meta.predicted_period
         scale = 1e6 if cfg.time_unit == "us" else 1.0
-        down = " ".join(f"{p}:{s}" for p, s in failed) or "-"
+        down = workers_text(failed) or "-"
         print(f"{k:>6}  {down:<28}{period / scale:>11.3f}{fault_free / period:>11.3f}{1 - k / (D * S):>13.3f}")
 
 
@@ -152,7 +153,7 @@ def training_section(ctx: DemoContext) -> None:
     import torch
 
     from recycle.commands.train import select_plan
-    from recycle.runtime.launcher import launch
+    from recycle.runtime.control.launcher import launch
     from recycle.runtime.options import ClusterOptions, LaunchOptions, OutputOptions
 
     cfg = _repo_config("tiny-gpt.toml")
@@ -180,9 +181,9 @@ def live_failure_section(ctx: DemoContext) -> None:
     from recycle.config import parse_config
     from recycle.planner.options import PlannerOptions
     from recycle.planner.provider import PlanLibrary
-    from recycle.runtime.faults import parse_fault
-    from recycle.runtime.launcher import launch
+    from recycle.runtime.control.launcher import launch
     from recycle.runtime.options import ClusterOptions, FaultOptions, LaunchOptions, OutputOptions
+    from recycle.runtime.tools.faults import parse_fault
 
     tiny = _repo_config("tiny-gpt.toml")
     if tiny is None:
@@ -206,7 +207,7 @@ def live_failure_section(ctx: DemoContext) -> None:
         if result.recoveries:
             r = result.recoveries[0]
             print(f"survived: training resumed {r.resumed_s:.2f} s after the kill; {r.redone_actions} actions redone; "
-                  f"workers down at the end: {' '.join(f'{p}:{s}' for p, s in result.failed)}")
+                  f"workers down at the end: {workers_text(result.failed)}")
     a, b = saved.values()
     worst = max(float(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-30))) for k in a)
     print(f"largest relative parameter difference, killed run vs fault-free run: {worst:.1e} (float64)")

@@ -16,10 +16,11 @@ from recycle.config import Config, load_config
 from recycle.errors import PlanError
 from recycle.ir.plan import Plan
 from recycle.ir.validate import format_grid
+from recycle.ir.worker import workers_text
 from recycle.planner.api import ROUTINGS, SOLVERS, baseline_1f1b_period, fault_free_period, resolve_options
 from recycle.planner.failures import normalize, parse_worker
-from recycle.planner.routing import traffic
 from recycle.planner.options import PlannerOptions
+from recycle.planner.routing import traffic
 from recycle.report.units import human_time, speed_words
 from recycle.sim.simulator import SimResult
 
@@ -153,7 +154,7 @@ def cross_node_messages(plan: Plan, config: Config) -> int:
 
 def _summary_text(d: dict[str, Any]) -> str:
     cap = "none" if d["memory_cap"] is None else "/".join(map(str, d["memory_cap"]))
-    failed = " ".join(f"{p}:{s}" for p, s in d["failed"]) or "none"
+    failed = workers_text(map(tuple, d["failed"])) or "none"
     unit = d["time_unit"]
 
     def t(value: float) -> str:

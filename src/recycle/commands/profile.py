@@ -54,14 +54,14 @@ def _say_what_is_profiled(config: Config) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recycle.runtime.profiler import profile_config, write_profile  # imports torch: only when used
+    from recycle.runtime.tools.profiler import profile_config, write_profile  # imports torch: only when used
 
     config = load_config(args.config, args.set)
     for flag, value in (("--repeats", args.repeats), ("--warmup", args.warmup)):
         if value > MAX_REPEATS:
             raise ConfigError(f"{flag} {value} is above the limit of {MAX_REPEATS:,} (each times every stage's "
                               "actions once more; the medians settle within tens); use e.g. 20")
-    from recycle.runtime.preflight import check_model_memory
+    from recycle.runtime.control.preflight import check_model_memory
 
     check_model_memory(config, workers=1)  # this process builds the whole model and its stages
     _say_what_is_profiled(config)

@@ -13,15 +13,16 @@ from recycle.api import select_plan
 from recycle.commands import add_set_option
 from recycle.config import Config, Topology, load_config
 from recycle.errors import ConfigError
-from recycle.runtime.chaos import parse_chaos
-from recycle.runtime.cluster_env import NodeRole, resolve_role
-from recycle.runtime.faults import FaultInjection, parse_fault, parse_rejoin
+from recycle.ir.worker import workers_text
+from recycle.runtime.control.cluster_env import NodeRole, resolve_role
 from recycle.runtime.options import (STAGE_LOSS_POLICIES, START_METHODS, CheckpointOptions, ClusterOptions,
                                      DebugOptions, FaultOptions, LaunchOptions, OutputOptions, RecoveryOptions)
+from recycle.runtime.tools.chaos import parse_chaos
+from recycle.runtime.tools.faults import FaultInjection, parse_fault, parse_rejoin
 
 if TYPE_CHECKING:
-    from recycle.runtime.emulate import Emulation
-    from recycle.runtime.launcher import TrainResult
+    from recycle.runtime.control.launcher import TrainResult
+    from recycle.runtime.worker.emulate import Emulation
 
 # The launcher and the emulation pull in torch: they are imported in run(), so `recycle train --help` starts fast.
 
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     role = node_role(args, os.environ)
     tensorboard = args.tensorboard if role.node_rank == 0 else ""  # node 0 gathers the metrics
     if tensorboard:
-        from recycle.runtime.tensorboard_sink import summary_writer
+        from recycle.runtime.control.tensorboard_sink import summary_writer
 
         summary_writer(tensorboard)  # a missing extra fails now, not after the plan store is built
     hf = [f"model.hf_config={json.dumps(os.path.abspath(args.hf))}"] if args.hf else []
@@ -203,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     faults, rejoins = _scripted_faults(args.inject, config.topology)
     _check_emulation_flags(args)
     if plan.failed:
-        print(f"workers down: {' '.join(f'{p}:{s}' for p, s in sorted(plan.failed))}; running plan "
+        print(f"workers down: {workers_text(plan.failed)}; running plan "
               f"{plan.meta.schedule or 'adaptive'} ({'staggered' if plan.staggered else 'coupled'} optimizer)")
     options = _launch_options(args, role, faults, rejoins)
     check_emulation(config, options.debug.emulation, options.recovery.timeout_s)
@@ -211,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     if tensorboard:
         from dataclasses import replace
 
-        from recycle.runtime.tensorboard_sink import TensorBoardSink
+        from recycle.runtime.control.tensorboard_sink import TensorBoardSink
 
         sink = TensorBoardSink(tensorboard)
         options = replace(options, sink=sink)
@@ -244,8 +245,8 @@ def _scripted_faults(specs: list[str],
 def _launch_options(args: argparse.Namespace, role: NodeRole, faults: list[tuple[int, FaultInjection]],
                     rejoins: list[tuple[int, int]]) -> LaunchOptions:
     """The launcher's options from the command line (each part checks its flags' values as it is made)."""
-    from recycle.runtime.control import read_token
-    from recycle.runtime.emulate import DEFAULT_SLOT_MS, Emulation
+    from recycle.runtime.protocol.channels import read_token
+    from recycle.runtime.worker.emulate import DEFAULT_SLOT_MS, Emulation
 
     checkpoint_every = args.checkpoint_every
     if checkpoint_every is None:
@@ -282,7 +283,7 @@ def check_emulation(config: Config, emulation: Emulation | None, timeout_s: floa
     """The longest action padded to its cost must end within --timeout, or its peers count it as stuck."""
     if emulation is None:
         return
-    from recycle.runtime.emulate import pacing_seconds_per_unit
+    from recycle.runtime.worker.emulate import pacing_seconds_per_unit
 
     c = config.costs
     longest = max(max(c.forward), max(c.backward_fused), max(c.backward_input), max(c.backward_weight),
@@ -323,7 +324,7 @@ def _print_result(result: TrainResult, node_rank: int, save: str | None) -> None
     if result.recoveries:
         failures = sum(1 for r in result.recoveries if r.causes)
         joins = sum(len(r.joined) for r in result.recoveries)
-        down = " ".join(f"{p}:{s}" for p, s in result.failed)
+        down = workers_text(result.failed)
         print(f"survived {failures} failure(s) without a restart ({joins} worker(s) re-joined); "
               + (f"workers down at the end: {down}" if down else "every worker is up at the end"))
     if not result.steps:  # a resume already at the last step

@@ -10,6 +10,7 @@ from recycle.errors import PlanError
 from recycle.fileio import atomic_write_text
 from recycle.ir.actions import Action
 from recycle.ir.plan import Plan, PlanMeta, derive_host
+from recycle.ir.worker import workers_text
 
 __all__ = ["dump_csv", "load_csv", "write_csv", "read_csv", "CSV_COLUMNS"]
 
@@ -23,7 +24,7 @@ def dump_csv(plan: Plan) -> str:
     meta = asdict(plan.meta)
     for key in _TUPLE_META:
         meta[key] = list(meta[key])
-    failed = ";".join(f"{p}:{s}" for p, s in sorted(plan.failed))
+    failed = workers_text(plan.failed, ";")
     lines = [
         _TITLE,
         f"# num_replicas={plan.num_replicas}",

@@ -3,26 +3,23 @@
 from __future__ import annotations
 
 import itertools
-import re
 from dataclasses import dataclass, replace
 from typing import Iterable, Iterator
 
 from recycle.errors import FailureStateError
 from recycle.ir.plan import Plan
+from recycle.ir.worker import Worker
 from recycle.planner.patterns import rename_replicas
 
 __all__ = ["FailureState", "canonical_failed", "normalize", "parse_worker", "enumerate_keys", "count_failure_sets",
            "check_failure_states", "MAX_PLANNED_STATES"]
 
-_WORKER = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
-
-
 def parse_worker(text: str, num_replicas: int, num_stages: int) -> tuple[int, int]:
     """Parse 'R:S' (replica:stage) and check it against the topology."""
-    match = _WORKER.match(text)
-    if not match:
-        raise FailureStateError(f"worker {text!r} is malformed; write REPLICA:STAGE, e.g. --fail 1:2")
-    replica, stage = int(match.group(1)), int(match.group(2))
+    try:
+        replica, stage = Worker.parse(text)
+    except ValueError:
+        raise FailureStateError(f"worker {text!r} is malformed; write REPLICA:STAGE, e.g. --fail 1:2") from None
     if replica >= num_replicas or stage >= num_stages:
         raise FailureStateError(
             f"worker {text!r} is outside the topology: replicas are 0..{num_replicas - 1} and stages are "

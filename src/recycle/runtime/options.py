@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, get_args
 
 from recycle.errors import ConfigError
 from recycle.ir.provider import PlanProvider
-from recycle.runtime.chaos import ChaosSpec
-from recycle.runtime.faults import FaultInjection
+from recycle.runtime.tools.chaos import ChaosSpec
+from recycle.runtime.tools.faults import FaultInjection
 
 if TYPE_CHECKING:
-    from recycle.runtime.emulate import Emulation  # imports torch; `recycle train --help` does not need it
-    from recycle.runtime.reporter import EventSink
+    from recycle.runtime.control.reporter import EventSink
+    from recycle.runtime.worker.emulate import Emulation  # imports torch; `recycle train --help` does not need it
 
 __all__ = ["StageLossPolicy", "StartMethod", "Backend", "STAGE_LOSS_POLICIES", "START_METHODS", "BACKENDS",
            "MIN_TIMEOUT_S", "OutputOptions", "CheckpointOptions", "RecoveryOptions", "ClusterOptions", "FaultOptions",
@@ -174,7 +174,7 @@ def log_progress(line: str) -> None:
     """The default progress sink: an INFO line of the launcher's logger (the CLI prints those on stdout)."""
     import logging  # here: `recycle train --help` imports this module but not logging
 
-    logging.getLogger("recycle.runtime.launcher").info(line)
+    logging.getLogger("recycle.runtime.control.launcher").info(line)
 
 
 @dataclass(frozen=True)

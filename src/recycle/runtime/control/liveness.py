@@ -1,0 +1,74 @@
+"""What the heartbeats tell node 0: the workers and node launchers that went silent, and the workers whose main thread
+is stuck in one action while their heartbeat goes on."""
+
+from __future__ import annotations
+
+from recycle.runtime.control.coordinator import Progress, hung_workers, stale_heartbeats, track_progress
+from recycle.runtime.protocol.channels import Channels, JobStore, Keys
+from recycle.runtime.protocol.records import Beat, RecordError
+
+__all__ = ["Liveness"]
+
+
+class Liveness:
+    """The beats seen so far, by worker and by node launcher, and when each last changed."""
+
+    def __init__(self, jobs: JobStore, nnodes: int, heartbeat_s: float, timeout_s: float) -> None:
+        self.jobs, self.nnodes, self.heartbeat_s, self.timeout_s = jobs, nnodes, heartbeat_s, timeout_s
+        self.beats: dict[int, tuple[str, int]] = {}  # rank -> (incarnation, beats) of its last beat seen
+        self.last_beat: dict[int, float] = {}
+        self.progress: dict[int, Progress] = {}  # rank -> its main thread's progress (hang detection)
+        self.node_beats: dict[int, int] = {}
+        self.node_last_beat: dict[int, float] = {}
+        self.fenced_nodes: set[int] = set()
+        self.next_check = 0.0
+
+    def due(self, now: float) -> bool:
+        """Twice per heartbeat interval: reading every beat on each poll would load the store for nothing."""
+        if now < self.next_check:
+            return False
+        self.next_check = now + self.heartbeat_s / 2
+        return True
+
+    def silent_workers(self, live: frozenset[int], now: float) -> list[tuple[int, float]]:
+        """Read the beats of `live`; those silent past the timeout, with how long they have been."""
+        for rank in live:
+            beat = self._beat(rank)
+            if beat is not None and (beat.incarnation, beat.beats) != self.beats.get(rank):
+                self.beats[rank] = (beat.incarnation, beat.beats)
+                self.last_beat[rank] = now
+                self.progress[rank] = track_progress(self.progress.get(rank), beat.actions, beat.phase, now)
+        return [(r, now - self.last_beat[r]) for r in stale_heartbeats(self.last_beat, live, now, self.timeout_s)]
+
+    def hung_workers(self, ranks: frozenset[int], now: float, limit_s: float) -> list[tuple[int, float]]:
+        """Those of `ranks` computing one action past `limit_s`, with for how long (each reported once)."""
+        return [(r, now - self.progress.pop(r).since) for r in hung_workers(self.progress, ranks, now, limit_s)]
+
+    def silent_nodes(self, now: float) -> list[tuple[int, float]]:
+        """The node launchers silent past the timeout, with how long they have been; counted as fenced from now
+        on, until a new launcher of that node beats."""
+        for node in range(1, self.nnodes):
+            raw = self.jobs.raw.try_get(Keys.node_heartbeat(node))
+            if raw is not None and raw.isdigit() and int(raw) != self.node_beats.get(node):
+                self.node_beats[node] = int(raw)
+                self.node_last_beat[node] = now
+                self.fenced_nodes.discard(node)  # a fenced launcher cannot beat: this is its node's new launcher
+        nodes = frozenset(n for n in range(1, self.nnodes) if n not in self.fenced_nodes)
+        silent = stale_heartbeats(self.node_last_beat, nodes, now, self.timeout_s)
+        self.fenced_nodes.update(silent)
+        return [(node, now - self.node_last_beat[node]) for node in silent]
+
+    def beating_nodes(self, now: float) -> set[int]:
+        return {n for n, t in self.node_last_beat.items() if now - t <= self.timeout_s}
+
+    def admit(self, rank: int, now: float) -> None:
+        """A replacement is timed from its admission, not from the last beat of the process it replaces."""
+        self.last_beat[rank] = now
+        self.beats.pop(rank, None)
+        self.progress.pop(rank, None)
+
+    def _beat(self, rank: int) -> Beat | None:
+        try:
+            return self.jobs.read(Channels.HEARTBEAT, rank)
+        except RecordError:
+            return None  # only the job's own processes can write it; a malformed beat is no beat

@@ -1,0 +1,295 @@
+"""Node 0's reports: each step's metrics and each recovery, measured from the workers' records, fed to event sinks."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Protocol
+
+from recycle.ir import PlanChoice, PlanSource
+from recycle.runtime.control.coordinator import RecoveryFacts
+from recycle.runtime.protocol.records import FaultRecord, Joined, MigrationRecord, StepRecord, TransferRecord
+from recycle.runtime.state import checkpoint
+
+__all__ = ["StepMetrics", "Recovery", "ChaosEvent", "EventSink", "ProgressSink", "MetricsFile", "Reporter",
+           "GenerationRecords", "measure_recovery", "grad_norm", "replica_mismatch"]
+
+Worker = tuple[int, int]  # (replica, stage)
+
+
+def _name(worker: Worker) -> str:
+    return "%d:%d" % worker
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    step: int  # 1-based count of completed steps
+    loss: float
+    tokens_per_s: float
+    period_s: float  # end of this iteration minus end of the previous one (the first step: its own span)
+    step_time_s: float  # first start to last end over all workers
+    elapsed_s: float
+    grad_norm: float | None = None
+    worker_time_s: dict[str, float] = field(default_factory=dict)  # "replica:stage" -> busy span of the iteration
+    worker_cpu_s: dict[str, float] = field(default_factory=dict)  # "replica:stage" -> CPU seconds of the iteration
+    digests: dict[str, str] = field(default_factory=dict)  # "replica:stage" -> parameter digest (verify_replicas)
+    generation: int = 0
+    end_time: float = 0.0  # wall clock when the last worker finished the step
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One survived failure, as measured."""
+
+    generation: int  # the generation it started
+    step: int  # 1-based step that was redone first
+    workers: tuple[str, ...]  # "replica:stage" of the workers lost
+    causes: tuple[str, ...]  # one line per worker lost
+    failed: tuple[Worker, ...]  # every worker down after it
+    failure_time: float  # the injected fault's time when known, else when it was detected (or the joiner was up)
+    detected_s: float | None  # fault -> coordinator knows (None: an outside kill, whose moment is unknown)
+    plan_source: PlanSource
+    plan_lookup_s: float
+    formed_s: float  # announcement -> every worker joined the new groups
+    resumed_s: float  # failure (unknown moment: its detection; a join: the survivors' stop) -> first actions of the new plan
+    redone_actions: int
+    redone_s: float
+    rolled_back: int  # survivors whose stage had already stepped the redone iteration (restored from a snapshot)
+    joined: tuple[str, ...] = ()  # "replica:stage" of workers re-admitted
+    transfer_bytes: int = 0  # state moved to them from live replicas
+    transfer_s: float = 0.0  # the longest transfer
+    restored_step: int | None = None  # every worker loaded this checkpoint (a stage had lost every replica)
+    steps_lost: int = 0
+    moved: tuple[tuple[Worker, Worker], ...] = ()  # (donor, slot): live workers moved into a lost stage (reshape)
+    partition: tuple[int, ...] = ()  # layers per stage after it, when the plan re-partitioned them (else empty)
+    layers_moved: int = 0  # layers handed between stages at the switch (each counted once per receiving worker)
+    migration_bytes: int = 0  # parameters and optimizer state sent for them
+    migration_s: float = 0.0  # the slowest worker's exchange
+    plan_note: str = ""  # the plan provider's reason for the plan (PlanChoice.note)
+    formation: str = ""  # how the new generation's groups were made and the slowest worker's time ("init 0.031 s")
+
+    def record(self) -> dict[str, Any]:
+        """The recovery as a --metrics record: its fields, each move written "donor -> slot" ("1:0 -> 1:1")."""
+        return {"event": "recovery", **asdict(self),
+                "moved": [f"{_name(donor)} -> {_name(slot)}" for donor, slot in self.moved]}
+
+    def line(self) -> str:
+        what = list(self.causes)
+        for donor, slot in self.moved:
+            what.append(f"worker {_name(donor)} moved to stage {slot[1]} as {_name(slot)} (reshape)")
+        if self.joined:
+            moved = (f"{self.transfer_bytes / 1e6:.2f} MB of state from live replicas in {self.transfer_s:.3f} s"
+                     if self.restored_step is None else "state from the checkpoint")
+            what.append(f"{', '.join(self.joined)} re-joined ({moved})")
+        if self.restored_step is not None:
+            what.append(f"restored checkpoint step {self.restored_step} ({self.steps_lost} steps lost)")
+        if self.layers_moved:
+            what.append(f"layers re-partitioned to {list(self.partition) or 'the configured split'} per stage "
+                        f"({self.layers_moved} layer move(s), {self.migration_bytes / 1e6:.2f} MB in "
+                        f"{self.migration_s:.3f} s)")
+        if self.plan_note:
+            what.append(self.plan_note)
+        detected = f"detected in {self.detected_s:.2f} s; " if self.detected_s is not None else ""
+        down: dict[int, int] = {}
+        for _, stage in self.failed:
+            down[stage] = down.get(stage, 0) + 1
+        state = ", ".join(f"stage {s}: {k} down" for s, k in sorted(down.items()))
+        source = "from the store" if self.plan_source == "store" else f"planned by the {self.plan_source}"
+        # An outside kill or a freeze leaves no record of its moment: time it from its first sign then (a survivor's
+        # failed op, which can come well before the death is detected, or the detection itself), and say so.
+        after = ("after the others stopped for it" if not self.causes else
+                 "after the failure" if self.detected_s is not None else "after its first sign")
+        return (f"step {self.step}: {'; '.join(what)}; {detected}plan for {{{state or 'none down'}}} {source} "
+                f"({self.plan_lookup_s * 1e3:.1f} ms); generation {self.generation} in {self.formed_s:.2f} s"
+                f"{f' (groups: {self.formation})' if self.formation else ''}; "
+                f"redid {self.redone_actions} actions ({self.redone_s:.2f} s of work); training resumed "
+                f"{self.resumed_s:.2f} s {after}")
+
+
+@dataclass(frozen=True)
+class ChaosEvent:
+    """What --chaos did at one step: killed or froze these workers ("replica:stage")."""
+
+    time: float
+    kind: str
+    step: int
+    workers: tuple[str, ...]
+
+    def record(self) -> dict[str, Any]:
+        return {"event": "chaos", "time": self.time, "kind": self.kind, "step": self.step,
+                "workers": list(self.workers)}
+
+
+class EventSink(Protocol):
+    """Where node 0's reports go (the progress output, --metrics, --tensorboard), each as it is made."""
+
+    def on_step(self, metrics: StepMetrics) -> None: ...
+
+    def on_recovery(self, recovery: Recovery) -> None: ...
+
+    def on_chaos(self, event: ChaosEvent) -> None: ...
+
+
+class ProgressSink:
+    """One line per step, recovery and chaos event."""
+
+    def __init__(self, say: Callable[[str], None], end_step: int) -> None:
+        self.say, self.end_step = say, end_step
+
+    def on_step(self, m: StepMetrics) -> None:
+        self.say(f"step {m.step}/{self.end_step} loss {m.loss:.4f} tokens/s {m.tokens_per_s:,.0f} "
+                 f"period {m.period_s * 1e3:.1f} ms")
+
+    def on_recovery(self, recovery: Recovery) -> None:
+        self.say(recovery.line())
+
+    def on_chaos(self, event: ChaosEvent) -> None:
+        self.say(f"chaos at step {event.step}: {event.kind} {' '.join(event.workers)}")
+
+
+class MetricsFile:
+    """--metrics FILE: one JSON record per step, recovery and chaos event, the whole file rewritten atomically
+    after each step and recovery (a chaos event goes out with the next one)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+
+    def on_step(self, metrics: StepMetrics) -> None:
+        self.records.append(asdict(metrics))
+        self._write()
+
+    def on_recovery(self, recovery: Recovery) -> None:
+        self.records.append(recovery.record())
+        self._write()
+
+    def on_chaos(self, event: ChaosEvent) -> None:
+        self.records.append(event.record())
+
+    def _write(self) -> None:
+        checkpoint.atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+
+
+def grad_norm(records: list[StepRecord], num_stages: int) -> float | None:
+    """The global gradient norm of a step from its workers' records: the clipping norm when clipping, else the root of
+    the stages' squared norms (one replica each: after the all-reduce every replica of a stage holds the same)."""
+    norms = [r.grad_norm for r in records if r.grad_norm is not None]
+    if norms:
+        return norms[0]
+    squares: dict[int, float] = {}
+    for r in records:
+        if r.grad_sq is not None:
+            squares.setdefault(r.stage, r.grad_sq)
+    if len(squares) < num_stages:
+        return None  # a stage's record is missing (should not happen): no norm rather than a partial one
+    return sum(squares[s] for s in range(num_stages)) ** 0.5
+
+
+def replica_mismatch(step: int, records: list[StepRecord], num_stages: int) -> str | None:
+    """Why the run must stop when two live replicas of a stage hold different parameters after `step` (1-based)
+    (verify_replicas); None when they all agree."""
+    for stage in range(num_stages):
+        seen = {r.worker: r.digest for r in records if r.digest and r.stage == stage}
+        if len(set(seen.values())) > 1:
+            return (f"after step {step} the replicas of stage {stage} differ "
+                    f"({', '.join(f'{w}={d[:12]}' for w, d in seen.items())}); the data-parallel all-reduce or the "
+                    "optimizer is not deterministic across replicas")
+    return None
+
+
+@dataclass(frozen=True)
+class GenerationRecords:
+    """What the workers of a new generation wrote about getting there, and the fault records of its deaths."""
+
+    resumed: tuple[float, ...]  # when each worker started its first action
+    joins: tuple[Joined, ...]
+    transfers: tuple[TransferRecord, ...]  # of the workers admitted
+    migrations: tuple[MigrationRecord, ...]
+    faults: dict[int, FaultRecord]  # rank -> the fault record of its death, when one was recorded
+
+
+def measure_recovery(facts: RecoveryFacts, records: GenerationRecords, worker: Callable[[int], Worker],
+                     announced: float, choice: PlanChoice, now: float, wall0: float) -> Recovery:
+    """The recovery that `facts` started, timed from the records (`choice`: the plan it switched to).
+    A death is timed from its fault record when one was made during the run and before the death was seen."""
+    causes, fault_times = [], []
+    for death in facts.deaths:
+        cause = death.cause
+        fault = records.faults.get(death.rank)
+        if fault is not None and wall0 <= fault.time <= death.time:
+            cause += f" during {fault.where}"
+            fault_times.append(fault.time)
+        causes.append(cause)
+    failure_time = min(fault_times) if fault_times else facts.started
+    end = max(records.resumed) if records.resumed else now
+    joins = records.joins
+    formation = (f"{'/'.join(sorted({j.method for j in joins}))} {max(j.formation_s for j in joins):.3f} s"
+                 if joins else "")
+    # A join without a failure: the survivors' pause runs from their stop at the drain to their first action.
+    paused_from = min((r.time for r in facts.reports), default=facts.started)
+    migrations, transfers = records.migrations, records.transfers
+    return Recovery(
+        generation=facts.generation, step=facts.redo_step + 1,
+        workers=tuple(_name(worker(d.rank)) for d in facts.deaths), causes=tuple(causes),
+        failed=tuple(sorted(facts.failed)), failure_time=failure_time,
+        detected_s=(min(d.time for d in facts.deaths) - min(fault_times)) if fault_times and facts.deaths else None,
+        plan_source=choice.source, plan_lookup_s=choice.seconds, plan_note=choice.note,
+        formed_s=(max(j.time for j in joins) - announced) if joins else 0.0,
+        resumed_s=end - (failure_time if facts.deaths else paused_from), redone_actions=facts.redone_actions,
+        redone_s=facts.redone_s, rolled_back=facts.rolled_back,
+        joined=tuple(_name(worker(r)) for r in sorted(facts.joining)),
+        transfer_bytes=sum(t.bytes for t in transfers), transfer_s=max((t.seconds for t in transfers), default=0.0),
+        restored_step=facts.restore_step, steps_lost=facts.steps_lost,
+        moved=tuple((worker(d), worker(r)) for d, r in facts.moved),
+        partition=tuple(choice.plan.partition), layers_moved=sum(m.layers_in for m in migrations),
+        migration_bytes=sum(m.bytes for m in migrations) // 2,
+        migration_s=max((m.seconds for m in migrations), default=0.0), formation=formation)
+
+
+class Reporter:
+    """Builds each step's metrics from its workers' records and hands every report to the sinks, in order."""
+
+    def __init__(self, sinks: list[EventSink], tokens_per_step: int, num_stages: int, wall0: float) -> None:
+        self.sinks, self.tokens_per_step, self.num_stages, self.wall0 = sinks, tokens_per_step, num_stages, wall0
+        self.steps: list[StepMetrics] = []
+        self.recoveries: list[Recovery] = []
+        self.chaos_events: list[ChaosEvent] = []
+        self.previous_end: float | None = None
+
+    def step_metrics(self, step: int, records: list[StepRecord]) -> StepMetrics:
+        """The metrics of 0-based `step` from every member's record (the next step's period starts at its end)."""
+        first = min(r.start for r in records)
+        last = max(r.end for r in records)
+        # Steady-state period: time between the completions of consecutive iterations (the first step: its span).
+        period = last - self.previous_end if self.previous_end is not None else last - first
+        self.previous_end = last
+        losses = [r.stage_loss for r in records if r.stage_loss is not None]
+        return StepMetrics(
+            step=step + 1, loss=losses[0] if losses else 0.0,
+            tokens_per_s=self.tokens_per_step / period if period > 0 else 0.0,
+            period_s=period, step_time_s=last - first, elapsed_s=time.time() - self.wall0,
+            grad_norm=grad_norm(records, self.num_stages),
+            worker_time_s={r.worker: r.end - r.start for r in records},
+            digests={r.worker: r.digest for r in records if r.digest},
+            worker_cpu_s={r.worker: r.cpu_s for r in records},
+            generation=max(r.generation for r in records), end_time=last)
+
+    def restart(self) -> None:
+        """A checkpoint restore: the steps run again, the first of them timed by its own span."""
+        self.previous_end = None
+
+    def step(self, metrics: StepMetrics) -> None:
+        self.steps.append(metrics)
+        for sink in self.sinks:
+            sink.on_step(metrics)
+
+    def recovery(self, recovery: Recovery) -> None:
+        self.recoveries.append(recovery)
+        for sink in self.sinks:
+            sink.on_recovery(recovery)
+
+    def chaos(self, event: ChaosEvent) -> None:
+        self.chaos_events.append(event)
+        for sink in self.sinks:
+            sink.on_chaos(event)

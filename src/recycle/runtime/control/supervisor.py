@@ -1,0 +1,386 @@
+"""Node 0's supervisor: turns worker processes and store keys into the coordinator's facts, carries out its commands
+and hands steps and recoveries to the reporter."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, NoReturn, TypeVar
+
+from recycle.config import Config
+from recycle.errors import RuntimeFailure
+from recycle.ir import Plan, PlanChoice
+from recycle.ir.worker import Worker
+from recycle.runtime.control.coordinator import (AbortGeneration, Announce, Command, Coordinator, Drain, FailRun, Fence,
+                                                 MarkLatest, Move, RecoveryFacts, Respawn, describe_exit, hang_limit_s)
+from recycle.runtime.control.liveness import Liveness
+from recycle.runtime.control.processes import WorkerProcesses, node_ranks
+from recycle.runtime.control.reporter import (ChaosEvent, EventSink, GenerationRecords, MetricsFile, ProgressSink,
+                                              Recovery, Reporter, StepMetrics, measure_recovery, replica_mismatch)
+from recycle.runtime.options import LaunchOptions
+from recycle.runtime.protocol.channels import (Channel, Channels, Flags, JobStore, Keys, launcher_fence_prefix,
+                                               worker_fence_prefix)
+from recycle.runtime.protocol.records import Announcement, FaultRecord
+from recycle.runtime.protocol.store import StoreServer
+from recycle.runtime.state import checkpoint
+from recycle.runtime.tools.chaos import ChaosMonkey
+from recycle.runtime.worker.process import EXIT_FENCED
+
+__all__ = ["Supervisor"]
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class _PendingRecovery:
+    """An announced generation whose recovery is reported once every worker has started in it."""
+
+    facts: RecoveryFacts
+    choice: PlanChoice
+    announced: float  # wall clock of the announcement
+    live: frozenset[int]
+
+
+class Supervisor:
+    """Node 0's loop: feed facts from the processes and the store to the Coordinator, carry out its commands, and
+    report steps and recoveries."""
+
+    def __init__(self, config: Config, plan: Plan, options: LaunchOptions, store: Any, workers: WorkerProcesses,
+                 start_step: int, end_step: int, wall0: float, server: StoreServer | None = None) -> None:
+        self.plan, self.options, self.store = plan, options, store
+        self.jobs = JobStore(store)
+        self.server = server
+        self.plan_at_start = plan
+        self.workers = workers
+        self.end_step, self.wall0 = end_step, wall0
+        self.local = frozenset(workers.ranks)  # ranks this node starts (and restarts)
+        self.remote = sorted(set(plan.live_ranks()) - self.local)
+        self.coordinator = Coordinator(plan.num_replicas, plan.num_stages, frozenset(plan.live_ranks()), plan.failed,
+                                       end_step, report_timeout_s=options.recovery.timeout_s + 5.0,
+                                       checkpoint_every=options.checkpoint.every if options.checkpoint.dir else 0,
+                                       reshape=options.recovery.stage_loss == "reshape", start_step=start_step,
+                                       local=self.local, respawn_after_s=options.faults.respawn_after_s,
+                                       rejoins=options.faults.rejoins)
+        sinks: list[EventSink] = []
+        if options.progress:
+            sinks.append(ProgressSink(options.progress, end_step))
+        if options.sink is not None:
+            sinks.append(options.sink)
+        if options.outputs.metrics_path:
+            sinks.append(MetricsFile(options.outputs.metrics_path))
+        tokens_per_step = plan.total_microbatches * config.workload.microbatch_size * config.workload.seq_len
+        self.reporter = Reporter(sinks, tokens_per_step, plan.num_stages, wall0)
+        self.monkey = ChaosMonkey(options.faults.chaos, plan.num_stages) if options.faults.chaos is not None else None
+        self.last_chaos_step = start_step
+        self.exited: set[int] = set()
+        self.pids: dict[int, int | None] = {r: workers.pid(r) for r in workers.ranks}
+        self.liveness = Liveness(self.jobs, options.cluster.nnodes, options.recovery.heartbeat_s,
+                                 options.recovery.heartbeat_timeout_s)
+        # Tests only: ranks whose process the launcher must not kill (as if its node could not be reached).
+        self.unfenceable = {int(r) for r in os.environ.get("RECYCLE_TEST_UNFENCEABLE", "").split(",") if r.strip()}
+        self.pending: _PendingRecovery | None = None  # the recovery being completed
+        self.failing = False
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def run(self) -> tuple[list[StepMetrics], list[Recovery], frozenset[tuple[int, int]]]:
+        while True:
+            now = time.time()
+            self._execute(self._exits(now))
+            self._execute(self._heartbeats(now))
+            self._execute(self._stopped_reports(now))
+            self._execute(self._joiners(now))
+            self._execute(self.coordinator.on_tick(now))
+            running = frozenset(r for r in self.local if self.workers.running(r))
+            self._execute(self.coordinator.on_repair_check(now, running))
+            self._drain()
+            self._execute(self.coordinator.on_shards_written(self._written_shards()))
+            self._complete_recovery()
+            self._chaos(now)
+            state = self.coordinator.state
+            if self.coordinator.next_step >= self.end_step and self._all_local_exited() and not state.recovering:
+                self.coordinator.on_finished()
+                self._complete_recovery(final=True)
+                self._finish_nodes()
+                return self.reporter.steps, self.reporter.recoveries, self.coordinator.state.failed
+            self.workers.wait(0.02 if state.recovering else 0.05)
+
+    def _all_local_exited(self) -> bool:
+        """Every local member of the run has exited (replacements never admitted are stopped afterwards)."""
+        members = self.coordinator.participants()
+        return all(self.workers.exitcode(r) is not None for r in self.workers.ranks if r in members)
+
+    def _name(self, rank: int) -> str:
+        replica, stage = self.plan.worker(rank)
+        pid = self.pids.get(rank)
+        return f"worker {Worker(replica, stage)} (rank {rank}{f', pid {pid}' if pid else ''})"
+
+    # -- facts ---------------------------------------------------------------------------------------------------
+    def _exits(self, now: float) -> list[Command]:
+        commands: list[Command] = []
+        codes = self.workers.exitcodes()
+        for rank in self.remote:
+            text = self.jobs.flag_text(Flags.EXITED, rank) if rank not in self.exited else None
+            if text is not None:
+                codes[rank] = int(text)
+        for rank, code in sorted(codes.items()):
+            if rank in self.exited:
+                continue
+            self.exited.add(rank)
+            self.store.delete_key(Keys.join_ready(rank))  # a replacement that said it was ready and then died
+            if code == 0 and rank in self.coordinator.state.live:
+                commands += self.coordinator.on_done(rank, now)
+            elif code not in (0, EXIT_FENCED):
+                commands += self._failed_exit(rank, code, now)
+                self.coordinator.on_crashed(rank, now)
+        return commands
+
+    def _failed_exit(self, rank: int, code: int, now: float) -> list[Command]:
+        record = self.jobs.read(Channels.ERROR, rank)
+        if record is not None and not record.comm:
+            return self.coordinator.on_error(rank, f"{self._name(rank)} raised {record.exception}: {record.message}")
+        if code == 3:
+            cause = "lost its launcher (node gone)"
+        elif record is not None:
+            cause = f"failed on a communication error ({record.message})"
+        else:
+            cause = f"died ({describe_exit(code)})"
+        return self.coordinator.on_death(rank, f"{self._name(rank)} {cause}", now)
+
+    def _joiners(self, now: float) -> list[Command]:
+        """Replacement workers that say they are ready to be admitted."""
+        state = self.coordinator.state
+        commands: list[Command] = []
+        for replica, stage in sorted(state.failed):
+            rank = self.plan.rank(replica, stage)
+            if self.workers.exitcode(rank) is not None:
+                continue  # its ready key is stale: the process has died since (its exit is handled next loop)
+            ready = self.jobs.read(Channels.JOIN_READY, rank) if rank not in state.joining else None
+            if ready is not None:
+                self.pids[rank] = ready.pid
+                self.exited.discard(rank)
+                commands += self.coordinator.on_join_ready(rank, now)
+        return commands
+
+    def _heartbeats(self, now: float) -> list[Command]:
+        if not self.liveness.due(now):
+            return []
+        live = self.coordinator.state.live - self.exited
+        commands: list[Command] = []
+        for rank, silent in self.liveness.silent_workers(live, now):
+            commands += self.coordinator.on_death(
+                rank, f"{self._name(rank)} stopped responding (no heartbeat for {silent:.1f} s; fenced)", now,
+                fence=True)
+        limit = hang_limit_s(self.options.recovery.hang_timeout_s, [m.period_s for m in self.reporter.steps[-50:]],
+                             self.options.recovery.timeout_s)
+        for rank, computing in self.liveness.hung_workers(live - set(self.coordinator.state.reports), now, limit):
+            commands += self.coordinator.on_death(
+                rank, f"{self._name(rank)} is hung (its heartbeat goes on, but one action has computed for "
+                      f"{computing:.1f} s, over the {limit:.1f} s limit; fenced)", now, fence=True)
+        for node, silent in self.liveness.silent_nodes(now):
+            # Fence its launcher and every worker it runs, so that nothing of it can act on the job when (if) it
+            # comes back; the survivors go on without it.
+            if self.server is not None:
+                self.server.fence(launcher_fence_prefix(node))
+            for rank in node_ranks(self.plan_at_start.live_ranks(), self.options.cluster.nnodes, node):
+                commands += self.coordinator.on_death(
+                    rank, f"{self._name(rank)} is on node {node}, which stopped responding (its launcher: no "
+                          f"heartbeat for {silent:.1f} s; frozen or cut off; fenced)", now, fence=True)
+            if self.options.progress:
+                self.options.progress(f"node {node} stopped responding for {silent:.1f} s (frozen or cut off): "
+                                      "fenced; the run goes on without it (start its launcher again to re-join)")
+        return commands
+
+    def _stopped_reports(self, now: float) -> list[Command]:
+        state = self.coordinator.state
+        if self.store.add(Keys.stopped_count(state.generation), 0) == len(state.reports):
+            return []  # nobody new has stopped in this generation
+        commands: list[Command] = []
+        for rank in sorted(state.live - set(state.reports) - state.done):
+            report = self.jobs.read(Channels.STOPPED, state.generation, rank)
+            if report is not None:
+                commands += self.coordinator.on_stopped(report, now)
+        return commands
+
+    def _written_shards(self) -> list[tuple[int, int]]:
+        return [(done, stage) for done, stage in self.coordinator.awaited_shards()
+                if self.jobs.is_set(Flags.CHECKPOINTED, done, stage)]
+
+    def _records(self, channel: Channel[R], first: int, ranks: Iterable[int]) -> list[R]:
+        """The records of `channel` (first, rank) that exist, in the order of `ranks`."""
+        found = (self.jobs.read(channel, first, rank) for rank in ranks)
+        return [record for record in found if record is not None]
+
+    def _chaos(self, now: float) -> None:
+        """--chaos: once per completed step, maybe kill or freeze a worker, or a whole stage; repair it later."""
+        step = self.coordinator.next_step
+        if self.monkey is None or step <= self.last_chaos_step or step >= self.end_step - 2:
+            return
+        state = self.coordinator.state
+        if state.recovering or self.pending is not None or state.joining:
+            return  # one thing at a time: the soak checks that each event is survived
+        self.last_chaos_step = step
+        live = sorted(r for r in state.live if r in self.local and self.workers.running(r))
+        event = self.monkey.decide(step, live, can_lose_stage=state.latest_checkpoint is not None)
+        if event is None:
+            return
+        for rank, delay in zip(event.ranks, event.repair_after_s):
+            # Recorded like an injected fault, so its recovery is timed from the kill, not from its detection.
+            self.jobs.put(Channels.FAULT, FaultRecord(time.time(), f"a chaos {event.kind}", event.kind), rank)
+            self.workers.signal(rank, signal.SIGSTOP if event.kind == "hang" else signal.SIGKILL)
+            self.coordinator.on_repair_planned(rank, now + delay)
+        self.reporter.chaos(ChaosEvent(now, event.kind, event.step,
+                                       tuple("%d:%d" % self.plan.worker(r) for r in event.ranks)))
+
+    # -- commands ------------------------------------------------------------------------------------------------
+    def _execute(self, commands: list[Command]) -> None:
+        for command in commands:
+            if isinstance(command, Fence):
+                self._fence(command)
+            elif isinstance(command, AbortGeneration):
+                self.jobs.raise_flag(Flags.ABORT, command.generation, text=command.reason)
+            elif isinstance(command, Drain):
+                self.store.set(Keys.drain(command.generation), str(command.stop_before))
+            elif isinstance(command, Respawn):
+                for rank in sorted(command.ranks):
+                    self._start_replacement(rank, command.reason)
+            elif isinstance(command, Move):
+                self._fence(Fence(command.donor, command.reason))
+                self._start_replacement(command.rank, command.reason)
+            elif isinstance(command, Announce):
+                self._announce(command)
+            elif isinstance(command, MarkLatest):
+                if checkpoint.mark_latest(self.options.checkpoint.dir, command.step, self.plan.num_stages,
+                                          self.options.checkpoint.keep):
+                    self.coordinator.on_checkpoint(command.step)
+            elif isinstance(command, FailRun):
+                self._fail(command.message)
+
+    def _fence(self, command: Fence) -> None:
+        if self.server is not None:
+            # First shut it out of the store: from now on the store refuses it whatever it does, which needs nothing
+            # from the process or its node (frozen, cut off or busy alike).
+            self.server.fence(worker_fence_prefix(command.rank))
+        if command.rank in self.unfenceable:
+            pass  # tests: the kill cannot reach it; the store's fence alone must keep it out
+        elif command.rank not in self.local:
+            self.jobs.raise_flag(Flags.FENCE, command.rank, text=command.reason)  # its node's launcher kills it
+        else:
+            self.workers.signal(command.rank, signal.SIGKILL)  # works on a SIGSTOPped process too
+
+    def _start_replacement(self, rank: int, reason: str) -> None:
+        if rank not in self.local:
+            self.jobs.raise_flag(Flags.RESPAWN, rank, text=reason)  # its node's launcher starts it
+            return
+        pid = self.workers.respawn(rank)
+        if pid is not None:  # else its replacement is already starting
+            self.exited.discard(rank)
+            self.pids[rank] = pid
+
+    def _announce(self, command: Announce) -> None:
+        facts = command.facts
+        if self.options.plan_provider is None:
+            self._fail(f"{'; '.join(d.cause for d in facts.deaths) or 'a worker failed'}; this run has no plan "
+                       "provider to switch plans with (recycle train always has one; a library caller passes "
+                       "LaunchOptions.plan_provider). Restart with --resume from the last checkpoint")
+        if self.pending is not None:
+            self._complete_recovery(final=True)  # a failure during a recovery: report the first one as it ended
+        choice = self.options.plan_provider(facts.failed)
+        plan = choice.plan
+        self._execute(self.coordinator.on_plan_chosen(plan.live_ranks()))
+        if facts.restore_step is not None:
+            self._forget_steps_from(facts.restore_step)
+        self.store.set(Keys.plan(facts.generation), plan.to_json())
+        self.jobs.put(Channels.ANNOUNCE, Announcement(
+            facts.generation, tuple(sorted(command.live)), facts.redo_step, self.end_step,
+            "; ".join(d.cause for d in facts.deaths), tuple(sorted(facts.joining)),
+            -1 if facts.restore_step is None else facts.restore_step), facts.generation)
+        for rank in facts.joining:
+            self.liveness.admit(rank, time.time())
+            self.store.delete_key(Keys.join_ready(rank))
+            self.store.set(Keys.join_generation(rank), str(facts.generation))
+        self.plan = plan
+        self.pending = _PendingRecovery(facts, choice, time.time(), command.live)
+
+    def _forget_steps_from(self, step: int) -> None:
+        """A checkpoint restore: steps from `step` on run again, so their records and checkpoint keys are stale."""
+        for later in range(step, self.end_step):
+            for rank in range(self.plan.num_replicas * self.plan.num_stages):
+                self.store.delete_key(Keys.metrics(later, rank))
+        for done in range(step + 1, self.end_step + 1):
+            for stage in range(self.plan.num_stages):
+                self.jobs.lower_flag(Flags.CHECKPOINTED, done, stage)
+        self.reporter.restart()
+
+    def _fail(self, message: str) -> NoReturn:
+        if not self.failing:
+            self.failing = True
+            self._drain()  # report the steps that completed before the failure
+        self.workers.stop()
+        if self.options.cluster.nnodes > 1:
+            # The other nodes' launchers stop their workers and report this.
+            self.jobs.raise_flag(Flags.ABORT_RUN, text=message)
+        raise RuntimeFailure(message)
+
+    # -- reports -------------------------------------------------------------------------------------------------
+    def _complete_recovery(self, final: bool = False) -> None:
+        """Once every worker of the new generation has started its first action, report the recovery."""
+        pending = self.pending
+        if pending is None:
+            return
+        facts = pending.facts
+        live = sorted(pending.live)
+        generation = facts.generation
+        resumed = tuple(t.time for t in self._records(Channels.RESUMED, generation, live))
+        if facts.redo_step < self.end_step and len(resumed) < len(live) and not final:
+            return
+        self.pending = None
+        if not facts.deaths and not facts.joining:
+            return  # a drain whose joiner never came in (the run ended first): nothing happened
+        faults: dict[int, FaultRecord] = {}
+        for death in facts.deaths:
+            fault = self.jobs.read(Channels.FAULT, death.rank)
+            if fault is not None:
+                self.jobs.delete(Channels.FAULT, death.rank)  # one record, one death: a later outside kill has none
+                faults[death.rank] = fault
+        records = GenerationRecords(resumed, tuple(self._records(Channels.JOINED, generation, live)),
+                                    tuple(self._records(Channels.TRANSFER, generation, sorted(facts.joining))),
+                                    tuple(self._records(Channels.MIGRATION, generation, live)), faults)
+        self.reporter.recovery(measure_recovery(facts, records, self.plan.worker, pending.announced, pending.choice,
+                                                time.time(), self.wall0))
+
+    def _drain(self) -> None:
+        """Report every step all its members have finished, in order."""
+        while (step := self.coordinator.next_step) < self.end_step:
+            members = self.coordinator.members(step)
+            records = self._records(Channels.METRICS, step, members)
+            if not members or len(records) < len(members):
+                return
+            metrics = self.reporter.step_metrics(step, records)
+            if self.options.debug.verify_replicas:
+                mismatch = replica_mismatch(metrics.step, records, self.plan.num_stages)
+                if mismatch is not None:
+                    self._fail(mismatch)
+            self.reporter.step(metrics)
+            if len(self.reporter.steps) == 1:
+                # Generation 0 has run a step, so every node's first launcher is in: a node launcher that starts from
+                # now on is a repaired node and brings its workers back as replacements.
+                self.jobs.raise_flag(Flags.RUNNING)
+            self.coordinator.on_step_reported(step)
+
+    def _finish_nodes(self) -> None:
+        """Multi-node: say the run is over; keep the store up until every node has said it is done."""
+        if self.options.cluster.nnodes == 1:
+            return
+        self.jobs.raise_flag(Flags.FINISHED)
+        live = self.coordinator.participants()
+        initial = self.plan_at_start.live_ranks()
+        # A node is waited for while it has a live worker or its launcher still beats (a repaired node whose
+        # replacements came too late to be admitted: they see the end and exit, then it says it is done too).
+        beating = self.liveness.beating_nodes(time.time())
+        nodes = [n for n in range(1, self.options.cluster.nnodes) if n not in self.liveness.fenced_nodes
+                 and (set(node_ranks(initial, self.options.cluster.nnodes, n)) & live or n in beating)]
+        deadline = time.time() + max(self.options.recovery.timeout_s, 60.0)
+        while not all(self.jobs.is_set(Flags.NODE_DONE, n) for n in nodes) and time.time() < deadline:
+            time.sleep(0.05)

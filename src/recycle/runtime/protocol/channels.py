@@ -1,0 +1,280 @@
+"""The control plane between the coordinator and the workers: the job's store (bound to one address, every peer
+authenticated by the job token, every process named so that it can be fenced) and the key names (the records written
+under them are in runtime.protocol.records)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Generic, TypeVar
+
+from recycle.errors import ConfigError
+from recycle.runtime.protocol.records import (Announcement, Beat, ErrorRecord, FaultRecord, Joined, JoinReady,
+                                              MigrationRecord, StepRecord, StoppedReport, Timestamp, TransferRecord,
+                                              from_json, to_json)
+from recycle.runtime.protocol.store import StoreClient, StoreServer
+
+__all__ = ["TOKEN_ENV", "new_token", "read_token", "host_store", "connect_store", "new_incarnation",
+           "worker_identity", "worker_fence_prefix", "launcher_identity", "launcher_fence_prefix", "Keys", "Channel",
+           "Channels", "Flag", "Flags", "JobStore"]
+
+TOKEN_ENV = "RECYCLE_JOB_TOKEN"
+_TOKEN_BYTES = 24  # 192 bits: the key of every peer's handshake and of every frame's MAC
+
+
+def new_token() -> str:
+    return secrets.token_hex(_TOKEN_BYTES)
+
+
+def read_token(token_file: str = "") -> str:
+    """The job secret of a multi-node run: from `token_file` (which must not be readable by others) or the
+    RECYCLE_JOB_TOKEN environment variable; "" when neither is given."""
+    if token_file:
+        path = Path(token_file)
+        if not path.is_file():
+            raise ConfigError(f"--token-file {token_file!r} does not exist; write the job secret there (e.g. "
+                              f"`python -c 'import secrets; print(secrets.token_hex(24))' > {token_file}; "
+                              f"chmod 600 {token_file}`) and copy it to every node")
+        if path.stat().st_mode & 0o077:
+            raise ConfigError(f"--token-file {token_file!r} is readable or writable by other users (mode "
+                              f"{path.stat().st_mode & 0o777:o}); run `chmod 600 {token_file}`")
+        token = path.read_text().strip()
+    else:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+    if token and (len(token) < 32 or not all(c in "0123456789abcdefABCDEF" for c in token)):
+        raise ConfigError(f"the job secret must be at least 32 hex digits (got {len(token)} characters); make one "
+                          "with `python -c 'import secrets; print(secrets.token_hex(24))'`")
+    return token
+
+
+def host_store(address: str, port: int, token: str) -> StoreServer:
+    """The job's store, listening on `address` only (loopback for a single-node run) and serving only processes that
+    prove they hold the job token; started."""
+    try:
+        return StoreServer(address, port, token).start()
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {address}:{port} for the job's store ({exc.strerror}); pick another "
+                          "--master-port, or an address of this machine for --master-addr") from None
+
+
+def connect_store(host: str, port: int, token: str, identity: str, timeout_s: float,
+                  on_fenced: Callable[[], None] | None = None, connect_timeout_s: float = 60.0) -> StoreClient:
+    """An authenticated connection to the job store as `identity` (see worker_identity, launcher_identity)."""
+    return StoreClient(host, port, token, identity, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+                       on_fenced=on_fenced)
+
+
+def new_incarnation() -> str:
+    """What tells two processes that ran as the same rank apart: a fenced one cannot come back as its successor."""
+    return secrets.token_hex(6)
+
+
+def worker_identity(rank: int, incarnation: str) -> str:
+    return f"{worker_fence_prefix(rank)}{incarnation}"
+
+
+def worker_fence_prefix(rank: int) -> str:
+    """Fencing this prefix shuts out every process that has run as `rank` so far (not a replacement started later)."""
+    return f"worker/{rank}/"
+
+
+def launcher_identity(node: int, incarnation: str) -> str:
+    return f"{launcher_fence_prefix(node)}{incarnation}"
+
+
+def launcher_fence_prefix(node: int) -> str:
+    return f"launcher/{node}/"
+
+
+class Keys:
+    """Key names in the job store."""
+
+    @staticmethod
+    def heartbeat(rank: int) -> str:
+        """A worker's Beat record (runtime.records): its beat count and how far its main thread has got."""
+        return f"hb/{rank}"
+
+    @staticmethod
+    def node_heartbeat(node: int) -> str:
+        """A node launcher's beat count: a node whose launcher stops beating is frozen or cut off."""
+        return f"node_hb/{node}"
+
+    @staticmethod
+    def announce(generation: int) -> str:
+        return f"gen{generation}/announce"
+
+    @staticmethod
+    def plan(generation: int) -> str:
+        return f"gen{generation}/plan"
+
+    @staticmethod
+    def abort(generation: int) -> str:
+        return f"gen{generation}/abort"
+
+    @staticmethod
+    def stopped(generation: int, rank: int) -> str:
+        return f"gen{generation}/stopped/{rank}"
+
+    @staticmethod
+    def respawn(rank: int) -> str:
+        return f"respawn/{rank}"
+
+    @staticmethod
+    def drain(generation: int) -> str:
+        return f"gen{generation}/drain"
+
+    @staticmethod
+    def join_ready(rank: int) -> str:
+        return f"join/{rank}/ready"
+
+    @staticmethod
+    def join_generation(rank: int) -> str:
+        return f"join/{rank}/generation"
+
+    @staticmethod
+    def transfer(generation: int, rank: int) -> str:
+        return f"gen{generation}/transfer/{rank}"
+
+    @staticmethod
+    def migration(generation: int, rank: int) -> str:
+        """What a worker's layer re-partition moved in this generation (layers in and out, bytes, seconds)."""
+        return f"gen{generation}/migration/{rank}"
+
+    @staticmethod
+    def stopped_count(generation: int) -> str:
+        return f"gen{generation}/stopped_count"
+
+    @staticmethod
+    def joined(generation: int, rank: int) -> str:
+        return f"gen{generation}/joined/{rank}"
+
+    @staticmethod
+    def resumed(generation: int, rank: int) -> str:
+        return f"gen{generation}/resumed/{rank}"
+
+    @staticmethod
+    def process_groups(generation: int) -> str:
+        return f"gen{generation}/pg"
+
+    @staticmethod
+    def metrics(step: int, rank: int) -> str:
+        return f"metrics/{step}/{rank}"
+
+    @staticmethod
+    def checkpointed(done_steps: int, stage: int) -> str:
+        return f"ckpt/{done_steps}/{stage}"
+
+    @staticmethod
+    def error(rank: int) -> str:
+        return f"error/{rank}"
+
+    @staticmethod
+    def fault(rank: int) -> str:
+        return f"fault/{rank}"
+
+    @staticmethod
+    def exited(rank: int) -> str:
+        return f"exit/{rank}"
+
+    @staticmethod
+    def fence(rank: int) -> str:
+        return f"fence/{rank}"
+
+    @staticmethod
+    def node_done(node: int) -> str:
+        return f"node_done/{node}"
+
+    ABORT_RUN = "abort"
+    FINISHED = "finished"
+    RUNNING = "running"  # the first step is done: a node launcher that starts now is a repaired node
+
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Channel(Generic[R]):
+    """A key of the job store and the one record type written under it: declared once (Channels), read and written
+    only through JobStore, so a reader can never take one record for another."""
+
+    key: Callable[..., str]  # the key's name from its fields (a Keys method)
+    record: type[R]
+
+
+class Channels:
+    """Every typed record the job's processes exchange, by key."""
+
+    HEARTBEAT = Channel(Keys.heartbeat, Beat)  # (rank)
+    ANNOUNCE = Channel(Keys.announce, Announcement)  # (generation)
+    STOPPED = Channel(Keys.stopped, StoppedReport)  # (generation, rank)
+    JOIN_READY = Channel(Keys.join_ready, JoinReady)  # (rank)
+    JOINED = Channel(Keys.joined, Joined)  # (generation, rank)
+    RESUMED = Channel(Keys.resumed, Timestamp)  # (generation, rank)
+    TRANSFER = Channel(Keys.transfer, TransferRecord)  # (generation, rank)
+    MIGRATION = Channel(Keys.migration, MigrationRecord)  # (generation, rank)
+    METRICS = Channel(Keys.metrics, StepRecord)  # (step, rank)
+    ERROR = Channel(Keys.error, ErrorRecord)  # (rank)
+    FAULT = Channel(Keys.fault, FaultRecord)  # (rank)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A key of the job store that only matters by being there; what it holds, if anything, is a short text (a
+    reason for people, an exit code). Declared once (Flags), tested and raised only through JobStore."""
+
+    key: str | Callable[..., str]  # a fixed name, or the name from its fields (a Keys method)
+
+    def name(self, *key: int) -> str:
+        return self.key if isinstance(self.key, str) else self.key(*key)
+
+
+class Flags:
+    """Every flag the launchers and the coordinator raise, by key."""
+
+    FINISHED = Flag(Keys.FINISHED)  # the run is over (multi-node: the other launchers stop)
+    ABORT_RUN = Flag(Keys.ABORT_RUN)  # the run failed: holds the message
+    RUNNING = Flag(Keys.RUNNING)
+    ABORT = Flag(Keys.abort)  # (generation): its workers stop at their next action; holds the reason
+    EXITED = Flag(Keys.exited)  # (rank): a remote worker's process ended; holds its exit code
+    FENCE = Flag(Keys.fence)  # (rank): kill the remote worker; holds the reason
+    RESPAWN = Flag(Keys.respawn)  # (rank): start the remote worker again; holds the reason
+    NODE_DONE = Flag(Keys.node_done)  # (node)
+    CHECKPOINTED = Flag(Keys.checkpointed)  # (done steps, stage): the stage's shard of that step is written
+
+
+class JobStore:
+    """Typed access to the job store: `put` a record on a channel, `read` it (None when absent) or `get` it (waits
+    for it); raise, test and lower flags. `raw` is the store itself, for the plain keys (abort, drain, counters, the
+    plan)."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def put(self, channel: Channel[R], record: R, *key: int) -> None:
+        self.raw.set(channel.key(*key), to_json(record))
+
+    def read(self, channel: Channel[R], *key: int) -> R | None:
+        value = self.raw.try_get(channel.key(*key))
+        return None if value is None else from_json(channel.record, value)
+
+    def get(self, channel: Channel[R], *key: int) -> R:
+        return from_json(channel.record, self.raw.get(channel.key(*key)))
+
+    def delete(self, channel: Channel[Any], *key: int) -> None:
+        self.raw.delete_key(channel.key(*key))
+
+    def is_set(self, flag: Flag, *key: int) -> bool:
+        return bool(self.raw.check([flag.name(*key)]))
+
+    def raise_flag(self, flag: Flag, *key: int, text: str = "1") -> None:
+        self.raw.set(flag.name(*key), text)
+
+    def lower_flag(self, flag: Flag, *key: int) -> None:
+        self.raw.delete_key(flag.name(*key))
+
+    def flag_text(self, flag: Flag, *key: int) -> str | None:
+        """What a raised flag holds; None while it is not raised."""
+        value = self.raw.try_get(flag.name(*key))
+        return None if value is None else value.decode()

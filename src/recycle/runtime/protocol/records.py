@@ -1,0 +1,197 @@
+"""The records written to the job store between the processes of a run (worker <-> launcher): frozen dataclasses
+with a JSON round-trip that names each record's kind, so both sides read and write the same typed fields."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from recycle.ir.worker import Worker
+
+if TYPE_CHECKING:  # typeshed's type of a dataclass (what fields() takes); it exists only in the stubs
+    from _typeshed import DataclassInstance
+
+__all__ = ["RecordError", "StepRecord", "ErrorRecord", "FaultRecord", "JoinReady", "Timestamp", "TransferRecord",
+           "MigrationRecord", "StoppedReport", "Announcement", "Joined", "Beat", "to_json", "from_json"]
+
+
+class RecordError(ValueError):
+    """A store record that cannot be read as the record expected (unknown kind, another kind, missing fields):
+    a process of another recycle version, or a key written by something else."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What a worker reports after each step it finished (key metrics/STEP/RANK)."""
+
+    replica: int
+    stage: int
+    generation: int
+    start: float  # wall clock (time.time()) of the iteration's first action
+    end: float
+    cpu_s: float  # process CPU time of the iteration, all threads (gloo's included)
+    loss_sum: float | None  # this worker's scaled micro-batch losses (last stage only)
+    stage_loss: float | None  # the batch's loss over the last stage's replicas (last stage only)
+    grad_norm: float | None  # the global norm when clipping
+    grad_sq: float | None  # this stage's squared gradient norm when not clipping
+    digest: str = ""  # parameter digest (verify_replicas), "" when not asked for
+    timings: tuple[tuple[str, float, float], ...] = ()  # (action, perf_counter start, end) with record_timings
+
+    @property
+    def worker(self) -> str:
+        return str(Worker(self.replica, self.stage))
+
+
+@dataclass(frozen=True)
+class ErrorRecord:
+    """Why a worker process failed (key error/RANK), written just before it exits non-zero."""
+
+    exception: str  # the exception's class name
+    message: str  # the first line of its message
+    comm: bool  # a communication error (a peer died): the worker itself is fine
+    time: float
+    traceback: str
+
+
+@dataclass(frozen=True)
+class FaultRecord:
+    """An injected fault (or a chaos kill) about to happen (key fault/RANK): recoveries are timed from it."""
+
+    time: float
+    where: str
+    mode: str
+
+
+@dataclass(frozen=True)
+class JoinReady:
+    """A replacement worker is up and waits to be admitted (key join/RANK/ready)."""
+
+    time: float
+    pid: int
+
+
+@dataclass(frozen=True)
+class Timestamp:
+    """A moment a worker reached (keys genG/joined/RANK and genG/resumed/RANK)."""
+
+    time: float
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """A joiner's state transfer from a live replica (key genG/transfer/RANK)."""
+
+    bytes: int
+    seconds: float
+    source: str  # "replica:stage" it took the state from
+
+
+@dataclass(frozen=True)
+class MigrationRecord:
+    """What a worker's layer re-partition moved in a generation (key genG/migration/RANK)."""
+
+    layers: tuple[int, int]  # its [first, last) layers afterwards
+    layers_in: int
+    layers_out: int
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class StoppedReport:
+    """What a worker says when it leaves a generation after a failure: how far its weights got, and the work it had
+    done that a roll-back would throw away."""
+
+    rank: int
+    generation: int
+    applied: int  # the last iteration whose optimizer step this worker applied (start_step - 1: none yet)
+    iteration: int  # the iteration it was running
+    current_actions: int  # actions of `iteration` it had finished
+    current_s: float  # their busy time
+    previous_actions: int  # actions of iteration `applied` (lost too if that iteration is rolled back)
+    previous_s: float
+    error: str  # the first line of the error that stopped it
+    time: float  # wall clock
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """The coordinator's word for a new generation: who is in it and from which iteration everyone continues."""
+
+    generation: int
+    live: tuple[int, ...]  # topology ranks
+    redo_step: int  # the first iteration to run (state rolls back to the end of redo_step - 1)
+    end_step: int
+    reason: str
+    joining: tuple[int, ...] = ()  # ranks admitted in this generation (they take their stage's state from a peer)
+    restore_step: int = -1  # >= 0: every worker loads this checkpoint step instead of rolling back
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A worker is in a generation's groups: when, and how long forming them took it ("init": full initialisation
+    of the world and the stage groups on the generation's store)."""
+
+    time: float
+    formation_s: float
+    method: str
+
+
+@dataclass(frozen=True)
+class Beat:
+    """A worker's heartbeat: written by its watcher thread, so it goes on while the main thread is stuck. `actions`
+    counts the actions the main thread has started; `phase` is what it is doing now ("compute": an action's own
+    work, "comm": waiting in a p2p op or collective, "idle": anything else). A worker whose beats go on while
+    `actions` stands still in "compute" is hung (coordinator.hung_workers)."""
+
+    beats: int
+    actions: int
+    phase: str
+    incarnation: str = ""  # a replacement counts its beats from 1 again: (incarnation, beats) tells a new beat
+
+
+_KINDS: dict[str, type[DataclassInstance]] = {
+    "beat": Beat, "joined": Joined, "step": StepRecord, "error": ErrorRecord, "fault": FaultRecord,
+    "join_ready": JoinReady, "timestamp": Timestamp, "transfer": TransferRecord, "migration": MigrationRecord,
+    "stopped": StoppedReport, "announce": Announcement}
+_NAMES = {cls: kind for kind, cls in _KINDS.items()}
+
+R = TypeVar("R")
+
+
+def to_json(record: Any) -> str:
+    """The record as one JSON object with its "kind"; floats keep every bit (JSON writes their repr)."""
+    kind = _NAMES.get(type(record))
+    if kind is None:
+        raise TypeError(f"{type(record).__name__} is not a store record; use one of "
+                        f"{', '.join(c.__name__ for c in _KINDS.values())}")
+    return json.dumps({"kind": kind, **asdict(record)})
+
+
+def _tuples(value: Any) -> Any:
+    """JSON arrays back into the tuples the dataclasses hold."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def from_json(cls: type[R], text: bytes | str) -> R:
+    """Read a record of class `cls` written by to_json; anything else raises RecordError naming what was found.
+    Fields this version does not know are ignored (a newer writer may add some)."""
+    where = f"a {cls.__name__} store record"
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RecordError(f"{where} is not JSON ({exc}); every process of a run must be the same recycle version") \
+            from None
+    kind = data.get("kind") if isinstance(data, dict) else None
+    if not isinstance(kind, str) or kind not in _KINDS:
+        raise RecordError(f"{where} has kind {kind!r}, which is unknown (known: {', '.join(_KINDS)}); every "
+                          "process of a run must be the same recycle version")
+    if _KINDS[kind] is not cls:
+        raise RecordError(f"{where} was expected, but the key holds a {_KINDS[kind].__name__} (kind {kind!r})")
+    names = {f.name for f in fields(_KINDS[kind])}  # cls itself, checked above
+    try:
+        return cls(**{k: _tuples(v) for k, v in data.items() if k in names})
+    except TypeError as exc:
+        raise RecordError(f"{where} lacks a field ({exc}); every process of a run must be the same recycle "
+                          "version") from None

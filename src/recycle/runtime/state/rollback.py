@@ -1,0 +1,38 @@
+"""The pre-step snapshot that makes recovery exact: a stage's state just before its optimizer step, kept until the
+next step, so a stage that already stepped an iteration that must be redone can return to the state every other
+stage still has."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from recycle.runtime.state.stage_state import StageState, copy_state
+
+__all__ = ["StageSnapshot"]
+
+
+class StageSnapshot:
+    """Holds at most one snapshot: the state before the optimizer step of iteration `position.snapshot`.
+
+    Why one is enough: a stage can only step iteration i+1 after the whole pipeline has run iteration i+1's
+    forward, so at any failure every surviving stage has applied either iteration r-1 or r, never r+1; the oldest
+    unapplied iteration r is redone by all, and only the stages that applied r need their snapshot of it.
+    """
+
+    def __init__(self, state: StageState) -> None:
+        self.state = state
+        self._saved: dict[str, Any] | None = None  # its tensors are reused by the next take
+
+    def take(self, iteration: int) -> None:
+        self._saved = copy_state(self.state.state_dict(), self._saved)
+        self.state.position.snapshot = iteration
+
+    def restore(self, iteration: int) -> None:
+        """Put back the state from before the step of `iteration` (which must be the one snapshotted)."""
+        saved = self._saved
+        held = self.state.position.snapshot if saved is not None else None
+        if saved is None or held != iteration:
+            raise RuntimeError(f"roll-back to before the step of iteration {iteration} needs that snapshot, but the "
+                               f"one held is of iteration {held}")
+        # A copy: the optimizer adopts the tensors it loads, and the saved ones are overwritten by the next take.
+        self.state.load_state_dict(copy_state(saved))

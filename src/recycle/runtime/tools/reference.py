@@ -1,0 +1,61 @@
+"""Single-process reference training: the whole model, the same D*M micro-batches per step, loss scaled 1/(D*M)
+and summed, optional global-norm clipping, the configured optimizer, LR schedule and precision (bf16 autocast).
+Pipeline runs must end with the same parameters."""
+
+from __future__ import annotations
+
+import torch
+
+from recycle.config import Config
+from recycle.errors import ConfigError
+from recycle.models.gpt import full_model
+from recycle.runtime.state.optim import make_optimizer
+from recycle.runtime.state.precision import autocast, weights_dtype
+from recycle.runtime.worker.data import data_source
+
+__all__ = ["reference_train"]
+
+
+def reference_train(config: Config, steps: int | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """(final state dict, loss per step) of `steps` steps (default: [training] steps) on one process."""
+    if config.model.dropout > 0:
+        raise ConfigError("the reference needs [model] dropout = 0: the pipeline seeds dropout per stage, which a "
+                          "whole-model forward cannot reproduce")
+    training, workload = config.training, config.workload
+    steps = training.steps if steps is None else steps
+    if config.model.hf_config:
+        # The same Hugging Face model the stages are cut from, whole: logits, then the runtime's loss_fn.
+        from recycle.models.hf import build_hf_model
+        from recycle.models.split import causal_lm_loss
+        from recycle.runtime.worker.stage import hf_path
+
+        whole = build_hf_model(hf_path(config), workload.seq_len, training.seed, weights_dtype(training.dtype))
+        drops = {k: getattr(whole.model.config, k, 0.0) for k in ("embd_pdrop", "resid_pdrop", "attn_pdrop")}
+        if any(drops.values()):
+            raise ConfigError(f"the reference needs no dropout, but {config.model.hf_config!r} has {drops}; set them "
+                              "to 0.0 in the Hugging Face config")
+
+        def model(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return causal_lm_loss(whole(tokens), targets)
+        module: torch.nn.Module = whole
+    else:
+        module = model = full_model(config.model, workload.seq_len, training.seed,
+                                    weights_dtype(training.dtype))
+    optimizer = make_optimizer(module, training)
+    load = data_source(config)
+    total = config.num_replicas * config.num_microbatches
+    losses = []
+    for step in range(steps):
+        step_loss = 0.0
+        for mb in range(total):
+            tokens, targets = load(step, mb)
+            with autocast(training.dtype):
+                loss = model(tokens, targets) * (1.0 / total)
+            loss.backward()
+            step_loss += float(loss.detach())
+        if training.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), training.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}, losses

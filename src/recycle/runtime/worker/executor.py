@@ -1,0 +1,384 @@
+"""The worker executor: runs one worker's action list of a plan, one method per action kind, for one iteration."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from recycle.ir import Action, Kind, Plan
+from recycle.ir.worker import Worker
+from recycle.runtime.protocol.messages import Channel, Message, incoming, outgoing, send_order
+from recycle.runtime.state.optim import StageOptimizer, allreduce_grads
+from recycle.runtime.state.precision import autocast
+from recycle.runtime.state.rollback import StageSnapshot
+from recycle.runtime.state.stage_state import IterationPosition, StageState
+
+__all__ = ["StageExecutor", "IterationProgress", "IterationResult", "Comm", "Pacing", "ActionTiming", "dropout_seed"]
+
+
+class Comm(Protocol):
+    """What the executor needs from a transport (see runtime.transport.Transport)."""
+
+    def send(self, message: Message, tensor: torch.Tensor) -> None: ...
+    def recv(self, message: Message, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+    def flush(self) -> None: ...
+    def stage_allreduce_sum(self, stage: int, tensor: torch.Tensor) -> None: ...
+    def world_allreduce_sum(self, tensor: torch.Tensor) -> None: ...
+    def barrier(self) -> None: ...
+
+
+class Pacing(Protocol):
+    """A hook around every action (runtime.emulate.CostPacer pads each to an emulated cost): the executor talks
+    through the transport `wrap` returns, tells it each new plan, and lets it run each action."""
+
+    def wrap(self, comm: Comm) -> Comm: ...
+    def set_plan(self, plan: Plan) -> None: ...
+    def run(self, action: Action, work: Callable[[Action], None]) -> None: ...
+
+
+@dataclass
+class IterationProgress:
+    """Where a worker is: the iteration and the index of the next action in its list. Kept explicit so that a
+    coordinator can abort an iteration after a failure and resume from a known point."""
+
+    iteration: int = 0
+    index: int = 0
+    finished: bool = False
+    busy_s: float = 0.0  # time spent in this iteration's finished actions
+
+
+@dataclass(frozen=True)
+class ActionTiming:
+    action: str
+    start: float  # time.perf_counter() seconds
+    end: float
+
+
+@dataclass
+class IterationResult:
+    iteration: int
+    start: float  # wall clock (time.time())
+    end: float
+    loss_sum: float | None  # sum of this worker's scaled micro-batch losses (last stage only)
+    grad_norm: float | None  # global gradient norm before clipping (only computed when clipping)
+    timings: list[ActionTiming] = field(default_factory=list)
+    stage_loss: float | None = None  # the whole batch's loss, summed over the last stage's replicas in its OPT
+    grad_sq: float | None = None  # this stage's squared gradient norm after its all-reduce (when not clipping)
+
+
+def dropout_seed(seed: int, iteration: int, mb: int, stage: int) -> int:
+    """The RNG seed for a forward: a function of (iteration, mb, stage) only, so a re-routed micro-batch draws the
+    same dropout masks whichever replica runs it."""
+    return (seed * 1_000_003 + iteration * 7_919 + mb * 104_729 + stage * 15_485_863) % (2 ** 63 - 1)
+
+
+@dataclass
+class _Stash:
+    """What a micro-batch keeps on its host between F and W."""
+
+    inp: torch.Tensor | None  # the stage input (requires grad), None on stage 0 (token ids)
+    out: torch.Tensor  # the stage output (the scaled loss on the last stage)
+    grad_out: torch.Tensor | None = None  # the output-gradient, kept from B for W (None on the last stage)
+
+
+class StageExecutor:
+    """Executes `plan.actions[rank]` for one worker each iteration.
+
+    Message order: a worker takes messages from each peer in the order that peer sends them (derived from the
+    peer's action list); a message that arrives before it is needed is parked. On gloo every message also carries
+    a (channel, micro-batch) tag.
+    """
+
+    def __init__(self, plan: Plan, rank: int, module: nn.Module, optimizer: StageOptimizer, comm: Comm | None,
+                 load_microbatch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+                 input_shape: tuple[int, ...] | None, output_shape: tuple[int, ...] | None, dtype: torch.dtype,
+                 grad_clip: float = 0.0, seed: int = 0,
+                 device: torch.device | None = None, record_timings: bool = False,
+                 before_action: Callable[[Action], None] | None = None,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 precision: str = "", pacing: Pacing | None = None,
+                 position: IterationPosition | None = None) -> None:
+        self.rank = rank
+        self.module = module
+        self.loss_fn = loss_fn  # last stage: loss_fn(module(x), targets); None: module(x, targets) is the loss
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer = optimizer
+        self._comm: Comm | None = None  # None between generations (built before the next one formed)
+        self.load_microbatch = load_microbatch
+        # Received activations have the previous stage's output shape; received gradients our own output's.
+        self.receive_shapes = {Channel.ACTIVATION: input_shape, Channel.GRADIENT: output_shape}
+        self.dtype = dtype  # of the weights and of every tensor sent between stages
+        self.precision = precision  # [training] dtype: "bfloat16" runs the forward under bf16 autocast
+        self.grad_clip = grad_clip
+        self.seed = seed
+        self.device = device or torch.device("cpu")
+        self.record_timings = record_timings
+        self.progress = IterationProgress()
+        # The last iteration whose optimizer step this worker applied (the worker's, kept across executors), and how
+        # much work that iteration took (a recovery that rolls it back reports it as redone).
+        self.position = position if position is not None else IterationPosition()
+        self.completed = IterationProgress(finished=True)
+        self.snapshot = StageSnapshot(StageState(module, optimizer, plan.worker(rank)[1], self.position))
+        self.before_action = before_action  # e.g. the check that the generation was aborted
+        self.pacing = pacing  # runs each action (after before_action) and wraps every transport set_plan is given
+        self._stage_loss: float | None = None
+        self._next_from: dict[int, int] = defaultdict(int)
+        self._parked: dict[Message, torch.Tensor] = {}
+        self._stash: dict[int, _Stash] = {}
+        self._loss_sum = 0.0
+        self._grad_norm: float | None = None
+        self._grad_sq: float | None = None
+        self.set_plan(plan, comm)
+
+    def set_plan(self, plan: Plan, comm: Comm | None = None) -> None:
+        """Run `plan` (and talk over `comm`) from the next iteration on: the switch a coordinator makes after a
+        failure. The worker keeps its rank, weights and optimizer state; the plan must keep it live."""
+        replica, stage = plan.worker(self.rank)
+        if (replica, stage) in plan.failed:
+            raise ValueError(f"worker {Worker(replica, stage)} is failed in the new plan; a failed worker cannot run it")
+        self.plan = plan
+        if comm is not None:
+            self._comm = self.pacing.wrap(comm) if self.pacing is not None else comm
+        if self.pacing is not None:
+            self.pacing.set_plan(plan)
+        self.replica, self.stage = replica, stage
+        self.scale = 1.0 / plan.total_microbatches
+        self.is_first = stage == 0
+        self.is_last = stage == plan.num_stages - 1
+        self.actions = plan.actions[self.rank]
+        # Expected arrival order from each peer (its send order), for the in-order receive.
+        self._expected: dict[int, list[Message]] = {}
+        for action in self.actions:
+            message = incoming(plan, self.rank, action)
+            if message is not None and message.src not in self._expected:
+                self._expected[message.src] = send_order(plan, message.src, self.rank)
+
+    def drop_comm(self) -> None:
+        """Let go of a broken generation's transport (set_plan gives the next one)."""
+        self._comm = None
+
+    @property
+    def comm(self) -> Comm:
+        """This generation's transport (paced when costs are emulated)."""
+        if self._comm is None:
+            raise RuntimeError(f"worker {self.replica}:{self.stage} has no transport: it is between generations")
+        return self._comm
+
+    def abort_iteration(self) -> None:
+        """Forget the current iteration's partial work (stashed graphs, parked messages, accumulated gradients) so
+        the iteration can be re-run from its first action, e.g. under a new plan after a peer failed. Only valid
+        before this worker's OPT of the iteration ran: after it, the weights already moved on."""
+        self._stash.clear()
+        self._parked.clear()
+        self._next_from.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.progress = IterationProgress(self.progress.iteration, 0)
+
+    # -- one iteration --------------------------------------------------------------------------------------------
+    def run_iteration(self, iteration: int) -> IterationResult:
+        self.progress = IterationProgress(iteration, 0)
+        self._loss_sum = 0.0
+        self._grad_norm = None
+        self._grad_sq = None
+        self._stage_loss = None
+        self._next_from.clear()
+        timings: list[ActionTiming] = []
+        start = time.time()
+        for index, action in enumerate(self.actions):
+            self.progress.index = index
+            if self.before_action is not None:
+                self.before_action(action)
+            t0 = time.perf_counter()
+            if self.pacing is None:
+                self.run_action(action)
+            else:
+                self.pacing.run(action, self.run_action)
+            t1 = time.perf_counter()
+            self.progress.busy_s += t1 - t0
+            if self.record_timings:
+                timings.append(ActionTiming(str(action), t0, t1))
+        self.comm.flush()
+        self.progress.index = len(self.actions)
+        self.progress.finished = True
+        self.completed = self.progress
+        if self._stash or self._parked:
+            raise RuntimeError(f"worker {self.replica}:{self.stage} ended iteration {iteration} with unfinished "
+                               f"micro-batches {sorted(self._stash)} or unread messages; the plan is inconsistent")
+        return IterationResult(iteration, start, time.time(), self._loss_sum if self.is_last else None,
+                               self._grad_norm, timings=timings, stage_loss=self._stage_loss,
+                               grad_sq=self._grad_sq)
+
+    def run_action(self, action: Action) -> None:
+        handler = {Kind.F: self.forward, Kind.B: self.backward_input, Kind.W: self.backward_weight,
+                   Kind.BW: self.backward_fused, Kind.OPT: self.optimizer_step}[action.kind]
+        handler(action)
+
+    # -- compute, one method per kind (easy to time or pad) -------------------------------------------------------
+    def forward(self, action: Action) -> None:
+        mb = action.mb
+        tokens, targets = self.load_microbatch(self.progress.iteration, mb) if (self.is_first or self.is_last) \
+            else (None, None)
+        if self.is_first:
+            assert tokens is not None
+            inp = None
+            x = tokens.to(self.device)
+        else:
+            inp = self._receive(self._incoming(action)).requires_grad_()
+            x = inp
+        self._seed_dropout(dropout_seed(self.seed, self.progress.iteration, mb, self.stage))
+        with autocast(self.precision, self.device):
+            if self.is_last:
+                assert targets is not None
+                targets = targets.to(self.device)
+                loss = self.loss_fn(self.module(x), targets) if self.loss_fn else self.module(x, targets)
+                out = loss * self.scale
+            else:
+                out = self.module(x)
+        if self.is_last:
+            self._loss_sum += float(out.detach())
+        else:
+            if out.dtype != self.dtype:  # a stage whose output autocast left in bf16: the boundary is float32
+                out = out.to(self.dtype)
+            self.comm.send(self._outgoing(action), out)
+        self._stash[mb] = _Stash(inp, out)
+
+    def backward_input(self, action: Action) -> None:
+        """B: the input-gradient only (sent upstream at once); the graph is kept for W."""
+        stash = self._stash[action.mb]
+        stash.grad_out = self._output_grad(action)
+        if self.is_first:
+            return  # token ids have no gradient: stage 0's B only takes delivery of the output-gradient
+        assert stash.inp is not None  # every stage but the first receives its input
+        (grad_in,) = torch.autograd.grad(stash.out, [stash.inp], stash.grad_out, retain_graph=True)
+        self.comm.send(self._outgoing(action), grad_in)
+
+    def backward_weight(self, action: Action) -> None:
+        """W: the weight-gradient, accumulated into .grad; frees the micro-batch's graph."""
+        stash = self._stash.pop(action.mb)
+        self._backward_into_grad(stash.out, stash.grad_out, self.params)
+
+    def backward_fused(self, action: Action) -> None:
+        """BW: input- and weight-gradient in one backward pass."""
+        stash = self._stash.pop(action.mb)
+        grad_out = self._output_grad(action)
+        if self.is_first:
+            self._backward_into_grad(stash.out, grad_out, self.params)
+            return
+        assert stash.inp is not None  # every stage but the first receives its input
+        self._backward_into_grad(stash.out, grad_out, [stash.inp, *self.params])
+        # stash.inp is this micro-batch's own leaf (a fresh receive buffer): its .grad is exactly the input-gradient.
+        assert stash.inp.grad is not None
+        self.comm.send(self._outgoing(action), stash.inp.grad)
+
+    def optimizer_step(self, action: Action) -> None:
+        """OPT: SUM all-reduce of the stage's gradients over its live replicas, optional clipping, AdamW step."""
+        if not self.plan.staggered:
+            self.comm.barrier()  # coupled: no stage steps before every worker has finished its backward work
+        # The last stage's losses ride along in the same all-reduce, so every replica knows the batch's loss.
+        loss = torch.tensor([self._loss_sum], dtype=self.params[0].dtype, device=self.device) if self.is_last \
+            else None
+        allreduce_grads(self.params, lambda flat: self.comm.stage_allreduce_sum(self.stage, flat), extra=loss)
+        if loss is not None:
+            self._stage_loss = float(loss[0])
+        if self.grad_clip > 0:
+            self._clip_global_norm()
+        else:
+            # For the grad-norm metric: the launcher sums the stages' squares, so no cross-stage collective is needed.
+            self._grad_sq = sum(float(p.grad.detach().double().pow(2).sum()) for p in self.params
+                                if p.grad is not None)
+        self.snapshot.take(self.progress.iteration)
+        self.optimizer.step()
+        self.position.applied = self.progress.iteration
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def roll_back(self, redo_iteration: int) -> bool:
+        """Return to the state before the optimizer step of `redo_iteration` if this worker already applied it;
+        forget any partial iteration. Returns whether weights were rolled back."""
+        self.abort_iteration()
+        if self.position.applied >= redo_iteration:
+            self.snapshot.restore(redo_iteration)  # the position then holds redo_iteration - 1
+            return True
+        return False
+
+    # -- helpers --------------------------------------------------------------------------------------------------
+    def _clip_global_norm(self) -> None:
+        """Exact global-norm clipping: every stage's squared norm is summed over all stages before any step.
+
+        This is a world all-reduce, so with clipping even the staggered optimizer waits for the slowest stage's
+        reduce (a cross-stage sync point per iteration); without clipping no such point exists.
+        """
+        squares = torch.zeros(self.plan.num_stages, dtype=torch.float64, device=self.device)
+        # Only the lowest live replica of each stage contributes, so the world sum counts each stage once.
+        if self.replica == self.plan.live_replicas(self.stage)[0]:
+            squares[self.stage] = sum(float(p.grad.detach().double().pow(2).sum()) for p in self.params
+                                      if p.grad is not None)
+        self.comm.world_allreduce_sum(squares)
+        total = float(squares.sum()) ** 0.5
+        self._grad_norm = total
+        coefficient = self.grad_clip / (total + 1e-6)  # the same formula as torch.nn.utils.clip_grad_norm_
+        if coefficient < 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coefficient)
+
+    def _output_grad(self, action: Action) -> torch.Tensor | None:
+        if self.is_last:
+            return None  # the scaled loss is a scalar: autograd seeds it with 1
+        return self._receive(self._incoming(action))
+
+    def _incoming(self, action: Action) -> Message:
+        message = incoming(self.plan, self.rank, action)
+        if message is None:
+            raise RuntimeError(f"worker {self.replica}:{self.stage}: {action} receives nothing in its plan")
+        return message
+
+    def _outgoing(self, action: Action) -> Message:
+        message = outgoing(self.plan, self.rank, action)
+        if message is None:
+            raise RuntimeError(f"worker {self.replica}:{self.stage}: {action} sends nothing in its plan")
+        return message
+
+    def _receive(self, wanted: Message) -> torch.Tensor:
+        """Take messages from `wanted.src` in its send order until `wanted` arrives; park the earlier ones."""
+        if wanted in self._parked:
+            return self._parked.pop(wanted)
+        order = self._expected[wanted.src]
+        while True:
+            position = self._next_from[wanted.src]
+            if position >= len(order):
+                raise RuntimeError(f"worker {self.replica}:{self.stage} expected {wanted} but its sender has no "
+                                   "such message in its plan")
+            message = order[position]
+            self._next_from[wanted.src] = position + 1
+            shape = self.receive_shapes[message.channel]
+            if shape is None:
+                raise RuntimeError(f"worker {self.replica}:{self.stage} has no {message.channel.name} shape to "
+                                   f"receive {message}")
+            tensor = self.comm.recv(message, shape, self.dtype)
+            if message == wanted:
+                return tensor
+            self._parked[message] = tensor
+
+    def _seed_dropout(self, seed: int) -> None:
+        """Seed the generators this stage's dropout draws from: the CPU one, and the device's on CUDA.
+
+        Not torch.manual_seed: on a process whose CUDA (or XPU/MTIA) is not initialised that queues a lazy seeding
+        call per backend and captures a formatted stack trace for each (traceback + linecache stat()s, ~0.1 ms per
+        forward: measurably more CPU per step than the compute it seeds). The generators used are seeded the same.
+        """
+        torch.default_generator.manual_seed(seed)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)  # the current device (worker_main sets it); CUDA is initialised there
+
+    @staticmethod
+    def _backward_into_grad(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: Sequence[torch.Tensor]) -> None:
+        """Accumulate d(out)/d(inputs) into the inputs' .grad, as loss.backward() would: autograd's AccumulateGrad
+        adopts the first micro-batch's gradient and adds the later ones in place, in C++ (the same sums, in the same
+        micro-batch order, as a Python clone-then-add_ loop over autograd.grad's results, without the copies and
+        the per-parameter Python calls). Frees the graph. Inputs the graph does not reach keep their .grad."""
+        torch.autograd.backward(out, grad_out, inputs=inputs)

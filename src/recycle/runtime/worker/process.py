@@ -1,0 +1,681 @@
+"""The worker process: joins the job's store, builds its stage, runs the plan step by step, and when a peer fails
+leaves the broken generation, reports, and continues in the next one on the coordinator's new plan."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from typing import Any, Callable, cast
+
+import torch
+import torch.distributed as dist
+
+from recycle.config import Config
+from recycle.errors import ConfigError, RecycleError
+from recycle.ir import Action, Plan
+from recycle.models.gpt import GPTStage
+from recycle.runtime.options import (Backend, CheckpointOptions, ClusterOptions, DebugOptions, OutputOptions,
+                                     RecoveryOptions)
+from recycle.runtime.protocol.channels import Channels, Flags, JobStore, Keys, connect_store, worker_identity
+from recycle.runtime.protocol.records import (Announcement, Beat, ErrorRecord, FaultRecord, Joined, JoinReady,
+                                              MigrationRecord, StepRecord, StoppedReport, Timestamp, TransferRecord)
+from recycle.runtime.protocol.store import StoreClient, StoreFenced
+from recycle.runtime.state import checkpoint
+from recycle.runtime.state.checkpoint_writer import CheckpointWriter
+from recycle.runtime.state.migration import (exchange_layers, layer_moves, layer_scaled_config, plan_bounds,
+                                             rebuild_stage)
+from recycle.runtime.state.optim import make_optimizer
+from recycle.runtime.state.precision import weights_dtype
+from recycle.runtime.state.stage_state import IterationPosition, StageState
+from recycle.runtime.state.state_transfer import transfer_stage_state
+from recycle.runtime.tools.faults import FaultInjection, fire
+from recycle.runtime.worker.data import data_source
+from recycle.runtime.worker.emulate import cost_pacer
+from recycle.runtime.worker.executor import StageExecutor
+from recycle.runtime.worker.nccl_env import prepare_nccl
+from recycle.runtime.worker.stage import build_stage
+from recycle.runtime.worker.transport import Activity, GenerationCut, Transport, is_comm_error
+
+__all__ = ["WorkerSpec", "WorkerHooks", "FaultInjection", "GenerationAborted", "worker_main", "run_worker",
+           "make_optimizer", "parameter_digest", "EXIT_FENCED"]
+
+EXIT_FENCED = 4  # the coordinator left this worker out of the new generation (or fenced it while it was frozen)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    rank: int  # topology rank = replica * S + stage
+    config: Config
+    plan_json: str
+    cluster: ClusterOptions  # as resolved by the launcher: the store's real port, the job secret, the backend
+    start_step: int
+    end_step: int  # exclusive
+    model_factory: str = ""  # "package.module:function" (runtime.stage); "" = the built-in GPT
+    outputs: OutputOptions = OutputOptions()
+    checkpoint: CheckpointOptions = CheckpointOptions()  # its resume_dir holds the run's start_step state
+    recovery: RecoveryOptions = RecoveryOptions()
+    debug: DebugOptions = DebugOptions()
+    faults: tuple[FaultInjection, ...] = ()  # this worker's scripted faults
+    device_index: int = 0
+    joining: bool = False  # a replacement: waits to be admitted, then takes its stage's state from a peer
+    incarnation: str = ""  # this process among every one that runs as `rank` (the store fences by it)
+    joiner_dies_at: str = ""  # tests only: RECYCLE_TEST_JOINER_DIES as the launcher saw it (see _joiner_dies_here)
+
+    @property
+    def backend(self) -> Backend:
+        assert self.cluster.backend is not None, "the launcher resolves the backend"
+        return self.cluster.backend
+
+
+class GenerationAborted(Exception):
+    """The coordinator ended the current generation (a peer failed); stop at this action and report."""
+
+
+def parameter_digest(module: torch.nn.Module) -> str:
+    """SHA-256 of the parameters' bytes: equal digests mean bit-identical replicas."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _watch_launcher(launcher_alive: Connection) -> None:
+    """Exit as soon as the launcher disappears, so no worker outlives its job. The thread sleeps in a blocking read
+    of a pipe whose only writer is the launcher: no polling, and EOF arrives the moment the launcher dies."""
+    try:
+        launcher_alive.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    os._exit(3)
+
+
+def _store_peers(host: str, port: int) -> set[tuple[str, int]]:
+    """The addresses the job store answers on: a generation's abort never cuts these connections."""
+    try:
+        return {(str(info[4][0]), port) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+    except OSError:
+        return {(host, port)}
+
+
+def _connect(spec: WorkerSpec) -> StoreClient:
+    """One connection of this worker to the job store; once the coordinator has fenced this process, its first
+    request ends it with one line (it must not write anything the job reads, nor carry on with stale state)."""
+    replica_stage = "%d:%d" % divmod(spec.rank, spec.config.num_stages)
+
+    def fenced() -> None:
+        sys.stderr.write(f"recycle: worker {replica_stage} (rank {spec.rank}, pid {os.getpid()}) was fenced: the "
+                         "coordinator declared it dead while it did not respond and went on without it; it exits "
+                         "without touching the job\n")
+        sys.stderr.flush()
+        os._exit(EXIT_FENCED)
+
+    cluster = spec.cluster
+    return connect_store(cluster.master_addr, cluster.master_port, cluster.token,
+                         worker_identity(spec.rank, spec.incarnation), max(spec.recovery.timeout_s, 30.0),
+                         on_fenced=fenced)
+
+
+@dataclass(frozen=True)
+class WorkerHooks:
+    """What a worker reaches outside its own code through: each store connection (a fenced one ends the process),
+    each generation's transport (runtime.transport.Transport's signature), a scripted fault carried out. A worker
+    process takes these; the thread-cluster tests (tests/threads) run the same worker code as threads with their
+    own (in-memory transport, a thread's death for a process's)."""
+
+    connect: Callable[[WorkerSpec], Any] = _connect
+    transport: Callable[..., Any] = Transport
+    fire: Callable[[FaultInjection, str], None] = fire
+
+
+class _Watcher(threading.Thread):
+    """The worker's second thread, on a store connection of its own: beats every `interval_s` with how far the main
+    thread has got (records.Beat), and waits in the store for the abort or drain of the current generation. On an
+    abort it cuts the generation's communicators itself (`on_abort`), so a main thread blocked on a frozen or
+    silent peer raises at once; nothing here waits on any peer. A frozen process stops beating: that is how the
+    coordinator tells a frozen worker from a slow one; a stuck main thread stops advancing `actions`."""
+
+    def __init__(self, spec: WorkerSpec, activity: Activity, on_abort: Any,
+                 connect: Callable[[WorkerSpec], Any]) -> None:
+        super().__init__(daemon=True, name="recycle-watcher")
+        self.store = connect(spec)
+        self.jobs = JobStore(self.store)
+        self.rank = spec.rank
+        self.incarnation = spec.incarnation
+        self.interval_s = spec.recovery.heartbeat_s
+        self.activity = activity
+        self.on_abort = on_abort
+        self.generation = 0
+        self.aborted = -1  # the newest generation seen aborted
+        self.drain: tuple[int, int] | None = None  # (generation, step): stop before that step (a joiner waits)
+        self.beats = 0
+
+    def _watched(self) -> list[tuple[str, str, int]]:
+        """(key, what, generation) for the current generation and the next (the main thread may move on while this
+        thread waits), minus what was already seen."""
+        watched = []
+        for generation in (self.generation, self.generation + 1):
+            if self.aborted < generation:
+                watched.append((Keys.abort(generation), "abort", generation))
+            if self.drain is None or self.drain[0] < generation:
+                watched.append((Keys.drain(generation), "drain", generation))
+        return watched
+
+    def run(self) -> None:
+        next_beat = 0.0
+        while True:
+            try:
+                now = time.monotonic()
+                if now >= next_beat:
+                    self.beats += 1
+                    self.jobs.put(Channels.HEARTBEAT, Beat(self.beats, self.activity.actions, self.activity.phase,
+                                                           self.incarnation), self.rank)
+                    next_beat = now + self.interval_s
+                watched = self._watched()
+                hit = self.store.wait_any([key for key, _, _ in watched], max(0.0, next_beat - time.monotonic()))
+                if hit is None:
+                    continue
+                key, what, generation = watched[hit]
+                if what == "abort":
+                    self.aborted = max(self.aborted, generation)
+                    self.on_abort(generation)
+                else:
+                    self.drain = (generation, int(self.store.get(key)))
+            except StoreFenced:
+                return  # the callback has ended the process
+            except Exception:
+                time.sleep(self.interval_s)  # the store is the one component that cannot fail; keep trying
+
+
+def _thread_lock_for_progress_bars() -> None:
+    """torch.fx's Interpreter (which runs a torch.export/pipelining stage) opens a tqdm bar, whose class lock is a
+    multiprocessing RLock, i.e. a named semaphore. A worker leaves by os._exit, so the resource tracker would find it
+    and warn at shutdown ("leaked semaphore objects"). One process needs only a thread lock."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
+def worker_main(spec: WorkerSpec, launcher_alive: Connection | None = None) -> None:
+    """Process entry point; exits non-zero after writing an error record to the store if anything fails."""
+    torch.set_num_threads(1)
+    _thread_lock_for_progress_bars()
+    if spec.backend == "gloo" and spec.cluster.master_addr in ("127.0.0.1", "localhost", "::1"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # single machine: keep gloo on loopback
+    if launcher_alive is not None:
+        threading.Thread(target=_watch_launcher, args=(launcher_alive,), daemon=True).start()
+    # Skip interpreter teardown: of gloo's threads (seconds) after a clean end, everything flushed and closed; of a
+    # broken process group after a failure, which can hang in its destructor.
+    os._exit(run_worker(spec, _connect(spec)))
+
+
+def run_worker(spec: WorkerSpec, store: StoreClient, hooks: WorkerHooks = WorkerHooks()) -> int:
+    """The worker's life on `store`; returns its exit code (0, EXIT_FENCED, or 1 after writing an error record to
+    the store)."""
+    try:
+        if spec.backend == "nccl":
+            # Before any communicator: errors reported, never an abort().
+            prepare_nccl(os.environ, spec.recovery.timeout_s)
+        _Worker(spec, store, hooks).run()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return 0
+    except _Fenced:
+        return EXIT_FENCED
+    except BaseException as exc:  # report every failure, including a KeyboardInterrupt/SystemExit, then exit 1
+        record = ErrorRecord(type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", is_comm_error(exc),
+                             time.time(), traceback.format_exc())
+        try:
+            JobStore(store).put(Channels.ERROR, record, spec.rank)
+        except Exception:
+            pass
+        if not record.comm and not isinstance(exc, RecycleError):  # a RecycleError's one line says it all
+            traceback.print_exc()
+        sys.stderr.flush()
+        return 1
+
+
+def _joiner_dies_here(hook: str, point: str) -> None:
+    """Tests only (the launcher's RECYCLE_TEST_JOINER_DIES=POINT:MARKER_FILE, passed in the spec so that a forkserver
+    started earlier does not hide it): a replacement SIGKILLs itself at this point of its admission, once per marker
+    file (the next replacement gets in)."""
+    where, _, marker = hook.partition(":")
+    if where == point and marker:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class AdmissionCut(GenerationCut):
+    """A replacement's generation broke before its stage's state arrived: it exits (a communication failure, so
+    the coordinator counts it as a dead replacement and it can be started again)."""
+
+
+class _Fenced(Exception):
+    """This worker is not in the new generation."""
+
+
+def _recoverable(exc: BaseException) -> bool:
+    return isinstance(exc, GenerationAborted) or is_comm_error(exc)
+
+
+class _Worker:
+    """One worker's life: generations of (join, run steps) separated by recoveries."""
+
+    def __init__(self, spec: WorkerSpec, store: dist.Store, hooks: WorkerHooks) -> None:
+        self.spec = spec
+        self.hooks = hooks
+        self.store = store
+        self.jobs = JobStore(store)
+        self.config = config = spec.config
+        self.plan = Plan.from_json(spec.plan_json)
+        self.replica, self.stage = self.plan.worker(spec.rank)
+        self.generation = 0
+        training, workload = config.training, config.workload
+        self.device = torch.device(f"cuda:{spec.device_index}") if spec.backend == "nccl" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        # Every stage's [first, last) layers under the current plan (None: a factory or HF model, split fixed).
+        fixed_split = bool(spec.model_factory or config.model.hf_config)  # a factory's or HF model's split is fixed
+        self.bounds = None if fixed_split else plan_bounds(config, self.plan.partition)
+        if fixed_split and self.plan.partition:
+            raise ConfigError(f"the plan re-partitions layers ({list(self.plan.partition)} per stage), which only the "
+                              "built-in GPT supports; run a plan without a partition with --model-factory / --hf")
+        built = build_stage(config, self.stage, spec.model_factory, self.bounds)
+        self.built = built
+        self.layers = built.layout
+        # A factory's or Hugging Face model's stages are checkpointed under per-stage key prefixes (their names need
+        # not be the whole model's); the built-in GPT's under the whole model's names (checkpoint.key_prefix).
+        self._key_prefix = checkpoint.key_prefix(self.stage, spec.model_factory or config.model.hf_config)
+        # Where the stage's state stands (the executors step it; recoveries roll it back, restore or receive it).
+        self.position = IterationPosition(spec.start_step - 1)
+        self.state = self._stage_state(built.module.to(self.device))
+        if spec.checkpoint.resume_dir and not spec.joining:  # a replacement takes its state from the job instead
+            checkpoint.load_stage(spec.checkpoint.resume_dir, spec.start_step, self.state)
+        # Only the first stage (inputs) and the last (targets) load micro-batches; the others never open the data.
+        self.data = data_source(config) if self.stage in (0, config.num_stages - 1) else None
+        self.activity = Activity()
+        self.heartbeat = _Watcher(spec, self.activity, self._abort_generation, hooks.connect)
+        self._transport_lock = threading.Lock()
+        self._store_peers = _store_peers(spec.cluster.master_addr, spec.cluster.master_port)
+        self.transport: Transport | None = None
+        self.executor: StageExecutor | None = None
+        self.announcement: Announcement | None = None  # of the current generation (None: generation 0)
+        self.writer = CheckpointWriter(spec.checkpoint.dir, hooks.connect(spec)) if spec.checkpoint.enabled else None
+        self._fired: set[FaultInjection] = set()
+        self._resumed_pending = False
+        # A replacement holds its stage's state only once it has arrived (from a replica, or the checkpoint); until
+        # then it must never report itself as a survivor of a generation, or its unset weights would be trained on.
+        self._holds_state = not spec.joining
+
+    # -- the life of a worker ------------------------------------------------------------------------------------
+    def run(self) -> None:
+        spec = self.spec
+        self.heartbeat.start()
+        step = self._admit() if spec.joining else spec.start_step
+        while True:
+            try:
+                if step >= spec.end_step and self.generation > 0:
+                    # A failure in the final barrier: every step is applied everywhere; nothing left to run together.
+                    self._save_final()
+                    return
+                self._join()
+                while step < spec.end_step:
+                    self._run_step(step)
+                    step += 1
+                self._finish()
+                return
+            except Exception as exc:
+                if not _recoverable(exc):
+                    raise
+                error = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+            # Outside the except block: the traceback (which holds the failed op and so the broken group's
+            # sockets) is gone before the groups are torn down, so peers still blocked on us see the close at once.
+            if not self._holds_state:
+                raise AdmissionCut(f"this replacement's admission was cut short ({error}) before its stage's state "
+                                   "arrived; it leaves, to be started again")
+            step = self._recover(step, error)
+
+    def _join(self) -> None:
+        """Form this generation's process groups and take its plan."""
+        generation = self.generation
+        self.heartbeat.generation = generation
+        if self.jobs.is_set(Flags.ABORT, generation):
+            raise GenerationAborted(f"generation {generation} was aborted before it formed")
+        stage_ranks = {s: [self.plan.rank(p, s) for p in self.plan.live_replicas(s)]
+                       for s in range(self.plan.num_stages)}
+        transport = self.hooks.transport(self.store, generation, self.spec.rank, self.plan.live_ranks(), stage_ranks,
+                                         self.spec.recovery.timeout_s, self.spec.backend, self.device, self.activity,
+                                         self._store_peers)
+        with self._transport_lock:
+            self.transport = transport
+        if self.heartbeat.aborted >= generation:
+            transport.abort()  # the watcher saw the abort before this transport existed
+        transport.form()
+        if self.spec.joining and self.announcement is not None and self.spec.rank in self.announcement.joining:
+            _joiner_dies_here(self.spec.joiner_dies_at, "formed")
+        self.jobs.put(Channels.JOINED, Joined(time.time(), transport.formation_s, "init"), generation, self.spec.rank)
+        if self.executor is None:
+            self.executor = self._make_executor()
+            if self.announcement is not None:  # a replacement: its weights are the state after redo_step - 1
+                self.position.restart(self.announcement.redo_step)
+        else:
+            self.executor.set_plan(self.plan, transport)
+        self._migrate_layers()
+        self._transfer_state()
+        self._resumed_pending = generation > 0
+
+    def _admit(self) -> int:
+        """A replacement worker: say it is ready, wait to be admitted into a generation, take that generation's plan
+        (and its checkpoint, when the run restores one); the stage's live state arrives after the groups form."""
+        spec = self.spec
+        self.jobs.put(Channels.JOIN_READY, JoinReady(time.time(), os.getpid()), spec.rank)
+        _joiner_dies_here(self.spec.joiner_dies_at, "ready")
+        key = Keys.join_generation(spec.rank)
+        while True:
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=5))
+                break
+            except dist.DistStoreError:
+                if self.jobs.is_set(Flags.FINISHED):
+                    raise _Fenced() from None  # the run ended before this worker was needed
+        self.generation = int(self.store.get(key))
+        _joiner_dies_here(self.spec.joiner_dies_at, "admitted")
+        self.announcement = self.jobs.get(Channels.ANNOUNCE, self.generation)
+        self.plan = Plan.from_json(self.store.get(Keys.plan(self.generation)).decode())
+        self._take_layout()  # this generation's layer partition; the state arrives from a replica or the checkpoint
+        if self.announcement.restore_step >= 0:
+            self._load_checkpoint(self.announcement.restore_step)
+            self._holds_state = True
+        return self.announcement.redo_step
+
+    def _abort_generation(self, generation: int) -> None:
+        """The watcher saw `generation` aborted: cut its communicators now (the main thread may be blocked on a
+        peer that will never answer)."""
+        with self._transport_lock:
+            transport = self.transport
+        if transport is not None and transport.generation == generation:
+            transport.abort()
+
+    # -- layer partition -------------------------------------------------------------------------------------------
+    def _stage_state(self, module: torch.nn.Module) -> StageState:
+        """`module` with a new optimizer, at this worker's iteration position."""
+        return StageState(module, make_optimizer(module, self.config.training), self.stage, self.position,
+                          self._key_prefix)
+
+    def _install(self, state: StageState, layers: tuple[int, int]) -> None:
+        """Run from now on with this stage state (new layer range): the executor is rebuilt around it."""
+        self.state, self.layers = state, layers
+        self.built = replace(self.built, module=state.module, layout=layers)
+        if self.executor is not None:
+            self.executor = self._make_executor()
+
+    def _take_layout(self) -> None:
+        """Build this stage for the plan's partition with no state of its own (a replacement, or a restore that
+        loads the checkpoint next)."""
+        if self.bounds is None:
+            return
+        bounds = plan_bounds(self.config, self.plan.partition)
+        self.bounds = bounds  # before _install: the cost pacing follows the partition
+        if bounds[self.stage] != self.layers:
+            current = cast(GPTStage, self.state.module)  # layouts change only for the built-in GPT
+            reference = next(current.parameters())
+            module = GPTStage(current.shape, *bounds[self.stage]).to(device=reference.device, dtype=reference.dtype)
+            self._install(self._stage_state(module), bounds[self.stage])
+
+    def _migrate_layers(self) -> None:
+        """The new generation's plan holds the layers in another partition: stages that lose layers send them
+        (parameters and optimizer state, from one surviving replica) to every surviving replica of the stage that
+        gains them, over this generation's world group; then each changed stage rebuilds its module."""
+        if self.bounds is None:
+            return
+        plan, announcement = self.plan, self.announcement
+        new = plan_bounds(self.config, plan.partition)
+        if new == self.bounds:
+            return
+        joining = announcement.joining if announcement is not None and \
+            announcement.generation == self.generation else frozenset()
+        if self.spec.rank in joining:  # took the layout when admitted; its state comes from a replica afterwards
+            self.bounds = new
+            return
+        survivors = {s: [plan.rank(p, s) for p in plan.live_replicas(s) if plan.rank(p, s) not in joining]
+                     for s in range(plan.num_stages)}
+        senders = {s: ranks[0] for s, ranks in survivors.items() if ranks}
+        transport = self._transport()
+        received, stats = exchange_layers(self.state, layer_moves(self.bounds, new), senders, survivors,
+                                          self.spec.rank, transport.send_to, transport.recv_from, self.device)
+        self.bounds = new
+        if new[self.stage] != self.layers:
+            self._install(rebuild_stage(self.state, new[self.stage], received,
+                                        lambda m: make_optimizer(m, self.config.training)), new[self.stage])
+        elif self.spec.debug.emulation is not None:  # same layers here, other stages changed: pace to the new costs
+            self._install(self.state, self.layers)
+        self.jobs.put(Channels.MIGRATION, MigrationRecord((self.layers[0], self.layers[1]), stats.layers_in, stats.layers_out,
+                                                          stats.bytes, stats.seconds), self.generation, self.spec.rank)
+
+    def _load_checkpoint(self, step: int) -> None:
+        """Take the stage's state after `step` steps: the run's checkpoint of that step, or, for the run's start
+        (restored when a stage was lost before any checkpoint completed), the checkpoint it resumed from or the
+        seed's initial state."""
+        spec = self.spec
+        if step == spec.start_step and not checkpoint.step_dir(spec.checkpoint.dir, step).is_dir():
+            if spec.checkpoint.resume_dir:
+                checkpoint.load_stage(spec.checkpoint.resume_dir, step, self.state)
+                return
+            if step == 0:
+                built = build_stage(self.config, self.stage, spec.model_factory, self.bounds)
+                self._install(self._stage_state(built.module.to(self.device)), built.layout)
+                self.position.restart(0)
+                return
+        checkpoint.load_stage(spec.checkpoint.dir, step, self.state)
+
+    def _transfer_state(self) -> None:
+        """If replacements joined this stage in this generation (and no checkpoint is being restored), the first
+        surviving replica broadcasts the stage's state to them over the stage group."""
+        announcement = self.announcement
+        if announcement is None or announcement.generation != self.generation or announcement.restore_step >= 0:
+            return
+        replicas = self.plan.live_replicas(self.stage)
+        joiners = [p for p in replicas if self.plan.rank(p, self.stage) in announcement.joining]
+        if not joiners:
+            return
+        source = self.plan.rank(next(p for p in replicas if p not in joiners), self.stage)
+        if self.spec.rank in announcement.joining:
+            _joiner_dies_here(self.spec.joiner_dies_at, "transfer")
+        transport = self._transport()
+
+        def broadcast(tensor: torch.Tensor) -> None:
+            transport.stage_broadcast(self.stage, tensor, source)
+
+        stats = transfer_stage_state(self.state, self.spec.rank == source, broadcast, self.device)
+        if self.spec.rank in announcement.joining:  # its position is now the source's
+            self._holds_state = True
+            self.jobs.put(Channels.TRANSFER, TransferRecord(stats.bytes, stats.seconds,
+                                                            "%d:%d" % self.plan.worker(source)),
+                          self.generation, self.spec.rank)
+
+    def _make_executor(self) -> StageExecutor:
+        config, built = self.config, self.built
+
+        def load(iteration: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+            assert self.data is not None, "only the first and the last stage load micro-batches"
+            return self.data(iteration, mb)
+
+        # A rebuild (new layer range) paces with a fresh pacer: the costs follow the stages' new layers.
+        emulation = self.spec.debug.emulation
+        pacing = cost_pacer(layer_scaled_config(config, self.bounds), self.plan, self.spec.rank, emulation) \
+            if emulation is not None else None
+        return StageExecutor(self.plan, self.spec.rank, self.state.module, self.state.optimizer, self.transport, load,
+                             built.input_shape, built.output_shape, weights_dtype(config.training.dtype),
+                             grad_clip=config.training.grad_clip, seed=config.training.seed, device=self.device,
+                             record_timings=self.spec.debug.record_timings, before_action=self._before_action,
+                             precision=config.training.dtype, loss_fn=built.loss_fn, pacing=pacing,
+                             position=self.position)
+
+    def _before_action(self, action: Action) -> None:
+        self.activity.action()
+        if self.heartbeat.aborted >= self.generation:
+            raise GenerationAborted(f"generation {self.generation} was aborted by the coordinator")
+        if self._resumed_pending:
+            self._resumed_pending = False
+            self.jobs.put(Channels.RESUMED, Timestamp(time.time()), self.generation, self.spec.rank)
+        progress = self._executor().progress
+        for fault in self.spec.faults:
+            if fault.point == "action" and fault.step == progress.iteration and fault.index == progress.index:
+                self._fire(fault, str(action))
+
+    def _fire(self, fault: FaultInjection, where: str) -> None:
+        if fault in self._fired:
+            return
+        self._fired.add(fault)
+        self.jobs.put(Channels.FAULT, FaultRecord(time.time(), where, fault.mode), self.spec.rank)
+        self.hooks.fire(fault, where)
+
+    def _run_step(self, step: int) -> None:
+        spec = self.spec
+        drain = self.heartbeat.drain
+        if drain is not None and drain[0] == self.generation and step >= drain[1]:
+            raise GenerationAborted(f"generation {self.generation} drains before step {drain[1] + 1} to admit a "
+                                    "replacement worker")
+        cpu0 = time.process_time()
+        try:
+            result = self._executor().run_iteration(step)
+        finally:
+            self.activity.phase = "idle"
+        cpu_s = time.process_time() - cpu0  # all threads of this process, gloo's included
+        done = step + 1
+        if spec.checkpoint.due(done):
+            self._save_checkpoint()
+        self.jobs.put(Channels.METRICS, StepRecord(
+            self.replica, self.stage, self.generation, result.start, result.end, cpu_s, result.loss_sum,
+            result.stage_loss, result.grad_norm, result.grad_sq,
+            digest=parameter_digest(self.state.module) if spec.debug.verify_replicas else "",
+            timings=tuple((t.action, t.start, t.end) for t in result.timings)), step, spec.rank)
+
+    def _is_writer(self) -> bool:
+        """One live replica per stage writes the stage's files."""
+        return self.replica == self.plan.live_replicas(self.stage)[0]
+
+    def _save_checkpoint(self) -> None:
+        """Hand a copy of the stage's state (after the steps it holds) to the background writer: the step goes on
+        while it is written."""
+        if not self._is_writer():
+            return
+        done = self.position.done
+        faults = [f for f in self.spec.faults if f.point == "ckpt" and f.step == done - 1]
+        before_write = (lambda: self._fire(faults[0], f"the checkpoint of step {done}")) if faults else None
+        assert self.writer is not None, "checkpoints are due only when a checkpoint folder is set"
+        self.writer.submit(self.state, self.layers, before_write)
+
+    def _save_final(self) -> None:
+        """The --save part of this stage, and every checkpoint on disk (and reported) before the worker leaves."""
+        if self._is_writer() and self.spec.outputs.save_path:
+            checkpoint.atomic_torch_save({k: v.detach().cpu() for k, v in self.state.module.state_dict().items()},
+                                         checkpoint.part_file(self.spec.outputs.save_path, self.stage))
+        if self.writer is not None:
+            self.writer.wait()
+
+    def _finish(self) -> None:
+        self._save_final()
+        transport = self._transport()
+        transport.flush()
+        transport.barrier()  # nobody tears its connections down while a peer may still be talking to it
+        transport.close()
+
+    def _transport(self) -> Transport:
+        if self.transport is None:
+            raise RuntimeError(f"worker {self.replica}:{self.stage} has no transport: it is between generations")
+        return self.transport
+
+    def _executor(self) -> StageExecutor:
+        if self.executor is None:
+            raise RuntimeError(f"worker {self.replica}:{self.stage} has no executor: it has not joined a generation")
+        return self.executor
+
+    # -- recovery ------------------------------------------------------------------------------------------------
+    def _recover(self, step: int, error: str) -> int:
+        """Leave the broken generation, report, wait for the next one, roll back, and return the step to redo."""
+        spec = self.spec
+        for fault in spec.faults:
+            if fault.point == "recovery" and step >= fault.step:
+                self._fire(fault, f"the recovery from generation {self.generation}")
+        executor = self.executor
+        self.activity.phase = "idle"
+        with self._transport_lock:
+            transport, self.transport = self.transport, None
+        try:
+            if transport is not None:
+                transport.close(abort=True)  # cut first, then destroy: never a blocking destroy of a broken group
+            elif dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass  # the group is broken either way; what matters is that its connections are cut
+        applied = self.position.applied
+        if executor is not None:
+            executor.drop_comm()
+            progress, completed = executor.progress, executor.completed
+            current = (progress.index, progress.busy_s) if not progress.finished else (0, 0.0)
+            report = StoppedReport(spec.rank, self.generation, applied, progress.iteration, current[0], current[1],
+                                   completed.index if applied >= spec.start_step else 0,
+                                   completed.busy_s if applied >= spec.start_step else 0.0,
+                                   error, time.time())
+        else:  # failed while forming its first generation: nothing done yet
+            # Its state is the run's start, or (a replacement that loaded the restored checkpoint) that step.
+            report = StoppedReport(spec.rank, self.generation, applied, applied + 1, 0, 0.0, 0, 0.0, error,
+                                   time.time())
+        self.jobs.put(Channels.STOPPED, report, self.generation, spec.rank)
+        self.store.add(Keys.stopped_count(self.generation), 1)  # one key for the coordinator to poll
+        announcement = self._await_announcement(self.generation + 1)
+        if spec.rank not in announcement.live:
+            raise _Fenced()
+        self.generation = announcement.generation
+        self.announcement = announcement
+        self.plan = Plan.from_json(self.store.get(Keys.plan(announcement.generation)).decode())
+        redo = announcement.redo_step
+        if announcement.restore_step >= 0:  # a stage lost every replica: everyone restores the checkpoint
+            if self.writer is not None:
+                self.writer.wait()
+            self._take_layout()  # the checkpoint's keys are the whole model's: it loads into any partition
+            self._load_checkpoint(announcement.restore_step)  # the position then holds redo - 1
+            if self.executor is not None:
+                self.executor.abort_iteration()
+        elif executor is not None:
+            executor.roll_back(redo)
+        self._repair_checkpoint(redo)
+        return redo
+
+    def _await_announcement(self, generation: int) -> Announcement:
+        self.heartbeat.generation = generation
+        while True:
+            try:
+                self.store.wait([Keys.announce(generation)], datetime.timedelta(seconds=5))
+                return self.jobs.get(Channels.ANNOUNCE, generation)
+            except dist.DistStoreError:
+                continue  # the coordinator is still collecting reports; it fences us if it ever gives up on us
+
+    def _repair_checkpoint(self, redo: int) -> None:
+        """A checkpoint due at the step we roll back to may have lost its writer mid-save: write it again from the
+        rolled-back state (which is exactly that step's state)."""
+        spec = self.spec
+        if not (spec.checkpoint.due(redo) and redo > spec.start_step and self._is_writer()):
+            return
+        if self.writer is not None:
+            # This worker's own write of that step may still be in flight: let it finish (and report) first, or the
+            # step would be written twice and the second copy could land after the coordinator recorded the first's
+            # hashes (a "damaged" file in a complete checkpoint).
+            self.writer.wait()
+        if not self.jobs.is_set(Flags.CHECKPOINTED, redo, self.stage):
+            self._save_checkpoint()  # the state holds `redo` steps

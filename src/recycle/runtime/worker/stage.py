@@ -1,0 +1,129 @@
+"""Stage construction: the built-in GPT's stages, or "bring your own model" through a factory 'module:function'.
+
+A factory is called as `factory(config, num_stages)` and returns the S stage modules of one model with the same
+initial weights on every call (seed it from `config.training.seed`): a list of modules, or a
+`recycle.models.split.StageModel(stages, loss_fn)` -- e.g. the stage modules of torch.distributed.pipelining's
+`pipeline()`. The call and loss contract is recycle.models.split's; the boundary shapes are found by one micro-batch
+on the meta device unless every stage has `boundary_shape(batch, seq)`. A Hugging Face config ([model] hf_config)
+is split by decoder layers (recycle.models.hf).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from recycle.config import Config
+from recycle.errors import ConfigError
+from recycle.models.gpt import build_stages, resolve_shape, stage_layers
+from recycle.models.split import LossFn, StageModel, as_stage_model, boundary_shapes, causal_lm_loss
+from recycle.runtime.state.precision import weights_dtype
+
+__all__ = ["BuiltStage", "build_stage", "load_factory", "check_model", "factory_model", "hf_model", "all_stages"]
+
+StageFactory = Callable[[Config, int], list[nn.Module]]
+
+
+@dataclass(frozen=True)
+class BuiltStage:
+    module: nn.Module
+    layout: tuple[int, int]  # which part of the model this stage holds (checked on resume)
+    input_shape: tuple[int, ...] | None  # the activation it receives (None on stage 0: token ids are loaded)
+    output_shape: tuple[int, ...] | None  # the activation it sends, = the gradient it receives (None: last stage)
+    loss_fn: LossFn | None = None  # last stage: loss = loss_fn(module(x), targets); None: module(x, targets)
+
+
+def load_factory(path: str) -> StageFactory:
+    """Import 'package.module:function'."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"model factory {path!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"model factory {path!r}: cannot import {module_name!r} ({exc}); put it on PYTHONPATH") \
+            from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"model factory {path!r}: {module_name!r} has no function {attr!r}")
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # some builtins have none: their call below says what is wrong
+        return factory
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise ConfigError(f"model factory {path!r} takes {signature}, not (config, num_stages); a model factory is a "
+                          "function (config, num_stages) -> list of stage modules (docs/runtime.md)") from None
+    return factory
+
+
+def factory_model(config: Config, factory: str) -> StageModel:
+    """The factory's stages (checked, in the config's dtype) and loss function."""
+    model = as_stage_model(load_factory(factory)(config, config.num_stages), config.num_stages,
+                           f"model factory {factory!r}")
+    dtype = weights_dtype(config.training.dtype)
+    return StageModel(tuple(m.to(dtype) for m in model.stages), model.loss_fn)
+
+
+def hf_path(config: Config) -> str:
+    from recycle.models.hf import resolve_hf_path
+
+    return str(resolve_hf_path(config.model.hf_config, os.path.dirname(config.source) or None))
+
+
+def hf_model(config: Config) -> tuple[StageModel, list[tuple[int, int]]]:
+    """A Hugging Face causal LM ([model] hf_config) split by decoder layers, and each stage's layers."""
+    from recycle.models.hf import hf_stages
+
+    dtype = weights_dtype(config.training.dtype)
+    stages = hf_stages(hf_path(config), config.num_stages, config.workload.seq_len, config.training.seed, dtype)
+    return StageModel(tuple(stages), causal_lm_loss), [(m.first_layer, m.end_layer) for m in stages]
+
+
+def all_stages(config: Config, factory: str = "",
+               bounds: list[tuple[int, int]] | None = None) -> tuple[StageModel, list[tuple[int, int]]]:
+    """Every stage module of the run's model (built-in GPT, Hugging Face config, or factory) and their layouts.
+    `bounds`: the built-in GPT's [first, last) layers per stage (default: the even split)."""
+    S = config.num_stages
+    if factory and config.model.hf_config:
+        raise ConfigError(f"--model-factory {factory!r} and [model] hf_config = {config.model.hf_config!r} both name "
+                          "the model; keep one")
+    if factory:
+        return factory_model(config, factory), [(s, S) for s in range(S)]
+    if config.model.hf_config:
+        return hf_model(config)
+    seq = config.workload.seq_len
+    shape = resolve_shape(config.model, seq)
+    bounds = bounds or stage_layers(shape.n_layer, S)
+    stages = build_stages(config.model, S, config.training.seed, weights_dtype(config.training.dtype), seq, bounds)
+    return StageModel(tuple(stages)), bounds
+
+
+def build_stage(config: Config, stage: int, factory: str = "",
+                bounds: list[tuple[int, int]] | None = None) -> BuiltStage:
+    """The module of `stage` (in the config's dtype), its layout and the shapes of the messages it receives
+    (`bounds`: see all_stages)."""
+    S = config.num_stages
+    model, layouts = all_stages(config, factory, bounds)
+    stages = list(model.stages)
+    shapes = boundary_shapes(stages, config.workload.microbatch_size, config.workload.seq_len, upto=stage + 1)
+    input_shape = shapes[stage - 1] if stage > 0 else None
+    output_shape = shapes[stage] if stage < S - 1 else None
+    return BuiltStage(stages[stage], layouts[stage], input_shape, output_shape,
+                      model.loss_fn if stage == S - 1 else None)
+
+
+def check_model(config: Config, factory: str = "") -> None:
+    """Fail fast, in the launcher, on model errors (unknown preset, too few layers, a broken factory or Hugging Face
+    config, stages whose outputs cannot be sent): a factory is called once and its stages run on the meta device."""
+    if factory or config.model.hf_config:
+        model, _ = all_stages(config, factory)
+        boundary_shapes(list(model.stages), config.workload.microbatch_size, config.workload.seq_len)
+    else:
+        stage_layers(resolve_shape(config.model, config.workload.seq_len).n_layer, config.num_stages)

@@ -1,0 +1,254 @@
+"""Communication for one generation of live workers: torch.distributed groups on a generation-prefixed store,
+p2p send/recv addressed by topology rank, and the per-stage and all-worker SUM all-reduces."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from recycle.runtime.options import Backend
+from recycle.runtime.protocol.channels import Keys
+from recycle.runtime.protocol.messages import Channel, Message, message_tag
+from recycle.runtime.worker.group_sockets import SocketSet, cut
+from recycle.runtime.worker.nccl_env import init_kwargs
+
+# Benchmarks only (bench_frozen_peers.py): leave an aborted gloo generation's connections open, as before survivors
+# cut their own groups, to measure that path side by side.
+_NO_CUT = os.environ.get("RECYCLE_TEST_NO_CUT") == "1"
+
+__all__ = ["Transport", "GenerationGroups", "GenerationCut", "PeerLost", "Activity", "is_comm_error",
+           "default_backend"]
+
+
+def default_backend() -> Backend:
+    """NCCL when CUDA is present, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class PeerLost(RuntimeError):
+    """A p2p op, collective or group formation failed because a peer died, froze, timed out or the generation was
+    cut: the worker leaves the generation and reports (not a bug to stop the run for)."""
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """Whether `exc` ends a generation rather than the run: the transport's PeerLost (and GenerationCut), or a
+    torch.distributed error (the job store's among them)."""
+    return isinstance(exc, (PeerLost, GenerationCut, dist.DistError))
+
+
+_PEER_ERROR_TEXTS = ("Connection closed by peer", "Connection reset", "Timed out waiting", "pair closure",
+                     "Broken pipe", "Transport endpoint", "NCCL", "gloo")
+
+
+def _is_peer_error(exc: BaseException) -> bool:
+    """What gloo and NCCL raise when the other side is gone: only these texts tell it (torch raises RuntimeError)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(s in text for s in _PEER_ERROR_TEXTS)
+
+
+@dataclass
+class GenerationGroups:
+    """The process groups of one generation: the world of live workers and each stage's live replicas."""
+
+    live_ranks: list[int]  # topology ranks, ascending; index = rank in this generation's world
+    stage_ranks: dict[int, list[int]]  # stage -> topology ranks of its live replicas
+    stage_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
+
+    def group_rank(self, topology_rank: int) -> int:
+        return self.live_ranks.index(topology_rank)
+
+
+class Activity:
+    """What the main thread is doing, for the watcher's beats (records.Beat): actions started, and the phase."""
+
+    def __init__(self) -> None:
+        self.actions = 0
+        self.phase = "idle"
+
+    def action(self) -> None:
+        self.actions += 1
+        self.phase = "compute"
+
+
+@contextlib.contextmanager
+def _peer_op(activity: Activity, what: str) -> Iterator[None]:
+    """A p2p op, collective or formation: its wait is on a peer ("comm"), and a peer's failure comes out as PeerLost
+    (naming the op; torch's own text after it)."""
+    previous = activity.phase
+    activity.phase = "comm"
+    try:
+        yield
+    except Exception as exc:
+        if not _is_peer_error(exc):
+            raise
+        raise PeerLost(f"{what}: {(str(exc).splitlines() or [type(exc).__name__])[0][:300]}") from None
+    finally:
+        activity.phase = previous
+
+
+class Transport:
+    """p2p and collectives among the live workers of one generation.
+
+    Sends are asynchronous; their handles and buffers are kept until `flush()` (called at the end of every
+    iteration), so a buffer is never reused while in flight. Receives block at the point of need. Collectives
+    and groups all carry the generation's timeout. `abort()` may be called from any thread, while forming or while an
+    op is blocked: it cuts every communicator of the generation (gloo: its sockets; NCCL: ncclCommAbort), so the
+    blocked op raises at once whether or not the peer it waits for will ever answer.
+    """
+
+    def __init__(self, store: dist.Store, generation: int, rank: int, live_ranks: list[int],
+                 stage_ranks: dict[int, list[int]], timeout_s: float, backend: str, device: torch.device,
+                 activity: Activity | None = None, store_peers: set[tuple[str, int]] | None = None) -> None:
+        self.rank = rank
+        self.generation = generation
+        self.device = device
+        self.backend = backend
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.groups = GenerationGroups(sorted(live_ranks), {s: sorted(r) for s, r in stage_ranks.items()})
+        self.activity = activity if activity is not None else Activity()
+        self.formation_s = 0.0
+        self._store = store
+        self._store_peers = store_peers or set()
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._lock = threading.Lock()
+        self._aborted = False
+        self._closed = False
+        self._forming = False
+        self._sockets: SocketSet | None = None
+
+    def form(self) -> None:
+        """Create the generation's groups (collective over its live workers); abort() cuts it short."""
+        with self._lock:
+            if self._aborted:
+                raise GenerationCut(f"generation {self.generation} was aborted before it formed")
+            self._forming = True
+            self._sockets = SocketSet.start(self._store_peers) if self.backend == "gloo" else None
+        started = time.perf_counter()
+        try:
+            with _peer_op(self.activity, f"forming generation {self.generation}"):
+                self._form_groups()
+        finally:
+            with self._lock:
+                self._forming = False
+                if self._sockets is not None:
+                    self._sockets = self._sockets.settled()
+        self.formation_s = time.perf_counter() - started
+        if self._aborted:  # cut while its last step ran: the groups exist but their connections are gone
+            raise GenerationCut(f"generation {self.generation} was aborted while it formed")
+
+    def _form_groups(self) -> None:
+        prefixed = dist.PrefixStore(Keys.process_groups(self.generation), self._store)
+        dist.init_process_group(self.backend, store=prefixed, rank=self.groups.group_rank(self.rank),
+                                world_size=len(self.groups.live_ranks), timeout=self.timeout,
+                                **init_kwargs(self.device, self.backend))
+        # Every worker creates every stage group in the same order (new_group is collective over the world);
+        # new_group does not inherit the init timeout, so pass it explicitly.
+        for stage in sorted(self.groups.stage_ranks):
+            members = [self.groups.group_rank(r) for r in self.groups.stage_ranks[stage]]
+            self.groups.stage_groups[stage] = dist.new_group(members, timeout=self.timeout)
+
+    # -- p2p ----------------------------------------------------------------------------------------------------
+    def send(self, message: Message, tensor: torch.Tensor) -> None:
+        buffer = tensor.detach().contiguous()
+        with _peer_op(self.activity, f"send {message}"):
+            work = dist.isend(buffer, self.groups.group_rank(message.dst), tag=self._tag(message))
+        assert work is not None  # None only for a rank outside the default group, which is this generation's world
+        self._pending.append((work, buffer))
+
+    def recv(self, message: Message, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        with _peer_op(self.activity, f"receive {message}"):
+            dist.recv(buffer, self.groups.group_rank(message.src), tag=self._tag(message))
+        return buffer
+
+    def send_to(self, tensor: torch.Tensor, rank: int) -> None:
+        """A blocking send to topology rank `rank` (state moved between workers outside the plan's messages)."""
+        with _peer_op(self.activity, f"send to rank {rank}"):
+            dist.send(tensor, dst=self.groups.group_rank(rank))
+
+    def recv_from(self, tensor: torch.Tensor, rank: int) -> None:
+        with _peer_op(self.activity, f"receive from rank {rank}"):
+            dist.recv(tensor, src=self.groups.group_rank(rank))
+
+    def stage_broadcast(self, stage: int, tensor: torch.Tensor, src_rank: int) -> None:
+        with _peer_op(self.activity, f"stage {stage} broadcast"):
+            dist.broadcast(tensor, src=self.groups.group_rank(src_rank), group=self.groups.stage_groups[stage])
+
+    def _tag(self, message: Message) -> int:
+        return message_tag(Channel(message.channel), message.mb) if self.backend == "gloo" else 0
+
+    def flush(self) -> None:
+        """Wait for every send of this iteration."""
+        with _peer_op(self.activity, "waiting for this iteration's sends"):
+            for work, _ in self._pending:
+                work.wait()
+        self._pending.clear()
+
+    # -- collectives ----------------------------------------------------------------------------------------------
+    def stage_allreduce_sum(self, stage: int, tensor: torch.Tensor) -> None:
+        if len(self.groups.stage_ranks[stage]) > 1:
+            with _peer_op(self.activity, f"stage {stage} all-reduce"):
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.groups.stage_groups[stage])
+
+    def world_allreduce_sum(self, tensor: torch.Tensor) -> None:
+        if len(self.groups.live_ranks) > 1:
+            with _peer_op(self.activity, "world all-reduce"):
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+
+    def barrier(self) -> None:
+        """All live workers meet here (a one-element all-reduce: works on every backend and honours the timeout)."""
+        self.world_allreduce_sum(torch.zeros(1, device=self.device))
+
+    # -- the end of a generation --------------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Cut the generation's communicators, from any thread; idempotent. Needs nothing from any peer. Under the
+        lock, so that close() (and with it the next generation's formation) waits for a cut in progress: a late cut
+        can never reach the next generation."""
+        with self._lock:
+            if self._closed:
+                return
+            self._aborted = True
+            if self._forming:
+                interrupt = getattr(self._store, "interrupt", None)
+                if interrupt is not None:
+                    interrupt()  # a rendezvous wait for a peer that will never come
+            if self.backend == "gloo":
+                if self._sockets is not None and not _NO_CUT:
+                    cut(self._sockets)
+            elif dist.is_initialized():
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                _abort_process_group()  # every communicator of the job (ncclCommAbort), from this thread
+
+    def close(self, abort: bool = False) -> None:
+        """Leave this generation's groups. `abort`: after a failure, cut the communicators first (a broken one is
+        never destroyed without an abort: NCCL would wait on the dead peer, gloo on a silent one), which is also how
+        every peer still blocked on this worker learns at once that the generation is over."""
+        self._pending.clear()
+        if abort:
+            self.abort()
+        with self._lock:
+            self._closed = True
+        clear = getattr(self._store, "clear_interrupt", None)
+        if clear is not None:
+            clear()
+        if not dist.is_initialized():
+            return
+        dist.destroy_process_group()
+        # gloo closes a group's sockets only when its last reference goes: drop ours (the caller must not keep the
+        # exception whose traceback holds the failed op either).
+        self.groups.stage_groups.clear()
+
+
+class GenerationCut(RuntimeError):
+    """The generation was aborted (by this worker's watcher) while it formed."""
