@@ -7,8 +7,8 @@ Output targets (`atomic_write_bytes`, `check_output_file`), by what the path is 
 * a character device or a FIFO (/dev/null, a terminal, a named pipe), or a process's open file (/dev/stdout,
   /dev/fd/N, /proc/self/fd/N, whatever it is: `--metrics /dev/stdout > log` must not replace the shell's log file):
   a stream, written into directly (appending), never replaced (the device node stays); a FIFO with no reader is an
-  error, not a hang. Rewriting a stream with content that extends what it was sent before in this process (the
-  --metrics log, rewritten after every step) sends only the new part;
+  error, not a hang. Rewriting a stream with content that extends what it was sent before in this process sends
+  only the new part; `append_text` (the --metrics log, one record at a time) sends each record as it is;
 * a directory, block device or socket: refused with an OutputError (a block device would have its contents
   overwritten).
 Files recycle keeps inside its own folders (a checkpoint's .metadata, `latest`, a plan store's index) are written
@@ -29,8 +29,9 @@ from pathlib import Path, PurePosixPath
 
 from recycle.errors import OutputError
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "check_output_file", "check_output_dir", "is_stream_target",
-           "UnsafeFile", "open_inside", "read_inside", "sha256_inside", "lstat_inside", "relative_parts"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "append_text", "check_output_file", "check_output_dir",
+           "is_stream_target", "UnsafeFile", "open_inside", "read_inside", "sha256_inside", "lstat_inside",
+           "relative_parts"]
 
 
 # -- writing ------------------------------------------------------------------------------------------------------
@@ -71,6 +72,30 @@ def atomic_write_bytes(path: str | Path, data: bytes, follow: bool = True) -> Pa
 def atomic_write_text(path: str | Path, text: str, follow: bool = True) -> Path:
     """Write UTF-8 `text` to `path` atomically (atomic_write_bytes)."""
     return atomic_write_bytes(path, text.encode("utf-8"), follow)
+
+
+def append_text(path: str | Path, text: str) -> None:
+    """Append UTF-8 `text` to the user's output target `path` in one write: a log that grows by whole records (the
+    --metrics JSONL), whose cost per record does not grow with the file. Start it with atomic_write_text(path, "")
+    (a previous run's file is then replaced whole, never mixed in); a stream is written into, as for a write."""
+    path = Path(path)
+    target = _write_target(path)
+    data = text.encode("utf-8")
+    if target is None:
+        _write_stream(path, data, rewrite=False)
+        return
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise _output_error(path, target, exc) from None
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as exc:
+        raise _output_error(path, target, exc) from None
+    finally:
+        os.close(fd)
 
 
 def _write_target(path: Path) -> Path | None:
@@ -130,10 +155,10 @@ def _kind(mode: int) -> str:
 _SENT: dict[tuple[str, int, int], tuple[int, bytes]] = {}
 
 
-def _write_stream(path: Path, data: bytes) -> None:
+def _write_stream(path: Path, data: bytes, rewrite: bool = True) -> None:
     """Write into a character device or FIFO: no temp file, no replace. A FIFO must have a reader (opened without
-    blocking, so a missing reader is an error, not a hang). Content that extends what this stream was last sent
-    is sent from where the last write ended."""
+    blocking, so a missing reader is an error, not a hang). A rewrite whose content extends what this stream was last
+    sent is sent from where the last write ended; `rewrite=False` (an append) sends `data` as it is."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as exc:
@@ -146,13 +171,14 @@ def _write_stream(path: Path, data: bytes) -> None:
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         key = (str(path), info.st_dev, info.st_ino)
         start = 0
-        sent = _SENT.get(key)
+        sent = _SENT.get(key) if rewrite else None
         if sent is not None and len(data) >= sent[0] and hashlib.sha256(data[:sent[0]]).digest() == sent[1]:
             start = sent[0]
         view = memoryview(data)[start:]
         while view:
             view = view[os.write(fd, view):]
-        _SENT[key] = (len(data), hashlib.sha256(data).digest())
+        if rewrite:
+            _SENT[key] = (len(data), hashlib.sha256(data).digest())
     except OSError as exc:
         raise _output_error(path, None, exc) from None
     finally:

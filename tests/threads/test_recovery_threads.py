@@ -84,3 +84,22 @@ def test_an_ordinary_exception_in_a_worker_fails_the_run_instead_of_recovering(t
 def test_losing_a_stage_without_a_checkpoint_fails_the_run_with_its_reason(tiny_config, run_cluster) -> None:
     with pytest.raises(RuntimeFailure, match="last live replica of stage 1.*writes no checkpoints"):
         run_cluster(tiny_config(steps=4), Injector().kill((1, 1), step=1).kill((0, 1), step=2))
+
+
+def test_a_long_run_keeps_no_per_step_record_in_the_store_or_in_memory(tiny_config, run_cluster, tmp_path,
+                                                                         monkeypatch) -> None:
+    """Issue 23 item 5: every step reaches the --metrics file (appended), the result keeps the newest REPORTS_KEPT,
+    and the store forgets each step's records once they are read."""
+    import json
+
+    from recycle.runtime.control import reporter
+    from recycle.runtime.protocol.channels import Keys
+
+    monkeypatch.setattr(reporter, "REPORTS_KEPT", 4)
+    metrics = tmp_path / "metrics.jsonl"
+    outcome = run_cluster(tiny_config(steps=12), metrics_path=str(metrics))
+    assert [m.step for m in outcome.steps] == [9, 10, 11, 12]
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, 13))
+    left = [(step, rank) for step in range(12) for rank in range(4)
+            if outcome.jobs.raw.check([Keys.metrics(step, rank)])]
+    assert not left, f"metrics records left in the store: {left}"

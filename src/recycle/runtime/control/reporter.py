@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol
 
+from recycle.fileio import append_text
 from recycle.ir import PlanChoice, PlanSource
 from recycle.runtime.control.coordinator import RecoveryFacts
 from recycle.runtime.protocol.records import FaultRecord, Joined, MigrationRecord, StepRecord, TransferRecord
 from recycle.runtime.state import checkpoint
 
 __all__ = ["StepMetrics", "Recovery", "ChaosEvent", "EventSink", "ProgressSink", "MetricsFile", "Reporter",
-           "GenerationRecords", "measure_recovery", "grad_norm", "replica_mismatch"]
+           "GenerationRecords", "measure_recovery", "grad_norm", "replica_mismatch", "REPORTS_KEPT"]
+
+# The newest steps (and recoveries, chaos events) a run keeps for its result: a 10^6-step run must not hold a million
+# records in node 0's memory. The --metrics file and the other sinks get every one.
+REPORTS_KEPT = 10_000
 
 Worker = tuple[int, int]  # (replica, stage)
 
@@ -149,26 +156,30 @@ class ProgressSink:
 
 
 class MetricsFile:
-    """--metrics FILE: one JSON record per step, recovery and chaos event, the whole file rewritten atomically
-    after each step and recovery (a chaos event goes out with the next one)."""
+    """--metrics FILE: one JSON line per step, recovery and chaos event, appended as it happens. The first record
+    replaces a previous run's file whole (atomically); each later one is one append, so the cost of a record does
+    not grow with the run."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.records: list[dict[str, Any]] = []
+        self.started = False
 
     def on_step(self, metrics: StepMetrics) -> None:
-        self.records.append(asdict(metrics))
-        self._write()
+        self._write(asdict(metrics))
 
     def on_recovery(self, recovery: Recovery) -> None:
-        self.records.append(recovery.record())
-        self._write()
+        self._write(recovery.record())
 
     def on_chaos(self, event: ChaosEvent) -> None:
-        self.records.append(event.record())
+        self._write(event.record())
 
-    def _write(self) -> None:
-        checkpoint.atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+    def _write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record) + "\n"
+        if self.started:
+            append_text(self.path, line)
+        else:
+            checkpoint.atomic_write_text(self.path, line)
+            self.started = True
 
 
 def grad_norm(records: list[StepRecord], num_stages: int) -> float | None:
@@ -248,13 +259,18 @@ def measure_recovery(facts: RecoveryFacts, records: GenerationRecords, worker: C
 
 
 class Reporter:
-    """Builds each step's metrics from its workers' records and hands every report to the sinks, in order."""
+    """Builds each step's metrics from its workers' records and hands every report to the sinks, in order. It keeps
+    only the newest REPORTS_KEPT of each kind (a run's result; the sinks had them all), so that node 0's memory does
+    not grow with the number of steps."""
 
-    def __init__(self, sinks: list[EventSink], tokens_per_step: int, num_stages: int, wall0: float) -> None:
+    def __init__(self, sinks: list[EventSink], tokens_per_step: int, num_stages: int, wall0: float,
+                 kept: int | None = None) -> None:
         self.sinks, self.tokens_per_step, self.num_stages, self.wall0 = sinks, tokens_per_step, num_stages, wall0
-        self.steps: list[StepMetrics] = []
-        self.recoveries: list[Recovery] = []
-        self.chaos_events: list[ChaosEvent] = []
+        kept = REPORTS_KEPT if kept is None else kept
+        self.steps: deque[StepMetrics] = deque(maxlen=kept)
+        self.recoveries: deque[Recovery] = deque(maxlen=kept)
+        self.chaos_events: deque[ChaosEvent] = deque(maxlen=kept)
+        self.steps_reported = 0  # all of them, kept or not
         self.previous_end: float | None = None
 
     def step_metrics(self, step: int, records: list[StepRecord]) -> StepMetrics:
@@ -279,8 +295,13 @@ class Reporter:
         """A checkpoint restore: the steps run again, the first of them timed by its own span."""
         self.previous_end = None
 
+    def recent_periods(self, count: int) -> list[float]:
+        """The periods of the newest `count` steps reported (oldest first)."""
+        return [m.period_s for m in itertools.islice(reversed(self.steps), count)][::-1]
+
     def step(self, metrics: StepMetrics) -> None:
         self.steps.append(metrics)
+        self.steps_reported += 1
         for sink in self.sinks:
             sink.on_step(metrics)
 

@@ -103,7 +103,7 @@ class Supervisor:
                 self.coordinator.on_finished()
                 self._complete_recovery(final=True)
                 self._finish_nodes()
-                return self.reporter.steps, self.reporter.recoveries, self.coordinator.state.failed
+                return list(self.reporter.steps), list(self.reporter.recoveries), self.coordinator.state.failed
             self.workers.wait(0.02 if state.recovering else 0.05)
 
     def _all_local_exited(self) -> bool:
@@ -172,7 +172,7 @@ class Supervisor:
             commands += self.coordinator.on_death(
                 rank, f"{self._name(rank)} stopped responding (no heartbeat for {silent:.1f} s; fenced)", now,
                 fence=True)
-        limit = hang_limit_s(self.options.recovery.hang_timeout_s, [m.period_s for m in self.reporter.steps[-50:]],
+        limit = hang_limit_s(self.options.recovery.hang_timeout_s, self.reporter.recent_periods(50),
                              self.options.recovery.timeout_s)
         for rank, computing in self.liveness.hung_workers(live - set(self.coordinator.state.reports), now, limit):
             commands += self.coordinator.on_death(
@@ -358,12 +358,14 @@ class Supervisor:
             if not members or len(records) < len(members):
                 return
             metrics = self.reporter.step_metrics(step, records)
+            for rank in members:  # read once: the store keeps no per-step record for the whole run
+                self.store.delete_key(Keys.metrics(step, rank))
             if self.options.debug.verify_replicas:
                 mismatch = replica_mismatch(metrics.step, records, self.plan.num_stages)
                 if mismatch is not None:
                     self._fail(mismatch)
             self.reporter.step(metrics)
-            if len(self.reporter.steps) == 1:
+            if self.reporter.steps_reported == 1:
                 # Generation 0 has run a step, so every node's first launcher is in: a node launcher that starts from
                 # now on is a repaired node and brings its workers back as replacements.
                 self.jobs.raise_flag(Flags.RUNNING)
