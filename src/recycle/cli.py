@@ -20,6 +20,8 @@ COMMAND_HELP = {
     "schedule": "time a fault-free schedule (GPipe, 1F1B, ZB-H1) on a config",
     "plan": "adaptive plan for failed workers, or a plan store for up to F failures",
     "train": "train the built-in GPT on real processes (gloo on CPU, NCCL on CUDA)",
+    "coordinator": "run the job's store and coordinator alone, for training nodes started with `recycle train "
+                   "--coordinator separate`",
     "profile": "measure per-stage F/B/W/optimizer times, memory and comm costs into a config",
     "simulate": "replay a failure trace over a job: ReCycle vs baseline models",
     "demo": "run the demo: tables on stdout, charts into --out",

@@ -16,7 +16,8 @@ from recycle.errors import ConfigError
 from recycle.ir.worker import workers_text
 from recycle.runtime.control.cluster_env import NodeRole, resolve_role
 from recycle.runtime.options import (STAGE_LOSS_POLICIES, START_METHODS, CheckpointOptions, ClusterOptions,
-                                     DebugOptions, FaultOptions, LaunchOptions, OutputOptions, RecoveryOptions)
+                                     CoordinatorPlace, DebugOptions, FaultOptions, LaunchOptions, OutputOptions,
+                                     RecoveryOptions)
 from recycle.runtime.tools.chaos import parse_chaos
 from recycle.runtime.tools.faults import FaultInjection, parse_fault, parse_rejoin
 
@@ -26,7 +27,8 @@ if TYPE_CHECKING:
 
 # The launcher and the emulation pull in torch: they are imported in run(), so `recycle train --help` starts fast.
 
-__all__ = ["register", "run", "select_plan", "node_role", "DEFAULT_CHECKPOINT_EVERY"]  # select_plan: recycle.api's
+__all__ = ["register", "run", "run_job", "select_plan", "node_role", "coordinator_place",
+           "DEFAULT_CHECKPOINT_EVERY"]  # select_plan: recycle.api's
 
 DEFAULT_CHECKPOINT_EVERY = 10  # steps; a restore loses at most this many
 
@@ -35,15 +37,15 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="train the built-in GPT on real processes (gloo on CPU, NCCL on CUDA)",
                               description=__doc__)
     # In the order --help lists them.
-    _add_job_options(p)
-    _add_recovery_options(p)
-    _add_cluster_options(p)
-    _add_model_options(p)
+    add_job_options(p)
+    add_recovery_options(p)
+    add_cluster_options(p)
+    add_model_options(p)
     p.set_defaults(func=run)
     return p
 
 
-def _add_job_options(p: argparse.ArgumentParser) -> None:
+def add_job_options(p: argparse.ArgumentParser) -> None:
     """The config, the plan, the steps and the outputs."""
     p.add_argument("--config", required=True, help="TOML config, e.g. configs/tiny-gpt.toml")
     add_set_option(p)
@@ -78,7 +80,7 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
                    help="seconds a collective or message may take before the peer counts as stuck (default 30)")
 
 
-def _add_recovery_options(p: argparse.ArgumentParser) -> None:
+def add_recovery_options(p: argparse.ArgumentParser) -> None:
     """Surviving failures: planning ahead, detection, scripted and random faults, re-joins, re-partitioning."""
     recovery = p.add_argument_group("surviving failures")
     recovery.add_argument("--max-failures", type=int, default=2, metavar="F",
@@ -124,8 +126,9 @@ def _add_recovery_options(p: argparse.ArgumentParser) -> None:
                           help="stop the run at the first worker failure instead of re-routing around it")
 
 
-def _add_cluster_options(p: argparse.ArgumentParser) -> None:
-    """Multi-node: the job secret, the store's address, and how workers start."""
+def add_cluster_options(p: argparse.ArgumentParser, coordinator: bool = False) -> None:
+    """Multi-node: the job secret, the store's address, and how workers start (`coordinator`: the flags of
+    `recycle coordinator`, which runs no worker)."""
     p.add_argument("--token-file", default="", metavar="FILE",
                    help="multi-node: the job secret (mode 600, the same file on every node); or set "
                         "RECYCLE_JOB_TOKEN")
@@ -136,20 +139,28 @@ def _add_cluster_options(p: argparse.ArgumentParser) -> None:
         "PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT) or SLURM's (SLURM_NNODES, SLURM_NODEID, the first host of "
         "SLURM_JOB_NODELIST, a port derived from SLURM_JOB_ID); a flag wins over the environment (docs/cluster.md)")
     cluster.add_argument("--nnodes", type=int, default=None,
-                         help="number of launcher nodes (default 1; node 0 hosts the store; --save and checkpoints "
-                              "need a shared filesystem)")
-    cluster.add_argument("--node-rank", type=int, default=None, help="this node's index (default 0); node 0 hosts "
-                         "the store")
-    cluster.add_argument("--master-addr", default=None, help="address of node 0; its store listens there only "
-                         "(default 127.0.0.1)")
+                         help="number of training nodes (default 1; node 0 hosts the store unless the coordinator "
+                              "is separate; --save and checkpoints need a shared filesystem)")
+    if not coordinator:
+        cluster.add_argument("--node-rank", type=int, default=None, help="this node's index (default 0); node 0 "
+                             "hosts the store unless the coordinator is separate")
+    cluster.add_argument("--master-addr", default=None, help="address of the job's store (node 0, or the separate "
+                         "coordinator); it listens there only (default 127.0.0.1)")
     cluster.add_argument("--master-port", type=int, default=None,
-                         help="store port on node 0 (default 0: any free port, 1 node only)")
+                         help="the store's port (default 0: any free port, 1 node only)")
+    if coordinator:
+        return
+    cluster.add_argument("--coordinator", choices=("node0", "separate"), default=None,
+                         help="where the job's store and coordinator run: node0 = in node 0's launcher (default); "
+                              "separate = in a `recycle coordinator` process at --master-addr:--master-port, so that "
+                              "node 0 is an ordinary training node whose loss the run survives (env: "
+                              "RECYCLE_COORDINATOR)")
     p.add_argument("--start-method", choices=START_METHODS, default="spawn",
                    help="how workers start: spawn (fresh interpreter each) or forkserver (torch imported once per "
                         "launcher process; faster for repeated launches)")
 
 
-def _add_model_options(p: argparse.ArgumentParser) -> None:
+def add_model_options(p: argparse.ArgumentParser) -> None:
     """The model to train, and cost emulation for timing studies."""
     p.add_argument("--model-factory", default="", metavar="MODULE:FUNC",
                    help="bring your own model: a function (config, num_stages) -> list of stage modules "
@@ -184,11 +195,26 @@ def node_role(args: argparse.Namespace, env: Mapping[str, str]) -> NodeRole:
     return role
 
 
+def coordinator_place(args: argparse.Namespace, env: Mapping[str, str]) -> CoordinatorPlace:
+    """--coordinator, else RECYCLE_COORDINATOR, else node0."""
+    place = args.coordinator or env.get("RECYCLE_COORDINATOR", "") or "node0"
+    if place not in ("node0", "separate"):
+        raise ConfigError(f"RECYCLE_COORDINATOR={place!r} is not a coordinator place; use node0 (node 0's launcher "
+                          "runs it) or separate (a `recycle coordinator` process does)")
+    return place  # type: ignore[return-value]  # checked just above
+
+
 def run(args: argparse.Namespace) -> int:
+    return run_job(args, coordinator_place(args, os.environ))
+
+
+def run_job(args: argparse.Namespace, place: CoordinatorPlace) -> int:
+    """`recycle train` on a training node (place node0 or separate), or `recycle coordinator` (place self)."""
     from recycle.api import train
 
     role = node_role(args, os.environ)
-    tensorboard = args.tensorboard if role.node_rank == 0 else ""  # node 0 gathers the metrics
+    hosts = place == "self" or (place == "node0" and role.node_rank == 0)
+    tensorboard = args.tensorboard if hosts else ""  # the coordinator gathers the metrics
     if tensorboard:
         from recycle.runtime.control.tensorboard_sink import summary_writer
 
@@ -206,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     if plan.failed:
         print(f"workers down: {workers_text(plan.failed)}; running plan "
               f"{plan.meta.schedule or 'adaptive'} ({'staggered' if plan.staggered else 'coupled'} optimizer)")
-    options = _launch_options(args, role, faults, rejoins)
+    options = _launch_options(args, role, faults, rejoins, place)
     check_emulation(config, options.debug.emulation, options.recovery.timeout_s)
     sink = None
     if tensorboard:
@@ -224,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if sink is not None:
             sink.close()
-    _print_result(result, role.node_rank, args.save)
+    _print_result(result, role.node_rank, args.save, place)
     return 0
 
 
@@ -243,7 +269,7 @@ def _scripted_faults(specs: list[str],
 
 
 def _launch_options(args: argparse.Namespace, role: NodeRole, faults: list[tuple[int, FaultInjection]],
-                    rejoins: list[tuple[int, int]]) -> LaunchOptions:
+                    rejoins: list[tuple[int, int]], place: CoordinatorPlace) -> LaunchOptions:
     """The launcher's options from the command line (each part checks its flags' values as it is made)."""
     from recycle.runtime.protocol.channels import read_token
     from recycle.runtime.worker.emulate import DEFAULT_SLOT_MS, Emulation
@@ -260,7 +286,7 @@ def _launch_options(args: argparse.Namespace, role: NodeRole, faults: list[tuple
                                  hang_timeout_s=args.hang_timeout, stage_loss=args.on_stage_loss),
         cluster=ClusterOptions(master_addr=role.master_addr, master_port=role.master_port, nnodes=role.nnodes,
                                node_rank=role.node_rank, token=read_token(_checked_token_file(args.token_file)),
-                               start_method=args.start_method),
+                               start_method=args.start_method, coordinator=place),
         faults=FaultOptions(injections=tuple(faults), rejoins=tuple(rejoins), respawn_after_s=args.respawn_after,
                             chaos=parse_chaos(args.chaos) if args.chaos else None),
         debug=DebugOptions(emulation=Emulation(DEFAULT_SLOT_MS if args.slot_ms is None else args.slot_ms,
@@ -312,10 +338,11 @@ def _checked_token_file(path: str) -> str:
     return path
 
 
-def _print_result(result: TrainResult, node_rank: int, save: str | None) -> None:
-    """What the run did, on node 0 (the other nodes say that node 0 reports)."""
-    if node_rank > 0:
-        print(f"node {node_rank}: the run has finished (node 0 reports the steps and writes the outputs)")
+def _print_result(result: TrainResult, node_rank: int, save: str | None, place: CoordinatorPlace) -> None:
+    """What the run did, where the coordinator runs (the other nodes say who reports)."""
+    if place == "separate" or (place == "node0" and node_rank > 0):
+        who = "node 0" if place == "node0" else "the coordinator"
+        print(f"node {node_rank}: the run has finished ({who} reports the steps and writes the outputs)")
         return
     if result.steps:
         last = result.steps[-1]

@@ -28,10 +28,15 @@ StageLossPolicy = Literal["reshape", "respawn"]
 # would copy the launcher's threads and store connection.
 StartMethod = Literal["spawn", "forkserver"]
 Backend = Literal["nccl", "gloo"]
+# Where the job's store and coordinator run: "node0" in node 0's launcher (the default: one command per node);
+# "separate" in a `recycle coordinator` process of their own, which every training node connects to (node 0 is then
+# an ordinary training node, whose loss the run survives); "self" is that coordinator process (it runs no worker).
+CoordinatorPlace = Literal["node0", "separate", "self"]
 
 STAGE_LOSS_POLICIES: tuple[StageLossPolicy, ...] = get_args(StageLossPolicy)
 START_METHODS: tuple[StartMethod, ...] = get_args(StartMethod)
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
+COORDINATOR_PLACES: tuple[CoordinatorPlace, ...] = get_args(CoordinatorPlace)
 
 MIN_TIMEOUT_S = 1.0
 
@@ -119,8 +124,30 @@ class ClusterOptions:
     token: str = ""  # the job secret; "" = a fresh one (single node); multi-node runs must share one
     backend: Backend | None = None  # None: nccl with CUDA, else gloo
     start_method: StartMethod = "spawn"
+    coordinator: CoordinatorPlace = "node0"  # where the store and the coordinator run (CoordinatorPlace)
+
+    @property
+    def hosts_coordinator(self) -> bool:
+        """This process serves the job's store and runs the coordinator."""
+        return self.coordinator == "self" or (self.coordinator == "node0" and self.node_rank == 0)
+
+    @property
+    def runs_workers(self) -> bool:
+        return self.coordinator != "self"
+
+    @property
+    def watched_nodes(self) -> range:
+        """The training nodes whose launchers the coordinator hears from through the store (all but its own)."""
+        return range(1 if self.coordinator == "node0" else 0, self.nnodes)
 
     def __post_init__(self) -> None:
+        if self.coordinator not in COORDINATOR_PLACES:
+            raise ConfigError(f"coordinator place {self.coordinator!r} is not one of {', '.join(COORDINATOR_PLACES)}")
+        if self.coordinator != "node0" and (self.master_port == 0 or not self.token):
+            who = "`recycle coordinator`" if self.coordinator == "self" else "--coordinator separate"
+            raise ConfigError(f"{who} needs a fixed --master-port (the coordinator's) and a job secret shared with "
+                              "every training node (RECYCLE_JOB_TOKEN or --token-file FILE): the nodes connect to it "
+                              "over the network")
         if not 0 <= self.master_port <= 65535:
             raise ConfigError(f"--master-port {self.master_port} is not a TCP port; use 1..65535 (or 0 on a single "
                               "node: any free port)")
@@ -208,7 +235,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     **{name: ("recovery", name) for name in ("timeout_s", "heartbeat_s", "heartbeat_timeout_s", "hang_timeout_s",
                                              "stage_loss")},
     **{name: ("cluster", name) for name in ("master_addr", "master_port", "nnodes", "node_rank", "token", "backend",
-                                            "start_method")},
+                                            "start_method", "coordinator")},
     "faults": ("faults", "injections"),
     **{name: ("faults", name) for name in ("rejoins", "respawn_after_s", "chaos")},
     **{name: ("debug", name) for name in ("record_timings", "verify_replicas", "emulation")},

@@ -71,8 +71,8 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     store_timeout_s = max(options.recovery.timeout_s, 60.0)
     server: StoreServer | None = None
     store: Any
-    if cluster.node_rank == 0:
-        # Node 0 serves the store; its coordinator reads the data in-process (no socket, and it cannot be fenced).
+    if cluster.hosts_coordinator:
+        # The coordinator's process serves the store and reads it in-process (no socket, and it cannot be fenced).
         server = host_store(cluster.master_addr, cluster.master_port, token)
         store, store_port = LocalStore(server.data, store_timeout_s), server.port
     else:
@@ -82,23 +82,27 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
         store_port = cluster.master_port
     # What the workers are told: the store's real port, the job secret and the backend, all settled.
     resolved = replace(cluster, master_port=store_port, token=token, backend=cluster.backend or default_backend())
-    mine = node_ranks(plan.live_ranks(), cluster.nnodes, cluster.node_rank)
+    mine = node_ranks(plan.live_ranks(), cluster.nnodes, cluster.node_rank) if cluster.runs_workers else []
     wall0 = time.time()
     jobs = JobStore(store)
     # A node started again while its job runs (a repaired node) brings its workers back as replacements.
-    rejoining = cluster.node_rank > 0 and jobs.is_set(Flags.RUNNING)
+    rejoining = not cluster.hosts_coordinator and jobs.is_set(Flags.RUNNING)
     spec_for = _spec_maker(config, plan, options, resolved, start_step, end_step, mine)
     spawner = Spawner(start_context(cluster.start_method), spec_for, plan.worker)
     workers = WorkerProcesses(jobs, spawner)
     finished = False
     try:
-        if options.progress:
+        if options.progress and cluster.runs_workers:
             options.progress(f"starting {len(mine)} worker process(es) ({cluster.start_method}): each imports torch "
                              "and builds its stage; step 1 follows when every worker has joined"
                              + (" (this node re-joins a running job)" if rejoining else ""))
+        elif options.progress:
+            options.progress(f"coordinator: the job's store listens on {cluster.master_addr}:{store_port}; waiting "
+                             f"for {cluster.nnodes} training node(s) to start their workers (`recycle train "
+                             "--coordinator separate --node-rank R` with the same config and job secret)")
         for rank in mine:
             workers.start(rank, joining=rejoining)
-        if cluster.node_rank == 0:
+        if cluster.hosts_coordinator:
             run = Supervisor(config, plan, options, store, workers, start_step, end_step, wall0, server)
             steps, recoveries, failed = run.run()
             chaos_events = [event.record() for event in run.reporter.chaos_events]
@@ -113,10 +117,10 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
             server.close()
         if not finished and options.checkpoint.dir:  # a shard being written when the run failed
             checkpoint.clear_dead_writers(options.checkpoint.dir)
-        if not finished and options.outputs.save_path and cluster.node_rank == 0:
+        if not finished and options.outputs.save_path and cluster.hosts_coordinator:
             for stage in range(plan.num_stages):  # a failed run leaves no half-made --save behind
                 checkpoint.part_file(options.outputs.save_path, stage).unlink(missing_ok=True)
-    if options.outputs.save_path and cluster.node_rank == 0 and end_step > start_step:
+    if options.outputs.save_path and cluster.hosts_coordinator and end_step > start_step:
         checkpoint.merge_stage_parts(options.outputs.save_path, plan.num_stages,
                                      {"step": end_step, "config": config.to_dict()})
     return TrainResult(start_step, end_step, tuple(steps), time.time() - wall0, tuple(recoveries),
@@ -142,7 +146,8 @@ def _spec_maker(config: Config, plan: Plan, options: LaunchOptions, cluster: Clu
 
 
 def _follow(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions) -> None:
-    """A node other than 0: report its workers' exits, carry out fences and respawns, stop when the run ends."""
+    """A node whose coordinator runs elsewhere (node 0's launcher or `recycle coordinator`): report its workers'
+    exits, carry out fences and respawns, stop when the run ends."""
     try:
         _follow_loop(jobs, workers, options)
     except StoreFenced:
@@ -153,9 +158,10 @@ def _follow(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions) ->
                              "repaired node") from None
     except dist.DistError:
         workers.stop()
-        raise RuntimeFailure(f"node {options.cluster.node_rank} lost contact with the job's store on node 0 "
+        where = "node 0" if options.cluster.coordinator == "node0" else "the coordinator"
+        raise RuntimeFailure(f"node {options.cluster.node_rank} lost contact with the job's store on {where} "
                              f"({options.cluster.master_addr}:{options.cluster.master_port}): the run has ended or "
-                             "node 0 is gone") \
+                             f"{where} is gone") \
             from None
 
 

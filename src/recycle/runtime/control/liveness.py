@@ -13,8 +13,8 @@ __all__ = ["Liveness"]
 class Liveness:
     """The beats seen so far, by worker and by node launcher, and when each last changed."""
 
-    def __init__(self, jobs: JobStore, nnodes: int, heartbeat_s: float, timeout_s: float) -> None:
-        self.jobs, self.nnodes, self.heartbeat_s, self.timeout_s = jobs, nnodes, heartbeat_s, timeout_s
+    def __init__(self, jobs: JobStore, nodes: range, heartbeat_s: float, timeout_s: float) -> None:
+        self.jobs, self.nodes, self.heartbeat_s, self.timeout_s = jobs, nodes, heartbeat_s, timeout_s
         self.beats: dict[int, tuple[str, int]] = {}  # rank -> (incarnation, beats) of its last beat seen
         self.last_beat: dict[int, float] = {}
         self.progress: dict[int, Progress] = {}  # rank -> its main thread's progress (hang detection)
@@ -47,13 +47,13 @@ class Liveness:
     def silent_nodes(self, now: float) -> list[tuple[int, float]]:
         """The node launchers silent past the timeout, with how long they have been; counted as fenced from now
         on, until a new launcher of that node beats."""
-        for node in range(1, self.nnodes):
+        for node in self.nodes:
             raw = self.jobs.raw.try_get(Keys.node_heartbeat(node))
             if raw is not None and raw.isdigit() and int(raw) != self.node_beats.get(node):
                 self.node_beats[node] = int(raw)
                 self.node_last_beat[node] = now
                 self.fenced_nodes.discard(node)  # a fenced launcher cannot beat: this is its node's new launcher
-        nodes = frozenset(n for n in range(1, self.nnodes) if n not in self.fenced_nodes)
+        nodes = frozenset(n for n in self.nodes if n not in self.fenced_nodes)
         silent = stale_heartbeats(self.node_last_beat, nodes, now, self.timeout_s)
         self.fenced_nodes.update(silent)
         return [(node, now - self.node_last_beat[node]) for node in silent]

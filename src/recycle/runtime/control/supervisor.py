@@ -76,7 +76,7 @@ class Supervisor:
         self.last_chaos_step = start_step
         self.exited: set[int] = set()
         self.pids: dict[int, int | None] = {r: workers.pid(r) for r in workers.ranks}
-        self.liveness = Liveness(self.jobs, options.cluster.nnodes, options.recovery.heartbeat_s,
+        self.liveness = Liveness(self.jobs, options.cluster.watched_nodes, options.recovery.heartbeat_s,
                                  options.recovery.heartbeat_timeout_s)
         # Tests only: ranks whose process the launcher must not kill (as if its node could not be reached).
         self.unfenceable = {int(r) for r in os.environ.get("RECYCLE_TEST_UNFENCEABLE", "").split(",") if r.strip()}
@@ -318,7 +318,7 @@ class Supervisor:
             self.failing = True
             self._drain()  # report the steps that completed before the failure
         self.workers.stop()
-        if self.options.cluster.nnodes > 1:
+        if self.options.cluster.watched_nodes:
             # The other nodes' launchers stop their workers and report this.
             self.jobs.raise_flag(Flags.ABORT_RUN, text=message)
         raise RuntimeFailure(message)
@@ -373,7 +373,7 @@ class Supervisor:
 
     def _finish_nodes(self) -> None:
         """Multi-node: say the run is over; keep the store up until every node has said it is done."""
-        if self.options.cluster.nnodes == 1:
+        if not self.options.cluster.watched_nodes:
             return
         self.jobs.raise_flag(Flags.FINISHED)
         live = self.coordinator.participants()
@@ -381,7 +381,7 @@ class Supervisor:
         # A node is waited for while it has a live worker or its launcher still beats (a repaired node whose
         # replacements came too late to be admitted: they see the end and exit, then it says it is done too).
         beating = self.liveness.beating_nodes(time.time())
-        nodes = [n for n in range(1, self.options.cluster.nnodes) if n not in self.liveness.fenced_nodes
+        nodes = [n for n in self.options.cluster.watched_nodes if n not in self.liveness.fenced_nodes
                  and (set(node_ranks(initial, self.options.cluster.nnodes, n)) & live or n in beating)]
         deadline = time.time() + max(self.options.recovery.timeout_s, 60.0)
         while not all(self.jobs.is_set(Flags.NODE_DONE, n) for n in nodes) and time.time() < deadline:

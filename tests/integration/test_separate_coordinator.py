@@ -1,0 +1,85 @@
+"""`recycle coordinator` (issue 23 item 1): the store and the coordinator in a process of their own; every training
+node, node 0 included, runs `recycle train --coordinator separate` against it, so losing node 0 (its launcher and its
+workers, SIGKILLed together) is an ordinary node failure: the other node trains to the end, exact."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_train_multinode import free_port
+
+from recycle.config import load_config
+from recycle.runtime.tools.reference import reference_train
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _close_to_reference(save: Path, config_file: Path) -> None:
+    got = torch.load(save, weights_only=True)["model"]
+    ref, _ = reference_train(load_config(config_file))
+    for key in ref:
+        assert float((got[key] - ref[key]).abs().max() / ref[key].abs().max().clamp_min(1e-12)) < 1e-9, key
+
+
+def _wait_for(process: subprocess.Popen, text: str, timeout_s: float) -> str:
+    """Read `process`'s stdout until a line holds `text`; the lines read so far."""
+    seen: list[str] = []
+    deadline = time.time() + timeout_s
+    assert process.stdout is not None
+    while time.time() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+    raise AssertionError(f"no line with {text!r} within {timeout_s} s; saw:\n{''.join(seen)}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_losing_node_0_with_a_separate_coordinator_is_an_ordinary_node_failure(tmp_path: Path,
+                                                                               tiny_config_file) -> None:
+    config_file = tiny_config_file(steps=14)
+    save = tmp_path / "final.pt"
+    port = str(free_port())
+    env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
+    flags = ["--config", str(config_file), "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+             "--timeout", "20", "--heartbeat-timeout", "2", "--save", str(save)]
+    coordinator = subprocess.Popen([sys.executable, "-m", "recycle", "coordinator", *flags],
+                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    node = [sys.executable, "-m", "recycle", "train", *flags, "--coordinator", "separate", "--emulate-costs",
+            "--slot-ms", "40"]
+    # Node 0 in a session of its own, so that one signal takes its launcher and every worker it started.
+    node0 = subprocess.Popen([*node, "--node-rank", "0"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    node1 = subprocess.Popen([*node, "--node-rank", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env)
+    try:
+        before = _wait_for(coordinator, "step 4/14", 150)
+        os.killpg(node0.pid, signal.SIGKILL)
+        out1, err1 = node1.communicate(timeout=150)
+        out_c, err_c = coordinator.communicate(timeout=60)
+    finally:
+        for process in (coordinator, node0, node1):
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    out_c = before + out_c
+    assert coordinator.returncode == 0, err_c
+    assert node1.returncode == 0, err1
+    assert "step 14/14" in out_c
+    assert "node 0 stopped responding" in out_c, out_c
+    assert "worker 0:0" in out_c and "worker 0:1" in out_c
+    assert "workers down at the end: 0:0 0:1" in out_c
+    assert "the coordinator reports" in out1
+    assert "Traceback" not in err_c + err1
+    _close_to_reference(save, config_file)
