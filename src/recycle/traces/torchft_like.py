@@ -33,6 +33,15 @@ class TorchftLike:
     * if every group is out, the model state survives only in the fallback checkpoint: the progress since then is
       lost, and the first group complete again restores from it (`restart_s`); the others heal from that group;
     * fallback checkpoints as the other adaptive systems (`fallback_checkpoint_*`).
+
+    Defaults and their sources (JobCosts; docs/traces.md has the table):
+    * `torchft_detect_s` 5 s: the lighthouse's `heartbeat_timeout_ms` default (torchft src/lighthouse.rs);
+    * `torchft_quorum_s` 2.1 s: `quorum_tick_ms` default 100 plus the 2 s communicator rebuild also assumed for
+      ReCycle's plan switch (torchft reconfigures its process group on every quorum change: Manager._async_quorum);
+    * `torchft_lost_step_fraction` 1.0: Manager.report_error skips the whole step, on every group;
+    * `torchft_heal_bytes_per_s` 2.4e9 per GPU: torchft PR #119, in-place PGTransport, 12 GB sent in 5.05 s (48 GB
+      in 18.5 s);
+    * `torchft_restart_s` 60 s: an assumption (relaunch and initialise a repaired group; nobody waits for it).
     """
 
     name, label = "torchft-like", "torchft-like (model; global batch shrinks)"
