@@ -142,8 +142,8 @@ def simulate_trace(config: Config, trace: str | Path | EventTrace, *, systems: S
                    period_model: str = "auto", reference: str = "1f1b", costs: JobCosts | None = None,
                    progress: Callable[[str], None] | None = None) -> JobResult:
     """Replay a failure trace (a CSV path, or one from load_trace) over the job for ReCycle and the baseline models
-    (fault-free, fault-scaled, checkpoint-restart, Oobleck-like, Bamboo-like); `costs` holds detection, restart and
-    checkpoint times. The result's `.runs` hold each system's goodput and throughput timeline."""
+    (fault-free, fault-scaled, checkpoint-restart, Oobleck-like, Bamboo-like, torchft-like); `costs` holds detection,
+    restart and checkpoint times. The result's `.runs` hold each system's goodput and throughput timeline."""
     from recycle.traces.experiments import SYSTEM_NAMES, JobSetup, run_job
     from recycle.traces.model import JobCosts
 

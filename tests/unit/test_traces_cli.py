@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from recycle.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,7 +21,7 @@ def test_simulate_writes_report_plot_and_json(tmp_path: Path, capsys) -> None:
     captured = capsys.readouterr()
     printed = json.loads(captured.out)
     assert set(printed) == {"fault_free_throughput", "recycle", "fault-free", "fault-scaled", "checkpoint-restart",
-                            "oobleck", "bamboo"}
+                            "oobleck", "bamboo", "torchft-like"}
     assert abs(printed["fault-free"]["goodput"] - 1.0) < 1e-9
     assert 0 < printed["recycle"]["goodput"] <= 1.0
     assert "replaying" in captured.err  # progress goes to stderr
@@ -30,6 +32,33 @@ def test_simulate_writes_report_plot_and_json(tmp_path: Path, capsys) -> None:
     assert summary["systems"]["recycle"]["mean_throughput"] == printed["recycle"]["mean_throughput"]
     report = (out / "report.md").read_text()
     assert "throughput.png" in report and "Time lost by cause" in report and "ReCycle" in report
+    assert "torchft-like: its global batch changes" in report
+    torchft = summary["torchft_like"]
+    assert torchft["global_batch_changes"] and torchft["full_global_batch_samples"] == 18  # D=3 x M=6
+    assert torchft["best_recycle"] == "recycle"
+    assert torchft["best_recycle_goodput_ratio"] == pytest.approx(
+        printed["recycle"]["goodput"] / printed["torchft-like"]["goodput"])
+
+
+def test_simulate_selects_torchft_like_and_names_an_unknown_system(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "o"
+    code = main(["simulate", "--config", TOY, "--generate", "poisson:nodes=12,hours=2,mtbf_h=2,repair_h=0.5,seed=1",
+                 "--out", str(out), "--systems", "recycle", "torchft-like", "--period-model", "estimate",
+                 "--slot-seconds", "0.01", "--torchft-heal-bytes-per-s", "1e9"])
+    assert code == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0].startswith("recycle ") and lines[1].startswith("torchft-like ")
+    assert lines[2].startswith("best ReCycle line (recycle) / torchft-like: ") and len(lines) == 3
+    assert set(json.loads((out / "summary.json").read_text())["systems"]) == {"recycle", "torchft-like"}
+    code = main(["simulate", "--config", TOY, "--generate", "poisson:nodes=12,hours=2,mtbf_h=2,repair_h=0.5",
+                 "--out", str(out), "--systems", "recycle", "torchft"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown system(s) 'torchft'") and "torchft-like" in err and err.count("\n") == 1
+    assert main(["simulate", "--config", TOY, "--generate", "poisson:nodes=12,hours=2,mtbf_h=2,repair_h=0.5",
+                 "--out", str(out), "--torchft-heal-bytes-per-s", "0"]) == 2
+    assert "torchft_heal_bytes_per_s = 0.0 must be > 0" in capsys.readouterr().err
 
 
 def test_simulate_selected_systems_with_a_messy_trace_file(tmp_path: Path, capsys) -> None:
@@ -71,3 +100,21 @@ def test_simulate_places_availability_failures_on_the_jobs_grid(tmp_path: Path, 
                  str(tmp_path / "gcp"), "--systems", "fault-scaled", "--period-model", "estimate",
                  "--slot-seconds", "0.01"])
     assert code == 0 and "placement spread (seed 0; grid D=3 x S=4" in capsys.readouterr().err
+
+
+def test_recycle_plus_decisions_go_to_the_report_and_stdout_keeps_the_summary(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "plus"
+    code = main(["simulate", "--config", str(ROOT / "configs" / "gpt3-6.7b-a100.toml"), "--generate",
+                 "paper-gcp:placement=spread", "--out", str(out), "--systems", "recycle", "recycle-plus",
+                 "--period-model", "estimate"])
+    assert code == 0
+    stdout = capsys.readouterr().out.splitlines()
+    decisions = [e for e in json.loads((out / "summary.json").read_text())["recycle_plus_policy"]
+                 if e["policy"] in ("repartition", "re-route", "layers back")]
+    assert decisions and not any(line.startswith("ReCycle+ at") for line in stdout)
+    assert stdout[-1] == f"ReCycle+ made {len(decisions)} layer decision(s): listed in {out}/report.md"
+    assert len(stdout) == 3  # one line per system, then the pointer to the decisions
+    report = (out / "report.md").read_text()
+    assert f"### ReCycle+ layer decisions ({len(decisions)})" in report
+    for entry in decisions:
+        assert f"| {entry['time_s']:.0f} | {entry['policy']} | {entry['detail']} |" in report

@@ -10,11 +10,11 @@ from recycle.api import load_trace, simulate_trace
 from recycle.commands import add_set_option
 from recycle.config import load_config
 from recycle.errors import ConfigError
-from recycle.traces.experiments import SYSTEM_NAMES, JobSetup, check_replay
+from recycle.traces.experiments import SYSTEM_NAMES, JobSetup, check_replay, check_systems
 from recycle.traces.generate import GENERATE_HELP
 from recycle.traces.model import JobCosts
 from recycle.traces.placement import PLACEMENT_HELP, PLACEMENTS
-from recycle.traces.report import write_report
+from recycle.traces.report import PLUS_DECISIONS, write_report
 
 __all__ = ["register", "run"]
 
@@ -22,15 +22,18 @@ __all__ = ["register", "run"]
 # JobCosts knobs a user can set from the command line (--detect-s ...).
 COST_FLAGS = ("detect_s", "plan_switch_s", "redo_fraction", "restart_s", "checkpoint_interval_s", "checkpoint_cost_s",
               "fallback_checkpoint_interval_s", "fallback_checkpoint_cost_s", "oobleck_reconfig_s",
-              "bamboo_reconfig_s", "bamboo_rc_overhead", "reshape_horizon_s", "repartition_prior_s")
+              "bamboo_reconfig_s", "bamboo_rc_overhead", "reshape_horizon_s", "repartition_prior_s",
+              "torchft_detect_s", "torchft_quorum_s", "torchft_lost_step_fraction", "torchft_heal_bytes_per_s",
+              "torchft_restart_s")
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "simulate", help="replay a failure trace over a job: ReCycle vs baseline models",
         description="Replay a failure/availability trace over a D x S training job and compare ReCycle with "
-                    "baseline models (fault-free, fault-scaled, checkpoint-restart, Oobleck-like, Bamboo-like). "
-                    "Writes DIR/report.md, DIR/throughput.png and DIR/summary.json.")
+                    "baseline models (fault-free, fault-scaled, checkpoint-restart, Oobleck-like, Bamboo-like, "
+                    "torchft-like). Writes DIR/report.md (with every ReCycle+ decision), DIR/throughput.png and "
+                    "DIR/summary.json; stdout gets the summary.")
     p.add_argument("--config", required=True, help="job config (TOML), e.g. configs/gpt3-6.7b-a100.toml")
     add_set_option(p)
     src = p.add_mutually_exclusive_group(required=True)
@@ -39,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     src.add_argument("--generate", metavar="SPEC", help=GENERATE_HELP)
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--json", action="store_true", help="print one JSON object with the summary on stdout")
-    p.add_argument("--systems", nargs="+", default=list(SYSTEM_NAMES), choices=SYSTEM_NAMES, metavar="SYSTEM",
+    p.add_argument("--systems", nargs="+", default=list(SYSTEM_NAMES), metavar="SYSTEM",
                    help=f"systems to replay (default: all of {', '.join(SYSTEM_NAMES)})")
     p.add_argument("--strict", action="store_true", help="fail on repeated or out-of-order trace events instead "
                    "of fixing them (the fixes are always counted and reported)")
@@ -63,6 +66,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     for name in COST_FLAGS:
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(costs, name),
                        help=f"(default {getattr(costs, name)})")
+    p.add_argument("--torchft-regroup", action="store_true",
+                   help="torchft-like pools the idle survivors of broken replica groups into complete groups instead "
+                        "of each group waiting for its own repair")
     p.add_argument("--no-reshape", action="store_true",
                    help="ReCycle never reshapes into D' = live // S pipelines; it only re-routes on the D x S grid "
                         "(and restores from the checkpoint when a stage is lost)")
@@ -71,8 +77,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_systems(args.systems)  # before the config and the trace are read
     config = load_config(args.config, args.set)
-    costs = JobCosts(**{name: getattr(args, name) for name in COST_FLAGS}, reshape=not args.no_reshape)
+    costs = JobCosts(**{name: getattr(args, name) for name in COST_FLAGS}, reshape=not args.no_reshape,
+                     torchft_regroup=args.torchft_regroup)
     JobSetup(gpus_per_node=args.gpus_per_node, slot_seconds=args.slot_seconds)  # checks both before the trace is read
     trace = load_trace(config, args.trace, generate=args.generate or "", seed=args.seed,
                        placement=args.placement or "random", gpus_per_node=args.gpus_per_node, replicas=args.replicas,
@@ -114,8 +122,13 @@ def run(args: argparse.Namespace) -> int:
             if run_summary["reason"]:
                 line += f"   ({run_summary['reason']})"
             print(line)
-        decisions = [e for e in result.extra.get("recycle_plus_policy", [])
-                     if e["policy"] in ("repartition", "re-route", "layers back")]
-        for entry in decisions:
-            print(f"ReCycle+ at {entry['time_s']:.0f} s: {entry['policy']}: {entry['detail']}")
+        torchft = summary.get("torchft_like")
+        if torchft and torchft["best_recycle_goodput_ratio"] is not None:
+            print(f"best ReCycle line ({torchft['best_recycle']}) / torchft-like: "
+                  f"{torchft['best_recycle_goodput_ratio']:.2f}x by goodput (torchft-like's global batch changes: "
+                  f"{torchft['mean_global_batch_samples']:.1f} of {torchft['full_global_batch_samples']} samples on "
+                  "average)")
+        decisions = [e for e in result.extra.get("recycle_plus_policy", []) if e["policy"] in PLUS_DECISIONS]
+        if decisions:
+            print(f"ReCycle+ made {len(decisions)} layer decision(s): listed in {args.out}/report.md")
     return 0

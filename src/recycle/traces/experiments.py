@@ -17,6 +17,7 @@ from recycle.traces.model import JobContext, JobCosts, SystemModel
 from recycle.traces.recycle_system import ReCycleSystem
 from recycle.traces.throughput import (MAX_SLOT_SECONDS, PeriodFn, ThroughputModel, make_period_fn, reference_period,
                                        seconds_per_unit)
+from recycle.traces.torchft_like import TorchftLike
 from recycle.traces.trace import ADD, EventTrace, WorkerGrid, check_replay_size
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SYSTEM_NAMES",
+    "check_systems",
     "JobSetup",
     "size_to_trace",
     "job_grid",
@@ -36,7 +38,8 @@ __all__ = [
     "named_config",
 ]
 
-SYSTEM_NAMES = ("recycle", "recycle-plus", "fault-free", "fault-scaled", "checkpoint-restart", "oobleck", "bamboo")
+SYSTEM_NAMES = ("recycle", "recycle-plus", "fault-free", "fault-scaled", "checkpoint-restart", "oobleck", "bamboo",
+                "torchft-like")
 
 # The paper's numbers this experiment is compared with (recycle-paper.md §5.2, abstract).
 PAPER = {
@@ -150,14 +153,20 @@ def _check_placement_grid(trace: EventTrace, config: Config, gpus_per_node: int,
             "(job_grid(config, ...); `recycle simulate` does this)")
 
 
+def check_systems(systems: Sequence[str]) -> None:
+    """Every name must be one of SYSTEM_NAMES (the error names the unknown ones and the choices)."""
+    unknown = [s for s in systems if s not in SYSTEM_NAMES]
+    if unknown:
+        raise ConfigError(f"unknown system(s) {', '.join(map(repr, unknown))}: a system is one of "
+                          f"{', '.join(SYSTEM_NAMES)}; e.g. --systems recycle torchft-like")
+
+
 def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_NAMES,
             costs: JobCosts = JobCosts(), setup: JobSetup = JobSetup(), period_fn: PeriodFn | None = None,
             period_label: str = "", options: PlannerOptions = PlannerOptions(),
             progress: Callable[[str], None] | None = None) -> JobResult:
     """Map the trace onto the job, build every requested system and replay them all."""
-    unknown = [s for s in systems if s not in SYSTEM_NAMES]
-    if unknown:
-        raise ConfigError(f"unknown system(s) {unknown}; choose from {list(SYSTEM_NAMES)}")
+    check_systems(systems)
     check_replay(trace, setup.gpus_per_node, config.topology.gpus_per_worker, costs)
     timeline = map_trace_to_units(trace, setup.gpus_per_node, config.topology.gpus_per_worker)
     config = size_to_trace(config, timeline, setup.replicas)
@@ -183,6 +192,7 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
     result = replay_all(built, timeline, ctx, progress)
     policy = next((list(b.policy_log) for b in built if type(b) is ReCycleSystem), [])
     plus = next((list(b.policy_log) for b in built if b.name == "recycle-plus"), [])
+    torchft = next((b for b in built if isinstance(b, TorchftLike)), None)
     extra = {
         "config": config.name,
         "num_replicas": config.num_replicas,
@@ -202,6 +212,8 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
         # Seconds ReCycle+ spent per (failure key, layer partition), running and in all.
         "recycle_plus_states": next((b.time_by_state(timeline.end_s) for b in built if b.name == "recycle-plus"), []),
         "skipped": skipped,
+        # torchft-like's active replica groups over time: its global batch is that many x M micro-batches.
+        "torchft_groups": [{"time_s": t, "active_groups": n} for t, n in torchft.group_log] if torchft else [],
     }
     return replace(result, extra=extra)
 
@@ -236,6 +248,7 @@ def _build_systems(systems: Sequence[str], ctx: JobContext, throughput: Throughp
         "checkpoint-restart": lambda: CheckpointRestart(ctx),
         "oobleck": lambda: OobleckLike(ctx),
         "bamboo": lambda: BambooLike(ctx),
+        "torchft-like": lambda: TorchftLike(ctx),
     }
     return [builders[name]() for name in systems]
 

@@ -18,8 +18,9 @@ CAUSES = (
     "redundant computation",  # Bamboo's fault-free overhead
     "detection",  # noticing a failure (heartbeat timeout)
     "plan switch",  # ReCycle: plan lookup + communicator rebuild
-    "redone iteration",  # ReCycle: the iteration a failure interrupted is redone from its start
-    "reconfiguration",  # Oobleck / Bamboo: re-instantiate pipelines, copy layers, rebalance
+    "redone iteration",  # ReCycle: the iteration a failure interrupted is redone; torchft-like: the step is discarded
+    "reconfiguration",  # Oobleck / Bamboo: re-instantiate pipelines, copy layers; torchft-like: a new quorum
+    "heal",  # torchft-like: a re-joining replica group receives the model state from a live peer; the others wait
     "restart",  # restart from a checkpoint (relaunch + load)
     "checkpoint",  # writing periodic checkpoints
     "lost work",  # progress since the last checkpoint, rolled back
@@ -54,6 +55,18 @@ class JobCosts:
     # ReCycle+ (traces/repartition.py): the expected time until the next change before any change is seen (then
     # the running mean gap, this prior counted once); it weighs a layer migration's pause against its gain.
     repartition_prior_s: float = 1800.0
+    # torchft-like (traces/torchft_like.py; sources in docs/traces.md): the lighthouse's heartbeat timeout
+    # (heartbeat_timeout_ms default 5000), a new quorum and its process-group rebuild (quorum_tick_ms 100 + the
+    # 2 s communicator rebuild ReCycle's plan_switch_s assumes), the share of the step in flight that every group
+    # discards on a failure (Manager.report_error: the step is skipped), the live-recovery bandwidth per GPU
+    # (torchft PR #119: 12 GB in ~5 s with PGTransport in place), the relaunch of a repaired group (assumption), and
+    # whether idle survivors of broken groups may be pooled into new groups (off: a group waits for its own repair).
+    torchft_detect_s: float = 5.0
+    torchft_quorum_s: float = 2.1
+    torchft_lost_step_fraction: float = 1.0
+    torchft_heal_bytes_per_s: float = 2.4e9
+    torchft_restart_s: float = 60.0
+    torchft_regroup: bool = False
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():
@@ -66,6 +79,12 @@ class JobCosts:
                               "--fallback-checkpoint-interval-s)")
         if self.redo_fraction > 1:
             raise ConfigError(f"redo_fraction = {self.redo_fraction} must be in [0, 1] (a fraction of one iteration; --redo-fraction)")
+        if self.torchft_lost_step_fraction > 1:
+            raise ConfigError(f"torchft_lost_step_fraction = {self.torchft_lost_step_fraction} must be in [0, 1] (a "
+                              "fraction of one step; --torchft-lost-step-fraction)")
+        if self.torchft_heal_bytes_per_s <= 0:
+            raise ConfigError(f"torchft_heal_bytes_per_s = {self.torchft_heal_bytes_per_s} must be > 0 (bytes per "
+                              "second of live recovery per GPU, e.g. 2.4e9; --torchft-heal-bytes-per-s)")
         if not 0 <= self.bamboo_rc_overhead < 1:
             raise ConfigError(f"bamboo_rc_overhead = {self.bamboo_rc_overhead} must be in [0, 1)")
 

@@ -13,7 +13,15 @@ from recycle.report.units import human_seconds, percent
 from recycle.traces.jobsim import JobResult, binned, compare_series
 from recycle.traces.model import CAUSES
 
-__all__ = ["write_report", "summary_dict", "markdown_table"]
+__all__ = ["write_report", "summary_dict", "markdown_table", "best_recycle"]
+
+RECYCLE_POLICIES = ("recycle", "recycle-plus")  # ReCycle's lines: the paper's re-routing, and ReCycle+
+
+
+def best_recycle(runs: dict[str, Any]) -> str | None:
+    """The ReCycle line with the highest goodput among those replayed (None if neither ran)."""
+    mine = [name for name in RECYCLE_POLICIES if name in runs]
+    return max(mine, key=lambda name: runs[name].goodput) if mine else None
 
 
 def summary_dict(result: JobResult) -> dict[str, Any]:
@@ -42,10 +50,63 @@ def summary_dict(result: JobResult) -> dict[str, Any]:
                 by_mean[name] = mine.mean_throughput / run.mean_throughput if run.mean_throughput > 0 else None
     summary["recycle_goodput_ratio_to"] = by_goodput
     summary["recycle_mean_ratio_to"] = by_mean
+    if "torchft-like" in runs:
+        summary["torchft_like"] = _torchft_summary(result)
     # The curves behind the plot: (time_s, samples/s) steps per system, pauses included as 0.
     summary["series"] = {name: [[t, r] for t, r in run.series] for name, run in runs.items()}
     summary["live_workers"] = [[t, len(live)] for t, live in zip(result.timeline.times_s, result.timeline.live)]
     return summary
+
+
+def _torchft_summary(result: JobResult) -> dict[str, Any]:
+    """torchft-like's changing global batch (it runs A x M micro-batches with A groups active) and the best ReCycle
+    line's goodput over it."""
+    cfg = result.context.config
+    full = cfg.num_replicas * cfg.num_microbatches * cfg.workload.microbatch_size
+    log = result.extra.get("torchft_groups", [])
+    end = result.timeline.end_s
+    area = sum(entry["active_groups"] * (min(end, log[i + 1]["time_s"] if i + 1 < len(log) else end) - entry["time_s"])
+               for i, entry in enumerate(log))
+    per_group = full / cfg.num_replicas
+    torchft = result.runs["torchft-like"]
+    best = best_recycle(result.runs)
+    ratio = result.runs[best].goodput / torchft.goodput if best and torchft.goodput > 0 else None
+    return {
+        "global_batch_changes": True,
+        "full_global_batch_samples": full,
+        "mean_global_batch_samples": per_group * area / end if end > 0 and log else None,
+        "smallest_global_batch_samples": per_group * min(e["active_groups"] for e in log) if log else None,
+        "best_recycle": best,
+        "best_recycle_goodput_ratio": ratio,
+    }
+
+
+def _torchft_lines(summary: dict[str, Any], result: JobResult) -> list[str]:
+    """The report section saying that torchft-like's global batch changes, and by how much."""
+    tf = summary.get("torchft_like")
+    if not tf:
+        return []
+    cfg = result.context.config
+    lines = [
+        "## torchft-like: its global batch changes",
+        "",
+        f"torchft-like drops a whole replica group (one pipeline of S = {cfg.num_stages} workers) when any of its "
+        "workers fails and trains on without it until the group is complete again: with A of D groups active its "
+        f"global batch is A x M micro-batches, not D x M = {tf['full_global_batch_samples']} samples. Goodput counts "
+        "samples, so it compares with the fixed-batch systems in work done, but the optimizer sees a smaller batch "
+        "while groups are out. Model parameters and their sources: docs/traces.md.",
+        "",
+    ]
+    if tf["mean_global_batch_samples"] is not None:
+        lines.append(f"- global batch: {tf['full_global_batch_samples']} samples with every group, "
+                     f"{tf['mean_global_batch_samples']:.1f} on average over the trace, "
+                     f"{tf['smallest_global_batch_samples']:.0f} at its smallest")
+    if tf["best_recycle"] is not None:
+        ratio = tf["best_recycle_goodput_ratio"]
+        label = result.runs[tf["best_recycle"]].label
+        lines.append(f"- best ReCycle line ({label}) / torchft-like by goodput: "
+                     + (f"{ratio:.2f}x" if ratio is not None else "n/a (torchft-like made no progress)"))
+    return lines + [""]
 
 
 def _ratio(name: str, ratios: dict[str, float | None], run: Any) -> str:
@@ -126,6 +187,7 @@ def write_report(result: JobResult, out_dir: str | Path, title: str = "Trace rep
         "",
         *_system_tables(result, summary),
         *_fault_scaled_lines(summary.get("recycle_vs_fault_scaled"), result.timeline.end_s),
+        *_torchft_lines(summary, result),
         *policy_lines(extra.get("recycle_policy", []), result.timeline.end_s),
         *plus_lines(extra.get("recycle_plus_policy", []), extra.get("partitions", []), result),
     ]
@@ -219,7 +281,25 @@ def plus_lines(log: list[dict[str, Any]], partitions: list[dict[str, Any]], resu
         "re-partitioned layout.",
         "",
     ]
-    return lines + policy_lines(log, result.timeline.end_s, title="ReCycle+ policy over time")
+    return lines + policy_lines(log, result.timeline.end_s, title="ReCycle+ policy over time") + decision_lines(log)
+
+
+PLUS_DECISIONS = ("repartition", "re-route", "layers back")  # ReCycle+'s choices about layers (the rest: ReCycle's)
+
+
+def decision_lines(log: list[dict[str, Any]]) -> list[str]:
+    """Every ReCycle+ layer decision, with its rates, pause and predicted gain (`recycle simulate` keeps stdout to
+    the summary and points here)."""
+    decisions = [e for e in log if e["policy"] in PLUS_DECISIONS]
+    if not decisions:
+        return []
+    return [
+        f"### ReCycle+ layer decisions ({len(decisions)})",
+        "",
+        markdown_table(["at (s)", "decision", "detail"],
+                       [[f"{e['time_s']:.0f}", e["policy"], e["detail"]] for e in decisions]),
+        "",
+    ]
 
 
 def policy_lines(log: list[dict[str, Any]], end_s: float, limit: int = 40,
