@@ -165,3 +165,31 @@ def test_the_slurm_example_script_trains_on_two_nodes(tmp_path: Path, tiny_confi
     assert not list(run_dir.glob("*.token"))
     assert (run_dir / "ckpt" / "latest").is_file() and (run_dir / "metrics.jsonl").is_file()
     assert_reference(config_file, run_dir / "final.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_the_slurm_example_script_with_a_separate_coordinator(tmp_path: Path, tiny_config_file) -> None:
+    """COORDINATOR=separate: `recycle coordinator` on the batch host (here: the script's shell), both stand-in nodes
+    ordinary training nodes; the coordinator reports the steps and merges --save."""
+    config_file = tiny_config_file(steps=2)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    job_id = next(str(j) for j in range(os.getpid() % 10_000 + 7, 10**6) if _port_free(slurm_port(str(j))))
+    run_dir = tmp_path / "run"
+    env = {**clean_env(), "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "CONFIG": str(config_file), "RUN_DIR": str(run_dir), "CHECKPOINT_EVERY": "1", "SLURM_JOB_ID": job_id,
+           "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost,node02", "COORDINATOR": "separate",
+           "MASTER_ADDR": "127.0.0.1"}
+    run = subprocess.run(["bash", str(ROOT / "examples" / "slurm" / "train.sbatch")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=180)
+    logs = {name: (run_dir / f"{name}.out").read_text() for name in ("node0", "node1")
+            if (run_dir / f"{name}.out").exists()}
+    assert run.returncode == 0, (run.stdout, run.stderr, logs)
+    assert "step 2/2" in run.stdout and "coordinator: the job's store listens on 127.0.0.1" in run.stdout
+    assert all("the coordinator reports the steps" in log for log in logs.values()), logs
+    assert not list(run_dir.glob("*.token"))
+    assert (run_dir / "ckpt" / "latest").is_file() and (run_dir / "metrics.jsonl").is_file()
+    assert_reference(config_file, run_dir / "final.pt")
