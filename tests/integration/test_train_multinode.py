@@ -103,3 +103,28 @@ def test_a_node_with_another_token_is_told_at_once_that_no_job_runs_with_it(tmp_
     assert wrong.returncode == 2
     assert "no job there runs with this token" in wrong.stderr and "Traceback" not in wrong.stderr
     assert wrong.stderr.count("\n") <= 3  # the error line (and at most the start-up lines)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_node_started_with_other_flags_is_refused_at_once_saying_what_differs(tmp_path: Path,
+                                                                                 tiny_config_file) -> None:
+    """Every launcher checks the run's settings that node 0 (or the separate coordinator) published before it starts
+    a worker: here node 1 asks for other --steps and no --save."""
+    config_file = tiny_config_file(steps=200)
+    port = str(free_port())
+    env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
+    common = [sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--nnodes", "2",
+              "--master-port", port]
+    node0 = subprocess.Popen([*common, "--node-rank", "0", "--save", str(tmp_path / "final.pt")], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        other = subprocess.run([*common, "--node-rank", "1", "--steps", "7"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=90, env=env)
+    finally:
+        node0.kill()
+        node0.wait()
+    assert other.returncode == 2, other.stderr
+    assert "node 1 was started with other settings than the job's coordinator" in other.stderr
+    assert "--steps: 7 here, 200 at the coordinator" in other.stderr and "--save: '' here" in other.stderr
+    assert "Traceback" not in other.stderr

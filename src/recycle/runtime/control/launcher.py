@@ -4,6 +4,8 @@ plan for the new failure state and announces the next generation; it also gather
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import time
@@ -21,9 +23,10 @@ from recycle.runtime.control.processes import Spawner, WorkerProcesses, node_ran
 from recycle.runtime.control.reporter import Recovery, StepMetrics
 from recycle.runtime.control.supervisor import Supervisor
 from recycle.runtime.options import ClusterOptions, LaunchOptions
-from recycle.runtime.protocol.channels import (Flags, JobStore, Keys, connect_store, host_store, launcher_identity,
-                                               new_incarnation, new_token)
+from recycle.runtime.protocol.channels import (Channels, Flags, JobStore, Keys, connect_store, host_store,
+                                               launcher_identity, new_incarnation, new_token)
 from recycle.runtime.protocol.messages import check_plan_matches
+from recycle.runtime.protocol.records import JobSettings
 from recycle.runtime.protocol.store import LocalStore, StoreFenced, StoreServer
 from recycle.runtime.state import checkpoint
 from recycle.runtime.worker.data import check_data
@@ -85,6 +88,7 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     mine = node_ranks(plan.live_ranks(), cluster.nnodes, cluster.node_rank) if cluster.runs_workers else []
     wall0 = time.time()
     jobs = JobStore(store)
+    _agree_on_settings(jobs, _job_settings(config, plan, options, end_step), cluster)
     # A node started again while its job runs (a repaired node) brings its workers back as replacements.
     rejoining = not cluster.hosts_coordinator and jobs.is_set(Flags.RUNNING)
     spec_for = _spec_maker(config, plan, options, resolved, start_step, end_step, mine)
@@ -125,6 +129,27 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
                                      {"step": end_step, "config": config.to_dict()})
     return TrainResult(start_step, end_step, tuple(steps), time.time() - wall0, tuple(recoveries),
                        tuple(sorted(failed)), tuple(chaos_events))
+
+
+def _job_settings(config: Config, plan: Plan, options: LaunchOptions, end_step: int) -> JobSettings:
+    def digest(text: str) -> str:
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    return JobSettings(digest(json.dumps(config.to_dict(), sort_keys=True)), digest(plan.to_json()),
+                       options.model_factory, end_step, options.outputs.save_path, options.checkpoint.dir,
+                       options.checkpoint.every, options.checkpoint.resume_dir)
+
+
+def _agree_on_settings(jobs: JobStore, mine: JobSettings, cluster: ClusterOptions) -> None:
+    """The coordinator publishes the run's settings; every node launcher checks its own against them before it
+    starts a worker, so that a node started with other flags is refused at once, saying what differs."""
+    if cluster.hosts_coordinator:
+        jobs.put(Channels.JOB, mine)
+        return
+    differences = mine.differences(jobs.get(Channels.JOB))
+    if differences:
+        raise ConfigError(f"node {cluster.node_rank} was started with other settings than the job's coordinator "
+                          f"({'; '.join(differences)}); start every node, and the coordinator, with the same flags")
 
 
 def _spec_maker(config: Config, plan: Plan, options: LaunchOptions, cluster: ClusterOptions, start_step: int,

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any, Callable, Generic, TypeVar
 
 from recycle.errors import ConfigError
-from recycle.runtime.protocol.records import (Announcement, Beat, ErrorRecord, FaultRecord, Joined, JoinReady,
-                                              MigrationRecord, StepRecord, StoppedReport, Timestamp, TransferRecord,
-                                              from_json, to_json)
+from recycle.runtime.protocol.records import (Announcement, Beat, ErrorRecord, FaultRecord, JobSettings, Joined,
+                                              JoinReady, MigrationRecord, StepRecord, StoppedReport, Timestamp,
+                                              TransferRecord, from_json, to_json)
 from recycle.runtime.protocol.store import StoreClient, StoreServer
 
 __all__ = ["TOKEN_ENV", "new_token", "read_token", "host_store", "connect_store", "new_incarnation",
@@ -186,6 +186,10 @@ class Keys:
     def node_done(node: int) -> str:
         return f"node_done/{node}"
 
+    @staticmethod
+    def job() -> str:
+        return "job"
+
     ABORT_RUN = "abort"
     FINISHED = "finished"
     RUNNING = "running"  # the first step is done: a node launcher that starts now is a repaired node
@@ -206,6 +210,7 @@ class Channel(Generic[R]):
 class Channels:
     """Every typed record the job's processes exchange, by key."""
 
+    JOB = Channel(Keys.job, JobSettings)  # (): what every process of the run must agree on
     HEARTBEAT = Channel(Keys.heartbeat, Beat)  # (rank)
     ANNOUNCE = Channel(Keys.announce, Announcement)  # (generation)
     STOPPED = Channel(Keys.stopped, StoppedReport)  # (generation, rank)

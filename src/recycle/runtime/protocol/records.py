@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from recycle.ir.worker import Worker
 
@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # typeshed's type of a dataclass (what fields() takes); it ex
     from _typeshed import DataclassInstance
 
 __all__ = ["RecordError", "StepRecord", "ErrorRecord", "FaultRecord", "JoinReady", "Timestamp", "TransferRecord",
-           "MigrationRecord", "StoppedReport", "Announcement", "Joined", "Beat", "to_json", "from_json"]
+           "MigrationRecord", "StoppedReport", "Announcement", "Joined", "Beat", "JobSettings", "to_json", "from_json"]
 
 
 class RecordError(ValueError):
@@ -151,8 +151,39 @@ class Beat:
     incarnation: str = ""  # a replacement counts its beats from 1 again: (incarnation, beats) tells a new beat
 
 
+@dataclass(frozen=True)
+class JobSettings:
+    """What every process of a run must agree on (key `job`), written by the coordinator before any worker starts:
+    a node launcher started with other flags is refused at once, naming what differs, instead of training something
+    else or failing at the end."""
+
+    config: str  # SHA-256 of the config as the run reads it (after --set, --hf, --data-source)
+    plan: str  # SHA-256 of the plan the run starts on
+    model_factory: str
+    end_step: int
+    save_path: str
+    checkpoint_dir: str
+    checkpoint_every: int
+    resume_dir: str
+
+    FLAGS: ClassVar[dict[str, str]] = {
+        "config": "--config (or --set/--hf/--data-source)", "plan": "--schedule/--plan/--down (the starting plan)",
+        "model_factory": "--model-factory", "end_step": "--steps", "save_path": "--save",
+        "checkpoint_dir": "--checkpoint-dir", "checkpoint_every": "--checkpoint-every", "resume_dir": "--resume"}
+
+    def differences(self, other: JobSettings) -> list[str]:
+        """'FLAG: MINE here, THEIRS at the coordinator' for every setting that differs."""
+        out = []
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine != theirs:
+                shown = ("a different one", "another") if f.name in ("config", "plan") else (repr(mine), repr(theirs))
+                out.append(f"{self.FLAGS[f.name]}: {shown[0]} here, {shown[1]} at the coordinator")
+        return out
+
+
 _KINDS: dict[str, type[DataclassInstance]] = {
-    "beat": Beat, "joined": Joined, "step": StepRecord, "error": ErrorRecord, "fault": FaultRecord,
+    "job": JobSettings, "beat": Beat, "joined": Joined, "step": StepRecord, "error": ErrorRecord, "fault": FaultRecord,
     "join_ready": JoinReady, "timestamp": Timestamp, "transfer": TransferRecord, "migration": MigrationRecord,
     "stopped": StoppedReport, "announce": Announcement}
 _NAMES = {cls: kind for kind, cls in _KINDS.items()}
