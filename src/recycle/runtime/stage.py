@@ -24,7 +24,8 @@ from recycle.models.gpt import build_stages, resolve_shape, stage_layers
 from recycle.models.split import LossFn, StageModel, as_stage_model, boundary_shapes, causal_lm_loss
 from recycle.runtime.precision import weights_dtype
 
-__all__ = ["BuiltStage", "build_stage", "load_factory", "check_model", "factory_model", "hf_model", "all_stages"]
+__all__ = ["BuiltStage", "build_stage", "load_factory", "check_model", "factory_model", "hf_model", "all_stages",
+           "check_one_model"]
 
 StageFactory = Callable[[Config, int], list[nn.Module]]
 
@@ -86,14 +87,18 @@ def hf_model(config: Config) -> tuple[StageModel, list[tuple[int, int]]]:
     return StageModel(tuple(stages), causal_lm_loss), [(m.first_layer, m.end_layer) for m in stages]
 
 
+def check_one_model(config: Config, factory: str) -> None:
+    if factory and config.model.hf_config:
+        raise ConfigError(f"--model-factory {factory!r} and [model] hf_config = {config.model.hf_config!r} both name "
+                          "the model; keep one")
+
+
 def all_stages(config: Config, factory: str = "",
                bounds: list[tuple[int, int]] | None = None) -> tuple[StageModel, list[tuple[int, int]]]:
     """Every stage module of the run's model (built-in GPT, Hugging Face config, or factory) and their layouts.
     `bounds`: the built-in GPT's [first, last) layers per stage (default: the even split)."""
     S = config.num_stages
-    if factory and config.model.hf_config:
-        raise ConfigError(f"--model-factory {factory!r} and [model] hf_config = {config.model.hf_config!r} both name "
-                          "the model; keep one")
+    check_one_model(config, factory)
     if factory:
         return factory_model(config, factory), [(s, S) for s in range(S)]
     if config.model.hf_config:
