@@ -94,3 +94,47 @@ def test_configs_the_runtime_cannot_train_are_named(tmp_path) -> None:
         load_hf_config(_write(tmp_path, "mistral", max_position_embeddings=8), SEQ)
     with pytest.raises(ConfigError, match=r"vocab_size = 100 is below 256"):
         load_hf_config(_write(tmp_path, "llama", vocab_size=100), SEQ)
+
+
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_a_stage_built_alone_equals_that_stage_of_the_whole_model(family: str) -> None:
+    from recycle.models.hf import hf_stage
+
+    path = EXAMPLES / f"hf-tiny-{family}.json"
+    rng = torch.get_rng_state()
+    sliced = hf_stages(path, 3, SEQ, 5, torch.float64)
+    for s in range(3):
+        alone = hf_stage(path, 3, s, SEQ, 5, torch.float64)
+        mine, theirs = dict(alone.named_buffers()), dict(sliced[s].named_buffers())
+        mine.update(alone.state_dict())
+        theirs.update(sliced[s].state_dict())
+        assert sorted(mine) == sorted(theirs)
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine), s
+        assert all(t.dtype == torch.float64 for t in alone.state_dict().values())
+    assert torch.equal(torch.get_rng_state(), rng)  # initialisation draws from its own generators
+    # Another seed, other weights.
+    other = hf_stage(path, 3, 1, SEQ, 6, torch.float64).state_dict()
+    drawn = [k for k, v in sliced[1].state_dict().items() if float(v.std()) > 0]
+    assert drawn and all(not torch.equal(other[k], sliced[1].state_dict()[k]) for k in drawn)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2"])
+def test_initialisation_is_transformers_own_scheme_per_module(family: str) -> None:
+    """Each tensor is drawn by the family's _init_weights (a norm's ones, a bias's zeros, normal(0, 0.02) weights,
+    GPT-2's residual projections at 0.02 / sqrt(2 n_layer)): only the random stream differs from from_config's."""
+    import transformers
+
+    path = EXAMPLES / f"hf-tiny-{family}.json"
+    ours = {k.removeprefix("model."): v for k, v in build_hf_model(path, SEQ, 5, torch.float32).state_dict().items()}
+    torch.manual_seed(5)
+    hf = transformers.AutoModelForCausalLM.from_config(load_hf_config(path, SEQ)).state_dict()
+    assert sorted(ours) == sorted(hf)
+    for key, theirs in hf.items():
+        if float(theirs.std()) == 0.0:  # ones and zeros: exactly transformers'
+            assert torch.equal(ours[key], theirs), key
+        else:  # the same distribution (sample std within 15 %), another draw
+            assert abs(float(ours[key].std()) / float(theirs.std()) - 1) < 0.15, key
+            assert abs(float(ours[key].mean())) < 0.2 * float(theirs.std()), key
+            assert not torch.equal(ours[key], theirs), key
+    layers = [k for k in ours if k.endswith("0.mlp.c_fc.weight" if family == "gpt2" else "0.mlp.up_proj.weight")]
+    assert not torch.equal(ours[layers[0]], ours[layers[0].replace(".0.", ".1.")])  # each layer its own draw

@@ -1,5 +1,5 @@
-"""Hugging Face causal LMs built from a config JSON (random init from the run's seed, nothing downloaded) and split
-into S stages by decoder layers: embeddings with stage 0, final norm and lm_head with the last.
+"""Hugging Face causal LMs built from a config JSON (random init from the run's seed, nothing downloaded), split into
+S stages by decoder layers: embeddings with stage 0, final norm and lm_head with the last.
 
 Families (`model_type`): gpt2, and the rotary decoders llama, mistral and qwen2 (RMSNorm, rotary positions, grouped
 key/value heads, sliding-window attention where the config asks for it).
@@ -12,6 +12,11 @@ contiguous window of the data, so positions are a function of the shape), the ro
 within `sliding_window` for the layers the config marks "sliding_attention"). Nothing is traced, so nothing crosses a
 boundary by luck; tests/unit/test_hf_families.py checks the chained stages against the whole model's logits.
 
+A worker builds only its own stage: the model is laid out on the meta device and just that stage's tensors are
+allocated and initialised (hf_stage). Initialisation is a pure function of the seed: each module runs the family's
+own `_init_weights` from a generator seeded by (seed, its name in the whole model), so a stage built alone equals the
+same stage of the whole model (build_hf_model, which the single-process reference trains).
+
 Word embeddings must be untied (`tie_word_embeddings: false`): stage 0 holds the input embedding and the last stage
 the output head, and a weight shared across two stages would need a gradient exchange between them that the pipeline
 does not make yet. A config that ties them (gpt2's default when the key is absent) is refused rather than silently
@@ -21,6 +26,7 @@ exactness guarantee (float64, 1e-9) compares like with like.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -32,7 +38,8 @@ from recycle.errors import ConfigError
 from recycle.models.gpt import stage_layers
 
 __all__ = ["HF_EXTRA", "SUPPORTED", "load_hf_config", "build_hf_model", "hf_stages", "HFCausalLM",
-           "resolve_hf_path", "num_hf_layers", "hf_dropouts", "describe_hf_model"]
+           "resolve_hf_path", "num_hf_layers", "hf_dropouts", "describe_hf_model", "hf_stage", "check_hf_model",
+           "init_seed"]
 
 HF_EXTRA = "pip install 'recycle[hf]' (transformers==5.23.0)"
 ROTARY_FAMILIES = ("llama", "mistral", "qwen2")
@@ -136,23 +143,72 @@ def hf_dropouts(config: Any) -> dict[str, float]:
 
 def describe_hf_model(path: str | Path, seq_len: int) -> str:
     """One line naming the model a config builds: family, layers, width, parameters (counted on the meta device)."""
-    transformers = _transformers()
     config = load_hf_config(path, seq_len)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in _meta_model(config).parameters())
     return (f"the Hugging Face {config.model_type} model of {str(path)!r} ({config.num_hidden_layers} layers, hidden "
             f"{config.hidden_size}, {params:,} parameters)")
 
 
-def build_hf_model(path: str | Path, seq_len: int, seed: int, dtype: torch.dtype) -> HFCausalLM:
-    """The whole model, randomly initialised from `seed` (the global RNG is left as it was), in `dtype`."""
+def _meta_model(config: Any) -> nn.Module:
+    """The whole HF model on the meta device: its structure and tensor shapes, no memory."""
     transformers = _transformers()
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _stage_parts(config: Any, first: int, last: int) -> list[str]:
+    """The names (in the HF model) of the submodules a stage holding decoder layers [first, last) needs."""
+    if config.model_type == "gpt2":
+        embeddings, layers, shared, head = ["transformer.wte", "transformer.wpe"], "transformer.h", [], \
+            ["transformer.ln_f", "lm_head"]
+    else:  # the rotary families: every stage recomputes cos/sin, so every stage has the rotary module
+        embeddings, layers, shared, head = ["model.embed_tokens"], "model.layers", ["model.rotary_emb"], \
+            ["model.norm", "lm_head"]
+    return [*(embeddings if first == 0 else []), *(f"{layers}.{i}" for i in range(first, last)), *shared,
+            *(head if last == num_hf_layers(config) else [])]
+
+
+def init_seed(seed: int, name: str) -> int:
+    """The seed of the module `name` (its name in the whole HF model) in a run seeded `seed`."""
+    digest = hashlib.sha256(f"recycle-hf-init:{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _materialise(lm: nn.Module, parts: list[str], seed: int, dtype: torch.dtype) -> None:
+    """Allocate the tensors of the submodules `parts` of a meta-device HF model and initialise them with the model's
+    own `_init_weights`, module by module, children before parents (as transformers does), each from a generator
+    seeded by (seed, the module's whole-model name): so a module's initial weights are the same whichever other
+    modules this process builds, and the global RNG is left as it was."""
+    init_weights = lm._init_weights  # type: ignore[attr-defined]
+    for part in parts:
+        root = lm.get_submodule(part)
+        root.to_empty(device="cpu")
+        modules = [(f"{part}.{name}" if name else part, m) for name, m in root.named_modules()]
+        for module in (m for _, m in modules):  # transformers skips what it marked as initialised (e.g. loaded)
+            module.__dict__.pop("_is_hf_initialized", None)
+            for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                t.__dict__.pop("_is_hf_initialized", None)
+        for name, module in reversed(modules):  # named_modules is parents first: reversed, children first
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(init_seed(seed, name))
+                init_weights(module)
+        root.to(dtype)
+
+
+def _check_materialised(module: nn.Module, what: str) -> None:
+    left = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    if left:  # a family whose stage needs a tensor outside _stage_parts: a bug here, not the user's
+        raise RuntimeError(f"{what}: tensors {left[:3]} were not materialised")
+
+
+def build_hf_model(path: str | Path, seq_len: int, seed: int, dtype: torch.dtype) -> HFCausalLM:
+    """The whole model in `dtype`, each module initialised from (seed, its name) (see _materialise)."""
     config = load_hf_config(path, seq_len)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    return HFCausalLM(model.to(dtype))
+    lm = _meta_model(config)
+    _materialise(lm, _stage_parts(config, 0, num_hf_layers(config)), seed, dtype)
+    whole = HFCausalLM(lm)
+    _check_materialised(whole, "the whole model")
+    return whole
 
 
 class HFCausalLM(nn.Module):
@@ -185,8 +241,7 @@ class _HFStage(nn.Module):
 class _GPT2Stage(_HFStage):
     """A GPT-2 stage: wte/wpe if first, blocks h[first:last], ln_f + lm_head if last."""
 
-    def __init__(self, whole: HFCausalLM, first: int, last: int) -> None:
-        lm = whole.model
+    def __init__(self, lm: nn.Module, first: int, last: int) -> None:
         super().__init__(lm.config, first, last)
         self.model = nn.Module()
         self.model.transformer = nn.Module()
@@ -219,8 +274,7 @@ class _RotaryStage(_HFStage):
     """A llama / mistral / qwen2 stage: embed_tokens if first, layers[first:last], norm + lm_head if last, and the
     (parameter-free) rotary module on every stage, which recomputes cos/sin from the positions."""
 
-    def __init__(self, whole: HFCausalLM, first: int, last: int) -> None:
-        lm = whole.model
+    def __init__(self, lm: nn.Module, first: int, last: int) -> None:
         super().__init__(lm.config, first, last)
         self.attention_kinds = _attention_kinds(lm.config)[first:last]
         self.model = nn.Module()
@@ -256,10 +310,35 @@ class _RotaryStage(_HFStage):
         return x
 
 
+def _stage_class(config: Any) -> type[_GPT2Stage] | type[_RotaryStage]:
+    return _GPT2Stage if config.model_type == "gpt2" else _RotaryStage
+
+
 def hf_stages(path: str | Path, num_stages: int, seq_len: int, seed: int, dtype: torch.dtype) -> list[_HFStage]:
     """The S stage modules of the model, sliced by decoder layers as evenly as possible (earlier stages get the
     extra layer), with exactly the weights of build_hf_model(path, seq_len, seed, dtype)."""
     whole = build_hf_model(path, seq_len, seed, dtype)
     bounds = stage_layers(num_hf_layers(whole.model.config), num_stages)
-    stage_class = _GPT2Stage if whole.model.config.model_type == "gpt2" else _RotaryStage
-    return [stage_class(whole, first, last) for first, last in bounds]
+    return [_stage_class(whole.model.config)(whole.model, first, last) for first, last in bounds]
+
+
+def hf_stage(path: str | Path, num_stages: int, stage: int, seq_len: int, seed: int,
+             dtype: torch.dtype) -> _HFStage:
+    """Stage `stage` of hf_stages(...) built alone: the model is laid out on the meta device and only this stage's
+    tensors are allocated and initialised, so its memory is the stage's, not the model's; its weights equal that
+    stage of the whole model (each module's initialisation depends only on the seed and its name)."""
+    config = load_hf_config(path, seq_len)
+    first, last = stage_layers(num_hf_layers(config), num_stages)[stage]
+    lm = _meta_model(config)
+    _materialise(lm, _stage_parts(config, first, last), seed, dtype)
+    module = _stage_class(config)(lm, first, last)
+    _check_materialised(module, f"stage {stage}")
+    return module
+
+
+def check_hf_model(path: str | Path, num_stages: int, seq_len: int) -> None:
+    """The checks a run needs before any worker starts, without allocating the model: the config, and enough decoder
+    layers for the stages."""
+    config = load_hf_config(path, seq_len)
+    stage_layers(num_hf_layers(config), num_stages)
+    _meta_model(config)
