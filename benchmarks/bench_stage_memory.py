@@ -11,6 +11,7 @@ The default config is a Llama of 8 decoder layers, hidden 768, 12 query / 4 key-
 output head, a middle one a decoder layer only.
 
 Run: .venv/bin/python benchmarks/bench_stage_memory.py [--hidden 768] [--layers 8] [--vocab 32000] [--stages 8]
+(--hidden 3072: about 1.0 B parameters, 4 GB in float32 for the whole model)
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def main() -> None:
     heads = args.hidden // 64
     config = {"model_type": "llama", "vocab_size": args.vocab, "hidden_size": args.hidden,
               "intermediate_size": args.hidden * 8 // 3 // 256 * 256 or 256, "num_hidden_layers": args.layers,
-              "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 3),
+              "num_attention_heads": heads,
+              "num_key_value_heads": next(d for d in range(max(1, heads // 3), 0, -1) if heads % d == 0),
               "max_position_embeddings": 64, "tie_word_embeddings": False}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "llama.json")

@@ -138,3 +138,27 @@ def test_initialisation_is_transformers_own_scheme_per_module(family: str) -> No
             assert not torch.equal(ours[key], theirs), key
     layers = [k for k in ours if k.endswith("0.mlp.c_fc.weight" if family == "gpt2" else "0.mlp.up_proj.weight")]
     assert not torch.equal(ours[layers[0]], ours[layers[0].replace(".0.", ".1.")])  # each layer its own draw
+
+
+def test_a_resume_checks_checkpoints_against_the_stages_laid_out_on_meta() -> None:
+    from recycle.config import parse_config
+    from recycle.runtime.preflight import expected_stages
+
+    path = EXAMPLES / "hf-tiny-qwen2.json"
+    config = parse_config({"topology": {"num_replicas": 1, "num_stages": 3},
+                           "workload": {"num_microbatches": 3, "microbatch_size": 2, "seq_len": SEQ},
+                           "costs": {"forward": 1, "backward_input": 1, "backward_weight": 1},
+                           "model": {"hf_config": str(path)}, "training": {"dtype": "float64", "seed": 5}})
+    specs = expected_stages(config)
+    real = hf_stages(path, 3, SEQ, 5, torch.float64)
+    assert [spec.layers for spec in specs] == [(m.first_layer, m.end_layer) for m in real] == [(0, 2), (2, 3), (3, 4)]
+    for spec, stage in zip(specs, real):
+        assert spec.tensors == {k: (tuple(v.shape), v.dtype) for k, v in stage.state_dict().items()}
+        assert spec.trainable == {k: tuple(p.shape) for k, p in stage.named_parameters()}
+
+
+def test_more_stages_than_decoder_layers_is_named() -> None:
+    from recycle.models.hf import check_hf_model
+
+    with pytest.raises(ConfigError, match=r"num_hidden_layers = 4 .* but num_stages = 5; .* use num_stages <= 4"):
+        check_hf_model(EXAMPLES / "hf-tiny-llama.json", 5, SEQ)

@@ -39,7 +39,7 @@ from recycle.models.gpt import stage_layers
 
 __all__ = ["HF_EXTRA", "SUPPORTED", "load_hf_config", "build_hf_model", "hf_stages", "HFCausalLM",
            "resolve_hf_path", "num_hf_layers", "hf_dropouts", "describe_hf_model", "hf_stage", "check_hf_model",
-           "init_seed"]
+           "init_seed", "hf_meta_stages"]
 
 HF_EXTRA = "pip install 'recycle[hf]' (transformers==5.23.0)"
 ROTARY_FAMILIES = ("llama", "mistral", "qwen2")
@@ -310,6 +310,16 @@ class _RotaryStage(_HFStage):
         return x
 
 
+def _bounds(config: Any, num_stages: int) -> list[tuple[int, int]]:
+    """[first, last) decoder layers per stage (stage_layers), with the HF config's name for the layer count."""
+    n = num_hf_layers(config)
+    if 1 <= num_stages <= n:
+        return stage_layers(n, num_stages)
+    raise ConfigError(f"the Hugging Face config has num_hidden_layers = {n} (n_layer for gpt2) but num_stages = "
+                      f"{num_stages}; every stage needs at least one decoder layer: use num_stages <= {n} or a "
+                      "deeper model")
+
+
 def _stage_class(config: Any) -> type[_GPT2Stage] | type[_RotaryStage]:
     return _GPT2Stage if config.model_type == "gpt2" else _RotaryStage
 
@@ -318,7 +328,7 @@ def hf_stages(path: str | Path, num_stages: int, seq_len: int, seed: int, dtype:
     """The S stage modules of the model, sliced by decoder layers as evenly as possible (earlier stages get the
     extra layer), with exactly the weights of build_hf_model(path, seq_len, seed, dtype)."""
     whole = build_hf_model(path, seq_len, seed, dtype)
-    bounds = stage_layers(num_hf_layers(whole.model.config), num_stages)
+    bounds = _bounds(whole.model.config, num_stages)
     return [_stage_class(whole.model.config)(whole.model, first, last) for first, last in bounds]
 
 
@@ -328,7 +338,7 @@ def hf_stage(path: str | Path, num_stages: int, stage: int, seq_len: int, seed: 
     tensors are allocated and initialised, so its memory is the stage's, not the model's; its weights equal that
     stage of the whole model (each module's initialisation depends only on the seed and its name)."""
     config = load_hf_config(path, seq_len)
-    first, last = stage_layers(num_hf_layers(config), num_stages)[stage]
+    first, last = _bounds(config, num_stages)[stage]
     lm = _meta_model(config)
     _materialise(lm, _stage_parts(config, first, last), seed, dtype)
     module = _stage_class(config)(lm, first, last)
@@ -336,9 +346,17 @@ def hf_stage(path: str | Path, num_stages: int, stage: int, seq_len: int, seed: 
     return module
 
 
+def hf_meta_stages(path: str | Path, num_stages: int, seq_len: int, dtype: torch.dtype) -> list[_HFStage]:
+    """The S stage modules of hf_stages(...) on the meta device: their tensors' names, shapes and dtypes, no
+    memory (what a resume checks a checkpoint against)."""
+    config = load_hf_config(path, seq_len)
+    lm = _meta_model(config).to(dtype)
+    return [_stage_class(config)(lm, first, last) for first, last in _bounds(config, num_stages)]
+
+
 def check_hf_model(path: str | Path, num_stages: int, seq_len: int) -> None:
     """The checks a run needs before any worker starts, without allocating the model: the config, and enough decoder
     layers for the stages."""
     config = load_hf_config(path, seq_len)
-    stage_layers(num_hf_layers(config), num_stages)
+    _bounds(config, num_stages)
     _meta_model(config)
