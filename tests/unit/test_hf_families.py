@@ -162,3 +162,13 @@ def test_more_stages_than_decoder_layers_is_named() -> None:
 
     with pytest.raises(ConfigError, match=r"num_hidden_layers = 4 .* but num_stages = 5; .* use num_stages <= 4"):
         check_hf_model(EXAMPLES / "hf-tiny-llama.json", 5, SEQ)
+
+
+def test_cli_train_with_tied_embeddings_is_one_error_line(tmp_path, capsys) -> None:
+    from recycle.cli import main
+
+    tiny = str(EXAMPLES.parent / "configs" / "tiny-gpt.toml")
+    hf = _write(tmp_path, "qwen2", tie_word_embeddings=True)
+    assert main(["train", "--config", tiny, "--hf", str(hf), "--max-failures", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "tie_word_embeddings" in err[0], err

@@ -79,7 +79,6 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} {value} is above the limit of {MAX_REPEATS:,} (each times every stage's "
                               "actions once more; the medians settle within tens); use e.g. 20")
     from recycle.runtime.preflight import check_model_memory
-
     from recycle.runtime.stage import check_one_model
 
     check_one_model(config, args.model_factory)

@@ -88,6 +88,7 @@ def hf_model(config: Config) -> tuple[StageModel, list[tuple[int, int]]]:
 
 
 def check_one_model(config: Config, factory: str) -> None:
+    """Refuse a run whose model is named twice (a factory and a Hugging Face config)."""
     if factory and config.model.hf_config:
         raise ConfigError(f"--model-factory {factory!r} and [model] hf_config = {config.model.hf_config!r} both name "
                           "the model; keep one")
