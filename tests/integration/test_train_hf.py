@@ -1,5 +1,6 @@
-"""Hugging Face models: a GPT-2-shaped causal LM built from a config JSON (random init, nothing downloaded), split by
-decoder layers, trains on D x S processes to the parameters of the same HF model trained whole in one process."""
+"""Hugging Face models: a causal LM of each supported family (gpt2, llama, mistral, qwen2) built from a config JSON
+(random init, nothing downloaded), split by decoder layers, trains on D x S processes to the parameters of the same HF
+model trained whole in one process."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from recycle.config import load_config
+from recycle.models.hf import build_hf_model
 from recycle.runtime.control.launcher import launch
 from recycle.runtime.options import ClusterOptions, DebugOptions, LaunchOptions, OutputOptions
 from recycle.runtime.tools.reference import reference_train
@@ -16,7 +18,10 @@ from recycle.schedules.fault_free import build_schedule
 
 pytest.importorskip("transformers")  # in requirements.txt; the optional extra 'hf' for users
 
-HF_JSON = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "hf-tiny-gpt2.json")
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+# A parameter of decoder layer 3, which the second stage holds (the stages keep the whole model's names).
+LAYER_3 = {"gpt2": "model.transformer.h.3.", "llama": "model.model.layers.3.", "mistral": "model.model.layers.3.",
+           "qwen2": "model.model.layers.3."}
 TOML = """
 [topology]
 num_replicas = 2
@@ -41,10 +46,11 @@ seed = 4
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_hugging_face_gpt2_trains_like_the_whole_model_in_one_process(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("family", sorted(LAYER_3))
+def test_a_hugging_face_model_trains_like_the_whole_model_in_one_process(tmp_path, monkeypatch, family: str) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     path = tmp_path / "hf.toml"
-    path.write_text(TOML.format(hf=os.path.abspath(HF_JSON)))
+    path.write_text(TOML.format(hf=os.path.abspath(os.path.join(EXAMPLES, f"hf-tiny-{family}.json"))))
     cfg = load_config(path)
     save = tmp_path / "final.pt"
     launch(cfg, build_schedule(cfg, "zb-h1", staggered=True),
@@ -53,6 +59,8 @@ def test_a_hugging_face_gpt2_trains_like_the_whole_model_in_one_process(tmp_path
     saved = torch.load(save, weights_only=True)["model"]  # the stages keep the HF model's names
     reference, _ = reference_train(cfg)
     assert sorted(saved) == sorted(reference)
-    assert any(k.startswith("model.transformer.h.3.") for k in saved)
+    assert any(k.startswith(LAYER_3[family]) for k in saved)
+    initial = build_hf_model(os.path.join(EXAMPLES, f"hf-tiny-{family}.json"), 16, 4, torch.float64).state_dict()
+    assert all(not torch.equal(initial[k], reference[k]) for k in reference if k.endswith("proj.weight"))  # it trained
     for key, ref in reference.items():
         assert float((saved[key] - ref).abs().max()) <= 1e-9 * max(1.0, float(ref.abs().max())), key

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict
 
@@ -25,6 +26,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "`recycle plan --config OUT` and `recycle train --emulate-costs`.")
     p.add_argument("--config", required=True, help="TOML config whose [model] and [workload] to profile")
     add_set_option(p)
+    p.add_argument("--hf", default="", metavar="CONFIG_JSON",
+                   help="profile the Hugging Face causal LM of this config JSON (as `recycle train --hf`; same as "
+                        "[model] hf_config)")
+    p.add_argument("--model-factory", default="", metavar="MODULE:FUNC",
+                   help="profile the stages of this model factory (as `recycle train --model-factory`)")
     p.add_argument("--out", required=True, metavar="COSTS.toml", help="where to write the profiled config")
     p.add_argument("--repeats", type=int, default=20, metavar="N", help="timed repeats per action (default 20)")
     p.add_argument("--warmup", type=int, default=3, metavar="N", help="untimed warm-up repeats (default 3)")
@@ -39,8 +45,18 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 MAX_REPEATS = 10_000
 
 
-def _say_what_is_profiled(config: Config) -> None:
-    """Name the model measured, so that a config without [model] does not silently profile the default one."""
+def _say_what_is_profiled(config: Config, model_factory: str) -> None:
+    """Name the model measured (the one `recycle train` would train), so that a config without [model] does not
+    silently profile the default one."""
+    if model_factory:
+        print(f"profiling the stages of model factory {model_factory!r}", file=sys.stderr)
+        return
+    if config.model.hf_config:
+        from recycle.models.hf import describe_hf_model
+        from recycle.runtime.worker.stage import hf_path
+
+        print(f"profiling {describe_hf_model(hf_path(config), config.workload.seq_len)}", file=sys.stderr)
+        return
     from recycle.models.gpt import resolve_shape
 
     shape = resolve_shape(config.model, config.workload.seq_len)
@@ -56,16 +72,21 @@ def _say_what_is_profiled(config: Config) -> None:
 def run(args: argparse.Namespace) -> int:
     from recycle.runtime.tools.profiler import profile_config, write_profile  # imports torch: only when used
 
-    config = load_config(args.config, args.set)
+    hf = [f"model.hf_config={json.dumps(os.path.abspath(args.hf))}"] if args.hf else []
+    config = load_config(args.config, [*args.set, *hf])
     for flag, value in (("--repeats", args.repeats), ("--warmup", args.warmup)):
         if value > MAX_REPEATS:
             raise ConfigError(f"{flag} {value} is above the limit of {MAX_REPEATS:,} (each times every stage's "
                               "actions once more; the medians settle within tens); use e.g. 20")
     from recycle.runtime.control.preflight import check_model_memory
+    from recycle.runtime.worker.stage import check_one_model
 
-    check_model_memory(config, workers=1)  # this process builds the whole model and its stages
-    _say_what_is_profiled(config)
-    profile = profile_config(config, repeats=args.repeats, warmup=args.warmup, comm=args.comm)
+    check_one_model(config, args.model_factory)
+    if not args.model_factory:
+        check_model_memory(config, workers=1)  # this process builds the whole model and its stages
+    _say_what_is_profiled(config, args.model_factory)
+    profile = profile_config(config, repeats=args.repeats, warmup=args.warmup, comm=args.comm,
+                             model_factory=args.model_factory)
     path, _ = write_profile(config, profile, args.out)
     if args.json:
         print(json.dumps({"out": str(path), "stages": [asdict(s) for s in profile.stages],

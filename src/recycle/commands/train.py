@@ -269,7 +269,7 @@ def _scripted_faults(specs: list[str],
 
 
 def _launch_options(args: argparse.Namespace, role: NodeRole, faults: list[tuple[int, FaultInjection]],
-                    rejoins: list[tuple[int, int]], place: CoordinatorPlace) -> LaunchOptions:
+                    rejoins: list[tuple[int, int]], place: CoordinatorPlace = "node0") -> LaunchOptions:
     """The launcher's options from the command line (each part checks its flags' values as it is made)."""
     from recycle.runtime.protocol.channels import read_token
     from recycle.runtime.worker.emulate import DEFAULT_SLOT_MS, Emulation

@@ -1,14 +1,32 @@
-"""Hugging Face causal LMs built from a config JSON (random init from the run's seed, nothing downloaded) and split
-into S stages by decoder layers: embeddings with stage 0, final norm and lm_head with the last.
+"""Hugging Face causal LMs built from a config JSON (random init from the run's seed, nothing downloaded), split into
+S stages by decoder layers: embeddings with stage 0, final norm and lm_head with the last.
 
-GPT-2-shaped models (`model_type` gpt2) are supported. Word embeddings are untied (`tie_word_embeddings = false`):
-stage 0 holds the input embedding and the last stage the output head, and a weight shared across two stages would
-need a gradient exchange between them that the pipeline does not make. The single-process reference builds the same
-untied model, so the exactness guarantee (float64, 1e-9) compares like with like.
+Families (`model_type`): gpt2, and the rotary decoders llama, mistral and qwen2 (RMSNorm, rotary positions, grouped
+key/value heads, sliding-window attention where the config asks for it).
+
+What crosses a stage boundary is one tensor, the hidden states [batch, seq, hidden]. Everything else a decoder layer
+needs is recomputed inside each stage from that tensor's shape and the config, exactly as the family's own
+`*Model.forward` computes it for a batch without padding or cache: the position ids 0..seq-1 (every micro-batch is a
+contiguous window of the data, so positions are a function of the shape), the rotary cos/sin from those positions
+(each stage holds the model's parameter-free rotary module), and each layer's attention mask (causal, or causal
+within `sliding_window` for the layers the config marks "sliding_attention"). Nothing is traced, so nothing crosses a
+boundary by luck; tests/unit/test_hf_families.py checks the chained stages against the whole model's logits.
+
+A worker builds only its own stage: the model is laid out on the meta device and just that stage's tensors are
+allocated and initialised (hf_stage). Initialisation is a pure function of the seed: each module runs the family's
+own `_init_weights` from a generator seeded by (seed, its name in the whole model), so a stage built alone equals the
+same stage of the whole model (build_hf_model, which the single-process reference trains).
+
+Word embeddings must be untied (`tie_word_embeddings: false`): stage 0 holds the input embedding and the last stage
+the output head, and a weight shared across two stages would need a gradient exchange between them that the pipeline
+does not make yet. A config that ties them (gpt2's default when the key is absent) is refused rather than silently
+untied, which would change the model's parameter count. The single-process reference builds the same model, so the
+exactness guarantee (float64, 1e-9) compares like with like.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -20,11 +38,15 @@ from recycle.errors import ConfigError
 from recycle.models.gpt import stage_layers
 
 __all__ = ["HF_EXTRA", "SUPPORTED", "load_hf_config", "build_hf_model", "hf_stages", "HFCausalLM",
-           "resolve_hf_path", "num_hf_layers"]
+           "resolve_hf_path", "num_hf_layers", "hf_dropouts", "describe_hf_model", "hf_stage", "check_hf_model",
+           "init_seed", "hf_meta_stages"]
 
 HF_EXTRA = "pip install 'recycle[hf]' (transformers==5.23.0)"
-SUPPORTED = ("gpt2",)
+ROTARY_FAMILIES = ("llama", "mistral", "qwen2")
+SUPPORTED = ("gpt2", *ROTARY_FAMILIES)
 MIN_VOCAB = 256  # the data is byte-level
+# The dropout probabilities of the supported families' configs (the reference needs them all at 0).
+DROPOUT_KEYS = ("embd_pdrop", "resid_pdrop", "attn_pdrop", "attention_dropout")
 
 
 def _transformers() -> Any:
@@ -50,44 +72,143 @@ def resolve_hf_path(path: str, base_dir: str | None = None) -> Path:
 
 def load_hf_config(path: str | Path, seq_len: int) -> Any:
     """The transformers config of a JSON file, checked against the runtime: a supported model_type, a byte-level
-    vocabulary (>= 256), context >= seq_len; embeddings untied, no KV cache."""
+    vocabulary (>= 256), context >= seq_len, untied embeddings, whole groups of key/value heads; no KV cache."""
     from recycle.inputs import MIB, read_input_text, strict_json_loads
 
-    text = read_input_text(path, f"Hugging Face config {str(path)!r}", 16 * MIB,
+    where = f"Hugging Face config {str(path)!r}"
+    text = read_input_text(path, where, 16 * MIB,
                            "give the path of a Hugging Face config JSON (e.g. examples/hf-tiny-gpt2.json)")
     try:
         raw = strict_json_loads(text)
     except ValueError as exc:  # json.JSONDecodeError and inputs.UnsafeJSON
-        raise ConfigError(f"Hugging Face config {str(path)!r} is not a readable JSON file ({exc})") from None
-    if not isinstance(raw, dict) or raw.get("model_type") not in SUPPORTED:
-        got = raw.get("model_type") if isinstance(raw, dict) else raw
-        raise ConfigError(f"Hugging Face config {str(path)!r}: model_type {got!r} is not supported; supported: "
-                          f"{', '.join(SUPPORTED)} (a decoder-only causal LM split by decoder layers)")
+        raise ConfigError(f"{where} is not a readable JSON file ({exc})") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else raw
+    if not isinstance(raw, dict) or model_type not in SUPPORTED:
+        raise ConfigError(f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)} "
+                          "(a decoder-only causal LM split by decoder layers)")
     transformers = _transformers()
-    raw = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "transformers_version")}
-    raw.update(tie_word_embeddings=False, use_cache=False)
-    config = transformers.AutoConfig.for_model("gpt2", **raw)
+    settings = {k: v for k, v in raw.items()
+                if k not in ("model_type", "architectures", "transformers_version", "use_cache")}
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **settings, use_cache=False)
+    except (ValueError, TypeError, KeyError) as exc:  # transformers' own validation of the values
+        raise ConfigError(f"{where}: transformers refuses it as a {model_type} config ({exc}); fix that key") from None
+    if config.tie_word_embeddings:
+        absent = "" if "tie_word_embeddings" in raw else f" (the {model_type} default when the key is absent)"
+        extra = config.vocab_size * config.hidden_size
+        raise ConfigError(f"{where}: tie_word_embeddings is true{absent}, but recycle trains untied word embeddings "
+                          "only (the first and last stage would share the weight, and the pipeline does not yet sum "
+                          "its gradient across them); set \"tie_word_embeddings\": false, which gives the model a "
+                          f"separate lm_head ({extra:,} more parameters) -- it is never untied silently")
     if config.vocab_size < MIN_VOCAB:
-        raise ConfigError(f"Hugging Face config {str(path)!r}: vocab_size = {config.vocab_size} is below {MIN_VOCAB}; "
-                          f"the data is byte-level, so use vocab_size >= {MIN_VOCAB}")
-    if config.n_positions < seq_len:
-        raise ConfigError(f"Hugging Face config {str(path)!r}: n_positions = {config.n_positions} is below [workload] "
-                          f"seq_len = {seq_len}; raise n_positions or shorten seq_len")
+        raise ConfigError(f"{where}: vocab_size = {config.vocab_size} is below {MIN_VOCAB}; the data is byte-level, "
+                          f"so use vocab_size >= {MIN_VOCAB}")
+    positions_key = "n_positions" if model_type == "gpt2" else "max_position_embeddings"
+    if config.max_position_embeddings < seq_len:
+        raise ConfigError(f"{where}: {positions_key} = {config.max_position_embeddings} is below [workload] seq_len = "
+                          f"{seq_len}; raise {positions_key} or shorten seq_len")
+    if model_type in ROTARY_FAMILIES:
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if kv_heads < 1 or heads % kv_heads:
+            raise ConfigError(f"{where}: num_attention_heads = {heads} is not a multiple of num_key_value_heads = "
+                              f"{kv_heads}; grouped-query attention shares each key/value head by a whole group of "
+                              "query heads, so use a divisor (e.g. num_key_value_heads = 1)")
+        _attention_kinds(config, where)
     return config
+
+
+def _attention_kinds(config: Any, where: str = "the Hugging Face config") -> list[str]:
+    """The attention each decoder layer of a rotary family uses, as its *Model.forward chooses the mask: qwen2 by
+    `layer_types`, mistral sliding-window on every layer when `sliding_window` is set, llama full."""
+    n = int(config.num_hidden_layers)
+    kinds = getattr(config, "layer_types", None)
+    if kinds is None:
+        sliding = config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None
+        kinds = ["sliding_attention" if sliding else "full_attention"] * n
+    unknown = sorted({k for k in kinds if k not in ("full_attention", "sliding_attention")})
+    if unknown or len(kinds) < n:
+        raise ConfigError(f"{where}: layer_types {list(kinds)!r} must name 'full_attention' or 'sliding_attention' "
+                          f"for each of the {n} layers")
+    return list(kinds[:n])
 
 
 def num_hf_layers(config: Any) -> int:
     return int(config.num_hidden_layers)
 
 
-def build_hf_model(path: str | Path, seq_len: int, seed: int, dtype: torch.dtype) -> HFCausalLM:
-    """The whole model, randomly initialised from `seed` (the global RNG is left as it was), in `dtype`."""
-    transformers = _transformers()
+def hf_dropouts(config: Any) -> dict[str, float]:
+    """The config's non-zero dropout probabilities (a whole-model reference cannot reproduce per-stage dropout)."""
+    return {k: float(v) for k in DROPOUT_KEYS if (v := getattr(config, k, 0.0))}
+
+
+def describe_hf_model(path: str | Path, seq_len: int) -> str:
+    """One line naming the model a config builds: family, layers, width, parameters (counted on the meta device)."""
     config = load_hf_config(path, seq_len)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    return HFCausalLM(model.to(dtype))
+    params = sum(p.numel() for p in _meta_model(config).parameters())
+    return (f"the Hugging Face {config.model_type} model of {str(path)!r} ({config.num_hidden_layers} layers, hidden "
+            f"{config.hidden_size}, {params:,} parameters)")
+
+
+def _meta_model(config: Any) -> nn.Module:
+    """The whole HF model on the meta device: its structure and tensor shapes, no memory."""
+    transformers = _transformers()
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _stage_parts(config: Any, first: int, last: int) -> list[str]:
+    """The names (in the HF model) of the submodules a stage holding decoder layers [first, last) needs."""
+    if config.model_type == "gpt2":
+        embeddings, layers, shared, head = ["transformer.wte", "transformer.wpe"], "transformer.h", [], \
+            ["transformer.ln_f", "lm_head"]
+    else:  # the rotary families: every stage recomputes cos/sin, so every stage has the rotary module
+        embeddings, layers, shared, head = ["model.embed_tokens"], "model.layers", ["model.rotary_emb"], \
+            ["model.norm", "lm_head"]
+    return [*(embeddings if first == 0 else []), *(f"{layers}.{i}" for i in range(first, last)), *shared,
+            *(head if last == num_hf_layers(config) else [])]
+
+
+def init_seed(seed: int, name: str) -> int:
+    """The seed of the module `name` (its name in the whole HF model) in a run seeded `seed`."""
+    digest = hashlib.sha256(f"recycle-hf-init:{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _materialise(lm: nn.Module, parts: list[str], seed: int, dtype: torch.dtype) -> None:
+    """Allocate the tensors of the submodules `parts` of a meta-device HF model and initialise them with the model's
+    own `_init_weights`, module by module, children before parents (as transformers does), each from a generator
+    seeded by (seed, the module's whole-model name): so a module's initial weights are the same whichever other
+    modules this process builds, and the global RNG is left as it was."""
+    init_weights = lm._init_weights  # type: ignore[attr-defined]
+    for part in parts:
+        root = lm.get_submodule(part)
+        root.to_empty(device="cpu")
+        modules = [(f"{part}.{name}" if name else part, m) for name, m in root.named_modules()]
+        for module in (m for _, m in modules):  # transformers skips what it marked as initialised (e.g. loaded)
+            module.__dict__.pop("_is_hf_initialized", None)
+            for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                t.__dict__.pop("_is_hf_initialized", None)
+        for name, module in reversed(modules):  # named_modules is parents first: reversed, children first
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(init_seed(seed, name))
+                init_weights(module)
+        root.to(dtype)
+
+
+def _check_materialised(module: nn.Module, what: str) -> None:
+    left = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    if left:  # a family whose stage needs a tensor outside _stage_parts: a bug here, not the user's
+        raise RuntimeError(f"{what}: tensors {left[:3]} were not materialised")
+
+
+def build_hf_model(path: str | Path, seq_len: int, seed: int, dtype: torch.dtype) -> HFCausalLM:
+    """The whole model in `dtype`, each module initialised from (seed, its name) (see _materialise)."""
+    config = load_hf_config(path, seq_len)
+    lm = _meta_model(config)
+    _materialise(lm, _stage_parts(config, 0, num_hf_layers(config)), seed, dtype)
+    whole = HFCausalLM(lm)
+    _check_materialised(whole, "the whole model")
+    return whole
 
 
 class HFCausalLM(nn.Module):
@@ -101,17 +222,27 @@ class HFCausalLM(nn.Module):
         return self.model(input_ids=tokens, use_cache=False).logits
 
 
-class _GPT2Stage(nn.Module):
-    """Decoder layers [first, last) of a GPT-2 LM, with wte/wpe if first == 0 and ln_f + lm_head if it is the last.
-    Submodules keep the whole model's names ("model.transformer.h.3.attn..."), so the stages' state dicts together
-    are the HFCausalLM's."""
+class _HFStage(nn.Module):
+    """Decoder layers [first, last) of an HF causal LM. Submodules keep the whole model's names (e.g.
+    "model.model.layers.3.self_attn..."), so the stages' state dicts together are the HFCausalLM's."""
 
-    def __init__(self, whole: HFCausalLM, first: int, last: int) -> None:
+    def __init__(self, config: Any, first: int, last: int) -> None:
         super().__init__()
-        lm = whole.model
-        self.hf_config = lm.config
+        self.hf_config = config
         self.first_layer, self.end_layer = first, last  # the checkpoint layout
-        self.first_stage, self.last_stage = first == 0, last == lm.config.num_hidden_layers
+        self.first_stage, self.last_stage = first == 0, last == config.num_hidden_layers
+
+    def boundary_shape(self, batch: int, seq: int) -> tuple[int, ...]:
+        # The hidden states. Known without a run (transformers' mask builders read values, which the meta device
+        # cannot give).
+        return (batch, seq, int(self.hf_config.hidden_size))
+
+
+class _GPT2Stage(_HFStage):
+    """A GPT-2 stage: wte/wpe if first, blocks h[first:last], ln_f + lm_head if last."""
+
+    def __init__(self, lm: nn.Module, first: int, last: int) -> None:
+        super().__init__(lm.config, first, last)
         self.model = nn.Module()
         self.model.transformer = nn.Module()
         body = self.model.transformer
@@ -121,10 +252,6 @@ class _GPT2Stage(nn.Module):
         if self.last_stage:
             body.ln_f = lm.transformer.ln_f
             self.model.lm_head = lm.lm_head
-
-    def boundary_shape(self, batch: int, seq: int) -> tuple[int, ...]:
-        # Known without a run (transformers' mask builder reads values, which the meta device cannot give).
-        return (batch, seq, int(self.hf_config.n_embd))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
@@ -143,9 +270,93 @@ class _GPT2Stage(nn.Module):
         return x
 
 
-def hf_stages(path: str | Path, num_stages: int, seq_len: int, seed: int, dtype: torch.dtype) -> list[_GPT2Stage]:
+class _RotaryStage(_HFStage):
+    """A llama / mistral / qwen2 stage: embed_tokens if first, layers[first:last], norm + lm_head if last, and the
+    (parameter-free) rotary module on every stage, which recomputes cos/sin from the positions."""
+
+    def __init__(self, lm: nn.Module, first: int, last: int) -> None:
+        super().__init__(lm.config, first, last)
+        self.attention_kinds = _attention_kinds(lm.config)[first:last]
+        self.model = nn.Module()
+        self.model.model = nn.Module()
+        body = self.model.model
+        if self.first_stage:
+            body.embed_tokens = lm.model.embed_tokens
+        body.layers = nn.ModuleDict({str(i): lm.model.layers[i] for i in range(first, last)})
+        body.rotary_emb = lm.model.rotary_emb  # its buffers are not persistent: no state-dict key
+        if self.last_stage:
+            body.norm = lm.model.norm
+            self.model.lm_head = lm.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        body = self.model.model
+        if self.first_stage:
+            x = body.embed_tokens(x)
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        # The masks the family's *Model.forward builds for a batch without padding or cache (None where attention
+        # is causal by itself), one per kind of attention this stage's layers use.
+        builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        masks = {kind: builders[kind](config=self.hf_config, inputs_embeds=x, attention_mask=None,
+                                      past_key_values=None, position_ids=positions)
+                 for kind in dict.fromkeys(self.attention_kinds)}
+        position_embeddings = body.rotary_emb(x, position_ids=positions)
+        for kind, layer in zip(self.attention_kinds, body.layers.values()):
+            x = layer(x, attention_mask=masks[kind], position_ids=positions, past_key_values=None, use_cache=False,
+                      position_embeddings=position_embeddings)
+        if self.last_stage:
+            x = self.model.lm_head(body.norm(x))
+        return x
+
+
+def _bounds(config: Any, num_stages: int) -> list[tuple[int, int]]:
+    """[first, last) decoder layers per stage (stage_layers), with the HF config's name for the layer count."""
+    n = num_hf_layers(config)
+    if 1 <= num_stages <= n:
+        return stage_layers(n, num_stages)
+    raise ConfigError(f"the Hugging Face config has num_hidden_layers = {n} (n_layer for gpt2) but num_stages = "
+                      f"{num_stages}; every stage needs at least one decoder layer: use num_stages <= {n} or a "
+                      "deeper model")
+
+
+def _stage_class(config: Any) -> type[_GPT2Stage] | type[_RotaryStage]:
+    return _GPT2Stage if config.model_type == "gpt2" else _RotaryStage
+
+
+def hf_stages(path: str | Path, num_stages: int, seq_len: int, seed: int, dtype: torch.dtype) -> list[_HFStage]:
     """The S stage modules of the model, sliced by decoder layers as evenly as possible (earlier stages get the
     extra layer), with exactly the weights of build_hf_model(path, seq_len, seed, dtype)."""
     whole = build_hf_model(path, seq_len, seed, dtype)
-    bounds = stage_layers(num_hf_layers(whole.model.config), num_stages)
-    return [_GPT2Stage(whole, first, last) for first, last in bounds]
+    bounds = _bounds(whole.model.config, num_stages)
+    return [_stage_class(whole.model.config)(whole.model, first, last) for first, last in bounds]
+
+
+def hf_stage(path: str | Path, num_stages: int, stage: int, seq_len: int, seed: int,
+             dtype: torch.dtype) -> _HFStage:
+    """Stage `stage` of hf_stages(...) built alone: the model is laid out on the meta device and only this stage's
+    tensors are allocated and initialised, so its memory is the stage's, not the model's; its weights equal that
+    stage of the whole model (each module's initialisation depends only on the seed and its name)."""
+    config = load_hf_config(path, seq_len)
+    first, last = _bounds(config, num_stages)[stage]
+    lm = _meta_model(config)
+    _materialise(lm, _stage_parts(config, first, last), seed, dtype)
+    module = _stage_class(config)(lm, first, last)
+    _check_materialised(module, f"stage {stage}")
+    return module
+
+
+def hf_meta_stages(path: str | Path, num_stages: int, seq_len: int, dtype: torch.dtype) -> list[_HFStage]:
+    """The S stage modules of hf_stages(...) on the meta device: their tensors' names, shapes and dtypes, no
+    memory (what a resume checks a checkpoint against)."""
+    config = load_hf_config(path, seq_len)
+    lm = _meta_model(config).to(dtype)
+    return [_stage_class(config)(lm, first, last) for first, last in _bounds(config, num_stages)]
+
+
+def check_hf_model(path: str | Path, num_stages: int, seq_len: int) -> None:
+    """The checks a run needs before any worker starts, without allocating the model: the config, and enough decoder
+    layers for the stages."""
+    config = load_hf_config(path, seq_len)
+    _bounds(config, num_stages)
+    _meta_model(config)

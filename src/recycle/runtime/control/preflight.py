@@ -224,7 +224,14 @@ def expected_stages(config: Config, model_factory: str = "") -> list[StageSpec]:
     from recycle.runtime.worker.stage import all_stages
 
     S = config.num_stages
-    if model_factory or config.model.hf_config:
+    modules: list[torch.nn.Module]
+    if config.model.hf_config and not model_factory:
+        from recycle.models.hf import hf_meta_stages
+        from recycle.runtime.worker.stage import hf_path
+
+        hf = hf_meta_stages(hf_path(config), S, config.workload.seq_len, weights_dtype(config.training.dtype))
+        modules, layouts = list(hf), [(m.first_layer, m.end_layer) for m in hf]
+    elif model_factory:
         model, layouts = all_stages(config, model_factory)
         modules = list(model.stages)
     else:

@@ -22,6 +22,7 @@ from recycle.errors import ConfigError
 from recycle.fileio import atomic_write_text
 from recycle.ir import Action, Kind, Plan
 from recycle.models.gpt import build_stages
+from recycle.models.split import boundary_shapes
 from recycle.runtime.protocol.messages import Channel
 from recycle.runtime.state.optim import make_optimizer
 from recycle.runtime.state.precision import weights_dtype
@@ -125,15 +126,21 @@ def _activation_bytes(executor: StageExecutor, comm: LoneComm, parameters: list[
     return sum(saved.values()) + grad_out
 
 
-def profile_stages(config: Config, repeats: int = 10, warmup: int = 3) -> tuple[StageProfile, ...]:
+def profile_stages(config: Config, repeats: int = 10, warmup: int = 3,
+                   model_factory: str = "") -> tuple[StageProfile, ...]:
     """Time every stage's F, B, W, BW and optimizer step in this process (one thread, like a worker), as the
-    runtime's StageExecutor runs them: each repeat is one executor iteration of _ACTIONS, timed per action."""
+    runtime's StageExecutor runs them: each repeat is one executor iteration of _ACTIONS, timed per action. The
+    model is the one `recycle train` would train: the built-in GPT, [model] hf_config, or `model_factory`."""
+    from recycle.runtime.worker.stage import all_stages
+
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"--repeats {repeats} must be >= 1 and --warmup {warmup} >= 0")
     training, workload = config.training, config.workload
     S = config.num_stages
     dtype = weights_dtype(training.dtype)
-    stages = build_stages(config.model, S, training.seed, dtype, workload.seq_len)
+    model, _ = all_stages(config, model_factory)
+    stages = list(model.stages)
+    shapes = boundary_shapes(stages, workload.microbatch_size, workload.seq_len)
     load = data_source(config)
     plan = _profiling_plan(S)
 
@@ -142,17 +149,18 @@ def profile_stages(config: Config, repeats: int = 10, warmup: int = 3) -> tuple[
         module.train()
         is_first, is_last = s == 0, s == S - 1
         params = [p for p in module.parameters() if p.requires_grad]
-        boundary = module.boundary_shape(workload.microbatch_size, workload.seq_len)
+        input_shape = None if is_first else shapes[s - 1]
+        output_shape = None if is_last else shapes[s]
         generator = torch.Generator().manual_seed(s)
-        upstream = torch.randn(boundary, generator=generator, dtype=dtype)
-        grad_seed = torch.randn(boundary, generator=generator, dtype=dtype) * 1e-3
+        upstream = None if input_shape is None else torch.randn(input_shape, generator=generator, dtype=dtype)
+        grad_seed = None if output_shape is None else \
+            torch.randn(output_shape, generator=generator, dtype=dtype) * 1e-3
         # Alone: sends and collectives cost nothing here (measure_comm measures them).
-        comm = LoneComm({Channel.ACTIVATION: None if is_first else upstream,
-                         Channel.GRADIENT: None if is_last else grad_seed})
+        comm = LoneComm({Channel.ACTIVATION: upstream, Channel.GRADIENT: grad_seed})
         optimizer = make_optimizer(module, training)
-        executor = StageExecutor(plan, s, module, optimizer, comm, load, None if is_first else boundary,
-                                 None if is_last else boundary, dtype, grad_clip=training.grad_clip,
-                                 seed=training.seed, record_timings=True, precision=training.dtype)
+        executor = StageExecutor(plan, s, module, optimizer, comm, load, input_shape, output_shape, dtype,
+                                 grad_clip=training.grad_clip, seed=training.seed, record_timings=True,
+                                 precision=training.dtype, loss_fn=model.loss_fn if is_last else None)
         times: dict[Kind, list[float]] = {kind: [] for kind, _ in _ACTIONS}
         for i in range(warmup + repeats):
             result = executor.run_iteration(i)
@@ -255,14 +263,16 @@ def measure_comm(rounds: int = 10, timeout_s: float = 120.0) -> CommProfile:
                        source="measured (2 gloo processes, loopback)")
 
 
-def profile_config(config: Config, repeats: int = 10, warmup: int = 3, comm: str = "measure") -> Profile:
-    """Measure `config`'s model on this machine (one thread per worker, as the runtime runs it)."""
+def profile_config(config: Config, repeats: int = 10, warmup: int = 3, comm: str = "measure",
+                   model_factory: str = "") -> Profile:
+    """Measure `config`'s model (or `model_factory`'s) on this machine (one thread per worker, as the runtime runs
+    it)."""
     if comm not in ("measure", "defaults"):
         raise ConfigError(f"--comm {comm!r} must be 'measure' (2 gloo processes) or 'defaults'")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # workers run with one thread each
     try:
-        stages = profile_stages(config, repeats, warmup)
+        stages = profile_stages(config, repeats, warmup, model_factory)
     finally:
         torch.set_num_threads(threads)
     comm_profile = measure_comm() if comm == "measure" else DEFAULT_COMM
@@ -303,12 +313,18 @@ def profiled_config_dict(config: Config, profile: Profile) -> dict[str, Any]:
         "allreduce_bandwidth": round(c.allreduce_bandwidth, 3),
         "gradient_bytes": [p.parameter_bytes for p in st],  # the flat gradient the OPT all-reduces
     }
-    for key in ("dataset", "tokenizer"):
-        name = raw["training"].get(key, "")
+    for section, key in (("training", "dataset"), ("training", "tokenizer"), ("model", "hf_config")):
+        name = raw[section].get(key, "")
         if name and name != BUILTIN and not os.path.isabs(name) and config.source:
-            # The output may live elsewhere: keep a relative data path pointing at the same file.
-            raw["training"][key] = str((Path(config.source).parent / name).resolve())
+            # The output may live elsewhere: keep a relative path pointing at the same file.
+            raw[section][key] = str(_beside_config(config, name).resolve())
     return raw
+
+
+def _beside_config(config: Config, name: str) -> Path:
+    """Where a relative path of the config points: the working directory's file if there is one (as the loaders
+    look first), else the config file's folder."""
+    return Path(name) if Path(name).exists() else Path(config.source).parent / name
 
 
 def _toml_value(value: Any, where: str) -> str:

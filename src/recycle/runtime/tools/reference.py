@@ -25,13 +25,13 @@ def reference_train(config: Config, steps: int | None = None) -> tuple[dict[str,
     steps = training.steps if steps is None else steps
     if config.model.hf_config:
         # The same Hugging Face model the stages are cut from, whole: logits, then the runtime's loss_fn.
-        from recycle.models.hf import build_hf_model
+        from recycle.models.hf import build_hf_model, hf_dropouts
         from recycle.models.split import causal_lm_loss
         from recycle.runtime.worker.stage import hf_path
 
         whole = build_hf_model(hf_path(config), workload.seq_len, training.seed, weights_dtype(training.dtype))
-        drops = {k: getattr(whole.model.config, k, 0.0) for k in ("embd_pdrop", "resid_pdrop", "attn_pdrop")}
-        if any(drops.values()):
+        drops = hf_dropouts(whole.model.config)
+        if drops:
             raise ConfigError(f"the reference needs no dropout, but {config.model.hf_config!r} has {drops}; set them "
                               "to 0.0 in the Hugging Face config")
 

@@ -24,7 +24,8 @@ from recycle.models.gpt import build_stages, resolve_shape, stage_layers
 from recycle.models.split import LossFn, StageModel, as_stage_model, boundary_shapes, causal_lm_loss
 from recycle.runtime.state.precision import weights_dtype
 
-__all__ = ["BuiltStage", "build_stage", "load_factory", "check_model", "factory_model", "hf_model", "all_stages"]
+__all__ = ["BuiltStage", "build_stage", "load_factory", "check_model", "factory_model", "hf_model", "all_stages",
+           "check_one_model", "hf_built_stage"]
 
 StageFactory = Callable[[Config, int], list[nn.Module]]
 
@@ -86,14 +87,31 @@ def hf_model(config: Config) -> tuple[StageModel, list[tuple[int, int]]]:
     return StageModel(tuple(stages), causal_lm_loss), [(m.first_layer, m.end_layer) for m in stages]
 
 
+def check_one_model(config: Config, factory: str) -> None:
+    """Refuse a run whose model is named twice (a factory and a Hugging Face config)."""
+    if factory and config.model.hf_config:
+        raise ConfigError(f"--model-factory {factory!r} and [model] hf_config = {config.model.hf_config!r} both name "
+                          "the model; keep one")
+
+
+def hf_built_stage(config: Config, stage: int) -> BuiltStage:
+    """A Hugging Face model's stage built alone (only its tensors are allocated; recycle.models.hf.hf_stage)."""
+    from recycle.models.hf import hf_stage
+
+    S, workload = config.num_stages, config.workload
+    module = hf_stage(hf_path(config), S, stage, workload.seq_len, config.training.seed,
+                      weights_dtype(config.training.dtype))
+    boundary = tuple(module.boundary_shape(workload.microbatch_size, workload.seq_len))  # hidden states, every stage
+    return BuiltStage(module, (module.first_layer, module.end_layer), boundary if stage > 0 else None,
+                      boundary if stage < S - 1 else None, causal_lm_loss if stage == S - 1 else None)
+
+
 def all_stages(config: Config, factory: str = "",
                bounds: list[tuple[int, int]] | None = None) -> tuple[StageModel, list[tuple[int, int]]]:
     """Every stage module of the run's model (built-in GPT, Hugging Face config, or factory) and their layouts.
     `bounds`: the built-in GPT's [first, last) layers per stage (default: the even split)."""
     S = config.num_stages
-    if factory and config.model.hf_config:
-        raise ConfigError(f"--model-factory {factory!r} and [model] hf_config = {config.model.hf_config!r} both name "
-                          "the model; keep one")
+    check_one_model(config, factory)
     if factory:
         return factory_model(config, factory), [(s, S) for s in range(S)]
     if config.model.hf_config:
@@ -110,6 +128,8 @@ def build_stage(config: Config, stage: int, factory: str = "",
     """The module of `stage` (in the config's dtype), its layout and the shapes of the messages it receives
     (`bounds`: see all_stages)."""
     S = config.num_stages
+    if config.model.hf_config and not factory:
+        return hf_built_stage(config, stage)
     model, layouts = all_stages(config, factory, bounds)
     stages = list(model.stages)
     shapes = boundary_shapes(stages, config.workload.microbatch_size, config.workload.seq_len, upto=stage + 1)
@@ -121,9 +141,15 @@ def build_stage(config: Config, stage: int, factory: str = "",
 
 def check_model(config: Config, factory: str = "") -> None:
     """Fail fast, in the launcher, on model errors (unknown preset, too few layers, a broken factory or Hugging Face
-    config, stages whose outputs cannot be sent): a factory is called once and its stages run on the meta device."""
-    if factory or config.model.hf_config:
+    config, stages whose outputs cannot be sent): a factory is called once and its stages run on the meta device; a
+    Hugging Face model is only laid out there."""
+    check_one_model(config, factory)
+    if factory:
         model, _ = all_stages(config, factory)
         boundary_shapes(list(model.stages), config.workload.microbatch_size, config.workload.seq_len)
+    elif config.model.hf_config:
+        from recycle.models.hf import check_hf_model
+
+        check_hf_model(hf_path(config), config.num_stages, config.workload.seq_len)  # on the meta device
     else:
         stage_layers(resolve_shape(config.model, config.workload.seq_len).n_layer, config.num_stages)

@@ -1,0 +1,81 @@
+"""Peak RSS of building one stage of a Hugging Face model against building the whole model, side by side in one run.
+
+Each measurement runs in a fresh interpreter: import transformers and read the config (the baseline peak RSS), then
+build, then read the peak RSS again (getrusage ru_maxrss); the table gives the growth over the baseline.
+- whole: `build_hf_model` (every tensor), which is also what a worker allocated before per-stage construction
+  (it built the whole model and kept its slice);
+- stage s alone: `hf_stage(path, S, s, ...)`, what a worker builds now: the model laid out on the meta device and
+  only stage s's tensors allocated and initialised.
+The default config is a Llama of 8 decoder layers, hidden 768, 12 query / 4 key-value heads, MLP 2048, vocabulary
+32,000 (about 100 M parameters, float32), split into S = 8 stages: the first stage has the embedding, the last the
+output head, a middle one a decoder layer only.
+
+Run: .venv/bin/python benchmarks/bench_stage_memory.py [--hidden 768] [--layers 8] [--vocab 32000] [--stages 8]
+(--hidden 3072: about 1.0 B parameters, 4 GB in float32 for the whole model)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+MIB = 1024 * 1024
+
+CHILD = r"""
+import json, resource, sys, torch
+from recycle.models.hf import build_hf_model, hf_stage, load_hf_config
+path, stages, which = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+torch.set_num_threads(1)
+load_hf_config(path, 64)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+if which == "whole":
+    module = build_hf_model(path, 64, 0, torch.float32)
+else:
+    module = hf_stage(path, stages, int(which), 64, 0, torch.float32)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+params = sum(p.numel() for p in module.parameters())
+print(json.dumps({"grown_kib": after - before, "params": params}))
+"""
+
+
+def measure(path: str, stages: int, which: str) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", CHILD, path, str(stages), which], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--stages", type=int, default=8)
+    args = parser.parse_args()
+    heads = args.hidden // 64
+    config = {"model_type": "llama", "vocab_size": args.vocab, "hidden_size": args.hidden,
+              "intermediate_size": args.hidden * 8 // 3 // 256 * 256 or 256, "num_hidden_layers": args.layers,
+              "num_attention_heads": heads,
+              "num_key_value_heads": next(d for d in range(max(1, heads // 3), 0, -1) if heads % d == 0),
+              "max_position_embeddings": 64, "tie_word_embeddings": False}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "llama.json")
+        with open(path, "w") as f:
+            json.dump(config, f)
+        whole = measure(path, args.stages, "whole")
+        print(f"Llama: {args.layers} layers, hidden {args.hidden}, vocabulary {args.vocab:,}, "
+              f"{whole['params']:,} parameters (float32); S = {args.stages}")
+        print(f"{'built':<16} {'parameters':>12} {'peak RSS growth MiB':>20} {'ratio to whole':>15}")
+        print(f"{'whole model':<16} {whole['params']:>12,} {whole['grown_kib'] / 1024:>20.1f} {1.0:>15.3f}")
+        for s in sorted({0, args.stages // 2, args.stages - 1}):
+            stage = measure(path, args.stages, str(s))
+            print(f"{f'stage {s} alone':<16} {stage['params']:>12,} {stage['grown_kib'] / 1024:>20.1f} "
+                  f"{stage['grown_kib'] / whole['grown_kib']:>15.3f}")
+
+
+if __name__ == "__main__":
+    main()
