@@ -225,8 +225,10 @@ def test_gpu_check_decoupled_part_splits_the_backward_exactly() -> None:
     part = result["hidden_32_float32"]
     assert part["split_vs_fused_grad_max_rel_diff"] < 1e-6
     assert part["fused_ms"] > 0 and part["b_ms"] > 0 and part["w_ms"] > 0
+    # The ratio is rounded to 4 decimals and the times it is checked against to theirs: a loaded machine can make it
+    # small (0.0097), where 1e-3 relative is below the rounding.
     assert part["ratio_b_plus_w_over_fused"] == pytest.approx((part["b_ms"] + part["w_ms"]) / part["fused_ms"],
-                                                              rel=1e-3)
+                                                              rel=1e-2, abs=1e-4)
 
 
 @pytest.mark.slow
