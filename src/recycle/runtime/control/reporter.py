@@ -13,7 +13,7 @@ from recycle.runtime.protocol.records import FaultRecord, Joined, MigrationRecor
 from recycle.runtime.state import checkpoint
 
 __all__ = ["StepMetrics", "Recovery", "ChaosEvent", "EventSink", "ProgressSink", "MetricsFile", "Reporter",
-           "GenerationRecords", "measure_recovery", "grad_norm", "replica_mismatch"]
+           "GenerationRecords", "measure_recovery", "grad_norm", "learning_rate", "replica_mismatch"]
 
 Worker = tuple[int, int]  # (replica, stage)
 
@@ -31,6 +31,8 @@ class StepMetrics:
     step_time_s: float  # first start to last end over all workers
     elapsed_s: float
     grad_norm: float | None = None
+    lr: float | None = None  # the learning rate of the step's optimizer steps (stage 0's, if the stages differed)
+    lr_by_stage: tuple[float, ...] = ()  # each stage's learning rate, only when they differed (they should not)
     worker_time_s: dict[str, float] = field(default_factory=dict)  # "replica:stage" -> busy span of the iteration
     worker_cpu_s: dict[str, float] = field(default_factory=dict)  # "replica:stage" -> CPU seconds of the iteration
     digests: dict[str, str] = field(default_factory=dict)  # "replica:stage" -> parameter digest (verify_replicas)
@@ -131,6 +133,15 @@ class EventSink(Protocol):
     def on_chaos(self, event: ChaosEvent) -> None: ...
 
 
+def step_line(m: StepMetrics, end_step: int) -> str:
+    """A step's progress line: `step 3/20 loss 5.2515 lr 1.00e-03 tokens/s 6,180 period 82.9 ms`."""
+    lr = "" if m.lr is None else f" lr {m.lr:.2e}"
+    if m.lr_by_stage:
+        lr = " lr " + "/".join(f"{x:.2e}" for x in m.lr_by_stage) + " (per stage: they differ)"
+    return (f"step {m.step}/{end_step} loss {m.loss:.4f}{lr} tokens/s {m.tokens_per_s:,.0f} "
+            f"period {m.period_s * 1e3:.1f} ms")
+
+
 class ProgressSink:
     """One line per step, recovery and chaos event."""
 
@@ -138,8 +149,7 @@ class ProgressSink:
         self.say, self.end_step = say, end_step
 
     def on_step(self, m: StepMetrics) -> None:
-        self.say(f"step {m.step}/{self.end_step} loss {m.loss:.4f} tokens/s {m.tokens_per_s:,.0f} "
-                 f"period {m.period_s * 1e3:.1f} ms")
+        self.say(step_line(m, self.end_step))
 
     def on_recovery(self, recovery: Recovery) -> None:
         self.say(recovery.line())
@@ -184,6 +194,21 @@ def grad_norm(records: list[StepRecord], num_stages: int) -> float | None:
     if len(squares) < num_stages:
         return None  # a stage's record is missing (should not happen): no norm rather than a partial one
     return sum(squares[s] for s in range(num_stages)) ** 0.5
+
+
+def learning_rate(records: list[StepRecord], num_stages: int) -> tuple[float | None, tuple[float, ...]]:
+    """(the step's learning rate, every stage's when they differ, else ()) from its workers' records. Each stage
+    steps its own schedule (staggered optimizer); all stages follow the same [training] schedule, so they agree."""
+    by_stage: dict[int, float] = {}
+    for r in records:
+        if r.lr is not None:
+            by_stage.setdefault(r.stage, r.lr)
+    if not by_stage:
+        return None, ()
+    first = by_stage[min(by_stage)]
+    if len(set(by_stage.values())) == 1:
+        return first, ()
+    return first, tuple(by_stage.get(s, float("nan")) for s in range(num_stages))
 
 
 def replica_mismatch(step: int, records: list[StepRecord], num_stages: int) -> str | None:
@@ -265,11 +290,12 @@ class Reporter:
         period = last - self.previous_end if self.previous_end is not None else last - first
         self.previous_end = last
         losses = [r.stage_loss for r in records if r.stage_loss is not None]
+        lr, lr_by_stage = learning_rate(records, self.num_stages)
         return StepMetrics(
             step=step + 1, loss=losses[0] if losses else 0.0,
             tokens_per_s=self.tokens_per_step / period if period > 0 else 0.0,
             period_s=period, step_time_s=last - first, elapsed_s=time.time() - self.wall0,
-            grad_norm=grad_norm(records, self.num_stages),
+            grad_norm=grad_norm(records, self.num_stages), lr=lr, lr_by_stage=lr_by_stage,
             worker_time_s={r.worker: r.end - r.start for r in records},
             digests={r.worker: r.digest for r in records if r.digest},
             worker_cpu_s={r.worker: r.cpu_s for r in records},

@@ -42,6 +42,10 @@ class TensorBoardSink:
         w.add_scalar("train/step_time_s", m.step_time_s, step)
         if m.grad_norm is not None:
             w.add_scalar("train/grad_norm", m.grad_norm, step)
+        if m.lr is not None:
+            w.add_scalar("train/lr", m.lr, step)
+        for stage, lr in enumerate(m.lr_by_stage):  # only when the stages' rates differed
+            w.add_scalar(f"train/lr_stage{stage}", lr, step)
         # The workers live when the step was reported (whose records made it): a worker that died right after the
         # step may already be missing.
         w.add_scalar("workers/live", len(m.worker_time_s), step)

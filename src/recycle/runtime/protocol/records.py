@@ -37,6 +37,7 @@ class StepRecord:
     grad_sq: float | None  # this stage's squared gradient norm when not clipping
     digest: str = ""  # parameter digest (verify_replicas), "" when not asked for
     timings: tuple[tuple[str, float, float], ...] = ()  # (action, perf_counter start, end) with record_timings
+    lr: float | None = None  # the learning rate of this stage's optimizer step
 
     @property
     def worker(self) -> str:

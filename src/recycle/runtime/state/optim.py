@@ -16,7 +16,7 @@ from recycle.config import Training
 from recycle.errors import ConfigError
 
 __all__ = ["AdamW", "StageOptimizer", "TrainingOptimizer", "allreduce_grads", "make_optimizer", "optimizer_class",
-           "optimizer_kwargs", "lr_factor", "OPTIMIZER_KEYS", "LR_SCHEDULES"]
+           "optimizer_kwargs", "lr_factor", "learning_rate", "OPTIMIZER_KEYS", "LR_SCHEDULES"]
 
 # [training] keys passed to the optimizer's constructor when set (lr and weight_decay always are).
 OPTIMIZER_KEYS = ("betas", "eps", "momentum", "dampening", "nesterov", "amsgrad")
@@ -55,6 +55,14 @@ class StageOptimizer(Protocol):
     def zero_grad(self, set_to_none: bool = True) -> None: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def learning_rate(optimizer: StageOptimizer) -> float | None:
+    """The learning rate the optimizer's next step() applies (its first parameter group's; a TrainingOptimizer's
+    schedule sets every group alike), or None for an optimizer without parameter groups."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # a TrainingOptimizer wraps the torch.optim one
+    groups = getattr(inner, "param_groups", None)
+    return float(groups[0]["lr"]) if groups else None
 
 
 def optimizer_kwargs(training: Training) -> dict[str, Any]:

@@ -563,7 +563,7 @@ class _Worker:
             self.replica, self.stage, self.generation, result.start, result.end, cpu_s, result.loss_sum,
             result.stage_loss, result.grad_norm, result.grad_sq,
             digest=parameter_digest(self.state.module) if spec.debug.verify_replicas else "",
-            timings=tuple((t.action, t.start, t.end) for t in result.timings)), step, spec.rank)
+            timings=tuple((t.action, t.start, t.end) for t in result.timings), lr=result.lr), step, spec.rank)
 
     def _is_writer(self) -> bool:
         """One live replica per stage writes the stage's files."""
