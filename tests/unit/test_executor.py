@@ -227,6 +227,20 @@ def test_every_optimizer_with_warmup_cosine_matches_reference(tiny_config, optim
     assert lrs == {rank: expected for rank in plan.live_ranks()}
 
 
+@pytest.mark.parametrize("schedule,factors", [
+    ({"lr_schedule": "linear", "warmup_steps": 1, "min_lr": 0.002, "steps": 5}, [1.0, 1.0, 0.8, 0.6, 0.4]),
+    ({"lr_schedule": "wsd", "warmup_steps": 2, "wsd_decay_steps": 2, "steps": 5}, [0.5, 1.0, 1.0, 1.0, 0.5])])
+def test_linear_and_wsd_schedules_match_reference(tiny_config, schedule: dict, factors: list) -> None:
+    """The reference steps the same schedule (runtime.tools.reference): the pipeline's parameters stay exact, and
+    every worker applies the rates worked out by hand."""
+    config = tiny_config(M=2, **schedule)
+    lrs: dict[int, list] = {}
+    plan = build_schedule(config, "zb-h1", staggered=True)
+    assert_matches_reference(config, plan, lrs=lrs)
+    for rank in plan.live_ranks():
+        assert lrs[rank] == pytest.approx([0.01 * f for f in factors], rel=1e-14)
+
+
 def test_the_pacing_hook_runs_every_action_wraps_each_transport_and_follows_each_plan(tiny_config) -> None:
     """Cost emulation is a hook given at construction (no patched methods): it runs every action, the executor
     talks through its wrapper of whichever transport set_plan hands over, and it paces by the current plan."""
