@@ -34,8 +34,8 @@ def test_the_learning_rate_is_one_number_unless_the_stages_differ() -> None:
 
 def test_the_step_line_shows_the_learning_rate() -> None:
     m = StepMetrics(step=3, loss=5.25151, tokens_per_s=6180.4, period_s=0.0829, step_time_s=0.08, elapsed_s=1.0,
-                    lr=1e-3)
-    assert step_line(m, 20) == "step 3/20 loss 5.2515 lr 1.00e-03 tokens/s 6,180 period 82.9 ms"
+                    lr=1e-3, tokens_per_s_per_gpu=1545.1)
+    assert step_line(m, 20) == "step 3/20 loss 5.2515 lr 1.00e-03 tokens/s 6,180 (1,545/GPU) period 82.9 ms"
     differ = StepMetrics(step=3, loss=5.0, tokens_per_s=1.0, period_s=1.0, step_time_s=1.0, elapsed_s=1.0, lr=1e-3,
                          lr_by_stage=(1e-3, 5e-4))
     assert " lr 1.00e-03/5.00e-04 (per stage: they differ) " in step_line(differ, 20)
@@ -65,7 +65,7 @@ def test_tensorboard_event_file_holds_the_scalars(tmp_path: Path) -> None:
     for step in (1, 2):
         sink.on_step(StepMetrics(step=step, loss=5.0 - step, tokens_per_s=100.0 * step, period_s=0.5,
                                  step_time_s=0.4, elapsed_s=step, grad_norm=2.0 * step, worker_time_s=workers,
-                                 lr=0.5 / step))
+                                 lr=0.5 / step, tokens_per_s_per_gpu=25.0 * step))
     sink.on_recovery(_recovery())
     sink.on_step(StepMetrics(step=3, loss=1.5, tokens_per_s=90.0, period_s=0.6, step_time_s=0.5, elapsed_s=3.0,
                              grad_norm=None, worker_time_s={k: v for k, v in workers.items() if k != "1:1"}))
@@ -79,6 +79,7 @@ def test_tensorboard_event_file_holds_the_scalars(tmp_path: Path) -> None:
     assert [s for s, _ in scalars["train/period_s"]] == [1, 2, 3]
     assert scalars["train/grad_norm"] == [(1, 2.0), (2, 4.0)]  # step 3 had none
     assert scalars["train/lr"] == [(1, 0.5), (2, 0.25)]  # so had lr
+    assert scalars["train/tokens_per_s_per_gpu"] == [(1, 25.0), (2, 50.0), (3, 0.0)]
     assert scalars["workers/live"] == [(1, 4.0), (2, 4.0), (3, 3.0)]
     assert scalars["recovery/count"] == [(3, 1.0)]
     assert scalars["recovery/workers_down"] == [(3, 1.0)]

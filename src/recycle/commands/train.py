@@ -61,7 +61,7 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
                                   "or safetensors when PATH ends in .safetensors")
     p.add_argument("--metrics", help="write per-step metrics here as JSON lines")
     p.add_argument("--tensorboard", default="", metavar="DIR",
-                   help="write TensorBoard event files here (node 0): loss, tokens/s, period, grad norm, live "
+                   help="write TensorBoard event files here (node 0): loss, lr, tokens/s, period, grad norm, live "
                         "workers, recoveries; needs the optional extra: pip install 'recycle[tensorboard]'")
     p.add_argument("--checkpoint-dir", default="", help="write checkpoints here (torch.distributed.checkpoint "
                                                          "folders keyed by the whole model's parameter names)")

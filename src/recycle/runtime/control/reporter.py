@@ -33,6 +33,8 @@ class StepMetrics:
     grad_norm: float | None = None
     lr: float | None = None  # the learning rate of the step's optimizer steps (stage 0's, if the stages differed)
     lr_by_stage: tuple[float, ...] = ()  # each stage's learning rate, only when they differed (they should not)
+    # tokens_per_s over the GPUs that made the step: its live workers x [topology] gpus_per_worker
+    tokens_per_s_per_gpu: float = 0.0
     worker_time_s: dict[str, float] = field(default_factory=dict)  # "replica:stage" -> busy span of the iteration
     worker_cpu_s: dict[str, float] = field(default_factory=dict)  # "replica:stage" -> CPU seconds of the iteration
     digests: dict[str, str] = field(default_factory=dict)  # "replica:stage" -> parameter digest (verify_replicas)
@@ -134,11 +136,12 @@ class EventSink(Protocol):
 
 
 def step_line(m: StepMetrics, end_step: int) -> str:
-    """A step's progress line: `step 3/20 loss 5.2515 lr 1.00e-03 tokens/s 6,180 period 82.9 ms`."""
+    """A step's progress line: `step 3/20 loss 5.2515 lr 1.00e-03 tokens/s 6,180 (1,545/GPU) period 82.9 ms`."""
     lr = "" if m.lr is None else f" lr {m.lr:.2e}"
     if m.lr_by_stage:
         lr = " lr " + "/".join(f"{x:.2e}" for x in m.lr_by_stage) + " (per stage: they differ)"
-    return (f"step {m.step}/{end_step} loss {m.loss:.4f}{lr} tokens/s {m.tokens_per_s:,.0f} "
+    per_gpu = f" ({m.tokens_per_s_per_gpu:,.0f}/GPU)" if m.tokens_per_s_per_gpu else ""
+    return (f"step {m.step}/{end_step} loss {m.loss:.4f}{lr} tokens/s {m.tokens_per_s:,.0f}{per_gpu} "
             f"period {m.period_s * 1e3:.1f} ms")
 
 
@@ -275,8 +278,10 @@ def measure_recovery(facts: RecoveryFacts, records: GenerationRecords, worker: C
 class Reporter:
     """Builds each step's metrics from its workers' records and hands every report to the sinks, in order."""
 
-    def __init__(self, sinks: list[EventSink], tokens_per_step: int, num_stages: int, wall0: float) -> None:
+    def __init__(self, sinks: list[EventSink], tokens_per_step: int, num_stages: int, wall0: float,
+                 gpus_per_worker: int = 1) -> None:
         self.sinks, self.tokens_per_step, self.num_stages, self.wall0 = sinks, tokens_per_step, num_stages, wall0
+        self.gpus_per_worker = gpus_per_worker
         self.steps: list[StepMetrics] = []
         self.recoveries: list[Recovery] = []
         self.chaos_events: list[ChaosEvent] = []
@@ -291,9 +296,11 @@ class Reporter:
         self.previous_end = last
         losses = [r.stage_loss for r in records if r.stage_loss is not None]
         lr, lr_by_stage = learning_rate(records, self.num_stages)
+        tokens_per_s = self.tokens_per_step / period if period > 0 else 0.0
+        gpus = len({r.worker for r in records}) * self.gpus_per_worker  # the live workers that made the step
         return StepMetrics(
-            step=step + 1, loss=losses[0] if losses else 0.0,
-            tokens_per_s=self.tokens_per_step / period if period > 0 else 0.0,
+            step=step + 1, loss=losses[0] if losses else 0.0, tokens_per_s=tokens_per_s,
+            tokens_per_s_per_gpu=tokens_per_s / gpus if gpus else 0.0,
             period_s=period, step_time_s=last - first, elapsed_s=time.time() - self.wall0,
             grad_norm=grad_norm(records, self.num_stages), lr=lr, lr_by_stage=lr_by_stage,
             worker_time_s={r.worker: r.end - r.start for r in records},

@@ -71,7 +71,7 @@ class Supervisor:
         if options.outputs.metrics_path:
             sinks.append(MetricsFile(options.outputs.metrics_path))
         tokens_per_step = plan.total_microbatches * config.workload.microbatch_size * config.workload.seq_len
-        self.reporter = Reporter(sinks, tokens_per_step, plan.num_stages, wall0)
+        self.reporter = Reporter(sinks, tokens_per_step, plan.num_stages, wall0, config.topology.gpus_per_worker)
         self.monkey = ChaosMonkey(options.faults.chaos, plan.num_stages) if options.faults.chaos is not None else None
         self.last_chaos_step = start_step
         self.exited: set[int] = set()

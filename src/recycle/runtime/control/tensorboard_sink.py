@@ -38,6 +38,7 @@ class TensorBoardSink:
         self.last_step = step
         w.add_scalar("train/loss", m.loss, step)
         w.add_scalar("train/tokens_per_s", m.tokens_per_s, step)
+        w.add_scalar("train/tokens_per_s_per_gpu", m.tokens_per_s_per_gpu, step)
         w.add_scalar("train/period_s", m.period_s, step)
         w.add_scalar("train/step_time_s", m.step_time_s, step)
         if m.grad_norm is not None:
