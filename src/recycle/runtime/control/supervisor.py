@@ -19,6 +19,7 @@ from recycle.runtime.control.liveness import Liveness
 from recycle.runtime.control.processes import WorkerProcesses, node_ranks
 from recycle.runtime.control.reporter import (ChaosEvent, EventSink, GenerationRecords, MetricsFile, ProgressSink,
                                               Recovery, Reporter, StepMetrics, measure_recovery, replica_mismatch)
+from recycle.runtime.control.worker_table import WorkerRow, replacement_line
 from recycle.runtime.options import LaunchOptions
 from recycle.runtime.protocol.channels import (Channel, Channels, Flags, JobStore, Keys, launcher_fence_prefix,
                                                worker_fence_prefix)
@@ -277,6 +278,9 @@ class Supervisor:
         if pid is not None:  # else its replacement is already starting
             self.exited.discard(rank)
             self.pids[rank] = pid
+            if self.options.progress:
+                self.options.progress(replacement_line(
+                    WorkerRow(self.options.cluster.node_rank, Worker(*self.plan.worker(rank)), rank, pid), reason))
 
     def _announce(self, command: Announce) -> None:
         facts = command.facts

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from recycle.config import Config
 from recycle.errors import ConfigError, RecycleError
 from recycle.ir import Action, Plan
+from recycle.ir.worker import Worker
 from recycle.models.gpt import GPTStage
 from recycle.runtime.options import (Backend, CheckpointOptions, ClusterOptions, DebugOptions, OutputOptions,
                                      RecoveryOptions)
@@ -43,6 +44,7 @@ from recycle.runtime.worker.emulate import cost_pacer
 from recycle.runtime.worker.executor import StageExecutor
 from recycle.runtime.worker.nccl_env import prepare_nccl
 from recycle.runtime.worker.stage import build_stage
+from recycle.runtime.worker.title import set_process_title
 from recycle.runtime.worker.transport import Activity, GenerationCut, Transport, is_comm_error
 
 __all__ = ["WorkerSpec", "WorkerHooks", "FaultInjection", "GenerationAborted", "worker_main", "run_worker",
@@ -210,6 +212,8 @@ def _thread_lock_for_progress_bars() -> None:
 def worker_main(spec: WorkerSpec, launcher_alive: Connection | None = None) -> None:
     """Process entry point; exits non-zero after writing an error record to the store if anything fails."""
     torch.set_num_threads(1)
+    # Before gloo's threads exist, which inherit it: ps, top and /proc name every thread of worker 1:1 'recycle 1:1'.
+    set_process_title(f"recycle {Worker(*divmod(spec.rank, spec.config.num_stages))}")
     _thread_lock_for_progress_bars()
     if spec.backend == "gloo" and spec.cluster.master_addr in ("127.0.0.1", "localhost", "::1"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # single machine: keep gloo on loopback
