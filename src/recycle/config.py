@@ -61,6 +61,8 @@ SIZE_LIMITS: dict[tuple[str, str], tuple[int, str]] = {
     ("training", "warmup_steps"): (1_000_000_000, "at most [training] steps' limit"),
     ("training", "lr_decay_steps"): (1_000_000_000, "at most [training] steps' limit"),
     ("training", "wsd_decay_steps"): (1_000_000_000, "at most [training] steps' limit"),
+    ("training", "eval_every"): (1_000_000_000, "at most [training] steps' limit"),
+    ("training", "eval_batches"): (65_536, "an evaluation of 65,536 global batches already outlasts most steps"),
 }
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")  # [training] lr_schedule (runtime.state.optim.lr_factor)
 # Tokens a micro-batch carries (microbatch_size x seq_len): every worker allocates activations of this many tokens.
@@ -222,6 +224,8 @@ class Training:
     dataset_column: str = ""  # of a Hugging Face dataset; "" = "text" with a tokenizer, else "input_ids"
     data_order: str = "random"  # "random" (hashed window offsets) or "epochs" (disjoint windows shuffled from seed)
     eval_fraction: float = 0.0  # the corpus's tail held out from training, for evaluation
+    eval_every: int = 0  # evaluate on the held-out split after every this many steps (0 = never)
+    eval_batches: int = 1  # global batches (D x M micro-batches each) of the held-out split per evaluation
     data_source: str = ""  # "package.module:function" (config) -> DataSource, instead of `dataset` (--data-source)
     optimizer: str = "AdamW"  # any torch.optim optimizer class, by name
     # Optimizer arguments passed only when set (None: the optimizer's own default); lr and weight_decay always are.
@@ -722,12 +726,28 @@ def _training(t: dict[str, Any], source: str) -> Training:
         raise ConfigError(f"{_where(source, 'training', 'min_lr')} = {training.min_lr} must be between 0 and lr = "
                           f"{training.lr} (where the cosine, linear or wsd decay ends)")
     _wsd_range(training, source)
+    _eval_keys(training, source)
     if training.steps < 0 or training.lr <= 0 or training.grad_clip < 0:
         raise ConfigError(f"{_where(source, 'training', 'steps/lr/grad_clip')}: need steps >= 0, lr > 0, "
                           f"grad_clip >= 0 (got {training.steps}, {training.lr}, {training.grad_clip})")
     _at_most(training, "training", source)
     _optimizer_ranges(training, source)
     return training
+
+
+def _eval_keys(training: Training, source: str) -> None:
+    """An evaluation needs the held-out split that eval_fraction makes (a --data-source has none)."""
+    if training.eval_every < 0 or training.eval_batches < 1:
+        raise ConfigError(f"{_where(source, 'training', 'eval_every/eval_batches')}: need eval_every >= 0 (0 = no "
+                          f"evaluation) and eval_batches >= 1 (got {training.eval_every}, {training.eval_batches})")
+    if training.eval_every and training.eval_fraction == 0:
+        raise ConfigError(f"{_where(source, 'training', 'eval_every')} = {training.eval_every} evaluates on the "
+                          "held-out split, but [training] eval_fraction = 0 holds nothing out; set eval_fraction "
+                          "(e.g. 0.05) or eval_every = 0")
+    if training.eval_every and training.data_source:
+        raise ConfigError(f"{_where(source, 'training', 'eval_every')} = {training.eval_every}: the data source "
+                          f"{training.data_source!r} has no held-out split; evaluate with the built-in sources' "
+                          "[training] eval_fraction, or set eval_every = 0")
 
 
 def _wsd_range(training: Training, source: str) -> None:

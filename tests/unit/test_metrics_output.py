@@ -12,7 +12,8 @@ from recycle.cli import main
 from recycle.errors import ConfigError
 from recycle.log_setup import configure_logging
 from recycle.progress import progress_lines
-from recycle.runtime.control.reporter import ChaosEvent, Recovery, StepMetrics, grad_norm, learning_rate, step_line
+from recycle.runtime.control.reporter import (ChaosEvent, EvalMetrics, Recovery, StepMetrics, grad_norm, learning_rate,
+                                              step_line)
 from recycle.runtime.control.tensorboard_sink import TensorBoardSink
 from recycle.runtime.protocol.records import StepRecord
 
@@ -70,6 +71,8 @@ def test_tensorboard_event_file_holds_the_scalars(tmp_path: Path) -> None:
     sink.on_step(StepMetrics(step=3, loss=1.5, tokens_per_s=90.0, period_s=0.6, step_time_s=0.5, elapsed_s=3.0,
                              grad_norm=None, worker_time_s={k: v for k, v in workers.items() if k != "1:1"}))
     sink.on_chaos(ChaosEvent(time=0.0, kind="kill", step=3, workers=("1:1",)))
+    sink.on_eval(EvalMetrics(step=2, loss=3.25, microbatches=8, tokens=128, seconds=0.1, generation=0))
+    sink.on_eval(EvalMetrics(step=3, loss=None, microbatches=0, tokens=0, seconds=0.0, generation=1, skipped="cut"))
     sink.close()
     events = EventAccumulator(str(tmp_path))
     events.Reload()
@@ -80,10 +83,22 @@ def test_tensorboard_event_file_holds_the_scalars(tmp_path: Path) -> None:
     assert scalars["train/grad_norm"] == [(1, 2.0), (2, 4.0)]  # step 3 had none
     assert scalars["train/lr"] == [(1, 0.5), (2, 0.25)]  # so had lr
     assert scalars["train/tokens_per_s_per_gpu"] == [(1, 25.0), (2, 50.0), (3, 0.0)]
+    assert scalars["eval/loss"] == [(2, 3.25)]  # the skipped one is text (events/eval), not a number
     assert scalars["workers/live"] == [(1, 4.0), (2, 4.0), (3, 3.0)]
     assert scalars["recovery/count"] == [(3, 1.0)]
     assert scalars["recovery/workers_down"] == [(3, 1.0)]
     assert scalars["recovery/resumed_s"][0][1] == pytest.approx(0.15)
+
+
+def test_the_eval_line_says_what_was_measured_or_why_not() -> None:
+    done = EvalMetrics(step=4, loss=4.30412, microbatches=8, tokens=1024, seconds=0.0213, generation=0)
+    assert done.line() == "eval after step 4: loss 4.3041 (8 micro-batches, 1,024 tokens, 0.02 s)"
+    again = EvalMetrics(step=2, loss=4.8695, microbatches=8, tokens=128, seconds=0.02, generation=1, redone=True)
+    assert again.line().endswith("0.02 s; run again in generation 1 after a failure)")
+    skipped = EvalMetrics(step=4, loss=None, microbatches=0, tokens=0, seconds=0.0, generation=1, skipped="why")
+    assert skipped.line() == "eval after step 4: skipped (why)"
+    assert done.record() == {"event": "eval", "step": 4, "loss": 4.30412, "microbatches": 8, "tokens": 1024,
+                             "seconds": 0.0213, "generation": 0, "redone": False, "skipped": ""}
 
 
 def test_a_missing_tensorboard_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

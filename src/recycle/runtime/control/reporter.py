@@ -12,7 +12,8 @@ from recycle.runtime.control.coordinator import RecoveryFacts
 from recycle.runtime.protocol.records import FaultRecord, Joined, MigrationRecord, StepRecord, TransferRecord
 from recycle.runtime.state import checkpoint
 
-__all__ = ["StepMetrics", "Recovery", "ChaosEvent", "EventSink", "ProgressSink", "MetricsFile", "Reporter",
+__all__ = ["StepMetrics", "EvalMetrics", "Recovery", "ChaosEvent", "EventSink", "ProgressSink", "MetricsFile",
+           "Reporter",
            "GenerationRecords", "measure_recovery", "grad_norm", "learning_rate", "replica_mismatch"]
 
 Worker = tuple[int, int]  # (replica, stage)
@@ -40,6 +41,30 @@ class StepMetrics:
     digests: dict[str, str] = field(default_factory=dict)  # "replica:stage" -> parameter digest (verify_replicas)
     generation: int = 0
     end_time: float = 0.0  # wall clock when the last worker finished the step
+
+
+@dataclass(frozen=True)
+class EvalMetrics:
+    """An evaluation on the held-out split ([training] eval_every), or why there is none."""
+
+    step: int  # after this many steps (the step line's number)
+    loss: float | None  # the mean loss over its micro-batches; None: skipped
+    microbatches: int
+    tokens: int
+    seconds: float  # the writer's span from its first forward to the loss
+    generation: int  # the generation that ran it
+    redone: bool = False  # a failure made a later generation run it again (from the same weights)
+    skipped: str = ""  # why it was not run to the end
+
+    def record(self) -> dict[str, Any]:
+        return {"event": "eval", **asdict(self)}
+
+    def line(self) -> str:
+        if self.loss is None:
+            return f"eval after step {self.step}: skipped ({self.skipped})"
+        again = f"; run again in generation {self.generation} after a failure" if self.redone else ""
+        return (f"eval after step {self.step}: loss {self.loss:.4f} ({self.microbatches} micro-batches, "
+                f"{self.tokens:,} tokens, {self.seconds:.2f} s{again})")
 
 
 @dataclass(frozen=True)
@@ -130,6 +155,8 @@ class EventSink(Protocol):
 
     def on_step(self, metrics: StepMetrics) -> None: ...
 
+    def on_eval(self, evaluation: EvalMetrics) -> None: ...
+
     def on_recovery(self, recovery: Recovery) -> None: ...
 
     def on_chaos(self, event: ChaosEvent) -> None: ...
@@ -154,6 +181,9 @@ class ProgressSink:
     def on_step(self, m: StepMetrics) -> None:
         self.say(step_line(m, self.end_step))
 
+    def on_eval(self, evaluation: EvalMetrics) -> None:
+        self.say(evaluation.line())
+
     def on_recovery(self, recovery: Recovery) -> None:
         self.say(recovery.line())
 
@@ -162,8 +192,8 @@ class ProgressSink:
 
 
 class MetricsFile:
-    """--metrics FILE: one JSON record per step, recovery and chaos event, the whole file rewritten atomically
-    after each step and recovery (a chaos event goes out with the next one)."""
+    """--metrics FILE: one JSON record per step, evaluation, recovery and chaos event, the whole file rewritten
+    atomically after each step, evaluation and recovery (a chaos event goes out with the next one)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -171,6 +201,10 @@ class MetricsFile:
 
     def on_step(self, metrics: StepMetrics) -> None:
         self.records.append(asdict(metrics))
+        self._write()
+
+    def on_eval(self, evaluation: EvalMetrics) -> None:
+        self.records.append(evaluation.record())
         self._write()
 
     def on_recovery(self, recovery: Recovery) -> None:
@@ -283,6 +317,7 @@ class Reporter:
         self.sinks, self.tokens_per_step, self.num_stages, self.wall0 = sinks, tokens_per_step, num_stages, wall0
         self.gpus_per_worker = gpus_per_worker
         self.steps: list[StepMetrics] = []
+        self.evaluations: list[EvalMetrics] = []
         self.recoveries: list[Recovery] = []
         self.chaos_events: list[ChaosEvent] = []
         self.previous_end: float | None = None
@@ -316,6 +351,11 @@ class Reporter:
         self.steps.append(metrics)
         for sink in self.sinks:
             sink.on_step(metrics)
+
+    def evaluation(self, evaluation: EvalMetrics) -> None:
+        self.evaluations.append(evaluation)
+        for sink in self.sinks:
+            sink.on_eval(evaluation)
 
     def recovery(self, recovery: Recovery) -> None:
         self.recoveries.append(recovery)

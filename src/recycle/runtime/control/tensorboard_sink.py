@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from recycle.errors import ConfigError
-from recycle.runtime.control.reporter import ChaosEvent, Recovery, StepMetrics
+from recycle.runtime.control.reporter import ChaosEvent, EvalMetrics, Recovery, StepMetrics
 
 __all__ = ["TensorBoardSink", "EXTRA", "summary_writer"]
 
@@ -51,6 +51,12 @@ class TensorBoardSink:
         # step may already be missing.
         w.add_scalar("workers/live", len(m.worker_time_s), step)
         w.add_scalar("workers/generation", m.generation, step)
+
+    def on_eval(self, evaluation: EvalMetrics) -> None:
+        if evaluation.loss is None:
+            self.writer.add_text("events/eval", evaluation.line(), evaluation.step)
+        else:
+            self.writer.add_scalar("eval/loss", evaluation.loss, evaluation.step)
 
     def on_recovery(self, r: Recovery) -> None:
         w, step = self.writer, r.step

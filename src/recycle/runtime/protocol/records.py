@@ -12,7 +12,8 @@ from recycle.ir.worker import Worker
 if TYPE_CHECKING:  # typeshed's type of a dataclass (what fields() takes); it exists only in the stubs
     from _typeshed import DataclassInstance
 
-__all__ = ["RecordError", "StepRecord", "ErrorRecord", "FaultRecord", "JoinReady", "Timestamp", "TransferRecord",
+__all__ = ["RecordError", "StepRecord", "EvalRecord", "ErrorRecord", "FaultRecord", "JoinReady", "Timestamp",
+           "TransferRecord",
            "MigrationRecord", "StoppedReport", "Announcement", "Joined", "Beat", "to_json", "from_json"]
 
 
@@ -42,6 +43,18 @@ class StepRecord:
     @property
     def worker(self) -> str:
         return str(Worker(self.replica, self.stage))
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """An evaluation on the held-out split after a number of steps (key eval/DONE): the mean loss over its
+    micro-batches, run forward-only through the pipeline; written by the last stage's first live replica."""
+
+    loss: float
+    microbatches: int
+    start: float  # wall clock of the evaluation's first forward on the writer
+    end: float
+    generation: int
 
 
 @dataclass(frozen=True)
@@ -153,7 +166,7 @@ class Beat:
 
 
 _KINDS: dict[str, type[DataclassInstance]] = {
-    "beat": Beat, "joined": Joined, "step": StepRecord, "error": ErrorRecord, "fault": FaultRecord,
+    "beat": Beat, "joined": Joined, "step": StepRecord, "eval": EvalRecord, "error": ErrorRecord, "fault": FaultRecord,
     "join_ready": JoinReady, "timestamp": Timestamp, "transfer": TransferRecord, "migration": MigrationRecord,
     "stopped": StoppedReport, "announce": Announcement}
 _NAMES = {cls: kind for kind, cls in _KINDS.items()}
