@@ -98,7 +98,7 @@ def test_the_eval_line_says_what_was_measured_or_why_not() -> None:
     skipped = EvalMetrics(step=4, loss=None, microbatches=0, tokens=0, seconds=0.0, generation=1, skipped="why")
     assert skipped.line() == "eval after step 4: skipped (why)"
     assert done.record() == {"event": "eval", "step": 4, "loss": 4.30412, "microbatches": 8, "tokens": 1024,
-                             "seconds": 0.0213, "generation": 0, "redone": False, "skipped": ""}
+                             "seconds": 0.0213, "generation": 0, "redone": False, "skipped": "", "end_time": 0.0}
 
 
 def test_a_missing_tensorboard_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

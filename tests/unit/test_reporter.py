@@ -7,8 +7,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from recycle.runtime.control.reporter import (ChaosEvent, MetricsFile, ProgressSink, Recovery, Reporter, StepMetrics,
-                                              replica_mismatch)
+from recycle.runtime.control.reporter import (ChaosEvent, EvalMetrics, MetricsFile, ProgressSink, Recovery, Reporter,
+                                              StepMetrics, replica_mismatch)
 from recycle.runtime.protocol.records import StepRecord
 
 
@@ -78,3 +78,13 @@ def test_tokens_per_gpu_divide_by_the_workers_that_made_the_step() -> None:
     records = [StepRecord(p, s, 0, 0.0, 2.0, 0.1, None, None, None, 1.0) for p, s in ((0, 0), (0, 1), (1, 0))]
     metrics = reporter.step_metrics(0, records)
     assert metrics.tokens_per_s == 600.0 and metrics.tokens_per_s_per_gpu == 100.0
+
+
+def test_an_evaluation_between_two_steps_is_not_in_the_next_steps_period() -> None:
+    reporter = Reporter([], tokens_per_step=100, num_stages=1, wall0=0.0)
+    reporter.step(reporter.step_metrics(0, [StepRecord(0, 0, 0, 0.0, 1.0, 0.1, None, None, None, 1.0)]))
+    reporter.evaluation(EvalMetrics(1, 4.0, 2, 32, 0.5, 0, end_time=1.5))  # ran from 1.0 to 1.5
+    second = reporter.step_metrics(1, [StepRecord(0, 0, 0, 1.5, 2.5, 0.1, None, None, None, 1.0)])
+    assert second.period_s == 1.0 and second.tokens_per_s == 100.0
+    reporter.evaluation(EvalMetrics(2, None, 0, 0, 0.0, 0, skipped="cut"))  # skipped: no time of its own
+    assert reporter.step_metrics(2, [StepRecord(0, 0, 0, 2.5, 3.0, 0.1, None, None, None, 1.0)]).period_s == 0.5

@@ -28,7 +28,9 @@ class StepMetrics:
     step: int  # 1-based count of completed steps
     loss: float
     tokens_per_s: float
-    period_s: float  # end of this iteration minus end of the previous one (the first step: its own span)
+    # End of this iteration minus the end of the previous one, or of the evaluation between them (the first step:
+    # its own span); tokens/s follow it, so an evaluation does not count against the training's throughput.
+    period_s: float
     step_time_s: float  # first start to last end over all workers
     elapsed_s: float
     grad_norm: float | None = None
@@ -55,6 +57,7 @@ class EvalMetrics:
     generation: int  # the generation that ran it
     redone: bool = False  # a failure made a later generation run it again (from the same weights)
     skipped: str = ""  # why it was not run to the end
+    end_time: float = 0.0  # wall clock when the writer had the loss
 
     def record(self) -> dict[str, Any]:
         return {"event": "eval", **asdict(self)}
@@ -353,6 +356,9 @@ class Reporter:
             sink.on_step(metrics)
 
     def evaluation(self, evaluation: EvalMetrics) -> None:
+        """Report an evaluation; the next step's period starts at its end (it ran between the two steps)."""
+        if self.previous_end is not None and evaluation.loss is not None:
+            self.previous_end = max(self.previous_end, evaluation.end_time)
         self.evaluations.append(evaluation)
         for sink in self.sinks:
             sink.on_eval(evaluation)

@@ -369,6 +369,9 @@ class Supervisor:
     def _drain(self) -> None:
         """Report every step all its members have finished, in order."""
         while (step := self.coordinator.next_step) < self.end_step:
+            # The evaluation before this step first (its record is in before the step's last one: the writer
+            # writes it before the step), so that the step's period starts after it.
+            self._report_evaluations()
             members = self.coordinator.members(step)
             records = self._records(Channels.METRICS, step, members)
             if not members or len(records) < len(members):
@@ -403,7 +406,8 @@ class Supervisor:
                 self.reporter.evaluation(EvalMetrics(done, record.loss, record.microbatches,
                                                      record.microbatches * self.tokens_per_microbatch,
                                                      record.end - record.start, record.generation,
-                                                     redone=record.generation > step_generation))
+                                                     redone=record.generation > step_generation,
+                                                     end_time=record.end))
             elif final:
                 self.reporter.evaluation(EvalMetrics(done, None, 0, 0, 0.0, self.coordinator.state.generation,
                                                      skipped="a failure cut it short, and the run ended before it "
