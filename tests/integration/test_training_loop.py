@@ -18,6 +18,7 @@ from recycle.runtime.options import LaunchOptions, with_keywords
 from recycle.runtime.state.optim import lr_factor
 from recycle.runtime.tools.faults import FaultInjection
 from recycle.runtime.tools.reference import reference_train
+from recycle.runtime.worker.emulate import Emulation
 from recycle.schedules.fault_free import build_schedule
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -110,13 +111,14 @@ def test_a_worker_killed_during_the_eval_is_survived_and_the_eval_redone(tiny_co
 def test_a_checkpoint_restore_runs_the_evaluations_from_its_step_again(tiny_config, tmp_path: Path) -> None:
     """Stage 1 loses both replicas (1:1 in step 2, 0:1 in step 4), so every worker restores the checkpoint of step
     2 (reshape: 1:0 moves into stage 1) and redoes steps 3 and 4. The evaluation after step 2 runs again first,
-    from the restored weights, and equals the first; all of them equal the reference's."""
+    from the restored weights, and equals the first; all of them equal the reference's. Paced (20 ms per cost
+    slot) so that the checkpoint of step 2 is complete before the second kill, as in test_rejoin.py."""
     config = eval_config(tiny_config, steps=6)
     lines: list[str] = []
     plan = build_schedule(config, "zb-h1", staggered=True)
     kills = ((plan.rank(1, 1), FaultInjection(step=1, index=3)), (plan.rank(0, 1), FaultInjection(step=3, index=2)))
     result = run(config, tmp_path, lines, faults=kills, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2,
-                 stage_loss="reshape")
+                 stage_loss="reshape", emulation=Emulation(20.0, 1.0))
     restore = next(r for r in result.recoveries if r.restored_step is not None)
     assert restore.restored_step == 2
     records = assert_exact(config, tmp_path, evals_at=(2, 2, 4, 6))
