@@ -31,6 +31,7 @@ __all__ = [
     "uniform_config",
     "SIZE_LIMITS",
     "MAX_PLAN_PAIRS",
+    "LR_SCHEDULES",
 ]
 
 TIME_UNITS = ("slot", "us")
@@ -59,7 +60,11 @@ SIZE_LIMITS: dict[tuple[str, str], tuple[int, str]] = {
     ("training", "steps"): (1_000_000_000, "a billion steps; Llama 3 405B trained for about 1.2 million"),
     ("training", "warmup_steps"): (1_000_000_000, "at most [training] steps' limit"),
     ("training", "lr_decay_steps"): (1_000_000_000, "at most [training] steps' limit"),
+    ("training", "wsd_decay_steps"): (1_000_000_000, "at most [training] steps' limit"),
+    ("training", "eval_every"): (1_000_000_000, "at most [training] steps' limit"),
+    ("training", "eval_batches"): (65_536, "an evaluation of 65,536 global batches already outlasts most steps"),
 }
+LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")  # [training] lr_schedule (runtime.state.optim.lr_factor)
 # Tokens a micro-batch carries (microbatch_size x seq_len): every worker allocates activations of this many tokens.
 MAX_MICROBATCH_TOKENS = 16_777_216  # Llama 3's whole global batch of 16M tokens in one micro-batch
 MAX_GPUS = 1_048_576  # D x S x gpus_per_worker: 64x Llama 3's 16,384 GPUs
@@ -219,6 +224,8 @@ class Training:
     dataset_column: str = ""  # of a Hugging Face dataset; "" = "text" with a tokenizer, else "input_ids"
     data_order: str = "random"  # "random" (hashed window offsets) or "epochs" (disjoint windows shuffled from seed)
     eval_fraction: float = 0.0  # the corpus's tail held out from training, for evaluation
+    eval_every: int = 0  # evaluate on the held-out split after every this many steps (0 = never)
+    eval_batches: int = 1  # global batches (D x M micro-batches each) of the held-out split per evaluation
     data_source: str = ""  # "package.module:function" (config) -> DataSource, instead of `dataset` (--data-source)
     optimizer: str = "AdamW"  # any torch.optim optimizer class, by name
     # Optimizer arguments passed only when set (None: the optimizer's own default); lr and weight_decay always are.
@@ -228,10 +235,14 @@ class Training:
     dampening: float | None = None
     nesterov: bool | None = None
     amsgrad: bool | None = None
-    lr_schedule: str = "constant"  # "constant" or "cosine" (torch.optim.lr_scheduler.LambdaLR)
+    # After the warm-up (torch.optim.lr_scheduler.LambdaLR; runtime.state.optim.lr_factor): "constant", "cosine" or
+    # "linear" decay to min_lr, or "wsd" (warmup-stable-decay: constant, then a linear decay over the last
+    # wsd_decay_steps).
+    lr_schedule: str = "constant"
     warmup_steps: int = 0  # linear warm-up: step k (0-based) uses lr * (k + 1) / warmup_steps
-    min_lr: float = 0.0  # where the cosine ends
-    lr_decay_steps: int = 0  # the step at which the cosine reaches min_lr; 0 = [training] steps
+    min_lr: float = 0.0  # where the decay ends
+    lr_decay_steps: int = 0  # the step at which the decay reaches min_lr; 0 = [training] steps
+    wsd_decay_steps: int = 0  # "wsd": the decay's length (it ends at lr_decay_steps); required there, else 0
 
 
 @dataclass(frozen=True)
@@ -692,9 +703,9 @@ def _training(t: dict[str, Any], source: str) -> Training:
     if training.dtype not in ("float32", "float64", "bfloat16"):
         raise ConfigError(f"{_where(source, 'training', 'dtype')} = {training.dtype!r} must be 'float32', "
                           "'float64' or 'bfloat16' (bf16 autocast with float32 weights)")
-    if training.lr_schedule not in ("constant", "cosine"):
-        raise ConfigError(f"{_where(source, 'training', 'lr_schedule')} = {training.lr_schedule!r} must be "
-                          "'constant' or 'cosine' (both after the optional warmup_steps)")
+    if training.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"{_where(source, 'training', 'lr_schedule')} = {training.lr_schedule!r} must be one of "
+                          f"{', '.join(repr(x) for x in LR_SCHEDULES)} (each after the optional warmup_steps)")
     if training.token_dtype not in ("", "uint16", "uint32"):
         raise ConfigError(f"{_where(source, 'training', 'token_dtype')} = {training.token_dtype!r} must be 'uint16' "
                           "or 'uint32' (the width of the token file's ids; nanoGPT writes uint16)")
@@ -713,13 +724,51 @@ def _training(t: dict[str, Any], source: str) -> Training:
                           "[training] steps")
     if not 0 <= training.min_lr <= training.lr:
         raise ConfigError(f"{_where(source, 'training', 'min_lr')} = {training.min_lr} must be between 0 and lr = "
-                          f"{training.lr} (where the cosine schedule ends)")
+                          f"{training.lr} (where the cosine, linear or wsd decay ends)")
+    _wsd_range(training, source)
+    _eval_keys(training, source)
     if training.steps < 0 or training.lr <= 0 or training.grad_clip < 0:
         raise ConfigError(f"{_where(source, 'training', 'steps/lr/grad_clip')}: need steps >= 0, lr > 0, "
                           f"grad_clip >= 0 (got {training.steps}, {training.lr}, {training.grad_clip})")
     _at_most(training, "training", source)
     _optimizer_ranges(training, source)
     return training
+
+
+def _eval_keys(training: Training, source: str) -> None:
+    """An evaluation needs the held-out split that eval_fraction makes (a --data-source has none)."""
+    if training.eval_every < 0 or training.eval_batches < 1:
+        raise ConfigError(f"{_where(source, 'training', 'eval_every/eval_batches')}: need eval_every >= 0 (0 = no "
+                          f"evaluation) and eval_batches >= 1 (got {training.eval_every}, {training.eval_batches})")
+    if training.eval_every and training.eval_fraction == 0:
+        raise ConfigError(f"{_where(source, 'training', 'eval_every')} = {training.eval_every} evaluates on the "
+                          "held-out split, but [training] eval_fraction = 0 holds nothing out; set eval_fraction "
+                          "(e.g. 0.05) or eval_every = 0")
+    if training.eval_every and training.data_source:
+        raise ConfigError(f"{_where(source, 'training', 'eval_every')} = {training.eval_every}: the data source "
+                          f"{training.data_source!r} has no held-out split; evaluate with the built-in sources' "
+                          "[training] eval_fraction, or set eval_every = 0")
+
+
+def _wsd_range(training: Training, source: str) -> None:
+    """wsd_decay_steps is the "wsd" schedule's own key, and its decay must fit after the warm-up."""
+    where = _where(source, 'training', 'wsd_decay_steps')
+    decay, schedule = training.wsd_decay_steps, training.lr_schedule
+    if decay < 0:
+        raise ConfigError(f"{where} = {decay} must be >= 0 (the length of the \"wsd\" schedule's final decay)")
+    if schedule != "wsd":
+        if decay:
+            raise ConfigError(f"{where} = {decay} applies only to lr_schedule = \"wsd\", not {schedule!r}; drop it "
+                              "or set lr_schedule = \"wsd\"")
+        return
+    end = training.lr_decay_steps or training.steps
+    if decay == 0:
+        raise ConfigError(f"{where} must be set for lr_schedule = \"wsd\": the number of final steps over which the "
+                          f"rate decays to min_lr, e.g. {max(1, end // 5)} (a fifth of the {end} steps)")
+    if training.warmup_steps + decay > end:
+        raise ConfigError(f"{where} = {decay} plus warmup_steps = {training.warmup_steps} exceed the {end} steps "
+                          f"the schedule spans (lr_decay_steps, else steps): the decay must start after the warm-up; "
+                          f"use wsd_decay_steps <= {max(0, end - training.warmup_steps)}")
 
 
 def _optimizer_ranges(training: Training, source: str) -> None:

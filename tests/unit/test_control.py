@@ -91,6 +91,7 @@ def test_token_file_must_be_private_and_well_formed(tmp_path, monkeypatch) -> No
     ("stall:0:1@2.4", (0, 1), FaultInjection(1, 4, "stall", "action")),
     ("raise:2:0@4.ckpt", (2, 0), FaultInjection(3, 0, "raise", "ckpt")),
     ("kill:0:0@2.recovery", (0, 0), FaultInjection(1, 0, "kill", "recovery")),
+    ("kill:1:2@4.eval", (1, 2), FaultInjection(3, 0, "kill", "eval")),
 ])
 def test_fault_specs_parse(spec: str, worker: tuple[int, int], fault: FaultInjection) -> None:
     assert parse_fault(spec, num_replicas=3, num_stages=3) == (worker, fault)

@@ -13,7 +13,7 @@ import torch
 from recycle.ir import Plan
 from recycle.models.gpt import build_stages
 from recycle.runtime.protocol.messages import Message
-from recycle.runtime.state.optim import make_optimizer
+from recycle.runtime.state.optim import lr_factor, make_optimizer
 from recycle.runtime.state.precision import weights_dtype
 from recycle.runtime.tools.fakes import FaultyComm, LoneComm, MemoryFabric
 from recycle.runtime.tools.reference import reference_train
@@ -33,8 +33,8 @@ def _one_torch_thread_per_worker():
     torch.set_num_threads(threads)
 
 
-def run_in_threads(config, plan: Plan) -> dict[int, torch.nn.Module]:
-    """Train `plan` on threads; returns each live rank's stage module."""
+def run_in_threads(config, plan: Plan, lrs: dict[int, list] | None = None) -> dict[int, torch.nn.Module]:
+    """Train `plan` on threads; returns each live rank's stage module (and fills `lrs`: rank -> each step's lr)."""
     training, workload = config.training, config.workload
     load = data_source(config)
     fabric = MemoryFabric.for_plan(plan)
@@ -53,7 +53,9 @@ def run_in_threads(config, plan: Plan) -> dict[int, torch.nn.Module]:
                 shape, shape, next(module.parameters()).dtype, grad_clip=training.grad_clip,
                 precision=training.dtype)
             for step in range(training.steps):
-                executor.run_iteration(step)
+                result = executor.run_iteration(step)
+                if lrs is not None:
+                    lrs.setdefault(rank, []).append(result.lr)
         except BaseException as exc:  # surface worker errors in the test thread
             errors.append((rank, exc))
             fabric.cut()  # the peers blocked on this worker raise at once
@@ -67,8 +69,8 @@ def run_in_threads(config, plan: Plan) -> dict[int, torch.nn.Module]:
     return modules
 
 
-def assert_matches_reference(config, plan: Plan, tol: float = 1e-9) -> None:
-    modules = run_in_threads(config, plan)
+def assert_matches_reference(config, plan: Plan, tol: float = 1e-9, lrs: dict[int, list] | None = None) -> None:
+    modules = run_in_threads(config, plan, lrs)
     ref, _ = reference_train(config)
     for s in range(plan.num_stages):
         replicas = [modules[plan.rank(p, s)] for p in plan.live_replicas(s)]
@@ -216,7 +218,27 @@ def test_abort_iteration_drops_partial_work(tiny_config) -> None:
 def test_every_optimizer_with_warmup_cosine_matches_reference(tiny_config, optimizer: dict) -> None:
     """Each stage steps its own optimizer and schedule (staggered): the same learning rates as the reference."""
     config = tiny_config(M=2, steps=4, lr_schedule="cosine", warmup_steps=2, min_lr=0.001, **optimizer)
-    assert_matches_reference(config, build_schedule(config, "zb-h1", staggered=True))
+    lrs: dict[int, list] = {}
+    plan = build_schedule(config, "zb-h1", staggered=True)
+    assert_matches_reference(config, plan, lrs=lrs)
+    # Every worker reports the learning rate its step applied: the schedule's, step by step.
+    expected = [0.01 * lr_factor(k, config.training) for k in range(4)]
+    assert expected[0] == 0.005 and expected[1] == expected[2] == 0.01 > expected[3]  # warm-up, then the cosine
+    assert lrs == {rank: expected for rank in plan.live_ranks()}
+
+
+@pytest.mark.parametrize("schedule,factors", [
+    ({"lr_schedule": "linear", "warmup_steps": 1, "min_lr": 0.002, "steps": 5}, [1.0, 1.0, 0.8, 0.6, 0.4]),
+    ({"lr_schedule": "wsd", "warmup_steps": 2, "wsd_decay_steps": 2, "steps": 5}, [0.5, 1.0, 1.0, 1.0, 0.5])])
+def test_linear_and_wsd_schedules_match_reference(tiny_config, schedule: dict, factors: list) -> None:
+    """The reference steps the same schedule (runtime.tools.reference): the pipeline's parameters stay exact, and
+    every worker applies the rates worked out by hand."""
+    config = tiny_config(M=2, **schedule)
+    lrs: dict[int, list] = {}
+    plan = build_schedule(config, "zb-h1", staggered=True)
+    assert_matches_reference(config, plan, lrs=lrs)
+    for rank in plan.live_ranks():
+        assert lrs[rank] == pytest.approx([0.01 * f for f in factors], rel=1e-14)
 
 
 def test_the_pacing_hook_runs_every_action_wraps_each_transport_and_follows_each_plan(tiny_config) -> None:

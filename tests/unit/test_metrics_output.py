@@ -12,15 +12,36 @@ from recycle.cli import main
 from recycle.errors import ConfigError
 from recycle.log_setup import configure_logging
 from recycle.progress import progress_lines
-from recycle.runtime.control.reporter import ChaosEvent, Recovery, StepMetrics, grad_norm
+from recycle.runtime.control.reporter import (ChaosEvent, EvalMetrics, Recovery, StepMetrics, grad_norm, learning_rate,
+                                              step_line)
 from recycle.runtime.control.tensorboard_sink import TensorBoardSink
 from recycle.runtime.protocol.records import StepRecord
 
 TOY = str(Path(__file__).resolve().parents[2] / "configs" / "toy.toml")
 
 
-def _record(replica: int, stage: int, grad_sq: float | None, norm: float | None = None) -> StepRecord:
-    return StepRecord(replica, stage, 0, 0.0, 1.0, 0.5, None, None, norm, grad_sq)
+def _record(replica: int, stage: int, grad_sq: float | None, norm: float | None = None,
+            lr: float | None = None) -> StepRecord:
+    return StepRecord(replica, stage, 0, 0.0, 1.0, 0.5, None, None, norm, grad_sq, lr=lr)
+
+
+def test_the_learning_rate_is_one_number_unless_the_stages_differ() -> None:
+    agree = [_record(p, s, 1.0, lr=3e-4) for p in (0, 1) for s in (0, 1)]
+    assert learning_rate(agree, 2) == (3e-4, ())
+    differ = [_record(0, 0, 1.0, lr=3e-4), _record(0, 1, 1.0, lr=1e-4), _record(1, 1, 1.0, lr=1e-4)]
+    assert learning_rate(differ, 2) == (3e-4, (3e-4, 1e-4))
+    assert learning_rate([_record(0, 0, 1.0)], 1) == (None, ())  # an optimizer without parameter groups
+
+
+def test_the_step_line_shows_the_learning_rate() -> None:
+    m = StepMetrics(step=3, loss=5.25151, tokens_per_s=6180.4, period_s=0.0829, step_time_s=0.08, elapsed_s=1.0,
+                    lr=1e-3, tokens_per_s_per_gpu=1545.1)
+    assert step_line(m, 20) == "step 3/20 loss 5.2515 lr 1.00e-03 tokens/s 6,180 (1,545/GPU) period 82.9 ms"
+    differ = StepMetrics(step=3, loss=5.0, tokens_per_s=1.0, period_s=1.0, step_time_s=1.0, elapsed_s=1.0, lr=1e-3,
+                         lr_by_stage=(1e-3, 5e-4))
+    assert " lr 1.00e-03/5.00e-04 (per stage: they differ) " in step_line(differ, 20)
+    assert " lr " not in step_line(StepMetrics(step=1, loss=1.0, tokens_per_s=1.0, period_s=1.0, step_time_s=1.0,
+                                               elapsed_s=1.0), 2)
 
 
 def test_grad_norm_sums_one_replica_per_stage() -> None:
@@ -44,11 +65,14 @@ def test_tensorboard_event_file_holds_the_scalars(tmp_path: Path) -> None:
     workers = {"0:0": 1.0, "0:1": 1.0, "1:0": 1.0, "1:1": 1.0}
     for step in (1, 2):
         sink.on_step(StepMetrics(step=step, loss=5.0 - step, tokens_per_s=100.0 * step, period_s=0.5,
-                                 step_time_s=0.4, elapsed_s=step, grad_norm=2.0 * step, worker_time_s=workers))
+                                 step_time_s=0.4, elapsed_s=step, grad_norm=2.0 * step, worker_time_s=workers,
+                                 lr=0.5 / step, tokens_per_s_per_gpu=25.0 * step))
     sink.on_recovery(_recovery())
     sink.on_step(StepMetrics(step=3, loss=1.5, tokens_per_s=90.0, period_s=0.6, step_time_s=0.5, elapsed_s=3.0,
                              grad_norm=None, worker_time_s={k: v for k, v in workers.items() if k != "1:1"}))
     sink.on_chaos(ChaosEvent(time=0.0, kind="kill", step=3, workers=("1:1",)))
+    sink.on_eval(EvalMetrics(step=2, loss=3.25, microbatches=8, tokens=128, seconds=0.1, generation=0))
+    sink.on_eval(EvalMetrics(step=3, loss=None, microbatches=0, tokens=0, seconds=0.0, generation=1, skipped="cut"))
     sink.close()
     events = EventAccumulator(str(tmp_path))
     events.Reload()
@@ -57,10 +81,24 @@ def test_tensorboard_event_file_holds_the_scalars(tmp_path: Path) -> None:
     assert scalars["train/tokens_per_s"] == [(1, 100.0), (2, 200.0), (3, 90.0)]
     assert [s for s, _ in scalars["train/period_s"]] == [1, 2, 3]
     assert scalars["train/grad_norm"] == [(1, 2.0), (2, 4.0)]  # step 3 had none
+    assert scalars["train/lr"] == [(1, 0.5), (2, 0.25)]  # so had lr
+    assert scalars["train/tokens_per_s_per_gpu"] == [(1, 25.0), (2, 50.0), (3, 0.0)]
+    assert scalars["eval/loss"] == [(2, 3.25)]  # the skipped one is text (events/eval), not a number
     assert scalars["workers/live"] == [(1, 4.0), (2, 4.0), (3, 3.0)]
     assert scalars["recovery/count"] == [(3, 1.0)]
     assert scalars["recovery/workers_down"] == [(3, 1.0)]
     assert scalars["recovery/resumed_s"][0][1] == pytest.approx(0.15)
+
+
+def test_the_eval_line_says_what_was_measured_or_why_not() -> None:
+    done = EvalMetrics(step=4, loss=4.30412, microbatches=8, tokens=1024, seconds=0.0213, generation=0)
+    assert done.line() == "eval after step 4: loss 4.3041 (8 micro-batches, 1,024 tokens, 0.02 s)"
+    again = EvalMetrics(step=2, loss=4.8695, microbatches=8, tokens=128, seconds=0.02, generation=1, redone=True)
+    assert again.line().endswith("0.02 s; run again in generation 1 after a failure)")
+    skipped = EvalMetrics(step=4, loss=None, microbatches=0, tokens=0, seconds=0.0, generation=1, skipped="why")
+    assert skipped.line() == "eval after step 4: skipped (why)"
+    assert done.record() == {"event": "eval", "step": 4, "loss": 4.30412, "microbatches": 8, "tokens": 1024,
+                             "seconds": 0.0213, "generation": 0, "redone": False, "skipped": "", "end_time": 0.0}
 
 
 def test_a_missing_tensorboard_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

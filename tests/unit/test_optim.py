@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from recycle.errors import ConfigError
-from recycle.runtime.state.optim import AdamW, lr_factor, make_optimizer
+from recycle.runtime.state.optim import LR_SCHEDULES, AdamW, lr_factor, make_optimizer
 
 
 @pytest.mark.parametrize("dtype,weight_decay,betas", [(torch.float64, 0.1, (0.9, 0.999)),
@@ -57,7 +57,8 @@ def test_optimizer_is_chosen_by_name_with_its_arguments_and_the_fast_path_only_f
         make_optimizer(model, tiny_config(momentum=0.9).training)
     with pytest.raises(ConfigError, match="LBFGS.*closure"):
         make_optimizer(model, tiny_config(optimizer="LBFGS").training)
-    for bad, message in [({"lr_schedule": "linear"}, "'constant' or 'cosine'"), ({"warmup_steps": -1}, ">= 0"),
+    for bad, message in [({"lr_schedule": "step"}, "'constant', 'cosine', 'linear', 'wsd'"),
+                         ({"warmup_steps": -1}, ">= 0"),
                          ({"min_lr": 1.0}, "between 0 and lr"), ({"betas": [0.9]}, "two numbers"),
                          ({"nesterov": 1}, "true or false"), ({"dtype": "float16"}, "bfloat16")]:
         with pytest.raises(ConfigError, match=message):
@@ -80,6 +81,46 @@ def test_warmup_cosine_schedule_and_its_position_after_loading_a_state(tiny_conf
     other = make_optimizer(torch.nn.Linear(3, 2), training)
     other.load_state_dict(opt.state_dict())
     assert other.steps == 4 and other.lr == opt.lr == 0.01 * factors[4]
+
+
+def test_linear_decay_by_hand(tiny_config) -> None:
+    # lr 0.01 -> min_lr 0.001 (floor 0.1) over steps 2..10 after a 2-step warm-up: step k uses 1 - 0.9 (k - 2) / 8.
+    training = tiny_config(steps=10, lr_schedule="linear", warmup_steps=2, min_lr=0.001).training
+    hand = {0: 0.5, 1: 1.0, 2: 1.0, 4: 0.775, 6: 0.55, 9: 0.2125, 10: 0.1, 15: 0.1}
+    assert {k: lr_factor(k, training) for k in hand} == pytest.approx(hand, rel=1e-14)
+    # lr_decay_steps moves the end; no warm-up means the decay starts at step 0.
+    short = tiny_config(steps=10, lr_schedule="linear", lr_decay_steps=4).training
+    assert [lr_factor(k, short) for k in range(6)] == [1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+
+
+def test_warmup_stable_decay_by_hand(tiny_config) -> None:
+    # 2 warm-up steps, stable at lr, then the last 4 of 10 steps decay linearly to min_lr = 0.
+    training = tiny_config(steps=10, lr_schedule="wsd", warmup_steps=2, wsd_decay_steps=4).training
+    assert [lr_factor(k, training) for k in range(12)] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.75, 0.5, 0.25,
+                                                          0.0, 0.0]
+    # The decay ends at lr_decay_steps (here 8, so it spans steps 4..8) and stops at min_lr (floor 0.25).
+    early = tiny_config(steps=10, lr_schedule="wsd", wsd_decay_steps=4, lr_decay_steps=8, min_lr=0.0025).training
+    assert [lr_factor(k, early) for k in range(3, 10)] == pytest.approx(
+        [1.0, 1.0, 0.8125, 0.625, 0.4375, 0.25, 0.25], rel=1e-14)
+    opt = make_optimizer(torch.nn.Linear(3, 2), training)
+    opt.set_steps(8)  # a roll-back or a checkpoint puts the schedule at its position
+    assert opt.lr == 0.01 * 0.5
+
+
+def test_bad_schedule_values_are_refused_with_the_fix(tiny_config) -> None:
+    for bad, message in [
+            ({"lr_schedule": "wsd"}, r"wsd_decay_steps must be set for lr_schedule = \"wsd\".*e\.g\. 1 "),
+            ({"lr_schedule": "wsd", "wsd_decay_steps": -1}, ">= 0"),
+            ({"lr_schedule": "cosine", "wsd_decay_steps": 2}, "applies only to lr_schedule = \"wsd\""),
+            ({"lr_schedule": "wsd", "wsd_decay_steps": 2, "warmup_steps": 1, "steps": 2},
+             r"exceed the 2 steps.*wsd_decay_steps <= 1"),
+            ({"lr_schedule": "linear", "min_lr": 0.5}, "between 0 and lr = 0.01"),
+            ({"lr_schedule": "wsd", "wsd_decay_steps": 2_000_000_000}, "wsd_decay_steps")]:
+        with pytest.raises(ConfigError, match=message):
+            tiny_config(**bad)
+    for schedule in LR_SCHEDULES:  # every schedule the config accepts has a factor
+        decay = {"wsd_decay_steps": 1} if schedule == "wsd" else {}
+        assert lr_factor(1, tiny_config(lr_schedule=schedule, **decay).training) > 0
 
 
 def test_the_fast_path_keeps_torch_dynamo_out_of_a_worker() -> None:

@@ -7,14 +7,15 @@ import json
 
 import pytest
 
-from recycle.runtime.protocol.records import (Announcement, ErrorRecord, FaultRecord, JoinReady, MigrationRecord,
-                                              RecordError, StepRecord, StoppedReport, Timestamp, TransferRecord,
-                                              from_json, to_json)
+from recycle.runtime.protocol.records import (Announcement, ErrorRecord, EvalRecord, FaultRecord, JoinReady,
+                                              MigrationRecord, RecordError, StepRecord, StoppedReport, Timestamp,
+                                              TransferRecord, from_json, to_json)
 
 RECORDS = [
     StepRecord(1, 0, 2, 1700000000.123456, 1700000000.5, 0.1 + 0.2, 0.3, 1 / 3, None, 2.0 ** -40, "ab12",
                (("0F0", 1.5, 1.75), ("0B0", 1.75, 2.0))),
-    StepRecord(0, 1, 0, 1.0, 2.0, 0.5, None, None, 7.25, None),
+    StepRecord(0, 1, 0, 1.0, 2.0, 0.5, None, None, 7.25, None, lr=1e-3 / 3),
+    EvalRecord(4.304127 + 1e-12, 8, 1700000000.25, 1700000000.5, 2),
     ErrorRecord("RuntimeError", "boom", False, 12.5, "Traceback ...\n"),
     FaultRecord(3.25, "action 4", "kill"),
     JoinReady(4.5, 12345),

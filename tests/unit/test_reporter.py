@@ -7,8 +7,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from recycle.runtime.control.reporter import (ChaosEvent, MetricsFile, ProgressSink, Recovery, Reporter, StepMetrics,
-                                              replica_mismatch)
+from recycle.runtime.control.reporter import (ChaosEvent, EvalMetrics, MetricsFile, ProgressSink, Recovery, Reporter,
+                                              StepMetrics, replica_mismatch)
 from recycle.runtime.protocol.records import StepRecord
 
 
@@ -48,21 +48,43 @@ def test_the_sinks_get_every_report_in_order(tmp_path: Path) -> None:
     lines: list[str] = []
     path = tmp_path / "metrics.jsonl"
     file = MetricsFile(str(path))
-    reporter = Reporter([ProgressSink(lines.append, end_step=4), file], tokens_per_step=1000, num_stages=2, wall0=0.0)
-    records = [StepRecord(0, 0, 0, 10.0, 10.5, 0.4, None, None, None, 1.0),
-               StepRecord(0, 1, 0, 10.1, 11.0, 0.4, 1.0, 2.5, None, 3.0)]
+    reporter = Reporter([ProgressSink(lines.append, end_step=4), file], tokens_per_step=1000, num_stages=2, wall0=0.0,
+                        gpus_per_worker=4)
+    records = [StepRecord(0, 0, 0, 10.0, 10.5, 0.4, None, None, None, 1.0, lr=2e-4),
+               StepRecord(0, 1, 0, 10.1, 11.0, 0.4, 1.0, 2.5, None, 3.0, lr=2e-4)]
     first = reporter.step_metrics(0, records)
     assert first.period_s == 1.0 and first.tokens_per_s == 1000.0 and first.loss == 2.5 and first.grad_norm == 2.0
+    assert first.lr == 2e-4 and first.tokens_per_s_per_gpu == 125.0  # 2 live workers x 4 GPUs each
     reporter.step(first)
     reporter.chaos(ChaosEvent(time=11.0, kind="kill", step=1, workers=("0:1",)))
-    assert len(path.read_text().splitlines()) == 1  # a chaos event goes out with the next report
+    assert len(path.read_text().splitlines()) == 2  # each record is appended as it happens
     later = [replace(r, start=r.start + 2.0, end=r.end + 2.0) for r in records]
     assert reporter.step_metrics(1, later).period_s == 2.0  # from the previous step's end
     reporter.restart()
     assert reporter.step_metrics(1, later).period_s == 1.0  # after a restore: its own span
     reporter.recovery(_recovery())
-    assert lines[0] == "step 1/4 loss 2.5000 tokens/s 1,000 period 1000.0 ms"
+    assert lines[0] == "step 1/4 loss 2.5000 lr 2.00e-04 tokens/s 1,000 (125/GPU) period 1000.0 ms"
     assert lines[1] == "chaos at step 1: kill 0:1" and lines[2] == _recovery().line()
+    written = [json.loads(line) for line in path.read_text().splitlines()]
+    assert written[0]["lr"] == 2e-4 and written[0]["tokens_per_s_per_gpu"] == 125.0
     kinds = [json.loads(line).get("event", "step") for line in path.read_text().splitlines()]
     assert kinds == ["step", "chaos", "recovery"]
-    assert isinstance(reporter.steps[0], StepMetrics) and reporter.recoveries == [_recovery()]
+    assert isinstance(reporter.steps[0], StepMetrics) and list(reporter.recoveries) == [_recovery()]
+
+
+def test_tokens_per_gpu_divide_by_the_workers_that_made_the_step() -> None:
+    """A step made by 3 live workers of 2 GPUs each (one worker down): tokens/s over 6 GPUs."""
+    reporter = Reporter([], tokens_per_step=1200, num_stages=2, wall0=0.0, gpus_per_worker=2)
+    records = [StepRecord(p, s, 0, 0.0, 2.0, 0.1, None, None, None, 1.0) for p, s in ((0, 0), (0, 1), (1, 0))]
+    metrics = reporter.step_metrics(0, records)
+    assert metrics.tokens_per_s == 600.0 and metrics.tokens_per_s_per_gpu == 100.0
+
+
+def test_an_evaluation_between_two_steps_is_not_in_the_next_steps_period() -> None:
+    reporter = Reporter([], tokens_per_step=100, num_stages=1, wall0=0.0)
+    reporter.step(reporter.step_metrics(0, [StepRecord(0, 0, 0, 0.0, 1.0, 0.1, None, None, None, 1.0)]))
+    reporter.evaluation(EvalMetrics(1, 4.0, 2, 32, 0.5, 0, end_time=1.5))  # ran from 1.0 to 1.5
+    second = reporter.step_metrics(1, [StepRecord(0, 0, 0, 1.5, 2.5, 0.1, None, None, None, 1.0)])
+    assert second.period_s == 1.0 and second.tokens_per_s == 100.0
+    reporter.evaluation(EvalMetrics(2, None, 0, 0, 0.0, 0, skipped="cut"))  # skipped: no time of its own
+    assert reporter.step_metrics(2, [StepRecord(0, 0, 0, 2.5, 3.0, 0.1, None, None, None, 1.0)]).period_s == 0.5

@@ -63,7 +63,7 @@ def add_job_options(p: argparse.ArgumentParser) -> None:
                                   "or safetensors when PATH ends in .safetensors")
     p.add_argument("--metrics", help="write per-step metrics here as JSON lines")
     p.add_argument("--tensorboard", default="", metavar="DIR",
-                   help="write TensorBoard event files here (node 0): loss, tokens/s, period, grad norm, live "
+                   help="write TensorBoard event files here (node 0): loss, lr, tokens/s, period, grad norm, live "
                         "workers, recoveries; needs the optional extra: pip install 'recycle[tensorboard]'")
     p.add_argument("--checkpoint-dir", default="", help="write checkpoints here (torch.distributed.checkpoint "
                                                          "folders keyed by the whole model's parameter names)")
@@ -100,7 +100,8 @@ def add_recovery_options(p: argparse.ArgumentParser) -> None:
                           help="scripted fault, repeatable: kill:1:1@3.5 SIGKILLs worker 1:1 before action 5 of "
                                "step 3; hang: freezes it (SIGSTOP); stall: blocks its main thread while its heartbeat goes on; "
                                "raise: raises; ACTION may also be 'ckpt' (during "
-                               "its checkpoint write) or 'recovery' (while a recovery is under way); rejoin:1:1@8 "
+                               "its checkpoint write), 'recovery' (while a recovery is under way) or 'eval' (at "
+                               "its first forward of the evaluation after the step); rejoin:1:1@8 "
                                "starts worker 1:1 again at step 8 (it takes its state from a live replica)")
     recovery.add_argument("--on-stage-loss", choices=STAGE_LOSS_POLICIES, default="reshape",
                           help="when a stage loses every replica (the run restores the latest checkpoint): reshape = "

@@ -18,10 +18,12 @@ import torch.distributed as dist
 from recycle.config import Config
 from recycle.errors import ConfigError, RuntimeFailure
 from recycle.ir import Plan, validate_plan
+from recycle.ir.worker import Worker
 from recycle.runtime.control import preflight
 from recycle.runtime.control.processes import Spawner, WorkerProcesses, node_ranks, start_context
 from recycle.runtime.control.reporter import Recovery, StepMetrics
 from recycle.runtime.control.supervisor import Supervisor
+from recycle.runtime.control.worker_table import WorkerRow, replacement_line, worker_table
 from recycle.runtime.options import ClusterOptions, LaunchOptions
 from recycle.runtime.protocol.channels import (Channels, Flags, JobStore, Keys, connect_store, host_store,
                                                launcher_identity, new_incarnation, new_token)
@@ -106,12 +108,18 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
                              "--coordinator separate --node-rank R` with the same config and job secret)")
         for rank in mine:
             workers.start(rank, joining=rejoining)
+        if options.progress and mine:
+            options.progress(f"node {cluster.node_rank}'s workers started (pid -> worker; `ps -o pid,comm` shows "
+                             "each as 'recycle R:S'):")
+            for line in worker_table([WorkerRow(cluster.node_rank, Worker(*plan.worker(r)), r, workers.pid(r))
+                                      for r in mine]):
+                options.progress(line)
         if cluster.hosts_coordinator:
             run = Supervisor(config, plan, options, store, workers, start_step, end_step, wall0, server)
             steps, recoveries, failed = run.run()
             chaos_events = [event.record() for event in run.reporter.chaos_events]
         else:
-            _follow(jobs, workers, options)
+            _follow(jobs, workers, options, plan)
             steps, recoveries, failed, chaos_events = [], [], plan.failed, []
         finished = True
     finally:
@@ -170,11 +178,11 @@ def _spec_maker(config: Config, plan: Plan, options: LaunchOptions, cluster: Clu
     return spec_for
 
 
-def _follow(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions) -> None:
+def _follow(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan) -> None:
     """A node whose coordinator runs elsewhere (node 0's launcher or `recycle coordinator`): report its workers'
     exits, carry out fences and respawns, stop when the run ends."""
     try:
-        _follow_loop(jobs, workers, options)
+        _follow_loop(jobs, workers, options, plan)
     except StoreFenced:
         workers.stop()
         raise RuntimeFailure(f"node {options.cluster.node_rank} was declared dead by the job's coordinator while it "
@@ -190,7 +198,7 @@ def _follow(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions) ->
             from None
 
 
-def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions) -> None:
+def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan) -> None:
     reported: dict[int, int | None] = {}  # rank -> pid whose exit was reported
     for rank in workers.ranks:
         jobs.lower_flag(Flags.FENCE, rank)
@@ -206,8 +214,12 @@ def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
             elif code is None and jobs.is_set(Flags.FENCE, rank):
                 workers.signal(rank, signal.SIGKILL)
             if code is not None and jobs.is_set(Flags.RESPAWN, rank):
+                reason = jobs.flag_text(Flags.RESPAWN, rank) or ""
                 jobs.lower_flag(Flags.RESPAWN, rank)
-                workers.start(rank, joining=True)
+                pid = workers.start(rank, joining=True)
+                if options.progress:
+                    options.progress(replacement_line(
+                        WorkerRow(options.cluster.node_rank, Worker(*plan.worker(rank)), rank, pid), reason))
         abort = jobs.flag_text(Flags.ABORT_RUN)
         if abort is not None:
             workers.stop()

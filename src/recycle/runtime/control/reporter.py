@@ -15,11 +15,12 @@ from recycle.runtime.control.coordinator import RecoveryFacts
 from recycle.runtime.protocol.records import FaultRecord, Joined, MigrationRecord, StepRecord, TransferRecord
 from recycle.runtime.state import checkpoint
 
-__all__ = ["StepMetrics", "Recovery", "ChaosEvent", "EventSink", "ProgressSink", "MetricsFile", "Reporter",
-           "GenerationRecords", "measure_recovery", "grad_norm", "replica_mismatch", "REPORTS_KEPT"]
+__all__ = ["StepMetrics", "EvalMetrics", "Recovery", "ChaosEvent", "EventSink", "ProgressSink", "MetricsFile",
+           "Reporter", "GenerationRecords", "measure_recovery", "grad_norm", "learning_rate", "replica_mismatch",
+           "REPORTS_KEPT"]
 
-# The newest steps (and recoveries, chaos events) a run keeps for its result: a 10^6-step run must not hold a million
-# records in node 0's memory. The --metrics file and the other sinks get every one.
+# The newest steps (and evaluations, recoveries, chaos events) a run keeps for its result: a 10^6-step run must not
+# hold a million records in node 0's memory. The --metrics file and the other sinks get every one.
 REPORTS_KEPT = 10_000
 
 Worker = tuple[int, int]  # (replica, stage)
@@ -34,15 +35,46 @@ class StepMetrics:
     step: int  # 1-based count of completed steps
     loss: float
     tokens_per_s: float
-    period_s: float  # end of this iteration minus end of the previous one (the first step: its own span)
+    # End of this iteration minus the end of the previous one, or of the evaluation between them (the first step:
+    # its own span); tokens/s follow it, so an evaluation does not count against the training's throughput.
+    period_s: float
     step_time_s: float  # first start to last end over all workers
     elapsed_s: float
     grad_norm: float | None = None
+    lr: float | None = None  # the learning rate of the step's optimizer steps (stage 0's, if the stages differed)
+    lr_by_stage: tuple[float, ...] = ()  # each stage's learning rate, only when they differed (they should not)
+    # tokens_per_s over the GPUs that made the step: its live workers x [topology] gpus_per_worker
+    tokens_per_s_per_gpu: float = 0.0
     worker_time_s: dict[str, float] = field(default_factory=dict)  # "replica:stage" -> busy span of the iteration
     worker_cpu_s: dict[str, float] = field(default_factory=dict)  # "replica:stage" -> CPU seconds of the iteration
     digests: dict[str, str] = field(default_factory=dict)  # "replica:stage" -> parameter digest (verify_replicas)
     generation: int = 0
     end_time: float = 0.0  # wall clock when the last worker finished the step
+
+
+@dataclass(frozen=True)
+class EvalMetrics:
+    """An evaluation on the held-out split ([training] eval_every), or why there is none."""
+
+    step: int  # after this many steps (the step line's number)
+    loss: float | None  # the mean loss over its micro-batches; None: skipped
+    microbatches: int
+    tokens: int
+    seconds: float  # the writer's span from its first forward to the loss
+    generation: int  # the generation that ran it
+    redone: bool = False  # a failure made a later generation run it again (from the same weights)
+    skipped: str = ""  # why it was not run to the end
+    end_time: float = 0.0  # wall clock when the writer had the loss
+
+    def record(self) -> dict[str, Any]:
+        return {"event": "eval", **asdict(self)}
+
+    def line(self) -> str:
+        if self.loss is None:
+            return f"eval after step {self.step}: skipped ({self.skipped})"
+        again = f"; run again in generation {self.generation} after a failure" if self.redone else ""
+        return (f"eval after step {self.step}: loss {self.loss:.4f} ({self.microbatches} micro-batches, "
+                f"{self.tokens:,} tokens, {self.seconds:.2f} s{again})")
 
 
 @dataclass(frozen=True)
@@ -133,9 +165,21 @@ class EventSink(Protocol):
 
     def on_step(self, metrics: StepMetrics) -> None: ...
 
+    def on_eval(self, evaluation: EvalMetrics) -> None: ...
+
     def on_recovery(self, recovery: Recovery) -> None: ...
 
     def on_chaos(self, event: ChaosEvent) -> None: ...
+
+
+def step_line(m: StepMetrics, end_step: int) -> str:
+    """A step's progress line: `step 3/20 loss 5.2515 lr 1.00e-03 tokens/s 6,180 (1,545/GPU) period 82.9 ms`."""
+    lr = "" if m.lr is None else f" lr {m.lr:.2e}"
+    if m.lr_by_stage:
+        lr = " lr " + "/".join(f"{x:.2e}" for x in m.lr_by_stage) + " (per stage: they differ)"
+    per_gpu = f" ({m.tokens_per_s_per_gpu:,.0f}/GPU)" if m.tokens_per_s_per_gpu else ""
+    return (f"step {m.step}/{end_step} loss {m.loss:.4f}{lr} tokens/s {m.tokens_per_s:,.0f}{per_gpu} "
+            f"period {m.period_s * 1e3:.1f} ms")
 
 
 class ProgressSink:
@@ -145,8 +189,10 @@ class ProgressSink:
         self.say, self.end_step = say, end_step
 
     def on_step(self, m: StepMetrics) -> None:
-        self.say(f"step {m.step}/{self.end_step} loss {m.loss:.4f} tokens/s {m.tokens_per_s:,.0f} "
-                 f"period {m.period_s * 1e3:.1f} ms")
+        self.say(step_line(m, self.end_step))
+
+    def on_eval(self, evaluation: EvalMetrics) -> None:
+        self.say(evaluation.line())
 
     def on_recovery(self, recovery: Recovery) -> None:
         self.say(recovery.line())
@@ -156,9 +202,9 @@ class ProgressSink:
 
 
 class MetricsFile:
-    """--metrics FILE: one JSON line per step, recovery and chaos event, appended as it happens. The first record
-    replaces a previous run's file whole (atomically); each later one is one append, so the cost of a record does
-    not grow with the run."""
+    """--metrics FILE: one JSON line per step, evaluation, recovery and chaos event, appended as it happens. The first
+    record replaces a previous run's file whole (atomically); each later one is one append, so the cost of a record
+    does not grow with the run."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -166,6 +212,9 @@ class MetricsFile:
 
     def on_step(self, metrics: StepMetrics) -> None:
         self._write(asdict(metrics))
+
+    def on_eval(self, evaluation: EvalMetrics) -> None:
+        self._write(evaluation.record())
 
     def on_recovery(self, recovery: Recovery) -> None:
         self._write(recovery.record())
@@ -195,6 +244,21 @@ def grad_norm(records: list[StepRecord], num_stages: int) -> float | None:
     if len(squares) < num_stages:
         return None  # a stage's record is missing (should not happen): no norm rather than a partial one
     return sum(squares[s] for s in range(num_stages)) ** 0.5
+
+
+def learning_rate(records: list[StepRecord], num_stages: int) -> tuple[float | None, tuple[float, ...]]:
+    """(the step's learning rate, every stage's when they differ, else ()) from its workers' records. Each stage
+    steps its own schedule (staggered optimizer); all stages follow the same [training] schedule, so they agree."""
+    by_stage: dict[int, float] = {}
+    for r in records:
+        if r.lr is not None:
+            by_stage.setdefault(r.stage, r.lr)
+    if not by_stage:
+        return None, ()
+    first = by_stage[min(by_stage)]
+    if len(set(by_stage.values())) == 1:
+        return first, ()
+    return first, tuple(by_stage.get(s, float("nan")) for s in range(num_stages))
 
 
 def replica_mismatch(step: int, records: list[StepRecord], num_stages: int) -> str | None:
@@ -264,10 +328,12 @@ class Reporter:
     not grow with the number of steps."""
 
     def __init__(self, sinks: list[EventSink], tokens_per_step: int, num_stages: int, wall0: float,
-                 kept: int | None = None) -> None:
+                 gpus_per_worker: int = 1, kept: int | None = None) -> None:
         self.sinks, self.tokens_per_step, self.num_stages, self.wall0 = sinks, tokens_per_step, num_stages, wall0
+        self.gpus_per_worker = gpus_per_worker
         kept = REPORTS_KEPT if kept is None else kept
         self.steps: deque[StepMetrics] = deque(maxlen=kept)
+        self.evaluations: deque[EvalMetrics] = deque(maxlen=kept)
         self.recoveries: deque[Recovery] = deque(maxlen=kept)
         self.chaos_events: deque[ChaosEvent] = deque(maxlen=kept)
         self.steps_reported = 0  # all of them, kept or not
@@ -281,11 +347,14 @@ class Reporter:
         period = last - self.previous_end if self.previous_end is not None else last - first
         self.previous_end = last
         losses = [r.stage_loss for r in records if r.stage_loss is not None]
+        lr, lr_by_stage = learning_rate(records, self.num_stages)
+        tokens_per_s = self.tokens_per_step / period if period > 0 else 0.0
+        gpus = len({r.worker for r in records}) * self.gpus_per_worker  # the live workers that made the step
         return StepMetrics(
-            step=step + 1, loss=losses[0] if losses else 0.0,
-            tokens_per_s=self.tokens_per_step / period if period > 0 else 0.0,
+            step=step + 1, loss=losses[0] if losses else 0.0, tokens_per_s=tokens_per_s,
+            tokens_per_s_per_gpu=tokens_per_s / gpus if gpus else 0.0,
             period_s=period, step_time_s=last - first, elapsed_s=time.time() - self.wall0,
-            grad_norm=grad_norm(records, self.num_stages),
+            grad_norm=grad_norm(records, self.num_stages), lr=lr, lr_by_stage=lr_by_stage,
             worker_time_s={r.worker: r.end - r.start for r in records},
             digests={r.worker: r.digest for r in records if r.digest},
             worker_cpu_s={r.worker: r.cpu_s for r in records},
@@ -304,6 +373,14 @@ class Reporter:
         self.steps_reported += 1
         for sink in self.sinks:
             sink.on_step(metrics)
+
+    def evaluation(self, evaluation: EvalMetrics) -> None:
+        """Report an evaluation; the next step's period starts at its end (it ran between the two steps)."""
+        if self.previous_end is not None and evaluation.loss is not None:
+            self.previous_end = max(self.previous_end, evaluation.end_time)
+        self.evaluations.append(evaluation)
+        for sink in self.sinks:
+            sink.on_eval(evaluation)
 
     def recovery(self, recovery: Recovery) -> None:
         self.recoveries.append(recovery)

@@ -17,8 +17,10 @@ from recycle.runtime.control.coordinator import (AbortGeneration, Announce, Comm
                                                  MarkLatest, Move, RecoveryFacts, Respawn, describe_exit, hang_limit_s)
 from recycle.runtime.control.liveness import Liveness
 from recycle.runtime.control.processes import WorkerProcesses, node_ranks
-from recycle.runtime.control.reporter import (ChaosEvent, EventSink, GenerationRecords, MetricsFile, ProgressSink,
-                                              Recovery, Reporter, StepMetrics, measure_recovery, replica_mismatch)
+from recycle.runtime.control.reporter import (ChaosEvent, EvalMetrics, EventSink, GenerationRecords, MetricsFile,
+                                              ProgressSink, Recovery, Reporter, StepMetrics, measure_recovery,
+                                              replica_mismatch)
+from recycle.runtime.control.worker_table import WorkerRow, replacement_line
 from recycle.runtime.options import LaunchOptions
 from recycle.runtime.protocol.channels import (Channel, Channels, Flags, JobStore, Keys, launcher_fence_prefix,
                                                worker_fence_prefix)
@@ -71,7 +73,11 @@ class Supervisor:
         if options.outputs.metrics_path:
             sinks.append(MetricsFile(options.outputs.metrics_path))
         tokens_per_step = plan.total_microbatches * config.workload.microbatch_size * config.workload.seq_len
-        self.reporter = Reporter(sinks, tokens_per_step, plan.num_stages, wall0)
+        self.reporter = Reporter(sinks, tokens_per_step, plan.num_stages, wall0, config.topology.gpus_per_worker)
+        self.start_step = start_step
+        self.eval_every = config.training.eval_every
+        self.tokens_per_microbatch = config.workload.microbatch_size * config.workload.seq_len
+        self.next_eval = self._first_eval(start_step)  # the next evaluation to report (done steps)
         self.monkey = ChaosMonkey(options.faults.chaos, plan.num_stages) if options.faults.chaos is not None else None
         self.last_chaos_step = start_step
         self.exited: set[int] = set()
@@ -95,6 +101,7 @@ class Supervisor:
             running = frozenset(r for r in self.local if self.workers.running(r))
             self._execute(self.coordinator.on_repair_check(now, running))
             self._drain()
+            self._report_evaluations()
             self._execute(self.coordinator.on_shards_written(self._written_shards()))
             self._complete_recovery()
             self._chaos(now)
@@ -102,6 +109,7 @@ class Supervisor:
             if self.coordinator.next_step >= self.end_step and self._all_local_exited() and not state.recovering:
                 self.coordinator.on_finished()
                 self._complete_recovery(final=True)
+                self._report_evaluations(final=True)
                 self._finish_nodes()
                 return list(self.reporter.steps), list(self.reporter.recoveries), self.coordinator.state.failed
             self.workers.wait(0.02 if state.recovering else 0.05)
@@ -277,6 +285,9 @@ class Supervisor:
         if pid is not None:  # else its replacement is already starting
             self.exited.discard(rank)
             self.pids[rank] = pid
+            if self.options.progress:
+                self.options.progress(replacement_line(
+                    WorkerRow(self.options.cluster.node_rank, Worker(*self.plan.worker(rank)), rank, pid), reason))
 
     def _announce(self, command: Announce) -> None:
         facts = command.facts
@@ -312,6 +323,11 @@ class Supervisor:
             for stage in range(self.plan.num_stages):
                 self.jobs.lower_flag(Flags.CHECKPOINTED, done, stage)
         self.reporter.restart()
+        # The evaluations from the restored step on run again too (the one at `step` itself, first thing).
+        first = self._first_eval(max(step - 1, self.start_step))
+        for done in range(first, self.end_step + 1, self.eval_every or self.end_step + 1):
+            self.jobs.delete(Channels.EVAL, done)
+        self.next_eval = min(self.next_eval, first)
 
     def _fail(self, message: str) -> NoReturn:
         if not self.failing:
@@ -353,6 +369,9 @@ class Supervisor:
     def _drain(self) -> None:
         """Report every step all its members have finished, in order."""
         while (step := self.coordinator.next_step) < self.end_step:
+            # The evaluation before this step first (its record is in before the step's last one: the writer
+            # writes it before the step), so that the step's period starts after it.
+            self._report_evaluations()
             members = self.coordinator.members(step)
             records = self._records(Channels.METRICS, step, members)
             if not members or len(records) < len(members):
@@ -370,6 +389,35 @@ class Supervisor:
                 # now on is a repaired node and brings its workers back as replacements.
                 self.jobs.raise_flag(Flags.RUNNING)
             self.coordinator.on_step_reported(step)
+
+    def _first_eval(self, after: int) -> int:
+        """The first evaluation due after `after` done steps (past the run's end when there are none)."""
+        every = self.eval_every
+        return (after // every + 1) * every if every else self.end_step + 1
+
+    def _report_evaluations(self, final: bool = False) -> None:
+        """Report every evaluation whose step has been reported and whose record is in, in order. `final`: the run
+        is over; one still missing was cut by a failure and not run again (the run ended first): say so."""
+        while self.next_eval <= min(self.coordinator.next_step, self.end_step):
+            done = self.next_eval
+            record = self.jobs.read(Channels.EVAL, done)
+            if record is not None:
+                self.jobs.delete(Channels.EVAL, done)  # read once, like the steps' records
+                # Run in a later generation than its step's: a failure cut it short, and the next one ran it again.
+                step_generation = next((m.generation for m in reversed(self.reporter.steps) if m.step == done),
+                                       record.generation)
+                self.reporter.evaluation(EvalMetrics(done, record.loss, record.microbatches,
+                                                     record.microbatches * self.tokens_per_microbatch,
+                                                     record.end - record.start, record.generation,
+                                                     redone=record.generation > step_generation,
+                                                     end_time=record.end))
+            elif final:
+                self.reporter.evaluation(EvalMetrics(done, None, 0, 0, 0.0, self.coordinator.state.generation,
+                                                     skipped="a failure cut it short, and the run ended before it "
+                                                             "could run again"))
+            else:
+                return
+            self.next_eval += self.eval_every
 
     def _finish_nodes(self) -> None:
         """Multi-node: say the run is over; keep the store up until every node has said it is done."""

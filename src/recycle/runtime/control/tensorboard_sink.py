@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from recycle.errors import ConfigError
-from recycle.runtime.control.reporter import ChaosEvent, Recovery, StepMetrics
+from recycle.runtime.control.reporter import ChaosEvent, EvalMetrics, Recovery, StepMetrics
 
 __all__ = ["TensorBoardSink", "EXTRA", "summary_writer"]
 
@@ -38,14 +38,25 @@ class TensorBoardSink:
         self.last_step = step
         w.add_scalar("train/loss", m.loss, step)
         w.add_scalar("train/tokens_per_s", m.tokens_per_s, step)
+        w.add_scalar("train/tokens_per_s_per_gpu", m.tokens_per_s_per_gpu, step)
         w.add_scalar("train/period_s", m.period_s, step)
         w.add_scalar("train/step_time_s", m.step_time_s, step)
         if m.grad_norm is not None:
             w.add_scalar("train/grad_norm", m.grad_norm, step)
+        if m.lr is not None:
+            w.add_scalar("train/lr", m.lr, step)
+        for stage, lr in enumerate(m.lr_by_stage):  # only when the stages' rates differed
+            w.add_scalar(f"train/lr_stage{stage}", lr, step)
         # The workers live when the step was reported (whose records made it): a worker that died right after the
         # step may already be missing.
         w.add_scalar("workers/live", len(m.worker_time_s), step)
         w.add_scalar("workers/generation", m.generation, step)
+
+    def on_eval(self, evaluation: EvalMetrics) -> None:
+        if evaluation.loss is None:
+            self.writer.add_text("events/eval", evaluation.line(), evaluation.step)
+        else:
+            self.writer.add_scalar("eval/loss", evaluation.loss, evaluation.step)
 
     def on_recovery(self, r: Recovery) -> None:
         w, step = self.writer, r.step

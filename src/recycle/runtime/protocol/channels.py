@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, Callable, Generic, TypeVar
 
 from recycle.errors import ConfigError
-from recycle.runtime.protocol.records import (Announcement, Beat, ErrorRecord, FaultRecord, JobSettings, Joined,
-                                              JoinReady, MigrationRecord, StepRecord, StoppedReport, Timestamp,
+from recycle.runtime.protocol.records import (Announcement, Beat, ErrorRecord, EvalRecord, FaultRecord, JobSettings,
+                                              Joined, JoinReady, MigrationRecord, StepRecord, StoppedReport, Timestamp,
                                               TransferRecord, from_json, to_json)
 from recycle.runtime.protocol.store import StoreClient, StoreServer
 
@@ -163,6 +163,10 @@ class Keys:
         return f"metrics/{step}/{rank}"
 
     @staticmethod
+    def evaluation(done_steps: int) -> str:
+        return f"eval/{done_steps}"
+
+    @staticmethod
     def checkpointed(done_steps: int, stage: int) -> str:
         return f"ckpt/{done_steps}/{stage}"
 
@@ -220,6 +224,7 @@ class Channels:
     TRANSFER = Channel(Keys.transfer, TransferRecord)  # (generation, rank)
     MIGRATION = Channel(Keys.migration, MigrationRecord)  # (generation, rank)
     METRICS = Channel(Keys.metrics, StepRecord)  # (step, rank)
+    EVAL = Channel(Keys.evaluation, EvalRecord)  # (done steps)
     ERROR = Channel(Keys.error, ErrorRecord)  # (rank)
     FAULT = Channel(Keys.fault, FaultRecord)  # (rank)
 

@@ -21,6 +21,7 @@ __all__ = ["Channel", "Message", "outgoing", "incoming", "send_order", "message_
 class Channel(IntEnum):
     ACTIVATION = 1  # forward output, sent downstream
     GRADIENT = 2  # input-gradient, sent upstream
+    EVAL = 3  # an evaluation's forward output (worker.evaluation), sent downstream; mb: batch * D * M + micro-batch
 
 
 @dataclass(frozen=True, slots=True)

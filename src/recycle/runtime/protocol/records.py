@@ -12,8 +12,9 @@ from recycle.ir.worker import Worker
 if TYPE_CHECKING:  # typeshed's type of a dataclass (what fields() takes); it exists only in the stubs
     from _typeshed import DataclassInstance
 
-__all__ = ["RecordError", "StepRecord", "ErrorRecord", "FaultRecord", "JoinReady", "Timestamp", "TransferRecord",
-           "MigrationRecord", "StoppedReport", "Announcement", "Joined", "Beat", "JobSettings", "to_json", "from_json"]
+__all__ = ["RecordError", "StepRecord", "EvalRecord", "ErrorRecord", "FaultRecord", "JoinReady", "Timestamp",
+           "TransferRecord", "MigrationRecord", "StoppedReport", "Announcement", "Joined", "Beat", "JobSettings",
+           "to_json", "from_json"]
 
 
 class RecordError(ValueError):
@@ -37,10 +38,23 @@ class StepRecord:
     grad_sq: float | None  # this stage's squared gradient norm when not clipping
     digest: str = ""  # parameter digest (verify_replicas), "" when not asked for
     timings: tuple[tuple[str, float, float], ...] = ()  # (action, perf_counter start, end) with record_timings
+    lr: float | None = None  # the learning rate of this stage's optimizer step
 
     @property
     def worker(self) -> str:
         return str(Worker(self.replica, self.stage))
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """An evaluation on the held-out split after a number of steps (key eval/DONE): the mean loss over its
+    micro-batches, run forward-only through the pipeline; written by the last stage's first live replica."""
+
+    loss: float
+    microbatches: int
+    start: float  # wall clock of the evaluation's first forward on the writer
+    end: float
+    generation: int
 
 
 @dataclass(frozen=True)
@@ -183,7 +197,8 @@ class JobSettings:
 
 
 _KINDS: dict[str, type[DataclassInstance]] = {
-    "job": JobSettings, "beat": Beat, "joined": Joined, "step": StepRecord, "error": ErrorRecord, "fault": FaultRecord,
+    "job": JobSettings, "beat": Beat, "joined": Joined, "step": StepRecord, "eval": EvalRecord, "error": ErrorRecord,
+    "fault": FaultRecord,
     "join_ready": JoinReady, "timestamp": Timestamp, "transfer": TransferRecord, "migration": MigrationRecord,
     "stopped": StoppedReport, "announce": Announcement}
 _NAMES = {cls: kind for kind, cls in _KINDS.items()}

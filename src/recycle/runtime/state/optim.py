@@ -1,6 +1,7 @@
-"""The training optimizer: any torch.optim class named in [training], its torch.optim.lr_scheduler schedule (constant
-or warm-up + cosine), and a fast path for the default AdamW that is torch's algorithm op for op without the start-up
-cost of constructing a torch.optim optimizer (its first construction imports torch._dynamo: docs/runtime.md)."""
+"""The training optimizer: any torch.optim class named in [training], its torch.optim.lr_scheduler schedule (warm-up,
+then constant, cosine, linear or warmup-stable-decay), and a fast path for the default AdamW that is torch's
+algorithm op for op without the start-up cost of constructing a torch.optim optimizer (its first construction
+imports torch._dynamo: docs/runtime.md)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,14 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from recycle.config import Training
+from recycle.config import LR_SCHEDULES, Training
 from recycle.errors import ConfigError
 
 __all__ = ["AdamW", "StageOptimizer", "TrainingOptimizer", "allreduce_grads", "make_optimizer", "optimizer_class",
-           "optimizer_kwargs", "lr_factor", "OPTIMIZER_KEYS", "LR_SCHEDULES"]
+           "optimizer_kwargs", "lr_factor", "learning_rate", "OPTIMIZER_KEYS", "LR_SCHEDULES"]
 
 # [training] keys passed to the optimizer's constructor when set (lr and weight_decay always are).
 OPTIMIZER_KEYS = ("betas", "eps", "momentum", "dampening", "nesterov", "amsgrad")
-LR_SCHEDULES = ("constant", "cosine")
 # Optimizers that cannot run one plain step() per training step.
 _UNSUPPORTED = {"LBFGS": "it needs a closure that re-evaluates the loss",
                 "SparseAdam": "it needs sparse gradients"}
@@ -55,6 +55,14 @@ class StageOptimizer(Protocol):
     def zero_grad(self, set_to_none: bool = True) -> None: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def learning_rate(optimizer: StageOptimizer) -> float | None:
+    """The learning rate the optimizer's next step() applies (its first parameter group's; a TrainingOptimizer's
+    schedule sets every group alike), or None for an optimizer without parameter groups."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # a TrainingOptimizer wraps the torch.optim one
+    groups = getattr(inner, "param_groups", None)
+    return float(groups[0]["lr"]) if groups else None
 
 
 def optimizer_kwargs(training: Training) -> dict[str, Any]:
@@ -92,16 +100,30 @@ def optimizer_class(training: Training) -> type:
 
 def lr_factor(step: int, training: Training) -> float:
     """The multiple of [training] lr used by training step `step` (0-based): linear warm-up over warmup_steps
-    (step k uses (k+1)/warmup_steps), then constant, or cosine down to min_lr at lr_decay_steps (default: steps)."""
+    (step k uses (k+1)/warmup_steps), then one of
+    - "constant": 1;
+    - "cosine" / "linear": from 1 at the warm-up's end down to min_lr at lr_decay_steps (default: steps), then min_lr;
+    - "wsd" (warmup-stable-decay): 1 until wsd_decay_steps before lr_decay_steps, then linear down to min_lr there.
+    A decay's step d of n uses floor + (1 - floor) * g(d / n), floor = min_lr / lr: g(x) = (1 + cos(pi x)) / 2 for
+    the cosine, 1 - x for the linear ones."""
     warmup = training.warmup_steps
     if step < warmup:
         return (step + 1) / warmup
-    if training.lr_schedule == "constant":
+    schedule = training.lr_schedule
+    if schedule == "constant":
         return 1.0
-    horizon = (training.lr_decay_steps or training.steps) - warmup
-    progress = min(1.0, (step - warmup) / horizon) if horizon > 0 else 1.0
+    end = training.lr_decay_steps or training.steps
+    start = end - training.wsd_decay_steps if schedule == "wsd" else warmup
+    if step < start:
+        return 1.0  # wsd's stable phase
+    horizon = end - start
+    progress = min(1.0, (step - start) / horizon) if horizon > 0 else 1.0
     floor = training.min_lr / training.lr
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "cosine":
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule in ("linear", "wsd"):
+        return floor + (1.0 - floor) * (1.0 - progress)
+    raise ConfigError(f"[training] lr_schedule = {schedule!r} must be one of {', '.join(LR_SCHEDULES)}")
 
 
 def _fast_path(cls: type, kwargs: dict[str, Any]) -> bool:

@@ -15,7 +15,7 @@ from recycle.ir.worker import Worker
 __all__ = ["FaultInjection", "MODES", "POINTS", "parse_fault", "parse_rejoin", "fire"]
 
 MODES = ("kill", "hang", "stall", "raise")
-POINTS = ("action", "ckpt", "recovery")
+POINTS = ("action", "ckpt", "recovery", "eval")
 
 _SPEC = re.compile(r"^(?P<mode>[a-z]+):(?P<replica>\d+):(?P<stage>\d+)@(?P<step>\d+)(?:\.(?P<point>\d+|[a-z]+))?$")
 
@@ -25,8 +25,9 @@ class FaultInjection:
     """At iteration `step` (0-based) the worker SIGKILLs itself ("kill"), freezes with SIGSTOP ("hang": only a
     heartbeat or the timeout can catch it), blocks its main thread for good while its heartbeat goes on ("stall": a
     deadlocked compute thread; only the progress check catches it) or raises ("raise"). `point` says where: before action `index` of its
-    action list ("action"), in the middle of writing its checkpoint file after the step ("ckpt"), or as soon as it
-    stops for a recovery in that iteration or later ("recovery": a failure during a recovery)."""
+    action list ("action"), in the middle of writing its checkpoint file after the step ("ckpt"), as soon as it
+    stops for a recovery in that iteration or later ("recovery": a failure during a recovery), or before its first
+    forward of the evaluation after the step ("eval", [training] eval_every)."""
 
     step: int
     index: int = 0
@@ -49,10 +50,12 @@ class FaultInjection:
 
 def parse_fault(spec: str, num_replicas: int, num_stages: int) -> tuple[tuple[int, int], FaultInjection]:
     """'kill:1:1@3.5' -> ((1, 1), FaultInjection(step=2, index=5)); STEP is 1-based as the progress lines print it;
-    the part after the dot is an action index (0-based, in the worker's action list), 'ckpt' or 'recovery'."""
+    the part after the dot is an action index (0-based, in the worker's action list), 'ckpt', 'recovery' or
+    'eval'."""
     match = _SPEC.match(spec.strip())
     rule = ("--inject takes MODE:REPLICA:STAGE@STEP[.ACTION], e.g. kill:1:1@3.5 (MODE kill, hang, stall or raise; STEP "
-            "1-based; ACTION an index into the worker's action list, or 'ckpt' or 'recovery'), or rejoin:R:S@STEP")
+            "1-based; ACTION an index into the worker's action list, or 'ckpt', 'recovery' or 'eval'), or "
+            "rejoin:R:S@STEP")
     if not match:
         raise ConfigError(f"--inject {spec!r}: {rule}")
     mode = match["mode"]
@@ -63,7 +66,8 @@ def parse_fault(spec: str, num_replicas: int, num_stages: int) -> tuple[tuple[in
     if point_text.isdigit():
         return (replica, stage), FaultInjection(step - 1, int(point_text), mode, "action")
     if point_text not in POINTS[1:]:
-        raise ConfigError(f"--inject {spec!r}: {point_text!r} is not an action index, 'ckpt' or 'recovery'")
+        raise ConfigError(f"--inject {spec!r}: {point_text!r} is not an action index, 'ckpt', 'recovery' or "
+                          "'eval'")
     return (replica, stage), FaultInjection(step - 1, 0, mode, point_text)
 
 

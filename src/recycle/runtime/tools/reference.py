@@ -1,8 +1,10 @@
 """Single-process reference training: the whole model, the same D*M micro-batches per step, loss scaled 1/(D*M)
-and summed, optional global-norm clipping, the configured optimizer, LR schedule and precision (bf16 autocast).
-Pipeline runs must end with the same parameters."""
+and summed, optional global-norm clipping, the configured optimizer, LR schedule and precision (bf16 autocast), and
+the held-out evaluations of [training] eval_every. Pipeline runs must end with the same parameters and losses."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -13,11 +15,35 @@ from recycle.runtime.state.optim import make_optimizer
 from recycle.runtime.state.precision import autocast, weights_dtype
 from recycle.runtime.worker.data import data_source
 
-__all__ = ["reference_train"]
+__all__ = ["reference_train", "reference_eval_loss"]
 
 
-def reference_train(config: Config, steps: int | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """(final state dict, loss per step) of `steps` steps (default: [training] steps) on one process."""
+def reference_eval_loss(config: Config, module: torch.nn.Module,
+                        model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
+    """The mean loss of `model` (tokens, targets -> loss) over [training] eval_batches global batches of the
+    held-out split, micro-batch by micro-batch, without gradients or dropout (what worker.evaluation computes)."""
+    load = data_source(config, "eval")
+    total = config.num_replicas * config.num_microbatches
+    batches = config.training.eval_batches
+    loss_sum = 0.0
+    training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            for batch in range(batches):
+                for mb in range(total):
+                    tokens, targets = load(batch, mb)
+                    with autocast(config.training.dtype):
+                        loss_sum += float(model(tokens, targets).double())
+    finally:
+        module.train(training)
+    return loss_sum / (batches * total)
+
+
+def reference_train(config: Config, steps: int | None = None, evaluations: dict[int, float] | None = None
+                    ) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """(final state dict, loss per step) of `steps` steps (default: [training] steps) on one process. `evaluations`,
+    if given, receives {done steps: held-out loss} at every [training] eval_every."""
     if config.model.dropout > 0:
         raise ConfigError("the reference needs [model] dropout = 0: the pipeline seeds dropout per stage, which a "
                           "whole-model forward cannot reproduce")
@@ -58,4 +84,7 @@ def reference_train(config: Config, steps: int | None = None) -> tuple[dict[str,
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(step_loss)
+        every = training.eval_every
+        if evaluations is not None and every and (step + 1) % every == 0:
+            evaluations[step + 1] = reference_eval_loss(config, module, model)
     return {k: v.detach().clone() for k, v in module.state_dict().items()}, losses

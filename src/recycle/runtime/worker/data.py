@@ -109,12 +109,28 @@ def _vocab_size(config: Config, model_factory: str) -> int | None:
     return resolve_shape(config.model, config.workload.seq_len).vocab_size
 
 
+def _check_eval(config: Config) -> None:
+    """An evaluation's micro-batches fit the message tags, and the held-out split holds a window."""
+    t = config.training
+    if not t.eval_every:
+        return
+    from recycle.runtime.worker.evaluation import MAX_EVAL_MICROBATCHES
+
+    count = t.eval_batches * config.num_replicas * config.num_microbatches
+    if count > MAX_EVAL_MICROBATCHES:
+        raise ConfigError(f"[training] eval_batches = {t.eval_batches} makes an evaluation of {count:,} micro-batches "
+                          f"(x {config.num_replicas} x {config.num_microbatches} per batch), over the "
+                          f"{MAX_EVAL_MICROBATCHES:,} its messages can number; use fewer eval_batches")
+    _windows(config, "eval")  # a held-out split too short for one window is refused here
+
+
 def check_data(config: Config, model_factory: str = "") -> None:
     """Everything about the data that can be wrong, once per job: the file, its length, its encoding or its ids
     against the model's vocabulary (scanned in chunks, so memory stays flat), and a user's source's first answer."""
     if config.training.data_source:
         check_microbatch(data_source(config)(0, 0), f"data source {config.training.data_source!r}")
         return
+    _check_eval(config)
     stream = _windows(config, "train").stream
     where = f"[training] dataset = {config.training.dataset!r}"
     if stream.unit == "bytes":

@@ -13,7 +13,7 @@ from torch import nn
 from recycle.ir import Action, Kind, Plan
 from recycle.ir.worker import Worker
 from recycle.runtime.protocol.messages import Channel, Message, incoming, outgoing, send_order
-from recycle.runtime.state.optim import StageOptimizer, allreduce_grads
+from recycle.runtime.state.optim import StageOptimizer, allreduce_grads, learning_rate
 from recycle.runtime.state.precision import autocast
 from recycle.runtime.state.rollback import StageSnapshot
 from recycle.runtime.state.stage_state import IterationPosition, StageState
@@ -69,6 +69,7 @@ class IterationResult:
     timings: list[ActionTiming] = field(default_factory=list)
     stage_loss: float | None = None  # the whole batch's loss, summed over the last stage's replicas in its OPT
     grad_sq: float | None = None  # this stage's squared gradient norm after its all-reduce (when not clipping)
+    lr: float | None = None  # the learning rate this stage's optimizer step applied
 
 
 def dropout_seed(seed: int, iteration: int, mb: int, stage: int) -> int:
@@ -133,6 +134,7 @@ class StageExecutor:
         self._loss_sum = 0.0
         self._grad_norm: float | None = None
         self._grad_sq: float | None = None
+        self._lr: float | None = None
         self.set_plan(plan, comm)
 
     def set_plan(self, plan: Plan, comm: Comm | None = None) -> None:
@@ -185,6 +187,7 @@ class StageExecutor:
         self._loss_sum = 0.0
         self._grad_norm = None
         self._grad_sq = None
+        self._lr = None
         self._stage_loss = None
         self._next_from.clear()
         timings: list[ActionTiming] = []
@@ -211,7 +214,7 @@ class StageExecutor:
                                f"micro-batches {sorted(self._stash)} or unread messages; the plan is inconsistent")
         return IterationResult(iteration, start, time.time(), self._loss_sum if self.is_last else None,
                                self._grad_norm, timings=timings, stage_loss=self._stage_loss,
-                               grad_sq=self._grad_sq)
+                               grad_sq=self._grad_sq, lr=self._lr)
 
     def run_action(self, action: Action) -> None:
         handler = {Kind.F: self.forward, Kind.B: self.backward_input, Kind.W: self.backward_weight,
@@ -292,6 +295,7 @@ class StageExecutor:
             self._grad_sq = sum(float(p.grad.detach().double().pow(2).sum()) for p in self.params
                                 if p.grad is not None)
         self.snapshot.take(self.progress.iteration)
+        self._lr = learning_rate(self.optimizer)
         self.optimizer.step()
         self.position.applied = self.progress.iteration
         self.optimizer.zero_grad(set_to_none=True)

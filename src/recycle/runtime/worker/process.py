@@ -22,12 +22,14 @@ import torch.distributed as dist
 from recycle.config import Config
 from recycle.errors import ConfigError, RecycleError
 from recycle.ir import Action, Plan
+from recycle.ir.worker import Worker
 from recycle.models.gpt import GPTStage
 from recycle.runtime.options import (Backend, CheckpointOptions, ClusterOptions, DebugOptions, OutputOptions,
                                      RecoveryOptions)
 from recycle.runtime.protocol.channels import Channels, Flags, JobStore, Keys, connect_store, worker_identity
-from recycle.runtime.protocol.records import (Announcement, Beat, ErrorRecord, FaultRecord, Joined, JoinReady,
-                                              MigrationRecord, StepRecord, StoppedReport, Timestamp, TransferRecord)
+from recycle.runtime.protocol.records import (Announcement, Beat, ErrorRecord, EvalRecord, FaultRecord, Joined,
+                                              JoinReady, MigrationRecord, StepRecord, StoppedReport, Timestamp,
+                                              TransferRecord)
 from recycle.runtime.protocol.store import StoreClient, StoreFenced
 from recycle.runtime.state import checkpoint
 from recycle.runtime.state.checkpoint_writer import CheckpointWriter
@@ -40,9 +42,11 @@ from recycle.runtime.state.state_transfer import transfer_stage_state
 from recycle.runtime.tools.faults import FaultInjection, fire
 from recycle.runtime.worker.data import data_source
 from recycle.runtime.worker.emulate import cost_pacer
+from recycle.runtime.worker.evaluation import evaluate
 from recycle.runtime.worker.executor import StageExecutor
 from recycle.runtime.worker.nccl_env import prepare_nccl
 from recycle.runtime.worker.stage import build_stage
+from recycle.runtime.worker.title import set_process_title
 from recycle.runtime.worker.transport import Activity, GenerationCut, Transport, is_comm_error
 
 __all__ = ["WorkerSpec", "WorkerHooks", "FaultInjection", "GenerationAborted", "worker_main", "run_worker",
@@ -210,6 +214,8 @@ def _thread_lock_for_progress_bars() -> None:
 def worker_main(spec: WorkerSpec, launcher_alive: Connection | None = None) -> None:
     """Process entry point; exits non-zero after writing an error record to the store if anything fails."""
     torch.set_num_threads(1)
+    # Before gloo's threads exist, which inherit it: ps, top and /proc name every thread of worker 1:1 'recycle 1:1'.
+    set_process_title(f"recycle {Worker(*divmod(spec.rank, spec.config.num_stages))}")
     _thread_lock_for_progress_bars()
     if spec.backend == "gloo" and spec.cluster.master_addr in ("127.0.0.1", "localhost", "::1"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # single machine: keep gloo on loopback
@@ -307,6 +313,8 @@ class _Worker:
             checkpoint.load_stage(spec.checkpoint.resume_dir, spec.start_step, self.state)
         # Only the first stage (inputs) and the last (targets) load micro-batches; the others never open the data.
         self.data = data_source(config) if self.stage in (0, config.num_stages - 1) else None
+        self.eval_data = data_source(config, "eval") \
+            if training.eval_every and self.stage in (0, config.num_stages - 1) else None
         self.activity = Activity()
         self.heartbeat = _Watcher(spec, self.activity, self._abort_generation, hooks.connect)
         self._transport_lock = threading.Lock()
@@ -333,7 +341,14 @@ class _Worker:
                     self._save_final()
                     return
                 self._join()
-                while step < spec.end_step:
+                while True:
+                    # An evaluation after `step` steps; after a recovery that resumes here, it runs (again) in the
+                    # new generation: every worker decides alike, from the step the coordinator announced.
+                    if self._eval_due(step):
+                        self._stop_for_drain(step)
+                        self._evaluate(step)
+                    if step >= spec.end_step:
+                        break
                     self._run_step(step)
                     step += 1
                 self._finish()
@@ -525,13 +540,18 @@ class _Worker:
                              precision=config.training.dtype, loss_fn=built.loss_fn, pacing=pacing,
                              position=self.position)
 
-    def _before_action(self, action: Action) -> None:
+    def _starting_work(self) -> None:
+        """Before each action and each evaluation forward: count it for the heartbeat, stop if the generation was
+        aborted, and note when the generation's first work began."""
         self.activity.action()
         if self.heartbeat.aborted >= self.generation:
             raise GenerationAborted(f"generation {self.generation} was aborted by the coordinator")
         if self._resumed_pending:
             self._resumed_pending = False
             self.jobs.put(Channels.RESUMED, Timestamp(time.time()), self.generation, self.spec.rank)
+
+    def _before_action(self, action: Action) -> None:
+        self._starting_work()
         progress = self._executor().progress
         for fault in self.spec.faults:
             if fault.point == "action" and fault.step == progress.iteration and fault.index == progress.index:
@@ -544,12 +564,43 @@ class _Worker:
         self.jobs.put(Channels.FAULT, FaultRecord(time.time(), where, fault.mode), self.spec.rank)
         self.hooks.fire(fault, where)
 
-    def _run_step(self, step: int) -> None:
-        spec = self.spec
+    def _stop_for_drain(self, step: int) -> None:
+        """The coordinator drains this generation before `step` (0-based) to admit a replacement: stop here."""
         drain = self.heartbeat.drain
         if drain is not None and drain[0] == self.generation and step >= drain[1]:
             raise GenerationAborted(f"generation {self.generation} drains before step {drain[1] + 1} to admit a "
                                     "replacement worker")
+
+    def _eval_due(self, done: int) -> bool:
+        """[training] eval_every: an evaluation after `done` steps (none at the run's start)."""
+        every = self.config.training.eval_every
+        return every > 0 and done > self.spec.start_step and done % every == 0
+
+    def _evaluate(self, done: int) -> None:
+        """The held-out loss after `done` steps, forward-only through the pipeline (worker.evaluation); the last
+        stage's first live replica writes it to the store."""
+        config, built = self.config, self.built
+        start = time.time()
+        faults = [f for f in self.spec.faults if f.point == "eval" and f.step == done - 1]
+
+        def before_forward() -> None:
+            self._starting_work()
+            for fault in faults:
+                self._fire(fault, f"the evaluation after step {done}")
+
+        try:
+            loss = evaluate(self.plan, self.spec.rank, self.state.module, self._transport(), self.eval_data,
+                            config.training.eval_batches, built.input_shape, weights_dtype(config.training.dtype),
+                            self.device, config.training.dtype, built.loss_fn, before_forward)
+        finally:
+            self.activity.phase = "idle"
+        if self.stage == config.num_stages - 1 and self._is_writer():
+            self.jobs.put(Channels.EVAL, EvalRecord(loss, config.training.eval_batches * self.plan.total_microbatches,
+                                                    start, time.time(), self.generation), done)
+
+    def _run_step(self, step: int) -> None:
+        spec = self.spec
+        self._stop_for_drain(step)
         cpu0 = time.process_time()
         try:
             result = self._executor().run_iteration(step)
@@ -563,7 +614,7 @@ class _Worker:
             self.replica, self.stage, self.generation, result.start, result.end, cpu_s, result.loss_sum,
             result.stage_loss, result.grad_norm, result.grad_sq,
             digest=parameter_digest(self.state.module) if spec.debug.verify_replicas else "",
-            timings=tuple((t.action, t.start, t.end) for t in result.timings)), step, spec.rank)
+            timings=tuple((t.action, t.start, t.end) for t in result.timings), lr=result.lr), step, spec.rank)
 
     def _is_writer(self) -> bool:
         """One live replica per stage writes the stage's files."""

@@ -1,0 +1,77 @@
+"""The evaluation loss on the held-out split, run through the pipeline: forward-only work of every live worker,
+stage by stage over the generation's transport, routed by the current plan; no gradient, no weight changes."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from recycle.data.source import DataSource
+from recycle.ir import Plan
+from recycle.runtime.protocol.messages import Channel, Message
+from recycle.runtime.state.precision import autocast
+from recycle.runtime.worker.executor import Comm
+
+__all__ = ["evaluate", "MAX_EVAL_MICROBATCHES"]
+
+MAX_EVAL_MICROBATCHES = 1 << 24  # an evaluation's micro-batches are numbered in the message tag's 24 bits
+
+
+def evaluate(plan: Plan, rank: int, module: nn.Module, comm: Comm, load: DataSource | None, batches: int,
+             input_shape: tuple[int, ...] | None, dtype: torch.dtype, device: torch.device, precision: str,
+             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+             before_forward: Callable[[], None]) -> float:
+    """The mean loss over `batches` global batches of the held-out split (`load`: its DataSource; micro-batch mb of
+    batch b is load(b, mb)), which every live worker returns. Each worker forwards the micro-batches the plan's
+    routing gives its stage, in one global order (batch, then micro-batch), so that every pair of workers sends and
+    receives in the same order and the forward-only flow (stage s to s + 1 only) cannot deadlock. The last stage
+    sums its micro-batches' losses in float64; one world all-reduce adds the hosts' sums.
+
+    Deterministic: the same batches every time, no dropout (eval mode), and the sum does not depend on who hosted
+    what beyond float64 rounding. `before_forward` runs before each forward (the abort check and the heartbeat's
+    progress, as before an action)."""
+    replica, stage = plan.worker(rank)
+    is_first, is_last = stage == 0, stage == plan.num_stages - 1
+    total = plan.total_microbatches
+    if batches * total > MAX_EVAL_MICROBATCHES:
+        raise ValueError(f"an evaluation of {batches} x {total} micro-batches exceeds {MAX_EVAL_MICROBATCHES:,}")
+    if (is_first or is_last) and load is None:
+        raise RuntimeError(f"worker {replica}:{stage} evaluates without the held-out split's data source")
+    loss_sum = 0.0
+    training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            for batch in range(batches):
+                for mb in range(total):
+                    if plan.host[stage][mb] != replica:
+                        continue
+                    before_forward()
+                    number = batch * total + mb
+                    tokens, targets = load(batch, mb) if load is not None else (None, None)
+                    if is_first:
+                        assert tokens is not None
+                        x = tokens.to(device)
+                    else:
+                        src = plan.rank(plan.host[stage - 1][mb], stage - 1)
+                        if input_shape is None:
+                            raise RuntimeError(f"worker {replica}:{stage} has no input shape to receive with")
+                        x = comm.recv(Message(Channel.EVAL, number, src, rank), input_shape, dtype)
+                    with autocast(precision, device):
+                        if is_last:
+                            assert targets is not None
+                            targets = targets.to(device)
+                            loss = loss_fn(module(x), targets) if loss_fn else module(x, targets)
+                            loss_sum += float(loss.detach().double())
+                            continue
+                        out = module(x)
+                    dst = plan.rank(plan.host[stage + 1][mb], stage + 1)
+                    comm.send(Message(Channel.EVAL, number, rank, dst), out.to(dtype))
+            comm.flush()
+    finally:
+        module.train(training)
+    total_loss = torch.tensor([loss_sum], dtype=torch.float64, device=device)
+    comm.world_allreduce_sum(total_loss)
+    return float(total_loss[0]) / (batches * total)
