@@ -134,6 +134,9 @@ def plan_summary(plan: Plan, config: Config, result: SimResult, options: Planner
         # [topology] workers_per_node says which workers share one.
         **traffic(plan.host, plan.num_microbatches, plan.failed),
         "cross_node_messages": cross_node_messages(plan, config) if config.topology.workers_per_node else None,
+        # Why a failure set planned with traffic-aware routing got the canonical plan instead (it was faster);
+        # None when it did not fall back.
+        "routing_fallback": plan.meta.routing_fallback or None,
         "notes": plan.meta.notes,
     }
 
@@ -182,6 +185,8 @@ def _summary_text(d: dict[str, Any]) -> str:
                     f"live workers); {d['cross_pipeline_messages']} cross-pipeline messages per iteration"
                     + (f", {d['cross_node_messages']} cross-node" if d["cross_node_messages"] is not None else "")),
     ]
+    if d.get("routing_fallback"):
+        rows.append(("routing", f"fell back to the {d['routing_fallback']}"))
     part = d.get("partition")
     if part is not None:
         moved = "" if part["partition"] != part["configured"] else " (kept: no partition is faster)"
