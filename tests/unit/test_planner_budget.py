@@ -55,7 +55,7 @@ def test_search_work_grows_with_the_plan_between_floor_and_cap() -> None:
     work = [search_work(n) for n in sizes]
     assert work == sorted(work)
     assert work[0] == SEARCH_WORK_FLOOR and work[-1] == SEARCH_WORK_CAP
-    assert SEARCH_WORK_FLOOR < search_work(300) < SEARCH_WORK_CAP
+    assert SEARCH_WORK_FLOOR < search_work(450) < SEARCH_WORK_CAP
 
 
 def test_order_moves_stop_when_the_budget_is_spent(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -56,8 +56,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                         help="live micro-batches per worker: N, '1f1b' (fault-free 1F1B peak per stage) or 'none' "
                              "(the config's memory budget; the default)")
     parser.add_argument("--no-search", action="store_true",
-                        help="priority rules only: skip the local search and CP-SAT polish that small instances "
-                             "above the lower bound get (milliseconds instead of up to a second or more)")
+                        help="priority rules only: skip the local search that small instances above the lower "
+                             "bound get (a fixed work budget: up to ~0.1 s per plan)")
     parser.add_argument("--routing", choices=ROUTINGS, default="traffic",
                         help="failure sets no pipeline relabelling covers: plan the real layout so only failed "
                              "workers' micro-batches move (traffic, default) or relabel the key's canonical plan per "

@@ -9,7 +9,7 @@ __all__ = ["WorkBudget", "search_work", "SEARCH_EVALUATIONS", "SEARCH_WORK_FLOOR
 # grows with the plan (a bigger plan has more actions to move), between a floor (tiny plans: many cheap moves; a
 # floor of 30,000 left two more misses of 4-6 % on the quality screen) and a cap that keeps the search of a
 # 500-action plan near 0.1 s on one core (benchmarks/bench_planner_speed.py, "small plans"; docs/planner.md).
-SEARCH_EVALUATIONS = 240
+SEARCH_EVALUATIONS = 160
 SEARCH_WORK_FLOOR = 60_000
 SEARCH_WORK_CAP = 80_000
 # A list schedule costs about twice the as-soon-as-possible timing of fixed orders per action (its event loop keeps

@@ -544,7 +544,7 @@ def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptio
     small = (3 if options.decoupled else 2) * config.num_replicas * config.num_microbatches * config.num_stages \
         <= _RANDOM_RESTART_LIMIT
     routings = routing_candidates(config, key) if small else (balanced_routing(config, key),)
-    return _schedule(config, key, failed, routings, options, variants, canonical=True)
+    return _schedule(config, key, failed, routings, options, variants)
 
 
 def schedule_failed(config: Config, failed: Iterable[tuple[int, int]], options: PlannerOptions = PlannerOptions(),
@@ -560,12 +560,12 @@ def schedule_failed(config: Config, failed: Iterable[tuple[int, int]], options: 
     first = failed_routing(config, failed)
     second = failed_routing(config, failed, slot_major=True) if small else first
     routings = (first,) if second == first else (first, second)
-    return _schedule(config, key, failed, routings, options, variants, canonical=False)
+    return _schedule(config, key, failed, routings, options, variants)
 
 
 def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, int]],
-              routings: Sequence[tuple[tuple[int, ...], ...]], options: PlannerOptions, variants: Sequence[Variant],
-              canonical: bool) -> Plan:
+              routings: Sequence[tuple[tuple[int, ...], ...]], options: PlannerOptions, variants: Sequence[Variant]
+              ) -> Plan:
     """schedule_heuristic's body for any failure set and routing candidates (see there)."""
     D, S, M = config.num_replicas, config.num_stages, config.num_microbatches
     caps = memory_cap(config, options)
@@ -695,7 +695,7 @@ def _search_routing(config: Config, key: tuple[int, ...], failed: frozenset[tupl
     per_iteration = sum(len(row) for row in start.timed.entries)
     cost = max(1, LIST_SCHEDULE_COST * per_iteration * len(rules))
     for _ in range(2 * (budget.left // cost)):  # draws that change nothing are not paid for: bound them too
-        if best.estimate <= bound * (1 + 1e-9) or not orphan_stages:
+        if best.estimate <= bound * (1 + 1e-9) or not orphan_stages or budget.left < cost:
             break
         s = rng.choice(orphan_stages)
         a = rng.choice(orphans[s])
@@ -712,12 +712,7 @@ def _search_routing(config: Config, key: tuple[int, ...], failed: frozenset[tupl
                 continue
             b = -1
             host[s][a] = rng.choice(lighter)
-        if not budget.afford(cost):
-            if b >= 0:
-                host[s][a], host[s][b] = host[s][b], host[s][a]
-            else:
-                host[s][a] = old
-            break
+        budget.afford(cost)  # left >= cost: checked above
         trial = tuple(tuple(row) for row in host)
         improved = None
         for variant in rules:
