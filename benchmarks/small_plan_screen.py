@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +42,7 @@ for line in sys.stdin:
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     meta = plan.meta
     print(json.dumps({"wall": wall, "cpu": cpu, "period": meta.predicted_period, "makespan": meta.predicted_makespan,
-                      "bound": meta.lower_bound, "fallback": getattr(meta, "routing_fallback", ""),
-                      "actions": plan.num_actions}), flush=True)
+                      "bound": meta.lower_bound, "fallback": getattr(meta, "routing_fallback", "")}), flush=True)
 """
 
 
@@ -51,7 +52,7 @@ def draw_small_case(rng: random.Random) -> dict[str, Any]:
         D, S = rng.randint(2, 8), rng.randint(2, 8)
         M = rng.randint(max(1, S // 2), 4 * S)
         decoupled = rng.random() < 0.75
-        if D * S * M * (3 if decoupled else 2) <= MAX_ACTIONS:
+        if D * S * M * (3 if decoupled else 2) <= MAX_ACTIONS:  # compute_actions
             break
     forward, backward_input, backward_weight = rng.sample([1, 2, 3, 4], 3)
     workers = [(p, s) for p in range(D) for s in range(S)]
@@ -65,6 +66,13 @@ def draw_small_case(rng: random.Random) -> dict[str, Any]:
            "communication": {"p2p_latency": rng.choice((0.0, 0.0, 0.5))}}
     return {"raw": raw, "failed": [list(w) for w in failed], "decoupled": decoupled,
             "staggered": rng.random() < 0.6}
+
+
+def compute_actions(case: dict[str, Any]) -> int:
+    """F, B and W (or F and BW) actions per iteration: the size the <= 500 limit is about (OPT steps not counted)."""
+    raw = case["raw"]
+    return (raw["topology"]["num_replicas"] * raw["topology"]["num_stages"] * raw["workload"]["num_microbatches"]
+            * (3 if case["decoupled"] else 2))
 
 
 def describe(case: dict[str, Any]) -> str:
@@ -108,19 +116,20 @@ class _Child:
         self.proc.wait(timeout=60)
 
 
-def _cli_seconds(source: Path, case: dict[str, Any], folder: Path) -> float:
-    """Wall seconds of `recycle plan` for a case in a fresh interpreter with the code under `source`."""
+def _cli_seconds(source: Path, case: dict[str, Any], folder: Path) -> tuple[float, float]:
+    """(wall, CPU) seconds of `recycle plan` for a case in a fresh interpreter with the code under `source`."""
     config = folder / "case.toml"
     config.write_text(_toml(case["raw"]))
     argv = [sys.executable, "-m", "recycle", "plan", "--config", str(config)]
     argv += [a for p, s in case["failed"] for a in ("--fail", f"{p}:{s}")]
     argv += [] if case["decoupled"] else ["--no-decouple"]
     argv += [] if case["staggered"] else ["--no-stagger"]
-    import time
-
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run(argv, env={**os.environ, "PYTHONPATH": str(source)}, check=True, capture_output=True)
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -146,31 +155,36 @@ def bench_small(count: int, seed: int, source: Path, previous: Path | None) -> N
     for child in trees.values():
         child.close()
     names = list(trees)
+    load = os.getloadavg()[0]
     print(f"small plans: {count} seeded cases (seed {seed}, <= {MAX_ACTIONS} actions, F != B != W, 1-3 failures), "
-          "make_plan cold in a warm interpreter, wall seconds" + (", the two trees alternating" if previous else ""))
+          "make_plan cold in a warm interpreter" + (", the two trees alternating" if previous else "")
+          + f"; load average {load:.1f} on {os.cpu_count()} CPUs (CPU time is the steadier measure)")
     for name in names:
-        walls = [r["wall"] for r in results[name]]
-        cpus = [r["cpu"] for r in results[name]]
-        over = sum(1 for w in walls if w > 0.3)
-        print(f"  {name:<10} mean {statistics.mean(walls):.3f} s, p90 {_quantile(walls, 0.9):.3f} s, max "
-              f"{max(walls):.3f} s (CPU max {max(cpus):.3f} s); {over} of {count} over 0.3 s")
+        for unit in ("wall", "cpu"):
+            values = [r[unit] for r in results[name]]
+            over = sum(1 for v in values if v > 0.3)
+            print(f"  {name:<10} {unit:<4} mean {statistics.mean(values):.3f} s, p90 {_quantile(values, 0.9):.3f} s, "
+                  f"max {max(values):.3f} s; {over} of {count} over 0.3 s")
     fallbacks = [i for i, r in enumerate(results["this tree"]) if r["fallback"]]
     print(f"  this tree fell back to canonical routing on {len(fallbacks)} of {count} cases"
           + (f" (#{', #'.join(map(str, fallbacks[:10]))})" if fallbacks else ""))
     slow_key = "previous" if previous else "this tree"
     slowest = sorted(range(count), key=lambda i: -max(r[i]["wall"] for r in results.values()))[:CLI_CASES]
-    header = "  ".join(f"{n + ' make_plan':>20}{n + ' CLI':>16}{n + ' period':>18}" for n in names)
+    header = "  ".join(f"{n + ' make_plan wall/CPU':>27}{n + ' CLI wall/CPU':>25}{n + ' period':>18}" for n in names)
     print(f"  the {len(slowest)} slowest (by {slow_key} or either tree), `recycle plan` in a fresh interpreter:")
     print(f"    {'case':<4}{'actions':>8}  {header}  shape")
     with tempfile.TemporaryDirectory() as folder:
         sources = {"this tree": source, "previous": previous}
+        cli_cpu: dict[str, list[float]] = {name: [] for name in names}
         for i in slowest:
             cells = []
             for name in names:
                 r = results[name][i]
-                cli = _cli_seconds(sources[name], cases[i], Path(folder))  # type: ignore[arg-type]
-                cells.append(f"{r['wall']:>18.3f} s{cli:>14.3f} s{r['period']:>18g}")
-            print(f"    #{i:<3}{results['this tree'][i]['actions']:>8}  {'  '.join(cells)}  {describe(cases[i])}")
+                wall, cpu = _cli_seconds(sources[name], cases[i], Path(folder))  # type: ignore[arg-type]
+                cli_cpu[name].append(cpu)
+                cells.append(f"{r['wall']:>18.3f}/{r['cpu']:.3f} s{wall:>16.3f}/{cpu:.3f} s{r['period']:>18g}")
+            print(f"    #{i:<3}{compute_actions(cases[i]):>8}  {'  '.join(cells)}  {describe(cases[i])}")
+    print("  `recycle plan` CPU over those cases, max: " + ", ".join(f"{n} {max(v):.3f} s" for n, v in cli_cpu.items()))
     if previous is None:
         return
     for metric in ("period", "makespan"):
