@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["draw_small_case", "bench_small"]
+__all__ = ["draw_small_case", "quality_cases", "bench_small"]
 
 MAX_ACTIONS = 500
 CLI_CASES = 10  # the slowest cases (either tree) also timed as `recycle plan`
@@ -66,6 +66,22 @@ def draw_small_case(rng: random.Random) -> dict[str, Any]:
            "communication": {"p2p_latency": rng.choice((0.0, 0.0, 0.5))}}
     return {"raw": raw, "failed": [list(w) for w in failed], "decoupled": decoupled,
             "staggered": rng.random() < 0.6}
+
+
+def quality_cases(count: int, seed: int) -> list[dict[str, Any]]:
+    """bench_planner_quality.py's screen (D 2-6, S 2-4, at most 480 actions) in this module's case format."""
+    from bench_planner_quality import draw_cases
+
+    cases = []
+    for case in draw_cases(count, seed):
+        raw = {"topology": {"num_replicas": case.D, "num_stages": case.S},
+               "workload": {"num_microbatches": case.M},
+               "costs": {"forward": case.forward, "backward_input": case.backward_input,
+                         "backward_weight": case.backward_weight, "optimizer": case.optimizer},
+               "communication": {"p2p_latency": case.p2p}}
+        cases.append({"raw": raw, "failed": [list(w) for w in case.failed], "decoupled": case.options.decoupled,
+                      "staggered": case.options.staggered})
+    return cases
 
 
 def compute_actions(case: dict[str, Any]) -> int:
@@ -137,11 +153,11 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def bench_small(count: int, seed: int, source: Path, previous: Path | None) -> None:
-    """Plan `count` seeded small cases with this tree (and `previous`), print times, the slowest cases and the
-    period / makespan change."""
+def bench_small(count: int, seed: int, source: Path, previous: Path | None, draw: str = "small") -> None:
+    """Plan `count` seeded small cases (`draw`: "small", this module's, or "quality", bench_planner_quality.py's)
+    with this tree (and `previous`), print times, the slowest cases and the period / makespan change."""
     rng = random.Random(seed)
-    cases = [draw_small_case(rng) for _ in range(count)]
+    cases = quality_cases(count, seed) if draw == "quality" else [draw_small_case(rng) for _ in range(count)]
     trees = {"this tree": _Child(source)}
     if previous is not None:
         trees["previous"] = _Child(previous)
@@ -156,7 +172,8 @@ def bench_small(count: int, seed: int, source: Path, previous: Path | None) -> N
         child.close()
     names = list(trees)
     load = os.getloadavg()[0]
-    print(f"small plans: {count} seeded cases (seed {seed}, <= {MAX_ACTIONS} actions, F != B != W, 1-3 failures), "
+    screen = "bench_planner_quality.py's screen" if draw == "quality" else "F != B != W, 1-3 failures"
+    print(f"small plans: {count} seeded cases (seed {seed}, <= {MAX_ACTIONS} actions, {screen}), "
           "make_plan cold in a warm interpreter" + (", the two trees alternating" if previous else "")
           + f"; load average {load:.1f} on {os.cpu_count()} CPUs (CPU time is the steadier measure)")
     for name in names:
