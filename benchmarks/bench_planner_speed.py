@@ -22,9 +22,6 @@ import time
 from pathlib import Path
 
 from recycle.config import Config, load_config, uniform_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from small_plan_screen import bench_small  # noqa: E402
 from recycle.ir.compact import CompactActions
 from recycle.ir.validate import validate_plan
 from recycle.planner.api import clear_cache, make_plan
@@ -37,6 +34,9 @@ from recycle.planner.store import PlanStore, build_store
 from recycle.sim import simulator
 from recycle.sim.levels import time_compact
 from recycle.sim.simulator import simulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from small_plan_screen import bench_small  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTBED = ROOT / "configs" / "gpt3-6.7b-a100.toml"

@@ -185,10 +185,10 @@ def bench_small(count: int, seed: int, source: Path, previous: Path | None, draw
     fallbacks = [i for i, r in enumerate(results["this tree"]) if r["fallback"]]
     print(f"  this tree fell back to canonical routing on {len(fallbacks)} of {count} cases"
           + (f" (#{', #'.join(map(str, fallbacks[:10]))})" if fallbacks else ""))
-    slow_key = "previous" if previous else "this tree"
     slowest = sorted(range(count), key=lambda i: -max(r[i]["wall"] for r in results.values()))[:CLI_CASES]
     header = "  ".join(f"{n + ' make_plan wall/CPU':>27}{n + ' CLI wall/CPU':>25}{n + ' period':>18}" for n in names)
-    print(f"  the {len(slowest)} slowest (by {slow_key} or either tree), `recycle plan` in a fresh interpreter:")
+    print(f"  the {len(slowest)} slowest (make_plan wall time, either tree), also as `recycle plan` in a fresh "
+          "interpreter:")
     print(f"    {'case':<4}{'actions':>8}  {header}  shape")
     with tempfile.TemporaryDirectory() as folder:
         sources = {"this tree": source, "previous": previous}

@@ -133,8 +133,8 @@ def make_plan(config: Config, failed: Iterable[tuple[int, int]] = (), options: P
     ranks: only the failed workers' micro-batches leave their pipeline. Otherwise, with routing="traffic" (the
     default) and the heuristic solver, the real layout is planned directly (`schedule_failed`), which again moves
     only the failed workers' micro-batches; routing="canonical" (and the exact solver, whose model is canonical)
-    relabels the key's plan per stage instead, which is as fast in the cost model but moves healthy micro-batches
-    through other pipelines' workers (see `recycle.planner.routing.traffic`).
+    relabels the key's plan per stage instead, which moves healthy micro-batches through other pipelines' workers
+    (see `recycle.planner.routing.traffic`) and is often as fast, sometimes faster.
 
     The traffic-aware plan is returned only when it is as fast as the canonical one: where the canonical plan
     relabelled per stage has a lower simulated period, that plan is returned instead, and its

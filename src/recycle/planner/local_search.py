@@ -140,8 +140,8 @@ def improve_orders(evaluator: OrderEvaluator, entries: Sequence[Sequence[tuple[i
     A move takes one action of a worker and re-inserts it up to four places earlier or later in the same worker's
     order (never past its own B/W partner). Moves that do not worsen the score (period estimate, then the sum of
     stage spans) are kept. Workers on the bottleneck stage (the one whose span sets the estimate) are picked half
-    of the time. Each timing spends the plan's action count from `budget`; stops when the budget cannot pay for
-    another, after twice as many draws as it could pay for (draws that cross a partner are not timed), or when the
+    of the time. Each move's timing spends the plan's action count from `budget` (the starting orders' timing is
+    free); stops when the budget cannot pay for another move, after twice as many draws as it could pay for (draws that cross a partner are not timed), or when the
     estimate reaches `target` (a lower bound). Seeded and counted in work, never seconds, so the result is
     reproducible whatever the machine's load.
     """
