@@ -1,10 +1,11 @@
-"""Planner speed: make_plan at 512 and 1,024 workers side by side (and its parts), CLI start-up, a D=6/S=4/f=3 store
-build, lookups.
+"""Planner speed: small plans (a seeded screen, make_plan and `recycle plan`), make_plan at 512 and 1,024 workers side
+by side (and its parts), CLI start-up, a D=6/S=4/f=3 store build, lookups.
 
 Run: nice -n 15 .venv/bin/python benchmarks/bench_planner_speed.py [--repeats 3] [--skip-1024] [--compare-with COMMIT]
+     [--small 100] [--small-seed 0] [--small-draw {small,quality}] [--only-small]
 With --compare-with, make_plan as of that commit (its src/ from `git archive`, run in a child interpreter) is timed
 in the same run on the same cases, alternating with this tree's runs, and its plans are checked to be
-byte-identical to this tree's.
+byte-identical to this tree's (large cases) or compared by period and makespan (small plans).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from recycle.planner.store import PlanStore, build_store
 from recycle.sim import simulator
 from recycle.sim.levels import time_compact
 from recycle.sim.simulator import simulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from small_plan_screen import bench_small  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTBED = ROOT / "configs" / "gpt3-6.7b-a100.toml"
@@ -304,8 +308,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lookups", type=int, default=10_000)
     parser.add_argument("--skip-1024", action="store_true", help="leave out the D=64, S=16, M=128 case")
     parser.add_argument("--compare-with", metavar="COMMIT", help="also time make_plan as of this git commit")
+    parser.add_argument("--small", type=int, default=100, metavar="N",
+                        help="cases of the small-plan screen (<= 500 actions; 0: skip it)")
+    parser.add_argument("--small-seed", type=int, default=0, help="seed of the small-plan screen")
+    parser.add_argument("--small-draw", choices=("small", "quality"), default="small",
+                        help="small: D 2-8, S 2-8, F != B != W (default); quality: bench_planner_quality.py's cases")
+    parser.add_argument("--only-small", action="store_true", help="run the small-plan screen only")
     args = parser.parse_args(argv)
     previous = previous_source(args.compare_with) if args.compare_with else None
+    if args.small:
+        bench_small(args.small, args.small_seed, ROOT / "src", previous, args.small_draw)
+    if args.only_small:
+        return 0
     bench_cli_startup()
     bench_toy(20)
     bench_crossover()

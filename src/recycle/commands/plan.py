@@ -57,8 +57,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                         help="live micro-batches per worker: N, '1f1b' (fault-free 1F1B peak per stage) or 'none' "
                              "(the config's memory budget; the default)")
     parser.add_argument("--no-search", action="store_true",
-                        help="priority rules only: skip the local search and CP-SAT polish that small instances "
-                             "above the lower bound get (milliseconds instead of up to a second or more)")
+                        help="priority rules only: skip the local search that small instances above the lower "
+                             "bound get (a fixed work budget: up to ~0.1 s per plan)")
     parser.add_argument("--routing", choices=ROUTINGS, default="traffic",
                         help="failure sets no pipeline relabelling covers: plan the real layout so only failed "
                              "workers' micro-batches move (traffic, default) or relabel the key's canonical plan per "
@@ -135,6 +135,9 @@ def plan_summary(plan: Plan, config: Config, result: SimResult, options: Planner
         # [topology] workers_per_node says which workers share one.
         **traffic(plan.host, plan.num_microbatches, plan.failed),
         "cross_node_messages": cross_node_messages(plan, config) if config.topology.workers_per_node else None,
+        # Why a failure set planned with traffic-aware routing got the canonical plan instead (it was faster);
+        # None when it did not fall back.
+        "routing_fallback": plan.meta.routing_fallback or None,
         "notes": plan.meta.notes,
     }
 
@@ -183,6 +186,8 @@ def _summary_text(d: dict[str, Any]) -> str:
                     f"live workers); {d['cross_pipeline_messages']} cross-pipeline messages per iteration"
                     + (f", {d['cross_node_messages']} cross-node" if d["cross_node_messages"] is not None else "")),
     ]
+    if d.get("routing_fallback"):
+        rows.append(("routing", f"fell back to the {d['routing_fallback']}"))
     part = d.get("partition")
     if part is not None:
         moved = "" if part["partition"] != part["configured"] else " (kept: no partition is faster)"

@@ -34,6 +34,9 @@ class PlanMeta:
     memory_cap: tuple[int, ...] = ()  # activation slots per stage the plan was made under (empty: none)
     config_fingerprint: str = ""
     notes: str = ""
+    # Why the plan relabels the key's canonical plan per stage (moving healthy micro-batches) although the failure set
+    # was planned with traffic-aware routing: that plan was slower. Empty: no fall-back (left out of the JSON).
+    routing_fallback: str = ""
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,8 @@ class Plan:
         meta = asdict(self.meta)
         meta["failure_key"] = list(self.meta.failure_key)
         meta["memory_cap"] = list(self.meta.memory_cap)
+        if not self.meta.routing_fallback:  # only when set: plans without it keep their JSON byte for byte
+            del meta["routing_fallback"]
         out = {
             "num_replicas": self.num_replicas,
             "num_stages": self.num_stages,

@@ -16,7 +16,7 @@ from recycle.planner.failures import normalize
 from recycle.planner.heuristic import schedule_failed, schedule_heuristic
 from recycle.planner.memory_cap import memory_cap, resolve_memory_cap
 from recycle.planner.options import PlannerOptions
-from recycle.planner.routing import check_key
+from recycle.planner.routing import check_key, traffic
 from recycle.sim.simulator import simulate
 
 __all__ = ["SOLVERS", "ROUTINGS", "resolve_memory_cap", "resolve_options", "plan_for_key", "plan_for_failed",
@@ -133,15 +133,34 @@ def make_plan(config: Config, failed: Iterable[tuple[int, int]] = (), options: P
     ranks: only the failed workers' micro-batches leave their pipeline. Otherwise, with routing="traffic" (the
     default) and the heuristic solver, the real layout is planned directly (`schedule_failed`), which again moves
     only the failed workers' micro-batches; routing="canonical" (and the exact solver, whose model is canonical)
-    relabels the key's plan per stage instead, which is as fast in the cost model but moves healthy micro-batches
-    through other pipelines' workers (see `recycle.planner.routing.traffic`).
+    relabels the key's plan per stage instead, which moves healthy micro-batches through other pipelines' workers
+    (see `recycle.planner.routing.traffic`) and is often as fast, sometimes faster.
+
+    The traffic-aware plan is returned only when it is as fast as the canonical one: where the canonical plan
+    relabelled per stage has a lower simulated period, that plan is returned instead, and its
+    meta.routing_fallback says so and why (a traffic-aware plan at the lower bound skips the comparison).
     """
     if routing not in ROUTINGS:
         raise PlanError(f"routing {routing!r} is unknown; choose one of {list(ROUTINGS)}")
     state = normalize(failed, config.num_replicas, config.num_stages)
     if state.symmetric or routing == "canonical" or solver != "heuristic":
         return state.to_real(plan_for_key(config, state.key, options, solver, time_limit_s))
-    return plan_for_failed(config, state.failed, options)
+    planned = plan_for_failed(config, state.failed, options)
+    period, bound = planned.meta.predicted_period, planned.meta.lower_bound
+    assert period is not None
+    if bound is not None and period <= bound * (1 + 1e-9):
+        return planned  # no plan is faster
+    canonical = state.to_real(plan_for_key(config, state.key, options))
+    faster = canonical.meta.predicted_period
+    assert faster is not None
+    if faster >= period * (1 - 1e-9):
+        return planned
+    moved = traffic(canonical.host, config.num_microbatches, canonical.failed)["moved_healthy"]
+    reason = (f"canonical routing: period {faster:g} beats the traffic-aware plan's {period:g} "
+              f"({100 * (period - faster) / faster:.1f} % slower), at the price of moving {moved} healthy "
+              "(stage, micro-batch) pairs off their pipeline")
+    return canonical.with_meta(routing_fallback=reason,
+                               notes=f"{canonical.meta.notes}; canonical routing: faster than traffic-aware")
 
 
 @_collector_paused()

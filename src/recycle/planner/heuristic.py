@@ -20,6 +20,7 @@ from recycle.ir.dependencies import output_stage_table
 from recycle.ir.plan import Plan, PlanMeta
 from recycle.ir.validate import validate_plan
 from recycle.planner.bounds import period_lower_bound
+from recycle.planner.budget import LIST_SCHEDULE_COST, WorkBudget, search_work
 from recycle.planner.failures import canonical_failed
 from recycle.planner.local_search import OrderEvaluator, improve_orders, stage_extents
 from recycle.planner.memory_cap import memory_cap
@@ -49,20 +50,14 @@ _RANDOM_RESTART_LIMIT = 5_000
 # close for a staggered one, so a few suffice).
 _SIMULATED_CANDIDATES = 4
 # Instances up to this many actions per iteration that the rules leave above the lower bound get a seeded local
-# search (see _search): ROUTING_SWAPS orphan swaps, each list-scheduled with the _SEARCH_RULES best rules, then
-# ORDER_MOVES single-action moves. Measured on the random screen of benchmarks/bench_planner_quality.py.
+# search (see _search): orphan swaps between survivors, each list-scheduled with the best rules, then single-action
+# moves in the workers' orders. Its work is bounded by a budget in evaluated actions that grows with the plan
+# (recycle.planner.budget.search_work), never by a clock, so a plan does not depend on the machine's load;
+# ROUTING_SHARE of it goes to the orphan swaps (what they leave unspent goes to the order moves).
 SEARCH_LIMIT = 3_000
-ROUTING_SWAPS = 60
-_SEARCH_RULES = 3
-_SEARCH_BUDGET = 150_000  # scheduled actions per routing search: tiny instances try every rule on each swap
-ORDER_MOVES = 600
-# Instances up to this many actions per iteration still above the lower bound after the search get a short CP-SAT
-# polish warm-started from the best plan (one worker, a deterministic-time limit: reproducible). It closed every
-# miss the search left on the screen (8 of 300, 2.5-3.6 %) at 0.25 deterministic seconds; bigger instances skip it,
-# and so do capped ones (the analytic bound ignores caps, so they look open, and CP-SAT rarely improves them in time).
-POLISH_LIMIT = 500
-POLISH_DETERMINISTIC_S = 0.25
-_POLISH_WALL_S = 5.0  # a safety net on a heavily loaded machine; normally the deterministic limit ends first
+ROUTING_SHARE = 0.5
+_SEARCH_RULES = 3  # rules per orphan swap; tiny instances try more while a swap's share of the budget allows
+_ROUTING_SWAPS = 60  # the swaps the rule count is planned for
 
 # From this many actions per iteration, deterministic rules on whole-unit costs are stepped in numpy (see
 # recycle.planner.vector_schedule.vector_eligible); below it numpy's per-call cost outweighs what it saves.
@@ -541,8 +536,7 @@ def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptio
     whose best estimate is above the analytic lower bound are then improved by a seeded local search (`_search`:
     orphan swaps between survivors, then moves in the per-worker orders). The best few distinct schedules (with
     and without B/W fusion) are simulated and the best simulated period wins (ties: lower peak activations, then
-    the earlier candidate). With `options.search`, instances up to POLISH_LIMIT actions still above the bound get a
-    short CP-SAT polish (`_polish`). Very large instances skip the simulation and take the best estimate.
+    the earlier candidate). Very large instances skip the simulation and take the best estimate.
     meta.notes names the winning variant.
     """
     key = check_key(config, key)
@@ -550,14 +544,13 @@ def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptio
     small = (3 if options.decoupled else 2) * config.num_replicas * config.num_microbatches * config.num_stages \
         <= _RANDOM_RESTART_LIMIT
     routings = routing_candidates(config, key) if small else (balanced_routing(config, key),)
-    return _schedule(config, key, failed, routings, options, variants, canonical=True)
+    return _schedule(config, key, failed, routings, options, variants)
 
 
 def schedule_failed(config: Config, failed: Iterable[tuple[int, int]], options: PlannerOptions = PlannerOptions(),
                     variants: Sequence[Variant] = VARIANTS) -> Plan:
     """A validated plan on the real ranks of a failure set, routed by `failed_routing` (only the failed workers'
-    micro-batches leave their pipeline); the same rules and search as `schedule_heuristic`, without the CP-SAT
-    polish (the exact model plans canonical layouts only)."""
+    micro-batches leave their pipeline); the same rules and search as `schedule_heuristic`."""
     failed = frozenset(failed)
     D, S = config.num_replicas, config.num_stages
     key = check_key(config, [sum(1 for p, st in failed if st == s) for s in range(S)])
@@ -567,12 +560,12 @@ def schedule_failed(config: Config, failed: Iterable[tuple[int, int]], options: 
     first = failed_routing(config, failed)
     second = failed_routing(config, failed, slot_major=True) if small else first
     routings = (first,) if second == first else (first, second)
-    return _schedule(config, key, failed, routings, options, variants, canonical=False)
+    return _schedule(config, key, failed, routings, options, variants)
 
 
 def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, int]],
-              routings: Sequence[tuple[tuple[int, ...], ...]], options: PlannerOptions, variants: Sequence[Variant],
-              canonical: bool) -> Plan:
+              routings: Sequence[tuple[tuple[int, ...], ...]], options: PlannerOptions, variants: Sequence[Variant]
+              ) -> Plan:
     """schedule_heuristic's body for any failure set and routing candidates (see there)."""
     D, S, M = config.num_replicas, config.num_stages, config.num_microbatches
     caps = memory_cap(config, options)
@@ -605,7 +598,8 @@ def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int,
     bound = period_lower_bound(config, key, options) if search else math.inf
     if search:
         if ranked[0].estimate > bound * (1 + 1e-9):
-            found = _search(config, key, failed, options, caps, ranked, variants, bound)
+            budget = WorkBudget(search_work(per_iteration))
+            found = _search(config, key, failed, options, caps, ranked, variants, bound, budget)
             ranked = sorted([*found, *ranked], key=lambda c: (c.estimate, c.order))
 
     def build(candidate: _Candidate, merge: bool) -> Plan:
@@ -629,26 +623,7 @@ def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int,
             if best is None or score < best[0]:
                 best = (score, plan.with_meta(predicted_period=result.period, predicted_makespan=result.makespan))
     assert best is not None
-    chosen = validate_plan(best[1])
-    if search and canonical and caps is None and per_iteration <= POLISH_LIMIT and best[0][0] > bound * (1 + 1e-9):
-        chosen = _polish(config, key, options, chosen)
-    return chosen
-
-
-def _polish(config: Config, key: tuple[int, ...], options: PlannerOptions, plan: Plan) -> Plan:
-    """CP-SAT warm-started from `plan` for POLISH_DETERMINISTIC_S deterministic seconds on one worker; the better
-    of the two by simulated period (the plan keeps solver "heuristic"; the notes say the polish won)."""
-    from recycle.planner.exact import schedule_exact  # lazily: OR-Tools loads only for small plans that get polished
-
-    polished = schedule_exact(config, key, options, _POLISH_WALL_S, hint=plan, workers=1,
-                              deterministic_limit=POLISH_DETERMINISTIC_S)
-    assert plan.meta.predicted_period is not None and polished.meta.predicted_period is not None
-    if polished.meta.predicted_period >= plan.meta.predicted_period:
-        return plan
-    return replace(polished, meta=replace(plan.meta, predicted_period=polished.meta.predicted_period,
-                                          predicted_makespan=polished.meta.predicted_makespan,
-                                          notes=f"{plan.meta.notes} + CP-SAT polish ({POLISH_DETERMINISTIC_S:g} "
-                                                "deterministic s)"))
+    return validate_plan(best[1])
 
 
 @dataclass(frozen=True)
@@ -664,20 +639,23 @@ class _Candidate:
 
 def _search(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, int]], options: PlannerOptions,
             caps: Sequence[int] | None, ranked: Sequence[_Candidate], variants: Sequence[Variant],
-            bound: float) -> list[_Candidate]:
-    """Seeded local search from the best candidates; returns the improved candidates (possibly none).
+            bound: float, budget: WorkBudget) -> list[_Candidate]:
+    """Seeded local search from the best candidates within `budget`; returns the improved candidates (possibly
+    none).
 
     1. Routing: swap the hosts of two orphans of one stage, or move an orphan from a survivor with the higher load
        to one with the lower (loads stay balanced), and list-schedule the change with the rules of the best
        candidates; keep changes that do not worsen the best estimate. The issue's misses
        (unequal F/B/W costs) were all routings where a survivor received the same slot of several lost pipelines.
     2. Orders: `improve_orders` moves single actions within a worker's order, timed as soon as possible.
-    Both stop at the analytic lower bound.
+    Both stop at the analytic lower bound. Step 1 may spend ROUTING_SHARE of the budget, step 2 the rest.
     """
-    rules = _search_rules(config, options, ranked, variants)
-    best, found = _search_routing(config, key, failed, options, caps, ranked[0], rules, bound)
+    routing_budget = budget.share(ROUTING_SHARE)
+    rules = _search_rules(config, options, ranked, variants, routing_budget.left)
+    best, found = _search_routing(config, key, failed, options, caps, ranked[0], rules, bound, routing_budget)
+    budget.give_back(routing_budget)
     if best.estimate > bound * (1 + 1e-9):
-        moved = _search_orders(config, key, options, caps, best, bound)
+        moved = _search_orders(config, key, options, caps, best, bound, budget)
         if moved is not None:
             found.append(moved)
     # Search results rank ahead of equal-estimate rule schedules (they are at least as good on the estimate).
@@ -685,12 +663,12 @@ def _search(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, i
 
 
 def _search_rules(config: Config, options: PlannerOptions, ranked: Sequence[_Candidate],
-                  variants: Sequence[Variant]) -> list[Variant]:
-    """The rules a routing change is list-scheduled with: those of the best candidates, best first, as many as the
-    search budget allows for this plan size."""
+                  variants: Sequence[Variant], work: int) -> list[Variant]:
+    """The rules a routing change is list-scheduled with: those of the best candidates, best first, as many as
+    `work` (the swaps' budget) pays for over _ROUTING_SWAPS swaps, and at least _SEARCH_RULES."""
     by_name = {v.name: v for v in variants}
     per_iteration = (3 if options.decoupled else 2) * config.num_replicas * config.num_microbatches * config.num_stages
-    want = max(_SEARCH_RULES, _SEARCH_BUDGET // (ROUTING_SWAPS * per_iteration))
+    want = max(_SEARCH_RULES, work // (_ROUTING_SWAPS * LIST_SCHEDULE_COST * per_iteration))
     rules: list[Variant] = []
     for candidate in ranked:  # the rules in the order of their best schedule
         variant = by_name.get(candidate.name)
@@ -703,8 +681,9 @@ def _search_rules(config: Config, options: PlannerOptions, ranked: Sequence[_Can
 
 def _search_routing(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, int]],
                     options: PlannerOptions, caps: Sequence[int] | None, start: _Candidate, rules: Sequence[Variant],
-                    bound: float) -> tuple[_Candidate, list[_Candidate]]:
-    """Step 1 of _search: seeded orphan swaps and moves from `start`; (the best candidate, the improving ones)."""
+                    bound: float, budget: WorkBudget) -> tuple[_Candidate, list[_Candidate]]:
+    """Step 1 of _search: seeded orphan swaps and moves from `start`, each paid from `budget` (one list schedule
+    per rule); (the best candidate, the improving ones)."""
     rng = random.Random(0)
     best = start
     host = [list(row) for row in best.host]
@@ -713,8 +692,10 @@ def _search_routing(config: Config, key: tuple[int, ...], failed: frozenset[tupl
     live = [[p for p in range(D) if (p, s) not in failed] for s in range(config.num_stages)]
     orphan_stages = [s for s, k in enumerate(key) if k > 0]
     found: list[_Candidate] = []
-    for _ in range(ROUTING_SWAPS):
-        if best.estimate <= bound * (1 + 1e-9) or not orphan_stages:
+    per_iteration = sum(len(row) for row in start.timed.entries)
+    cost = max(1, LIST_SCHEDULE_COST * per_iteration * len(rules))
+    for _ in range(2 * (budget.left // cost)):  # draws that change nothing are not paid for: bound them too
+        if best.estimate <= bound * (1 + 1e-9) or not orphan_stages or budget.left < cost:
             break
         s = rng.choice(orphan_stages)
         a = rng.choice(orphans[s])
@@ -731,6 +712,7 @@ def _search_routing(config: Config, key: tuple[int, ...], failed: frozenset[tupl
                 continue
             b = -1
             host[s][a] = rng.choice(lighter)
+        budget.afford(cost)  # left >= cost: checked above
         trial = tuple(tuple(row) for row in host)
         improved = None
         for variant in rules:
@@ -752,12 +734,12 @@ def _search_routing(config: Config, key: tuple[int, ...], failed: frozenset[tupl
 
 
 def _search_orders(config: Config, key: tuple[int, ...], options: PlannerOptions, caps: Sequence[int] | None,
-                   best: _Candidate, bound: float) -> _Candidate | None:
+                   best: _Candidate, bound: float, budget: WorkBudget) -> _Candidate | None:
     """Step 2 of _search: single-action moves within the workers' orders of `best`, timed as soon as possible,
-    down to the lower bound; the result if it beats `best`."""
+    down to the lower bound or until `budget` is spent; the result if it beats `best`."""
     evaluator = OrderEvaluator(config, key, best.host, options.decoupled, options.staggered, caps,
                                _opt_durations(config, key))
-    entries, score = improve_orders(evaluator, best.timed.entries, ORDER_MOVES, seed=0, target=bound)
+    entries, score = improve_orders(evaluator, best.timed.entries, budget, seed=0, target=bound)
     if score[0] >= best.estimate:
         return None
     timed = _Timed(tuple(tuple(row) for row in entries), score[0])

@@ -9,6 +9,7 @@ from typing import Sequence
 from recycle.config import Config
 from recycle.ir.actions import Kind
 from recycle.ir.dependencies import input_stage_table, output_stage_table
+from recycle.planner.budget import WorkBudget
 
 __all__ = ["OrderEvaluator", "improve_orders", "stage_extents"]
 
@@ -132,15 +133,17 @@ class OrderEvaluator:
 
 
 def improve_orders(evaluator: OrderEvaluator, entries: Sequence[Sequence[tuple[int, int, float, float]]],
-                   evaluations: int, seed: int = 0, target: float = -math.inf
+                   budget: WorkBudget, seed: int = 0, target: float = -math.inf
                    ) -> tuple[list[list[tuple[int, int, float, float]]], tuple[float, float]]:
     """Hill-climb on per-worker orders from a list schedule's `entries`; return the best timed orders and score.
 
     A move takes one action of a worker and re-inserts it up to four places earlier or later in the same worker's
     order (never past its own B/W partner). Moves that do not worsen the score (period estimate, then the sum of
     stage spans) are kept. Workers on the bottleneck stage (the one whose span sets the estimate) are picked half
-    of the time. Stops after `evaluations` timings or when the estimate reaches `target` (a lower bound). Seeded,
-    so the result is reproducible.
+    of the time. Each move's timing spends the plan's action count from `budget` (the starting orders' timing is
+    free); stops when the budget cannot pay for another move, after twice as many draws as it could pay for (draws that cross a partner are not timed), or when the
+    estimate reaches `target` (a lower bound). Seeded and counted in work, never seconds, so the result is
+    reproducible whatever the machine's load.
     """
     rng = random.Random(seed)
     orders = [[(code, mb) for code, mb, _, _ in row] for row in entries]
@@ -153,12 +156,16 @@ def improve_orders(evaluator: OrderEvaluator, entries: Sequence[Sequence[tuple[i
     movable = [r for r, row in enumerate(orders) if len(row) > 1]
     if not movable:
         return best_timed, best
-    for _ in range(evaluations):
+    cost = max(1, sum(len(row) for row in orders))
+    bottleneck: list[int] | None = None  # the bottleneck stage's movable ranks, until the best changes
+    for _ in range(2 * (budget.left // cost)):
         if best[0] <= target + 1e-9:
             break
         if rng.random() < 0.5:
-            stage = _bottleneck_stage(best_timed, evaluator)
-            pool = [r for r in movable if r % S == stage] or movable
+            if bottleneck is None:
+                stage = _bottleneck_stage(best_timed, evaluator)
+                bottleneck = [r for r in movable if r % S == stage] or movable
+            pool = bottleneck
         else:
             pool = movable
         rank = rng.choice(pool)
@@ -171,13 +178,15 @@ def improve_orders(evaluator: OrderEvaluator, entries: Sequence[Sequence[tuple[i
         lo, hi = min(i, j), max(i, j)
         if any(other[1] == item[1] for other in row[lo:hi + 1] if other is not item):
             continue  # would cross its own F/B/W partner on this worker: never valid
+        if not budget.afford(cost):
+            break
         candidate = row[:i] + row[i + 1:]
         candidate.insert(j, item)
         orders[rank] = candidate
         timed = evaluator.time(orders)
         score = evaluator.score(timed) if timed is not None else (math.inf, math.inf)
         if score <= best:
-            best, best_timed = score, timed
+            best, best_timed, bottleneck = score, timed, None
         else:
             orders[rank] = row
     return best_timed, best

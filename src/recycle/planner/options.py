@@ -12,7 +12,8 @@ class PlannerOptions:
     """decoupled: split backward into B and W; staggered: per-stage optimizer step (no cross-stage barrier);
     memory_cap: max live micro-batches per worker, one entry per stage (None = the config's memory capacity,
     which is unlimited when capacity_bytes = 0); search: let the heuristic improve small instances left above the
-    lower bound by a local search and a short CP-SAT polish (False: the priority rules only, the fastest)."""
+    lower bound by a local search bounded by a work budget (recycle.planner.budget; False: the priority rules
+    only, the fastest)."""
 
     decoupled: bool = True
     staggered: bool = True

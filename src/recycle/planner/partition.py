@@ -356,8 +356,8 @@ def best_partition(config: Config, key: Sequence[int], options: PlannerOptions =
     screened period is a candidate (`_below`: all of them, the walk pruned by each stage's busiest-worker floor),
     planned in increasing order of its bound until the next bound is no better than the best screened period (no
     plan of it can win) or `max_evaluations` partitions were screened. Polish: the `polish` best screened
-    re-partitions and the configured partition are planned with `options` and `solver` as given (the local search and
-    CP-SAT polish of the heuristic, or the exact solver), and the fastest wins; a re-partition is kept only when
+    re-partitions and the configured partition are planned with `options` and `solver` as given (the heuristic's
+    budgeted local search, or the exact solver), and the fastest wins; a re-partition is kept only when
     strictly faster than the configured layout (moving layers is never free)."""
     key = check_key(config, key)
     costs = layer_costs(config)
