@@ -64,3 +64,32 @@ def test_a_hugging_face_model_trains_like_the_whole_model_in_one_process(tmp_pat
     assert all(not torch.equal(initial[k], reference[k]) for k in reference if k.endswith("proj.weight"))  # it trained
     for key, ref in reference.items():
         assert float((saved[key] - ref).abs().max()) <= 1e-9 * max(1.0, float(ref.abs().max())), key
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_llama_worker_killed_mid_run_on_a_token_file_is_survived_exactly(tmp_path, monkeypatch) -> None:
+    """Issue 24: the user's model and data together under a failure. An HF Llama (rotary, RMSNorm, GQA) trains on a
+    nanoGPT-style uint16 token file; worker 1:1 is SIGKILLed before its fifth action of step 2; the survivors re-route
+    its micro-batches and the final parameters equal the whole model trained in one process."""
+    import numpy as np
+
+    from recycle.api import train
+    from recycle.runtime.tools.faults import FaultInjection
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    np.random.default_rng(3).integers(0, 256, size=8_000).astype(np.uint16).tofile(tmp_path / "train.bin")
+    path = tmp_path / "hf.toml"
+    path.write_text(TOML.format(hf=os.path.abspath(os.path.join(EXAMPLES, "hf-tiny-llama.json")))
+                    .replace("steps = 2", 'steps = 4\ndataset = "train.bin"\ntoken_dtype = "uint16"'))
+    cfg = load_config(path)
+    save = tmp_path / "final.pt"
+    result = train(cfg, schedule="zb-h1", max_failures=1, save_path=str(save), progress=None,
+                   start_method="forkserver", faults=((cfg.topology.rank(1, 1), FaultInjection(1, 4, "kill")),))
+    (recovery,) = result.recoveries
+    assert recovery.workers == ("1:1",) and "killed by SIGKILL" in recovery.causes[0], recovery.causes
+    assert [m.step for m in result.steps][-1] == 4 and result.failed == ((1, 1),)
+    saved = torch.load(save, weights_only=True)["model"]
+    reference, _ = reference_train(cfg)
+    for key, ref in reference.items():
+        assert float((saved[key] - ref).abs().max()) <= 1e-9 * max(1.0, float(ref.abs().max())), key
