@@ -1,6 +1,7 @@
-"""The launcher: hosts the job's store (node 0), spawns one process per live worker of its node, and on node 0 runs
-the coordinator that keeps the job going when workers die: it detects the failure, fences the worker, picks the
-plan for the new failure state and announces the next generation; it also gathers per-step metrics."""
+"""The launcher: spawns one process per live worker of its node and follows the coordinator's fences and respawns;
+where the coordinator runs (node 0's launcher by default, or `recycle coordinator` alone), it hosts the job's store
+and runs the supervisor that keeps the job going when workers die: it detects the failure, fences the worker, picks
+the plan for the new failure state and announces the next generation; it also gathers per-step metrics."""
 
 from __future__ import annotations
 
@@ -48,7 +49,6 @@ class TrainResult:
     recoveries: tuple[Recovery, ...] = ()
     failed: tuple[tuple[int, int], ...] = ()  # workers down at the end
     chaos_events: tuple[dict[str, Any], ...] = ()  # what --chaos did: time, kind, workers, step
-
 
 
 def _check_options(config: Config, plan: Plan, options: LaunchOptions) -> tuple[int, int]:
