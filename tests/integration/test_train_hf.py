@@ -64,3 +64,32 @@ def test_a_hugging_face_model_trains_like_the_whole_model_in_one_process(tmp_pat
     assert all(not torch.equal(initial[k], reference[k]) for k in reference if k.endswith("proj.weight"))  # it trained
     for key, ref in reference.items():
         assert float((saved[key] - ref).abs().max()) <= 1e-9 * max(1.0, float(ref.abs().max())), key
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_training_from_pretrained_weights_is_exact_against_the_reference_from_the_same_file(
+        tmp_path, monkeypatch, family: str) -> None:
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = tmp_path / "pretrained"  # made here: a tiny model of another seed, saved as transformers does
+    build_hf_model(os.path.join(EXAMPLES, f"hf-tiny-{family}.json"), 16, 123, torch.float64).model \
+        .save_pretrained(folder)
+    path = tmp_path / "hf.toml"
+    path.write_text(TOML.format(hf=str(folder)))  # hf_config = the folder: its config.json and its weights
+    cfg = load_config(path)
+    file = {f"model.{k}": v for k, v in load_file(folder / "model.safetensors").items()}
+    start, _ = reference_train(cfg, steps=0)
+    assert sorted(start) == sorted(file) and all(torch.equal(start[k], file[k]) for k in file)  # the reference too
+    save = tmp_path / "final.pt"
+    launch(cfg, build_schedule(cfg, "zb-h1", staggered=True),
+           LaunchOptions(outputs=OutputOptions(save_path=str(save)), cluster=ClusterOptions(start_method="forkserver"),
+                         debug=DebugOptions(verify_replicas=True), progress=None))
+    saved = torch.load(save, weights_only=True)["model"]
+    reference, _ = reference_train(cfg)
+    assert sorted(saved) == sorted(reference)
+    assert all(not torch.equal(file[k], reference[k]) for k in reference if k.endswith("proj.weight"))  # it trained
+    for key, ref in reference.items():
+        assert float((saved[key] - ref).abs().max()) <= 1e-9 * max(1.0, float(ref.abs().max())), key

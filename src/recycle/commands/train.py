@@ -169,10 +169,15 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="bring your own data: a function (config) -> source, source(iteration, mb) returning "
                         "(inputs, targets) (see docs/runtime.md; same as [training] data_source); default: [training] "
                         "dataset")
-    p.add_argument("--hf", default="", metavar="CONFIG_JSON",
-                   help="train a Hugging Face causal LM built from this config JSON (random init from [training] "
-                        "seed, nothing downloaded; same as [model] hf_config; needs the extra: pip install "
-                        "'recycle[hf]'), split into the stages by decoder layers")
+    p.add_argument("--hf", default="", metavar="CONFIG_JSON|DIR",
+                   help="train a Hugging Face causal LM (same as [model] hf_config; needs the extra: pip install "
+                        "'recycle[hf]'), split into the stages by decoder layers: a config JSON starts from a random "
+                        "init from [training] seed; a folder saved by save_pretrained (config.json + safetensors "
+                        "weights) starts from its weights. Nothing is downloaded")
+    p.add_argument("--hf-weights", default="", metavar="PATH",
+                   help="with --hf CONFIG_JSON: start from these pretrained weights, a .safetensors file or a "
+                        "save_pretrained folder (same as [model] hf_weights); each worker reads only its stage's "
+                        "tensors")
     p.add_argument("--emulate-costs", action="store_true",
                    help="pad every action to the config's cost after its real work (timing studies that follow "
                         "the plan, not CPU contention); see docs/runtime-performance.md")
@@ -220,6 +225,8 @@ def run_job(args: argparse.Namespace, place: CoordinatorPlace) -> int:
 
         summary_writer(tensorboard)  # a missing extra fails now, not after the plan store is built
     hf = [f"model.hf_config={json.dumps(os.path.abspath(args.hf))}"] if args.hf else []
+    if args.hf_weights:
+        hf.append(f"model.hf_weights={json.dumps(os.path.abspath(args.hf_weights))}")
     data = [f"training.data_source={json.dumps(args.data_source)}"] if args.data_source else []
     config = load_config(args.config, [*args.set, *hf, *data])
     if role.nnodes > config.topology.num_workers:
