@@ -61,6 +61,10 @@ def add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-decouple", action="store_true", help="fused backward (no B/W split)")
     p.add_argument("--save", help="write the final parameters (one state dict of the whole model) here: a .pt file, "
                                   "or safetensors when PATH ends in .safetensors")
+    p.add_argument("--export-hf", default="", metavar="DIR",
+                   help="with --hf: write the final model here as a folder transformers loads "
+                        "(AutoModelForCausalLM.from_pretrained(DIR): config.json + model.safetensors); DIR must be "
+                        "new or empty")
     p.add_argument("--metrics", help="write per-step metrics here as JSON lines")
     p.add_argument("--tensorboard", default="", metavar="DIR",
                    help="write TensorBoard event files here (node 0): loss, tokens/s, period, grad norm, live "
@@ -257,7 +261,7 @@ def run_job(args: argparse.Namespace, place: CoordinatorPlace) -> int:
     finally:
         if sink is not None:
             sink.close()
-    _print_result(result, role.node_rank, args.save, place)
+    _print_result(result, role.node_rank, args.save, place, args.export_hf)
     return 0
 
 
@@ -286,7 +290,7 @@ def _launch_options(args: argparse.Namespace, role: NodeRole, faults: list[tuple
         checkpoint_every = DEFAULT_CHECKPOINT_EVERY if args.checkpoint_dir else 0
     return LaunchOptions(
         steps=args.steps, model_factory=args.model_factory,
-        outputs=OutputOptions(save_path=args.save or "", metrics_path=args.metrics or ""),
+        outputs=OutputOptions(save_path=args.save or "", metrics_path=args.metrics or "", export_hf=args.export_hf),
         checkpoint=CheckpointOptions(dir=args.checkpoint_dir, every=checkpoint_every, keep=args.keep_checkpoints,
                                      resume_dir=args.resume),
         recovery=RecoveryOptions(timeout_s=args.timeout, heartbeat_timeout_s=args.heartbeat_timeout,
@@ -345,7 +349,8 @@ def _checked_token_file(path: str) -> str:
     return path
 
 
-def _print_result(result: TrainResult, node_rank: int, save: str | None, place: CoordinatorPlace) -> None:
+def _print_result(result: TrainResult, node_rank: int, save: str | None, place: CoordinatorPlace,
+                  export_hf: str = "") -> None:
     """What the run did, where the coordinator runs (the other nodes say who reports)."""
     if place == "separate" or (place == "node0" and node_rank > 0):
         who = "node 0" if place == "node0" else "the coordinator"
@@ -365,3 +370,5 @@ def _print_result(result: TrainResult, node_rank: int, save: str | None, place: 
         print(f"nothing to do: already at step {result.end_step}")
     if save:
         print(f"saved final parameters to {save}")
+    if export_hf and result.end_step > result.start_step:
+        print(f"exported the model to {export_hf} (transformers: AutoModelForCausalLM.from_pretrained)")

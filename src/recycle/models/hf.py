@@ -42,7 +42,7 @@ from recycle.models.hf_weights import Pretrained, check_pretrained, load_pretrai
 
 __all__ = ["HF_EXTRA", "SUPPORTED", "load_hf_config", "build_hf_model", "hf_stages", "HFCausalLM",
            "resolve_hf_path", "num_hf_layers", "hf_dropouts", "describe_hf_model", "hf_stage", "check_hf_model",
-           "init_seed", "hf_meta_stages", "resolve_hf_weights", "CONFIG_FILE"]
+           "init_seed", "hf_meta_stages", "resolve_hf_weights", "CONFIG_FILE", "meta_model"]
 
 HF_EXTRA = "pip install 'recycle[hf]' (transformers==5.23.0)"
 ROTARY_FAMILIES = ("llama", "mistral", "qwen2")
@@ -172,12 +172,12 @@ def hf_dropouts(config: Any) -> dict[str, float]:
 def describe_hf_model(path: str | Path, seq_len: int) -> str:
     """One line naming the model a config builds: family, layers, width, parameters (counted on the meta device)."""
     config = load_hf_config(path, seq_len)
-    params = sum(p.numel() for p in _meta_model(config).parameters())
+    params = sum(p.numel() for p in meta_model(config).parameters())
     return (f"the Hugging Face {config.model_type} model of {str(path)!r} ({config.num_hidden_layers} layers, hidden "
             f"{config.hidden_size}, {params:,} parameters)")
 
 
-def _meta_model(config: Any) -> nn.Module:
+def meta_model(config: Any) -> nn.Module:
     """The whole HF model on the meta device: its structure and tensor shapes, no memory."""
     transformers = _transformers()
     with torch.device("meta"):
@@ -273,7 +273,7 @@ def _build(config: Any, config_path: str | Path, parts: list[str], seed: int, dt
     """The HF model on the meta device with the submodules `parts` materialised: initialised from the seed, then,
     with `weights`, their tensors read from the pretrained files."""
     pretrained = _open_weights(config, config_path, weights, seq_len)
-    lm = _meta_model(config)
+    lm = meta_model(config)
     _materialise(lm, parts, seed, dtype)
     if pretrained is not None:
         _load_parts(lm, parts, pretrained)
@@ -431,7 +431,7 @@ def hf_meta_stages(path: str | Path, num_stages: int, seq_len: int, dtype: torch
     """The S stage modules of hf_stages(...) on the meta device: their tensors' names, shapes and dtypes, no
     memory (what a resume checks a checkpoint against)."""
     config = load_hf_config(path, seq_len)
-    lm = _meta_model(config).to(dtype)
+    lm = meta_model(config).to(dtype)
     return [_stage_class(config)(lm, first, last) for first, last in _bounds(config, num_stages)]
 
 
@@ -441,7 +441,7 @@ def check_hf_model(path: str | Path, num_stages: int, seq_len: int, weights: str
     files' headers)."""
     config = load_hf_config(path, seq_len)
     _bounds(config, num_stages)
-    lm = _meta_model(config)
+    lm = meta_model(config)
     pretrained = _open_weights(config, path, weights, seq_len)
     if pretrained is not None:
         check_pretrained(pretrained, _whole_model_tensors(lm), str(lm.base_model_prefix),
