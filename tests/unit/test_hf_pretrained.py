@@ -154,6 +154,12 @@ def test_weights_that_do_not_fit_are_one_clear_error(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"hold neither model\.safetensors nor model\.safetensors\.index\.json"):
         check_hf_model(config_json, 2, 16, tmp_path)
 
+    config_only = tmp_path / "config-only"  # --hf DIR means from_pretrained(DIR): the weights must be there
+    config_only.mkdir()
+    (config_only / "config.json").write_text(config_json.read_text())
+    with pytest.raises(ConfigError, match=r"hold neither .*or, for a random init, give the config JSON itself"):
+        check_model(run_config(tmp_path, config_only))
+
 
 def test_cli_weights_that_do_not_fit_are_one_error_line(tmp_path, capsys) -> None:
     from recycle.cli import main

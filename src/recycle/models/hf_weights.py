@@ -57,7 +57,8 @@ def _weight_files(path: Path, source: str) -> list[Path]:
     if not index.is_file():
         found = sorted(p.name for p in path.iterdir())[:8]
         raise ConfigError(f"the pretrained weights {source!r} hold neither {WEIGHTS_FILE} nor {INDEX_FILE} (found: "
-                          f"{found}); save the model with save_pretrained (safetensors; .bin weights are not read)")
+                          f"{found}); save the model with save_pretrained (safetensors; .bin weights are not read), "
+                          "or, for a random init, give the config JSON itself")
     try:
         if index.stat().st_size > MAX_INDEX_BYTES:
             raise ValueError(f"larger than {MAX_INDEX_BYTES:,} bytes")
