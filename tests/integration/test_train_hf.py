@@ -111,8 +111,8 @@ def test_export_hf_writes_the_trained_model_as_transformers_loads_it(tmp_path, m
     export = tmp_path / "export"
     export.mkdir()  # an empty folder is taken
     launch(cfg, build_schedule(cfg, "zb-h1", staggered=True),
-           LaunchOptions(outputs=OutputOptions(export_hf=str(export)), cluster=ClusterOptions(start_method="forkserver"),
-                         progress=None))
+           LaunchOptions(outputs=OutputOptions(export_hf=str(export)),
+                         cluster=ClusterOptions(start_method="forkserver"), progress=None))
     assert sorted(os.listdir(tmp_path)) == ["export", "hf.toml"]  # no stage part or temporary folder left
     exported = {f"model.{k}": v for k, v in load_file(export / "model.safetensors").items()}
     reference, _ = reference_train(cfg)

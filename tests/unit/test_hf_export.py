@@ -34,6 +34,7 @@ def test_an_export_loads_in_transformers_with_the_stages_logits(tmp_path, family
     state = {k: v for s in stages for k, v in s.state_dict().items()}
     out = export_hf(config, 16, state, tmp_path / "export")
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert all((out / f).stat().st_mode & 0o444 == 0o444 for f in os.listdir(out))  # readable by everyone
     assert not [p for p in os.listdir(tmp_path) if p != "export"]  # the temporary folder was renamed into place
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=dtype).eval()
     assert type(loaded).__name__ == json.loads((out / "config.json").read_text())["architectures"][0]

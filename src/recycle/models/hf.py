@@ -241,7 +241,8 @@ def _open_weights(config: Any, config_path: str | Path, weights: str | Path | No
         ours_dict, theirs_dict = _model_settings(config), _model_settings(theirs)
         differ = sorted(k for k in {*ours_dict, *theirs_dict} if ours_dict.get(k) != theirs_dict.get(k))
         if differ:
-            shown = ", ".join(f"{k} = {theirs_dict.get(k)!r} there, {ours_dict.get(k)!r} in the run's" for k in differ[:3])
+            shown = ", ".join(f"{k} = {theirs_dict.get(k)!r} there, {ours_dict.get(k)!r} in the run's"
+                              for k in differ[:3])
             more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
             raise ConfigError(f"the pretrained weights {str(weights)!r} come with a {CONFIG_FILE} that disagrees with "
                               f"the run's Hugging Face config {str(config_path)!r}: {shown}{more}; train with the "

@@ -58,8 +58,8 @@ def export_hf(config_path: str | Path, seq_len: int, state: Mapping[str, torch.T
     model = meta_model(config)
     expected = set(model.state_dict())
     if set(tensors) != expected:  # a bug in the stages' names, not the user's
-        raise ValueError(f"the trained stages' tensors differ from the model's: missing {sorted(expected - set(tensors))[:3]}, "
-                         f"unexpected {sorted(set(tensors) - expected)[:3]}")
+        raise ValueError(f"the trained stages' tensors differ from the model's: missing "
+                         f"{sorted(expected - set(tensors))[:3]}, unexpected {sorted(set(tensors) - expected)[:3]}")
     dtypes = {t.dtype for t in tensors.values()}
     config.architectures = [type(model).__name__]
     config.use_cache = True  # the runtime trains without a KV cache; generation with the export wants one
@@ -71,7 +71,9 @@ def export_hf(config_path: str | Path, seq_len: int, state: Mapping[str, torch.T
     try:
         (tmp / CONFIG_FILE).write_text(config.to_json_string(use_diff=True))
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; an export is an ordinary, readable folder
+        for file in (CONFIG_FILE, WEIGHTS_FILE):  # safetensors writes 0600; an export is ordinary, readable output
+            os.chmod(tmp / file, 0o644)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
         os.replace(tmp, target)  # onto an absent or empty folder; a non-empty one raises instead of being replaced
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -83,8 +83,8 @@ def open_pretrained(path: str | Path, source: str | None = None) -> Pretrained:
         with _safe_open(file, source) as handle:
             for name in handle.keys():
                 if name in files:
-                    raise ConfigError(f"the pretrained weights {source!r} hold the tensor {name!r} twice ({files[name]} "
-                                      f"and {file}); keep one copy")
+                    raise ConfigError(f"the pretrained weights {source!r} hold the tensor {name!r} twice "
+                                      f"({files[name]} and {file}); keep one copy")
                 files[name] = file
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
     return Pretrained(source, files, shapes)
