@@ -90,3 +90,26 @@ def test_the_export_check_runs_in_the_launcher_too(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"--export-hf '.*' writes a Hugging Face model, but this run trains "
                                           r"the built-in GPT"):
         check_export_model(cfg, LaunchOptions(outputs=OutputOptions(export_hf=str(tmp_path / "x"))))
+
+
+def test_save_and_export_are_written_from_the_same_parts_and_no_part_is_left(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    from recycle.config import load_config
+    from recycle.runtime.control.launcher import _write_final
+    from recycle.runtime.options import OutputOptions
+    from recycle.runtime.state import checkpoint
+
+    config_json = EXAMPLES / "hf-tiny-gpt2.json"
+    config = load_config(EXAMPLES.parent / "configs" / "tiny-gpt.toml",
+                         [f"model.hf_config={json.dumps(str(config_json))}"])
+    stages = hf_stages(config_json, 2, 16, 3, torch.float32)
+    outputs = OutputOptions(save_path=str(tmp_path / "final.pt"), export_hf=str(tmp_path / "export"))
+    for s, stage in enumerate(stages):  # what each stage's writer leaves (worker.process._save_final)
+        checkpoint.atomic_torch_save(stage.state_dict(), checkpoint.part_file(outputs.parts_path, s))
+    _write_final(config, outputs, 2, end_step=1)
+    assert sorted(os.listdir(tmp_path)) == ["export", "final.pt"]
+    saved = torch.load(tmp_path / "final.pt", weights_only=True)["model"]
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    assert sorted(saved) == sorted(f"model.{k}" for k in exported)
+    assert all(torch.equal(saved[f"model.{k}"], v) for k, v in exported.items())

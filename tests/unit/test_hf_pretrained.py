@@ -190,3 +190,12 @@ def test_a_folder_without_config_json_is_named(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"is a folder without config\.json"):
         resolve_hf_path(str(tmp_path))
     assert os.path.basename(resolve_hf_path(str(saved_model(tmp_path, "gpt2")))) == "config.json"
+
+
+def test_relative_weights_are_found_beside_the_config_file(tmp_path, monkeypatch) -> None:
+    folder = saved_model(tmp_path, "gpt2")
+    config = run_config(tmp_path, EXAMPLES / "hf-tiny-gpt2.json", folder.name)  # relative to run.toml's folder
+    monkeypatch.chdir(EXAMPLES)  # not where the weights are
+    check_model(config)
+    head = build_stage(config, 1).module.state_dict()["model.lm_head.weight"]
+    assert torch.equal(head, file_tensors(folder)["lm_head.weight"].double())
