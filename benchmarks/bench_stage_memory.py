@@ -10,8 +10,11 @@ The default config is a Llama of 8 decoder layers, hidden 768, 12 query / 4 key-
 32,000 (about 100 M parameters, float32), split into S = 8 stages: the first stage has the embedding, the last the
 output head, a middle one a decoder layer only.
 
+With --pretrained the model is first saved with save_pretrained (one model.safetensors), and every measurement
+starts from those weights: the whole model read from the file, against one stage reading only its own tensors.
+
 Run: .venv/bin/python benchmarks/bench_stage_memory.py [--hidden 768] [--layers 8] [--vocab 32000] [--stages 8]
-(--hidden 3072: about 1.0 B parameters, 4 GB in float32 for the whole model)
+[--pretrained] (--hidden 3072: about 1.0 B parameters, 4 GB in float32 for the whole model)
 """
 
 from __future__ import annotations
@@ -28,23 +31,29 @@ MIB = 1024 * 1024
 CHILD = r"""
 import json, resource, sys, torch
 from recycle.models.hf import build_hf_model, hf_stage, load_hf_config
-path, stages, which = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+path, stages, which, weights = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] or None
 torch.set_num_threads(1)
 load_hf_config(path, 64)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 if which == "whole":
-    module = build_hf_model(path, 64, 0, torch.float32)
+    module = build_hf_model(path, 64, 0, torch.float32, weights)
 else:
-    module = hf_stage(path, stages, int(which), 64, 0, torch.float32)
+    module = hf_stage(path, stages, int(which), 64, 0, torch.float32, weights)
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 params = sum(p.numel() for p in module.parameters())
 print(json.dumps({"grown_kib": after - before, "params": params}))
 """
 
+SAVE = r"""
+import sys, torch
+from recycle.models.hf import build_hf_model
+build_hf_model(sys.argv[1], 64, 1, torch.float32).model.save_pretrained(sys.argv[2])
+"""
 
-def measure(path: str, stages: int, which: str) -> dict:
+
+def measure(path: str, stages: int, which: str, weights: str = "") -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-c", CHILD, path, str(stages), which], env=env, check=True,
+    out = subprocess.run([sys.executable, "-c", CHILD, path, str(stages), which, weights], env=env, check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -55,6 +64,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--stages", type=int, default=8)
+    parser.add_argument("--pretrained", action="store_true",
+                        help="start every build from the model's weights saved with save_pretrained")
     args = parser.parse_args()
     heads = args.hidden // 64
     config = {"model_type": "llama", "vocab_size": args.vocab, "hidden_size": args.hidden,
@@ -66,13 +77,19 @@ def main() -> None:
         path = os.path.join(tmp, "llama.json")
         with open(path, "w") as f:
             json.dump(config, f)
-        whole = measure(path, args.stages, "whole")
+        weights = ""
+        if args.pretrained:  # in a process of its own: Linux keeps a process's peak RSS across exec into children
+            weights = os.path.join(tmp, "pretrained")
+            subprocess.run([sys.executable, "-c", SAVE, path, weights], env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                           check=True, capture_output=True)
+        whole = measure(path, args.stages, "whole", weights)
+        start = "from the saved weights" if weights else "random init"
         print(f"Llama: {args.layers} layers, hidden {args.hidden}, vocabulary {args.vocab:,}, "
-              f"{whole['params']:,} parameters (float32); S = {args.stages}")
+              f"{whole['params']:,} parameters (float32); S = {args.stages}; {start}")
         print(f"{'built':<16} {'parameters':>12} {'peak RSS growth MiB':>20} {'ratio to whole':>15}")
         print(f"{'whole model':<16} {whole['params']:>12,} {whole['grown_kib'] / 1024:>20.1f} {1.0:>15.3f}")
         for s in sorted({0, args.stages // 2, args.stages - 1}):
-            stage = measure(path, args.stages, str(s))
+            stage = measure(path, args.stages, str(s), weights)
             print(f"{f'stage {s} alone':<16} {stage['params']:>12,} {stage['grown_kib'] / 1024:>20.1f} "
                   f"{stage['grown_kib'] / whole['grown_kib']:>15.3f}")
 

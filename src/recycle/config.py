@@ -202,7 +202,8 @@ class ModelSpec:
     # Layers per stage of the configured partition (its per-stage [costs] and [memory] follow it); empty = n_layer
     # split as evenly as possible, earlier stages taking the extra layer (models.gpt.stage_layers).
     layers_per_stage: tuple[int, ...] = ()
-    hf_config: str = ""  # a Hugging Face config JSON: train that causal LM instead (recycle.models.hf)
+    hf_config: str = ""  # a Hugging Face config JSON (or save_pretrained folder): train that causal LM instead
+    hf_weights: str = ""  # its initial weights: a .safetensors file or save_pretrained folder (recycle.models.hf)
 
 
 @dataclass(frozen=True)

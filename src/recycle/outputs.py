@@ -8,13 +8,14 @@ from recycle.fileio import check_output_dir, check_output_file
 
 __all__ = ["OUTPUTS", "check_command_outputs"]
 
-# command -> (argument dest, flag as the user typed it, "file" | "dir"). Checked before any work, so that a
+# command -> (argument dest, flag as the user typed it, "file" | "dir" | "new-dir"). Checked before any work, so that a
 # mistyped or unwritable path costs seconds, not a finished plan store or training run.
 OUTPUTS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "schedule": (("gantt", "--gantt", "file"), ("trace", "--trace", "file"), ("csv", "--csv", "file")),
     "plan": (("gantt", "--gantt", "file"), ("save", "--save", "file"), ("out", "--out", "dir")),
     "train": (("save", "--save", "file"), ("metrics", "--metrics", "file"),
-              ("checkpoint_dir", "--checkpoint-dir", "dir"), ("tensorboard", "--tensorboard", "dir")),
+              ("checkpoint_dir", "--checkpoint-dir", "dir"), ("tensorboard", "--tensorboard", "dir"),
+              ("export_hf", "--export-hf", "new-dir")),
     "profile": (("out", "--out", "file"),),
     "simulate": (("out", "--out", "dir"),),
     "demo": (("out", "--out", "dir"),),
@@ -27,4 +28,9 @@ def check_command_outputs(args: argparse.Namespace) -> None:
         value = getattr(args, dest, None)
         if not value:
             continue
-        (check_output_file if kind == "file" else check_output_dir)(value, flag)
+        if kind == "new-dir":  # absent or empty (an export is renamed into place)
+            from recycle.models.hf_export import check_export_dir
+
+            check_export_dir(value, flag)
+        else:
+            (check_output_file if kind == "file" else check_output_dir)(value, flag)

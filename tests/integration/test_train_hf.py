@@ -93,3 +93,66 @@ def test_a_llama_worker_killed_mid_run_on_a_token_file_is_survived_exactly(tmp_p
     reference, _ = reference_train(cfg)
     for key, ref in reference.items():
         assert float((saved[key] - ref).abs().max()) <= 1e-9 * max(1.0, float(ref.abs().max())), key
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_training_from_pretrained_weights_is_exact_against_the_reference_from_the_same_file(
+        tmp_path, monkeypatch, family: str) -> None:
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = tmp_path / "pretrained"  # made here: a tiny model of another seed, saved as transformers does
+    build_hf_model(os.path.join(EXAMPLES, f"hf-tiny-{family}.json"), 16, 123, torch.float64).model \
+        .save_pretrained(folder)
+    path = tmp_path / "hf.toml"
+    path.write_text(TOML.format(hf=str(folder)))  # hf_config = the folder: its config.json and its weights
+    cfg = load_config(path)
+    file = {f"model.{k}": v for k, v in load_file(folder / "model.safetensors").items()}
+    start, _ = reference_train(cfg, steps=0)
+    assert sorted(start) == sorted(file) and all(torch.equal(start[k], file[k]) for k in file)  # the reference too
+    save = tmp_path / "final.pt"
+    launch(cfg, build_schedule(cfg, "zb-h1", staggered=True),
+           LaunchOptions(outputs=OutputOptions(save_path=str(save)), cluster=ClusterOptions(start_method="forkserver"),
+                         debug=DebugOptions(verify_replicas=True), progress=None))
+    saved = torch.load(save, weights_only=True)["model"]
+    reference, _ = reference_train(cfg)
+    assert sorted(saved) == sorted(reference)
+    assert all(not torch.equal(file[k], reference[k]) for k in reference if k.endswith("proj.weight"))  # it trained
+    for key, ref in reference.items():
+        assert float((saved[key] - ref).abs().max()) <= 1e-9 * max(1.0, float(ref.abs().max())), key
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_export_hf_writes_the_trained_model_as_transformers_loads_it(tmp_path, monkeypatch) -> None:
+    import transformers
+    from safetensors.torch import load_file
+
+    from recycle.models.hf import hf_stages
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config_json = os.path.abspath(os.path.join(EXAMPLES, "hf-tiny-llama.json"))
+    path = tmp_path / "hf.toml"
+    path.write_text(TOML.format(hf=config_json))
+    cfg = load_config(path)
+    export = tmp_path / "export"
+    export.mkdir()  # an empty folder is taken
+    launch(cfg, build_schedule(cfg, "zb-h1", staggered=True),
+           LaunchOptions(outputs=OutputOptions(export_hf=str(export)),
+                         cluster=ClusterOptions(start_method="forkserver"), progress=None))
+    assert sorted(os.listdir(tmp_path)) == ["export", "hf.toml"]  # no stage part or temporary folder left
+    exported = {f"model.{k}": v for k, v in load_file(export / "model.safetensors").items()}
+    reference, _ = reference_train(cfg)
+    assert sorted(exported) == sorted(reference)
+    for key, ref in reference.items():  # the trained weights (the pipeline is exact against the reference)
+        assert float((exported[key] - ref).abs().max()) <= 1e-9 * max(1.0, float(ref.abs().max())), key
+    stages = hf_stages(config_json, 2, 16, 0, torch.float64)
+    for stage in stages:
+        stage.load_state_dict({k: exported[k] for k in stage.state_dict()})
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float64).eval()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = stages[1](stages[0](tokens))
+        assert torch.equal(loaded(input_ids=tokens).logits, ours)

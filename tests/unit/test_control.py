@@ -233,9 +233,10 @@ def test_job_settings_name_each_flag_that_differs() -> None:
 
     mine = JobSettings("c1", "p1", "", 10, "out.pt", "", 0, "")
     assert mine.differences(from_json(JobSettings, to_json(mine))) == []
-    theirs = JobSettings("c2", "p1", "", 12, "out.pt", "ck", 5, "")
+    theirs = JobSettings("c2", "p1", "", 12, "out.pt", "ck", 5, "", "hf-out")
     assert mine.differences(theirs) == [
         "--config (or --set/--hf/--data-source): a different one here, another at the coordinator",
         "--steps: 10 here, 12 at the coordinator",
         "--checkpoint-dir: '' here, 'ck' at the coordinator",
-        "--checkpoint-every: 0 here, 5 at the coordinator"]
+        "--checkpoint-every: 0 here, 5 at the coordinator",
+        "--export-hf: '' here, 'hf-out' at the coordinator"]

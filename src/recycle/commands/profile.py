@@ -26,9 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "`recycle plan --config OUT` and `recycle train --emulate-costs`.")
     p.add_argument("--config", required=True, help="TOML config whose [model] and [workload] to profile")
     add_set_option(p)
-    p.add_argument("--hf", default="", metavar="CONFIG_JSON",
-                   help="profile the Hugging Face causal LM of this config JSON (as `recycle train --hf`; same as "
-                        "[model] hf_config)")
+    p.add_argument("--hf", default="", metavar="CONFIG_JSON|DIR",
+                   help="profile the Hugging Face causal LM of this config JSON or save_pretrained folder (as "
+                        "`recycle train --hf`; same as [model] hf_config)")
     p.add_argument("--model-factory", default="", metavar="MODULE:FUNC",
                    help="profile the stages of this model factory (as `recycle train --model-factory`)")
     p.add_argument("--out", required=True, metavar="COSTS.toml", help="where to write the profiled config")

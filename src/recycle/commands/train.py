@@ -61,6 +61,10 @@ def add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-decouple", action="store_true", help="fused backward (no B/W split)")
     p.add_argument("--save", help="write the final parameters (one state dict of the whole model) here: a .pt file, "
                                   "or safetensors when PATH ends in .safetensors")
+    p.add_argument("--export-hf", default="", metavar="DIR",
+                   help="with --hf: write the final model here as a folder transformers loads "
+                        "(AutoModelForCausalLM.from_pretrained(DIR): config.json + model.safetensors); DIR must be "
+                        "new or empty")
     p.add_argument("--metrics", help="write per-step metrics here as JSON lines")
     p.add_argument("--tensorboard", default="", metavar="DIR",
                    help="write TensorBoard event files here (node 0): loss, lr, tokens/s, period, grad norm, live "
@@ -170,10 +174,15 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="bring your own data: a function (config) -> source, source(iteration, mb) returning "
                         "(inputs, targets) (see docs/runtime.md; same as [training] data_source); default: [training] "
                         "dataset")
-    p.add_argument("--hf", default="", metavar="CONFIG_JSON",
-                   help="train a Hugging Face causal LM built from this config JSON (random init from [training] "
-                        "seed, nothing downloaded; same as [model] hf_config; needs the extra: pip install "
-                        "'recycle[hf]'), split into the stages by decoder layers")
+    p.add_argument("--hf", default="", metavar="CONFIG_JSON|DIR",
+                   help="train a Hugging Face causal LM (same as [model] hf_config; needs the extra: pip install "
+                        "'recycle[hf]'), split into the stages by decoder layers: a config JSON starts from a random "
+                        "init from [training] seed; a folder saved by save_pretrained (config.json + safetensors "
+                        "weights) starts from its weights. Nothing is downloaded")
+    p.add_argument("--hf-weights", default="", metavar="PATH",
+                   help="with --hf CONFIG_JSON: start from these pretrained weights, a .safetensors file or a "
+                        "save_pretrained folder (same as [model] hf_weights); each worker reads only its stage's "
+                        "tensors")
     p.add_argument("--emulate-costs", action="store_true",
                    help="pad every action to the config's cost after its real work (timing studies that follow "
                         "the plan, not CPU contention); see docs/runtime-performance.md")
@@ -221,6 +230,8 @@ def run_job(args: argparse.Namespace, place: CoordinatorPlace) -> int:
 
         summary_writer(tensorboard)  # a missing extra fails now, not after the plan store is built
     hf = [f"model.hf_config={json.dumps(os.path.abspath(args.hf))}"] if args.hf else []
+    if args.hf_weights:
+        hf.append(f"model.hf_weights={json.dumps(os.path.abspath(args.hf_weights))}")
     data = [f"training.data_source={json.dumps(args.data_source)}"] if args.data_source else []
     config = load_config(args.config, [*args.set, *hf, *data])
     if role.nnodes > config.topology.num_workers:
@@ -251,7 +262,7 @@ def run_job(args: argparse.Namespace, place: CoordinatorPlace) -> int:
     finally:
         if sink is not None:
             sink.close()
-    _print_result(result, role.node_rank, args.save, place)
+    _print_result(result, role.node_rank, args.save, place, args.export_hf)
     return 0
 
 
@@ -280,7 +291,7 @@ def _launch_options(args: argparse.Namespace, role: NodeRole, faults: list[tuple
         checkpoint_every = DEFAULT_CHECKPOINT_EVERY if args.checkpoint_dir else 0
     return LaunchOptions(
         steps=args.steps, model_factory=args.model_factory,
-        outputs=OutputOptions(save_path=args.save or "", metrics_path=args.metrics or ""),
+        outputs=OutputOptions(save_path=args.save or "", metrics_path=args.metrics or "", export_hf=args.export_hf),
         checkpoint=CheckpointOptions(dir=args.checkpoint_dir, every=checkpoint_every, keep=args.keep_checkpoints,
                                      resume_dir=args.resume),
         recovery=RecoveryOptions(timeout_s=args.timeout, heartbeat_timeout_s=args.heartbeat_timeout,
@@ -339,7 +350,8 @@ def _checked_token_file(path: str) -> str:
     return path
 
 
-def _print_result(result: TrainResult, node_rank: int, save: str | None, place: CoordinatorPlace) -> None:
+def _print_result(result: TrainResult, node_rank: int, save: str | None, place: CoordinatorPlace,
+                  export_hf: str = "") -> None:
     """What the run did, where the coordinator runs (the other nodes say who reports)."""
     if place == "separate" or (place == "node0" and node_rank > 0):
         who = "node 0" if place == "node0" else "the coordinator"
@@ -359,3 +371,5 @@ def _print_result(result: TrainResult, node_rank: int, save: str | None, place: 
         print(f"nothing to do: already at step {result.end_step}")
     if save:
         print(f"saved final parameters to {save}")
+    if export_hf and result.end_step > result.start_step:
+        print(f"exported the model to {export_hf} (transformers: AutoModelForCausalLM.from_pretrained)")

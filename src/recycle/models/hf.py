@@ -15,7 +15,9 @@ boundary by luck; tests/unit/test_hf_families.py checks the chained stages again
 A worker builds only its own stage: the model is laid out on the meta device and just that stage's tensors are
 allocated and initialised (hf_stage). Initialisation is a pure function of the seed: each module runs the family's
 own `_init_weights` from a generator seeded by (seed, its name in the whole model), so a stage built alone equals the
-same stage of the whole model (build_hf_model, which the single-process reference trains).
+same stage of the whole model (build_hf_model, which the single-process reference trains). With pretrained weights
+(a save_pretrained folder as hf_config, or hf_weights) the stage is initialised, then every state-dict tensor is read
+from the safetensors files by its whole-model name, only this stage's (recycle.models.hf_weights).
 
 Word embeddings must be untied (`tie_word_embeddings: false`): stage 0 holds the input embedding and the last stage
 the output head, and a weight shared across two stages would need a gradient exchange between them that the pipeline
@@ -36,15 +38,17 @@ from torch import nn
 
 from recycle.errors import ConfigError
 from recycle.models.gpt import stage_layers
+from recycle.models.hf_weights import Pretrained, check_pretrained, load_pretrained, open_pretrained
 
 __all__ = ["HF_EXTRA", "SUPPORTED", "load_hf_config", "build_hf_model", "hf_stages", "HFCausalLM",
            "resolve_hf_path", "num_hf_layers", "hf_dropouts", "describe_hf_model", "hf_stage", "check_hf_model",
-           "init_seed", "hf_meta_stages"]
+           "init_seed", "hf_meta_stages", "resolve_hf_weights", "CONFIG_FILE", "meta_model"]
 
 HF_EXTRA = "pip install 'recycle[hf]' (transformers==5.23.0)"
 ROTARY_FAMILIES = ("llama", "mistral", "qwen2")
 SUPPORTED = ("gpt2", *ROTARY_FAMILIES)
 MIN_VOCAB = 256  # the data is byte-level
+CONFIG_FILE = "config.json"  # save_pretrained's
 # The dropout probabilities of the supported families' configs (the reference needs them all at 0).
 DROPOUT_KEYS = ("embd_pdrop", "resid_pdrop", "attn_pdrop", "attention_dropout")
 
@@ -60,13 +64,37 @@ def _transformers() -> Any:
 
 
 def resolve_hf_path(path: str, base_dir: str | None = None) -> Path:
-    """`path` as given, else relative to the config file's folder (like [training] dataset)."""
+    """The config JSON `path` names, as given, else relative to the config file's folder (like [training] dataset);
+    a folder (save_pretrained's layout) names its config.json."""
+    p = _resolve(path, base_dir)
+    if p.is_dir():
+        if not (p / CONFIG_FILE).is_file():
+            raise ConfigError(f"[model] hf_config = {path!r} is a folder without {CONFIG_FILE}; give a Hugging Face "
+                              "config JSON or a folder saved by save_pretrained")
+        return p / CONFIG_FILE
+    if not p.is_file():
+        raise ConfigError(f"[model] hf_config = {path!r} is not a file; give the path of a Hugging Face config JSON "
+                          "(e.g. examples/hf-tiny-gpt2.json) or of a folder saved by save_pretrained")
+    return p
+
+
+def resolve_hf_weights(hf_config: str, hf_weights: str, base_dir: str | None = None) -> Path | None:
+    """Where the run's initial weights come from: [model] hf_weights (a .safetensors file or a save_pretrained
+    folder), else the folder [model] hf_config names (from_pretrained's layout), else None (random init)."""
+    if hf_weights:
+        p = _resolve(hf_weights, base_dir)
+        if not p.exists():
+            raise ConfigError(f"[model] hf_weights = {hf_weights!r} does not exist; give a .safetensors file or a "
+                              "folder saved by save_pretrained")
+        return p
+    p = _resolve(hf_config, base_dir)
+    return p if p.is_dir() else None
+
+
+def _resolve(path: str, base_dir: str | None) -> Path:
     p = Path(path)
     if not p.is_absolute() and not p.exists() and base_dir:
         p = Path(base_dir) / p
-    if not p.is_file():
-        raise ConfigError(f"[model] hf_config = {path!r} is not a file; give the path of a Hugging Face config JSON "
-                          "(e.g. examples/hf-tiny-gpt2.json)")
     return p
 
 
@@ -144,12 +172,12 @@ def hf_dropouts(config: Any) -> dict[str, float]:
 def describe_hf_model(path: str | Path, seq_len: int) -> str:
     """One line naming the model a config builds: family, layers, width, parameters (counted on the meta device)."""
     config = load_hf_config(path, seq_len)
-    params = sum(p.numel() for p in _meta_model(config).parameters())
+    params = sum(p.numel() for p in meta_model(config).parameters())
     return (f"the Hugging Face {config.model_type} model of {str(path)!r} ({config.num_hidden_layers} layers, hidden "
             f"{config.hidden_size}, {params:,} parameters)")
 
 
-def _meta_model(config: Any) -> nn.Module:
+def meta_model(config: Any) -> nn.Module:
     """The whole HF model on the meta device: its structure and tensor shapes, no memory."""
     transformers = _transformers()
     with torch.device("meta"):
@@ -201,11 +229,64 @@ def _check_materialised(module: nn.Module, what: str) -> None:
         raise RuntimeError(f"{what}: tensors {left[:3]} were not materialised")
 
 
-def build_hf_model(path: str | Path, seq_len: int, seed: int, dtype: torch.dtype) -> HFCausalLM:
-    """The whole model in `dtype`, each module initialised from (seed, its name) (see _materialise)."""
+def _open_weights(config: Any, config_path: str | Path, weights: str | Path | None, seq_len: int) -> Pretrained | None:
+    """The pretrained weights at `weights` for the model of `config` (None: random init). A folder's own
+    config.json, when it is not the run's config file itself, must describe the same model."""
+    if weights is None:
+        return None
+    weights = Path(weights)
+    beside = weights / CONFIG_FILE
+    if weights.is_dir() and beside.is_file() and beside.resolve() != Path(config_path).resolve():
+        theirs = load_hf_config(beside, seq_len)
+        ours_dict, theirs_dict = _model_settings(config), _model_settings(theirs)
+        differ = sorted(k for k in {*ours_dict, *theirs_dict} if ours_dict.get(k) != theirs_dict.get(k))
+        if differ:
+            shown = ", ".join(f"{k} = {theirs_dict.get(k)!r} there, {ours_dict.get(k)!r} in the run's"
+                              for k in differ[:3])
+            more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+            raise ConfigError(f"the pretrained weights {str(weights)!r} come with a {CONFIG_FILE} that disagrees with "
+                              f"the run's Hugging Face config {str(config_path)!r}: {shown}{more}; train with the "
+                              f"folder's config (--hf {str(weights)!r}) or give weights of the run's model")
+    return open_pretrained(weights)
+
+
+# Keys of a saved config.json that say how it was saved, not what the model is.
+NOT_THE_MODEL = ("transformers_version", "architectures", "dtype", "torch_dtype", "_name_or_path", "use_cache")
+
+
+def _model_settings(config: Any) -> dict[str, Any]:
+    return {k: v for k, v in config.to_dict().items() if k not in NOT_THE_MODEL}
+
+
+def _whole_model_tensors(lm: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    return [(name, tuple(t.shape)) for name, t in lm.state_dict().items()]
+
+
+def _load_parts(lm: nn.Module, parts: list[str], weights: Pretrained) -> None:
+    """Overwrite the state-dict tensors of the submodules `parts` (materialised) with the pretrained ones; the
+    non-persistent buffers (rotary frequencies) keep their computed values."""
+    tensors = {f"{part}.{key}": t for part in parts for key, t in lm.get_submodule(part).state_dict().items()}
+    load_pretrained(weights, tensors, str(lm.base_model_prefix))
+
+
+def _build(config: Any, config_path: str | Path, parts: list[str], seed: int, dtype: torch.dtype,
+           weights: str | Path | None, seq_len: int) -> nn.Module:
+    """The HF model on the meta device with the submodules `parts` materialised: initialised from the seed, then,
+    with `weights`, their tensors read from the pretrained files."""
+    pretrained = _open_weights(config, config_path, weights, seq_len)
+    lm = meta_model(config)
+    _materialise(lm, parts, seed, dtype)
+    if pretrained is not None:
+        _load_parts(lm, parts, pretrained)
+    return lm
+
+
+def build_hf_model(path: str | Path, seq_len: int, seed: int, dtype: torch.dtype,
+                   weights: str | Path | None = None) -> HFCausalLM:
+    """The whole model in `dtype`, each module initialised from (seed, its name) (see _materialise), or with the
+    pretrained `weights` (a .safetensors file or a save_pretrained folder)."""
     config = load_hf_config(path, seq_len)
-    lm = _meta_model(config)
-    _materialise(lm, _stage_parts(config, 0, num_hf_layers(config)), seed, dtype)
+    lm = _build(config, path, _stage_parts(config, 0, num_hf_layers(config)), seed, dtype, weights, seq_len)
     whole = HFCausalLM(lm)
     _check_materialised(whole, "the whole model")
     return whole
@@ -324,23 +405,24 @@ def _stage_class(config: Any) -> type[_GPT2Stage] | type[_RotaryStage]:
     return _GPT2Stage if config.model_type == "gpt2" else _RotaryStage
 
 
-def hf_stages(path: str | Path, num_stages: int, seq_len: int, seed: int, dtype: torch.dtype) -> list[_HFStage]:
+def hf_stages(path: str | Path, num_stages: int, seq_len: int, seed: int, dtype: torch.dtype,
+              weights: str | Path | None = None) -> list[_HFStage]:
     """The S stage modules of the model, sliced by decoder layers as evenly as possible (earlier stages get the
-    extra layer), with exactly the weights of build_hf_model(path, seq_len, seed, dtype)."""
-    whole = build_hf_model(path, seq_len, seed, dtype)
+    extra layer), with exactly the weights of build_hf_model(path, seq_len, seed, dtype, weights)."""
+    whole = build_hf_model(path, seq_len, seed, dtype, weights)
     bounds = _bounds(whole.model.config, num_stages)
     return [_stage_class(whole.model.config)(whole.model, first, last) for first, last in bounds]
 
 
 def hf_stage(path: str | Path, num_stages: int, stage: int, seq_len: int, seed: int,
-             dtype: torch.dtype) -> _HFStage:
+             dtype: torch.dtype, weights: str | Path | None = None) -> _HFStage:
     """Stage `stage` of hf_stages(...) built alone: the model is laid out on the meta device and only this stage's
     tensors are allocated and initialised, so its memory is the stage's, not the model's; its weights equal that
-    stage of the whole model (each module's initialisation depends only on the seed and its name)."""
+    stage of the whole model (each module's initialisation depends only on the seed and its name). With `weights`,
+    only this stage's tensors are read from the files."""
     config = load_hf_config(path, seq_len)
     first, last = _bounds(config, num_stages)[stage]
-    lm = _meta_model(config)
-    _materialise(lm, _stage_parts(config, first, last), seed, dtype)
+    lm = _build(config, path, _stage_parts(config, first, last), seed, dtype, weights, seq_len)
     module = _stage_class(config)(lm, first, last)
     _check_materialised(module, f"stage {stage}")
     return module
@@ -350,13 +432,18 @@ def hf_meta_stages(path: str | Path, num_stages: int, seq_len: int, dtype: torch
     """The S stage modules of hf_stages(...) on the meta device: their tensors' names, shapes and dtypes, no
     memory (what a resume checks a checkpoint against)."""
     config = load_hf_config(path, seq_len)
-    lm = _meta_model(config).to(dtype)
+    lm = meta_model(config).to(dtype)
     return [_stage_class(config)(lm, first, last) for first, last in _bounds(config, num_stages)]
 
 
-def check_hf_model(path: str | Path, num_stages: int, seq_len: int) -> None:
-    """The checks a run needs before any worker starts, without allocating the model: the config, and enough decoder
-    layers for the stages."""
+def check_hf_model(path: str | Path, num_stages: int, seq_len: int, weights: str | Path | None = None) -> None:
+    """The checks a run needs before any worker starts, without allocating the model: the config, enough decoder
+    layers for the stages, and pretrained weights that hold exactly the model's tensors (names and shapes, from the
+    files' headers)."""
     config = load_hf_config(path, seq_len)
     _bounds(config, num_stages)
-    _meta_model(config)
+    lm = meta_model(config)
+    pretrained = _open_weights(config, path, weights, seq_len)
+    if pretrained is not None:
+        check_pretrained(pretrained, _whole_model_tensors(lm), str(lm.base_model_prefix),
+                         getattr(lm, "_keys_to_ignore_on_load_unexpected", None) or ())

@@ -47,6 +47,12 @@ class OutputOptions:
 
     save_path: str = ""  # the final parameters, one state dict of the whole model
     metrics_path: str = ""  # per-step metrics and events as JSON lines
+    export_hf: str = ""  # a Hugging Face model's final parameters as a from_pretrained folder (models.hf_export)
+
+    @property
+    def parts_path(self) -> str:
+        """What the stages' final parts are written beside (state.checkpoint.part_file): --save, else the export."""
+        return self.save_path or self.export_hf
 
 
 @dataclass(frozen=True)
@@ -230,6 +236,7 @@ class LaunchOptions:
 KEYWORDS: dict[str, tuple[str, str]] = {
     "steps": ("", "steps"), "model_factory": ("", "model_factory"),
     "save_path": ("outputs", "save_path"), "metrics_path": ("outputs", "metrics_path"),
+    "export_hf": ("outputs", "export_hf"),
     "checkpoint_dir": ("checkpoint", "dir"), "checkpoint_every": ("checkpoint", "every"),
     "keep_checkpoints": ("checkpoint", "keep"), "resume_dir": ("checkpoint", "resume_dir"),
     **{name: ("recovery", name) for name in ("timeout_s", "heartbeat_s", "heartbeat_timeout_s", "hang_timeout_s",

@@ -25,7 +25,7 @@ from recycle.runtime.control.processes import Spawner, WorkerProcesses, node_ran
 from recycle.runtime.control.reporter import Recovery, StepMetrics
 from recycle.runtime.control.supervisor import Supervisor
 from recycle.runtime.control.worker_table import WorkerRow, replacement_line, worker_table
-from recycle.runtime.options import ClusterOptions, LaunchOptions
+from recycle.runtime.options import ClusterOptions, LaunchOptions, OutputOptions
 from recycle.runtime.protocol.channels import (Channels, Flags, JobStore, Keys, connect_store, host_store,
                                                launcher_identity, new_incarnation, new_token)
 from recycle.runtime.protocol.messages import check_plan_matches
@@ -129,14 +129,30 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
             server.close()
         if not finished and options.checkpoint.dir:  # a shard being written when the run failed
             checkpoint.clear_dead_writers(options.checkpoint.dir)
-        if not finished and options.outputs.save_path and cluster.hosts_coordinator:
+        if not finished and options.outputs.parts_path and cluster.hosts_coordinator:
             for stage in range(plan.num_stages):  # a failed run leaves no half-made --save behind
-                checkpoint.part_file(options.outputs.save_path, stage).unlink(missing_ok=True)
-    if options.outputs.save_path and cluster.hosts_coordinator and end_step > start_step:
-        checkpoint.merge_stage_parts(options.outputs.save_path, plan.num_stages,
-                                     {"step": end_step, "config": config.to_dict()})
+                checkpoint.part_file(options.outputs.parts_path, stage).unlink(missing_ok=True)
+    if options.outputs.parts_path and cluster.hosts_coordinator and end_step > start_step:
+        _write_final(config, options.outputs, plan.num_stages, end_step)
     return TrainResult(start_step, end_step, tuple(steps), time.time() - wall0, tuple(recoveries),
                        tuple(sorted(failed)), tuple(chaos_events))
+
+
+def _write_final(config: Config, outputs: OutputOptions, num_stages: int, end_step: int) -> None:
+    """--save (the stages' parts merged) and --export-hf (a from_pretrained folder), from the parts the stages'
+    writers left; no part outlives this."""
+    try:
+        stages = checkpoint.read_stage_parts(outputs.parts_path, num_stages)
+        if outputs.save_path:
+            checkpoint.write_merged(outputs.save_path, stages, {"step": end_step, "config": config.to_dict()})
+        if outputs.export_hf:
+            from recycle.models.hf_export import export_hf
+            from recycle.runtime.worker.stage import hf_path
+
+            export_hf(hf_path(config), config.workload.seq_len, {k: v for s in stages for k, v in s.items()},
+                      outputs.export_hf)
+    finally:
+        checkpoint.remove_stage_parts(outputs.parts_path, num_stages)
 
 
 def _job_settings(config: Config, plan: Plan, options: LaunchOptions, end_step: int) -> JobSettings:
@@ -145,7 +161,7 @@ def _job_settings(config: Config, plan: Plan, options: LaunchOptions, end_step: 
 
     return JobSettings(digest(json.dumps(config.to_dict(), sort_keys=True)), digest(plan.to_json()),
                        options.model_factory, end_step, options.outputs.save_path, options.checkpoint.dir,
-                       options.checkpoint.every, options.checkpoint.resume_dir)
+                       options.checkpoint.every, options.checkpoint.resume_dir, options.outputs.export_hf)
 
 
 def _agree_on_settings(jobs: JobStore, mine: JobSettings, cluster: ClusterOptions) -> None:

@@ -80,6 +80,7 @@ def check_launch(config: Config, options: LaunchOptions, end: int) -> int:
     """Everything a launch can check before spawning a worker beyond the options' own ranges; returns the step to
     start from (0 or the intact checkpoint's). Prints which checkpoint is used and any warnings."""
     check_save_target(options)
+    check_export_model(config, options)
     optimizer_class(config.training)  # an unknown optimizer or argument fails here, not in every worker
     ckpt = options.checkpoint
     specs = expected_stages(config, options.model_factory) if (ckpt.resume_dir or ckpt.dir) else None
@@ -105,6 +106,15 @@ def check_launch(config: Config, options: LaunchOptions, end: int) -> int:
         atomic_write_text(Path(ckpt.dir) / checkpoint.RUN_FILE,
                           _dumps(run_fingerprint(config, options.model_factory)), follow=False)
     return start
+
+
+def check_export_model(config: Config, options: LaunchOptions) -> None:
+    """--export-hf writes a Hugging Face model: the run must train one."""
+    export = options.outputs.export_hf
+    if export and (options.model_factory or not config.model.hf_config):
+        model = f"--model-factory {options.model_factory!r}" if options.model_factory else "the built-in GPT"
+        raise ConfigError(f"--export-hf {export!r} writes a Hugging Face model, but this run trains {model}; train "
+                          "with --hf (or [model] hf_config), or write the parameters with --save")
 
 
 def check_save_target(options: LaunchOptions) -> None:
@@ -190,6 +200,10 @@ def check_outputs(options: LaunchOptions, checkpoint_bytes: int = 0) -> None:
         check_output_file(outputs.save_path, "--save")
     if outputs.metrics_path:
         check_output_file(outputs.metrics_path, "--metrics")
+    if outputs.export_hf:
+        from recycle.models.hf_export import check_export_dir
+
+        check_export_dir(outputs.export_hf)
     if options.checkpoint.dir:
         check_output_dir(options.checkpoint.dir, "--checkpoint-dir", need_bytes=checkpoint_bytes)
 

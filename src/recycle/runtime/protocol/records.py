@@ -179,11 +179,13 @@ class JobSettings:
     checkpoint_dir: str
     checkpoint_every: int
     resume_dir: str
+    export_hf: str = ""
 
     FLAGS: ClassVar[dict[str, str]] = {
         "config": "--config (or --set/--hf/--data-source)", "plan": "--schedule/--plan/--down (the starting plan)",
         "model_factory": "--model-factory", "end_step": "--steps", "save_path": "--save",
-        "checkpoint_dir": "--checkpoint-dir", "checkpoint_every": "--checkpoint-every", "resume_dir": "--resume"}
+        "checkpoint_dir": "--checkpoint-dir", "checkpoint_every": "--checkpoint-every", "resume_dir": "--resume",
+        "export_hf": "--export-hf"}
 
     def differences(self, other: JobSettings) -> list[str]:
         """'FLAG: MINE here, THEIRS at the coordinator' for every setting that differs."""

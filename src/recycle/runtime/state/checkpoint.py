@@ -52,7 +52,8 @@ from recycle.runtime.state.stage_state import OPTIMIZER_PREFIX, RNG_PREFIX, STEP
 
 __all__ = ["preload", "atomic_torch_save", "atomic_write_text", "step_dir", "shard_dir", "key_prefix", "shard_entries",
            "save_shard", "load_stage", "mark_latest", "latest_step", "read_metadata", "read_manifest",
-           "load_model_state", "load_full_model", "merge_stage_parts", "part_file", "safe_load", "RUN_FILE",
+           "load_model_state", "load_full_model", "merge_stage_parts", "part_file", "read_stage_parts",
+           "remove_stage_parts", "write_merged", "safe_load", "RUN_FILE",
            "MANIFEST", "SHARD_MANIFEST", "FORMAT", "safe_reader"]
 
 RUN_FILE = "run.json"  # the fingerprint of the run writing a checkpoint directory (runtime.preflight writes it)
@@ -841,28 +842,42 @@ def part_file(path: str | Path, stage: int) -> Path:
     return Path(f"{path}.stage{stage}.part")
 
 
-def merge_stage_parts(path: str | Path, num_stages: int, extra: dict[str, Any]) -> None:
-    """Merge the per-stage parameter files written by the workers into one file at `path`. A .pt file holds
-    "model", the whole model's state dict (None when two stages use the same parameter name, as a user model's
-    stages may), "stages" (each stage's) and `extra`; a .safetensors file holds the whole model's tensors (names
-    prefixed "stage{s}." when the stages' names collide) and `extra` as string metadata."""
-    try:
-        stages = [safe_load(part_file(path, stage)) for stage in range(num_stages)]
-        merged: dict[str, torch.Tensor] | None = {}
-        for state in stages:
-            if merged is not None and merged.keys() & state.keys():
-                merged = None
-            elif merged is not None:
-                merged.update(state)
-        if str(path).endswith(".safetensors"):
-            from safetensors.torch import save
+def read_stage_parts(path: str | Path, num_stages: int) -> list[dict[str, torch.Tensor]]:
+    """The per-stage parameter files the workers wrote beside `path` (part_file), stage by stage."""
+    return [safe_load(part_file(path, stage)) for stage in range(num_stages)]
 
-            tensors = merged if merged is not None else {
-                f"stage{s}.{k}": v for s, state in enumerate(stages) for k, v in state.items()}
-            metadata = {k: json.dumps(v) for k, v in extra.items()}
-            atomic_write_bytes(path, save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata))
-        else:
-            atomic_torch_save({"model": merged, "stages": stages, **extra}, path, follow=True)
-    finally:  # success or not, no .part file outlives the merge
-        for stage in range(num_stages):
-            part_file(path, stage).unlink(missing_ok=True)
+
+def remove_stage_parts(path: str | Path, num_stages: int) -> None:
+    for stage in range(num_stages):
+        part_file(path, stage).unlink(missing_ok=True)
+
+
+def merge_stage_parts(path: str | Path, num_stages: int, extra: dict[str, Any]) -> None:
+    """Merge the per-stage parameter files written by the workers into one file at `path` (write_merged); no part
+    file outlives the merge."""
+    try:
+        write_merged(path, read_stage_parts(path, num_stages), extra)
+    finally:
+        remove_stage_parts(path, num_stages)
+
+
+def write_merged(path: str | Path, stages: list[dict[str, torch.Tensor]], extra: dict[str, Any]) -> None:
+    """The stages' parameters as one file at `path`. A .pt file holds "model", the whole model's state dict (None
+    when two stages use the same parameter name, as a user model's stages may), "stages" (each stage's) and `extra`;
+    a .safetensors file holds the whole model's tensors (names prefixed "stage{s}." when the stages' names collide)
+    and `extra` as string metadata."""
+    merged: dict[str, torch.Tensor] | None = {}
+    for state in stages:
+        if merged is not None and merged.keys() & state.keys():
+            merged = None
+        elif merged is not None:
+            merged.update(state)
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import save
+
+        tensors = merged if merged is not None else {
+            f"stage{s}.{k}": v for s, state in enumerate(stages) for k, v in state.items()}
+        metadata = {k: json.dumps(v) for k, v in extra.items()}
+        atomic_write_bytes(path, save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata))
+    else:
+        atomic_torch_save({"model": merged, "stages": stages, **extra}, path, follow=True)

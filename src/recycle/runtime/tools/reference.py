@@ -53,9 +53,10 @@ def reference_train(config: Config, steps: int | None = None, evaluations: dict[
         # The same Hugging Face model the stages are cut from, whole: logits, then the runtime's loss_fn.
         from recycle.models.hf import build_hf_model, hf_dropouts
         from recycle.models.split import causal_lm_loss
-        from recycle.runtime.worker.stage import hf_path
+        from recycle.runtime.worker.stage import hf_path, hf_weights_path
 
-        whole = build_hf_model(hf_path(config), workload.seq_len, training.seed, weights_dtype(training.dtype))
+        whole = build_hf_model(hf_path(config), workload.seq_len, training.seed, weights_dtype(training.dtype),
+                               hf_weights_path(config))
         drops = hf_dropouts(whole.model.config)
         if drops:
             raise ConfigError(f"the reference needs no dropout, but {config.model.hf_config!r} has {drops}; set them "

@@ -632,10 +632,11 @@ class _Worker:
         self.writer.submit(self.state, self.layers, before_write)
 
     def _save_final(self) -> None:
-        """The --save part of this stage, and every checkpoint on disk (and reported) before the worker leaves."""
-        if self._is_writer() and self.spec.outputs.save_path:
+        """The --save / --export-hf part of this stage, and every checkpoint on disk (and reported) before the worker
+        leaves."""
+        if self._is_writer() and self.spec.outputs.parts_path:
             checkpoint.atomic_torch_save({k: v.detach().cpu() for k, v in self.state.module.state_dict().items()},
-                                         checkpoint.part_file(self.spec.outputs.save_path, self.stage))
+                                         checkpoint.part_file(self.spec.outputs.parts_path, self.stage))
         if self.writer is not None:
             self.writer.wait()
 

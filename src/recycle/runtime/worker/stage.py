@@ -25,7 +25,7 @@ from recycle.models.split import LossFn, StageModel, as_stage_model, boundary_sh
 from recycle.runtime.state.precision import weights_dtype
 
 __all__ = ["BuiltStage", "build_stage", "load_factory", "check_model", "factory_model", "hf_model", "all_stages",
-           "check_one_model", "hf_built_stage"]
+           "check_one_model", "hf_built_stage", "hf_path", "hf_weights_path"]
 
 StageFactory = Callable[[Config, int], list[nn.Module]]
 
@@ -78,12 +78,27 @@ def hf_path(config: Config) -> str:
     return str(resolve_hf_path(config.model.hf_config, os.path.dirname(config.source) or None))
 
 
+def hf_weights_path(config: Config) -> str | None:
+    """The pretrained weights the Hugging Face model starts from ([model] hf_weights, or the save_pretrained folder
+    [model] hf_config names), or None: random init from the seed."""
+    from recycle.models.hf import resolve_hf_weights
+
+    if not config.model.hf_config:
+        if config.model.hf_weights:
+            raise ConfigError(f"[model] hf_weights = {config.model.hf_weights!r} needs the Hugging Face model they are "
+                              "for: set [model] hf_config (--hf) too")
+        return None
+    found = resolve_hf_weights(config.model.hf_config, config.model.hf_weights, os.path.dirname(config.source) or None)
+    return None if found is None else str(found)
+
+
 def hf_model(config: Config) -> tuple[StageModel, list[tuple[int, int]]]:
     """A Hugging Face causal LM ([model] hf_config) split by decoder layers, and each stage's layers."""
     from recycle.models.hf import hf_stages
 
     dtype = weights_dtype(config.training.dtype)
-    stages = hf_stages(hf_path(config), config.num_stages, config.workload.seq_len, config.training.seed, dtype)
+    stages = hf_stages(hf_path(config), config.num_stages, config.workload.seq_len, config.training.seed, dtype,
+                       hf_weights_path(config))
     return StageModel(tuple(stages), causal_lm_loss), [(m.first_layer, m.end_layer) for m in stages]
 
 
@@ -100,7 +115,7 @@ def hf_built_stage(config: Config, stage: int) -> BuiltStage:
 
     S, workload = config.num_stages, config.workload
     module = hf_stage(hf_path(config), S, stage, workload.seq_len, config.training.seed,
-                      weights_dtype(config.training.dtype))
+                      weights_dtype(config.training.dtype), hf_weights_path(config))
     boundary = tuple(module.boundary_shape(workload.microbatch_size, workload.seq_len))  # hidden states, every stage
     return BuiltStage(module, (module.first_layer, module.end_layer), boundary if stage > 0 else None,
                       boundary if stage < S - 1 else None, causal_lm_loss if stage == S - 1 else None)
@@ -144,12 +159,14 @@ def check_model(config: Config, factory: str = "") -> None:
     config, stages whose outputs cannot be sent): a factory is called once and its stages run on the meta device; a
     Hugging Face model is only laid out there."""
     check_one_model(config, factory)
+    hf_weights_path(config)  # hf_weights without hf_config
     if factory:
         model, _ = all_stages(config, factory)
         boundary_shapes(list(model.stages), config.workload.microbatch_size, config.workload.seq_len)
     elif config.model.hf_config:
         from recycle.models.hf import check_hf_model
 
-        check_hf_model(hf_path(config), config.num_stages, config.workload.seq_len)  # on the meta device
+        # On the meta device, and the weights' headers only.
+        check_hf_model(hf_path(config), config.num_stages, config.workload.seq_len, hf_weights_path(config))
     else:
         stage_layers(resolve_shape(config.model, config.workload.seq_len).n_layer, config.num_stages)
