@@ -447,6 +447,8 @@ def run_size(settings: Settings, log: Callable[[str], None] = print) -> dict[str
                               "setup_plan_s": cluster.setup_plan_s, "step_s": s.step_s,
                               "heartbeat_s": s.heartbeat_s, "heartbeat_timeout_s": s.heartbeat_timeout_s,
                               "standins": s.standins, "load_average": os.getloadavg()[0]}
+    exits: list[dict[str, Any]] = []
+    silent: list[dict[str, Any]] = []
     try:
         started = time.perf_counter()
         cluster.start()
@@ -455,28 +457,36 @@ def run_size(settings: Settings, log: Callable[[str], None] = print) -> dict[str
         log(f"[{s.ranks} ranks] running: {cluster.nnodes} stand-in nodes, first steps reported after "
             f"{result['start_s']:.1f} s; steady window {s.steady_s:g} s")
         result.update(_steady(cluster, s.steady_s))
+        log(f"[{s.ranks} ranks] steady: coordinator CPU {result['coordinator_cpu_fraction']:.3f} of a core, "
+            f"{result['coordinator_cpu_ms_per_tick'] or 0:.1f} ms per tick; store {result['store_ops_per_s']:,.0f} "
+            f"ops/s served, {result['offered_store_ops_per_s']:,.0f} asked")
         if s.profile:
             result["profile"] = _profile(cluster, s.steady_s)
+            log(result["profile"])
         used: set[int] = set()
-        exits = []
         for i in range(s.failures):
             exits.append(_failure(cluster, _pick(cluster, used, i), "kill"))
-            log(f"[{s.ranks} ranks] kill {i + 1}/{s.failures}: announced after "
-                f"{exits[-1]['announced'] - exits[-1]['failed_at']:.3f} s")
+            row = exits[-1]
+            log(f"[{s.ranks} ranks] kill {i + 1}/{s.failures}: announced after {row['announced'] - row['failed_at']:.3f} s "
+                f"(abort {row['abort'] - row['failed_at']:.3f} s, last stand-in saw it "
+                f"{row['noticed'] - row['abort']:.3f} s later, its reports sent {row['reports_sent'] - row['noticed']:.3f}"
+                f" s later, plan asked {row['plan_start'] - row['reports_sent']:.3f} s later)")
             time.sleep(min(s.step_s, 1.0))
-        silent = []
         for i in range(s.silent_failures):
             silent.append(_failure(cluster, _pick(cluster, used, s.failures + i), "freeze"))
             log(f"[{s.ranks} ranks] freeze {i + 1}/{s.silent_failures}: announced "
                 f"{silent[-1]['announced'] - silent[-1]['failed_at']:.3f} s after its last beat")
-        result.update(_failure_summary(exits, silent, s.heartbeat_timeout_s))
         if s.join:
-            result.update(_node_loss_and_join(cluster, used, log))
+            _node_loss_and_join(cluster, used, log, result)
         _, _, events = cluster.stats()
         plan_bytes = [e["plan_bytes"] for e in events if e["kind"] == "resumed"]
         result["plan_bytes"] = max(plan_bytes) if plan_bytes else None
         result["recoveries"] = len(cluster.supervisor.reporter.recoveries)
+    except RuntimeError as exc:  # what ran is still reported, with why the rest did not
+        result["error"] = str(exc)
+        log(f"[{s.ranks} ranks] stopped early: {exc}")
     finally:
+        result.update(_failure_summary(exits, silent, s.heartbeat_timeout_s))
         cluster.stop()
     return result
 
@@ -502,9 +512,9 @@ def _failure_summary(exits: list[dict[str, Any]], silent: list[dict[str, Any]], 
     }
 
 
-def _node_loss_and_join(cluster: _Cluster, used: set[int], log: Callable[[str], None]) -> dict[str, Any]:
+def _node_loss_and_join(cluster: _Cluster, used: set[int], log: Callable[[str], None], result: dict[str, Any]) -> None:
     """A whole node goes silent (launcher and workers), is declared dead, then comes back repaired: its workers
-    re-join as replacements."""
+    re-join as replacements (into `result` as each is measured)."""
     s = cluster.settings
     taken = {cluster.node_of[r] for r in used}
     node = next(n for n in range(cluster.nnodes - 1, 0, -1) if n not in taken)
@@ -512,6 +522,8 @@ def _node_loss_and_join(cluster: _Cluster, used: set[int], log: Callable[[str], 
     generation = cluster.supervisor.coordinator.state.generation
     down = cluster.ask(node, "node_down", node)
     when, _ = _wait_announced(cluster, generation, lambda a: not ranks & set(a.live))
+    result["node_detect_to_announce_s"] = when - down["last_beat"]
+    result["node_beyond_timeout_s"] = when - down["last_beat"] - s.heartbeat_timeout_s
     cluster.wait_for("the recovery from the node loss", cluster.settled)
     log(f"[{s.ranks} ranks] node {node} silent: its last worker out of the generation "
         f"{when - down['last_beat']:.3f} s after its last beats")
@@ -519,12 +531,10 @@ def _node_loss_and_join(cluster: _Cluster, used: set[int], log: Callable[[str], 
     generation = cluster.supervisor.coordinator.state.generation
     up = cluster.ask(node, "node_up", node)
     admitted, _ = _wait_announced(cluster, generation, lambda a: ranks <= set(a.live))
+    result["join_s"] = admitted - up["ready"]
     cluster.wait_for("the join to complete", cluster.settled)
     log(f"[{s.ranks} ranks] node {node} repaired: its {len(ranks)} workers admitted {admitted - up['ready']:.3f} s "
         "after they said they were ready")
-    return {"node_detect_to_announce_s": when - down["last_beat"],
-            "node_beyond_timeout_s": when - down["last_beat"] - s.heartbeat_timeout_s,
-            "join_s": admitted - up["ready"]}
 
 
 # -- output ------------------------------------------------------------------------------------------------------
@@ -585,19 +595,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heartbeat-timeout-s", type=float, default=RecoveryOptions.heartbeat_timeout_s)
     parser.add_argument("--standins", type=int, default=2, help="stand-in processes (0: threads of this process)")
     parser.add_argument("--profile", action="store_true", help="cProfile the supervisor over a second window")
+    parser.add_argument("--event-timeout-s", type=float, default=120.0, help="give up on a phase after this long")
     args = parser.parse_args(argv)
     runs = []
     for ranks in args.ranks or [1024]:
         settings = Settings(ranks, args.ranks_per_node, args.stages, args.microbatches, args.failures,
                             args.silent_failures, not args.no_join, args.steady_s, args.step_s, args.heartbeat_s,
-                            args.heartbeat_timeout_s, standins=args.standins, profile=args.profile)
+                            args.heartbeat_timeout_s, standins=args.standins, profile=args.profile,
+                            event_timeout_s=args.event_timeout_s)
         started = time.perf_counter()
         run = run_size(settings, log=lambda line: print(line, flush=True))
         run["wall_s"] = time.perf_counter() - started
         runs.append(run)
-        if "profile" in run:
-            print(run["profile"])
     print(table(runs))
+    for run in runs:
+        if "error" in run:
+            print(f"{run['ranks']} ranks stopped early: {run['error']}")
     print(json.dumps({"runs": [{k: v for k, v in r.items() if k != "profile"} for r in runs]}))
     return 0
 

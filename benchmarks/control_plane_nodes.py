@@ -24,18 +24,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from recycle.runtime.protocol.channels import Channels, Flags, Keys
-from recycle.runtime.protocol.records import (Announcement, Beat, Joined, JoinReady, StepRecord, StoppedReport,
-                                              Timestamp, from_json, to_json)
+from recycle.runtime.protocol.records import (Announcement, Joined, JoinReady, StoppedReport, Timestamp, from_json,
+                                              to_json)
 from recycle.runtime.protocol.store import StoreClient
 from recycle.runtime.protocol.store.wire import Op, Status, encode_frame, pack_fields, unpack_fields
 
-__all__ = ["NodesSpec", "PipelinedClient", "StandInNodes", "standin_main", "NODE_POLL_S", "EXIT_KILLED",
-           "EXIT_LEFT_OUT"]
+__all__ = ["NodesSpec", "PipelinedClient", "StandInNodes", "standin_main", "beat_json", "step_json", "NODE_POLL_S",
+           "EXIT_KILLED", "EXIT_LEFT_OUT"]
 
 NODE_POLL_S = 0.1  # control/launcher.py _follow_loop: workers.wait(0.1) between two passes
 EXIT_KILLED = -9  # what a SIGKILLed worker's exit code reads as
 EXIT_LEFT_OUT = 4  # worker/process.py EXIT_FENCED: not in the new generation
 BATCH = 256  # requests sent before the first reply is read
+BUDGET = 2048  # step records and flag polls sent per pass at most (beats and node heartbeats are not limited)
 
 
 class PipelinedClient(StoreClient):
@@ -96,6 +97,21 @@ def _b(text: str) -> bytes:
     return text.encode()
 
 
+def beat_json(beats: int, phase: str, incarnation: str) -> bytes:
+    """to_json(Beat(beats, beats, phase, incarnation)), byte for byte, without dataclasses.asdict's cost (the
+    stand-ins write thousands a second; the test checks the two agree)."""
+    return (f'{{"kind": "beat", "beats": {beats}, "actions": {beats}, "phase": "{phase}", '
+            f'"incarnation": "{incarnation}"}}').encode()
+
+
+def step_json(replica: int, stage: int, generation: int, start: float, end: float, last: bool) -> bytes:
+    """to_json of a stand-in's StepRecord (the last stage reports a loss), byte for byte."""
+    loss = "1.0" if last else "null"
+    return (f'{{"kind": "step", "replica": {replica}, "stage": {stage}, "generation": {generation}, '
+            f'"start": {start!r}, "end": {end!r}, "cpu_s": 0.0, "loss_sum": {loss}, "stage_loss": {loss}, '
+            f'"grad_norm": null, "grad_sq": 1.0, "digest": "", "timings": []}}').encode()
+
+
 class StandInNodes:
     """Many node launchers and their workers, driven by commands (fail, freeze, node down/up, stats, stop) from
     the benchmark; run() is the loop."""
@@ -107,7 +123,9 @@ class StandInNodes:
         self.ranks = sorted(self.node_of)
         identity = f"standin/{spec.ranks_of[0][0]}/{os.getpid()}"
         self.client = PipelinedClient(spec.host, spec.port, spec.token, identity, timeout_s=120.0)
-        self.watch_client = StoreClient(spec.host, spec.port, spec.token, identity + "w", timeout_s=120.0)
+        # The watcher's connection: the workers react to an abort or an announcement at once, as real ones do,
+        # not after this object's next pass over its periodic traffic.
+        self.watch_client = PipelinedClient(spec.host, spec.port, spec.token, identity + "w", timeout_s=120.0)
         self.counters = _Counters()
         self.lock = threading.Lock()  # between the loop and the watcher thread
         # Processes: a rank is running (beats, steps, reports), frozen (nothing), or ended with an exit code.
@@ -135,9 +153,11 @@ class StandInNodes:
         self.node_cursor = 0
         self.beat_credit = 0.0
         self.node_credit = 0.0
+        self.poll_credit = 0.0
+        self.poll_cursor = 0
+        self.metrics: collections.deque[Request] = collections.deque()  # step records not sent yet
         self.last_tick = time.time()
         self.stop = threading.Event()
-        self.reported: int | None = None  # a generation whose stop reports go out in this pass
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def run(self, commands: Any) -> None:
@@ -163,22 +183,31 @@ class StandInNodes:
         """One pass: what is due now, sent as pipelined batches; False when nothing was due."""
         now = time.time()
         elapsed, self.last_tick = now - self.last_tick, now
-        requests: list[Request] = []
+        # What keeps the nodes alive in the coordinator's eyes goes first; the rest within a budget per pass, so
+        # that an overloaded stand-in (this machine, not a real node) falls behind on flag polls, not on beats.
         with self.lock:
-            requests += self._recovery(now)
-            requests += self._steps(now)
+            requests, reported = self._recovery(now, self.client)
+            self._steps(now)
         requests += self._beats(elapsed, now)
-        requests += self._node_passes(elapsed, now)
+        requests += self._node_heartbeats(elapsed, now)
+        budget = len(requests) + BUDGET
+        while self.metrics and len(requests) < budget:
+            requests.append(self.metrics.popleft())
+        requests += self._node_polls(elapsed, budget - len(requests))
+        self._flush(self.client, requests, reported)
+        return bool(requests)
+
+    def _flush(self, client: PipelinedClient, requests: list[Request], reported: int | None) -> None:
+        """Send `requests` in pipelined batches and hand each reply to its callback; `reported`: the generation
+        whose stop reports are among them (timed for the benchmark)."""
         for start in range(0, len(requests), BATCH):
             chunk = requests[start:start + BATCH]
-            replies = self.client.pipeline([(op, fields) for op, fields, _ in chunk])
+            replies = client.pipeline([(op, fields) for op, fields, _ in chunk])
             for (_, _, on_reply), (status, values) in zip(chunk, replies):
                 if on_reply is not None:
                     on_reply(status, values)
-        if self.reported is not None:
-            self.events.append({"kind": "reports_sent", "generation": self.reported, "time": time.time()})
-            self.reported = None
-        return bool(requests)
+        if reported is not None:
+            self.events.append({"kind": "reports_sent", "generation": reported, "time": time.time()})
 
     def _running(self, rank: int) -> bool:
         return rank not in self.exit_code and rank not in self.frozen and self.node_of[rank] not in self.down_nodes
@@ -205,8 +234,8 @@ class StandInNodes:
             self.beat_cursor += 1
             self.beats[rank] += 1
             self.last_beat[rank] = now
-            beat = Beat(self.beats[rank], self.beats[rank], phase, f"{self.incarnation[rank]:x}")
-            requests.append(self._send("beat", Op.SET, (_b(Keys.heartbeat(rank)), _b(to_json(beat)))))
+            beat = beat_json(self.beats[rank], phase, f"{self.incarnation[rank]:x}")
+            requests.append(self._send("beat", Op.SET, (_b(Keys.heartbeat(rank)), beat)))
         return requests
 
     def _watch(self) -> None:
@@ -240,31 +269,33 @@ class StandInNodes:
                     self.drain = (g, int(value))
                 elif self.announced is None or self.announced < g:
                     self.announced = g
-            if what == "announce":
-                time.sleep(0.001)  # the loop takes it from here; do not spin on the same key
+            with self.lock:
+                requests, reported = self._recovery(time.time(), self.watch_client)
+            self._flush(self.watch_client, requests, reported)
 
     # -- the workers' main threads: steps, stop reports, the next generation ---------------------------------------
-    def _steps(self, now: float) -> list[Request]:
+    def _steps(self, now: float) -> None:
+        """At each step's end, every member's StepRecord joins the queue of records to send."""
         if self.stopped:
-            return []
+            return
         ends = self.step_origin + (self.next_step - self.first_step + 1) * self.spec.step_s
         if now < ends:
-            return []
+            return
         step = self.next_step
         self.next_step += 1
-        requests = []
+        last = self.spec.num_stages - 1
         for rank in sorted(self.members):
             if not self._running(rank):
                 continue
             replica, stage = divmod(rank, self.spec.num_stages)
-            record = StepRecord(replica, stage, self.generation, ends - self.spec.step_s, ends, 0.0,
-                                1.0 if stage == self.spec.num_stages - 1 else None,
-                                1.0 if stage == self.spec.num_stages - 1 else None, None, 1.0)
-            requests.append(self._send("metrics", Op.SET, (_b(Keys.metrics(step, rank)), _b(to_json(record)))))
-        return requests
+            record = step_json(replica, stage, self.generation, ends - self.spec.step_s, ends, stage == last)
+            self.metrics.append(self._send("metrics", Op.SET, (_b(Keys.metrics(step, rank)), record)))
 
-    def _recovery(self, now: float) -> list[Request]:
+    def _recovery(self, now: float, client: PipelinedClient) -> tuple[list[Request], int | None]:
+        """Stop reports when the generation is aborted (or drains at this step); the next generation once it is
+        announced. With the generation whose stop reports are among the requests."""
         requests: list[Request] = []
+        reported = None
         drain = self.drain
         draining = drain is not None and drain[0] == self.generation and self.next_step >= drain[1]
         if not self.stopped and (self.aborted >= self.generation or draining):
@@ -280,18 +311,18 @@ class StandInNodes:
                                                                _b(to_json(report)))))
                 requests.append(self._send("stopped", Op.ADD, (_b(Keys.stopped_count(self.generation)), b"1")))
             self.events.append({"kind": "stopped", "generation": self.generation, "time": time.time()})
-            self.reported = self.generation
+            reported = self.generation
         if self.announced is not None and self.announced > self.generation:
-            requests += self._next_generation(self.announced)
-        return requests
+            requests += self._next_generation(self.announced, client)
+        return requests, reported
 
-    def _next_generation(self, generation: int) -> list[Request]:
+    def _next_generation(self, generation: int, client: PipelinedClient) -> list[Request]:
         """The workers read the announcement and the plan (each real worker reads both; here once), join the
         generation or exit, and resume from its redo step."""
-        raw = self.client.try_get(Keys.announce(generation))
+        raw = client.try_get(Keys.announce(generation))
         assert raw is not None, "the watcher saw the announcement"
         announcement = from_json(Announcement, raw)
-        plan = self.client.get(Keys.plan(generation))
+        plan = client.get(Keys.plan(generation))
         live = set(announcement.live)
         for rank in self.members | self.joiners:
             if rank not in live and self._running(rank):
@@ -314,25 +345,41 @@ class StandInNodes:
         return requests
 
     # -- the node launchers' follow loops ------------------------------------------------------------------------
-    def _node_passes(self, elapsed: float, now: float) -> list[Request]:
+    def _node_heartbeats(self, elapsed: float, now: float) -> list[Request]:
+        """Each node launcher's heartbeat add, at its loop's rate (at most one round per pass)."""
         up = [n for n in self.nodes if n not in self.down_nodes]
         if not up:
             return []
         rate = len(up) / NODE_POLL_S
-        per_pass = sum(3 + len(self.nodes[n]) for n in up) / len(up)
-        self.counters.due["node"] += elapsed * rate * per_pass
+        self.counters.due["node"] += elapsed * rate
         self.node_credit = min(self.node_credit + elapsed * rate, float(len(up)))
         requests = []
         while self.node_credit >= 1.0:
             self.node_credit -= 1.0
             node = up[self.node_cursor % len(up)]
             self.node_cursor += 1
-            requests += self._node_pass(node, now)
+            self.last_node_beat[node] = now
+            requests.append(self._send("node", Op.ADD, (_b(Keys.node_heartbeat(node)), b"1")))
         return requests
 
-    def _node_pass(self, node: int, now: float) -> list[Request]:
-        self.last_node_beat[node] = now
-        requests = [self._send("node", Op.ADD, (_b(Keys.node_heartbeat(node)), b"1"))]
+    def _node_polls(self, elapsed: float, budget: int) -> list[Request]:
+        """The rest of each launcher's loop pass: its workers' flags and the run's, within `budget` requests."""
+        up = [n for n in self.nodes if n not in self.down_nodes]
+        if not up:
+            return []
+        rate = len(up) / NODE_POLL_S
+        self.counters.due["node"] += elapsed * rate * sum(2 + len(self.nodes[n]) for n in up) / len(up)
+        self.poll_credit = min(self.poll_credit + elapsed * rate, float(len(up)))
+        requests: list[Request] = []
+        while self.poll_credit >= 1.0 and len(requests) < budget:
+            self.poll_credit -= 1.0
+            node = up[self.poll_cursor % len(up)]
+            self.poll_cursor += 1
+            requests += self._node_poll(node)
+        return requests
+
+    def _node_poll(self, node: int) -> list[Request]:
+        requests = []
         for rank in self.nodes[node]:
             if rank in self.exit_code:
                 if rank not in self.exit_reported:
@@ -395,8 +442,8 @@ class StandInNodes:
         for rank in ranks:
             self.beats[rank] += 1
             self.last_beat[rank] = now
-            beat = Beat(self.beats[rank], self.beats[rank], "compute", f"{self.incarnation[rank]:x}")
-            requests.append(self._send("beat", Op.SET, (_b(Keys.heartbeat(rank)), _b(to_json(beat)))))
+            beat = beat_json(self.beats[rank], "compute", f"{self.incarnation[rank]:x}")
+            requests.append(self._send("beat", Op.SET, (_b(Keys.heartbeat(rank)), beat)))
         if node is not None:
             requests.append(self._send("node", Op.ADD, (_b(Keys.node_heartbeat(node)), b"1")))
         self.client.pipeline([(op, fields) for op, fields, _ in requests])

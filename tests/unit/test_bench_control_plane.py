@@ -55,3 +55,15 @@ def test_a_tiny_run_announces_each_failure_admits_the_repaired_node_and_prints_t
     assert run["store_ops_per_s"] > 0 and 0 < run["coordinator_cpu_fraction"] < 1.5
     assert run["recoveries"] == 4  # two kills, the node's loss, its join
     assert any("failure (exit flag) -> announce" in line for line in lines)
+
+
+def test_the_stand_ins_records_are_the_workers_records_byte_for_byte(bench: ModuleType) -> None:
+    from control_plane_nodes import beat_json, step_json
+
+    from recycle.runtime.protocol.records import Beat, StepRecord, to_json
+
+    assert beat_json(7, "compute", "1f") == to_json(Beat(7, 7, "compute", "1f")).encode()
+    assert step_json(3, 1, 2, 1.25, 3.5, False) == \
+        to_json(StepRecord(3, 1, 2, 1.25, 3.5, 0.0, None, None, None, 1.0)).encode()
+    assert step_json(0, 3, 0, 0.1, 0.30000000000000004, True) == \
+        to_json(StepRecord(0, 3, 0, 0.1, 0.30000000000000004, 0.0, 1.0, 1.0, None, 1.0)).encode()
