@@ -295,18 +295,26 @@ class _Cluster:
         return reply
 
     def stats(self) -> tuple[dict[str, float], dict[str, float], list[dict[str, Any]]]:
+        """Every stand-in's requests sent and due by kind (summed), and their events."""
         sent: dict[str, float] = {}
         due: dict[str, float] = {}
         events: list[dict[str, Any]] = []
-        for link in self.links:
-            link.send(("stats",))
-            _, s, d, e = link.recv()
+        for s, d, e, _ in self.each_stats():
             for k, v in s.items():
                 sent[k] = sent.get(k, 0) + v
             for k, v in d.items():
                 due[k] = due.get(k, 0) + v
             events += e
         return sent, due, events
+
+    def each_stats(self) -> list[tuple[dict[str, float], dict[str, float], list[dict[str, Any]], float]]:
+        """Per stand-in: requests sent and due by kind, events, and the time its counts are up to."""
+        replies = []
+        for link in self.links:
+            link.send(("stats",))
+            _, sent, due, events, at = link.recv()
+            replies.append((sent, due, events, at))
+        return replies
 
     def wait_for(self, what: str, condition: Callable[[], bool]) -> None:
         deadline = time.time() + self.settings.event_timeout_s
@@ -343,7 +351,7 @@ def _median(values: list[float]) -> float | None:
 def _steady(cluster: _Cluster, seconds: float) -> dict[str, Any]:
     """Counters over a window in which nothing fails."""
     workers, server = cluster.workers, cluster.server
-    sent0, due0, _ = cluster.stats()
+    before = cluster.each_stats()
     requests0, calls0, ticks0, busy0 = server.requests, cluster.store.calls, workers.ticks, workers.busy_cpu_s
     steps0 = cluster.supervisor.reporter.steps_reported
     assert server._thread is not None
@@ -351,27 +359,38 @@ def _steady(cluster: _Cluster, seconds: float) -> dict[str, Any]:
     time.sleep(seconds)
     wall = time.perf_counter() - wall0
     cpu, server_cpu = _thread_cpu_s(cluster.thread) - cpu0, _thread_cpu_s(server._thread) - server_cpu0
-    sent1, due1, _ = cluster.stats()
-    sent = {k: sent1.get(k, 0) - sent0.get(k, 0) for k in sent1}
-    due = {k: due1.get(k, 0) - due0.get(k, 0) for k in due1}
     ticks = workers.ticks - ticks0
-    served = server.requests - requests0 + cluster.store.calls - calls0
-    offered_remote = due.get("beat", 0) + due.get("watch", 0) + due.get("node", 0) + sent.get("metrics", 0)
-    offered = offered_remote + cluster.store.calls - calls0
-    polls_sent = sent.get("node", 0) + sent.get("beat", 0)
-    polls_due = due.get("node", 0) + due.get("beat", 0)
+    remote = server.requests - requests0
+    served = remote + cluster.store.calls - calls0
+    after = cluster.each_stats()
+    # What the protocol asks of the stand-ins per second, each over its own clock; a watcher's wait per beat is
+    # counted though the stand-ins wait once for all their workers.
+    offered_remote = 0.0
+    sent_polls = due_polls = 0.0
+    for (sent0, due0, _, at0), (sent1, due1, _, at1) in zip(before, after):
+        due = {k: due1.get(k, 0) - due0.get(k, 0) for k in due1}
+        sent = {k: sent1.get(k, 0) - sent0.get(k, 0) for k in sent1}
+        if at1 > at0:
+            offered_remote += (due.get("beat", 0) + due.get("watch", 0) + due.get("node", 0)
+                               + sent.get("metrics", 0)) / (at1 - at0)
+        sent_polls += sent.get("node", 0) + sent.get("beat", 0)
+        due_polls += due.get("node", 0) + due.get("beat", 0)
+    offered = offered_remote + (cluster.store.calls - calls0) / wall
     return {
-        "window_s": wall, "store_ops_per_s": served / wall, "offered_store_ops_per_s": offered / wall,
+        "window_s": wall, "store_ops_per_s": served / wall, "offered_store_ops_per_s": offered,
         "coordinator_store_ops_per_s": (cluster.store.calls - calls0) / wall,
         "coordinator_cpu_fraction": cpu / wall, "store_server_cpu_fraction": server_cpu / wall,
         "coordinator_ticks_per_s": ticks / wall,
+        # The server thread's CPU per request it served, and so the cores the protocol's requests would take it.
+        "store_server_us_per_request": 1e6 * server_cpu / remote if remote else None,
+        "store_server_cores_asked": offered_remote * server_cpu / remote if remote else None,
         "coordinator_cpu_ms_per_tick": 1e3 * (workers.busy_cpu_s - busy0) / ticks if ticks else None,
         "steps_reported": cluster.supervisor.reporter.steps_reported - steps0,
-        "stand_in_lag": 1.0 - polls_sent / polls_due if polls_due else 0.0,
+        "stand_in_lag": 1.0 - sent_polls / due_polls if due_polls else 0.0,
     }
 
 
-def _profile(cluster: _Cluster, seconds: float, top: int = 14) -> str:
+def _profile(cluster: _Cluster, seconds: float, top: int = 22) -> str:
     workers = cluster.workers
     workers.profile_wanted = True
     ticks0 = workers.ticks
@@ -383,10 +402,11 @@ def _profile(cluster: _Cluster, seconds: float, top: int = 14) -> str:
     assert workers.profiler is not None
     out = io.StringIO()
     stats = pstats.Stats(workers.profiler, stream=out)
-    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(r"recycle|json", top)
+    stats.sort_stats("tottime").print_stats(8)
     workers.profiler = None
-    return f"cProfile of the supervisor thread over {seconds:g} s ({ticks} ticks), sorted by own time:\n" + \
-        out.getvalue()
+    return (f"cProfile of the supervisor thread over {seconds:g} s ({ticks} ticks; divide ncalls and cumtime by it "
+            "for one tick), the recycle calls by cumulative time, then every call by own time:\n" + out.getvalue())
 
 
 def _wait_announced(cluster: _Cluster, after: int, condition: Callable[[Announcement], bool]) -> tuple[float, int]:
@@ -568,6 +588,8 @@ ROWS = [
     ("steady: coordinator CPU per tick", "coordinator_cpu_ms_per_tick", " ms"),
     ("steady: coordinator ticks/s", "coordinator_ticks_per_s", ""),
     ("steady: store server thread CPU (fraction)", "store_server_cpu_fraction", ""),
+    ("steady: store server CPU per request", "store_server_us_per_request", " us"),
+    ("steady: server cores the protocol's requests need", "store_server_cores_asked", ""),
     ("plan JSON in the store", "plan_bytes", " B"),
 ]
 

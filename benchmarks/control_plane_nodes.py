@@ -411,7 +411,10 @@ class StandInNodes:
             commands.send(("stopped",))
             return
         if what == "stats":
-            commands.send(("stats", dict(self.counters.sent), dict(self.counters.due), list(self.events)))
+            # `at`: the end of the last pass, up to which `due` is counted (a pass can take seconds when this
+            # machine cannot keep up: rates are taken over this clock, not the benchmark's).
+            commands.send(("stats", dict(self.counters.sent), dict(self.counters.due), list(self.events),
+                           self.last_tick))
             return
         with self.lock:
             reply: dict[str, Any] = {}
