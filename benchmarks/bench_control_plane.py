@@ -18,7 +18,9 @@ Measured per size, on one coordinator process (store server thread + supervisor 
   in-process calls), and offered_store_ops_per_s, what the protocol's rates ask of it (the stand-ins' schedule);
   when the stand-ins cannot keep up on this machine, the first is below the second (`stand_in_lag`).
 - coordinator_cpu_fraction: the supervisor thread's CPU time over the same window (pthread CPU clock), as a
-  fraction of one core; store_server_cpu_fraction likewise for the store's network thread.
+  fraction of one core, and per tick; store_server_cpu_fraction likewise for the store's network thread, its CPU
+  per request served and so the cores the protocol's requests would take it (store_server_cores_asked).
+- --profile: cProfile of the supervisor thread over a second steady window (which calls dominate a tick).
 The plan provider re-routes a failed worker's micro-batches to its stage's survivors straight in the IR (no search):
 its time is reported apart (plan_s) and is not the control plane's.
 The last line is one JSON object {"runs": [...]}, one entry per --ranks value.
@@ -218,12 +220,20 @@ class Settings:
     event_timeout_s: float = 120.0
 
     def check(self) -> None:
+        for name, value in (("--ranks", self.ranks), ("--ranks-per-node", self.ranks_per_node),
+                            ("--stages", self.num_stages), ("--microbatches", self.num_microbatches)):
+            if value < 1:
+                raise SystemExit(f"error: {name} {value} must be at least 1")
         if self.ranks % self.ranks_per_node or self.ranks % self.num_stages:
             raise SystemExit(f"error: --ranks {self.ranks} must be a multiple of --ranks-per-node "
                              f"{self.ranks_per_node} and of --stages {self.num_stages}")
-        if self.ranks // self.num_stages < 2 + self.failures + self.silent_failures:
-            raise SystemExit(f"error: --ranks {self.ranks} leaves too few replicas per stage for the failures asked; "
-                             "use more ranks or fewer failures")
+        replicas = self.ranks // self.num_stages
+        if replicas < 2 + self.failures + self.silent_failures:
+            # Each failure takes a pipeline of its own, never replica 0's; the node loss takes another.
+            raise SystemExit(f"error: --ranks {self.ranks} / --stages {self.num_stages} = {replicas} replicas per "
+                             f"stage, fewer than the {2 + self.failures + self.silent_failures} that --failures "
+                             f"{self.failures} and --silent-failures {self.silent_failures} need (one pipeline each, "
+                             "plus replica 0 and the lost node's); use more ranks or fewer failures")
 
 
 class _Cluster:
@@ -360,9 +370,9 @@ def _steady(cluster: _Cluster, seconds: float) -> dict[str, Any]:
     wall = time.perf_counter() - wall0
     cpu, server_cpu = _thread_cpu_s(cluster.thread) - cpu0, _thread_cpu_s(server._thread) - server_cpu0
     ticks = workers.ticks - ticks0
-    remote = server.requests - requests0
-    served = remote + cluster.store.calls - calls0
-    after = cluster.each_stats()
+    remote, local = server.requests - requests0, cluster.store.calls - calls0
+    served = remote + local
+    after = cluster.each_stats()  # after the counts: at 16,384 ranks a stand-in answers only between passes
     # What the protocol asks of the stand-ins per second, each over its own clock; a watcher's wait per beat is
     # counted though the stand-ins wait once for all their workers.
     offered_remote = 0.0
@@ -375,10 +385,10 @@ def _steady(cluster: _Cluster, seconds: float) -> dict[str, Any]:
                                + sent.get("metrics", 0)) / (at1 - at0)
         sent_polls += sent.get("node", 0) + sent.get("beat", 0)
         due_polls += due.get("node", 0) + due.get("beat", 0)
-    offered = offered_remote + (cluster.store.calls - calls0) / wall
+    offered = offered_remote + local / wall
     return {
         "window_s": wall, "store_ops_per_s": served / wall, "offered_store_ops_per_s": offered,
-        "coordinator_store_ops_per_s": (cluster.store.calls - calls0) / wall,
+        "coordinator_store_ops_per_s": local / wall,
         "coordinator_cpu_fraction": cpu / wall, "store_server_cpu_fraction": server_cpu / wall,
         "coordinator_ticks_per_s": ticks / wall,
         # The server thread's CPU per request it served, and so the cores the protocol's requests would take it.

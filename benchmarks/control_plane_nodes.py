@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from recycle.runtime.protocol.channels import Channels, Flags, Keys
+from recycle.runtime.protocol.channels import Flags, Keys
 from recycle.runtime.protocol.records import (Announcement, Joined, JoinReady, StoppedReport, Timestamp, from_json,
                                               to_json)
 from recycle.runtime.protocol.store import StoreClient
