@@ -67,3 +67,10 @@ def test_the_stand_ins_records_are_the_workers_records_byte_for_byte(bench: Modu
         to_json(StepRecord(3, 1, 2, 1.25, 3.5, 0.0, None, None, None, 1.0)).encode()
     assert step_json(0, 3, 0, 0.1, 0.30000000000000004, True) == \
         to_json(StepRecord(0, 3, 0, 0.1, 0.30000000000000004, 0.0, 1.0, 1.0, None, 1.0)).encode()
+
+
+def test_a_size_the_failures_do_not_fit_is_refused_with_one_line(bench: ModuleType) -> None:
+    with pytest.raises(SystemExit, match=r"^error: --ranks 32 / --stages 8 = 4 replicas per stage, fewer than the 8"):
+        bench.main(["--ranks", "32", "--failures", "5"])
+    with pytest.raises(SystemExit, match=r"^error: --ranks-per-node 0 must be at least 1"):
+        bench.main(["--ranks", "32", "--ranks-per-node", "0"])
