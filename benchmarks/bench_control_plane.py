@@ -504,8 +504,11 @@ def run_size(settings: Settings, log: Callable[[str], None] = print) -> dict[str
             time.sleep(min(s.step_s, 1.0))
         for i in range(s.silent_failures):
             silent.append(_failure(cluster, _pick(cluster, used, s.failures + i), "freeze"))
-            log(f"[{s.ranks} ranks] freeze {i + 1}/{s.silent_failures}: announced "
-                f"{silent[-1]['announced'] - silent[-1]['failed_at']:.3f} s after its last beat")
+            row = silent[-1]
+            log(f"[{s.ranks} ranks] freeze {i + 1}/{s.silent_failures}: announced {row['announced'] - row['failed_at']:.3f}"
+                f" s after its last beat (abort {row['abort'] - row['failed_at']:.3f} s, last stand-in saw it "
+                f"{row['noticed'] - row['abort']:.3f} s later, its reports sent {row['reports_sent'] - row['noticed']:.3f}"
+                f" s later, plan asked {row['plan_start'] - row['reports_sent']:.3f} s later)")
         if s.join:
             _node_loss_and_join(cluster, used, log, result)
         _, _, events = cluster.stats()
@@ -539,6 +542,7 @@ def _failure_summary(exits: list[dict[str, Any]], silent: list[dict[str, Any]], 
         "control_plane_s": med(lambda r: r["announced"] - r["failed_at"] - (r["plan_end"] - r["plan_start"]), exits),
         "silent_detect_to_announce_s": med(lambda r: r["announced"] - r["failed_at"], silent),
         "silent_beyond_timeout_s": med(lambda r: r["announced"] - r["failed_at"] - timeout_s, silent),
+        "silent_abort_beyond_timeout_s": med(lambda r: r["abort"] - r["failed_at"] - timeout_s, silent),
     }
 
 
@@ -588,6 +592,7 @@ ROWS = [
     ("  plan chosen -> announced (plan JSON + store)", "plan_to_announce_s", " s"),
     ("  control plane alone (without plan_s)", "control_plane_s", " s"),
     ("frozen worker: announce after the heartbeat timeout", "silent_beyond_timeout_s", " s"),
+    ("  its abort after the heartbeat timeout (detection)", "silent_abort_beyond_timeout_s", " s"),
     ("silent node: announce after the heartbeat timeout", "node_beyond_timeout_s", " s"),
     ("repaired node: ready -> admitted (join_s)", "join_s", " s"),
     ("steady: store ops/s served", "store_ops_per_s", ""),
