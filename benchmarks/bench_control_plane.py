@@ -335,10 +335,16 @@ class _Cluster:
                 raise RuntimeError(f"timed out after {self.settings.event_timeout_s:g} s waiting for {what}")
             time.sleep(0.005)
 
-    def settled(self) -> bool:
-        """No recovery under way or being completed, and a step reported since."""
-        state = self.supervisor.coordinator.state
-        return not state.recovering and self.supervisor.pending is None
+    def recoveries(self) -> int:
+        return len(self.supervisor.reporter.recoveries)
+
+    def settled(self, reported: int) -> Callable[[], bool]:
+        """Whether more than `reported` recoveries are reported and none is under way: an announcement is in the
+        store a moment before the supervisor takes up its recovery, so the announcement alone does not say it."""
+        def done() -> bool:
+            state = self.supervisor.coordinator.state
+            return self.recoveries() > reported and not state.recovering and self.supervisor.pending is None
+        return done
 
     def stop(self) -> None:
         for link in self.links:
@@ -450,10 +456,10 @@ def _pick(cluster: _Cluster, used: set[int], index: int) -> int:
 
 def _failure(cluster: _Cluster, rank: int, command: str) -> dict[str, Any]:
     generation = cluster.supervisor.coordinator.state.generation
-    calls_before = len(cluster.provider.calls)
+    calls_before, reported = len(cluster.provider.calls), cluster.recoveries()
     reply = cluster.ask(cluster.node_of[rank], command, rank)
     when, announced = _wait_announced(cluster, generation, lambda a: rank not in a.live)
-    cluster.wait_for("the recovery to complete", cluster.settled)
+    cluster.wait_for("the recovery to complete", cluster.settled(reported))
     written = cluster.store.written
     plan_start, plan_end = cluster.provider.calls[calls_before] if len(cluster.provider.calls) > calls_before \
         else (when, when)
@@ -496,19 +502,11 @@ def run_size(settings: Settings, log: Callable[[str], None] = print) -> dict[str
         used: set[int] = set()
         for i in range(s.failures):
             exits.append(_failure(cluster, _pick(cluster, used, i), "kill"))
-            row = exits[-1]
-            log(f"[{s.ranks} ranks] kill {i + 1}/{s.failures}: announced after {row['announced'] - row['failed_at']:.3f} s "
-                f"(abort {row['abort'] - row['failed_at']:.3f} s, last stand-in saw it "
-                f"{row['noticed'] - row['abort']:.3f} s later, its reports sent {row['reports_sent'] - row['noticed']:.3f}"
-                f" s later, plan asked {row['plan_start'] - row['reports_sent']:.3f} s later)")
+            log(f"[{s.ranks} ranks] kill {i + 1}/{s.failures}: {_phases(exits[-1])}")
             time.sleep(min(s.step_s, 1.0))
         for i in range(s.silent_failures):
             silent.append(_failure(cluster, _pick(cluster, used, s.failures + i), "freeze"))
-            row = silent[-1]
-            log(f"[{s.ranks} ranks] freeze {i + 1}/{s.silent_failures}: announced {row['announced'] - row['failed_at']:.3f}"
-                f" s after its last beat (abort {row['abort'] - row['failed_at']:.3f} s, last stand-in saw it "
-                f"{row['noticed'] - row['abort']:.3f} s later, its reports sent {row['reports_sent'] - row['noticed']:.3f}"
-                f" s later, plan asked {row['plan_start'] - row['reports_sent']:.3f} s later)")
+            log(f"[{s.ranks} ranks] freeze {i + 1}/{s.silent_failures} (from its last beat): {_phases(silent[-1])}")
         if s.join:
             _node_loss_and_join(cluster, used, log, result)
         _, _, events = cluster.stats()
@@ -522,6 +520,14 @@ def run_size(settings: Settings, log: Callable[[str], None] = print) -> dict[str
         result.update(_failure_summary(exits, silent, s.heartbeat_timeout_s))
         cluster.stop()
     return result
+
+
+def _phases(row: dict[str, Any]) -> str:
+    """One failure's recovery, phase by phase, for the log."""
+    failed, abort, noticed, sent = row["failed_at"], row["abort"], row["noticed"], row["reports_sent"]
+    return (f"announced after {row['announced'] - failed:.3f} s (abort {abort - failed:.3f} s, last stand-in saw it "
+            f"{noticed - abort:.3f} s later, its reports sent {sent - noticed:.3f} s later, plan asked "
+            f"{row['plan_start'] - sent:.3f} s later)")
 
 
 def _failure_summary(exits: list[dict[str, Any]], silent: list[dict[str, Any]], timeout_s: float) -> dict[str, Any]:
@@ -553,20 +559,20 @@ def _node_loss_and_join(cluster: _Cluster, used: set[int], log: Callable[[str], 
     taken = {cluster.node_of[r] for r in used}
     node = next(n for n in range(cluster.nnodes - 1, 0, -1) if n not in taken)
     ranks = set(node_ranks(cluster.base.live_ranks(), cluster.nnodes, node))
-    generation = cluster.supervisor.coordinator.state.generation
+    generation, reported = cluster.supervisor.coordinator.state.generation, cluster.recoveries()
     down = cluster.ask(node, "node_down", node)
     when, _ = _wait_announced(cluster, generation, lambda a: not ranks & set(a.live))
     result["node_detect_to_announce_s"] = when - down["last_beat"]
     result["node_beyond_timeout_s"] = when - down["last_beat"] - s.heartbeat_timeout_s
-    cluster.wait_for("the recovery from the node loss", cluster.settled)
+    cluster.wait_for("the recovery from the node loss", cluster.settled(reported))
     log(f"[{s.ranks} ranks] node {node} silent: its last worker out of the generation "
         f"{when - down['last_beat']:.3f} s after its last beats")
     time.sleep(min(s.step_s, 1.0))
-    generation = cluster.supervisor.coordinator.state.generation
+    generation, reported = cluster.supervisor.coordinator.state.generation, cluster.recoveries()
     up = cluster.ask(node, "node_up", node)
     admitted, _ = _wait_announced(cluster, generation, lambda a: ranks <= set(a.live))
     result["join_s"] = admitted - up["ready"]
-    cluster.wait_for("the join to complete", cluster.settled)
+    cluster.wait_for("the join to complete", cluster.settled(reported))
     log(f"[{s.ranks} ranks] node {node} repaired: its {len(ranks)} workers admitted {admitted - up['ready']:.3f} s "
         "after they said they were ready")
 
