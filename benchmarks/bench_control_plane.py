@@ -1,0 +1,662 @@
+"""The control plane at scale (issue 23 item 4): the real coordinator loop (control/supervisor.Supervisor driving
+control/coordinator.Coordinator, as `recycle coordinator` runs it: a process that hosts the job store and runs no
+worker), the real authenticated job store server, and stand-in nodes (control_plane_nodes.py) that write and read
+exactly what today's node launchers and workers do, with no torch compute and no process groups.
+
+Run: .venv/bin/python benchmarks/bench_control_plane.py --ranks 1024 [--ranks 4096 ...] [--ranks-per-node 8]
+     [--failures 5] [--silent-failures 1] [--no-join] [--steady-s 8] [--step-s 2] [--standins 2] [--profile]
+
+Measured per size, on one coordinator process (store server thread + supervisor thread) and --standins processes:
+- detect_to_announce_s: a worker's exit flag raised by its node launcher (the launcher sees a SIGKILL at once) ->
+  the coordinator's announcement of the next generation is in the store; median over --failures. Broken down into
+  flag -> abort, abort -> last stopped report, plan provider, plan to JSON + store, announcement.
+- silent_detect_to_announce_s: a worker frozen (its heartbeat stops) -> announcement, minus the heartbeat timeout
+  (the part the control plane adds to the timeout); node_detect_to_announce_s: a whole node silent, the same.
+- join_s: the repaired node's replacements say they are ready -> the announcement that admits them (it waits for
+  the survivors to drain at an iteration boundary, up to three steps ahead: Coordinator.on_join_ready).
+- store_ops_per_s: requests the store served per second while nothing fails (server + the coordinator's own
+  in-process calls), and offered_store_ops_per_s, what the protocol's rates ask of it (the stand-ins' schedule);
+  when the stand-ins cannot keep up on this machine, the first is below the second (`stand_in_lag`).
+- coordinator_cpu_fraction: the supervisor thread's CPU time over the same window (pthread CPU clock), as a
+  fraction of one core, and per tick; store_server_cpu_fraction likewise for the store's network thread, its CPU
+  per request served and so the cores the protocol's requests would take it (store_server_cores_asked).
+- --profile: cProfile of the supervisor thread over a second steady window (which calls dominate a tick).
+The plan provider re-routes a failed worker's micro-batches to its stage's survivors straight in the IR (no search):
+its time is reported apart (plan_s) and is not the control plane's.
+The last line is one JSON object {"runs": [...]}, one entry per --ranks value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import multiprocessing as mp
+import os
+import pstats
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from control_plane_nodes import NodesSpec, StandInNodes, standin_main  # noqa: E402
+
+from recycle.config import Config, parse_config  # noqa: E402
+from recycle.ir import Plan, PlanChoice  # noqa: E402
+from recycle.ir.actions import Action, Kind  # noqa: E402
+from recycle.runtime.control.processes import WorkerProcesses, node_ranks  # noqa: E402
+from recycle.runtime.control.supervisor import Supervisor  # noqa: E402
+from recycle.runtime.options import ClusterOptions, LaunchOptions, RecoveryOptions  # noqa: E402
+from recycle.runtime.protocol.channels import JobStore, Keys, host_store, new_token  # noqa: E402
+from recycle.runtime.protocol.records import Announcement, from_json  # noqa: E402
+from recycle.runtime.protocol.store import LocalStore, StoreServer  # noqa: E402
+from recycle.runtime.protocol.store.data import KeyValue  # noqa: E402
+from recycle.schedules.fault_free import build_schedule  # noqa: E402
+
+END_STEP = 10**6  # the run never ends by itself (the benchmark stops it; Checkpoints lists the steps up to it)
+
+
+# -- the plan provider: re-routing in the IR, no search ----------------------------------------------------------
+def bench_config(num_replicas: int, num_stages: int, num_microbatches: int) -> Config:
+    return parse_config({
+        "topology": {"num_replicas": num_replicas, "num_stages": num_stages},
+        "workload": {"num_microbatches": num_microbatches, "microbatch_size": 1, "seq_len": 8},
+        "costs": {"forward": 1, "backward_input": 1, "backward_weight": 1},
+        "model": {"preset": "tiny"}, "training": {"steps": 1},
+    }, name="control-plane-bench")
+
+
+def rerouted_plan(base: Plan, failed: frozenset[tuple[int, int]]) -> Plan:
+    """`base` (a GPipe schedule: every worker's forwards, then its backwards, then OPT) with each failed worker's
+    micro-batches dealt round-robin to its stage's survivors, which run them after their own forwards and
+    backwards: a valid plan (validate_plan's dry run passes: see the test), built in one pass over the lists."""
+    S = base.num_stages
+    actions = [list(a) for a in base.actions]
+    adopted: dict[int, list[int]] = {}
+    for stage in range(S):
+        down = sorted(p for p, s in failed if s == stage)
+        survivors = [p for p in range(base.num_replicas) if (p, stage) not in failed]
+        if down and not survivors:
+            raise ValueError(f"stage {stage} has no survivor in {sorted(failed)}")
+        dealt = 0
+        for replica in down:
+            for mb in range(replica * base.num_microbatches, (replica + 1) * base.num_microbatches):
+                host = survivors[dealt % len(survivors)]
+                dealt += 1
+                adopted.setdefault(base.rank(host, stage), []).append(mb)
+            actions[base.rank(replica, stage)] = []
+    for rank, mbs in adopted.items():
+        stage = base.worker(rank)[1]
+        own = actions[rank]
+        forwards = [a for a in own if a.kind is Kind.F] + [Action(Kind.F, stage, mb) for mb in mbs]
+        backwards = [a for a in own if a.kind not in (Kind.F, Kind.OPT)] + \
+            [Action(Kind.BW, stage, mb) for mb in reversed(mbs)]
+        actions[rank] = forwards + backwards + [a for a in own if a.kind is Kind.OPT]
+    return Plan.from_worker_lists(base.num_replicas, S, base.num_microbatches, actions, failed, base.staggered,
+                                  base.meta)
+
+
+@dataclass
+class ReroutingProvider:
+    """A PlanProvider for any failure set, timed per call."""
+
+    base: Plan
+    calls: list[tuple[float, float]] = field(default_factory=list)  # (start, end) wall clock
+
+    def __call__(self, failed: frozenset[tuple[int, int]]) -> PlanChoice:
+        start = time.time()
+        plan = rerouted_plan(self.base, failed)
+        end = time.time()
+        self.calls.append((start, end))
+        return PlanChoice(plan, "heuristic", end - start, "benchmark: re-routed in the IR")
+
+
+# -- the coordinator's store: counted, timed, stoppable ---------------------------------------------------------
+class _Stop(Exception):
+    """The benchmark is over: the supervisor's loop ends at its next store call."""
+
+
+class CoordinatorStore(LocalStore):
+    """The coordinator's in-process view of the store (as in launch()), counting its calls and noting when the
+    keys of a recovery (abort, plan, announcement) are written."""
+
+    def __init__(self, data: KeyValue, timeout_s: float) -> None:
+        super().__init__(data, timeout_s)
+        self.calls = 0
+        self.written: dict[str, float] = {}  # key -> wall clock of its first write
+        self.announcements: dict[int, tuple[float, Announcement]] = {}
+        self.stopping = threading.Event()
+
+    def _count(self) -> None:
+        if self.stopping.is_set():
+            raise _Stop()
+        self.calls += 1
+
+    def set(self, key: str, value: Any) -> None:
+        self._count()
+        super().set(key, value)
+        if key.startswith("gen"):
+            now = time.time()
+            self.written.setdefault(key, now)
+            if key.endswith("/announce"):
+                record = from_json(Announcement, value)
+                self.announcements[record.generation] = (now, record)
+
+    def try_get(self, key: str) -> bytes | None:
+        self._count()
+        return super().try_get(key)
+
+    def add(self, key: str, value: int) -> int:
+        self._count()
+        return super().add(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        self._count()
+        return super().check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        self._count()
+        return super().delete_key(key)
+
+    def get(self, key: str) -> bytes:
+        self._count()
+        return super().get(key)
+
+
+class _NoLocalWorkers(WorkerProcesses):
+    """The coordinator process runs no worker (`recycle coordinator`); each end of a supervisor tick (its wait)
+    is counted and timed in the supervisor's own thread, and a requested profile starts or stops there."""
+
+    def __init__(self, jobs: JobStore) -> None:
+        super().__init__(jobs, self._no_spawn)
+        self.ticks = 0
+        self.busy_cpu_s = 0.0
+        self.tick_started_cpu = time.thread_time()
+        self.profiler: cProfile.Profile | None = None
+        self.profile_wanted = False
+
+    @staticmethod
+    def _no_spawn(rank: int, joining: bool) -> Any:
+        raise AssertionError(f"the coordinator process starts no worker (rank {rank})")
+
+    def wait(self, timeout_s: float) -> None:
+        self.ticks += 1
+        self.busy_cpu_s += time.thread_time() - self.tick_started_cpu
+        if self.profile_wanted and self.profiler is None:
+            self.profiler = cProfile.Profile()
+            self.profiler.enable()
+        elif not self.profile_wanted and self.profiler is not None:
+            self.profiler.disable()
+        time.sleep(timeout_s)
+        self.tick_started_cpu = time.thread_time()
+
+
+def _thread_cpu_s(thread: threading.Thread) -> float:
+    assert thread.ident is not None
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+# -- one size ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Settings:
+    ranks: int
+    ranks_per_node: int = 8
+    num_stages: int = 8
+    num_microbatches: int = 8
+    failures: int = 5
+    silent_failures: int = 1
+    join: bool = True
+    steady_s: float = 8.0
+    step_s: float = 2.0
+    heartbeat_s: float = 0.5  # RecoveryOptions' defaults
+    heartbeat_timeout_s: float = 5.0
+    standins: int = 2  # 0: stand-ins as threads of this process (tests)
+    profile: bool = False
+    event_timeout_s: float = 120.0
+
+    def check(self) -> None:
+        for name, value in (("--ranks", self.ranks), ("--ranks-per-node", self.ranks_per_node),
+                            ("--stages", self.num_stages), ("--microbatches", self.num_microbatches)):
+            if value < 1:
+                raise SystemExit(f"error: {name} {value} must be at least 1")
+        if self.ranks % self.ranks_per_node or self.ranks % self.num_stages:
+            raise SystemExit(f"error: --ranks {self.ranks} must be a multiple of --ranks-per-node "
+                             f"{self.ranks_per_node} and of --stages {self.num_stages}")
+        replicas = self.ranks // self.num_stages
+        if replicas < 2 + self.failures + self.silent_failures:
+            # Each failure takes a pipeline of its own, never replica 0's; the node loss takes another.
+            raise SystemExit(f"error: --ranks {self.ranks} / --stages {self.num_stages} = {replicas} replicas per "
+                             f"stage, fewer than the {2 + self.failures + self.silent_failures} that --failures "
+                             f"{self.failures} and --silent-failures {self.silent_failures} need (one pipeline each, "
+                             "plus replica 0 and the lost node's); use more ranks or fewer failures")
+
+
+class _Cluster:
+    """The coordinator (this process: store server thread + supervisor thread) and its stand-in nodes."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = s = settings
+        self.nnodes = s.ranks // s.ranks_per_node
+        config = bench_config(s.ranks // s.num_stages, s.num_stages, s.num_microbatches)
+        started = time.perf_counter()
+        self.base = build_schedule(config, "gpipe")
+        self.setup_plan_s = time.perf_counter() - started
+        self.provider = ReroutingProvider(self.base)
+        token = new_token()
+        self.server: StoreServer = host_store("127.0.0.1", 0, token)
+        self.store = CoordinatorStore(self.server.data, 120.0)
+        options = LaunchOptions(
+            steps=END_STEP, progress=None, plan_provider=self.provider,
+            recovery=RecoveryOptions(heartbeat_s=s.heartbeat_s, heartbeat_timeout_s=s.heartbeat_timeout_s),
+            cluster=ClusterOptions(master_port=self.server.port, nnodes=self.nnodes, token=token, backend="gloo",
+                                   coordinator="self"))
+        self.workers = _NoLocalWorkers(JobStore(self.store))
+        self.supervisor = Supervisor(config, self.base, options, self.store, self.workers, 0, END_STEP, time.time(),
+                                     self.server)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._supervise, daemon=True, name="coordinator")
+        live = self.base.live_ranks()
+        self.node_of: dict[int, int] = {}
+        groups: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in range(max(1, s.standins))]
+        for node in range(self.nnodes):
+            ranks = tuple(node_ranks(live, self.nnodes, node))
+            groups[node * len(groups) // self.nnodes].append((node, ranks))
+            self.node_of.update({r: node for r in ranks})
+        self.specs = [NodesSpec("127.0.0.1", self.server.port, token, tuple(g), s.num_stages, s.heartbeat_s,
+                                s.step_s, niceness=5 if s.standins else 0) for g in groups]
+        self.links: list[Any] = []
+        self.standins: list[Any] = []
+
+    def _supervise(self) -> None:
+        try:
+            self.supervisor.run()
+        except _Stop:
+            pass
+        except BaseException as exc:  # reported by the benchmark's waits
+            self.error = exc
+
+    def start(self) -> None:
+        self.thread.start()
+        context = mp.get_context("spawn")
+        for spec in self.specs:
+            mine, theirs = context.Pipe()
+            if self.settings.standins:
+                process: Any = context.Process(target=standin_main, args=(spec, theirs), daemon=True)
+            else:
+                process = threading.Thread(target=lambda sp=spec, c=theirs: StandInNodes(sp).run(c), daemon=True)
+            process.start()
+            self.links.append(mine)
+            self.standins.append(process)
+        for link in self.links:
+            if not link.poll(120.0):
+                raise RuntimeError("a stand-in did not start within 120 s")
+            assert link.recv()[0] == "ready"
+
+    def ask(self, node: int, *command: Any) -> dict[str, Any]:
+        link = self.links[next(i for i, spec in enumerate(self.specs) if node in dict(spec.ranks_of))]
+        link.send(command)
+        kind, reply = link.recv()
+        assert kind == "done", kind
+        return reply
+
+    def stats(self) -> tuple[dict[str, float], dict[str, float], list[dict[str, Any]]]:
+        """Every stand-in's requests sent and due by kind (summed), and their events."""
+        sent: dict[str, float] = {}
+        due: dict[str, float] = {}
+        events: list[dict[str, Any]] = []
+        for s, d, e, _ in self.each_stats():
+            for k, v in s.items():
+                sent[k] = sent.get(k, 0) + v
+            for k, v in d.items():
+                due[k] = due.get(k, 0) + v
+            events += e
+        return sent, due, events
+
+    def each_stats(self) -> list[tuple[dict[str, float], dict[str, float], list[dict[str, Any]], float]]:
+        """Per stand-in: requests sent and due by kind, events, and the time its counts are up to."""
+        replies = []
+        for link in self.links:
+            link.send(("stats",))
+            _, sent, due, events, at = link.recv()
+            replies.append((sent, due, events, at))
+        return replies
+
+    def wait_for(self, what: str, condition: Callable[[], bool]) -> None:
+        deadline = time.time() + self.settings.event_timeout_s
+        while not condition():
+            if self.error is not None:
+                raise RuntimeError(f"the coordinator failed while waiting for {what}: {self.error}") from self.error
+            if time.time() > deadline:
+                raise RuntimeError(f"timed out after {self.settings.event_timeout_s:g} s waiting for {what}")
+            time.sleep(0.005)
+
+    def recoveries(self) -> int:
+        return len(self.supervisor.reporter.recoveries)
+
+    def settled(self, reported: int) -> Callable[[], bool]:
+        """Whether more than `reported` recoveries are reported and none is under way: an announcement is in the
+        store a moment before the supervisor takes up its recovery, so the announcement alone does not say it."""
+        def done() -> bool:
+            state = self.supervisor.coordinator.state
+            return self.recoveries() > reported and not state.recovering and self.supervisor.pending is None
+        return done
+
+    def stop(self) -> None:
+        for link in self.links:
+            try:
+                link.send(("stop",))
+                link.poll(10.0)
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+        for process in self.standins:
+            process.join(10.0)
+        self.store.stopping.set()
+        self.thread.join(10.0)
+        self.server.close()
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _steady(cluster: _Cluster, seconds: float) -> dict[str, Any]:
+    """Counters over a window in which nothing fails."""
+    workers, server = cluster.workers, cluster.server
+    before = cluster.each_stats()
+    requests0, calls0, ticks0, busy0 = server.requests, cluster.store.calls, workers.ticks, workers.busy_cpu_s
+    steps0 = cluster.supervisor.reporter.steps_reported
+    assert server._thread is not None
+    cpu0, server_cpu0, wall0 = _thread_cpu_s(cluster.thread), _thread_cpu_s(server._thread), time.perf_counter()
+    time.sleep(seconds)
+    wall = time.perf_counter() - wall0
+    cpu, server_cpu = _thread_cpu_s(cluster.thread) - cpu0, _thread_cpu_s(server._thread) - server_cpu0
+    ticks = workers.ticks - ticks0
+    remote, local = server.requests - requests0, cluster.store.calls - calls0
+    served = remote + local
+    after = cluster.each_stats()  # after the counts: at 16,384 ranks a stand-in answers only between passes
+    # What the protocol asks of the stand-ins per second, each over its own clock; a watcher's wait per beat is
+    # counted though the stand-ins wait once for all their workers.
+    offered_remote = 0.0
+    sent_polls = due_polls = 0.0
+    for (sent0, due0, _, at0), (sent1, due1, _, at1) in zip(before, after):
+        due = {k: due1.get(k, 0) - due0.get(k, 0) for k in due1}
+        sent = {k: sent1.get(k, 0) - sent0.get(k, 0) for k in sent1}
+        if at1 > at0:
+            offered_remote += (due.get("beat", 0) + due.get("watch", 0) + due.get("node", 0)
+                               + sent.get("metrics", 0)) / (at1 - at0)
+        sent_polls += sent.get("node", 0) + sent.get("beat", 0)
+        due_polls += due.get("node", 0) + due.get("beat", 0)
+    offered = offered_remote + local / wall
+    return {
+        "window_s": wall, "store_ops_per_s": served / wall, "offered_store_ops_per_s": offered,
+        "coordinator_store_ops_per_s": local / wall,
+        "coordinator_cpu_fraction": cpu / wall, "store_server_cpu_fraction": server_cpu / wall,
+        "coordinator_ticks_per_s": ticks / wall,
+        # The server thread's CPU per request it served, and so the cores the protocol's requests would take it.
+        "store_server_us_per_request": 1e6 * server_cpu / remote if remote else None,
+        "store_server_cores_asked": offered_remote * server_cpu / remote if remote else None,
+        "coordinator_cpu_ms_per_tick": 1e3 * (workers.busy_cpu_s - busy0) / ticks if ticks else None,
+        "steps_reported": cluster.supervisor.reporter.steps_reported - steps0,
+        "stand_in_lag": 1.0 - sent_polls / due_polls if due_polls else 0.0,
+    }
+
+
+def _profile(cluster: _Cluster, seconds: float, top: int = 22) -> str:
+    workers = cluster.workers
+    workers.profile_wanted = True
+    ticks0 = workers.ticks
+    cluster.wait_for("the profiler to start", lambda: workers.profiler is not None)
+    time.sleep(seconds)
+    workers.profile_wanted = False
+    ticks = max(1, workers.ticks - ticks0)
+    time.sleep(0.2)
+    assert workers.profiler is not None
+    out = io.StringIO()
+    stats = pstats.Stats(workers.profiler, stream=out)
+    stats.sort_stats("cumulative").print_stats(r"recycle|json", top)
+    stats.sort_stats("tottime").print_stats(8)
+    workers.profiler = None
+    return (f"cProfile of the supervisor thread over {seconds:g} s ({ticks} ticks; divide ncalls and cumtime by it "
+            "for one tick), the recycle calls by cumulative time, then every call by own time:\n" + out.getvalue())
+
+
+def _wait_announced(cluster: _Cluster, after: int, condition: Callable[[Announcement], bool]) -> tuple[float, int]:
+    """The first announcement of a generation above `after` that satisfies `condition`: (time, generation)."""
+    found: list[tuple[float, int]] = []
+
+    def check() -> bool:
+        for generation, (when, record) in sorted(cluster.store.announcements.items()):
+            if generation > after and condition(record):
+                found.append((when, generation))
+                return True
+        return False
+
+    cluster.wait_for(f"an announcement after generation {after}", check)
+    return found[0]
+
+
+def _pick(cluster: _Cluster, used: set[int], index: int) -> int:
+    """A live worker for failure `index`: spread over stages, nodes and stand-ins, never the same pipeline twice."""
+    s = cluster.settings
+    D, S = s.ranks // s.num_stages, s.num_stages
+    replicas = {r // S for r in used}
+    for k in range(D):
+        replica = (1 + (index * 2 * D) // max(1, s.failures + s.silent_failures + 2) + k) % D
+        if replica not in replicas and replica != 0:
+            rank = replica * S + index % S
+            used.add(rank)
+            return rank
+    raise RuntimeError("no live replica left to fail")
+
+
+def _failure(cluster: _Cluster, rank: int, command: str) -> dict[str, Any]:
+    generation = cluster.supervisor.coordinator.state.generation
+    calls_before, reported = len(cluster.provider.calls), cluster.recoveries()
+    reply = cluster.ask(cluster.node_of[rank], command, rank)
+    when, announced = _wait_announced(cluster, generation, lambda a: rank not in a.live)
+    cluster.wait_for("the recovery to complete", cluster.settled(reported))
+    written = cluster.store.written
+    plan_start, plan_end = cluster.provider.calls[calls_before] if len(cluster.provider.calls) > calls_before \
+        else (when, when)
+    abort = written.get(Keys.abort(generation), when)
+    _, _, events = cluster.stats()
+    noticed = [e["time"] for e in events if e["kind"] == "stopped" and e["generation"] == generation]
+    sent = [e["time"] for e in events if e["kind"] == "reports_sent" and e["generation"] == generation]
+    return {"rank": rank, "failed_at": reply.get("time", reply.get("last_beat")), "announced": when,
+            "generation": announced, "abort": abort, "noticed": max(noticed, default=abort),
+            "reports_sent": max(sent, default=abort), "plan_start": plan_start, "plan_end": plan_end,
+            "plan_stored": written.get(Keys.plan(announced), when)}
+
+
+def run_size(settings: Settings, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every measurement at one size; the dict is one entry of the JSON's `runs`."""
+    settings.check()
+    s = settings
+    cluster = _Cluster(s)
+    result: dict[str, Any] = {"ranks": s.ranks, "nodes": cluster.nnodes, "ranks_per_node": s.ranks_per_node,
+                              "num_stages": s.num_stages, "num_replicas": s.ranks // s.num_stages,
+                              "setup_plan_s": cluster.setup_plan_s, "step_s": s.step_s,
+                              "heartbeat_s": s.heartbeat_s, "heartbeat_timeout_s": s.heartbeat_timeout_s,
+                              "standins": s.standins, "load_average": os.getloadavg()[0]}
+    exits: list[dict[str, Any]] = []
+    silent: list[dict[str, Any]] = []
+    try:
+        started = time.perf_counter()
+        cluster.start()
+        cluster.wait_for("the first two steps", lambda: cluster.supervisor.reporter.steps_reported >= 2)
+        result["start_s"] = time.perf_counter() - started
+        log(f"[{s.ranks} ranks] running: {cluster.nnodes} stand-in nodes, first steps reported after "
+            f"{result['start_s']:.1f} s; steady window {s.steady_s:g} s")
+        result.update(_steady(cluster, s.steady_s))
+        log(f"[{s.ranks} ranks] steady: coordinator CPU {result['coordinator_cpu_fraction']:.3f} of a core, "
+            f"{result['coordinator_cpu_ms_per_tick'] or 0:.1f} ms per tick; store {result['store_ops_per_s']:,.0f} "
+            f"ops/s served, {result['offered_store_ops_per_s']:,.0f} asked")
+        if s.profile:
+            result["profile"] = _profile(cluster, s.steady_s)
+            log(result["profile"])
+        used: set[int] = set()
+        for i in range(s.failures):
+            exits.append(_failure(cluster, _pick(cluster, used, i), "kill"))
+            log(f"[{s.ranks} ranks] kill {i + 1}/{s.failures}: {_phases(exits[-1])}")
+            time.sleep(min(s.step_s, 1.0))
+        for i in range(s.silent_failures):
+            silent.append(_failure(cluster, _pick(cluster, used, s.failures + i), "freeze"))
+            log(f"[{s.ranks} ranks] freeze {i + 1}/{s.silent_failures} (from its last beat): {_phases(silent[-1])}")
+        if s.join:
+            _node_loss_and_join(cluster, used, log, result)
+        _, _, events = cluster.stats()
+        plan_bytes = [e["plan_bytes"] for e in events if e["kind"] == "resumed"]
+        result["plan_bytes"] = max(plan_bytes) if plan_bytes else None
+        result["recoveries"] = len(cluster.supervisor.reporter.recoveries)
+    except RuntimeError as exc:  # what ran is still reported, with why the rest did not
+        result["error"] = str(exc)
+        log(f"[{s.ranks} ranks] stopped early: {exc}")
+    finally:
+        result.update(_failure_summary(exits, silent, s.heartbeat_timeout_s))
+        cluster.stop()
+    return result
+
+
+def _phases(row: dict[str, Any]) -> str:
+    """One failure's recovery, phase by phase, for the log."""
+    failed, abort, noticed, sent = row["failed_at"], row["abort"], row["noticed"], row["reports_sent"]
+    return (f"announced after {row['announced'] - failed:.3f} s (abort {abort - failed:.3f} s, last stand-in saw it "
+            f"{noticed - abort:.3f} s later, its reports sent {sent - noticed:.3f} s later, plan asked "
+            f"{row['plan_start'] - sent:.3f} s later)")
+
+
+def _failure_summary(exits: list[dict[str, Any]], silent: list[dict[str, Any]], timeout_s: float) -> dict[str, Any]:
+    def med(key: Callable[[dict[str, Any]], float], rows: list[dict[str, Any]]) -> float | None:
+        return _median([key(r) for r in rows])
+
+    return {
+        "detect_to_announce_s": med(lambda r: r["announced"] - r["failed_at"], exits),
+        "detect_to_announce_max_s": max((r["announced"] - r["failed_at"] for r in exits), default=None),
+        "failures": len(exits),
+        "flag_to_abort_s": med(lambda r: r["abort"] - r["failed_at"], exits),
+        "abort_to_plan_s": med(lambda r: r["plan_start"] - r["abort"], exits),
+        "abort_seen_s": med(lambda r: r["noticed"] - r["abort"], exits),
+        "reports_sent_s": med(lambda r: r["reports_sent"] - r["noticed"], exits),
+        "reports_read_s": med(lambda r: r["plan_start"] - r["reports_sent"], exits),
+        "plan_s": med(lambda r: r["plan_end"] - r["plan_start"], exits),
+        "plan_to_announce_s": med(lambda r: r["announced"] - r["plan_end"], exits),
+        "control_plane_s": med(lambda r: r["announced"] - r["failed_at"] - (r["plan_end"] - r["plan_start"]), exits),
+        "silent_detect_to_announce_s": med(lambda r: r["announced"] - r["failed_at"], silent),
+        "silent_beyond_timeout_s": med(lambda r: r["announced"] - r["failed_at"] - timeout_s, silent),
+        "silent_abort_beyond_timeout_s": med(lambda r: r["abort"] - r["failed_at"] - timeout_s, silent),
+    }
+
+
+def _node_loss_and_join(cluster: _Cluster, used: set[int], log: Callable[[str], None], result: dict[str, Any]) -> None:
+    """A whole node goes silent (launcher and workers), is declared dead, then comes back repaired: its workers
+    re-join as replacements (into `result` as each is measured)."""
+    s = cluster.settings
+    taken = {cluster.node_of[r] for r in used}
+    node = next(n for n in range(cluster.nnodes - 1, 0, -1) if n not in taken)
+    ranks = set(node_ranks(cluster.base.live_ranks(), cluster.nnodes, node))
+    generation, reported = cluster.supervisor.coordinator.state.generation, cluster.recoveries()
+    down = cluster.ask(node, "node_down", node)
+    when, _ = _wait_announced(cluster, generation, lambda a: not ranks & set(a.live))
+    result["node_detect_to_announce_s"] = when - down["last_beat"]
+    result["node_beyond_timeout_s"] = when - down["last_beat"] - s.heartbeat_timeout_s
+    cluster.wait_for("the recovery from the node loss", cluster.settled(reported))
+    log(f"[{s.ranks} ranks] node {node} silent: its last worker out of the generation "
+        f"{when - down['last_beat']:.3f} s after its last beats")
+    time.sleep(min(s.step_s, 1.0))
+    generation, reported = cluster.supervisor.coordinator.state.generation, cluster.recoveries()
+    up = cluster.ask(node, "node_up", node)
+    admitted, _ = _wait_announced(cluster, generation, lambda a: ranks <= set(a.live))
+    result["join_s"] = admitted - up["ready"]
+    cluster.wait_for("the join to complete", cluster.settled(reported))
+    log(f"[{s.ranks} ranks] node {node} repaired: its {len(ranks)} workers admitted {admitted - up['ready']:.3f} s "
+        "after they said they were ready")
+
+
+# -- output ------------------------------------------------------------------------------------------------------
+def _fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}{unit}" if abs(value) < 100 else f"{value:,.0f}{unit}"
+    return f"{value}{unit}"
+
+
+ROWS = [
+    ("failure (exit flag) -> announce, median", "detect_to_announce_s", " s"),
+    ("  ... max", "detect_to_announce_max_s", " s"),
+    ("  flag -> abort written (detection)", "flag_to_abort_s", " s"),
+    ("  abort -> plan asked (every stopped report read)", "abort_to_plan_s", " s"),
+    ("    abort -> the last stand-in sees it", "abort_seen_s", " s"),
+    ("    -> its stopped reports are all sent", "reports_sent_s", " s"),
+    ("    -> the coordinator has read them all", "reports_read_s", " s"),
+    ("  plan provider (not the control plane)", "plan_s", " s"),
+    ("  plan chosen -> announced (plan JSON + store)", "plan_to_announce_s", " s"),
+    ("  control plane alone (without plan_s)", "control_plane_s", " s"),
+    ("frozen worker: announce after the heartbeat timeout", "silent_beyond_timeout_s", " s"),
+    ("  its abort after the heartbeat timeout (detection)", "silent_abort_beyond_timeout_s", " s"),
+    ("silent node: announce after the heartbeat timeout", "node_beyond_timeout_s", " s"),
+    ("repaired node: ready -> admitted (join_s)", "join_s", " s"),
+    ("steady: store ops/s served", "store_ops_per_s", ""),
+    ("steady: store ops/s the protocol asks", "offered_store_ops_per_s", ""),
+    ("steady: stand-ins behind their schedule", "stand_in_lag", ""),
+    ("steady: coordinator's own store calls/s", "coordinator_store_ops_per_s", ""),
+    ("steady: coordinator CPU (fraction of a core)", "coordinator_cpu_fraction", ""),
+    ("steady: coordinator CPU per tick", "coordinator_cpu_ms_per_tick", " ms"),
+    ("steady: coordinator ticks/s", "coordinator_ticks_per_s", ""),
+    ("steady: store server thread CPU (fraction)", "store_server_cpu_fraction", ""),
+    ("steady: store server CPU per request", "store_server_us_per_request", " us"),
+    ("steady: server cores the protocol's requests need", "store_server_cores_asked", ""),
+    ("plan JSON in the store", "plan_bytes", " B"),
+]
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    head = f"{'':52}" + "".join(f"{str(r['ranks']) + ' ranks':>16}" for r in runs)
+    lines = [head, "-" * len(head)]
+    for label, key, unit in ROWS:
+        lines.append(f"{label:52}" + "".join(f"{_fmt(r.get(key), unit):>16}" for r in runs))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, action="append", help="workers in the job (repeatable)")
+    parser.add_argument("--ranks-per-node", type=int, default=8)
+    parser.add_argument("--stages", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--failures", type=int, default=5, help="worker exits (their node raises the EXITED flag)")
+    parser.add_argument("--silent-failures", type=int, default=1, help="frozen workers (their heartbeat stops)")
+    parser.add_argument("--no-join", action="store_true", help="skip the node loss and the repaired node's join")
+    parser.add_argument("--steady-s", type=float, default=8.0)
+    parser.add_argument("--step-s", type=float, default=2.0)
+    parser.add_argument("--heartbeat-s", type=float, default=RecoveryOptions.heartbeat_s)
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=RecoveryOptions.heartbeat_timeout_s)
+    parser.add_argument("--standins", type=int, default=2, help="stand-in processes (0: threads of this process)")
+    parser.add_argument("--profile", action="store_true", help="cProfile the supervisor over a second window")
+    parser.add_argument("--event-timeout-s", type=float, default=120.0, help="give up on a phase after this long")
+    args = parser.parse_args(argv)
+    runs = []
+    for ranks in args.ranks or [1024]:
+        settings = Settings(ranks, args.ranks_per_node, args.stages, args.microbatches, args.failures,
+                            args.silent_failures, not args.no_join, args.steady_s, args.step_s, args.heartbeat_s,
+                            args.heartbeat_timeout_s, standins=args.standins, profile=args.profile,
+                            event_timeout_s=args.event_timeout_s)
+        started = time.perf_counter()
+        run = run_size(settings, log=lambda line: print(line, flush=True))
+        run["wall_s"] = time.perf_counter() - started
+        runs.append(run)
+    print(table(runs))
+    for run in runs:
+        if "error" in run:
+            print(f"{run['ranks']} ranks stopped early: {run['error']}")
+    print(json.dumps({"runs": [{k: v for k, v in r.items() if k != "profile"} for r in runs]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

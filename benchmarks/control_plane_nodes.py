@@ -1,0 +1,485 @@
+"""Stand-in training nodes for bench_control_plane.py: one object simulates many node launchers and their workers,
+writing and reading exactly the job-store keys and records that control/launcher.py's _follow_loop and
+worker/process.py write and read today, at their rates, over a few authenticated connections to the real store. No
+torch compute and no process groups: only the control plane's traffic.
+
+What each simulated process does (and where in the runtime it comes from):
+- worker watcher (worker/process.py _Watcher): a Beat on Channels.HEARTBEAT every heartbeat_s; it waits on the
+  current and next generation's abort and drain keys (one wait per stand-in object here, not one per worker);
+- worker main thread: a StepRecord on Channels.METRICS per step; on an abort (or a drain at its step) a StoppedReport
+  on Channels.STOPPED plus the stopped_count add; on the announcement of the next generation it reads it and the
+  plan, writes Joined and, at its first action, Resumed; a worker left out of the generation exits (code 4);
+- replacement worker (_admit): JoinReady, then admitted by the announcement that names it;
+- node launcher (_follow_loop, every 0.1 s): its node heartbeat add, per worker the FENCE check (running) or the
+  EXITED flag (ended, once) and the RESPAWN check, then the ABORT_RUN and FINISHED flags.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from recycle.runtime.protocol.channels import Flags, Keys
+from recycle.runtime.protocol.records import (Announcement, Joined, JoinReady, StoppedReport, Timestamp, from_json,
+                                              to_json)
+from recycle.runtime.protocol.store import StoreClient
+from recycle.runtime.protocol.store.wire import Op, Status, encode_frame, pack_fields, unpack_fields
+
+__all__ = ["NodesSpec", "PipelinedClient", "StandInNodes", "standin_main", "beat_json", "step_json", "NODE_POLL_S",
+           "EXIT_KILLED", "EXIT_LEFT_OUT"]
+
+NODE_POLL_S = 0.1  # control/launcher.py _follow_loop: workers.wait(0.1) between two passes
+EXIT_KILLED = -9  # what a SIGKILLed worker's exit code reads as
+EXIT_LEFT_OUT = 4  # worker/process.py EXIT_FENCED: not in the new generation
+BATCH = 256  # requests sent before the first reply is read
+BUDGET = 2048  # step records and flag polls sent per pass at most (beats and node heartbeats are not limited)
+
+
+class PipelinedClient(StoreClient):
+    """A StoreClient that sends a batch of (non-waiting) requests before reading their replies, so one connection
+    carries the traffic of many simulated processes. The server sees every request as it would from them: each is
+    framed, MAC-checked, served and answered on its own."""
+
+    def pipeline(self, requests: list[tuple[Op, tuple[bytes, ...]]]) -> list[tuple[Status, list[bytes]]]:
+        if not requests:
+            return []
+        with self._lock:
+            if self._sock is None:
+                self._connect()
+            assert self._sock is not None and self._session is not None
+            session, sock = self._session, self._sock
+            sock.settimeout(120.0)
+            sock.sendall(b"".join(encode_frame(session.seal(pack_fields(op, fields))) for op, fields in requests))
+            replies: list[tuple[Status, list[bytes]]] = []
+            frames: collections.deque[bytes] = collections.deque()
+            while len(replies) < len(requests):
+                if not frames:
+                    data = sock.recv(1 << 20)
+                    if not data:
+                        raise EOFError("the store closed the connection")
+                    frames.extend(self._reader.feed(data))
+                    continue
+                status, values = unpack_fields(session.open(frames.popleft()))
+                replies.append((Status(status), values))
+            return replies
+
+
+@dataclass(frozen=True)
+class NodesSpec:
+    """What one stand-in simulates: its nodes and their ranks, the run's intervals, and where the store is."""
+
+    host: str
+    port: int
+    token: str
+    ranks_of: tuple[tuple[int, tuple[int, ...]], ...]  # (node, its ranks), as control/processes.node_ranks deals them
+    num_stages: int
+    heartbeat_s: float
+    step_s: float
+    niceness: int = 0  # a separate process lowers its priority: the coordinator's process is served first
+
+
+@dataclass
+class _Counters:
+    """Requests this stand-in sent, and those the protocol asked of it (its schedule), by kind."""
+
+    sent: collections.Counter[str] = field(default_factory=collections.Counter)
+    due: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+Request = tuple[Op, tuple[bytes, ...], Callable[[Status, list[bytes]], None] | None]
+
+
+def _b(text: str) -> bytes:
+    return text.encode()
+
+
+def beat_json(beats: int, phase: str, incarnation: str) -> bytes:
+    """to_json(Beat(beats, beats, phase, incarnation)), byte for byte, without dataclasses.asdict's cost (the
+    stand-ins write thousands a second; the test checks the two agree)."""
+    return (f'{{"kind": "beat", "beats": {beats}, "actions": {beats}, "phase": "{phase}", '
+            f'"incarnation": "{incarnation}"}}').encode()
+
+
+def step_json(replica: int, stage: int, generation: int, start: float, end: float, last: bool) -> bytes:
+    """to_json of a stand-in's StepRecord (the last stage reports a loss), byte for byte."""
+    loss = "1.0" if last else "null"
+    return (f'{{"kind": "step", "replica": {replica}, "stage": {stage}, "generation": {generation}, '
+            f'"start": {start!r}, "end": {end!r}, "cpu_s": 0.0, "loss_sum": {loss}, "stage_loss": {loss}, '
+            f'"grad_norm": null, "grad_sq": 1.0, "digest": "", "timings": []}}').encode()
+
+
+class StandInNodes:
+    """Many node launchers and their workers, driven by commands (fail, freeze, node down/up, stats, stop) from
+    the benchmark; run() is the loop."""
+
+    def __init__(self, spec: NodesSpec) -> None:
+        self.spec = spec
+        self.nodes = {node: ranks for node, ranks in spec.ranks_of}
+        self.node_of = {rank: node for node, ranks in spec.ranks_of for rank in ranks}
+        self.ranks = sorted(self.node_of)
+        identity = f"standin/{spec.ranks_of[0][0]}/{os.getpid()}"
+        self.client = PipelinedClient(spec.host, spec.port, spec.token, identity, timeout_s=120.0)
+        # The watcher's connection: the workers react to an abort or an announcement at once, as real ones do,
+        # not after this object's next pass over its periodic traffic.
+        self.watch_client = PipelinedClient(spec.host, spec.port, spec.token, identity + "w", timeout_s=120.0)
+        self.counters = _Counters()
+        self.lock = threading.Lock()  # between the loop and the watcher thread
+        # Processes: a rank is running (beats, steps, reports), frozen (nothing), or ended with an exit code.
+        self.exit_code: dict[int, int] = {}
+        self.frozen: set[int] = set()
+        self.exit_reported: set[int] = set()  # the node raised its EXITED flag (once per process)
+        self.incarnation = {rank: 0 for rank in self.ranks}
+        self.beats = {rank: 0 for rank in self.ranks}
+        self.last_beat: dict[int, float] = {}
+        self.down_nodes: set[int] = set()
+        self.last_node_beat: dict[int, float] = {}
+        # The generation as the workers see it.
+        self.generation = 0
+        self.members = set(self.ranks)  # ranks of ours in the current generation
+        self.joiners: set[int] = set()  # replacements that said they are ready, not admitted yet
+        self.stopped = False  # the members reported and wait for the next generation
+        self.next_step = 0  # 0-based step whose records are written next
+        self.step_origin = time.time()  # step k of this generation ends at origin + (k - first + 1) * step_s
+        self.first_step = 0
+        self.aborted = -1  # the newest generation seen aborted (watcher)
+        self.drain: tuple[int, int] | None = None  # (generation, stop before step) seen by the watcher
+        self.announced: int | None = None  # a generation whose announcement the watcher saw
+        self.events: list[dict[str, Any]] = []  # timestamps the benchmark reads back
+        self.beat_cursor = 0
+        self.node_cursor = 0
+        self.beat_credit = 0.0
+        self.node_credit = 0.0
+        self.poll_credit = 0.0
+        self.poll_cursor = 0
+        self.metrics: collections.deque[Request] = collections.deque()  # step records not sent yet
+        self.last_tick = time.time()
+        self.stop = threading.Event()
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def run(self, commands: Any) -> None:
+        """Serve until told to stop: `commands` is a multiprocessing Connection (poll/recv/send)."""
+        watcher = threading.Thread(target=self._watch, daemon=True, name="standin-watcher")
+        watcher.start()
+        commands.send(("ready", len(self.ranks)))
+        try:
+            while not self.stop.is_set():
+                while commands.poll(0):
+                    self._command(commands, *commands.recv())
+                if self.stop.is_set():
+                    break
+                if not self._tick():
+                    time.sleep(0.002)
+        finally:
+            self.stop.set()
+            watcher.join(2.0)
+            self.client.close()
+            self.watch_client.close()
+
+    def _tick(self) -> bool:
+        """One pass: what is due now, sent as pipelined batches; False when nothing was due."""
+        now = time.time()
+        elapsed, self.last_tick = now - self.last_tick, now
+        # What keeps the nodes alive in the coordinator's eyes goes first; the rest within a budget per pass, so
+        # that an overloaded stand-in (this machine, not a real node) falls behind on flag polls, not on beats.
+        with self.lock:
+            requests, reported = self._recovery(now, self.client)
+            self._steps(now)
+        requests += self._beats(elapsed, now)
+        requests += self._node_heartbeats(elapsed, now)
+        budget = len(requests) + BUDGET
+        while self.metrics and len(requests) < budget:
+            requests.append(self.metrics.popleft())
+        requests += self._node_polls(elapsed, budget - len(requests))
+        self._flush(self.client, requests, reported)
+        return bool(requests)
+
+    def _flush(self, client: PipelinedClient, requests: list[Request], reported: int | None) -> None:
+        """Send `requests` in pipelined batches and hand each reply to its callback; `reported`: the generation
+        whose stop reports are among them (timed for the benchmark)."""
+        for start in range(0, len(requests), BATCH):
+            chunk = requests[start:start + BATCH]
+            replies = client.pipeline([(op, fields) for op, fields, _ in chunk])
+            for (_, _, on_reply), (status, values) in zip(chunk, replies):
+                if on_reply is not None:
+                    on_reply(status, values)
+        if reported is not None:
+            self.events.append({"kind": "reports_sent", "generation": reported, "time": time.time()})
+
+    def _running(self, rank: int) -> bool:
+        return rank not in self.exit_code and rank not in self.frozen and self.node_of[rank] not in self.down_nodes
+
+    def _send(self, kind: str, op: Op, fields: tuple[bytes, ...],
+              on_reply: Callable[[Status, list[bytes]], None] | None = None) -> Request:
+        self.counters.sent[kind] += 1
+        return op, fields, on_reply
+
+    # -- the workers' watcher threads: beats (round-robin at the protocol's rate) --------------------------------
+    def _beats(self, elapsed: float, now: float) -> list[Request]:
+        beating = [r for r in self.ranks if self._running(r)]
+        if not beating:
+            return []
+        rate = len(beating) / self.spec.heartbeat_s
+        self.counters.due["beat"] += elapsed * rate
+        self.counters.due["watch"] += elapsed * rate  # each beat is followed by a wait on abort/drain keys
+        self.beat_credit = min(self.beat_credit + elapsed * rate, float(len(beating)))
+        requests = []
+        phase = "idle" if self.stopped else "compute"
+        while self.beat_credit >= 1.0:
+            self.beat_credit -= 1.0
+            rank = beating[self.beat_cursor % len(beating)]
+            self.beat_cursor += 1
+            self.beats[rank] += 1
+            self.last_beat[rank] = now
+            beat = beat_json(self.beats[rank], phase, f"{self.incarnation[rank]:x}")
+            requests.append(self._send("beat", Op.SET, (_b(Keys.heartbeat(rank)), beat)))
+        return requests
+
+    def _watch(self) -> None:
+        """One watcher for every simulated worker: the current and next generation's abort and drain keys, and the
+        announcement of the next one (which the workers wait for after they stop, or to be admitted)."""
+        while not self.stop.is_set():
+            with self.lock:
+                generation = self.generation
+                watched = []
+                for g in (generation, generation + 1):
+                    if self.aborted < g:
+                        watched.append((Keys.abort(g), "abort", g))
+                    if self.drain is None or self.drain[0] < g:
+                        watched.append((Keys.drain(g), "drain", g))
+                if self.stopped or self.joiners:
+                    watched.append((Keys.announce(generation + 1), "announce", generation + 1))
+            try:
+                hit = self.watch_client.wait_any([key for key, _, _ in watched], 0.2)
+                if hit is None:
+                    continue
+                key, what, g = watched[hit]
+                value = self.watch_client.get(key) if what == "drain" else b""
+            except Exception:
+                if self.stop.is_set():
+                    return
+                raise
+            with self.lock:
+                if what == "abort":
+                    self.aborted = max(self.aborted, g)
+                elif what == "drain":
+                    self.drain = (g, int(value))
+                elif self.announced is None or self.announced < g:
+                    self.announced = g
+            with self.lock:
+                requests, reported = self._recovery(time.time(), self.watch_client)
+            self._flush(self.watch_client, requests, reported)
+
+    # -- the workers' main threads: steps, stop reports, the next generation ---------------------------------------
+    def _steps(self, now: float) -> None:
+        """At each step's end, every member's StepRecord joins the queue of records to send."""
+        if self.stopped:
+            return
+        ends = self.step_origin + (self.next_step - self.first_step + 1) * self.spec.step_s
+        if now < ends:
+            return
+        step = self.next_step
+        self.next_step += 1
+        last = self.spec.num_stages - 1
+        for rank in sorted(self.members):
+            if not self._running(rank):
+                continue
+            replica, stage = divmod(rank, self.spec.num_stages)
+            record = step_json(replica, stage, self.generation, ends - self.spec.step_s, ends, stage == last)
+            self.metrics.append(self._send("metrics", Op.SET, (_b(Keys.metrics(step, rank)), record)))
+
+    def _recovery(self, now: float, client: PipelinedClient) -> tuple[list[Request], int | None]:
+        """Stop reports when the generation is aborted (or drains at this step); the next generation once it is
+        announced. With the generation whose stop reports are among the requests."""
+        requests: list[Request] = []
+        reported = None
+        drain = self.drain
+        draining = drain is not None and drain[0] == self.generation and self.next_step >= drain[1]
+        if not self.stopped and (self.aborted >= self.generation or draining):
+            self.stopped = True
+            error = (f"generation {self.generation} was aborted by the coordinator" if self.aborted >= self.generation
+                     else f"generation {self.generation} drains before step {drain[1] + 1 if drain else 0}")
+            for rank in sorted(self.members):
+                if not self._running(rank):
+                    continue
+                report = StoppedReport(rank, self.generation, self.next_step - 1, self.next_step, 0, 0.0, 0, 0.0,
+                                       error, now)
+                requests.append(self._send("stopped", Op.SET, (_b(Keys.stopped(self.generation, rank)),
+                                                               _b(to_json(report)))))
+                requests.append(self._send("stopped", Op.ADD, (_b(Keys.stopped_count(self.generation)), b"1")))
+            self.events.append({"kind": "stopped", "generation": self.generation, "time": time.time()})
+            reported = self.generation
+        if self.announced is not None and self.announced > self.generation:
+            requests += self._next_generation(self.announced, client)
+        return requests, reported
+
+    def _next_generation(self, generation: int, client: PipelinedClient) -> list[Request]:
+        """The workers read the announcement and the plan (each real worker reads both; here once), join the
+        generation or exit, and resume from its redo step."""
+        raw = client.try_get(Keys.announce(generation))
+        assert raw is not None, "the watcher saw the announcement"
+        announcement = from_json(Announcement, raw)
+        plan = client.get(Keys.plan(generation))
+        live = set(announcement.live)
+        for rank in self.members | self.joiners:
+            if rank not in live and self._running(rank):
+                self.exit_code[rank] = EXIT_LEFT_OUT  # left out of the generation: it exits, its node reports it
+        requests: list[Request] = []
+        self.generation = announcement.generation
+        self.members = {r for r in (self.members | self.joiners) & live if self._running(r)}
+        self.joiners -= live
+        now = time.time()
+        for rank in sorted(self.members):
+            requests.append(self._send("joined", Op.SET, (_b(Keys.joined(self.generation, rank)),
+                                                          _b(to_json(Joined(now, 0.0, "init"))))))
+            requests.append(self._send("resumed", Op.SET, (_b(Keys.resumed(self.generation, rank)),
+                                                           _b(to_json(Timestamp(now))))))
+        self.stopped = False
+        self.first_step = self.next_step = announcement.redo_step
+        self.step_origin = now
+        self.events.append({"kind": "resumed", "generation": self.generation, "time": now,
+                            "plan_bytes": len(plan), "members": len(self.members)})
+        return requests
+
+    # -- the node launchers' follow loops ------------------------------------------------------------------------
+    def _node_heartbeats(self, elapsed: float, now: float) -> list[Request]:
+        """Each node launcher's heartbeat add, at its loop's rate (at most one round per pass)."""
+        up = [n for n in self.nodes if n not in self.down_nodes]
+        if not up:
+            return []
+        rate = len(up) / NODE_POLL_S
+        self.counters.due["node"] += elapsed * rate
+        self.node_credit = min(self.node_credit + elapsed * rate, float(len(up)))
+        requests = []
+        while self.node_credit >= 1.0:
+            self.node_credit -= 1.0
+            node = up[self.node_cursor % len(up)]
+            self.node_cursor += 1
+            self.last_node_beat[node] = now
+            requests.append(self._send("node", Op.ADD, (_b(Keys.node_heartbeat(node)), b"1")))
+        return requests
+
+    def _node_polls(self, elapsed: float, budget: int) -> list[Request]:
+        """The rest of each launcher's loop pass: its workers' flags and the run's, within `budget` requests."""
+        up = [n for n in self.nodes if n not in self.down_nodes]
+        if not up:
+            return []
+        rate = len(up) / NODE_POLL_S
+        self.counters.due["node"] += elapsed * rate * sum(2 + len(self.nodes[n]) for n in up) / len(up)
+        self.poll_credit = min(self.poll_credit + elapsed * rate, float(len(up)))
+        requests: list[Request] = []
+        while self.poll_credit >= 1.0 and len(requests) < budget:
+            self.poll_credit -= 1.0
+            node = up[self.poll_cursor % len(up)]
+            self.poll_cursor += 1
+            requests += self._node_poll(node)
+        return requests
+
+    def _node_poll(self, node: int) -> list[Request]:
+        requests = []
+        for rank in self.nodes[node]:
+            if rank in self.exit_code:
+                if rank not in self.exit_reported:
+                    requests += self._report_exit(rank)
+                requests.append(self._send("node", Op.CHECK, (_b(Flags.RESPAWN.name(rank)),)))
+            else:
+                requests.append(self._send("node", Op.CHECK, (_b(Flags.FENCE.name(rank)),),
+                                           self._fence_reply(rank)))
+        requests.append(self._send("node", Op.GET, (_b(Flags.ABORT_RUN.name()), b"0")))
+        requests.append(self._send("node", Op.CHECK, (_b(Flags.FINISHED.name()),)))
+        return requests
+
+    def _fence_reply(self, rank: int) -> Callable[[Status, list[bytes]], None]:
+        def on_reply(status: Status, values: list[bytes]) -> None:
+            if status == Status.OK and values[0] == b"1" and rank not in self.exit_code:
+                self.exit_code[rank] = EXIT_KILLED  # the launcher SIGKILLs it (frozen or not)
+                self.frozen.discard(rank)
+        return on_reply
+
+    def _report_exit(self, rank: int) -> list[Request]:
+        self.exit_reported.add(rank)
+        return [self._send("node", Op.SET, (_b(Flags.EXITED.name(rank)), _b(str(self.exit_code[rank])))),
+                self._send("node", Op.DELETE, (_b(Flags.FENCE.name(rank)),))]
+
+    # -- the benchmark's commands --------------------------------------------------------------------------------
+    def _command(self, commands: Any, what: str, *args: Any) -> None:
+        if what == "stop":
+            self.stop.set()
+            commands.send(("stopped",))
+            return
+        if what == "stats":
+            # `at`: the end of the last pass, up to which `due` is counted (a pass can take seconds when this
+            # machine cannot keep up: rates are taken over this clock, not the benchmark's).
+            commands.send(("stats", dict(self.counters.sent), dict(self.counters.due), list(self.events),
+                           self.last_tick))
+            return
+        with self.lock:
+            reply: dict[str, Any] = {}
+            if what == "kill":  # the process dies; its launcher sees the exit at once and raises the EXITED flag
+                (rank,) = args
+                self.exit_code[rank] = EXIT_KILLED
+                reply["time"] = time.time()
+                self.client.pipeline([(op, fields) for op, fields, _ in self._report_exit(rank)])
+            elif what == "freeze":  # SIGSTOP, right after a beat: only its silence tells, from then on
+                (rank,) = args
+                reply["last_beat"] = self._last_signs([rank], None)
+                self.frozen.add(rank)
+            elif what == "node_down":  # the machine is gone, right after its beats: launcher and workers silent
+                (node,) = args
+                reply["last_beat"] = self._last_signs([r for r in self.nodes[node] if self._running(r)], node)
+                self.down_nodes.add(node)
+            elif what == "node_up":  # repaired: a new launcher starts every worker of the node as a replacement
+                (node,) = args
+                reply.update(self._repair(node))
+            else:
+                raise ValueError(f"unknown command {what!r}")
+        commands.send(("done", reply))
+
+    def _last_signs(self, ranks: list[int], node: int | None) -> float:
+        """Beat for `ranks` (and `node`'s launcher) now, so that their silence starts at one known moment."""
+        now = time.time()
+        requests = []
+        for rank in ranks:
+            self.beats[rank] += 1
+            self.last_beat[rank] = now
+            beat = beat_json(self.beats[rank], "compute", f"{self.incarnation[rank]:x}")
+            requests.append(self._send("beat", Op.SET, (_b(Keys.heartbeat(rank)), beat)))
+        if node is not None:
+            requests.append(self._send("node", Op.ADD, (_b(Keys.node_heartbeat(node)), b"1")))
+        self.client.pipeline([(op, fields) for op, fields, _ in requests])
+        return time.time()
+
+    def _repair(self, node: int) -> dict[str, Any]:
+        requests: list[tuple[Op, tuple[bytes, ...]]] = []
+        self.down_nodes.discard(node)
+        for rank in self.nodes[node]:
+            self.exit_code.pop(rank, None)
+            self.frozen.discard(rank)
+            self.exit_reported.discard(rank)
+            self.members.discard(rank)
+            self.incarnation[rank] += 1
+            self.beats[rank] = 0
+            # control/processes.WorkerProcesses.start(joining=True), then _follow_loop's first pass lowers FENCE.
+            for key in (Keys.join_ready(rank), Keys.join_generation(rank), Keys.exited(rank), Keys.error(rank),
+                        Keys.fence(rank)):
+                requests.append((Op.DELETE, (_b(key),)))
+            self.counters.sent["join"] += 5
+        self.client.pipeline(requests)
+        ready = []
+        now = time.time()
+        for rank in self.nodes[node]:
+            ready.append((Op.SET, (_b(Keys.join_ready(rank)), _b(to_json(JoinReady(now, 0))))))
+            self.joiners.add(rank)
+            self.counters.sent["join"] += 1
+        self.client.pipeline(ready)
+        return {"ready": time.time()}
+
+
+def standin_main(spec: NodesSpec, commands: Any) -> None:
+    """A stand-in process's entry point."""
+    if spec.niceness:
+        os.nice(spec.niceness)
+    StandInNodes(spec).run(commands)

@@ -1,0 +1,76 @@
+"""benchmarks/bench_control_plane.py at a tiny size (stand-in nodes as threads): the real supervisor and store see a
+failure, announce the next generation and admit a repaired node, and the JSON carries the issue's fields, so the
+benchmark cannot rot unnoticed. Also: the benchmark's plan provider makes valid plans."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from recycle.ir import validate_plan
+from recycle.schedules.fault_free import build_schedule
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_control_plane.py"
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_control_plane", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_control_plane"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_rerouting_provider_makes_valid_plans_without_the_failed_workers(bench: ModuleType) -> None:
+    base = build_schedule(bench.bench_config(4, 3, 3), "gpipe")
+    failed = frozenset({(1, 0), (2, 0), (3, 2)})
+    plan = validate_plan(bench.rerouted_plan(base, failed))
+    assert plan.failed == failed
+    assert set(plan.live_ranks()) == set(range(12)) - {base.rank(1, 0), base.rank(2, 0), base.rank(3, 2)}
+    assert all(plan.host[0][mb] in (0, 3) for mb in range(plan.total_microbatches))  # stage 0's survivors
+
+
+def test_a_tiny_run_announces_each_failure_admits_the_repaired_node_and_prints_the_json(bench: ModuleType,
+                                                                                       capsys) -> None:
+    code = bench.main(["--ranks", "32", "--stages", "4", "--microbatches", "2", "--failures", "2",
+                       "--silent-failures", "0", "--standins", "0", "--steady-s", "0.5", "--step-s", "0.2",
+                       "--heartbeat-s", "0.1", "--heartbeat-timeout-s", "0.5"])
+    assert code == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    (run,) = json.loads(lines[-1])["runs"]
+    for key in ("ranks", "detect_to_announce_s", "join_s", "store_ops_per_s", "coordinator_cpu_fraction"):
+        assert run[key] is not None, key
+    assert run["ranks"] == 32 and run["failures"] == 2
+    assert 0 < run["detect_to_announce_s"] < 5.0  # a failure was announced, well before any heartbeat timeout
+    assert 0 < run["join_s"] < 30.0
+    assert run["store_ops_per_s"] > 0 and 0 < run["coordinator_cpu_fraction"] < 1.5
+    assert run["recoveries"] == 4  # two kills, the node's loss, its join
+    assert any("failure (exit flag) -> announce" in line for line in lines)
+
+
+def test_the_stand_ins_records_are_the_workers_records_byte_for_byte(bench: ModuleType) -> None:
+    from control_plane_nodes import beat_json, step_json
+
+    from recycle.runtime.protocol.records import Beat, StepRecord, to_json
+
+    assert beat_json(7, "compute", "1f") == to_json(Beat(7, 7, "compute", "1f")).encode()
+    assert step_json(3, 1, 2, 1.25, 3.5, False) == \
+        to_json(StepRecord(3, 1, 2, 1.25, 3.5, 0.0, None, None, None, 1.0)).encode()
+    assert step_json(0, 3, 0, 0.1, 0.30000000000000004, True) == \
+        to_json(StepRecord(0, 3, 0, 0.1, 0.30000000000000004, 0.0, 1.0, 1.0, None, 1.0)).encode()
+
+
+def test_a_size_the_failures_do_not_fit_is_refused_with_one_line(bench: ModuleType) -> None:
+    with pytest.raises(SystemExit, match=r"^error: --ranks 32 / --stages 8 = 4 replicas per stage, fewer than the 8"):
+        bench.main(["--ranks", "32", "--failures", "5"])
+    with pytest.raises(SystemExit, match=r"^error: --ranks-per-node 0 must be at least 1"):
+        bench.main(["--ranks", "32", "--ranks-per-node", "0"])
