@@ -109,7 +109,7 @@ def step_json(replica: int, stage: int, generation: int, start: float, end: floa
     loss = "1.0" if last else "null"
     return (f'{{"kind": "step", "replica": {replica}, "stage": {stage}, "generation": {generation}, '
             f'"start": {start!r}, "end": {end!r}, "cpu_s": 0.0, "loss_sum": {loss}, "stage_loss": {loss}, '
-            f'"grad_norm": null, "grad_sq": 1.0, "digest": "", "timings": []}}').encode()
+            f'"grad_norm": null, "grad_sq": 1.0, "digest": "", "timings": [], "lr": null}}').encode()
 
 
 class StandInNodes:

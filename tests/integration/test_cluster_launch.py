@@ -141,25 +141,33 @@ exit $rc
 """
 
 
+def _run_sbatch(tmp_path: Path, config_file: Path, first_job_id: int,
+                **extra_env: str) -> tuple[subprocess.CompletedProcess, Path, dict[str, str]]:
+    """examples/slurm/train.sbatch as sbatch would run it on a 2-node allocation, with the stand-in srun: the run,
+    its RUN_DIR and each node's log."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    job_id = next(str(j) for j in range(first_job_id, 10**6) if _port_free(slurm_port(str(j))))
+    run_dir = tmp_path / "run"
+    env = {**clean_env(), "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "CONFIG": str(config_file), "RUN_DIR": str(run_dir), "CHECKPOINT_EVERY": "1", "SLURM_JOB_ID": job_id,
+           "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost,node02", **extra_env}
+    run = subprocess.run(["bash", str(ROOT / "examples" / "slurm" / "train.sbatch")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=180)
+    logs = {name: (run_dir / f"{name}.out").read_text() for name in ("node0", "node1")
+            if (run_dir / f"{name}.out").exists()}
+    return run, run_dir, logs
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_the_slurm_example_script_trains_on_two_nodes(tmp_path: Path, tiny_config_file) -> None:
     """examples/slurm/train.sbatch as sbatch would run it, with a stand-in srun: two launchers, the job secret in a
     mode-600 file that is gone afterwards, the reference parameters."""
     config_file = tiny_config_file(steps=2)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(FAKE_SRUN)
-    (bin_dir / "srun").chmod(0o755)
-    job_id = next(str(j) for j in range(os.getpid() % 10_000 + 1, 10**6) if _port_free(slurm_port(str(j))))
-    run_dir = tmp_path / "run"
-    env = {**clean_env(), "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "CONFIG": str(config_file), "RUN_DIR": str(run_dir), "CHECKPOINT_EVERY": "1", "SLURM_JOB_ID": job_id,
-           "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost,node02"}
-    run = subprocess.run(["bash", str(ROOT / "examples" / "slurm" / "train.sbatch")], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=180)
-    logs = {name: (run_dir / f"{name}.out").read_text() for name in ("node0", "node1")
-            if (run_dir / f"{name}.out").exists()}
+    run, run_dir, logs = _run_sbatch(tmp_path, config_file, os.getpid() % 10_000 + 1)
     assert run.returncode == 0, (run.stderr, logs)
     assert "step 2/2" in logs["node0"] and "SLURM_NNODES=2" in logs["node0"]
     assert not list(run_dir.glob("*.token"))
@@ -173,20 +181,8 @@ def test_the_slurm_example_script_with_a_separate_coordinator(tmp_path: Path, ti
     """COORDINATOR=separate: `recycle coordinator` on the batch host (here: the script's shell), both stand-in nodes
     ordinary training nodes; the coordinator reports the steps and merges --save."""
     config_file = tiny_config_file(steps=2)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(FAKE_SRUN)
-    (bin_dir / "srun").chmod(0o755)
-    job_id = next(str(j) for j in range(os.getpid() % 10_000 + 7, 10**6) if _port_free(slurm_port(str(j))))
-    run_dir = tmp_path / "run"
-    env = {**clean_env(), "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "CONFIG": str(config_file), "RUN_DIR": str(run_dir), "CHECKPOINT_EVERY": "1", "SLURM_JOB_ID": job_id,
-           "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost,node02", "COORDINATOR": "separate",
-           "MASTER_ADDR": "127.0.0.1"}
-    run = subprocess.run(["bash", str(ROOT / "examples" / "slurm" / "train.sbatch")], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=180)
-    logs = {name: (run_dir / f"{name}.out").read_text() for name in ("node0", "node1")
-            if (run_dir / f"{name}.out").exists()}
+    run, run_dir, logs = _run_sbatch(tmp_path, config_file, os.getpid() % 10_000 + 7, COORDINATOR="separate",
+                                     MASTER_ADDR="127.0.0.1")
     assert run.returncode == 0, (run.stdout, run.stderr, logs)
     assert "step 2/2" in run.stdout and "coordinator: the job's store listens on 127.0.0.1" in run.stdout
     assert all("the coordinator reports the steps" in log for log in logs.values()), logs
