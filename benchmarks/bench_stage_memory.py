@@ -1,7 +1,8 @@
 """Peak RSS of building one stage of a Hugging Face model against building the whole model, side by side in one run.
 
 Each measurement runs in a fresh interpreter: import transformers and read the config (the baseline peak RSS), then
-build, then read the peak RSS again (getrusage ru_maxrss); the table gives the growth over the baseline.
+build, then read the peak RSS again (VmHWM: getrusage's ru_maxrss would keep the parent's peak across
+exec); the table gives the growth over the baseline.
 - whole: `build_hf_model` (every tensor), which is also what a worker allocated before per-stage construction
   (it built the whole model and kept its slice);
 - stage s alone: `hf_stage(path, S, s, ...)`, what a worker builds now: the model laid out on the meta device and
@@ -29,17 +30,19 @@ import tempfile
 MIB = 1024 * 1024
 
 CHILD = r"""
-import json, resource, sys, torch
+import json, sys, torch
+def peak_kib():  # VmHWM: this address space's peak RSS, new at exec (ru_maxrss keeps the forking parent's peak)
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 from recycle.models.hf import build_hf_model, hf_stage, load_hf_config
 path, stages, which, weights = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] or None
 torch.set_num_threads(1)
 load_hf_config(path, 64)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = peak_kib()
 if which == "whole":
     module = build_hf_model(path, 64, 0, torch.float32, weights)
 else:
     module = hf_stage(path, stages, int(which), 64, 0, torch.float32, weights)
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+after = peak_kib()
 params = sum(p.numel() for p in module.parameters())
 print(json.dumps({"grown_kib": after - before, "params": params}))
 """

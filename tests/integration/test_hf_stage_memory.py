@@ -13,15 +13,17 @@ import pytest
 pytest.importorskip("transformers")  # in requirements.txt; the optional extra 'hf' for users
 
 CHILD = r"""
-import json, resource, sys, torch
+import json, sys, torch
+def peak_kib():  # VmHWM: this address space's peak RSS, new at exec (ru_maxrss keeps the forking parent's peak)
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 from recycle.models.hf import build_hf_model, hf_stage, load_hf_config
 path, which = sys.argv[1], sys.argv[2]
 torch.set_num_threads(1)
 load_hf_config(path, 64)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = peak_kib()
 module = build_hf_model(path, 64, 0, torch.float32) if which == "whole" else hf_stage(path, 8, int(which), 64, 0,
                                                                                       torch.float32)
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+after = peak_kib()
 print(json.dumps({"grown_kib": after - before, "params": sum(p.numel() for p in module.parameters())}))
 """
 
