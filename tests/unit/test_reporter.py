@@ -88,3 +88,34 @@ def test_an_evaluation_between_two_steps_is_not_in_the_next_steps_period() -> No
     assert second.period_s == 1.0 and second.tokens_per_s == 100.0
     reporter.evaluation(EvalMetrics(2, None, 0, 0, 0.0, 0, skipped="cut"))  # skipped: no time of its own
     assert reporter.step_metrics(2, [StepRecord(0, 0, 0, 2.5, 3.0, 0.1, None, None, None, 1.0)]).period_s == 0.5
+
+
+def test_a_late_stop_report_is_named_in_the_recovery_line() -> None:
+    """The announcement waits for every survivor's report: one stuck in an op of the old generation until its
+    timeout is what a 30 s recovery looks like from the outside, so the line names it."""
+    from recycle.config import parse_config
+    from recycle.ir import PlanChoice
+    from recycle.runtime.control.coordinator import Death, RecoveryFacts
+    from recycle.runtime.control.reporter import GenerationRecords, measure_recovery
+    from recycle.runtime.protocol.records import StoppedReport
+    from recycle.schedules.fault_free import build_schedule
+
+    config = parse_config({"topology": {"num_replicas": 2, "num_stages": 2}, "workload": {"num_microbatches": 2},
+                           "costs": {"forward": 1, "backward_input": 1, "backward_weight": 1}})
+    plan = build_schedule(config, "1f1b")
+
+    def report(rank: int, at: float) -> StoppedReport:
+        return StoppedReport(rank, 0, 0, 1, 3, 0.1, 0, 0.0, "peer lost", at)
+
+    def measured(late_at: float) -> Recovery:
+        facts = RecoveryFacts(1, (Death(2, "worker 1:0 died", 100.0),), frozenset({(1, 0)}), 1, 3, 0.1, 0, 100.0,
+                              (report(0, 100.01), report(3, late_at), report(1, 100.02)))
+        records = GenerationRecords((late_at + 0.2,), (), (), (), {})
+        return measure_recovery(facts, records, plan.worker, late_at + 0.05, PlanChoice(plan, "store", 0.0),
+                                late_at + 1.0, 0.0)
+
+    slow = measured(130.0)
+    assert slow.last_report == ("1:1", 30.0)
+    assert "the last stop report, from 1:1, came 30.00 s after the failure" in slow.line()
+    quick = measured(100.03)
+    assert quick.last_report is not None and "last stop report" not in quick.line()
