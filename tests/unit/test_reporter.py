@@ -116,6 +116,6 @@ def test_a_late_stop_report_is_named_in_the_recovery_line() -> None:
 
     slow = measured(130.0)
     assert slow.last_report == ("1:1", 30.0)
-    assert "the last stop report, from 1:1, came 30.00 s after the failure" in slow.line()
+    assert "the last stop report, from 1:1, came 30.00 s after the failure was detected" in slow.line()
     quick = measured(100.03)
     assert quick.last_report is not None and "last stop report" not in quick.line()

@@ -22,7 +22,7 @@ __all__ = ["StepMetrics", "EvalMetrics", "Recovery", "ChaosEvent", "EventSink", 
 # The newest steps (and evaluations, recoveries, chaos events) a run keeps for its result: a 10^6-step run must not
 # hold a million records in node 0's memory. The --metrics file and the other sinks get every one.
 REPORTS_KEPT = 10_000
-# A survivor's stop report later than this after the failure is named in the recovery line (it holds the announcement).
+# A stop report later than this after the failure's detection is named in the recovery line (it holds the announcement).
 SLOW_REPORT_S = 1.0
 
 Worker = tuple[int, int]  # (replica, stage)
@@ -109,8 +109,8 @@ class Recovery:
     migration_s: float = 0.0  # the slowest worker's exchange
     plan_note: str = ""  # the plan provider's reason for the plan (PlanChoice.note)
     formation: str = ""  # how the new generation's groups were made and the slowest worker's time ("init 0.031 s")
-    # The survivor whose stop report came last, and when (s after the failure): the announcement waits for every
-    # report, so a survivor stuck in an op of the old generation shows here first.
+    # The survivor whose stop report came last, and when (s after the coordinator learned of the failure): the
+    # announcement waits for every report, so a survivor stuck in an op of the old generation shows here first.
     last_report: tuple[str, float] | None = None
 
     def record(self) -> dict[str, Any]:
@@ -146,7 +146,7 @@ class Recovery:
                  "after the failure" if self.detected_s is not None else "after its first sign")
         if self.last_report is not None and self.last_report[1] > SLOW_REPORT_S:
             what.append(f"the last stop report, from {self.last_report[0]}, came {self.last_report[1]:.2f} s after "
-                        "the failure")
+                        "the failure was detected")
         return (f"step {self.step}: {'; '.join(what)}; {detected}plan for {{{state or 'none down'}}} {source} "
                 f"({self.plan_lookup_s * 1e3:.1f} ms); generation {self.generation} in {self.formed_s:.2f} s"
                 f"{f' (groups: {self.formation})' if self.formation else ''}; "
@@ -313,7 +313,7 @@ def measure_recovery(facts: RecoveryFacts, records: GenerationRecords, worker: C
     paused_from = min((r.time for r in facts.reports), default=facts.started)
     last = max(facts.reports, key=lambda r: r.time, default=None)
     last_report = None if last is None or not facts.deaths else \
-        (_name(worker(last.rank)), last.time - failure_time)
+        (_name(worker(last.rank)), last.time - min(d.time for d in facts.deaths))
     migrations, transfers = records.migrations, records.transfers
     return Recovery(
         generation=facts.generation, step=facts.redo_step + 1,
