@@ -212,3 +212,21 @@ def test_top_level_log_level_before_the_command_is_accepted() -> None:
     args = build_parser(["--log-level", "debug", "schedule", "--config", "c.toml"]).parse_args(
         ["--log-level", "debug", "schedule", "--config", "c.toml"])
     assert args.command == "schedule" and args.log_level == "debug"
+
+
+def test_the_coordinator_place_and_the_coordinator_command_refuse_bad_input(cli_error, monkeypatch) -> None:
+    """Issue 23's new inputs: RECYCLE_COORDINATOR, `recycle coordinator` without a fixed port or a job secret, and
+    the flags that act on a node's own workers given to the coordinator."""
+    config = "configs/tiny-gpt.toml"
+    monkeypatch.delenv("RECYCLE_JOB_TOKEN", raising=False)
+    monkeypatch.setenv("RECYCLE_COORDINATOR", "elsewhere")
+    line = cli_error(["train", "--config", config])
+    assert "RECYCLE_COORDINATOR='elsewhere' is not a coordinator place" in line and "separate" in line
+    monkeypatch.delenv("RECYCLE_COORDINATOR")
+    line = cli_error(["coordinator", "--config", config])  # one node: no port is needed there, but here it is
+    assert "`recycle coordinator` needs a fixed --master-port" in line and "RECYCLE_JOB_TOKEN" in line
+    line = cli_error(["train", "--config", config, "--coordinator", "separate", "--master-port", "29500"])
+    assert "--coordinator separate needs a fixed --master-port" in line and "job secret" in line
+    for flag in (["--inject", "kill:1:1@3"], ["--chaos", "1,0.1"], ["--respawn-after", "1"], ["--emulate-costs"]):
+        line = cli_error(["coordinator", "--config", config, *flag])
+        assert f"{flag[0]} acts on a node's own workers, and `recycle coordinator` runs none" in line, line
