@@ -17,7 +17,7 @@ from recycle.ir.worker import workers_text
 from recycle.runtime.control.cluster_env import NodeRole, resolve_role
 from recycle.runtime.options import (STAGE_LOSS_POLICIES, START_METHODS, CheckpointOptions, ClusterOptions,
                                      CoordinatorPlace, DebugOptions, FaultOptions, LaunchOptions, OutputOptions,
-                                     RecoveryOptions)
+                                     RecoveryOptions, hosts_coordinator)
 from recycle.runtime.tools.chaos import parse_chaos
 from recycle.runtime.tools.faults import FaultInjection, parse_fault, parse_rejoin
 
@@ -223,8 +223,7 @@ def run_job(args: argparse.Namespace, place: CoordinatorPlace) -> int:
     from recycle.api import train
 
     role = node_role(args, os.environ)
-    hosts = place == "self" or (place == "node0" and role.node_rank == 0)
-    tensorboard = args.tensorboard if hosts else ""  # the coordinator gathers the metrics
+    tensorboard = args.tensorboard if hosts_coordinator(place, role.node_rank) else ""  # the coordinator gathers the metrics
     if tensorboard:
         from recycle.runtime.control.tensorboard_sink import summary_writer
 
@@ -353,7 +352,7 @@ def _checked_token_file(path: str) -> str:
 def _print_result(result: TrainResult, node_rank: int, save: str | None, place: CoordinatorPlace,
                   export_hf: str = "") -> None:
     """What the run did, where the coordinator runs (the other nodes say who reports)."""
-    if place == "separate" or (place == "node0" and node_rank > 0):
+    if not hosts_coordinator(place, node_rank):
         who = "node 0" if place == "node0" else "the coordinator"
         print(f"node {node_rank}: the run has finished ({who} reports the steps and writes the outputs)")
         return

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 __all__ = ["StageLossPolicy", "StartMethod", "Backend", "STAGE_LOSS_POLICIES", "START_METHODS", "BACKENDS",
            "MIN_TIMEOUT_S", "OutputOptions", "CheckpointOptions", "RecoveryOptions", "ClusterOptions", "FaultOptions",
-           "DebugOptions", "LaunchOptions", "KEYWORDS", "with_keywords", "log_progress"]
+           "DebugOptions", "LaunchOptions", "KEYWORDS", "with_keywords", "log_progress", "CoordinatorPlace",
+           "COORDINATOR_PLACES", "hosts_coordinator"]
 
 # When a stage loses every replica (and a checkpoint exists): "reshape" moves a live worker of the stage with the most
 # replicas into it (no spare machine needed), falling back to "respawn" (wait for a replacement process for the dead
@@ -119,6 +120,11 @@ class RecoveryOptions:
                               f"{', '.join(STAGE_LOSS_POLICIES)}")
 
 
+def hosts_coordinator(place: CoordinatorPlace, node_rank: int) -> bool:
+    """Whether the process at `place` (node `node_rank`) serves the job's store and runs the coordinator."""
+    return place == "self" or (place == "node0" and node_rank == 0)
+
+
 @dataclass(frozen=True)
 class ClusterOptions:
     """Where the job's store is, this node's place among the nodes, the job secret, and how workers start."""
@@ -135,7 +141,7 @@ class ClusterOptions:
     @property
     def hosts_coordinator(self) -> bool:
         """This process serves the job's store and runs the coordinator."""
-        return self.coordinator == "self" or (self.coordinator == "node0" and self.node_rank == 0)
+        return hosts_coordinator(self.coordinator, self.node_rank)
 
     @property
     def runs_workers(self) -> bool:
