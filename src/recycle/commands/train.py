@@ -96,6 +96,9 @@ def add_recovery_options(p: argparse.ArgumentParser) -> None:
                           help="a worker (or a node's launcher) that sends no heartbeat for S seconds is frozen or "
                                "cut off: it is fenced (shut out of the job's store, and killed where its node can "
                                "be reached) and its micro-batches re-routed (default 5)")
+    recovery.add_argument("--coordinator-grace", type=float, default=600.0, metavar="S",
+                          help="with --coordinator separate: how long a node waits for a coordinator that died to be "
+                               "restarted (same command) while its workers train on, before it stops (default 600)")
     recovery.add_argument("--hang-timeout", type=float, default=None, metavar="S",
                           help="a worker whose heartbeat goes on while one action has computed for S seconds is "
                                "hung (a stuck compute thread): fenced like a frozen one. Default: 20 x the median "
@@ -294,7 +297,8 @@ def _launch_options(args: argparse.Namespace, role: NodeRole, faults: list[tuple
         checkpoint=CheckpointOptions(dir=args.checkpoint_dir, every=checkpoint_every, keep=args.keep_checkpoints,
                                      resume_dir=args.resume),
         recovery=RecoveryOptions(timeout_s=args.timeout, heartbeat_timeout_s=args.heartbeat_timeout,
-                                 hang_timeout_s=args.hang_timeout, stage_loss=args.on_stage_loss),
+                                 hang_timeout_s=args.hang_timeout, stage_loss=args.on_stage_loss,
+                                 coordinator_grace_s=args.coordinator_grace),
         cluster=ClusterOptions(master_addr=role.master_addr, master_port=role.master_port, nnodes=role.nnodes,
                                node_rank=role.node_rank, token=read_token(_checked_token_file(args.token_file)),
                                start_method=args.start_method, coordinator=place),

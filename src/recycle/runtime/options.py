@@ -97,6 +97,9 @@ class RecoveryOptions:
     # One action computing this long (while the heartbeat goes on) is a hang: None = automatic (hang_limit_s).
     hang_timeout_s: float | None = None
     stage_loss: StageLossPolicy = "reshape"
+    # With a separate coordinator: how long a node's launcher (and its workers, which train on meanwhile) waits for
+    # the coordinator to come back (restarted by k8s, systemd, SLURM or by hand) before it stops the node.
+    coordinator_grace_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
@@ -115,6 +118,9 @@ class RecoveryOptions:
         if not self.heartbeat_timeout_s >= 2 * self.heartbeat_s:
             raise ConfigError(f"--heartbeat-timeout {self.heartbeat_timeout_s:g} s must be at least twice the "
                               f"heartbeat interval ({self.heartbeat_s:g} s), or a busy worker counts as hung")
+        if not (math.isfinite(self.coordinator_grace_s) and self.coordinator_grace_s >= 0):
+            raise ConfigError(f"--coordinator-grace {self.coordinator_grace_s:g} must be a number of seconds >= 0 "
+                              "(how long a node waits for a restarted coordinator), e.g. 600")
         if self.stage_loss not in STAGE_LOSS_POLICIES:
             raise ConfigError(f"--on-stage-loss {self.stage_loss!r} is not a policy; use one of "
                               f"{', '.join(STAGE_LOSS_POLICIES)}")
@@ -246,7 +252,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "checkpoint_dir": ("checkpoint", "dir"), "checkpoint_every": ("checkpoint", "every"),
     "keep_checkpoints": ("checkpoint", "keep"), "resume_dir": ("checkpoint", "resume_dir"),
     **{name: ("recovery", name) for name in ("timeout_s", "heartbeat_s", "heartbeat_timeout_s", "hang_timeout_s",
-                                             "stage_loss")},
+                                             "coordinator_grace_s", "stage_loss")},
     **{name: ("cluster", name) for name in ("master_addr", "master_port", "nnodes", "node_rank", "token", "backend",
                                             "start_method", "coordinator")},
     "faults": ("faults", "injections"),

@@ -310,6 +310,20 @@ class Coordinator:
         self.checkpoints = Checkpoints(num_stages, checkpoint_every, self.next_step, end_step)
         self.repairs = Repairs(local, respawn_after_s, rejoins)
 
+    def adopt(self, generation: int, live: frozenset[int], done: frozenset[int], next_step: int,
+              member_from: Iterable[tuple[int, int]], latest_checkpoint: int | None) -> None:
+        """A restarted coordinator takes the run over as its workers told it (control.resync.rebuild): `generation`
+        with its members `live` (`done` of them finished), steps reported from `next_step`."""
+        failed = frozenset(self.worker(r) for r in range(self.num_replicas * self.num_stages) if r not in live)
+        latest = latest_checkpoint if latest_checkpoint is not None else self.state.latest_checkpoint
+        self.state = RunState(generation=generation, live=live, failed=failed, done=done,
+                              latest_checkpoint=latest if self.checkpointing else None)
+        self.done = done
+        self.next_step = next_step
+        self.member_from = dict(member_from)
+        self.checkpoints = Checkpoints(self.num_stages, self.checkpoints.every,
+                                       next_step if latest is None else min(latest, next_step), self.end_step)
+
     def worker(self, rank: int) -> tuple[int, int]:
         return divmod(rank, self.num_stages)
 

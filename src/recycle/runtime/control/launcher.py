@@ -22,15 +22,16 @@ from recycle.ir import Plan, validate_plan
 from recycle.ir.worker import Worker
 from recycle.runtime.control import preflight
 from recycle.runtime.control.processes import Spawner, WorkerProcesses, node_ranks, start_context
-from recycle.runtime.control.reporter import Recovery, StepMetrics
+from recycle.runtime.control.reporter import Recovery, StepMetrics, last_reported_step
+from recycle.runtime.control.resync import Rebuilt, collect_hellos, collect_resyncs, is_restart, rebuild
 from recycle.runtime.control.supervisor import Supervisor
 from recycle.runtime.control.worker_table import WorkerRow, replacement_line, worker_table
 from recycle.runtime.options import ClusterOptions, LaunchOptions, OutputOptions
 from recycle.runtime.protocol.channels import (Channels, Flags, JobStore, Keys, connect_store, host_store,
                                                launcher_identity, new_incarnation, new_token)
 from recycle.runtime.protocol.messages import check_plan_matches
-from recycle.runtime.protocol.records import JobSettings
-from recycle.runtime.protocol.store import LocalStore, StoreFenced, StoreServer
+from recycle.runtime.protocol.records import JobSettings, NodeHello
+from recycle.runtime.protocol.store import LocalStore, StoreFenced, StoreServer, StoreUnavailable
 from recycle.runtime.state import checkpoint
 from recycle.runtime.worker.data import check_data
 from recycle.runtime.worker.process import WorkerSpec
@@ -90,6 +91,12 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     mine = node_ranks(plan.live_ranks(), cluster.nnodes, cluster.node_rank) if cluster.runs_workers else []
     wall0 = time.time()
     jobs = JobStore(store)
+    rebuilt = None
+    if cluster.hosts_coordinator:
+        rebuilt = _restarted(jobs, config, plan, options, start_step, end_step)
+    else:
+        # The first word to the coordinator: it tells a fresh start from its own restart by these.
+        jobs.put(Channels.HELLO, NodeHello("fresh"), cluster.node_rank)
     _agree_on_settings(jobs, _job_settings(config, plan, options, end_step), cluster)
     # A node started again while its job runs (a repaired node) brings its workers back as replacements.
     rejoining = not cluster.hosts_coordinator and jobs.is_set(Flags.RUNNING)
@@ -115,7 +122,7 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
                                       for r in mine]):
                 options.progress(line)
         if cluster.hosts_coordinator:
-            run = Supervisor(config, plan, options, store, workers, start_step, end_step, wall0, server)
+            run = Supervisor(config, plan, options, store, workers, start_step, end_step, wall0, server, rebuilt)
             steps, recoveries, failed = run.run()
             chaos_events = [event.record() for event in run.reporter.chaos_events]
         else:
@@ -153,6 +160,35 @@ def _write_final(config: Config, outputs: OutputOptions, num_stages: int, end_st
                       outputs.export_hf)
     finally:
         checkpoint.remove_stage_parts(outputs.parts_path, num_stages)
+
+
+def _restarted(jobs: JobStore, config: Config, plan: Plan, options: LaunchOptions, start_step: int,
+               end_step: int) -> Rebuilt | None:
+    """A separate coordinator hears from every node first: if their workers train already, it is a restarted one, and
+    it rebuilds the run from what the launchers and workers tell its empty store (None: a fresh start)."""
+    cluster, recovery = options.cluster, options.recovery
+    if cluster.coordinator != "self":
+        return None  # node 0's launcher hosts the coordinator: it cannot restart without its node's workers
+    window = max(3.0, 2 * recovery.heartbeat_timeout_s)
+    hellos = collect_hellos(jobs, cluster.watched_nodes, window, options.progress)
+    if not is_restart(hellos):
+        return None
+    jobs.raise_flag(Flags.RUNNING)  # before the settings: a node launcher that starts now is a repaired one
+    alive = frozenset(r for hello in hellos.values() for r in hello.alive)
+    resyncs = collect_resyncs(jobs, alive, window)
+    metrics = options.outputs.metrics_path
+    rebuilt = rebuild(frozenset(plan.live_ranks()), hellos, resyncs,
+                      lambda generation: jobs.read(Channels.ANNOUNCE, generation),
+                      checkpoint.latest_step(options.checkpoint.dir) if options.checkpoint.dir else None,
+                      start_step, end_step, last_reported_step(metrics) if metrics else None)
+    if options.progress:
+        lost = "" if rebuilt.lost_steps is None else \
+            (f"; steps {rebuilt.lost_steps[0] + 1}-{rebuilt.lost_steps[1]} ran while no coordinator could record "
+             "them (their training stands; their records are lost)")
+        options.progress(f"coordinator: took over the run in generation {rebuilt.generation} with "
+                         f"{len(rebuilt.live)} live worker(s) ({len(resyncs)} reported, {len(rebuilt.done)} finished), "
+                         f"reporting from step {rebuilt.next_step + 1}{lost}")
+    return rebuilt
 
 
 def _job_settings(config: Config, plan: Plan, options: LaunchOptions, end_step: int) -> JobSettings:
@@ -215,32 +251,73 @@ def _follow(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, pl
 
 
 def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan) -> None:
+    """Carry out the coordinator's word for this node's workers. A separate coordinator may die and come back: the
+    workers train on meanwhile, and once its store answers again (a new one: it restarted) this launcher says where
+    its workers stand and reports their exits again."""
     reported: dict[int, int | None] = {}  # rank -> pid whose exit was reported
+    node = options.cluster.node_rank
+    grace = options.recovery.coordinator_grace_s if options.cluster.coordinator == "separate" else 0.0
+    instance = jobs.raw.try_get(Keys.STORE_INSTANCE)
+    away_since: float | None = None
     for rank in workers.ranks:
         jobs.lower_flag(Flags.FENCE, rank)
     while True:
-        # Node 0 tells a frozen or cut-off node by its silence.
-        jobs.raw.add(Keys.node_heartbeat(options.cluster.node_rank), 1)
-        for rank in workers.ranks:
-            code = workers.exitcode(rank)
-            if code is not None and reported.get(rank) != workers.pid(rank):
-                jobs.raise_flag(Flags.EXITED, rank, text=str(code))
-                reported[rank] = workers.pid(rank)
-                jobs.lower_flag(Flags.FENCE, rank)
-            elif code is None and jobs.is_set(Flags.FENCE, rank):
-                workers.signal(rank, signal.SIGKILL)
-            if code is not None and jobs.is_set(Flags.RESPAWN, rank):
-                reason = jobs.flag_text(Flags.RESPAWN, rank) or ""
-                jobs.lower_flag(Flags.RESPAWN, rank)
-                pid = workers.start(rank, joining=True)
+        try:
+            if away_since is not None:
+                now_instance = jobs.raw.try_get(Keys.STORE_INSTANCE)
+                restarted = now_instance != instance
+                if restarted:  # a restarted coordinator: its store starts empty
+                    instance = now_instance
+                    reported.clear()
+                    codes = workers.exitcodes()
+                    jobs.put(Channels.HELLO, NodeHello("running", tuple(r for r in workers.ranks if r not in codes),
+                                                       tuple(sorted(codes.items()))), node)
                 if options.progress:
-                    options.progress(replacement_line(
-                        WorkerRow(options.cluster.node_rank, Worker(*plan.worker(rank)), rank, pid), reason))
-        abort = jobs.flag_text(Flags.ABORT_RUN)
-        if abort is not None:
-            workers.stop()
-            raise RuntimeFailure(abort)
-        if jobs.is_set(Flags.FINISHED) and all(workers.exitcode(r) is not None for r in workers.ranks):
-            jobs.raise_flag(Flags.NODE_DONE, options.cluster.node_rank)
-            return
-        workers.wait(0.1)
+                    options.progress(f"node {node}: the job's coordinator answers again after "
+                                     f"{time.monotonic() - away_since:.1f} s"
+                                     + (" (restarted)" if restarted else ""))
+                away_since = None
+            if _follow_once(jobs, workers, options, plan, reported):
+                return
+        except StoreUnavailable:
+            now = time.monotonic()
+            if away_since is None:
+                away_since = now
+                if grace > 0 and options.progress:
+                    options.progress(f"node {node} lost the job's coordinator "
+                                     f"({options.cluster.master_addr}:{options.cluster.master_port}); its workers "
+                                     f"train on while it waits up to {grace:g} s for the coordinator to be restarted")
+            if now - away_since >= grace:
+                raise
+            workers.wait(0.5)
+
+
+def _follow_once(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan,
+                 reported: dict[int, int | None]) -> bool:
+    """One look at the store and at this node's workers; True when the run is over for this node."""
+    # Node 0 tells a frozen or cut-off node by its silence.
+    jobs.raw.add(Keys.node_heartbeat(options.cluster.node_rank), 1)
+    for rank in workers.ranks:
+        code = workers.exitcode(rank)
+        if code is not None and reported.get(rank) != workers.pid(rank):
+            jobs.raise_flag(Flags.EXITED, rank, text=str(code))
+            reported[rank] = workers.pid(rank)
+            jobs.lower_flag(Flags.FENCE, rank)
+        elif code is None and jobs.is_set(Flags.FENCE, rank):
+            workers.signal(rank, signal.SIGKILL)
+        if code is not None and jobs.is_set(Flags.RESPAWN, rank):
+            reason = jobs.flag_text(Flags.RESPAWN, rank) or ""
+            jobs.lower_flag(Flags.RESPAWN, rank)
+            pid = workers.start(rank, joining=True)
+            if options.progress:
+                options.progress(replacement_line(
+                    WorkerRow(options.cluster.node_rank, Worker(*plan.worker(rank)), rank, pid), reason))
+    abort = jobs.flag_text(Flags.ABORT_RUN)
+    if abort is not None:
+        workers.stop()
+        raise RuntimeFailure(abort)
+    if jobs.is_set(Flags.FINISHED) and all(workers.exitcode(r) is not None for r in workers.ranks):
+        jobs.raise_flag(Flags.NODE_DONE, options.cluster.node_rank)
+        return True
+    workers.wait(0.1)
+    return False

@@ -17,7 +17,7 @@ from recycle.runtime.state import checkpoint
 
 __all__ = ["StepMetrics", "EvalMetrics", "Recovery", "ChaosEvent", "EventSink", "ProgressSink", "MetricsFile",
            "Reporter", "GenerationRecords", "measure_recovery", "grad_norm", "learning_rate", "replica_mismatch",
-           "REPORTS_KEPT"]
+           "REPORTS_KEPT", "last_reported_step"]
 
 # The newest steps (and evaluations, recoveries, chaos events) a run keeps for its result: a 10^6-step run must not
 # hold a million records in node 0's memory. The --metrics file and the other sinks get every one.
@@ -212,11 +212,11 @@ class ProgressSink:
 class MetricsFile:
     """--metrics FILE: one JSON line per step, evaluation, recovery and chaos event, appended as it happens. The first
     record replaces a previous run's file whole (atomically); each later one is one append, so the cost of a record
-    does not grow with the run."""
+    does not grow with the run. A restarted coordinator appends to its predecessor's file (`append`)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, append: bool = False) -> None:
         self.path = path
-        self.started = False
+        self.started = append
 
     def on_step(self, metrics: StepMetrics) -> None:
         self._write(asdict(metrics))
@@ -237,6 +237,27 @@ class MetricsFile:
         else:
             checkpoint.atomic_write_text(self.path, line)
             self.started = True
+
+
+def last_reported_step(path: str) -> int | None:
+    """The newest step (1-based) a --metrics file holds a step record of; None when it holds none (or is absent).
+    Read from its end: a restarted coordinator never reports a step twice."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(0, 2)
+            size = file.tell()
+            file.seek(max(0, size - (1 << 20)))
+            lines = file.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue  # a line cut by the predecessor's death, or the first one in the window
+        if isinstance(record, dict) and "event" not in record and isinstance(record.get("step"), int):
+            return int(record["step"])
+    return None
 
 
 def grad_norm(records: list[StepRecord], num_stages: int) -> float | None:

@@ -17,6 +17,7 @@ from recycle.runtime.control.coordinator import (AbortGeneration, Announce, Comm
                                                  MarkLatest, Move, RecoveryFacts, Respawn, describe_exit, hang_limit_s)
 from recycle.runtime.control.liveness import Liveness
 from recycle.runtime.control.processes import WorkerProcesses, node_ranks
+from recycle.runtime.control.resync import Rebuilt
 from recycle.runtime.control.reporter import (ChaosEvent, EvalMetrics, EventSink, GenerationRecords, MetricsFile,
                                               ProgressSink, Recovery, Reporter, StepMetrics, measure_recovery,
                                               replica_mismatch)
@@ -50,7 +51,8 @@ class Supervisor:
     report steps and recoveries."""
 
     def __init__(self, config: Config, plan: Plan, options: LaunchOptions, store: Any, workers: WorkerProcesses,
-                 start_step: int, end_step: int, wall0: float, server: StoreServer | None = None) -> None:
+                 start_step: int, end_step: int, wall0: float, server: StoreServer | None = None,
+                 rebuilt: Rebuilt | None = None) -> None:
         self.plan, self.options, self.store = plan, options, store
         self.jobs = JobStore(store)
         self.server = server
@@ -71,7 +73,7 @@ class Supervisor:
         if options.sink is not None:
             sinks.append(options.sink)
         if options.outputs.metrics_path:
-            sinks.append(MetricsFile(options.outputs.metrics_path))
+            sinks.append(MetricsFile(options.outputs.metrics_path, append=rebuilt is not None))
         tokens_per_step = plan.total_microbatches * config.workload.microbatch_size * config.workload.seq_len
         self.reporter = Reporter(sinks, tokens_per_step, plan.num_stages, wall0, config.topology.gpus_per_worker)
         self.start_step = start_step
@@ -88,6 +90,31 @@ class Supervisor:
         self.unfenceable = {int(r) for r in os.environ.get("RECYCLE_TEST_UNFENCEABLE", "").split(",") if r.strip()}
         self.pending: _PendingRecovery | None = None  # the recovery being completed
         self.failing = False
+        self.unrecorded: frozenset[int] = frozenset()  # finished members whose records a restart lost
+        if rebuilt is not None:
+            self._adopt(rebuilt)
+
+    def _adopt(self, rebuilt: Rebuilt) -> None:
+        """A restarted coordinator: take the run over where its workers are (control.resync)."""
+        coordinator, now = self.coordinator, time.time()
+        coordinator.adopt(rebuilt.generation, rebuilt.live, rebuilt.done, rebuilt.next_step, rebuilt.member_from,
+                          rebuilt.latest_checkpoint)
+        failed = coordinator.state.failed
+        if failed != self.plan.failed:
+            if self.options.plan_provider is None:
+                self._fail("the restarted coordinator found workers down and has no plan provider for that state")
+            self.plan = self.options.plan_provider(failed).plan
+        if rebuilt.generation > 0:
+            self.store.set(Keys.plan(rebuilt.generation), self.plan.to_json())
+        self.start_step = rebuilt.next_step
+        self.next_eval = self._first_eval(rebuilt.next_step)
+        self.last_chaos_step = rebuilt.next_step
+        self.unrecorded = rebuilt.unrecorded
+        self.remote = sorted((set(self.remote) | rebuilt.live) - self.local)
+        for rank in rebuilt.live:
+            self.liveness.admit(rank, now)  # silence counts from the restart
+        for node in self.options.cluster.watched_nodes:
+            self.liveness.node_last_beat[node] = now
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> tuple[list[StepMetrics], list[Recovery], frozenset[tuple[int, int]]]:
@@ -372,7 +399,7 @@ class Supervisor:
             # The evaluation before this step first (its record is in before the step's last one: the writer
             # writes it before the step), so that the step's period starts after it.
             self._report_evaluations()
-            members = self.coordinator.members(step)
+            members = [r for r in self.coordinator.members(step) if r not in self.unrecorded]
             records = self._records(Channels.METRICS, step, members)
             if not members or len(records) < len(members):
                 return

@@ -12,8 +12,8 @@ from typing import Any, Callable, Generic, TypeVar
 
 from recycle.errors import ConfigError
 from recycle.runtime.protocol.records import (Announcement, Beat, ErrorRecord, EvalRecord, FaultRecord, JobSettings,
-                                              Joined, JoinReady, MigrationRecord, StepRecord, StoppedReport, Timestamp,
-                                              TransferRecord, from_json, to_json)
+                                              Joined, JoinReady, MigrationRecord, NodeHello, StepRecord, StoppedReport,
+                                              Timestamp, TransferRecord, WorkerResync, from_json, to_json)
 from recycle.runtime.protocol.store import StoreClient, StoreServer
 
 __all__ = ["TOKEN_ENV", "new_token", "read_token", "host_store", "connect_store", "new_incarnation",
@@ -53,10 +53,14 @@ def host_store(address: str, port: int, token: str) -> StoreServer:
     """The job's store, listening on `address` only (loopback for a single-node run) and serving only processes that
     prove they hold the job token; started."""
     try:
-        return StoreServer(address, port, token).start()
+        server = StoreServer(address, port, token)
     except OSError as exc:
         raise ConfigError(f"cannot listen on {address}:{port} for the job's store ({exc.strerror}); pick another "
                           "--master-port, or an address of this machine for --master-addr") from None
+    # What tells the job's processes that they reconnected to another store (a restarted coordinator's, which starts
+    # empty) rather than to the same one after a network blip: they then write again what it lacks.
+    server.data.set(Keys.STORE_INSTANCE.encode(), secrets.token_hex(8).encode())
+    return server.start()
 
 
 def connect_store(host: str, port: int, token: str, identity: str, timeout_s: float,
@@ -194,6 +198,16 @@ class Keys:
     def job() -> str:
         return "job"
 
+    @staticmethod
+    def node_hello(node: int) -> str:
+        return f"node/{node}/hello"
+
+    @staticmethod
+    def resync(rank: int) -> str:
+        return f"resync/{rank}"
+
+    STORE_INSTANCE = "store/instance"  # set once by the process that serves the store: a restarted one has another
+
     ABORT_RUN = "abort"
     FINISHED = "finished"
     RUNNING = "running"  # the first step is done: a node launcher that starts now is a repaired node
@@ -227,6 +241,8 @@ class Channels:
     EVAL = Channel(Keys.evaluation, EvalRecord)  # (done steps)
     ERROR = Channel(Keys.error, ErrorRecord)  # (rank)
     FAULT = Channel(Keys.fault, FaultRecord)  # (rank)
+    HELLO = Channel(Keys.node_hello, NodeHello)  # (node): a node launcher's first word to a store
+    RESYNC = Channel(Keys.resync, WorkerResync)  # (rank): a worker's state, told to a restarted coordinator
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # typeshed's type of a dataclass (what fields() takes); it ex
 
 __all__ = ["RecordError", "StepRecord", "EvalRecord", "ErrorRecord", "FaultRecord", "JoinReady", "Timestamp",
            "TransferRecord", "MigrationRecord", "StoppedReport", "Announcement", "Joined", "Beat", "JobSettings",
-           "to_json", "from_json"]
+           "NodeHello", "WorkerResync", "to_json", "from_json"]
 
 
 class RecordError(ValueError):
@@ -198,11 +198,39 @@ class JobSettings:
         return out
 
 
+@dataclass(frozen=True)
+class NodeHello:
+    """A node launcher's first word to a store it has just connected to (key node/NODE/hello): "fresh" (it starts its
+    workers now) or "running" (its workers train already: the store is a restarted coordinator's, which rebuilds the
+    run from these and the workers' WorkerResync records). `alive`: its workers whose process runs; `exited`: (rank,
+    exit code) of those that ended."""
+
+    state: str
+    alive: tuple[int, ...] = ()
+    exited: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkerResync:
+    """Where a worker stands, told to a store that came back empty (a restarted coordinator; key resync/RANK), after it
+    has written again the records that store lacks (its announcement, stop report, recent step records).
+
+    `phase`: "training" (in `generation`), "stopped" (left `generation` after a failure, waits for the next one),
+    "admitting" (a replacement not yet admitted), "finished". `oldest_record`: the first step whose StepRecord it wrote
+    again (its next step when it has none)."""
+
+    generation: int
+    phase: str
+    oldest_record: int
+    pid: int
+    incarnation: str
+
+
 _KINDS: dict[str, type[DataclassInstance]] = {
     "job": JobSettings, "beat": Beat, "joined": Joined, "step": StepRecord, "eval": EvalRecord, "error": ErrorRecord,
     "fault": FaultRecord,
     "join_ready": JoinReady, "timestamp": Timestamp, "transfer": TransferRecord, "migration": MigrationRecord,
-    "stopped": StoppedReport, "announce": Announcement}
+    "stopped": StoppedReport, "announce": Announcement, "node_hello": NodeHello, "worker_resync": WorkerResync}
 _NAMES = {cls: kind for kind, cls in _KINDS.items()}
 
 R = TypeVar("R")

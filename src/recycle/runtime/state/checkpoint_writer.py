@@ -8,6 +8,7 @@ import threading
 from typing import Any, Callable
 
 from recycle.runtime.protocol.channels import Keys
+from recycle.runtime.protocol.store import StoreUnavailable
 from recycle.runtime.state import checkpoint
 from recycle.runtime.state.stage_state import StageState
 
@@ -18,9 +19,13 @@ class CheckpointWriter:
     """One writer thread per worker; `submit` copies the state (a memcpy) and returns, once the previous
     checkpoint is written."""
 
-    def __init__(self, root: str, store: Any) -> None:
+    def __init__(self, root: str, store: Any, written: Callable[[Any, int, int], None] | None = None) -> None:
         self.root = root
         self.store = store  # its own connection: the thread must not share the main thread's
+        # How a complete shard is told to the coordinator: written(store, done steps, stage) (the worker keeps the
+        # word for a restarted coordinator); by default a plain flag.
+        self.written = written or (lambda store, done_steps, stage: store.set(Keys.checkpointed(done_steps, stage),
+                                                                              "1"))
         self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self._error: BaseException | None = None
         # torch.distributed.checkpoint (with DTensor) takes ~1.2 s to import here. Imported now, at the worker's
@@ -52,6 +57,16 @@ class CheckpointWriter:
         if self._error is not None:
             raise self._error
 
+    def _ping(self) -> None:
+        """Before a shard is committed: a fenced writer's ping ends its process. A store that is away (its
+        coordinator restarts) does not stop the write."""
+        ping = getattr(self.store, "ping", None)
+        if ping is not None:
+            try:
+                ping()
+            except StoreUnavailable:
+                pass
+
     def _run(self) -> None:
         while True:
             item = self._queue.get()
@@ -59,10 +74,9 @@ class CheckpointWriter:
                 if item is None:
                     return
                 done_steps, stage, layers, state, before_write = item
-                ping = getattr(self.store, "ping", None)  # a fenced writer's ping ends its process
                 checkpoint.save_shard(self.root, done_steps, stage, layers, state, before_write=before_write,
-                                      before_commit=ping)
-                self.store.set(Keys.checkpointed(done_steps, stage), "1")
+                                      before_commit=self._ping)
+                self.written(self.store, done_steps, stage)
             except BaseException as exc:  # reported to the training thread at its next submit or wait
                 self._error = exc
             finally:

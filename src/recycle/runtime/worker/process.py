@@ -29,8 +29,8 @@ from recycle.runtime.options import (Backend, CheckpointOptions, ClusterOptions,
 from recycle.runtime.protocol.channels import Channels, Flags, JobStore, Keys, connect_store, worker_identity
 from recycle.runtime.protocol.records import (Announcement, Beat, ErrorRecord, EvalRecord, FaultRecord, Joined,
                                               JoinReady, MigrationRecord, StepRecord, StoppedReport, Timestamp,
-                                              TransferRecord)
-from recycle.runtime.protocol.store import StoreClient, StoreFenced
+                                              TransferRecord, WorkerResync)
+from recycle.runtime.protocol.store import StoreClient, StoreFenced, StoreUnavailable
 from recycle.runtime.state import checkpoint
 from recycle.runtime.state.checkpoint_writer import CheckpointWriter
 from recycle.runtime.state.migration import (exchange_layers, layer_moves, layer_scaled_config, plan_bounds,
@@ -44,6 +44,7 @@ from recycle.runtime.worker.data import data_source
 from recycle.runtime.worker.emulate import cost_pacer
 from recycle.runtime.worker.evaluation import evaluate
 from recycle.runtime.worker.executor import StageExecutor
+from recycle.runtime.worker.outbox import Outbox
 from recycle.runtime.worker.nccl_env import prepare_nccl
 from recycle.runtime.worker.stage import build_stage
 from recycle.runtime.worker.title import set_process_title
@@ -146,12 +147,14 @@ class _Watcher(threading.Thread):
     thread has got (records.Beat), and waits in the store for the abort or drain of the current generation. On an
     abort it cuts the generation's communicators itself (`on_abort`), so a main thread blocked on a frozen or
     silent peer raises at once; nothing here waits on any peer. A frozen process stops beating: that is how the
-    coordinator tells a frozen worker from a slow one; a stuck main thread stops advancing `actions`."""
+    coordinator tells a frozen worker from a slow one; a stuck main thread stops advancing `actions`. It also writes
+    what the worker's outbox holds once the store is back after an outage (a restarted coordinator)."""
 
     def __init__(self, spec: WorkerSpec, activity: Activity, on_abort: Any,
-                 connect: Callable[[WorkerSpec], Any]) -> None:
+                 connect: Callable[[WorkerSpec], Any], outbox: Outbox) -> None:
         super().__init__(daemon=True, name="recycle-watcher")
         self.store = connect(spec)
+        self.outbox = outbox
         self.jobs = JobStore(self.store)
         self.rank = spec.rank
         self.incarnation = spec.incarnation
@@ -178,6 +181,8 @@ class _Watcher(threading.Thread):
         next_beat = 0.0
         while True:
             try:
+                if self.outbox.needs_sync():
+                    self.outbox.sync(self.store)
                 now = time.monotonic()
                 if now >= next_beat:
                     self.beats += 1
@@ -196,8 +201,13 @@ class _Watcher(threading.Thread):
                     self.drain = (generation, int(self.store.get(key)))
             except StoreFenced:
                 return  # the callback has ended the process
+            except StoreUnavailable:
+                # The coordinator (and its store) is gone: training goes on, writes wait in the outbox, and this
+                # thread reconnects (to a restarted coordinator, it tells where the worker stands).
+                self.outbox.down = True
+                time.sleep(self.interval_s)
             except Exception:
-                time.sleep(self.interval_s)  # the store is the one component that cannot fail; keep trying
+                time.sleep(self.interval_s)  # keep trying
 
 
 def _thread_lock_for_progress_bars() -> None:
@@ -316,18 +326,37 @@ class _Worker:
         self.eval_data = data_source(config, "eval") \
             if training.eval_every and self.stage in (0, config.num_stages - 1) else None
         self.activity = Activity()
-        self.heartbeat = _Watcher(spec, self.activity, self._abort_generation, hooks.connect)
+        self.phase = "admitting" if spec.joining else "training"  # where it stands, for a restarted coordinator
+        self.outbox = Outbox(spec.rank, self._resync_status)
+        self.heartbeat = _Watcher(spec, self.activity, self._abort_generation, hooks.connect, self.outbox)
         self._transport_lock = threading.Lock()
         self._store_peers = _store_peers(spec.cluster.master_addr, spec.cluster.master_port)
         self.transport: Transport | None = None
         self.executor: StageExecutor | None = None
         self.announcement: Announcement | None = None  # of the current generation (None: generation 0)
-        self.writer = CheckpointWriter(spec.checkpoint.dir, hooks.connect(spec)) if spec.checkpoint.enabled else None
+        self.writer = CheckpointWriter(spec.checkpoint.dir, hooks.connect(spec), self._shard_written) \
+            if spec.checkpoint.enabled else None
         self._fired: set[FaultInjection] = set()
         self._resumed_pending = False
         # A replacement holds its stage's state only once it has arrived (from a replica, or the checkpoint); until
         # then it must never report itself as a survivor of a generation, or its unset weights would be trained on.
         self._holds_state = not spec.joining
+
+    def _resync_status(self) -> WorkerResync:
+        oldest = self.outbox.oldest_record()
+        return WorkerResync(self.generation, self.phase,
+                            self.position.applied + 1 if oldest is None else oldest, os.getpid(), self.spec.incarnation)
+
+    def _shard_written(self, store: Any, done_steps: int, stage: int) -> None:
+        """The checkpoint writer's word that a shard is complete (kept for a restarted coordinator)."""
+        self.outbox.write(store, Keys.checkpointed(done_steps, stage), "1", kind="checkpointed", order=done_steps)
+
+    def _take_announcement(self, generation: int) -> Announcement:
+        """The coordinator's announcement of `generation`, kept: a restarted coordinator's store learns it back."""
+        raw = self.store.get(Keys.announce(generation))
+        self.outbox.remember(Keys.announce(generation), raw, "announce")
+        announcement: Announcement = self.jobs.get(Channels.ANNOUNCE, generation)
+        return announcement
 
     # -- the life of a worker ------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -339,8 +368,10 @@ class _Worker:
                 if step >= spec.end_step and self.generation > 0:
                     # A failure in the final barrier: every step is applied everywhere; nothing left to run together.
                     self._save_final()
+                    self._leave()
                     return
                 self._join()
+                self.phase = "training"
                 while True:
                     # An evaluation after `step` steps; after a recovery that resumes here, it runs (again) in the
                     # new generation: every worker decides alike, from the step the coordinator announced.
@@ -352,6 +383,7 @@ class _Worker:
                     self._run_step(step)
                     step += 1
                 self._finish()
+                self._leave()
                 return
             except Exception as exc:
                 if not _recoverable(exc):
@@ -382,7 +414,8 @@ class _Worker:
         transport.form()
         if self.spec.joining and self.announcement is not None and self.spec.rank in self.announcement.joining:
             _joiner_dies_here(self.spec.joiner_dies_at, "formed")
-        self.jobs.put(Channels.JOINED, Joined(time.time(), transport.formation_s, "init"), generation, self.spec.rank)
+        self.outbox.put(self.store, Channels.JOINED, Joined(time.time(), transport.formation_s, "init"), generation,
+                        self.spec.rank)
         if self.executor is None:
             self.executor = self._make_executor()
             if self.announcement is not None:  # a replacement: its weights are the state after redo_step - 1
@@ -397,7 +430,7 @@ class _Worker:
         """A replacement worker: say it is ready, wait to be admitted into a generation, take that generation's plan
         (and its checkpoint, when the run restores one); the stage's live state arrives after the groups form."""
         spec = self.spec
-        self.jobs.put(Channels.JOIN_READY, JoinReady(time.time(), os.getpid()), spec.rank)
+        self.outbox.put(self.store, Channels.JOIN_READY, JoinReady(time.time(), os.getpid()), spec.rank, kind="join")
         _joiner_dies_here(self.spec.joiner_dies_at, "ready")
         key = Keys.join_generation(spec.rank)
         while True:
@@ -405,11 +438,16 @@ class _Worker:
                 self.store.wait([key], datetime.timedelta(seconds=5))
                 break
             except dist.DistStoreError:
-                if self.jobs.is_set(Flags.FINISHED):
+                try:
+                    finished = self.jobs.is_set(Flags.FINISHED)
+                except StoreUnavailable:
+                    continue  # the coordinator is away: wait for it (its launcher gives up on it, not this worker)
+                if finished:
                     raise _Fenced() from None  # the run ended before this worker was needed
+        self.outbox.forget(Keys.join_ready(spec.rank))
         self.generation = int(self.store.get(key))
         _joiner_dies_here(self.spec.joiner_dies_at, "admitted")
-        self.announcement = self.jobs.get(Channels.ANNOUNCE, self.generation)
+        self.announcement = self._take_announcement(self.generation)
         self.plan = Plan.from_json(self.store.get(Keys.plan(self.generation)).decode())
         self._take_layout()  # this generation's layer partition; the state arrives from a replica or the checkpoint
         if self.announcement.restore_step >= 0:
@@ -478,8 +516,9 @@ class _Worker:
                                         lambda m: make_optimizer(m, self.config.training)), new[self.stage])
         elif self.spec.debug.emulation is not None:  # same layers here, other stages changed: pace to the new costs
             self._install(self.state, self.layers)
-        self.jobs.put(Channels.MIGRATION, MigrationRecord((self.layers[0], self.layers[1]), stats.layers_in, stats.layers_out,
-                                                          stats.bytes, stats.seconds), self.generation, self.spec.rank)
+        self.outbox.put(self.store, Channels.MIGRATION, MigrationRecord(
+            (self.layers[0], self.layers[1]), stats.layers_in, stats.layers_out, stats.bytes, stats.seconds),
+            self.generation, self.spec.rank)
 
     def _load_checkpoint(self, step: int) -> None:
         """Take the stage's state after `step` steps: the run's checkpoint of that step, or, for the run's start
@@ -518,9 +557,9 @@ class _Worker:
         stats = transfer_stage_state(self.state, self.spec.rank == source, broadcast, self.device)
         if self.spec.rank in announcement.joining:  # its position is now the source's
             self._holds_state = True
-            self.jobs.put(Channels.TRANSFER, TransferRecord(stats.bytes, stats.seconds,
-                                                            "%d:%d" % self.plan.worker(source)),
-                          self.generation, self.spec.rank)
+            self.outbox.put(self.store, Channels.TRANSFER, TransferRecord(stats.bytes, stats.seconds,
+                                                                          "%d:%d" % self.plan.worker(source)),
+                            self.generation, self.spec.rank)
 
     def _make_executor(self) -> StageExecutor:
         config, built = self.config, self.built
@@ -548,7 +587,7 @@ class _Worker:
             raise GenerationAborted(f"generation {self.generation} was aborted by the coordinator")
         if self._resumed_pending:
             self._resumed_pending = False
-            self.jobs.put(Channels.RESUMED, Timestamp(time.time()), self.generation, self.spec.rank)
+            self.outbox.put(self.store, Channels.RESUMED, Timestamp(time.time()), self.generation, self.spec.rank)
 
     def _before_action(self, action: Action) -> None:
         self._starting_work()
@@ -561,7 +600,7 @@ class _Worker:
         if fault in self._fired:
             return
         self._fired.add(fault)
-        self.jobs.put(Channels.FAULT, FaultRecord(time.time(), where, fault.mode), self.spec.rank)
+        self.outbox.put(self.store, Channels.FAULT, FaultRecord(time.time(), where, fault.mode), self.spec.rank)
         self.hooks.fire(fault, where)
 
     def _stop_for_drain(self, step: int) -> None:
@@ -595,8 +634,9 @@ class _Worker:
         finally:
             self.activity.phase = "idle"
         if self.stage == config.num_stages - 1 and self._is_writer():
-            self.jobs.put(Channels.EVAL, EvalRecord(loss, config.training.eval_batches * self.plan.total_microbatches,
-                                                    start, time.time(), self.generation), done)
+            self.outbox.put(self.store, Channels.EVAL, EvalRecord(
+                loss, config.training.eval_batches * self.plan.total_microbatches, start, time.time(), self.generation),
+                done, kind="eval", order=done)
 
     def _run_step(self, step: int) -> None:
         spec = self.spec
@@ -610,11 +650,12 @@ class _Worker:
         done = step + 1
         if spec.checkpoint.due(done):
             self._save_checkpoint()
-        self.jobs.put(Channels.METRICS, StepRecord(
+        self.outbox.put(self.store, Channels.METRICS, StepRecord(
             self.replica, self.stage, self.generation, result.start, result.end, cpu_s, result.loss_sum,
             result.stage_loss, result.grad_norm, result.grad_sq,
             digest=parameter_digest(self.state.module) if spec.debug.verify_replicas else "",
-            timings=tuple((t.action, t.start, t.end) for t in result.timings), lr=result.lr), step, spec.rank)
+            timings=tuple((t.action, t.start, t.end) for t in result.timings), lr=result.lr), step, spec.rank,
+            kind="metrics", order=step)
 
     def _is_writer(self) -> bool:
         """One live replica per stage writes the stage's files."""
@@ -639,6 +680,12 @@ class _Worker:
                                          checkpoint.part_file(self.spec.outputs.parts_path, self.stage))
         if self.writer is not None:
             self.writer.wait()
+
+    def _leave(self) -> None:
+        """Before the process exits: every record it wrote is in the store (if the coordinator is away, it waits for
+        it to come back; its launcher gives up on it after --coordinator-grace and stops this worker)."""
+        self.phase = "finished"
+        self.outbox.wait_sent()
 
     def _finish(self) -> None:
         self._save_final()
@@ -688,8 +735,10 @@ class _Worker:
             # Its state is the run's start, or (a replacement that loaded the restored checkpoint) that step.
             report = StoppedReport(spec.rank, self.generation, applied, applied + 1, 0, 0.0, 0, 0.0, error,
                                    time.time())
-        self.jobs.put(Channels.STOPPED, report, self.generation, spec.rank)
-        self.store.add(Keys.stopped_count(self.generation), 1)  # one key for the coordinator to poll
+        self.phase = "stopped"
+        self.outbox.put(self.store, Channels.STOPPED, report, self.generation, spec.rank, kind="stopped")
+        # One key for the coordinator to poll.
+        self.outbox.write(self.store, Keys.stopped_count(self.generation), "1", kind="stopped_count", op="add")
         announcement = self._await_announcement(self.generation + 1)
         if spec.rank not in announcement.live:
             raise _Fenced()
@@ -714,7 +763,7 @@ class _Worker:
         while True:
             try:
                 self.store.wait([Keys.announce(generation)], datetime.timedelta(seconds=5))
-                return self.jobs.get(Channels.ANNOUNCE, generation)
+                return self._take_announcement(generation)
             except dist.DistStoreError:
                 continue  # the coordinator is still collecting reports; it fences us if it ever gives up on us
 

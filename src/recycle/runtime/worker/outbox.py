@@ -1,0 +1,137 @@
+"""A worker's writes to the job store, kept so that training never waits for the control plane: while the store is
+away (its coordinator died) they wait here and the worker trains on; when the store answers again they are written,
+and when it is another store (a restarted coordinator's, which starts empty) the worker first writes again what that
+store lacks (its announcement, stop report, recent step records, checkpoint flags) and says where it stands."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from recycle.runtime.protocol.channels import Channel, Keys
+from recycle.runtime.protocol.records import WorkerResync, to_json
+from recycle.runtime.protocol.store import StoreUnavailable
+
+__all__ = ["Outbox", "KEPT"]
+
+# How many writes of each kind are kept to be written again to a restarted coordinator's store; a kind not named here
+# is written once and forgotten. 64 step records cover a coordinator that is back within 64 steps; records older than
+# that are reported lost (Outbox.dropped) rather than held without bound.
+KEPT = {"metrics": 64, "checkpointed": 8, "eval": 4, "announce": 1, "stopped": 1, "stopped_count": 1, "join": 1}
+
+
+@dataclass
+class _Write:
+    op: str  # "set" or "add"
+    value: bytes
+    kind: str  # a KEPT kind, or "" (not kept once written)
+    order: int  # the step of a step record (the oldest one kept is reported), else 0
+    sent: bool
+
+
+def _apply(store: Any, key: str, write: _Write) -> None:
+    if write.op == "add":
+        store.add(key, int(write.value))
+    else:
+        store.set(key, write.value)
+
+
+class Outbox:
+    """Writes of one worker, from any of its threads, each on that thread's own store connection.
+
+    While the store answers and nothing waits, a write goes straight through. Once a write finds the store away
+    (`down`), later ones queue behind it in order; the watcher thread calls `sync` until the store answers, which
+    writes the queue (and, to a new store, everything kept, then `status()`)."""
+
+    def __init__(self, rank: int, status: Callable[[], WorkerResync] | None = None) -> None:
+        self.rank = rank
+        self._lock = threading.RLock()  # sync calls status(), which reads oldest_record()
+        self._writes: OrderedDict[str, _Write] = OrderedDict()
+        self._unsent = 0
+        self.down = False
+        self.instance: bytes | None = None  # the store's instance id, as last seen
+        self._seen = False  # the instance has been read once
+        self.status = status
+        self.dropped = 0  # writes pushed out unsent by KEPT's bound (an outage longer than it)
+        self.resyncs = 0  # new stores this worker told where it stands
+
+    # -- writes --------------------------------------------------------------------------------------------------
+    def put(self, store: Any, channel: Channel[Any], record: Any, *key: int, kind: str = "", order: int = 0) -> None:
+        self.write(store, channel.key(*key), to_json(record).encode(), kind=kind, order=order)
+
+    def write(self, store: Any, key: str, value: bytes | str, kind: str = "", op: str = "set", order: int = 0) -> None:
+        write = _Write(op, value.encode() if isinstance(value, str) else value, kind, order, False)
+        with self._lock:
+            if not self.down and not self._unsent:
+                try:
+                    _apply(store, key, write)
+                    write.sent = True
+                except StoreUnavailable:
+                    self.down = True  # the watcher writes it once the store answers
+            if write.sent and not kind:
+                return
+            self._keep(key, write)
+
+    def remember(self, key: str, value: bytes, kind: str) -> None:
+        """A record this worker read and a restarted coordinator's store would lack (the announcement it runs in)."""
+        with self._lock:
+            self._keep(key, _Write("set", value, kind, 0, True))
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            write = self._writes.pop(key, None)
+            if write is not None and not write.sent:
+                self._unsent -= 1
+
+    def _keep(self, key: str, write: _Write) -> None:
+        old = self._writes.pop(key, None)
+        if old is not None and not old.sent:
+            self._unsent -= 1
+        self._writes[key] = write
+        self._unsent += not write.sent
+        if write.kind:
+            same = [k for k, w in self._writes.items() if w.kind == write.kind]
+            for stale in same[:max(0, len(same) - KEPT[write.kind])]:
+                pushed = self._writes.pop(stale)
+                if not pushed.sent:
+                    self._unsent -= 1
+                    self.dropped += 1
+
+    # -- the watcher's side ----------------------------------------------------------------------------------------
+    def needs_sync(self) -> bool:
+        return self.down or self._unsent > 0 or not self._seen
+
+    def sync(self, store: Any) -> bool:
+        """Write what waits (to a new store: everything kept first, then where this worker stands); True when the
+        store is another than before. Raises StoreUnavailable while the store is still away."""
+        with self._lock:
+            instance = store.try_get(Keys.STORE_INSTANCE)
+            fresh = self._seen and instance != self.instance
+            for key, write in list(self._writes.items()):
+                if fresh or not write.sent:
+                    _apply(store, key, write)
+                    if not write.sent:
+                        write.sent = True
+                        self._unsent -= 1
+                    if not write.kind:
+                        del self._writes[key]
+            if fresh and self.status is not None:
+                store.set(Keys.resync(self.rank), to_json(self.status()))
+                self.resyncs += 1
+            self.instance, self._seen = instance, True
+            self.down = False
+            return fresh
+
+    def oldest_record(self) -> int | None:
+        """The oldest step whose record is kept (written again to a new store), None when none is."""
+        with self._lock:
+            steps = [w.order for w in self._writes.values() if w.kind == "metrics"]
+        return min(steps) if steps else None
+
+    def wait_sent(self, poll_s: float = 0.05) -> None:
+        """Block until every write has reached the store (the watcher writes them once it answers again)."""
+        while self.down or self._unsent:
+            time.sleep(poll_s)
