@@ -25,7 +25,7 @@ def _start(args: list[str], env: dict[str, str], **kwargs: object) -> subprocess
                             stderr=subprocess.PIPE, text=True, env=env, **kwargs)  # type: ignore[call-overload]
 
 
-def _run_with_a_coordinator_restart(tmp_path: Path, config_file: Path, steps: int, node_flags: list[str],
+def _run_with_a_coordinator_restart(tmp_path: Path, config_file: Path, common_flags: list[str], node_flags: list[str],
                                     away_s: float) -> tuple[str, str, str, Path]:
     """One training node (D=2 x S=2) against `recycle coordinator`, which is SIGKILLed after step 3 and started again
     `away_s` later. Returns (both coordinators' output, the node's output, stderr of all, the --save file)."""
@@ -34,7 +34,7 @@ def _run_with_a_coordinator_restart(tmp_path: Path, config_file: Path, steps: in
     env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
     flags = ["--config", str(config_file), "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port",
              str(free_port()), "--timeout", "20", "--heartbeat-timeout", "2", "--save", str(save), "--metrics",
-             str(metrics)]
+             str(metrics), *common_flags]
     first = _start(["coordinator", *flags], env)
     node = _start(["train", *flags, "--coordinator", "separate", "--node-rank", "0", "--emulate-costs", "--slot-ms",
                    "60", *node_flags], env)
@@ -62,15 +62,51 @@ def _run_with_a_coordinator_restart(tmp_path: Path, config_file: Path, steps: in
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_killed_coordinator_started_again_finishes_the_run_exact(tmp_path: Path, tiny_config_file) -> None:
-    config_file = tiny_config_file(steps=16)
-    out, out_node, err, save = _run_with_a_coordinator_restart(tmp_path, config_file, 16, [], away_s=2.0)
-    assert "lost the job's coordinator" in out_node
-    assert "answers again" in out_node and "(restarted)" in out_node
-    assert "this is a restarted coordinator" in out
-    assert "took over the run in generation 0 with 4 live worker(s)" in out
-    assert "step 16/16" in out
-    assert "Traceback" not in err
+def test_a_restarted_coordinator_takes_the_run_over_and_a_node_rejoins_it(tmp_path: Path, tiny_config_file) -> None:
+    """Two nodes. The coordinator is SIGKILLed after step 2 and started again 2 s later: it takes the run over. Then
+    node 1 (its launcher and workers) is SIGKILLed, and started again: it re-joins the restarted coordinator, and the
+    run ends with every worker up and the fault-free parameters."""
+    config_file = tiny_config_file(steps=40)
+    save = tmp_path / "final.pt"
+    env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
+    flags = ["--config", str(config_file), "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port",
+             str(free_port()), "--timeout", "20", "--heartbeat-timeout", "2", "--save", str(save)]
+    node = ["train", *flags, "--coordinator", "separate", "--emulate-costs", "--slot-ms", "40"]
+    first = _start(["coordinator", *flags], env)
+    node0 = _start([*node, "--node-rank", "0"], env)
+    node1 = _start([*node, "--node-rank", "1"], env, start_new_session=True)
+    second = repaired = None
+    try:
+        before = _wait_for(first, "step 2/", 150)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        time.sleep(2.0)
+        second = _start(["coordinator", *flags], env)
+        taken = _wait_for(second, "took over the run", 60)
+        os.killpg(node1.pid, signal.SIGKILL)
+        lost = _wait_for(second, "node 1 stopped responding", 60)
+        repaired = _start([*node, "--node-rank", "1"], env)
+        out, err = second.communicate(timeout=180)
+        out0, err0 = node0.communicate(timeout=60)
+        out1, err1 = repaired.communicate(timeout=60)
+    finally:
+        for process in (first, node0, node1, second, repaired):
+            if process is not None and process.poll() is None:
+                process.kill()
+            if process is not None:
+                process.wait()
+    output = before + taken + lost + out
+    assert second.returncode == 0, output + err
+    assert node0.returncode == 0 and repaired.returncode == 0, err0 + err1
+    assert "this is a restarted coordinator" in output
+    assert "took over the run in generation 0 with 4 live worker(s)" in output
+    assert "(restarted)" in out0
+    rejoined = {w for line in output.splitlines() if "re-joined" in line
+                for w in line.split("re-joined")[0].split(";")[-1].replace(",", " ").split()}
+    assert {"1:0", "1:1"} <= rejoined, output
+    assert "every worker is up at the end" in output
+    assert "step 40/40" in output
+    assert "Traceback" not in err + err0 + err1
     _close_to_reference(save, config_file)
 
 
@@ -79,13 +115,17 @@ def test_a_killed_coordinator_started_again_finishes_the_run_exact(tmp_path: Pat
 def test_a_worker_killed_while_the_coordinator_is_away_is_handled_when_it_is_back(tmp_path: Path,
                                                                                   tiny_config_file) -> None:
     config_file = tiny_config_file(steps=20)
-    # Worker 1:1 is SIGKILLed in step 8, while the coordinator (killed after step 3) is away for 6 s.
-    out, out_node, err, save = _run_with_a_coordinator_restart(tmp_path, config_file, 20,
-                                                               ["--inject", "kill:1:1@8"], away_s=6.0)
+    checkpoints = tmp_path / "ckpt"
+    # Worker 1:1 is SIGKILLed in step 8, while the coordinator (killed after step 3) is away for 6 s; checkpoints are
+    # written meanwhile, and the restarted coordinator completes them.
+    out, out_node, err, save = _run_with_a_coordinator_restart(
+        tmp_path, config_file, ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "3"],
+        ["--inject", "kill:1:1@8"], away_s=6.0)
     assert "this is a restarted coordinator" in out
     assert "worker 1:1" in out and "killed by SIGKILL" in out, out
     assert "generation 1" in out
     assert "step 20/20" in out
     assert "workers down at the end: 1:1" in out
+    assert (checkpoints / "latest").read_text().strip() == "step000018"
     assert "Traceback" not in err
     _close_to_reference(save, config_file)

@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -30,7 +31,7 @@ from recycle.runtime.options import ClusterOptions, LaunchOptions, OutputOptions
 from recycle.runtime.protocol.channels import (Channels, Flags, JobStore, Keys, connect_store, host_store,
                                                launcher_identity, new_incarnation, new_token)
 from recycle.runtime.protocol.messages import check_plan_matches
-from recycle.runtime.protocol.records import JobSettings, NodeHello
+from recycle.runtime.protocol.records import JobSettings, NodeHello, RecordError
 from recycle.runtime.protocol.store import LocalStore, StoreFenced, StoreServer, StoreUnavailable
 from recycle.runtime.state import checkpoint
 from recycle.runtime.worker.data import check_data
@@ -177,10 +178,14 @@ def _restarted(jobs: JobStore, config: Config, plan: Plan, options: LaunchOption
     alive = frozenset(r for hello in hellos.values() for r in hello.alive)
     resyncs = collect_resyncs(jobs, alive, window)
     metrics = options.outputs.metrics_path
-    rebuilt = rebuild(frozenset(plan.live_ranks()), hellos, resyncs,
-                      lambda generation: jobs.read(Channels.ANNOUNCE, generation),
-                      checkpoint.latest_step(options.checkpoint.dir) if options.checkpoint.dir else None,
-                      start_step, end_step, last_reported_step(metrics) if metrics else None)
+    try:
+        rebuilt = rebuild(frozenset(plan.live_ranks()), hellos, resyncs,
+                          lambda generation: jobs.read(Channels.ANNOUNCE, generation),
+                          _latest_complete(options.checkpoint.dir),
+                          start_step, end_step, last_reported_step(metrics) if metrics else None)
+    except RecordError as exc:
+        raise RuntimeFailure(f"the restarted coordinator cannot take the run over ({exc}); stop the nodes and "
+                             "restart the job with --resume from its checkpoint directory") from None
     if options.progress:
         lost = "" if rebuilt.lost_steps is None else \
             (f"; steps {rebuilt.lost_steps[0] + 1}-{rebuilt.lost_steps[1]} ran while no coordinator could record "
@@ -189,6 +194,13 @@ def _restarted(jobs: JobStore, config: Config, plan: Plan, options: LaunchOption
                          f"{len(rebuilt.live)} live worker(s) ({len(resyncs)} reported, {len(rebuilt.done)} finished), "
                          f"reporting from step {rebuilt.next_step + 1}{lost}")
     return rebuilt
+
+
+def _latest_complete(root: str) -> int | None:
+    """The step of the newest complete checkpoint in --checkpoint-dir `root` (None: none, or no directory)."""
+    if not root or not (Path(root) / "latest").is_file():
+        return None
+    return checkpoint.latest_step(root)
 
 
 def _job_settings(config: Config, plan: Plan, options: LaunchOptions, end_step: int) -> JobSettings:

@@ -17,10 +17,10 @@ from recycle.runtime.control.coordinator import (AbortGeneration, Announce, Comm
                                                  MarkLatest, Move, RecoveryFacts, Respawn, describe_exit, hang_limit_s)
 from recycle.runtime.control.liveness import Liveness
 from recycle.runtime.control.processes import WorkerProcesses, node_ranks
-from recycle.runtime.control.resync import Rebuilt
 from recycle.runtime.control.reporter import (ChaosEvent, EvalMetrics, EventSink, GenerationRecords, MetricsFile,
                                               ProgressSink, Recovery, Reporter, StepMetrics, measure_recovery,
                                               replica_mismatch)
+from recycle.runtime.control.resync import Rebuilt
 from recycle.runtime.control.worker_table import WorkerRow, replacement_line
 from recycle.runtime.options import LaunchOptions
 from recycle.runtime.protocol.channels import (Channel, Channels, Flags, JobStore, Keys, launcher_fence_prefix,

@@ -44,8 +44,8 @@ from recycle.runtime.worker.data import data_source
 from recycle.runtime.worker.emulate import cost_pacer
 from recycle.runtime.worker.evaluation import evaluate
 from recycle.runtime.worker.executor import StageExecutor
-from recycle.runtime.worker.outbox import Outbox
 from recycle.runtime.worker.nccl_env import prepare_nccl
+from recycle.runtime.worker.outbox import Outbox
 from recycle.runtime.worker.stage import build_stage
 from recycle.runtime.worker.title import set_process_title
 from recycle.runtime.worker.transport import Activity, GenerationCut, Transport, is_comm_error
