@@ -107,8 +107,10 @@ class Outbox:
     def sync(self, store: Any) -> bool:
         """Write what waits (to a new store: everything kept first, then where this worker stands); True when the
         store is another than before. Raises StoreUnavailable while the store is still away."""
+        # Outside the lock: while the store is away this call waits for it (reconnecting), and the training thread
+        # must be able to queue its writes meanwhile.
+        instance = store.try_get(Keys.STORE_INSTANCE)
         with self._lock:
-            instance = store.try_get(Keys.STORE_INSTANCE)
             fresh = self._seen and instance != self.instance
             for key, write in list(self._writes.items()):
                 if fresh or not write.sent:
