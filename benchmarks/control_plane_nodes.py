@@ -402,6 +402,7 @@ class StandInNodes:
     def _report_exit(self, rank: int) -> list[Request]:
         self.exit_reported.add(rank)
         return [self._send("node", Op.SET, (_b(Flags.EXITED.name(rank)), _b(str(self.exit_code[rank])))),
+                self._send("node", Op.ADD, (_b(Keys.EXITS), b"1")),
                 self._send("node", Op.DELETE, (_b(Flags.FENCE.name(rank)),))]
 
     # -- the benchmark's commands --------------------------------------------------------------------------------

@@ -313,6 +313,7 @@ def _follow_once(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
         code = workers.exitcode(rank)
         if code is not None and reported.get(rank) != workers.pid(rank):
             jobs.raise_flag(Flags.EXITED, rank, text=str(code))
+            jobs.raw.add(Keys.EXITS, 1)  # after the flag: the coordinator reads the flags when the count moves
             reported[rank] = workers.pid(rank)
             jobs.lower_flag(Flags.FENCE, rank)
         elif code is None and jobs.is_set(Flags.FENCE, rank):

@@ -25,7 +25,7 @@ from recycle.runtime.control.worker_table import WorkerRow, replacement_line
 from recycle.runtime.options import LaunchOptions
 from recycle.runtime.protocol.channels import (Channel, Channels, Flags, JobStore, Keys, launcher_fence_prefix,
                                                worker_fence_prefix)
-from recycle.runtime.protocol.records import Announcement, FaultRecord
+from recycle.runtime.protocol.records import Announcement, FaultRecord, StepRecord
 from recycle.runtime.protocol.store import StoreServer
 from recycle.runtime.state import checkpoint
 from recycle.runtime.tools.chaos import ChaosMonkey
@@ -91,6 +91,8 @@ class Supervisor:
         self.pending: _PendingRecovery | None = None  # the recovery being completed
         self.failing = False
         self.unrecorded: frozenset[int] = frozenset()  # finished members whose records a restart lost
+        self.exits_seen = 0  # the EXITS count when the node launchers' EXITED flags were last read
+        self.step_records: dict[int, StepRecord] = {}  # of coordinator.next_step, by rank: each read once
         if rebuilt is not None:
             self._adopt(rebuilt)
 
@@ -155,10 +157,13 @@ class Supervisor:
     def _exits(self, now: float) -> list[Command]:
         commands: list[Command] = []
         codes = self.workers.exitcodes()
-        for rank in self.remote:
-            text = self.jobs.flag_text(Flags.EXITED, rank) if rank not in self.exited else None
-            if text is not None:
-                codes[rank] = int(text)
+        exits = int(self.store.add(Keys.EXITS, 0)) if self.remote else 0
+        if exits != self.exits_seen:  # a node launcher raised an EXITED flag: only then read them
+            self.exits_seen = exits
+            for rank in self.remote:
+                text = self.jobs.flag_text(Flags.EXITED, rank) if rank not in self.exited else None
+                if text is not None:
+                    codes[rank] = int(text)
         for rank, code in sorted(codes.items()):
             if rank in self.exited:
                 continue
@@ -339,6 +344,7 @@ class Supervisor:
             self.store.delete_key(Keys.join_ready(rank))
             self.store.set(Keys.join_generation(rank), str(facts.generation))
         self.plan = plan
+        self.step_records = {}  # a step redone in the new generation is recorded again
         self.pending = _PendingRecovery(facts, choice, time.time(), command.live)
 
     def _forget_steps_from(self, step: int) -> None:
@@ -346,6 +352,7 @@ class Supervisor:
         for later in range(step, self.end_step):
             for rank in range(self.plan.num_replicas * self.plan.num_stages):
                 self.store.delete_key(Keys.metrics(later, rank))
+        self.step_records = {}
         for done in range(step + 1, self.end_step + 1):
             for stage in range(self.plan.num_stages):
                 self.jobs.lower_flag(Flags.CHECKPOINTED, done, stage)
@@ -400,9 +407,17 @@ class Supervisor:
             # writes it before the step), so that the step's period starts after it.
             self._report_evaluations()
             members = [r for r in self.coordinator.members(step) if r not in self.unrecorded]
-            records = self._records(Channels.METRICS, step, members)
+            # Each member's record is read (and parsed) once, not on every tick until the last one is in.
+            cache = self.step_records
+            for rank in members:
+                if rank not in cache:
+                    record = self.jobs.read(Channels.METRICS, step, rank)
+                    if record is not None:
+                        cache[rank] = record
+            records = [cache[r] for r in members if r in cache]
             if not members or len(records) < len(members):
                 return
+            self.step_records = {}
             metrics = self.reporter.step_metrics(step, records)
             for rank in members:  # read once: the store keeps no per-step record for the whole run
                 self.store.delete_key(Keys.metrics(step, rank))

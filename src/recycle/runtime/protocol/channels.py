@@ -209,6 +209,7 @@ class Keys:
     STORE_INSTANCE = "store/instance"  # set once by the process that serves the store: a restarted one has another
 
     ABORT_RUN = "abort"
+    EXITS = "exits"  # how many EXITED flags the node launchers have raised: read once per tick, not once per worker
     FINISHED = "finished"
     RUNNING = "running"  # the first step is done: a node launcher that starts now is a repaired node
 
