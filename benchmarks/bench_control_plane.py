@@ -268,7 +268,8 @@ class _Cluster:
             groups[node * len(groups) // self.nnodes].append((node, ranks))
             self.node_of.update({r: node for r in ranks})
         self.specs = [NodesSpec("127.0.0.1", self.server.port, token, tuple(g), s.num_stages, s.heartbeat_s,
-                                s.step_s, niceness=5 if s.standins else 0) for g in groups]
+                                s.step_s, niceness=5 if s.standins else 0,
+                                heartbeat_timeout_s=s.heartbeat_timeout_s) for g in groups]
         self.links: list[Any] = []
         self.standins: list[Any] = []
 

@@ -4,14 +4,16 @@ worker/process.py write and read today, at their rates, over a few authenticated
 torch compute and no process groups: only the control plane's traffic.
 
 What each simulated process does (and where in the runtime it comes from):
-- worker watcher (worker/process.py _Watcher): a Beat on Channels.HEARTBEAT every heartbeat_s; it waits on the
-  current and next generation's abort and drain keys (one wait per stand-in object here, not one per worker);
+- worker watcher (worker/process.py _Watcher): a Beat every heartbeat_s to its node launcher's own store (not the
+  job's: no request here); it waits on the current and next generation's abort and drain keys of the job's store
+  (one wait per stand-in object here, not one per worker);
 - worker main thread: a StepRecord on Channels.METRICS per step; on an abort (or a drain at its step) a StoppedReport
   on Channels.STOPPED plus the stopped_count add; on the announcement of the next generation it reads it and the
   plan, writes Joined and, at its first action, Resumed; a worker left out of the generation exits (code 4);
 - replacement worker (_admit): JoinReady, then admitted by the announcement that names it;
 - node launcher (_follow_loop, every 0.1 s): its node heartbeat add, per worker the FENCE check (running) or the
-  EXITED flag (ended, once) and the RESPAWN check, then the ABORT_RUN and FINISHED flags.
+  EXITED flag (ended, once) and the RESPAWN check, then the ABORT_RUN and FINISHED flags; every heartbeat_s / 2 its
+  NodeWatch reads the hang limit and raises a SILENT flag for a worker silent past the heartbeat timeout (once).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class NodesSpec:
     heartbeat_s: float
     step_s: float
     niceness: int = 0  # a separate process lowers its priority: the coordinator's process is served first
+    heartbeat_timeout_s: float = 5.0
 
 
 @dataclass
@@ -150,6 +153,8 @@ class StandInNodes:
         self.announced: int | None = None  # a generation whose announcement the watcher saw
         self.events: list[dict[str, Any]] = []  # timestamps the benchmark reads back
         self.beat_cursor = 0
+        self.next_watch = 0.0  # when the node launchers' NodeWatch next looks at their workers' beats
+        self.silence_told: set[int] = set()  # frozen ranks whose SILENT flag was raised
         self.node_cursor = 0
         self.beat_credit = 0.0
         self.node_credit = 0.0
@@ -219,23 +224,27 @@ class StandInNodes:
 
     # -- the workers' watcher threads: beats (round-robin at the protocol's rate) --------------------------------
     def _beats(self, elapsed: float, now: float) -> list[Request]:
-        beating = [r for r in self.ranks if self._running(r)]
-        if not beating:
-            return []
-        rate = len(beating) / self.spec.heartbeat_s
-        self.counters.due["beat"] += elapsed * rate
-        self.counters.due["watch"] += elapsed * rate  # each beat is followed by a wait on abort/drain keys
-        self.beat_credit = min(self.beat_credit + elapsed * rate, float(len(beating)))
-        requests = []
-        phase = "idle" if self.stopped else "compute"
-        while self.beat_credit >= 1.0:
-            self.beat_credit -= 1.0
-            rank = beating[self.beat_cursor % len(beating)]
-            self.beat_cursor += 1
-            self.beats[rank] += 1
-            self.last_beat[rank] = now
-            beat = beat_json(self.beats[rank], phase, f"{self.incarnation[rank]:x}")
-            requests.append(self._send("beat", Op.SET, (_b(Keys.heartbeat(rank)), beat)))
+        """The workers beat to their node's own store (free here); each node's NodeWatch, every heartbeat_s / 2,
+        reads the hang limit and tells the job's store about a worker silent past the timeout, once."""
+        requests: list[Request] = []
+        for rank in self.ranks:
+            if self._running(rank):
+                self.last_beat[rank] = now
+        if now < self.next_watch:
+            return requests
+        self.next_watch = now + self.spec.heartbeat_s / 2
+        for node, ranks in self.nodes.items():
+            if node in self.down_nodes:
+                continue
+            self.counters.due["watch"] += 1
+            requests.append(self._send("watch", Op.GET, (_b(Keys.HANG_LIMIT), b"0")))
+            for rank in ranks:
+                silent = now - self.last_beat.get(rank, now)
+                if rank in self.frozen and rank not in self.silence_told and silent > self.spec.heartbeat_timeout_s:
+                    self.silence_told.add(rank)
+                    cause = _b(f"stopped responding (no heartbeat for {silent:.1f} s; fenced)")
+                    requests.append(self._send("watch", Op.SET, (_b(Flags.SILENT.name(rank)), cause)))
+                    requests.append(self._send("watch", Op.ADD, (_b(Keys.NODE_REPORTS), b"1")))
         return requests
 
     def _watch(self) -> None:
@@ -402,8 +411,9 @@ class StandInNodes:
     def _report_exit(self, rank: int) -> list[Request]:
         self.exit_reported.add(rank)
         return [self._send("node", Op.SET, (_b(Flags.EXITED.name(rank)), _b(str(self.exit_code[rank])))),
-                self._send("node", Op.ADD, (_b(Keys.EXITS), b"1")),
-                self._send("node", Op.DELETE, (_b(Flags.FENCE.name(rank)),))]
+                self._send("node", Op.ADD, (_b(Keys.NODE_REPORTS), b"1")),
+                self._send("node", Op.DELETE, (_b(Flags.FENCE.name(rank)),)),
+                self._send("node", Op.DELETE, (_b(Flags.SILENT.name(rank)),))]
 
     # -- the benchmark's commands --------------------------------------------------------------------------------
     def _command(self, commands: Any, what: str, *args: Any) -> None:
@@ -445,12 +455,11 @@ class StandInNodes:
         requests = []
         for rank in ranks:
             self.beats[rank] += 1
-            self.last_beat[rank] = now
-            beat = beat_json(self.beats[rank], "compute", f"{self.incarnation[rank]:x}")
-            requests.append(self._send("beat", Op.SET, (_b(Keys.heartbeat(rank)), beat)))
+            self.last_beat[rank] = now  # to its node's store: no request to the job's store
         if node is not None:
             requests.append(self._send("node", Op.ADD, (_b(Keys.node_heartbeat(node)), b"1")))
-        self.client.pipeline([(op, fields) for op, fields, _ in requests])
+        if requests:
+            self.client.pipeline([(op, fields) for op, fields, _ in requests])
         return time.time()
 
     def _repair(self, node: int) -> dict[str, Any]:
@@ -460,6 +469,7 @@ class StandInNodes:
             self.exit_code.pop(rank, None)
             self.frozen.discard(rank)
             self.exit_reported.discard(rank)
+            self.silence_told.discard(rank)
             self.members.discard(rank)
             self.incarnation[rank] += 1
             self.beats[rank] = 0

@@ -22,6 +22,8 @@ from recycle.errors import ConfigError, RuntimeFailure
 from recycle.ir import Plan, validate_plan
 from recycle.ir.worker import Worker
 from recycle.runtime.control import preflight
+from recycle.runtime.control.coordinator import hang_limit_s
+from recycle.runtime.control.liveness import Liveness
 from recycle.runtime.control.processes import Spawner, WorkerProcesses, node_ranks, start_context
 from recycle.runtime.control.reporter import Recovery, StepMetrics, last_reported_step
 from recycle.runtime.control.resync import Rebuilt, collect_hellos, collect_resyncs, is_restart, rebuild
@@ -88,7 +90,12 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
                               connect_timeout_s=store_timeout_s)
         store_port = cluster.master_port
     # What the workers are told: the store's real port, the job secret and the backend, all settled.
-    resolved = replace(cluster, master_port=store_port, token=token, backend=cluster.backend or default_backend())
+    # A node launcher that does not host the coordinator hosts its node's own store: its workers beat there and it
+    # watches them itself, so the coordinator's work and its store's traffic grow with the nodes, not the workers.
+    node_server = host_store("127.0.0.1", 0, token) if cluster.runs_workers and not cluster.hosts_coordinator \
+        else None
+    resolved = replace(cluster, master_port=store_port, token=token, backend=cluster.backend or default_backend(),
+                       node_store_port=node_server.port if node_server is not None else 0)
     mine = node_ranks(plan.live_ranks(), cluster.nnodes, cluster.node_rank) if cluster.runs_workers else []
     wall0 = time.time()
     jobs = JobStore(store)
@@ -127,7 +134,8 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
             steps, recoveries, failed = run.run()
             chaos_events = [event.record() for event in run.reporter.chaos_events]
         else:
-            _follow(jobs, workers, options, plan)
+            assert node_server is not None
+            _follow(jobs, workers, options, plan, NodeWatch(node_server, options))
             steps, recoveries, failed, chaos_events = [], [], plan.failed, []
         finished = True
     finally:
@@ -135,6 +143,8 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
         spawner.close()
         if server is not None:
             server.close()
+        if node_server is not None:
+            node_server.close()
         if not finished and options.checkpoint.dir:  # a shard being written when the run failed
             checkpoint.clear_dead_writers(options.checkpoint.dir)
         if not finished and options.outputs.parts_path and cluster.hosts_coordinator:
@@ -242,11 +252,52 @@ def _spec_maker(config: Config, plan: Plan, options: LaunchOptions, cluster: Clu
     return spec_for
 
 
-def _follow(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan) -> None:
+class NodeWatch:
+    """A node launcher's watch over its own workers' beats (on the node's store, in this process): it tells the
+    coordinator about a worker only when it goes silent (frozen) or hangs, once per process, as a SILENT flag."""
+
+    def __init__(self, server: StoreServer, options: LaunchOptions) -> None:
+        recovery = options.recovery
+        self.liveness = Liveness(JobStore(LocalStore(server.data)), range(0), recovery.heartbeat_s,
+                                 recovery.heartbeat_timeout_s)
+        self.explicit_hang_s, self.timeout_s = recovery.hang_timeout_s, recovery.timeout_s
+        self.told: dict[int, int | None] = {}  # rank -> pid whose silence was told
+
+    def started(self, rank: int) -> None:
+        """A new process runs as `rank`: watched from its first beat."""
+        self.liveness.forget(rank)
+        self.told.pop(rank, None)
+
+    def check(self, jobs: JobStore, workers: WorkerProcesses, now: float) -> None:
+        if not self.liveness.due(now):
+            return
+        running = frozenset(r for r in workers.ranks if workers.exitcode(r) is None)
+        causes = [(r, f"stopped responding (no heartbeat for {s:.1f} s; fenced)")
+                  for r, s in self.liveness.silent_workers(running, now)]
+        limit = self._hang_limit(jobs)
+        causes += [(r, f"is hung (its heartbeat goes on, but one action has computed for {s:.1f} s, over the "
+                       f"{limit:.1f} s limit; fenced)") for r, s in self.liveness.hung_workers(running, now, limit)]
+        for rank, cause in causes:
+            if self.told.get(rank, -1) != workers.pid(rank):
+                self.told[rank] = workers.pid(rank)
+                jobs.raise_flag(Flags.SILENT, rank, text=cause)
+                jobs.raw.add(Keys.NODE_REPORTS, 1)  # after the flag: the coordinator reads flags when it moves
+
+    def _hang_limit(self, jobs: JobStore) -> float:
+        """The coordinator's limit (it knows the run's step periods), else the one --hang-timeout or the op timeout
+        sets before any step."""
+        raw = jobs.raw.try_get(Keys.HANG_LIMIT)
+        try:
+            return float(raw) if raw is not None else hang_limit_s(self.explicit_hang_s, [], self.timeout_s)
+        except ValueError:
+            return hang_limit_s(self.explicit_hang_s, [], self.timeout_s)
+
+
+def _follow(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan, watch: NodeWatch) -> None:
     """A node whose coordinator runs elsewhere (node 0's launcher or `recycle coordinator`): report its workers'
     exits, carry out fences and respawns, stop when the run ends."""
     try:
-        _follow_loop(jobs, workers, options, plan)
+        _follow_loop(jobs, workers, options, plan, watch)
     except StoreFenced:
         workers.stop()
         raise RuntimeFailure(f"node {options.cluster.node_rank} was declared dead by the job's coordinator while it "
@@ -262,7 +313,8 @@ def _follow(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, pl
             from None
 
 
-def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan) -> None:
+def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan,
+                 watch: NodeWatch) -> None:
     """Carry out the coordinator's word for this node's workers. A separate coordinator may die and come back: the
     workers train on meanwhile, and once its store answers again (a new one: it restarted) this launcher says where
     its workers stand and reports their exits again."""
@@ -281,6 +333,7 @@ def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
                 if restarted:  # a restarted coordinator: its store starts empty
                     instance = now_instance
                     reported.clear()
+                    watch.told.clear()
                     codes = workers.exitcodes()
                     jobs.put(Channels.HELLO, NodeHello("running", tuple(r for r in workers.ranks if r not in codes),
                                                        tuple(sorted(codes.items()))), node)
@@ -289,7 +342,7 @@ def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
                                      f"{time.monotonic() - away_since:.1f} s"
                                      + (" (restarted)" if restarted else ""))
                 away_since = None
-            if _follow_once(jobs, workers, options, plan, reported):
+            if _follow_once(jobs, workers, options, plan, reported, watch):
                 return
         except StoreUnavailable:
             now = time.monotonic()
@@ -305,7 +358,7 @@ def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
 
 
 def _follow_once(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan,
-                 reported: dict[int, int | None]) -> bool:
+                 reported: dict[int, int | None], watch: NodeWatch) -> bool:
     """One look at the store and at this node's workers; True when the run is over for this node."""
     # Node 0 tells a frozen or cut-off node by its silence.
     jobs.raw.add(Keys.node_heartbeat(options.cluster.node_rank), 1)
@@ -313,18 +366,21 @@ def _follow_once(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
         code = workers.exitcode(rank)
         if code is not None and reported.get(rank) != workers.pid(rank):
             jobs.raise_flag(Flags.EXITED, rank, text=str(code))
-            jobs.raw.add(Keys.EXITS, 1)  # after the flag: the coordinator reads the flags when the count moves
+            jobs.raw.add(Keys.NODE_REPORTS, 1)  # after the flag: the coordinator reads the flags when the count moves
             reported[rank] = workers.pid(rank)
             jobs.lower_flag(Flags.FENCE, rank)
+            jobs.lower_flag(Flags.SILENT, rank)
         elif code is None and jobs.is_set(Flags.FENCE, rank):
             workers.signal(rank, signal.SIGKILL)
         if code is not None and jobs.is_set(Flags.RESPAWN, rank):
             reason = jobs.flag_text(Flags.RESPAWN, rank) or ""
             jobs.lower_flag(Flags.RESPAWN, rank)
+            watch.started(rank)
             pid = workers.start(rank, joining=True)
             if options.progress:
                 options.progress(replacement_line(
                     WorkerRow(options.cluster.node_rank, Worker(*plan.worker(rank)), rank, pid), reason))
+    watch.check(jobs, workers, time.time())
     abort = jobs.flag_text(Flags.ABORT_RUN)
     if abort is not None:
         workers.stop()

@@ -61,6 +61,12 @@ class Liveness:
     def beating_nodes(self, now: float) -> set[int]:
         return {n for n, t in self.node_last_beat.items() if now - t <= self.timeout_s}
 
+    def forget(self, rank: int) -> None:
+        """A new process runs as `rank`: it is watched from its first beat on."""
+        self.last_beat.pop(rank, None)
+        self.beats.pop(rank, None)
+        self.progress.pop(rank, None)
+
     def admit(self, rank: int, now: float) -> None:
         """A replacement is timed from its admission, not from the last beat of the process it replaces."""
         self.last_beat[rank] = now

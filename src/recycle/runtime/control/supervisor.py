@@ -91,7 +91,8 @@ class Supervisor:
         self.pending: _PendingRecovery | None = None  # the recovery being completed
         self.failing = False
         self.unrecorded: frozenset[int] = frozenset()  # finished members whose records a restart lost
-        self.exits_seen = 0  # the EXITS count when the node launchers' EXITED flags were last read
+        self.reports_seen = 0  # the NODE_REPORTS count when the node launchers' flags were last read
+        self.hang_limit_told = 0.0  # the hang limit the node launchers were last told
         self.step_records: dict[int, StepRecord] = {}  # of coordinator.next_step, by rank: each read once
         if rebuilt is not None:
             self._adopt(rebuilt)
@@ -157,13 +158,17 @@ class Supervisor:
     def _exits(self, now: float) -> list[Command]:
         commands: list[Command] = []
         codes = self.workers.exitcodes()
-        exits = int(self.store.add(Keys.EXITS, 0)) if self.remote else 0
-        if exits != self.exits_seen:  # a node launcher raised an EXITED flag: only then read them
-            self.exits_seen = exits
+        reports = int(self.store.add(Keys.NODE_REPORTS, 0)) if self.remote else 0
+        if reports != self.reports_seen:  # a node launcher raised an EXITED or SILENT flag: only then read them
+            self.reports_seen = reports
             for rank in self.remote:
                 text = self.jobs.flag_text(Flags.EXITED, rank) if rank not in self.exited else None
                 if text is not None:
                     codes[rank] = int(text)
+                elif rank in self.coordinator.state.live and rank not in self.exited:
+                    silent = self.jobs.flag_text(Flags.SILENT, rank)
+                    if silent is not None:
+                        commands += self.coordinator.on_death(rank, f"{self._name(rank)} {silent}", now, fence=True)
         for rank, code in sorted(codes.items()):
             if rank in self.exited:
                 continue
@@ -206,7 +211,8 @@ class Supervisor:
     def _heartbeats(self, now: float) -> list[Command]:
         if not self.liveness.due(now):
             return []
-        live = self.coordinator.state.live - self.exited
+        # Only this process's own workers beat to its store; every node launcher watches its own (NodeWatch).
+        live = (self.coordinator.state.live - self.exited) & self.local
         commands: list[Command] = []
         for rank, silent in self.liveness.silent_workers(live, now):
             commands += self.coordinator.on_death(
@@ -214,6 +220,9 @@ class Supervisor:
                 fence=True)
         limit = hang_limit_s(self.options.recovery.hang_timeout_s, self.reporter.recent_periods(50),
                              self.options.recovery.timeout_s)
+        if self.remote and abs(limit - self.hang_limit_told) > 0.05 * self.hang_limit_told:
+            self.store.set(Keys.HANG_LIMIT, f"{limit:.3f}")  # the node launchers apply it to their workers
+            self.hang_limit_told = limit
         for rank, computing in self.liveness.hung_workers(live - set(self.coordinator.state.reports), now, limit):
             commands += self.coordinator.on_death(
                 rank, f"{self._name(rank)} is hung (its heartbeat goes on, but one action has computed for "

@@ -187,6 +187,10 @@ class Keys:
         return f"exit/{rank}"
 
     @staticmethod
+    def silent(rank: int) -> str:
+        return f"silent/{rank}"
+
+    @staticmethod
     def fence(rank: int) -> str:
         return f"fence/{rank}"
 
@@ -209,7 +213,10 @@ class Keys:
     STORE_INSTANCE = "store/instance"  # set once by the process that serves the store: a restarted one has another
 
     ABORT_RUN = "abort"
-    EXITS = "exits"  # how many EXITED flags the node launchers have raised: read once per tick, not once per worker
+    # How many EXITED and SILENT flags the node launchers have raised: the coordinator reads the count once per tick,
+    # and the flags only when it moves (not one key per worker per tick).
+    NODE_REPORTS = "node_reports"
+    HANG_LIMIT = "hang_limit"  # seconds one action may compute, as the coordinator last set it (launchers read it)
     FINISHED = "finished"
     RUNNING = "running"  # the first step is done: a node launcher that starts now is a repaired node
 
@@ -265,6 +272,8 @@ class Flags:
     RUNNING = Flag(Keys.RUNNING)
     ABORT = Flag(Keys.abort)  # (generation): its workers stop at their next action; holds the reason
     EXITED = Flag(Keys.exited)  # (rank): a remote worker's process ended; holds its exit code
+    # (rank): a remote worker stopped beating (frozen) or is hung, as its node's launcher sees it; holds the cause
+    SILENT = Flag(Keys.silent)
     FENCE = Flag(Keys.fence)  # (rank): kill the remote worker; holds the reason
     RESPAWN = Flag(Keys.respawn)  # (rank): start the remote worker again; holds the reason
     NODE_DONE = Flag(Keys.node_done)  # (node)

@@ -155,6 +155,12 @@ class _Watcher(threading.Thread):
         super().__init__(daemon=True, name="recycle-watcher")
         self.store = connect(spec)
         self.outbox = outbox
+        # Beats go to the node launcher's own store when it has one (it watches its workers and tells the coordinator
+        # only about the silent or hung ones), else to the job's store.
+        port = spec.cluster.node_store_port
+        self.beats_to = JobStore(connect_store("127.0.0.1", port, spec.cluster.token,
+                                               worker_identity(spec.rank, spec.incarnation), 30.0)
+                                 if port else self.store)
         self.jobs = JobStore(self.store)
         self.rank = spec.rank
         self.incarnation = spec.incarnation
@@ -186,8 +192,8 @@ class _Watcher(threading.Thread):
                 now = time.monotonic()
                 if now >= next_beat:
                     self.beats += 1
-                    self.jobs.put(Channels.HEARTBEAT, Beat(self.beats, self.activity.actions, self.activity.phase,
-                                                           self.incarnation), self.rank)
+                    self.beats_to.put(Channels.HEARTBEAT, Beat(self.beats, self.activity.actions,
+                                                               self.activity.phase, self.incarnation), self.rank)
                     next_beat = now + self.interval_s
                 watched = self._watched()
                 hit = self.store.wait_any([key for key, _, _ in watched], max(0.0, next_beat - time.monotonic()))
