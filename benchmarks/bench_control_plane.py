@@ -33,6 +33,7 @@ import cProfile
 import io
 import json
 import multiprocessing as mp
+from multiprocessing import connection as mp_connection
 import os
 import pstats
 import statistics
@@ -184,7 +185,7 @@ class _NoLocalWorkers(WorkerProcesses):
     def _no_spawn(rank: int, joining: bool) -> Any:
         raise AssertionError(f"the coordinator process starts no worker (rank {rank})")
 
-    def wait(self, timeout_s: float) -> None:
+    def wait(self, timeout_s: float, also: Any = ()) -> None:
         self.ticks += 1
         self.busy_cpu_s += time.thread_time() - self.tick_started_cpu
         if self.profile_wanted and self.profiler is None:
@@ -192,7 +193,10 @@ class _NoLocalWorkers(WorkerProcesses):
             self.profiler.enable()
         elif not self.profile_wanted and self.profiler is not None:
             self.profiler.disable()
-        time.sleep(timeout_s)
+        if also:  # as WorkerProcesses.wait: woken by the store's feed (no local worker here)
+            mp_connection.wait(list(also), timeout=timeout_s)
+        else:
+            time.sleep(timeout_s)
         self.tick_started_cpu = time.thread_time()
 
 
@@ -257,7 +261,7 @@ class _Cluster:
                                    coordinator="self"))
         self.workers = _NoLocalWorkers(JobStore(self.store))
         self.supervisor = Supervisor(config, self.base, options, self.store, self.workers, 0, END_STEP, time.time(),
-                                     self.server)
+                                     self.server, feed=self.server.data.subscribe(Supervisor.FEED_PREFIXES))
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._supervise, daemon=True, name="coordinator")
         live = self.base.live_ranks()

@@ -221,6 +221,7 @@ class ThreadCluster:
         self.token = new_token()
         self.server = host_store("127.0.0.1", 0, self.token)
         self.store = LocalStore(self.server.data, 30.0)
+        self.feed = self.server.data.subscribe(Supervisor.FEED_PREFIXES)  # as the launcher does
         self.end_step = config.training.steps
         self.rejoined = {self.rank(worker): (step, threading.Event()) for worker, step in injector.rejoins}
         cluster = replace(options.cluster, master_port=self.server.port, token=self.token)
@@ -254,7 +255,7 @@ class ThreadCluster:
             self.workers.start(rank, joining=False)
         server = _KillingServer(self.server, self.processes)
         supervisor = Supervisor(self.config, self.plan, self.options, self.store, self.workers, 0, self.end_step,
-                                time.time(), server)
+                                time.time(), server, feed=self.feed)
         steps, recoveries, failed = supervisor.run()
         return Outcome(tuple(steps), tuple(recoveries), frozenset(failed), time.perf_counter() - started,
                        JobStore(self.store))

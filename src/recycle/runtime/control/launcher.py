@@ -35,6 +35,7 @@ from recycle.runtime.protocol.channels import (Channels, Flags, JobStore, Keys, 
 from recycle.runtime.protocol.messages import check_plan_matches
 from recycle.runtime.protocol.records import JobSettings, NodeHello, RecordError
 from recycle.runtime.protocol.store import LocalStore, StoreFenced, StoreServer, StoreUnavailable
+from recycle.runtime.protocol.store.data import Feed
 from recycle.runtime.state import checkpoint
 from recycle.runtime.worker.data import check_data
 from recycle.runtime.worker.process import WorkerSpec
@@ -79,11 +80,14 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     token = cluster.token or new_token()
     store_timeout_s = max(options.recovery.timeout_s, 60.0)
     server: StoreServer | None = None
+    feed: Feed | None = None
     store: Any
     if cluster.hosts_coordinator:
         # The coordinator's process serves the store and reads it in-process (no socket, and it cannot be fenced).
         server = host_store(cluster.master_addr, cluster.master_port, token)
         store, store_port = LocalStore(server.data, store_timeout_s), server.port
+        # Before any node can write: the coordinator learns of records and flags from the feed, not by polling.
+        feed = server.data.subscribe(Supervisor.FEED_PREFIXES)
     else:
         store = connect_store(cluster.master_addr, cluster.master_port, token,
                               launcher_identity(cluster.node_rank, new_incarnation()), store_timeout_s,
@@ -130,7 +134,8 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
                                       for r in mine]):
                 options.progress(line)
         if cluster.hosts_coordinator:
-            run = Supervisor(config, plan, options, store, workers, start_step, end_step, wall0, server, rebuilt)
+            run = Supervisor(config, plan, options, store, workers, start_step, end_step, wall0, server, rebuilt,
+                             feed)
             steps, recoveries, failed = run.run()
             chaos_events = [event.record() for event in run.reporter.chaos_events]
         else:
@@ -143,6 +148,8 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
         spawner.close()
         if server is not None:
             server.close()
+        if feed is not None:
+            feed.close()
         if node_server is not None:
             node_server.close()
         if not finished and options.checkpoint.dir:  # a shard being written when the run failed

@@ -7,7 +7,7 @@ import os
 import signal
 import time
 from multiprocessing import connection as mp_connection
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 from recycle.ir.worker import Worker
 from recycle.runtime.options import StartMethod
@@ -124,10 +124,10 @@ class WorkerProcesses:
         if self.running(rank) and pid is not None:
             os.kill(pid, number)
 
-    def wait(self, timeout_s: float) -> None:
-        """Sleep until a worker exits (seen at once) or `timeout_s` passes: a busy poll would take CPU from the
-        workers on a small machine."""
-        waiting = [p.sentinel for p in self._processes.values() if p.exitcode is None]
+    def wait(self, timeout_s: float, also: Sequence[Any] = ()) -> None:
+        """Sleep until a worker exits (seen at once), one of `also` (objects with a fileno()) is readable, or
+        `timeout_s` passes: a busy poll would take CPU from the workers on a small machine."""
+        waiting = [p.sentinel for p in self._processes.values() if p.exitcode is None] + list(also)
         if waiting:
             mp_connection.wait(waiting, timeout=timeout_s)
         else:

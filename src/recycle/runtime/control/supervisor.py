@@ -27,6 +27,7 @@ from recycle.runtime.protocol.channels import (Channel, Channels, Flags, JobStor
                                                worker_fence_prefix)
 from recycle.runtime.protocol.records import Announcement, FaultRecord, StepRecord
 from recycle.runtime.protocol.store import StoreServer
+from recycle.runtime.protocol.store.data import Feed
 from recycle.runtime.state import checkpoint
 from recycle.runtime.tools.chaos import ChaosMonkey
 from recycle.runtime.worker.process import EXIT_FENCED
@@ -50,9 +51,12 @@ class Supervisor:
     """Node 0's loop: feed facts from the processes and the store to the Coordinator, carry out its commands, and
     report steps and recoveries."""
 
+    # The keys whose writes the loop learns from the store's feed rather than by polling each worker's key.
+    FEED_PREFIXES = (b"metrics/", b"exit/", b"silent/", b"join/", b"ckpt/", b"eval/")
+
     def __init__(self, config: Config, plan: Plan, options: LaunchOptions, store: Any, workers: WorkerProcesses,
                  start_step: int, end_step: int, wall0: float, server: StoreServer | None = None,
-                 rebuilt: Rebuilt | None = None) -> None:
+                 rebuilt: Rebuilt | None = None, feed: Feed | None = None) -> None:
         self.plan, self.options, self.store = plan, options, store
         self.jobs = JobStore(store)
         self.server = server
@@ -94,6 +98,11 @@ class Supervisor:
         self.reports_seen = 0  # the NODE_REPORTS count when the node launchers' flags were last read
         self.hang_limit_told = 0.0  # the hang limit the node launchers were last told
         self.step_records: dict[int, StepRecord] = {}  # of coordinator.next_step, by rank: each read once
+        # The store's change feed (FEED_PREFIXES, subscribed before any node could write): which step records and
+        # which remote workers' EXITED/SILENT flags were written, so that nothing is polled per worker per tick.
+        self.feed = feed
+        self.arrived: dict[int, set[int]] = {}  # step -> ranks whose record of it was written
+        self.flagged: set[int] = set()  # remote ranks with an EXITED or SILENT flag written since the last look
         if rebuilt is not None:
             self._adopt(rebuilt)
 
@@ -121,7 +130,10 @@ class Supervisor:
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> tuple[list[StepMetrics], list[Recovery], frozenset[tuple[int, int]]]:
+        # Woken by the feed (a record or flag written), a local worker's exit, or else at the liveness checks' pace.
+        idle_s = min(0.25, max(0.02, self.options.recovery.heartbeat_s / 2)) if self.feed is not None else 0.05
         while True:
+            self._take_feed()
             now = time.time()
             self._execute(self._exits(now))
             self._execute(self._heartbeats(now))
@@ -142,7 +154,18 @@ class Supervisor:
                 self._report_evaluations(final=True)
                 self._finish_nodes()
                 return list(self.reporter.steps), list(self.reporter.recoveries), self.coordinator.state.failed
-            self.workers.wait(0.02 if state.recovering else 0.05)
+            self.workers.wait(0.02 if state.recovering else idle_s, also=[self.feed] if self.feed is not None else [])
+
+    def _take_feed(self) -> None:
+        if self.feed is None:
+            return
+        for key in self.feed.drain():
+            kind, _, rest = key.decode().partition("/")
+            if kind == "metrics":
+                step, _, rank = rest.partition("/")
+                self.arrived.setdefault(int(step), set()).add(int(rank))
+            elif kind in ("exit", "silent"):
+                self.flagged.add(int(rest))
 
     def _all_local_exited(self) -> bool:
         """Every local member of the run has exited (replacements never admitted are stopped afterwards)."""
@@ -158,10 +181,14 @@ class Supervisor:
     def _exits(self, now: float) -> list[Command]:
         commands: list[Command] = []
         codes = self.workers.exitcodes()
-        reports = int(self.store.add(Keys.NODE_REPORTS, 0)) if self.remote else 0
-        if reports != self.reports_seen:  # a node launcher raised an EXITED or SILENT flag: only then read them
+        if self.feed is not None:
+            flagged, self.flagged = sorted(self.flagged), set()
+        else:
+            reports = int(self.store.add(Keys.NODE_REPORTS, 0)) if self.remote else 0
+            flagged = self.remote if reports != self.reports_seen else []  # a launcher raised one: read them
             self.reports_seen = reports
-            for rank in self.remote:
+        if flagged:
+            for rank in flagged:
                 text = self.jobs.flag_text(Flags.EXITED, rank) if rank not in self.exited else None
                 if text is not None:
                     codes[rank] = int(text)
@@ -354,6 +381,7 @@ class Supervisor:
             self.store.set(Keys.join_generation(rank), str(facts.generation))
         self.plan = plan
         self.step_records = {}  # a step redone in the new generation is recorded again
+        self._forget_arrivals_from(facts.redo_step)
         self.pending = _PendingRecovery(facts, choice, time.time(), command.live)
 
     def _forget_steps_from(self, step: int) -> None:
@@ -362,6 +390,7 @@ class Supervisor:
             for rank in range(self.plan.num_replicas * self.plan.num_stages):
                 self.store.delete_key(Keys.metrics(later, rank))
         self.step_records = {}
+        self._forget_arrivals_from(step)
         for done in range(step + 1, self.end_step + 1):
             for stage in range(self.plan.num_stages):
                 self.jobs.lower_flag(Flags.CHECKPOINTED, done, stage)
@@ -371,6 +400,10 @@ class Supervisor:
         for done in range(first, self.end_step + 1, self.eval_every or self.end_step + 1):
             self.jobs.delete(Channels.EVAL, done)
         self.next_eval = min(self.next_eval, first)
+
+    def _forget_arrivals_from(self, step: int) -> None:
+        """Steps from `step` on run again: their records will be written again (the ones in are stale)."""
+        self.arrived = {s: ranks for s, ranks in self.arrived.items() if s < step}
 
     def _fail(self, message: str) -> NoReturn:
         if not self.failing:
@@ -416,17 +449,24 @@ class Supervisor:
             # writes it before the step), so that the step's period starts after it.
             self._report_evaluations()
             members = [r for r in self.coordinator.members(step) if r not in self.unrecorded]
-            # Each member's record is read (and parsed) once, not on every tick until the last one is in.
-            cache = self.step_records
-            for rank in members:
-                if rank not in cache:
-                    record = self.jobs.read(Channels.METRICS, step, rank)
-                    if record is not None:
-                        cache[rank] = record
-            records = [cache[r] for r in members if r in cache]
+            if self.feed is not None:
+                # Read once every member's record is in (the feed says which are), not on every tick.
+                if not members or not self.arrived.get(step, set()).issuperset(members):
+                    return
+                records = self._records(Channels.METRICS, step, members)
+            else:
+                # Each member's record is read (and parsed) once, not on every tick until the last one is in.
+                cache = self.step_records
+                for rank in members:
+                    if rank not in cache:
+                        record = self.jobs.read(Channels.METRICS, step, rank)
+                        if record is not None:
+                            cache[rank] = record
+                records = [cache[r] for r in members if r in cache]
             if not members or len(records) < len(members):
                 return
             self.step_records = {}
+            self.arrived.pop(step, None)
             metrics = self.reporter.step_metrics(step, records)
             for rank in members:  # read once: the store keeps no per-step record for the whole run
                 self.store.delete_key(Keys.metrics(step, rank))

@@ -3,11 +3,13 @@ thread and an in-process coordinator share one copy and every operation is unit-
 
 from __future__ import annotations
 
+import socket
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["Waiter", "KeyValue"]
+__all__ = ["Waiter", "KeyValue", "Feed"]
 
 
 @dataclass(eq=False)
@@ -26,6 +28,54 @@ class Waiter:
         return 0 if all(key in data for key in self.keys) else None
 
 
+class Feed:
+    """The keys written under some prefixes, in order, for a reader in the store's own process (the coordinator):
+    it learns what changed instead of polling one key per worker. `fileno()` turns readable when a key is queued, so
+    the reader can sleep on it beside other events (multiprocessing.connection.wait)."""
+
+    def __init__(self, prefixes: tuple[bytes, ...]) -> None:
+        self.prefixes = prefixes
+        self._keys: deque[bytes] = deque()
+        self._reader, self._writer = socket.socketpair()
+        self._reader.setblocking(False)
+        self._writer.setblocking(False)
+        self._signalled = False
+        self._lock = threading.Lock()
+
+    def fileno(self) -> int:
+        return self._reader.fileno()
+
+    def publish(self, key: bytes) -> None:
+        if not key.startswith(self.prefixes):
+            return
+        with self._lock:
+            self._keys.append(key)
+            if not self._signalled:
+                self._signalled = True
+                try:
+                    self._writer.send(b"k")
+                except BlockingIOError:
+                    pass  # already readable
+
+    def drain(self) -> list[bytes]:
+        """The keys written since the last drain (a key written twice comes twice)."""
+        with self._lock:
+            keys = list(self._keys)
+            self._keys.clear()
+            if self._signalled:
+                self._signalled = False
+                try:
+                    while self._reader.recv(4096):
+                        pass
+                except BlockingIOError:
+                    pass
+        return keys
+
+    def close(self) -> None:
+        self._reader.close()
+        self._writer.close()
+
+
 class KeyValue:
     """c10d store semantics on a dict: `add` keeps decimal text, `compare_set` sets when the value is the expected
     one (or the key is missing and the expected value is empty), waits fire when their keys appear."""
@@ -34,6 +84,14 @@ class KeyValue:
         self.lock = threading.RLock()
         self._data: dict[bytes, bytes] = {}
         self._waiters: dict[bytes, set[Waiter]] = {}
+        self._feeds: list[Feed] = []
+
+    def subscribe(self, prefixes: tuple[bytes, ...]) -> Feed:
+        """A feed of the keys written from now on under `prefixes`."""
+        feed = Feed(prefixes)
+        with self.lock:
+            self._feeds.append(feed)
+        return feed
 
     # -- writes (each wakes the waits on its key) ------------------------------------------------------------------
     def set(self, key: bytes, value: bytes) -> None:
@@ -121,6 +179,8 @@ class KeyValue:
                     del self._waiters[key]
 
     def _notify(self, key: bytes) -> None:
+        for feed in self._feeds:
+            feed.publish(key)
         for waiter in list(self._waiters.get(key, ())):
             index = waiter.satisfied(self._data)
             if index is not None and not waiter.done:
