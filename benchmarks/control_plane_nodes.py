@@ -11,8 +11,9 @@ What each simulated process does (and where in the runtime it comes from):
   on Channels.STOPPED plus the stopped_count add; on the announcement of the next generation it reads it and the
   plan, writes Joined and, at its first action, Resumed; a worker left out of the generation exits (code 4);
 - replacement worker (_admit): JoinReady, then admitted by the announcement that names it;
-- node launcher (_follow_loop, every 0.1 s): its node heartbeat add, per worker the FENCE check (running) or the
-  EXITED flag (ended, once) and the RESPAWN check, then the ABORT_RUN and FINISHED flags; every heartbeat_s / 2 its
+- node launcher (_follow_once, every 0.1 s): its node heartbeat add, the EXITED flag of a worker that ended (once),
+  then one wait on the keys of the coordinator's word (ABORT_RUN, FINISHED, FENCE per running worker, RESPAWN per
+  ended one); every heartbeat_s / 2 its
   NodeWatch reads the hang limit and raises a SILENT flag for a worker silent past the heartbeat timeout (once).
 """
 
@@ -377,7 +378,7 @@ class StandInNodes:
         if not up:
             return []
         rate = len(up) / NODE_POLL_S
-        self.counters.due["node"] += elapsed * rate * sum(2 + len(self.nodes[n]) for n in up) / len(up)
+        self.counters.due["node"] += elapsed * rate  # one wait on the node's order keys per pass
         self.poll_credit = min(self.poll_credit + elapsed * rate, float(len(up)))
         requests: list[Request] = []
         while self.poll_credit >= 1.0 and len(requests) < budget:
@@ -388,22 +389,28 @@ class StandInNodes:
         return requests
 
     def _node_poll(self, node: int) -> list[Request]:
-        requests = []
+        """control/launcher._follow_once: its exit reports, then one wait on the keys of the coordinator's word (the
+        run's failure and end, a FENCE flag per running worker, a RESPAWN flag per ended one); here with no wait (a
+        real launcher waits up to 0.1 s in the store, which costs the store no more than this)."""
+        requests: list[Request] = []
+        keys = [_b(Flags.ABORT_RUN.name()), _b(Flags.FINISHED.name())]
+        fenced: list[int | None] = [None, None]
         for rank in self.nodes[node]:
             if rank in self.exit_code:
                 if rank not in self.exit_reported:
                     requests += self._report_exit(rank)
-                requests.append(self._send("node", Op.CHECK, (_b(Flags.RESPAWN.name(rank)),)))
+                keys.append(_b(Flags.RESPAWN.name(rank)))
+                fenced.append(None)
             else:
-                requests.append(self._send("node", Op.CHECK, (_b(Flags.FENCE.name(rank)),),
-                                           self._fence_reply(rank)))
-        requests.append(self._send("node", Op.GET, (_b(Flags.ABORT_RUN.name()), b"0")))
-        requests.append(self._send("node", Op.CHECK, (_b(Flags.FINISHED.name()),)))
+                keys.append(_b(Flags.FENCE.name(rank)))
+                fenced.append(rank)
+        requests.append(self._send("node", Op.WAIT_ANY, (b"0", *keys), self._order_reply(fenced)))
         return requests
 
-    def _fence_reply(self, rank: int) -> Callable[[Status, list[bytes]], None]:
+    def _order_reply(self, fenced: list[int | None]) -> Callable[[Status, list[bytes]], None]:
         def on_reply(status: Status, values: list[bytes]) -> None:
-            if status == Status.OK and values[0] == b"1" and rank not in self.exit_code:
+            rank = fenced[int(values[0])] if status == Status.OK else None
+            if rank is not None and rank not in self.exit_code:
                 self.exit_code[rank] = EXIT_KILLED  # the launcher SIGKILLs it (frozen or not)
                 self.frozen.discard(rank)
         return on_reply

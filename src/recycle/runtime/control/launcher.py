@@ -10,7 +10,7 @@ import json
 import os
 import signal
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -325,7 +325,7 @@ def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
     """Carry out the coordinator's word for this node's workers. A separate coordinator may die and come back: the
     workers train on meanwhile, and once its store answers again (a new one: it restarted) this launcher says where
     its workers stand and reports their exits again."""
-    reported: dict[int, int | None] = {}  # rank -> pid whose exit was reported
+    following = _Following()
     node = options.cluster.node_rank
     grace = options.recovery.coordinator_grace_s if options.cluster.coordinator == "separate" else 0.0
     instance = jobs.raw.try_get(Keys.STORE_INSTANCE)
@@ -339,7 +339,7 @@ def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
                 restarted = now_instance != instance
                 if restarted:  # a restarted coordinator: its store starts empty
                     instance = now_instance
-                    reported.clear()
+                    following.forget()
                     watch.told.clear()
                     codes = workers.exitcodes()
                     jobs.put(Channels.HELLO, NodeHello("running", tuple(r for r in workers.ranks if r not in codes),
@@ -349,7 +349,7 @@ def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
                                      f"{time.monotonic() - away_since:.1f} s"
                                      + (" (restarted)" if restarted else ""))
                 away_since = None
-            if _follow_once(jobs, workers, options, plan, reported, watch):
+            if _follow_once(jobs, workers, options, plan, following, watch):
                 return
         except StoreUnavailable:
             now = time.monotonic()
@@ -364,36 +364,69 @@ def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
             workers.wait(0.5)
 
 
+@dataclass
+class _Following:
+    """What a node launcher has done about its workers: per rank, the pid whose exit it reported and the pid it was
+    told to kill; whether the run has finished."""
+
+    reported: dict[int, int | None] = field(default_factory=dict)
+    killed: dict[int, int | None] = field(default_factory=dict)
+    finished: bool = False
+
+    def forget(self) -> None:
+        """A restarted coordinator's store starts empty: report everything again."""
+        self.reported.clear()
+        self.killed.clear()
+        self.finished = False
+
+
 def _follow_once(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan,
-                 reported: dict[int, int | None], watch: NodeWatch) -> bool:
-    """One look at the store and at this node's workers; True when the run is over for this node."""
-    # Node 0 tells a frozen or cut-off node by its silence.
-    jobs.raw.add(Keys.node_heartbeat(options.cluster.node_rank), 1)
+                 following: _Following, watch: NodeWatch) -> bool:
+    """One pass over this node's workers, then a wait for the coordinator's word; True when the run is over for this
+    node. The word is waited for in the store on its keys (this node's FENCE and RESPAWN flags, the run's end or
+    failure): one request per pass, not a poll of every worker's flags."""
+    node = options.cluster.node_rank
+    jobs.raw.add(Keys.node_heartbeat(node), 1)  # the coordinator tells a frozen or cut-off node by its silence
     for rank in workers.ranks:
         code = workers.exitcode(rank)
-        if code is not None and reported.get(rank) != workers.pid(rank):
+        if code is not None and following.reported.get(rank) != workers.pid(rank):
             jobs.raise_flag(Flags.EXITED, rank, text=str(code))
             jobs.raw.add(Keys.NODE_REPORTS, 1)  # after the flag: the coordinator reads the flags when the count moves
-            reported[rank] = workers.pid(rank)
+            following.reported[rank] = workers.pid(rank)
             jobs.lower_flag(Flags.FENCE, rank)
             jobs.lower_flag(Flags.SILENT, rank)
-        elif code is None and jobs.is_set(Flags.FENCE, rank):
-            workers.signal(rank, signal.SIGKILL)
-        if code is not None and jobs.is_set(Flags.RESPAWN, rank):
-            reason = jobs.flag_text(Flags.RESPAWN, rank) or ""
-            jobs.lower_flag(Flags.RESPAWN, rank)
-            watch.started(rank)
-            pid = workers.start(rank, joining=True)
-            if options.progress:
-                options.progress(replacement_line(
-                    WorkerRow(options.cluster.node_rank, Worker(*plan.worker(rank)), rank, pid), reason))
     watch.check(jobs, workers, time.time())
-    abort = jobs.flag_text(Flags.ABORT_RUN)
-    if abort is not None:
+    if following.finished:
+        if all(workers.exitcode(r) is not None for r in workers.ranks):
+            jobs.raise_flag(Flags.NODE_DONE, node)
+            return True
+        workers.wait(0.1)
+    orders: list[tuple[str, int]] = [("abort", -1)] + ([] if following.finished else [("finished", -1)])
+    for rank in workers.ranks:
+        running = workers.exitcode(rank) is None
+        if running and following.killed.get(rank, -1) != workers.pid(rank):
+            orders.append(("fence", rank))
+        elif not running:
+            orders.append(("respawn", rank))
+    keys = [Flags.ABORT_RUN.name() if what == "abort" else Flags.FINISHED.name() if what == "finished" else
+            (Flags.FENCE if what == "fence" else Flags.RESPAWN).name(rank) for what, rank in orders]
+    hit = jobs.raw.wait_any(keys, 0.0 if following.finished else 0.1)
+    if hit is None:
+        return False
+    what, rank = orders[hit]
+    if what == "abort":
         workers.stop()
-        raise RuntimeFailure(abort)
-    if jobs.is_set(Flags.FINISHED) and all(workers.exitcode(r) is not None for r in workers.ranks):
-        jobs.raise_flag(Flags.NODE_DONE, options.cluster.node_rank)
-        return True
-    workers.wait(0.1)
+        raise RuntimeFailure(jobs.flag_text(Flags.ABORT_RUN) or "the run failed")
+    if what == "finished":
+        following.finished = True
+    elif what == "fence":
+        following.killed[rank] = workers.pid(rank)
+        workers.signal(rank, signal.SIGKILL)
+    else:
+        reason = jobs.flag_text(Flags.RESPAWN, rank) or ""
+        jobs.lower_flag(Flags.RESPAWN, rank)
+        watch.started(rank)
+        pid = workers.start(rank, joining=True)
+        if options.progress:
+            options.progress(replacement_line(WorkerRow(node, Worker(*plan.worker(rank)), rank, pid), reason))
     return False
