@@ -84,6 +84,9 @@ class Variant:
       that lost them downstream receives them at a steady rate.
     seed: not None for a random rule (random order of ready actions, random kind among the allowed ones): random
       restarts for small instances, and varied valid plans for testing the lower bound.
+    wait_for_backward: an F that would delay a B already on its way to this worker (its message arrives before
+      the F would end) waits for it: the worker runs a W that fits before the B, or idles. Not work-conserving,
+      which no other rule can express (issue 26: optima idle a stage briefly to return the gradient sooner).
     """
 
     name: str
@@ -95,6 +98,7 @@ class Variant:
     own_first: bool = False
     slot_order: bool = False
     seed: int | None = None
+    wait_for_backward: bool = False
 
 
 # The first variant is the one large instances use alone: best or tied-best in every option combination measured.
@@ -118,6 +122,10 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("slot-order-forward-first", slot_order=True),
     Variant("slot-order-alternate-1f1b-window+1", alternate=True, slot_order=True, soft_cap=1),
 )
+# Rules small instances also try (with the random restarts): the first five rules and slot-order-forward-first,
+# each waiting for a backward on its way.
+WAITING_VARIANTS: tuple[Variant, ...] = tuple(
+    replace(v, name=f"{v.name}-wait-for-backward", wait_for_backward=True) for v in (*VARIANTS[:5], VARIANTS[16]))
 
 
 class Order(Enum):
@@ -178,6 +186,7 @@ class _Setting:
     forward_first: bool
     alternate: bool
     decoupled: bool
+    wait_for_backward: bool = False
 
 
 def _setting(config: Config, host: Sequence[Sequence[int]], decoupled: bool, caps: Sequence[int] | None,
@@ -197,7 +206,7 @@ def _setting(config: Config, host: Sequence[Sequence[int]], decoupled: bool, cap
             limit[p * S + s] = cap
     return _Setting(D, S, M, dur, tuple(config.communication.p2p_time(s) for s in range(S)), tuple(limit),
                     tuple(tuple(row) for row in loads), order_of(variant), variant.forward_first, variant.alternate,
-                    decoupled)
+                    decoupled, variant.wait_for_backward)
 
 
 def list_schedule(config: Config, key: Sequence[int], host: Sequence[Sequence[int]], decoupled: bool,
@@ -236,7 +245,7 @@ def _use_vector(setting: _Setting) -> bool:
     """The numpy scheduler for deterministic rules where it is exact and faster (see `vector_eligible`)."""
     per_mb = 3 if setting.decoupled else 2
     actions = per_mb * setting.D * setting.M * setting.S
-    if setting.order is Order.RANDOM or actions < VECTOR_MIN_ACTIONS:
+    if setting.order is Order.RANDOM or setting.wait_for_backward or actions < VECTOR_MIN_ACTIONS:
         return False
     from recycle.planner.vector_schedule import vector_eligible
 
@@ -338,7 +347,7 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
     D, S = setting.D, setting.S
     n_ranks = D * S
     dur, p2p, limit, decoupled = setting.dur, setting.p2p, setting.limit, setting.decoupled
-    forward_first, alternate = setting.forward_first, setting.alternate
+    forward_first, alternate, wait = setting.forward_first, setting.alternate, setting.wait_for_backward
     arrivals: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_ranks)]  # (ready, seq, F or B, mb)
     ready_f: list[list[tuple]] = [[] for _ in range(n_ranks)]  # heaps of item() tuples, the mb last
     ready_b: list[list[tuple]] = [[] for _ in range(n_ranks)]
@@ -384,6 +393,10 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
             code = _F
         else:
             code = _W if rw else -1
+        if wait and code == _F:
+            soon = min((a[0] for a in arr if a[2] == _B), default=math.inf)
+            if soon < t + dur[stage][_F]:  # the F would delay a B on its way: a W that fits, or wait for the B
+                code = _W if rw and t + dur[stage][_W] <= soon else -1
         if code < 0:
             if arr:
                 wake = arr[0][0]
@@ -531,7 +544,8 @@ def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptio
                        variants: Sequence[Variant] = VARIANTS) -> Plan:
     """A validated plan for the canonical layout of `key` (failed = replicas 0..k_s-1 of stage s).
 
-    Every variant (plus, for small instances, RANDOM_RESTARTS random-priority ones) is list-scheduled on each
+    Every variant (plus, for small instances, WAITING_VARIANTS and RANDOM_RESTARTS random-priority ones) is
+    list-scheduled on each
     routing candidate and ranked by its own period estimate. With `options.search` (the default), small instances
     whose best estimate is above the analytic lower bound are then improved by a seeded local search (`_search`:
     orphan swaps between survivors, then moves in the per-worker orders). The best few distinct schedules (with
@@ -573,7 +587,8 @@ def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int,
     if per_iteration > _LARGE_LIMIT:
         variants = variants[:_LARGE_VARIANTS]
     elif per_iteration <= _RANDOM_RESTART_LIMIT and variants is VARIANTS:
-        variants = (*variants, *(Variant(f"random-{seed}", seed=seed) for seed in range(RANDOM_RESTARTS)))
+        variants = (*variants, *WAITING_VARIANTS,
+                    *(Variant(f"random-{seed}", seed=seed) for seed in range(RANDOM_RESTARTS)))
     simulate_top = _SIMULATED_CANDIDATES if per_iteration <= SIMULATE_ALL_LIMIT else 0
     fingerprint = config.fingerprint()
 
