@@ -122,8 +122,8 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("slot-order-forward-first", slot_order=True),
     Variant("slot-order-alternate-1f1b-window+1", alternate=True, slot_order=True, soft_cap=1),
 )
-# Rules small instances also try (with the random restarts): the first five rules and slot-order-forward-first,
-# each waiting for a backward on its way.
+# Rules small instances also try when the others leave them above the lower bound: the first five rules and
+# slot-order-forward-first, each waiting for a backward on its way.
 WAITING_VARIANTS: tuple[Variant, ...] = tuple(
     replace(v, name=f"{v.name}-wait-for-backward", wait_for_backward=True) for v in (*VARIANTS[:5], VARIANTS[16]))
 
@@ -544,11 +544,11 @@ def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptio
                        variants: Sequence[Variant] = VARIANTS) -> Plan:
     """A validated plan for the canonical layout of `key` (failed = replicas 0..k_s-1 of stage s).
 
-    Every variant (plus, for small instances, WAITING_VARIANTS and RANDOM_RESTARTS random-priority ones) is
-    list-scheduled on each
-    routing candidate and ranked by its own period estimate. With `options.search` (the default), small instances
-    whose best estimate is above the analytic lower bound are then improved by a seeded local search (`_search`:
-    orphan swaps between survivors, then moves in the per-worker orders). The best few distinct schedules (with
+    Every variant (plus, for small instances, RANDOM_RESTARTS random-priority ones, and WAITING_VARIANTS when the
+    others stay above the lower bound) is list-scheduled on each routing candidate and ranked by its own period
+    estimate. With `options.search` (the default), small instances whose best estimate is above the analytic lower
+    bound are then improved by a seeded local search (`_search`: orphan swaps between survivors, then moves in the
+    per-worker orders). The best few distinct schedules (with
     and without B/W fusion) are simulated and the best simulated period wins (ties: lower peak activations, then
     the earlier candidate). Very large instances skip the simulation and take the best estimate.
     meta.notes names the winning variant.
@@ -584,33 +584,42 @@ def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int,
     D, S, M = config.num_replicas, config.num_stages, config.num_microbatches
     caps = memory_cap(config, options)
     per_iteration = (3 if options.decoupled else 2) * D * M * S
+    waiting = per_iteration <= _RANDOM_RESTART_LIMIT and variants is VARIANTS
     if per_iteration > _LARGE_LIMIT:
         variants = variants[:_LARGE_VARIANTS]
-    elif per_iteration <= _RANDOM_RESTART_LIMIT and variants is VARIANTS:
-        variants = (*variants, *WAITING_VARIANTS,
-                    *(Variant(f"random-{seed}", seed=seed) for seed in range(RANDOM_RESTARTS)))
+    elif waiting:
+        variants = (*variants, *(Variant(f"random-{seed}", seed=seed) for seed in range(RANDOM_RESTARTS)))
     simulate_top = _SIMULATED_CANDIDATES if per_iteration <= SIMULATE_ALL_LIMIT else 0
     fingerprint = config.fingerprint()
 
     ranked: list[_Candidate] = []
     seen: set[int] = set()
-    for r, host in enumerate(routings):
-        for order, variant in enumerate(variants):
-            if r and variant.seed is not None:
-                continue  # random restarts only on the first routing
-            timed = list_schedule(config, key, host, options.decoupled, options.staggered, caps, variant)
-            if len(variants) * len(routings) == 1:  # nothing to de-duplicate (large instances: skip the hash)
-                ranked.append(_Candidate(timed.estimate, 0, variant.name, host, timed))
-                continue
-            signature = hash((timed.entries, host))
-            if signature not in seen:  # several rules often produce the same schedule
-                seen.add(signature)
-                ranked.append(_Candidate(timed.estimate, len(ranked), variant.name, host, timed))
+
+    def rank(rules: Sequence[Variant]) -> None:
+        for r, host in enumerate(routings):
+            for variant in rules:
+                if r and variant.seed is not None:
+                    continue  # random restarts only on the first routing
+                timed = list_schedule(config, key, host, options.decoupled, options.staggered, caps, variant)
+                if len(variants) * len(routings) == 1:  # nothing to de-duplicate (large instances: skip the hash)
+                    ranked.append(_Candidate(timed.estimate, 0, variant.name, host, timed))
+                    continue
+                signature = hash((timed.entries, host))
+                if signature not in seen:  # several rules often produce the same schedule
+                    seen.add(signature)
+                    ranked.append(_Candidate(timed.estimate, len(ranked), variant.name, host, timed))
+
+    rank(variants)
     if not ranked:
         raise PlanError("schedule_heuristic needs at least one variant")
-    ranked.sort(key=lambda c: (c.estimate, c.order))
     search = options.search and per_iteration <= SEARCH_LIMIT
-    bound = period_lower_bound(config, key, options) if search else math.inf
+    bound = period_lower_bound(config, key, options) if waiting or search else math.inf
+    if waiting and min(c.estimate for c in ranked) > bound * (1 + 1e-9):
+        # Small plans the work-conserving rules leave above the bound also try the waiting rules (after the others:
+        # on a tie in the estimate the earlier rule stays first).
+        rank(WAITING_VARIANTS)
+        variants = (*variants, *WAITING_VARIANTS)
+    ranked.sort(key=lambda c: (c.estimate, c.order))
     if search:
         if ranked[0].estimate > bound * (1 + 1e-9):
             budget = WorkBudget(search_work(per_iteration))
