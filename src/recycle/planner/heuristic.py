@@ -58,6 +58,7 @@ SEARCH_LIMIT = 3_000
 ROUTING_SHARE = 0.5
 _SEARCH_RULES = 3  # rules per orphan swap; tiny instances try more while a swap's share of the budget allows
 _ROUTING_SWAPS = 60  # the swaps the rule count is planned for
+ORDER_STARTS = 3  # order searches from this many distinct routings, sharing the order moves' budget
 
 # From this many actions per iteration, deterministic rules on whole-unit costs are stepped in numpy (see
 # recycle.planner.vector_schedule.vector_eligible); below it numpy's per-call cost outweighs what it saves.
@@ -676,12 +677,24 @@ def _search(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, i
     """
     routing_budget = budget.share(ROUTING_SHARE)
     rules = _search_rules(config, options, ranked, variants, routing_budget.left)
-    best, found = _search_routing(config, key, failed, options, caps, ranked[0], rules, bound, routing_budget)
+    best, found, visited = _search_routing(config, key, failed, options, caps, ranked[0], rules, bound,
+                                           routing_budget)
     budget.give_back(routing_budget)
     if best.estimate > bound * (1 + 1e-9):
-        moved = _search_orders(config, key, options, caps, best, bound, budget)
-        if moved is not None:
-            found.append(moved)
+        starts = [best]
+        for candidate in [*visited, *ranked]:  # other routings: the swaps' plateau, then the rule schedules
+            if len(starts) == ORDER_STARTS:
+                break
+            if all(candidate.host != start.host for start in starts):
+                starts.append(candidate)
+        for n, start in enumerate(starts):
+            share = budget.share(1 / (len(starts) - n))
+            moved = _search_orders(config, key, options, caps, start, bound, share)
+            budget.give_back(share)
+            if moved is not None:
+                found.append(moved)
+                if moved.estimate <= bound * (1 + 1e-9):
+                    break
     # Search results rank ahead of equal-estimate rule schedules (they are at least as good on the estimate).
     return [replace(c, order=-len(found) + i) for i, c in enumerate(found)]
 
@@ -716,6 +729,7 @@ def _search_routing(config: Config, key: tuple[int, ...], failed: frozenset[tupl
     live = [[p for p in range(D) if (p, s) not in failed] for s in range(config.num_stages)]
     orphan_stages = [s for s, k in enumerate(key) if k > 0]
     found: list[_Candidate] = []
+    visited: list[_Candidate] = []  # routings of the best estimate the swaps passed through, newest first
     per_iteration = sum(len(row) for row in start.timed.entries)
     cost = max(1, LIST_SCHEDULE_COST * per_iteration * len(rules))
     for _ in range(2 * (budget.left // cost)):  # draws that change nothing are not paid for: bound them too
@@ -751,10 +765,13 @@ def _search_routing(config: Config, key: tuple[int, ...], failed: frozenset[tupl
             continue
         if improved.estimate < best.estimate:
             found.append(improved)
+            visited.clear()
+        else:
+            visited.insert(0, best)
         best = improved
     if best is not start and not found:
         found.append(best)
-    return best, found
+    return best, found, visited
 
 
 def _search_orders(config: Config, key: tuple[int, ...], options: PlannerOptions, caps: Sequence[int] | None,
