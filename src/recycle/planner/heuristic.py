@@ -551,9 +551,9 @@ def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptio
     routing candidate and ranked by its own period estimate. With `options.search` (the default), small instances
     whose best estimate is above the analytic lower bound are then improved by a seeded local search (`_search`:
     orphan swaps between survivors, then moves in the per-worker orders); small instances still above the bound
-    also try WAITING_VARIANTS. The best few distinct schedules (with
-    and without B/W fusion) are simulated and the best simulated period wins (ties: lower peak activations, then
-    the earlier candidate). Very large instances skip the simulation and take the best estimate.
+    also try WAITING_VARIANTS. The best few distinct schedules (with and without B/W fusion) are simulated and
+    the best simulated period wins (ties: lower peak activations, then the earlier candidate). Very large
+    instances skip the simulation and take the best estimate.
     meta.notes names the winning variant.
     """
     key = check_key(config, key)
@@ -675,7 +675,11 @@ def _search(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, i
        to one with the lower (loads stay balanced), and list-schedule the change with the rules of the best
        candidates; keep changes that do not worsen the best estimate. The issue's misses
        (unequal F/B/W costs) were all routings where a survivor received the same slot of several lost pipelines.
-    2. Orders: `improve_orders` moves single actions within a worker's order, timed as soon as possible.
+    2. Orders: `improve_orders` moves single actions within a worker's order, timed as soon as possible, from
+       ORDER_STARTS distinct routings one after another (step 1's best, the routings of the same estimate it
+       passed through, newest first, then the rule schedules'), each with an equal share of what is left: the
+       rules often give every balanced routing the same estimate, and the order moves then end at different
+       periods on them (issue 26's screen: 28 from step 1's best routing, the optimum 26 from the third).
     Both stop at the analytic lower bound. Step 1 may spend ROUTING_SHARE of the budget, step 2 the rest.
     """
     routing_budget = budget.share(ROUTING_SHARE)
