@@ -38,8 +38,9 @@ SCREEN_MISSES = [
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("shape, failed, options, optimum, before", SCREEN_MISSES)
-def test_screen_misses_are_within_two_percent_of_the_proved_optimum(shape: dict, failed: list, options: PlannerOptions,
-                                                                    optimum: float, before: float) -> None:
+def test_screen_misses_are_within_two_percent_of_the_proved_optimum(
+        shape: dict, failed: list, options: PlannerOptions, optimum: float, before: float,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     config = _config(**shape)
     clear_cache()
     plan = validate_plan(make_plan(config, failed, options))
@@ -48,18 +49,13 @@ def test_screen_misses_are_within_two_percent_of_the_proved_optimum(shape: dict,
     assert optimum <= period <= optimum * 1.02, f"period {period:g}, CP-SAT's proved optimum {optimum:g}"
     assert period < before
     # Without the waiting rules the miss comes back: the test is about them, not about a lucky search.
+    monkeypatch.setattr(heuristic, "WAITING_VARIANTS", ())
     clear_cache()
-    saved = heuristic.WAITING_VARIANTS
-    heuristic.WAITING_VARIANTS = ()
-    try:
-        assert make_plan(config, failed, options).meta.predicted_period == before
-    finally:
-        heuristic.WAITING_VARIANTS = saved
-        clear_cache()
+    assert make_plan(config, failed, options).meta.predicted_period == before
+    clear_cache()
 
 
-def _violations(config: Config, host: tuple[tuple[int, ...], ...],
-                entries: tuple[tuple[tuple[int, int, float, float], ...], ...]) -> list[str]:
+def _violations(config: Config, entries: tuple[tuple[tuple[int, int, float, float], ...], ...]) -> list[str]:
     """F's that run while a B whose message was already on its way to the same worker arrives (its producer
     started strictly before the F): what the waiting rule forbids."""
     S = config.num_stages
@@ -89,7 +85,7 @@ def _violations(config: Config, host: tuple[tuple[int, ...], ...],
 
 
 @pytest.mark.timeout(120)
-def test_order_moves_from_several_routings_reach_the_proved_optimum() -> None:
+def test_order_moves_from_several_routings_reach_the_proved_optimum(monkeypatch: pytest.MonkeyPatch) -> None:
     # Case 0 of the same screen: nested (one pipeline, two stages), decoupled, staggered. Every balanced routing the
     # orphan swaps pass through has the rules' estimate 28; the order moves reach the optimum 26 (CP-SAT proves it
     # in 20 s) from the third routing they start from, and stay at 28 from the swaps' best alone.
@@ -99,14 +95,10 @@ def test_order_moves_from_several_routings_reach_the_proved_optimum() -> None:
     plan = validate_plan(make_plan(config, failed))
     assert plan.meta.predicted_period == simulate(plan, config).period == 26.0
     assert "order moves" in plan.meta.notes
-    saved = heuristic.ORDER_STARTS
-    heuristic.ORDER_STARTS = 1
-    try:
-        clear_cache()
-        assert make_plan(config, failed).meta.predicted_period == 28.0
-    finally:
-        heuristic.ORDER_STARTS = saved
-        clear_cache()
+    monkeypatch.setattr(heuristic, "ORDER_STARTS", 1)
+    clear_cache()
+    assert make_plan(config, failed).meta.predicted_period == 28.0
+    clear_cache()
 
 
 @pytest.mark.timeout(120)
@@ -122,12 +114,12 @@ def test_waiting_rules_never_start_a_forward_that_delays_a_backward_on_its_way()
         decoupled = rng.random() < 0.75
         for variant in heuristic.WAITING_VARIANTS:
             timed = heuristic.list_schedule(config, key, host, decoupled, True, None, variant)
-            assert _violations(config, host, timed.entries) == []
+            assert _violations(config, timed.entries) == []
             plain = heuristic.list_schedule(config, key, host, decoupled, True, None,
                                             next(v for v in heuristic.VARIANTS
                                                  if v.name == variant.name.removesuffix("-wait-for-backward")))
             waited += timed.entries != plain.entries
-            plain_violations += bool(_violations(config, host, plain.entries))
+            plain_violations += bool(_violations(config, plain.entries))
         # Plans built from the waiting rules alone are valid (schedule_heuristic validates what it returns).
         plan = heuristic.schedule_heuristic(config, key, PlannerOptions(decoupled=decoupled, search=False),
                                             variants=heuristic.WAITING_VARIANTS)
