@@ -1,7 +1,8 @@
 """Heuristic vs exact (CP-SAT) planner: a seeded random screen over costs, shapes, failure sets and options.
 
 Run: nice -n 15 .venv/bin/python benchmarks/bench_planner_quality.py [--cases 300] [--seed 0] [--time-limit 4]
-     [--workers 2] [--only 12,40] [--verbose]
+     [--workers 2] [--only 12,40] [--verbose] [--draw {quality,distinct}] [--planner {heuristic,make_plan}]
+     [--reference FILE]
 
 Every case draws D, S, M, integer costs (F, B input, B weight, optimizer, sometimes a p2p latency), a failure set
 (each stage keeps a live replica) and the options (decoupled/fused, staggered/coupled), then plans it twice, side
@@ -10,18 +11,29 @@ from the heuristic plan with a per-case time limit (so exact <= heuristic). Peri
 a case is (heuristic - exact) / exact; exact is the reference whether or not CP-SAT proved it optimal (when it did
 not, the true gap may be larger: the status column says which). A "miss" is a case with gap > 0; each is printed
 with the `recycle plan` command line that reproduces it.
+
+--draw distinct (issue 26's screen) draws F, B input and B weight as three distinct costs from 1-4 (the same
+shapes, failures and options otherwise) and --planner make_plan plans the real failure set with `make_plan`
+(traffic-aware routing on the real ranks, or the canonical plan where that is faster: what `recycle plan`
+returns), against CP-SAT on the failure key's canonical layout (a relabelling per stage maps its plans onto the
+real ranks with the same timing). --reference FILE keeps each case's CP-SAT result (period, status) in a JSON
+file and reuses it: the reference does not depend on the heuristic once CP-SAT has proved it optimal, so a change
+to the heuristic can be screened again in about a minute instead of CP-SAT's 10-20.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from recycle.config import Config, parse_config
+from recycle.planner.api import clear_cache, make_plan
 from recycle.planner.bounds import period_lower_bound
 from recycle.planner.exact import schedule_exact
 from recycle.planner.failures import normalize
@@ -92,9 +104,36 @@ def draw_case(rng: random.Random) -> Case:
                 rng.choice((0.0, 0.0, 0.0, 0.5)), failed, options)
 
 
-def draw_cases(count: int, seed: int) -> list[Case]:
+def draw_distinct_case(rng: random.Random) -> Case:
+    """draw_case's shapes, failures and options with F, B input and B weight three distinct costs from 1-4."""
+    case = draw_case(rng)
+    forward, backward_input, backward_weight = rng.sample([1, 2, 3, 4], 3)
+    return replace(case, forward=forward, backward_input=backward_input, backward_weight=backward_weight)
+
+
+def draw_cases(count: int, seed: int, draw: str = "quality") -> list[Case]:
     rng = random.Random(seed)
-    return [draw_case(rng) for _ in range(count)]
+    drawer = draw_distinct_case if draw == "distinct" else draw_case
+    return [drawer(rng) for _ in range(count)]
+
+
+def nested(case: Case) -> bool:
+    """Whether one relabelling of pipelines maps the failures onto their key's canonical layout."""
+    return normalize(case.failed, case.D, case.S).symmetric
+
+
+def _load_reference(path: str) -> dict[str, dict]:
+    if not path or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _save_reference(path: str, reference: dict[str, dict]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(reference, f, indent=0, sort_keys=True)
+    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,8 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="CP-SAT worker threads (default 2)")
     parser.add_argument("--only", default="", help="comma-separated case indices to run (default: all)")
     parser.add_argument("--verbose", action="store_true", help="one line per case")
+    parser.add_argument("--draw", choices=("quality", "distinct"), default="quality",
+                        help="quality: F, B 1-3, W 1-2 (default); distinct: F != B != W from 1-4 (issue 26)")
+    parser.add_argument("--planner", choices=("heuristic", "make_plan"), default="heuristic",
+                        help="heuristic: schedule_heuristic on the canonical key (default); make_plan: the real "
+                             "failure set, as `recycle plan` plans it")
+    parser.add_argument("--reference", default="", metavar="FILE",
+                        help="JSON file of CP-SAT results per case: read, and extended with new cases")
     args = parser.parse_args(argv)
-    cases = draw_cases(args.cases, args.seed)
+    cases = draw_cases(args.cases, args.seed, args.draw)
+    reference = _load_reference(args.reference)
     chosen = [int(i) for i in args.only.split(",") if i] or list(range(len(cases)))
 
     rows = []
@@ -116,21 +163,36 @@ def main(argv: list[str] | None = None) -> int:
         case = cases[i]
         config = case.config()
         key = normalize(case.failed, case.D, case.S).key
+        clear_cache()
         t0 = time.perf_counter()
-        heuristic = schedule_heuristic(config, key, case.options)
+        if args.planner == "make_plan":
+            planned = make_plan(config, case.failed, case.options)
+        else:
+            planned = schedule_heuristic(config, key, case.options)
         heur_times.append(time.perf_counter() - t0)
-        exact = schedule_exact(config, key, case.options, time_limit_s=args.time_limit, hint=heuristic,
-                               workers=args.workers)
-        h, e = heuristic.meta.predicted_period, exact.meta.predicted_period
+        h = planned.meta.predicted_period
+        name = f"{case.describe()} t={args.time_limit:g} w={args.workers}"
+        if name not in reference:
+            hint = planned if args.planner == "heuristic" else schedule_heuristic(config, key, case.options)
+            exact = schedule_exact(config, key, case.options, time_limit_s=args.time_limit, hint=hint,
+                                   workers=args.workers)
+            reference[name] = {"period": exact.meta.predicted_period, "status": exact.meta.status}
+            if args.reference:
+                _save_reference(args.reference, reference)
+        e, status = min(reference[name]["period"], h), reference[name]["status"]
         gap = (h - e) / e
         bound = period_lower_bound(config, key, case.options)
-        rows.append((i, case, key, h, e, exact.meta.status, gap, bound))
+        fallback = bool(getattr(planned.meta, "routing_fallback", ""))
+        rows.append((i, case, key, h, e, status, gap, bound, fallback))
         if args.verbose or gap > 0:
-            print(f"#{i:<4} {case.describe():<70} heur {h:>6g} exact {e:>6g} {exact.meta.status:<8} "
-                  f"gap {gap:>6.1%}  ({heur_times[-1] * 1e3:.0f} ms)", flush=True)
+            print(f"#{i:<4} {case.describe():<70} heur {h:>6g} exact {e:>6g} {status:<8} "
+                  f"gap {gap:>6.1%}  ({heur_times[-1] * 1e3:.0f} ms){' canonical fall-back' if fallback else ''}",
+                  flush=True)
         elif (n + 1) % 50 == 0:
             print(f"... {n + 1}/{len(chosen)} cases, {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
 
+    if args.reference:
+        _save_reference(args.reference, reference)
     gaps = [r[6] for r in rows]
     proved = [r for r in rows if r[5] == "OPTIMAL"]
     misses = [r for r in rows if r[6] > 1e-12]
@@ -145,8 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     if proved:
         pg = [r[6] for r in proved]
         print(f"over the {len(proved)} proved optima: mean {statistics.mean(pg):.2%}, max {max(pg):.2%}")
-    for i, case, key, h, e, status, gap, _ in sorted(misses, key=lambda r: -r[6])[:10]:
-        print(f"  #{i}: heuristic {h:g} vs exact {e:g} ({status}) = +{gap:.1%}: {case.command()}")
+    for label, group in (("nested", [r for r in rows if nested(r[1])]),
+                         ("not nested", [r for r in rows if not nested(r[1])])):
+        if group:
+            gg = [r[6] for r in group]
+            print(f"{label}: {len(group)} cases, mean gap {statistics.mean(gg):.2%}, max {max(gg):.2%}, misses "
+                  f"{sum(1 for g in gg if g > 1e-12)}"
+                  + (f", canonical fall-backs {sum(1 for r in group if r[8])}" if args.planner == "make_plan" else ""))
+    for i, case, key, h, e, status, gap, *_ in sorted(misses, key=lambda r: -r[6])[:10]:
+        print(f"  #{i}: heuristic {h:g} vs exact {e:g} ({status}) = +{gap:.1%}"
+              f"{'' if nested(case) else ' (not nested)'}: {case.command()}")
     return 0
 
 

@@ -58,6 +58,7 @@ SEARCH_LIMIT = 3_000
 ROUTING_SHARE = 0.5
 _SEARCH_RULES = 3  # rules per orphan swap; tiny instances try more while a swap's share of the budget allows
 _ROUTING_SWAPS = 60  # the swaps the rule count is planned for
+ORDER_STARTS = 3  # order searches from this many distinct routings, sharing the order moves' budget
 
 # From this many actions per iteration, deterministic rules on whole-unit costs are stepped in numpy (see
 # recycle.planner.vector_schedule.vector_eligible); below it numpy's per-call cost outweighs what it saves.
@@ -84,6 +85,9 @@ class Variant:
       that lost them downstream receives them at a steady rate.
     seed: not None for a random rule (random order of ready actions, random kind among the allowed ones): random
       restarts for small instances, and varied valid plans for testing the lower bound.
+    wait_for_backward: an F that would delay a B already on its way to this worker (its message arrives before
+      the F would end) waits for it: the worker runs a W that fits before the B, or idles. Not work-conserving,
+      which no other rule can express (issue 26: optima idle a stage briefly to return the gradient sooner).
     """
 
     name: str
@@ -95,6 +99,7 @@ class Variant:
     own_first: bool = False
     slot_order: bool = False
     seed: int | None = None
+    wait_for_backward: bool = False
 
 
 # The first variant is the one large instances use alone: best or tied-best in every option combination measured.
@@ -118,6 +123,12 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("slot-order-forward-first", slot_order=True),
     Variant("slot-order-alternate-1f1b-window+1", alternate=True, slot_order=True, soft_cap=1),
 )
+# Rules small instances also try when the other rules and the search leave them above the lower bound: the two
+# slot-order rules, waiting for a backward on its way. Of six waiting rules (the first five and
+# slot-order-forward-first), only these two won a plan on the F != B != W screen (4 of 450 cases), so the others
+# were dropped: each costs a list schedule per routing.
+WAITING_VARIANTS: tuple[Variant, ...] = tuple(
+    replace(v, name=f"{v.name}-wait-for-backward", wait_for_backward=True) for v in (VARIANTS[0], VARIANTS[16]))
 
 
 class Order(Enum):
@@ -178,6 +189,7 @@ class _Setting:
     forward_first: bool
     alternate: bool
     decoupled: bool
+    wait_for_backward: bool = False
 
 
 def _setting(config: Config, host: Sequence[Sequence[int]], decoupled: bool, caps: Sequence[int] | None,
@@ -197,7 +209,7 @@ def _setting(config: Config, host: Sequence[Sequence[int]], decoupled: bool, cap
             limit[p * S + s] = cap
     return _Setting(D, S, M, dur, tuple(config.communication.p2p_time(s) for s in range(S)), tuple(limit),
                     tuple(tuple(row) for row in loads), order_of(variant), variant.forward_first, variant.alternate,
-                    decoupled)
+                    decoupled, variant.wait_for_backward)
 
 
 def list_schedule(config: Config, key: Sequence[int], host: Sequence[Sequence[int]], decoupled: bool,
@@ -236,7 +248,7 @@ def _use_vector(setting: _Setting) -> bool:
     """The numpy scheduler for deterministic rules where it is exact and faster (see `vector_eligible`)."""
     per_mb = 3 if setting.decoupled else 2
     actions = per_mb * setting.D * setting.M * setting.S
-    if setting.order is Order.RANDOM or actions < VECTOR_MIN_ACTIONS:
+    if setting.order is Order.RANDOM or setting.wait_for_backward or actions < VECTOR_MIN_ACTIONS:
         return False
     from recycle.planner.vector_schedule import vector_eligible
 
@@ -338,7 +350,7 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
     D, S = setting.D, setting.S
     n_ranks = D * S
     dur, p2p, limit, decoupled = setting.dur, setting.p2p, setting.limit, setting.decoupled
-    forward_first, alternate = setting.forward_first, setting.alternate
+    forward_first, alternate, wait = setting.forward_first, setting.alternate, setting.wait_for_backward
     arrivals: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_ranks)]  # (ready, seq, F or B, mb)
     ready_f: list[list[tuple]] = [[] for _ in range(n_ranks)]  # heaps of item() tuples, the mb last
     ready_b: list[list[tuple]] = [[] for _ in range(n_ranks)]
@@ -384,6 +396,10 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
             code = _F
         else:
             code = _W if rw else -1
+        if wait and code == _F:
+            soon = min((a[0] for a in arr if a[2] == _B), default=math.inf)
+            if soon < t + dur[stage][_F]:  # the F would delay a B on its way: a W that fits, or wait for the B
+                code = _W if rw and t + dur[stage][_W] <= soon else -1
         if code < 0:
             if arr:
                 wake = arr[0][0]
@@ -534,9 +550,10 @@ def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptio
     Every variant (plus, for small instances, RANDOM_RESTARTS random-priority ones) is list-scheduled on each
     routing candidate and ranked by its own period estimate. With `options.search` (the default), small instances
     whose best estimate is above the analytic lower bound are then improved by a seeded local search (`_search`:
-    orphan swaps between survivors, then moves in the per-worker orders). The best few distinct schedules (with
-    and without B/W fusion) are simulated and the best simulated period wins (ties: lower peak activations, then
-    the earlier candidate). Very large instances skip the simulation and take the best estimate.
+    orphan swaps between survivors, then moves in the per-worker orders); small instances still above the bound
+    also try WAITING_VARIANTS. The best few distinct schedules (with and without B/W fusion) are simulated and
+    the best simulated period wins (ties: lower peak activations, then the earlier candidate). Very large
+    instances skip the simulation and take the best estimate.
     meta.notes names the winning variant.
     """
     key = check_key(config, key)
@@ -570,37 +587,48 @@ def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int,
     D, S, M = config.num_replicas, config.num_stages, config.num_microbatches
     caps = memory_cap(config, options)
     per_iteration = (3 if options.decoupled else 2) * D * M * S
+    waiting = per_iteration <= _RANDOM_RESTART_LIMIT and variants is VARIANTS
     if per_iteration > _LARGE_LIMIT:
         variants = variants[:_LARGE_VARIANTS]
-    elif per_iteration <= _RANDOM_RESTART_LIMIT and variants is VARIANTS:
+    elif waiting:
         variants = (*variants, *(Variant(f"random-{seed}", seed=seed) for seed in range(RANDOM_RESTARTS)))
     simulate_top = _SIMULATED_CANDIDATES if per_iteration <= SIMULATE_ALL_LIMIT else 0
     fingerprint = config.fingerprint()
 
     ranked: list[_Candidate] = []
     seen: set[int] = set()
-    for r, host in enumerate(routings):
-        for order, variant in enumerate(variants):
-            if r and variant.seed is not None:
-                continue  # random restarts only on the first routing
-            timed = list_schedule(config, key, host, options.decoupled, options.staggered, caps, variant)
-            if len(variants) * len(routings) == 1:  # nothing to de-duplicate (large instances: skip the hash)
-                ranked.append(_Candidate(timed.estimate, 0, variant.name, host, timed))
-                continue
-            signature = hash((timed.entries, host))
-            if signature not in seen:  # several rules often produce the same schedule
-                seen.add(signature)
-                ranked.append(_Candidate(timed.estimate, len(ranked), variant.name, host, timed))
+
+    def rank(rules: Sequence[Variant]) -> None:
+        for r, host in enumerate(routings):
+            for variant in rules:
+                if r and variant.seed is not None:
+                    continue  # random restarts only on the first routing
+                timed = list_schedule(config, key, host, options.decoupled, options.staggered, caps, variant)
+                if len(variants) * len(routings) == 1:  # nothing to de-duplicate (large instances: skip the hash)
+                    ranked.append(_Candidate(timed.estimate, 0, variant.name, host, timed))
+                    continue
+                signature = hash((timed.entries, host))
+                if signature not in seen:  # several rules often produce the same schedule
+                    seen.add(signature)
+                    ranked.append(_Candidate(timed.estimate, len(ranked), variant.name, host, timed))
+
+    rank(variants)
     if not ranked:
         raise PlanError("schedule_heuristic needs at least one variant")
     ranked.sort(key=lambda c: (c.estimate, c.order))
     search = options.search and per_iteration <= SEARCH_LIMIT
-    bound = period_lower_bound(config, key, options) if search else math.inf
+    bound = period_lower_bound(config, key, options) if waiting or search else math.inf
     if search:
         if ranked[0].estimate > bound * (1 + 1e-9):
             budget = WorkBudget(search_work(per_iteration))
             found = _search(config, key, failed, options, caps, ranked, variants, bound, budget)
             ranked = sorted([*found, *ranked], key=lambda c: (c.estimate, c.order))
+    if waiting and ranked[0].estimate > bound * (1 + 1e-9):
+        # Small plans still above the bound also try the waiting rules. They join the candidates after the
+        # search, which starts from the work-conserving rules' schedules as before (measured: starting it from a
+        # waiting schedule closed no more misses and opened one), and rank after them on a tie.
+        rank(WAITING_VARIANTS)
+        ranked.sort(key=lambda c: (c.estimate, c.order))
 
     def build(candidate: _Candidate, merge: bool) -> Plan:
         actions = _to_actions(config, candidate.timed, candidate.host, options.decoupled, merge)
@@ -647,17 +675,33 @@ def _search(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, i
        to one with the lower (loads stay balanced), and list-schedule the change with the rules of the best
        candidates; keep changes that do not worsen the best estimate. The issue's misses
        (unequal F/B/W costs) were all routings where a survivor received the same slot of several lost pipelines.
-    2. Orders: `improve_orders` moves single actions within a worker's order, timed as soon as possible.
+    2. Orders: `improve_orders` moves single actions within a worker's order, timed as soon as possible, from
+       ORDER_STARTS distinct routings one after another (step 1's best, the routings of the same estimate it
+       passed through, newest first, then the rule schedules'), each with an equal share of what is left: the
+       rules often give every balanced routing the same estimate, and the order moves then end at different
+       periods on them (issue 26's screen: 28 from step 1's best routing, the optimum 26 from the third).
     Both stop at the analytic lower bound. Step 1 may spend ROUTING_SHARE of the budget, step 2 the rest.
     """
     routing_budget = budget.share(ROUTING_SHARE)
     rules = _search_rules(config, options, ranked, variants, routing_budget.left)
-    best, found = _search_routing(config, key, failed, options, caps, ranked[0], rules, bound, routing_budget)
+    best, found, visited = _search_routing(config, key, failed, options, caps, ranked[0], rules, bound,
+                                           routing_budget)
     budget.give_back(routing_budget)
     if best.estimate > bound * (1 + 1e-9):
-        moved = _search_orders(config, key, options, caps, best, bound, budget)
-        if moved is not None:
-            found.append(moved)
+        starts = [best]
+        for candidate in [*visited, *ranked]:  # other routings: the swaps' plateau, then the rule schedules
+            if len(starts) == ORDER_STARTS:
+                break
+            if all(candidate.host != start.host for start in starts):
+                starts.append(candidate)
+        for n, start in enumerate(starts):
+            share = budget.share(1 / (len(starts) - n))
+            moved = _search_orders(config, key, options, caps, start, bound, share)
+            budget.give_back(share)
+            if moved is not None:
+                found.append(moved)
+                if moved.estimate <= bound * (1 + 1e-9):
+                    break
     # Search results rank ahead of equal-estimate rule schedules (they are at least as good on the estimate).
     return [replace(c, order=-len(found) + i) for i, c in enumerate(found)]
 
@@ -692,6 +736,7 @@ def _search_routing(config: Config, key: tuple[int, ...], failed: frozenset[tupl
     live = [[p for p in range(D) if (p, s) not in failed] for s in range(config.num_stages)]
     orphan_stages = [s for s, k in enumerate(key) if k > 0]
     found: list[_Candidate] = []
+    visited: list[_Candidate] = []  # routings of the best estimate the swaps passed through, newest first
     per_iteration = sum(len(row) for row in start.timed.entries)
     cost = max(1, LIST_SCHEDULE_COST * per_iteration * len(rules))
     for _ in range(2 * (budget.left // cost)):  # draws that change nothing are not paid for: bound them too
@@ -727,10 +772,13 @@ def _search_routing(config: Config, key: tuple[int, ...], failed: frozenset[tupl
             continue
         if improved.estimate < best.estimate:
             found.append(improved)
+            visited.clear()
+        else:
+            visited.insert(0, best)
         best = improved
     if best is not start and not found:
         found.append(best)
-    return best, found
+    return best, found, visited
 
 
 def _search_orders(config: Config, key: tuple[int, ...], options: PlannerOptions, caps: Sequence[int] | None,
