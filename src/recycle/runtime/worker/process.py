@@ -157,7 +157,10 @@ class _Watcher(threading.Thread):
         self.outbox = outbox
         # Beats go to the node launcher's own store when it has one (it watches its workers and tells the coordinator
         # only about the silent or hung ones), else to the job's store.
+        # They are sent by a thread of their own then: a coordinator that is away (the watcher waits for it to come
+        # back) must not silence a live worker in its launcher's eyes.
         port = spec.cluster.node_store_port
+        self.beats_apart = bool(port)
         self.beats_to = JobStore(connect_store("127.0.0.1", port, spec.cluster.token,
                                                worker_identity(spec.rank, spec.incarnation), 30.0)
                                  if port else self.store)
@@ -183,7 +186,25 @@ class _Watcher(threading.Thread):
                 watched.append((Keys.drain(generation), "drain", generation))
         return watched
 
+    def _beat(self) -> None:
+        self.beats += 1
+        self.beats_to.put(Channels.HEARTBEAT, Beat(self.beats, self.activity.actions, self.activity.phase,
+                                                   self.incarnation), self.rank)
+
+    def _beat_forever(self) -> None:
+        """Beats to the node's store, whatever the job's store is doing."""
+        while True:
+            try:
+                self._beat()
+            except StoreFenced:
+                return
+            except Exception:
+                pass  # the node's store is in the launcher: if that is gone, this worker exits (_watch_launcher)
+            time.sleep(self.interval_s)
+
     def run(self) -> None:
+        if self.beats_apart:
+            threading.Thread(target=self._beat_forever, daemon=True, name="recycle-beat").start()
         next_beat = 0.0
         while True:
             try:
@@ -191,9 +212,8 @@ class _Watcher(threading.Thread):
                     self.outbox.sync(self.store)
                 now = time.monotonic()
                 if now >= next_beat:
-                    self.beats += 1
-                    self.beats_to.put(Channels.HEARTBEAT, Beat(self.beats, self.activity.actions,
-                                                               self.activity.phase, self.incarnation), self.rank)
+                    if not self.beats_apart:
+                        self._beat()
                     next_beat = now + self.interval_s
                 watched = self._watched()
                 hit = self.store.wait_any([key for key, _, _ in watched], max(0.0, next_beat - time.monotonic()))
