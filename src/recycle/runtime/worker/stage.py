@@ -14,8 +14,9 @@ import importlib
 import inspect
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from recycle.config import Config
@@ -25,7 +26,8 @@ from recycle.models.split import LossFn, StageModel, as_stage_model, boundary_sh
 from recycle.runtime.state.precision import weights_dtype
 
 __all__ = ["BuiltStage", "build_stage", "load_factory", "check_model", "factory_model", "hf_model", "all_stages",
-           "check_one_model", "hf_built_stage", "hf_path", "hf_weights_path"]
+           "check_one_model", "hf_built_stage", "hf_path", "hf_weights_path", "tied_stages", "tied_copy_keys",
+           "drop_tied_copies"]
 
 StageFactory = Callable[[Config, int], list[nn.Module]]
 
@@ -90,6 +92,45 @@ def hf_weights_path(config: Config) -> str | None:
         return None
     found = resolve_hf_weights(config.model.hf_config, config.model.hf_weights, os.path.dirname(config.source) or None)
     return None if found is None else str(found)
+
+
+def _tied_hf_config(config: Config, factory: str) -> Any:
+    """The Hugging Face config of the run's model if it ties its word embeddings, else None."""
+    if factory or not config.model.hf_config:
+        return None
+    from recycle.models.hf import load_hf_config, tied_embedding
+
+    hf = load_hf_config(hf_path(config), config.workload.seq_len)
+    return hf if tied_embedding(hf) is not None else None
+
+
+def tied_stages(config: Config, factory: str = "") -> tuple[int, ...]:
+    """The stages that hold a copy of a tied weight and sum its gradient across them (a tied Hugging Face model's
+    first and last stage, when they differ): every worker forms their group, so every worker asks."""
+    S = config.num_stages
+    return (0, S - 1) if S > 1 and _tied_hf_config(config, factory) is not None else ()
+
+
+def tied_copy_keys(config: Config, factory: str = "") -> dict[str, str]:
+    """The stage-state keys that only repeat another tensor of the model (a tied lm_head weight), each with the key
+    of the tensor it repeats: left out of the merged --save, as save_pretrained leaves them out."""
+    hf = _tied_hf_config(config, factory)
+    if hf is None:
+        return {}
+    from recycle.models.hf import tied_copies
+    from recycle.models.hf_export import STAGE_PREFIX
+
+    return {STAGE_PREFIX + copy: STAGE_PREFIX + original for copy, original in tied_copies(hf).items()}
+
+
+def drop_tied_copies(parts: list[dict[str, torch.Tensor]], copies: dict[str, str]) -> list[dict[str, torch.Tensor]]:
+    """The stages' state dicts without the tied copies (tied_copy_keys), each checked equal to the tensor it repeats
+    (the tied all-reduce keeps them bit for bit equal: a difference is a bug, never written silently)."""
+    whole = {k: v for part in parts for k, v in part.items()}
+    for copy, original in copies.items():
+        if copy in whole and original in whole and not torch.equal(whole[copy], whole[original]):
+            raise RuntimeError(f"the tied weight's copies differ: {copy} and {original}")
+    return [{k: v for k, v in part.items() if k not in copies} for part in parts]
 
 
 def hf_model(config: Config) -> tuple[StageModel, list[tuple[int, int]]]:
