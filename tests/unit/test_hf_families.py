@@ -89,7 +89,8 @@ def test_tied_embeddings_stay_tied_and_each_end_holds_the_shared_weight(tmp_path
     assert lm.lm_head.weight is lm.get_input_embeddings().weight  # one parameter in the whole model
     stages = hf_stages(path, 3, SEQ, 5, torch.float64)
     (embedding,), (), (head,) = [s.tied_weights for s in stages]
-    assert head == "model.lm_head.weight" and embedding.endswith("embed_tokens.weight" if family != "gpt2" else "wte.weight")
+    assert head == "model.lm_head.weight"
+    assert embedding.endswith("wte.weight" if family == "gpt2" else "embed_tokens.weight")
     first, last = stages[0].get_parameter(embedding), stages[2].get_parameter(head)
     assert first is not last and torch.equal(first, last)  # two copies (two workers), equal
     assert torch.equal(first, lm.get_input_embeddings().weight)
@@ -114,7 +115,8 @@ def test_a_tied_models_parameter_count_is_transformers_own(tmp_path) -> None:
     with torch.device("meta"):
         theirs = transformers.AutoModelForCausalLM.from_config(config).num_parameters()
     untied = theirs + config.vocab_size * config.n_embd
-    assert f"{theirs:,} parameters" in describe_hf_model(path, SEQ) and f"{untied:,}" not in describe_hf_model(path, SEQ)
+    described = describe_hf_model(path, SEQ)
+    assert f"{theirs:,} parameters" in described and f"{untied:,}" not in described
 
 
 def test_a_family_that_ties_another_way_is_named(tmp_path, monkeypatch) -> None:
