@@ -21,12 +21,13 @@ from torch import nn
 
 from recycle.config import Config
 from recycle.errors import ConfigError
+from recycle.models.gpt import build_stage as build_gpt_stage
 from recycle.models.gpt import build_stages, resolve_shape, stage_layers
 from recycle.models.split import LossFn, StageModel, as_stage_model, boundary_shapes, causal_lm_loss
 from recycle.runtime.state.precision import weights_dtype
 
 __all__ = ["BuiltStage", "build_stage", "load_factory", "check_model", "factory_model", "hf_model", "all_stages",
-           "check_one_model", "hf_built_stage", "hf_path", "hf_weights_path", "tied_stages", "tied_copy_keys",
+           "check_one_model", "hf_built_stage", "gpt_built_stage", "hf_path", "hf_weights_path", "tied_stages", "tied_copy_keys",
            "drop_tied_copies"]
 
 StageFactory = Callable[[Config, int], list[nn.Module]]
@@ -162,6 +163,16 @@ def hf_built_stage(config: Config, stage: int) -> BuiltStage:
                       boundary if stage < S - 1 else None, causal_lm_loss if stage == S - 1 else None)
 
 
+def gpt_built_stage(config: Config, stage: int, bounds: list[tuple[int, int]] | None = None) -> BuiltStage:
+    """A built-in GPT's stage built alone (only its tensors are allocated; recycle.models.gpt.build_stage)."""
+    S, workload = config.num_stages, config.workload
+    module = build_gpt_stage(config.model, S, stage, config.training.seed, weights_dtype(config.training.dtype),
+                             workload.seq_len, bounds)
+    boundary = module.boundary_shape(workload.microbatch_size, workload.seq_len)  # the same at every boundary
+    return BuiltStage(module, (module.first, module.last), boundary if stage > 0 else None,
+                      boundary if stage < S - 1 else None)
+
+
 def all_stages(config: Config, factory: str = "",
                bounds: list[tuple[int, int]] | None = None) -> tuple[StageModel, list[tuple[int, int]]]:
     """Every stage module of the run's model (built-in GPT, Hugging Face config, or factory) and their layouts.
@@ -186,6 +197,8 @@ def build_stage(config: Config, stage: int, factory: str = "",
     S = config.num_stages
     if config.model.hf_config and not factory:
         return hf_built_stage(config, stage)
+    if not factory:
+        return gpt_built_stage(config, stage, bounds)
     model, layouts = all_stages(config, factory, bounds)
     stages = list(model.stages)
     shapes = boundary_shapes(stages, config.workload.microbatch_size, config.workload.seq_len, upto=stage + 1)
