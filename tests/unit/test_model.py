@@ -76,7 +76,7 @@ def test_float32_stages_are_the_float64_init_rounded() -> None:
 
 @pytest.mark.parametrize("num_stages", [2, 3])
 def test_a_stage_built_alone_equals_that_stage_of_the_whole_model(num_stages: int) -> None:
-    """Per-stage construction: each stage is laid out on meta and only its tensors are initialised, each module from
+    """Per-stage construction: only the stage's tensors are allocated and initialised, each module from
     (seed, its name), so it equals the whole model's same tensors, and the global RNG is untouched."""
     from recycle.models.gpt import build_stage
 

@@ -1,8 +1,8 @@
 """The built-in nanoGPT-like model, its presets and its partitioning into pipeline stages by layers.
 
-A stage is built alone (build_stage): laid out on the meta device, then only its tensors allocated and initialised,
-each module from a generator seeded by (seed, its name in the whole model), so a worker's memory is its stage's and a
-stage built alone equals the same stage of the whole model (full_model, which the single-process reference trains).
+A stage is built alone (build_stage): only its tensors are allocated and initialised, each module from a generator
+seeded by (seed, its name in the whole model), so a worker's memory is its stage's and a stage built alone equals the
+same stage of the whole model (full_model, which the single-process reference trains).
 
 Stage call contract (the runtime relies on nothing else, so any list of S modules that keeps it can be trained --
 "bring your own model"):
@@ -44,10 +44,15 @@ class GPTShape:
 
     @property
     def num_parameters(self) -> int:
+        return self.stage_parameters(0, self.n_layer)
+
+    def stage_parameters(self, first: int, last: int) -> int:
+        """The parameters of the stage holding layers [first, last) (GPTStage: embeddings on the first, head on the
+        last)."""
         per_layer = 12 * self.n_embd * self.n_embd + 13 * self.n_embd
-        embed = self.vocab_size * self.n_embd + self.block_size * self.n_embd
-        head = 2 * self.n_embd + self.vocab_size * self.n_embd + self.vocab_size
-        return self.n_layer * per_layer + embed + head
+        embed = self.vocab_size * self.n_embd + self.block_size * self.n_embd if first == 0 else 0
+        head = 2 * self.n_embd + self.vocab_size * self.n_embd + self.vocab_size if last == self.n_layer else 0
+        return (last - first) * per_layer + embed + head
 
 
 # Byte-level vocabulary everywhere: the built-in data and user text files are UTF-8 bytes.
@@ -82,11 +87,11 @@ def resolve_shape(spec: ModelSpec, seq_len: int) -> GPTShape:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, shape: GPTShape) -> None:
+    def __init__(self, shape: GPTShape, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.n_head = shape.n_head
-        self.c_attn = nn.Linear(shape.n_embd, 3 * shape.n_embd)
-        self.c_proj = nn.Linear(shape.n_embd, shape.n_embd)
+        self.c_attn = nn.Linear(shape.n_embd, 3 * shape.n_embd, dtype=dtype)
+        self.c_proj = nn.Linear(shape.n_embd, shape.n_embd, dtype=dtype)
         self.dropout = shape.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,13 +104,13 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, shape: GPTShape) -> None:
+    def __init__(self, shape: GPTShape, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(shape.n_embd)
-        self.attn = CausalSelfAttention(shape)
-        self.ln_2 = nn.LayerNorm(shape.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(shape.n_embd, 4 * shape.n_embd), nn.GELU(),
-                                 nn.Linear(4 * shape.n_embd, shape.n_embd), nn.Dropout(shape.dropout))
+        self.ln_1 = nn.LayerNorm(shape.n_embd, dtype=dtype)
+        self.attn = CausalSelfAttention(shape, dtype)
+        self.ln_2 = nn.LayerNorm(shape.n_embd, dtype=dtype)
+        self.mlp = nn.Sequential(nn.Linear(shape.n_embd, 4 * shape.n_embd, dtype=dtype), nn.GELU(),
+                                 nn.Linear(4 * shape.n_embd, shape.n_embd, dtype=dtype), nn.Dropout(shape.dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -119,20 +124,20 @@ class GPTStage(nn.Module):
     whole model's state dict: the union of the stage state dicts loads into `full_model` as is.
     """
 
-    def __init__(self, shape: GPTShape, first: int, last: int) -> None:
+    def __init__(self, shape: GPTShape, first: int, last: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.shape = shape
         self.first, self.last = first, last
         self.has_embedding = first == 0
         self.has_head = last == shape.n_layer
         if self.has_embedding:
-            self.wte = nn.Embedding(shape.vocab_size, shape.n_embd)
-            self.wpe = nn.Embedding(shape.block_size, shape.n_embd)
+            self.wte = nn.Embedding(shape.vocab_size, shape.n_embd, dtype=dtype)
+            self.wpe = nn.Embedding(shape.block_size, shape.n_embd, dtype=dtype)
             self.drop = nn.Dropout(shape.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(shape) for i in range(first, last)})
+        self.blocks = nn.ModuleDict({str(i): Block(shape, dtype) for i in range(first, last)})
         if self.has_head:
-            self.ln_f = nn.LayerNorm(shape.n_embd)
-            self.lm_head = nn.Linear(shape.n_embd, shape.vocab_size)
+            self.ln_f = nn.LayerNorm(shape.n_embd, dtype=dtype)
+            self.lm_head = nn.Linear(shape.n_embd, shape.vocab_size, dtype=dtype)
 
     def boundary_shape(self, batch: int, seq: int) -> tuple[int, ...]:
         """Shape of the activation this stage sends downstream (and of the gradient it receives back)."""
@@ -186,10 +191,11 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def _built(shape: GPTShape, first: int, last: int, seed: int, dtype: str | torch.dtype) -> GPTStage:
-    """Layers [first, last) laid out on the meta device, then only their tensors allocated and initialised."""
-    with torch.device("meta"):
-        stage = GPTStage(shape, first, last).to(_dtype(dtype))
-    stage.to_empty(device="cpu")
+    """Layers [first, last) alone, allocated in `dtype` and initialised: no other layer's tensor is ever made.
+    Allocated on the CPU rather than laid out on the meta device first: torch's default init of a meta tensor (the
+    modules' constructors run it) imports torch._dynamo, seconds per worker, for nothing it saves here."""
+    with torch.random.fork_rng(devices=[]):  # the constructors' default init draws from the global RNG: left as it was
+        stage = GPTStage(shape, first, last, _dtype(dtype))
     _init_weights(stage, seed, shape.n_layer)
     return stage
 
