@@ -214,8 +214,8 @@ def _stage_parts(config: Any, first: int, last: int) -> list[str]:
         embeddings, layers, shared, head = ["model.embed_tokens"], "model.layers", ["model.rotary_emb"], \
             ["model.norm", "lm_head"]
     tied = tied_embedding(config)
-    if tied is not None and first > 0:  # the last stage's lm_head is its own copy of the input embedding's weight
-        head = [*head, tied]
+    if tied is not None:  # the lm_head's weight is the input embedding's (_tie): never allocated on its own
+        head = [part for part in head if part != TIED_HEAD.rpartition(".")[0]] + ([tied] if first > 0 else [])
     return [*(embeddings if first == 0 else []), *(f"{layers}.{i}" for i in range(first, last)), *shared,
             *(head if last == num_hf_layers(config) else [])]
 
