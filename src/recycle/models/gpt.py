@@ -29,6 +29,7 @@ __all__ = ["PRESETS", "GPTShape", "resolve_shape", "GPTStage", "full_model", "bu
            "stage_layers", "init_seed", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+INIT_CHUNK = 1 << 20  # elements drawn at once by the initialisation (8 MiB in float64)
 
 
 @dataclass(frozen=True)
@@ -174,8 +175,12 @@ def _init_weights(model: nn.Module, seed: int, n_layer: int) -> None:
             if name.endswith("c_proj") or name.endswith("mlp.2"):
                 std = 0.02 / math.sqrt(2 * n_layer)
             generator = torch.Generator().manual_seed(init_seed(seed, name))
-            # Drawn in float64 and rounded to the weights' dtype: float32 weights are the float64 ones rounded.
-            module.weight.copy_(torch.randn(module.weight.shape, generator=generator, dtype=torch.float64).mul_(std))
+            # Drawn in float64 and rounded to the weights' dtype (float32 weights are the float64 ones rounded), in
+            # fixed-size pieces, so the float64 draw adds at most INIT_CHUNK elements to the stage's memory.
+            flat = module.weight.view(-1)
+            for start in range(0, flat.numel(), INIT_CHUNK):
+                piece = flat[start:start + INIT_CHUNK]
+                piece.copy_(torch.randn(piece.numel(), generator=generator, dtype=torch.float64).mul_(std))
             if isinstance(module, nn.Linear) and module.bias is not None:
                 module.bias.zero_()
         elif isinstance(module, nn.LayerNorm):
