@@ -122,11 +122,12 @@ def test_a_tied_worker_killed_mid_run_is_survived_exactly(tmp_path, monkeypatch)
     _assert_exact(torch.load(save, weights_only=True)["model"], reference_train(cfg)[0], "gpt2")
 
 
-def test_a_tied_run_resumes_from_its_checkpoint_bit_for_bit(tmp_path, monkeypatch) -> None:
-    """Each stage's DCP shard holds its own copy of the tied weight (and its optimizer state); resuming at step 2
-    of 3 ends bit for bit where the uninterrupted run did."""
+@pytest.mark.parametrize("S", [2, 1])
+def test_a_tied_run_resumes_from_its_checkpoint_bit_for_bit(tmp_path, monkeypatch, S: int) -> None:
+    """Each stage's DCP shard holds its own copy of the tied weight (with S = 1: the one tensor under both names),
+    and its optimizer state; resuming at step 2 of 3 ends bit for bit where the uninterrupted run did."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    cfg = _tied_config(tmp_path, "gpt2", steps=3)
+    cfg = _tied_config(tmp_path, "gpt2", S=S, steps=3)
     ck = tmp_path / "ck"
     _launch(cfg, save_path=str(tmp_path / "full.pt"), checkpoint_dir=str(ck), checkpoint_every=2)
     assert (ck / "latest").read_text().strip() == "step000002"

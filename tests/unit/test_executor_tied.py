@@ -130,3 +130,20 @@ def test_the_tied_group_is_the_live_workers_of_both_ends() -> None:
     fabric = MemoryFabric([0, 1], {0: [0], 1: [1]})  # formed without tied stages: a tied sum is a bug, not a no-op
     with pytest.raises(RuntimeError, match="without tied stages"):
         fabric.endpoint(0).tied_allreduce_sum(torch.zeros(1))
+
+
+def test_a_factory_whose_stages_declare_tied_weights_is_refused(tmp_path, monkeypatch) -> None:
+    """The tied group is formed for a Hugging Face model only: a factory's tied_weights would never be summed."""
+    from recycle.errors import ConfigError
+    from recycle.runtime.worker.stage import factory_model
+
+    (tmp_path / "tied_factory.py").write_text(
+        "import torch\n"
+        "def stages(config, num_stages):\n"
+        "    mods = [torch.nn.Linear(2, 2) for _ in range(num_stages)]\n"
+        "    mods[0].tied_weights = ('weight',)\n"
+        "    return mods\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = tied_config(tmp_path, D=1, S=2)
+    with pytest.raises(ConfigError, match=r"stage\(s\) \[0\] declare tied_weights, .* Hugging Face models only"):
+        factory_model(config, "tied_factory:stages")

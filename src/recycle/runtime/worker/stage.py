@@ -27,8 +27,8 @@ from recycle.models.split import LossFn, StageModel, as_stage_model, boundary_sh
 from recycle.runtime.state.precision import weights_dtype
 
 __all__ = ["BuiltStage", "build_stage", "load_factory", "check_model", "factory_model", "hf_model", "all_stages",
-           "check_one_model", "hf_built_stage", "gpt_built_stage", "hf_path", "hf_weights_path", "tied_stages", "tied_copy_keys",
-           "drop_tied_copies"]
+           "check_one_model", "hf_built_stage", "gpt_built_stage", "hf_path", "hf_weights_path", "tied_stages",
+           "tied_copy_keys", "drop_tied_copies"]
 
 StageFactory = Callable[[Config, int], list[nn.Module]]
 
@@ -71,6 +71,10 @@ def factory_model(config: Config, factory: str) -> StageModel:
     """The factory's stages (checked, in the config's dtype) and loss function."""
     model = as_stage_model(load_factory(factory)(config, config.num_stages), config.num_stages,
                            f"model factory {factory!r}")
+    tied = [s for s, m in enumerate(model.stages) if getattr(m, "tied_weights", ())]
+    if tied:  # the tied group is formed for a Hugging Face model's first and last stage only (tied_stages)
+        raise ConfigError(f"model factory {factory!r}: stage(s) {tied} declare tied_weights, which recycle sums "
+                          "across stages for Hugging Face models only (--hf); give each stage its own parameters")
     dtype = weights_dtype(config.training.dtype)
     return StageModel(tuple(m.to(dtype) for m in model.stages), model.loss_fn)
 
