@@ -54,7 +54,8 @@ ROTARY_FAMILIES = ("llama", "mistral", "qwen2")
 SUPPORTED = ("gpt2", *ROTARY_FAMILIES)
 MIN_VOCAB = 256  # the data is byte-level
 CONFIG_FILE = "config.json"  # save_pretrained's
-TIED_HEAD = "lm_head.weight"  # the output weight a tied model shares with its input embedding
+HEAD_MODULE = "lm_head"  # every supported family's output projection
+TIED_HEAD = f"{HEAD_MODULE}.weight"  # the output weight a tied model shares with its input embedding
 # The input embedding (its whole-model name) of each family: the module whose weight a tied lm_head shares.
 EMBEDDING = {"gpt2": "transformer.wte", **{family: "model.embed_tokens" for family in ROTARY_FAMILIES}}
 # The dropout probabilities of the supported families' configs (the reference needs them all at 0).
@@ -197,7 +198,7 @@ def meta_model(config: Any) -> nn.Module:
     with torch.device("meta"):
         lm = transformers.AutoModelForCausalLM.from_config(config)
     embedding = tied_embedding(config)
-    if embedding is not None and lm.get_submodule(TIED_HEAD.rpartition(".")[0]).weight is not \
+    if embedding is not None and lm.get_submodule(HEAD_MODULE).weight is not \
             lm.get_submodule(embedding).weight:  # a family (or transformers version) that ties another way
         raise ConfigError(f"tie_word_embeddings is true, but this {config.model_type} model does not share "
                           f"{embedding}.weight as its {TIED_HEAD} the way recycle splits it; set "
@@ -215,7 +216,7 @@ def _stage_parts(config: Any, first: int, last: int) -> list[str]:
             ["model.norm", "lm_head"]
     tied = tied_embedding(config)
     if tied is not None:  # the lm_head's weight is the input embedding's (_tie): never allocated on its own
-        head = [part for part in head if part != TIED_HEAD.rpartition(".")[0]] + ([tied] if first > 0 else [])
+        head = [part for part in head if part != HEAD_MODULE] + ([tied] if first > 0 else [])
     return [*(embeddings if first == 0 else []), *(f"{layers}.{i}" for i in range(first, last)), *shared,
             *(head if last == num_hf_layers(config) else [])]
 
@@ -225,7 +226,7 @@ def _tie(lm: nn.Module, config: Any) -> None:
     undone by allocating the two modules one by one): one tensor, initialised or loaded under the embedding's name."""
     embedding = tied_embedding(config)
     if embedding is not None and not lm.get_submodule(embedding).weight.is_meta:
-        lm.get_submodule(TIED_HEAD.rpartition(".")[0]).weight = lm.get_submodule(embedding).weight
+        lm.get_submodule(HEAD_MODULE).weight = lm.get_submodule(embedding).weight
 
 
 def init_seed(seed: int, name: str) -> int:
@@ -297,9 +298,7 @@ def _whole_model_tensors(lm: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
 def _load_parts(lm: nn.Module, parts: list[str], weights: Pretrained) -> None:
     """Overwrite the state-dict tensors of the submodules `parts` (materialised) with the pretrained ones; the
     non-persistent buffers (rotary frequencies) keep their computed values."""
-    copies = tied_copies(lm.config)  # a tied lm_head is read as the embedding
-    tensors = {name: t for part in parts for key, t in lm.get_submodule(part).state_dict().items()
-               if (name := f"{part}.{key}") not in copies}
+    tensors = {f"{part}.{key}": t for part in parts for key, t in lm.get_submodule(part).state_dict().items()}
     load_pretrained(weights, tensors, str(lm.base_model_prefix))
 
 
