@@ -85,7 +85,7 @@ def test_tied_training_on_two_by_two_is_exact_against_the_tied_model_trained_who
     cfg = _tied_config(tmp_path, family, training=training)
     _launch(cfg, save_path=str(tmp_path / "final.pt"))
     saved = torch.load(tmp_path / "final.pt", weights_only=True)["model"]
-    reference, losses = reference_train(cfg)
+    reference, _ = reference_train(cfg)
     start, _ = reference_train(cfg, steps=0)
     # It trained, the tied weight too (its gradient comes from both ends of the model).
     assert not torch.equal(start[EMBEDDING[family]], reference[EMBEDDING[family]])
