@@ -35,10 +35,10 @@ def _one_torch_thread_per_worker():
     torch.set_num_threads(threads)
 
 
-def tied_config(tmp_path: Path, D: int, S: int, **training: object):
-    raw = json.loads((EXAMPLES / "hf-tiny-llama.json").read_text())
+def tied_config(tmp_path: Path, D: int, S: int, family: str = "llama", **training: object):
+    raw = json.loads((EXAMPLES / f"hf-tiny-{family}.json").read_text())
     raw["tie_word_embeddings"] = True
-    hf = tmp_path / "tied-llama.json"
+    hf = tmp_path / f"tied-{family}.json"
     hf.write_text(json.dumps(raw))
     return parse_config({
         "topology": {"num_replicas": D, "num_stages": S},
@@ -102,6 +102,15 @@ def test_tied_stages_on_threads_match_the_tied_model_trained_whole(tmp_path, dow
         for key in (HEAD, EMBEDDING):
             if key in state:
                 assert float((state[key] - reference[key]).abs().max()) <= 1e-9
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", ["gpt2", "mistral", "qwen2"])
+def test_every_family_trains_tied_on_threads_like_the_whole_model(tmp_path, family: str) -> None:
+    config = tied_config(tmp_path, D=2, S=2, family=family)
+    plan = build_schedule(config, "zb-h1", staggered=True)
+    modules = run_in_threads(config, plan, tied_stages(config))
+    assert max_error(modules, plan, reference_train(config)[0]) <= 1e-9
 
 
 @pytest.mark.timeout(120)
