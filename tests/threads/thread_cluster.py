@@ -142,8 +142,8 @@ class ThreadProcess:
         self.exit(EXIT_FENCED)
         self.park()
 
-    def _transport(self, store: Any, generation: int, rank: int, *args: Any) -> Any:
-        comm: Any = self.cluster.network.transport(store, generation, rank, *args)
+    def _transport(self, store: Any, generation: int, rank: int, *args: Any, **kwargs: Any) -> Any:
+        comm: Any = self.cluster.network.transport(store, generation, rank, *args, **kwargs)
         for worker, at_generation, iteration, op in self.cluster.injector.lost_links:
             if self.cluster.rank(worker) == rank and at_generation == generation:
                 comm = FaultyComm(comm, fail_at=(iteration, op))

@@ -113,3 +113,25 @@ def test_save_and_export_are_written_from_the_same_parts_and_no_part_is_left(tmp
     exported = load_file(tmp_path / "export" / "model.safetensors")
     assert sorted(saved) == sorted(f"model.{k}" for k in exported)
     assert all(torch.equal(saved[f"model.{k}"], v) for k, v in exported.items())
+
+
+def test_a_tied_export_writes_the_shared_weight_once_and_loads_tied(tmp_path) -> None:
+    raw = json.loads((EXAMPLES / "hf-tiny-qwen2.json").read_text())
+    raw["tie_word_embeddings"] = True
+    config = tmp_path / "tied.json"
+    config.write_text(json.dumps(raw))
+    stages = hf_stages(config, 2, 16, 7, torch.float64)
+    state = {k: v for s in stages for k, v in s.state_dict().items()}  # both copies, as the stages hold them
+    out = export_hf(config, 16, state, tmp_path / "export")
+    from safetensors.torch import load_file
+
+    assert "lm_head.weight" not in load_file(out / "model.safetensors")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(chained(stages, tokens), loaded(input_ids=tokens).logits)
+    # Copies that differ are a bug in the run, never exported silently.
+    state["model.lm_head.weight"] = state["model.lm_head.weight"] + 1.0
+    with pytest.raises(ValueError, match="tied weight's copies"):
+        export_hf(config, 16, state, tmp_path / "export2")

@@ -76,15 +76,56 @@ def test_sliding_window_layers_are_masked_in_every_stage(tmp_path, family: str, 
         assert float((full_attention(tokens) - whole).abs().max()) > 1e-6
 
 
-def test_tied_embeddings_are_refused_not_silently_untied(tmp_path) -> None:
-    with pytest.raises(ConfigError, match=r"tie_word_embeddings is true, .* set \"tie_word_embeddings\": false"):
-        load_hf_config(_write(tmp_path, "llama", tie_word_embeddings=True), SEQ)
-    raw = json.loads((EXAMPLES / "hf-tiny-gpt2.json").read_text())
-    del raw["tie_word_embeddings"]
-    path = tmp_path / "gpt2-default.json"
-    path.write_text(json.dumps(raw))
-    with pytest.raises(ConfigError, match=r"tie_word_embeddings is true \(the gpt2 default when the key is absent\)"):
-        load_hf_config(path, SEQ)
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_tied_embeddings_stay_tied_and_each_end_holds_the_shared_weight(tmp_path, family: str) -> None:
+    """A tied model's stages compute its logits; stage 0 holds the input embedding, the last stage a copy as its
+    lm_head weight, equal to it (built alone too), and the whole model ties them as transformers does."""
+    from recycle.models.hf import hf_stage
+
+    path = _write(tmp_path, family, tie_word_embeddings=True)
+    chained, whole = _chained_and_whole(path, 3)
+    assert torch.equal(chained, whole)
+    lm = build_hf_model(path, SEQ, 5, torch.float64).model
+    assert lm.lm_head.weight is lm.get_input_embeddings().weight  # one parameter in the whole model
+    stages = hf_stages(path, 3, SEQ, 5, torch.float64)
+    (embedding,), (), (head,) = [s.tied_weights for s in stages]
+    assert head == "model.lm_head.weight"
+    assert embedding.endswith("wte.weight" if family == "gpt2" else "embed_tokens.weight")
+    first, last = stages[0].get_parameter(embedding), stages[2].get_parameter(head)
+    assert first is not last and torch.equal(first, last)  # two copies (two workers), equal
+    assert torch.equal(first, lm.get_input_embeddings().weight)
+    alone = hf_stage(path, 3, 2, SEQ, 5, torch.float64)
+    assert torch.equal(alone.get_parameter(head), first) and "model.lm_head.weight" in alone.state_dict()
+    assert not any(".embed_tokens." in k or ".wte." in k for k in alone.state_dict())  # the copy is the lm_head's
+    one = hf_stages(path, 1, SEQ, 5, torch.float64)[0]
+    assert one.tied_weights == ()  # one stage: the tied model itself, nothing shared across stages
+
+
+def test_a_tied_models_parameter_count_is_transformers_own(tmp_path) -> None:
+    """gpt2's defaults (the key absent: tied): the count describe_hf_model reports is the one transformers gives the
+    same config (124.4 M for GPT-2 small), the shared weight counted once."""
+    import transformers
+
+    from recycle.models.hf import describe_hf_model
+
+    path = tmp_path / "gpt2-defaults.json"
+    path.write_text(json.dumps({"model_type": "gpt2"}))
+    config = load_hf_config(path, SEQ)
+    assert config.tie_word_embeddings
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(config).num_parameters()
+    untied = theirs + config.vocab_size * config.n_embd
+    described = describe_hf_model(path, SEQ)
+    assert f"{theirs:,} parameters" in described and f"{untied:,}" not in described
+
+
+def test_a_family_that_ties_another_way_is_named(tmp_path, monkeypatch) -> None:
+    from recycle.models import hf
+
+    monkeypatch.setitem(hf.EMBEDDING, "llama", "model.norm")  # stands for a transformers that ties elsewhere
+    with pytest.raises(ConfigError, match=r"tie_word_embeddings is true, but this llama model does not share "
+                                          r"model.norm.weight .* set \"tie_word_embeddings\": false"):
+        hf.meta_model(load_hf_config(_write(tmp_path, "llama", tie_word_embeddings=True), SEQ))
 
 
 def test_configs_the_runtime_cannot_train_are_named(tmp_path) -> None:
@@ -162,13 +203,3 @@ def test_more_stages_than_decoder_layers_is_named() -> None:
 
     with pytest.raises(ConfigError, match=r"num_hidden_layers = 4 .* but num_stages = 5; .* use num_stages <= 4"):
         check_hf_model(EXAMPLES / "hf-tiny-llama.json", 5, SEQ)
-
-
-def test_cli_train_with_tied_embeddings_is_one_error_line(tmp_path, capsys) -> None:
-    from recycle.cli import main
-
-    tiny = str(EXAMPLES.parent / "configs" / "tiny-gpt.toml")
-    hf = _write(tmp_path, "qwen2", tie_word_embeddings=True)
-    assert main(["train", "--config", tiny, "--hf", str(hf), "--max-failures", "0"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error:") and "tie_word_embeddings" in err[0], err

@@ -199,3 +199,24 @@ def test_relative_weights_are_found_beside_the_config_file(tmp_path, monkeypatch
     check_model(config)
     head = build_stage(config, 1).module.state_dict()["model.lm_head.weight"]
     assert torch.equal(head, file_tensors(folder)["lm_head.weight"].double())
+
+
+def test_a_tied_models_files_start_both_ends_from_the_one_embedding(tmp_path) -> None:
+    """save_pretrained writes a tied model's shared weight once (no lm_head.weight): the last stage's lm_head
+    copy is read from the embedding's tensor, and the files pass the check though the meta model names both."""
+    raw = json.loads((EXAMPLES / "hf-tiny-llama.json").read_text())
+    raw["tie_word_embeddings"] = True
+    tied = tmp_path / "tied.json"
+    tied.write_text(json.dumps(raw))
+    folder = tmp_path / "pretrained"
+    build_hf_model(tied, 16, 11, torch.float32).model.save_pretrained(folder)
+    expected = file_tensors(folder)
+    assert "lm_head.weight" not in expected
+    config = run_config(tmp_path, folder)
+    check_model(config)
+    first, last = (build_stage(config, stage).module.state_dict() for stage in range(2))
+    embedding = expected["model.embed_tokens.weight"].double()
+    assert torch.equal(first["model.model.embed_tokens.weight"], embedding)
+    assert torch.equal(last["model.lm_head.weight"], embedding)
+    random = build_stage(run_config(tmp_path, tied), 1).module.state_dict()["model.lm_head.weight"]
+    assert not torch.equal(random, embedding)

@@ -348,7 +348,7 @@ def test_a_latest_pointer_of_5000_digits_is_not_a_traceback(tmp_path: Path, caps
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (["model.n_embd=16384", "model.n_layer=1024"], "each of its 4 worker(s) builds the whole model"),
+    (["model.n_embd=16384", "model.n_layer=1024"], "each of its 4 worker(s) builds its stage"),
     (["workload.microbatch_size=500000"], "micro-batches of 16,000,000 tokens"),
 ])
 def test_a_built_in_gpt_too_large_for_the_machine_is_refused(capsys, monkeypatch, overrides: list[str],

@@ -72,3 +72,31 @@ def test_float32_stages_are_the_float64_init_rounded() -> None:
     s64 = build_stages(ModelSpec(), 2, seed=0, dtype="float64", seq_len=8)[0].state_dict()
     assert s32["wte.weight"].dtype == torch.float32
     assert torch.equal(s32["wte.weight"], s64["wte.weight"].float())
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_a_stage_built_alone_equals_that_stage_of_the_whole_model(num_stages: int) -> None:
+    """Per-stage construction: only the stage's tensors are allocated and initialised, each module from
+    (seed, its name), so it equals the whole model's same tensors, and the global RNG is untouched."""
+    from recycle.models.gpt import build_stage
+
+    spec = ModelSpec(preset="custom", vocab_size=256, n_layer=5, n_head=2, n_embd=16)
+    whole = full_model(spec, seq_len=8, seed=4, dtype="float64").state_dict()
+    rng = torch.get_rng_state()
+    bounds = stage_layers(5, num_stages)
+    for s in range(num_stages):
+        alone = build_stage(spec, num_stages, s, seed=4, dtype="float64", seq_len=8)
+        assert (alone.first, alone.last) == bounds[s]
+        own = alone.state_dict()
+        assert own and all(torch.equal(own[k], whole[k]) for k in own), s
+        assert not any(t.is_meta for t in own.values())
+    assert torch.equal(torch.get_rng_state(), rng)
+    # nanoGPT's scheme: LayerNorm ones and zeros, zero biases, normal(0, 0.02) weights, each module its own draw.
+    assert torch.equal(whole["ln_f.weight"], torch.ones(16, dtype=torch.float64))
+    assert torch.equal(whole["blocks.0.ln_1.bias"], torch.zeros(16, dtype=torch.float64))
+    assert torch.equal(whole["blocks.2.attn.c_attn.bias"], torch.zeros(48, dtype=torch.float64))
+    assert abs(float(whole["wte.weight"].std()) / 0.02 - 1) < 0.1
+    assert not torch.equal(whole["blocks.0.mlp.0.weight"], whole["blocks.1.mlp.0.weight"])
+    # A layer moved to another stage keeps its initial weights (its name is the whole model's).
+    moved = build_stage(spec, 2, 0, seed=4, dtype="float64", seq_len=8, bounds=[(0, 4), (4, 5)])
+    assert torch.equal(moved.state_dict()["blocks.3.attn.c_proj.weight"], whole["blocks.3.attn.c_proj.weight"])

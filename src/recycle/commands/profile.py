@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_one_model(config, args.model_factory)
     if not args.model_factory:
-        check_model_memory(config, workers=1)  # this process builds the whole model and its stages
+        check_model_memory(config, workers=1, whole=True)  # this process builds every stage
     _say_what_is_profiled(config, args.model_factory)
     profile = profile_config(config, repeats=args.repeats, warmup=args.warmup, comm=args.comm,
                              model_factory=args.model_factory)

@@ -1,5 +1,9 @@
 """The built-in nanoGPT-like model, its presets and its partitioning into pipeline stages by layers.
 
+A stage is built alone (build_stage): only its tensors are allocated and initialised, each module from a generator
+seeded by (seed, its name in the whole model), so a worker's memory is its stage's and a stage built alone equals the
+same stage of the whole model (full_model, which the single-process reference trains).
+
 Stage call contract (the runtime relies on nothing else, so any list of S modules that keeps it can be trained --
 "bring your own model"):
   * stage 0 takes a LongTensor of token ids [batch, seq]; every other stage takes the previous stage's output;
@@ -10,6 +14,7 @@ Stage call contract (the runtime relies on nothing else, so any list of S module
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -20,10 +25,11 @@ from torch.nn import functional as F
 from recycle.config import ModelSpec
 from recycle.errors import ConfigError
 
-__all__ = ["PRESETS", "GPTShape", "resolve_shape", "GPTStage", "full_model", "build_stages", "stage_layers",
-           "DTYPES"]
+__all__ = ["PRESETS", "GPTShape", "resolve_shape", "GPTStage", "full_model", "build_stages", "build_stage",
+           "stage_layers", "init_seed", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+INIT_CHUNK = 1 << 20  # elements drawn at once by the initialisation (8 MiB in float64)
 
 
 @dataclass(frozen=True)
@@ -39,10 +45,15 @@ class GPTShape:
 
     @property
     def num_parameters(self) -> int:
+        return self.stage_parameters(0, self.n_layer)
+
+    def stage_parameters(self, first: int, last: int) -> int:
+        """The parameters of the stage holding layers [first, last) (GPTStage: embeddings on the first, head on the
+        last)."""
         per_layer = 12 * self.n_embd * self.n_embd + 13 * self.n_embd
-        embed = self.vocab_size * self.n_embd + self.block_size * self.n_embd
-        head = 2 * self.n_embd + self.vocab_size * self.n_embd + self.vocab_size
-        return self.n_layer * per_layer + embed + head
+        embed = self.vocab_size * self.n_embd + self.block_size * self.n_embd if first == 0 else 0
+        head = 2 * self.n_embd + self.vocab_size * self.n_embd + self.vocab_size if last == self.n_layer else 0
+        return (last - first) * per_layer + embed + head
 
 
 # Byte-level vocabulary everywhere: the built-in data and user text files are UTF-8 bytes.
@@ -77,11 +88,11 @@ def resolve_shape(spec: ModelSpec, seq_len: int) -> GPTShape:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, shape: GPTShape) -> None:
+    def __init__(self, shape: GPTShape, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.n_head = shape.n_head
-        self.c_attn = nn.Linear(shape.n_embd, 3 * shape.n_embd)
-        self.c_proj = nn.Linear(shape.n_embd, shape.n_embd)
+        self.c_attn = nn.Linear(shape.n_embd, 3 * shape.n_embd, dtype=dtype)
+        self.c_proj = nn.Linear(shape.n_embd, shape.n_embd, dtype=dtype)
         self.dropout = shape.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,13 +105,13 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, shape: GPTShape) -> None:
+    def __init__(self, shape: GPTShape, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(shape.n_embd)
-        self.attn = CausalSelfAttention(shape)
-        self.ln_2 = nn.LayerNorm(shape.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(shape.n_embd, 4 * shape.n_embd), nn.GELU(),
-                                 nn.Linear(4 * shape.n_embd, shape.n_embd), nn.Dropout(shape.dropout))
+        self.ln_1 = nn.LayerNorm(shape.n_embd, dtype=dtype)
+        self.attn = CausalSelfAttention(shape, dtype)
+        self.ln_2 = nn.LayerNorm(shape.n_embd, dtype=dtype)
+        self.mlp = nn.Sequential(nn.Linear(shape.n_embd, 4 * shape.n_embd, dtype=dtype), nn.GELU(),
+                                 nn.Linear(4 * shape.n_embd, shape.n_embd, dtype=dtype), nn.Dropout(shape.dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -114,20 +125,20 @@ class GPTStage(nn.Module):
     whole model's state dict: the union of the stage state dicts loads into `full_model` as is.
     """
 
-    def __init__(self, shape: GPTShape, first: int, last: int) -> None:
+    def __init__(self, shape: GPTShape, first: int, last: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.shape = shape
         self.first, self.last = first, last
         self.has_embedding = first == 0
         self.has_head = last == shape.n_layer
         if self.has_embedding:
-            self.wte = nn.Embedding(shape.vocab_size, shape.n_embd)
-            self.wpe = nn.Embedding(shape.block_size, shape.n_embd)
+            self.wte = nn.Embedding(shape.vocab_size, shape.n_embd, dtype=dtype)
+            self.wpe = nn.Embedding(shape.block_size, shape.n_embd, dtype=dtype)
             self.drop = nn.Dropout(shape.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(shape) for i in range(first, last)})
+        self.blocks = nn.ModuleDict({str(i): Block(shape, dtype) for i in range(first, last)})
         if self.has_head:
-            self.ln_f = nn.LayerNorm(shape.n_embd)
-            self.lm_head = nn.Linear(shape.n_embd, shape.vocab_size)
+            self.ln_f = nn.LayerNorm(shape.n_embd, dtype=dtype)
+            self.lm_head = nn.Linear(shape.n_embd, shape.vocab_size, dtype=dtype)
 
     def boundary_shape(self, batch: int, seq: int) -> tuple[int, ...]:
         """Shape of the activation this stage sends downstream (and of the gradient it receives back)."""
@@ -147,18 +158,33 @@ class GPTStage(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def _init_weights(model: nn.Module, generator: torch.Generator, n_layer: int) -> None:
-    """nanoGPT's init (normal 0.02, scaled residual projections), drawn from one generator in module order."""
+def init_seed(seed: int, name: str) -> int:
+    """The seed of the module `name` (its name in the whole model, which a stage keeps) in a run seeded `seed`."""
+    digest = hashlib.sha256(f"recycle-gpt-init:{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def _init_weights(model: nn.Module, seed: int, n_layer: int) -> None:
+    """nanoGPT's init (normal 0.02, scaled residual projections, zero biases, LayerNorm ones and zeros), each
+    module's draw from a generator seeded by (seed, its name in the whole model): a module's initial weights are the
+    same whichever other modules the process builds, so a stage built alone equals that stage of the whole model."""
     for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             std = 0.02
             if name.endswith("c_proj") or name.endswith("mlp.2"):
                 std = 0.02 / math.sqrt(2 * n_layer)
-            with torch.no_grad():
-                module.weight.copy_(torch.randn(module.weight.shape, generator=generator,
-                                                dtype=torch.float64).mul_(std))
-                if isinstance(module, nn.Linear) and module.bias is not None:
-                    module.bias.zero_()
+            generator = torch.Generator().manual_seed(init_seed(seed, name))
+            # Drawn in float64 and rounded to the weights' dtype (float32 weights are the float64 ones rounded), in
+            # fixed-size pieces, so the float64 draw adds at most INIT_CHUNK elements to the stage's memory.
+            flat = module.weight.view(-1)
+            for start in range(0, flat.numel(), INIT_CHUNK):
+                piece = flat[start:start + INIT_CHUNK]
+                piece.copy_(torch.randn(piece.numel(), generator=generator, dtype=torch.float64).mul_(std))
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -169,13 +195,20 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def _built(shape: GPTShape, first: int, last: int, seed: int, dtype: str | torch.dtype) -> GPTStage:
+    """Layers [first, last) alone, allocated in `dtype` and initialised: no other layer's tensor is ever made.
+    Allocated on the CPU rather than laid out on the meta device first: torch's default init of a meta tensor (the
+    modules' constructors run it) imports torch._dynamo, seconds per worker, for nothing it saves here."""
+    with torch.random.fork_rng(devices=[]):  # the constructors' default init draws from the global RNG: left as it was
+        stage = GPTStage(shape, first, last, _dtype(dtype))
+    _init_weights(stage, seed, shape.n_layer)
+    return stage
+
+
 def full_model(spec: ModelSpec, seq_len: int, seed: int, dtype: str | torch.dtype = "float32") -> GPTStage:
     """The whole model as one module (the reference); initialised from `seed` independently of the global RNG."""
     shape = resolve_shape(spec, seq_len)
-    model = GPTStage(shape, 0, shape.n_layer).to(_dtype(dtype))
-    generator = torch.Generator().manual_seed(seed)
-    _init_weights(model, generator, shape.n_layer)
-    return model
+    return _built(shape, 0, shape.n_layer, seed, dtype)
 
 
 def stage_layers(n_layer: int, num_stages: int) -> list[tuple[int, int]]:
@@ -195,17 +228,20 @@ def stage_layers(n_layer: int, num_stages: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def build_stage(spec: ModelSpec, num_stages: int, stage: int, seed: int, dtype: str | torch.dtype = "float32",
+                seq_len: int = 64, bounds: list[tuple[int, int]] | None = None) -> GPTStage:
+    """Stage `stage` of build_stages(...) built alone: only its tensors are allocated, so a worker's memory is its
+    stage's, and its weights equal that stage of the whole model (initialisation depends on the seed and each
+    module's name only)."""
+    shape = resolve_shape(spec, seq_len)
+    first, last = (bounds or stage_layers(shape.n_layer, num_stages))[stage]
+    return _built(shape, first, last, seed, dtype)
+
+
 def build_stages(spec: ModelSpec, num_stages: int, seed: int, dtype: str | torch.dtype = "float32",
                  seq_len: int = 64, bounds: list[tuple[int, int]] | None = None) -> list[GPTStage]:
     """The S stage modules, with exactly the weights of `full_model(spec, seq_len, seed, dtype)` sliced by layers
-    (`bounds`: [first, last) per stage; default the even split of `stage_layers`)."""
-    whole = full_model(spec, seq_len, seed, dtype)
-    shape = whole.shape
-    state = whole.state_dict()
-    stages = []
-    for first, last in bounds or stage_layers(shape.n_layer, num_stages):
-        stage = GPTStage(shape, first, last).to(_dtype(dtype))
-        own = stage.state_dict()
-        stage.load_state_dict({k: state[k] for k in own})
-        stages.append(stage)
-    return stages
+    (`bounds`: [first, last) per stage; default the even split of `stage_layers`), each built alone."""
+    shape = resolve_shape(spec, seq_len)
+    layout = bounds or stage_layers(shape.n_layer, num_stages)
+    return [_built(shape, first, last, seed, dtype) for first, last in layout]

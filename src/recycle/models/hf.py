@@ -19,17 +19,21 @@ same stage of the whole model (build_hf_model, which the single-process referenc
 (a save_pretrained folder as hf_config, or hf_weights) the stage is initialised, then every state-dict tensor is read
 from the safetensors files by its whole-model name, only this stage's (recycle.models.hf_weights).
 
-Word embeddings must be untied (`tie_word_embeddings: false`): stage 0 holds the input embedding and the last stage
-the output head, and a weight shared across two stages would need a gradient exchange between them that the pipeline
-does not make yet. A config that ties them (gpt2's default when the key is absent) is refused rather than silently
-untied, which would change the model's parameter count. The single-process reference builds the same model, so the
-exactness guarantee (float64, 1e-9) compares like with like.
+Tied word embeddings (`tie_word_embeddings: true`, gpt2's default when the key is absent) are kept tied, as
+Megatron keeps them: stage 0 holds the input embedding, and the last stage holds its own copy as the lm_head weight
+(the same seeded init, or the same pretrained tensor, so the copies start equal). Each stage lists that copy in its
+`tied_weights`; the runtime sums the copies' gradients over every live worker of both stages before the optimizer
+step (runtime.worker.executor), so the copies stay equal and training equals the tied model trained whole. With one
+stage the module is simply the tied model. The parameter count is HF's (the shared weight counted once), and saving
+or exporting keeps one copy (`lm_head.weight` left out, as save_pretrained writes a tied model). The single-process
+reference builds the same model, so the exactness guarantee (float64, 1e-9) compares like with like.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +46,18 @@ from recycle.models.hf_weights import Pretrained, check_pretrained, load_pretrai
 
 __all__ = ["HF_EXTRA", "SUPPORTED", "load_hf_config", "build_hf_model", "hf_stages", "HFCausalLM",
            "resolve_hf_path", "num_hf_layers", "hf_dropouts", "describe_hf_model", "hf_stage", "check_hf_model",
-           "init_seed", "hf_meta_stages", "resolve_hf_weights", "CONFIG_FILE", "meta_model"]
+           "init_seed", "hf_meta_stages", "resolve_hf_weights", "CONFIG_FILE", "meta_model", "TIED_HEAD",
+           "tied_embedding", "tied_copies"]
 
 HF_EXTRA = "pip install 'recycle[hf]' (transformers==5.23.0)"
 ROTARY_FAMILIES = ("llama", "mistral", "qwen2")
 SUPPORTED = ("gpt2", *ROTARY_FAMILIES)
 MIN_VOCAB = 256  # the data is byte-level
 CONFIG_FILE = "config.json"  # save_pretrained's
+HEAD_MODULE = "lm_head"  # every supported family's output projection
+TIED_HEAD = f"{HEAD_MODULE}.weight"  # the output weight a tied model shares with its input embedding
+# The input embedding (its whole-model name) of each family: the module whose weight a tied lm_head shares.
+EMBEDDING = {"gpt2": "transformer.wte", **{family: "model.embed_tokens" for family in ROTARY_FAMILIES}}
 # The dropout probabilities of the supported families' configs (the reference needs them all at 0).
 DROPOUT_KEYS = ("embd_pdrop", "resid_pdrop", "attn_pdrop", "attention_dropout")
 
@@ -100,7 +109,7 @@ def _resolve(path: str, base_dir: str | None) -> Path:
 
 def load_hf_config(path: str | Path, seq_len: int) -> Any:
     """The transformers config of a JSON file, checked against the runtime: a supported model_type, a byte-level
-    vocabulary (>= 256), context >= seq_len, untied embeddings, whole groups of key/value heads; no KV cache."""
+    vocabulary (>= 256), context >= seq_len, whole groups of key/value heads; no KV cache."""
     from recycle.inputs import MIB, read_input_text, strict_json_loads
 
     where = f"Hugging Face config {str(path)!r}"
@@ -121,13 +130,6 @@ def load_hf_config(path: str | Path, seq_len: int) -> Any:
         config = transformers.AutoConfig.for_model(model_type, **settings, use_cache=False)
     except (ValueError, TypeError, KeyError) as exc:  # transformers' own validation of the values
         raise ConfigError(f"{where}: transformers refuses it as a {model_type} config ({exc}); fix that key") from None
-    if config.tie_word_embeddings:
-        absent = "" if "tie_word_embeddings" in raw else f" (the {model_type} default when the key is absent)"
-        extra = config.vocab_size * config.hidden_size
-        raise ConfigError(f"{where}: tie_word_embeddings is true{absent}, but recycle trains untied word embeddings "
-                          "only (the first and last stage would share the weight, and the pipeline does not yet sum "
-                          "its gradient across them); set \"tie_word_embeddings\": false, which gives the model a "
-                          f"separate lm_head ({extra:,} more parameters) -- it is never untied silently")
     if config.vocab_size < MIN_VOCAB:
         raise ConfigError(f"{where}: vocab_size = {config.vocab_size} is below {MIN_VOCAB}; the data is byte-level, "
                           f"so use vocab_size >= {MIN_VOCAB}")
@@ -177,11 +179,31 @@ def describe_hf_model(path: str | Path, seq_len: int) -> str:
             f"{config.hidden_size}, {params:,} parameters)")
 
 
+def tied_embedding(config: Any) -> str | None:
+    """The input embedding (its whole-model name) whose weight the lm_head shares, or None: untied embeddings."""
+    return EMBEDDING[config.model_type] if config.tie_word_embeddings else None
+
+
+def tied_copies(config: Any) -> dict[str, str]:
+    """The whole-model state-dict names that only repeat another tensor (a tied model's lm_head weight), each with
+    the name of the tensor it repeats: what is left out where the model is written once (--save, --export-hf, the
+    pretrained files' check)."""
+    embedding = tied_embedding(config)
+    return {} if embedding is None else {TIED_HEAD: f"{embedding}.weight"}
+
+
 def meta_model(config: Any) -> nn.Module:
     """The whole HF model on the meta device: its structure and tensor shapes, no memory."""
     transformers = _transformers()
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config)
+        lm = transformers.AutoModelForCausalLM.from_config(config)
+    embedding = tied_embedding(config)
+    if embedding is not None and lm.get_submodule(HEAD_MODULE).weight is not \
+            lm.get_submodule(embedding).weight:  # a family (or transformers version) that ties another way
+        raise ConfigError(f"tie_word_embeddings is true, but this {config.model_type} model does not share "
+                          f"{embedding}.weight as its {TIED_HEAD} the way recycle splits it; set "
+                          "\"tie_word_embeddings\": false (a separate lm_head) or use transformers==5.23.0")
+    return lm
 
 
 def _stage_parts(config: Any, first: int, last: int) -> list[str]:
@@ -192,8 +214,19 @@ def _stage_parts(config: Any, first: int, last: int) -> list[str]:
     else:  # the rotary families: every stage recomputes cos/sin, so every stage has the rotary module
         embeddings, layers, shared, head = ["model.embed_tokens"], "model.layers", ["model.rotary_emb"], \
             ["model.norm", "lm_head"]
+    tied = tied_embedding(config)
+    if tied is not None:  # the lm_head's weight is the input embedding's (_tie): never allocated on its own
+        head = [part for part in head if part != HEAD_MODULE] + ([tied] if first > 0 else [])
     return [*(embeddings if first == 0 else []), *(f"{layers}.{i}" for i in range(first, last)), *shared,
             *(head if last == num_hf_layers(config) else [])]
+
+
+def _tie(lm: nn.Module, config: Any) -> None:
+    """Share the materialised input embedding's weight as the lm_head's (what tie_weights did on the meta device,
+    undone by allocating the two modules one by one): one tensor, initialised or loaded under the embedding's name."""
+    embedding = tied_embedding(config)
+    if embedding is not None and not lm.get_submodule(embedding).weight.is_meta:
+        lm.get_submodule(HEAD_MODULE).weight = lm.get_submodule(embedding).weight
 
 
 def init_seed(seed: int, name: str) -> int:
@@ -278,6 +311,7 @@ def _build(config: Any, config_path: str | Path, parts: list[str], seed: int, dt
     _materialise(lm, parts, seed, dtype)
     if pretrained is not None:
         _load_parts(lm, parts, pretrained)
+    _tie(lm, config)
     return lm
 
 
@@ -312,6 +346,12 @@ class _HFStage(nn.Module):
         self.hf_config = config
         self.first_layer, self.end_layer = first, last  # the checkpoint layout
         self.first_stage, self.last_stage = first == 0, last == config.num_hidden_layers
+        # The parameters this stage shares with another (runtime.worker.executor sums their gradients across both):
+        # a tied model's input embedding on stage 0 and its copy as the last stage's lm_head weight.
+        embedding = tied_embedding(config)
+        self.tied_weights: tuple[str, ...] = ()
+        if embedding is not None and self.first_stage != self.last_stage:
+            self.tied_weights = (f"model.{embedding}.weight" if self.first_stage else f"model.{TIED_HEAD}",)
 
     def boundary_shape(self, batch: int, seq: int) -> tuple[int, ...]:
         # The hidden states. Known without a run (transformers' mask builders read values, which the meta device
@@ -411,7 +451,11 @@ def hf_stages(path: str | Path, num_stages: int, seq_len: int, seed: int, dtype:
     extra layer), with exactly the weights of build_hf_model(path, seq_len, seed, dtype, weights)."""
     whole = build_hf_model(path, seq_len, seed, dtype, weights)
     bounds = _bounds(whole.model.config, num_stages)
-    return [_stage_class(whole.model.config)(whole.model, first, last) for first, last in bounds]
+    stages = [_stage_class(whole.model.config)(whole.model, first, last) for first, last in bounds]
+    if num_stages > 1 and stages[-1].tied_weights:  # the last stage's own copy, as a worker building it alone has
+        head = stages[-1].model.lm_head
+        head.weight = nn.Parameter(head.weight.detach().clone())
+    return stages
 
 
 def hf_stage(path: str | Path, num_stages: int, stage: int, seq_len: int, seed: int,
@@ -445,5 +489,8 @@ def check_hf_model(path: str | Path, num_stages: int, seq_len: int, weights: str
     lm = meta_model(config)
     pretrained = _open_weights(config, path, weights, seq_len)
     if pretrained is not None:
-        check_pretrained(pretrained, _whole_model_tensors(lm), str(lm.base_model_prefix),
-                         getattr(lm, "_keys_to_ignore_on_load_unexpected", None) or ())
+        copies = tied_copies(config)  # a tied model's files need no lm_head weight, and one there is not read
+        check_pretrained(pretrained, [(n, s) for n, s in _whole_model_tensors(lm) if n not in copies],
+                         str(lm.base_model_prefix),
+                         [*(getattr(lm, "_keys_to_ignore_on_load_unexpected", None) or ()),
+                          *(f"^{re.escape(name)}$" for name in copies)])

@@ -46,7 +46,7 @@ def export_hf(config_path: str | Path, seq_len: int, state: Mapping[str, torch.T
     from_pretrained folder at `path`, atomically: every tensor under its HF name, in the dtype it was trained in."""
     from safetensors.torch import save_file
 
-    from recycle.models.hf import CONFIG_FILE, load_hf_config, meta_model
+    from recycle.models.hf import CONFIG_FILE, load_hf_config, meta_model, tied_copies
     from recycle.models.hf_weights import WEIGHTS_FILE
 
     config = load_hf_config(config_path, seq_len)
@@ -55,8 +55,13 @@ def export_hf(config_path: str | Path, seq_len: int, state: Mapping[str, torch.T
         if not key.startswith(STAGE_PREFIX):
             raise ValueError(f"{key!r} is not a parameter of a Hugging Face stage (no {STAGE_PREFIX!r} prefix)")
         tensors[key[len(STAGE_PREFIX):]] = value.detach().cpu().contiguous()
+    # A tied weight once, under the embedding's name: from_pretrained ties the lm_head to it again.
+    for copy, original in tied_copies(config).items():
+        if copy in tensors and original in tensors and not torch.equal(tensors[copy], tensors[original]):
+            raise ValueError(f"the tied weight's copies {copy!r} and {original!r} differ")
+        tensors.pop(copy, None)
     model = meta_model(config)
-    expected = set(model.state_dict())
+    expected = set(model.state_dict()) - set(tied_copies(config))
     if set(tensors) != expected:  # a bug in the stages' names, not the user's
         raise ValueError(f"the trained stages' tensors differ from the model's: missing "
                          f"{sorted(expected - set(tensors))[:3]}, unexpected {sorted(set(tensors) - expected)[:3]}")

@@ -158,16 +158,19 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
             for stage in range(plan.num_stages):  # a failed run leaves no half-made --save behind
                 checkpoint.part_file(options.outputs.parts_path, stage).unlink(missing_ok=True)
     if options.outputs.parts_path and cluster.hosts_coordinator and end_step > start_step:
-        _write_final(config, options.outputs, plan.num_stages, end_step)
+        _write_final(config, options.outputs, plan.num_stages, end_step, options.model_factory)
     return TrainResult(start_step, end_step, tuple(steps), time.time() - wall0, tuple(recoveries),
                        tuple(sorted(failed)), tuple(chaos_events))
 
 
-def _write_final(config: Config, outputs: OutputOptions, num_stages: int, end_step: int) -> None:
+def _write_final(config: Config, outputs: OutputOptions, num_stages: int, end_step: int, factory: str = "") -> None:
     """--save (the stages' parts merged) and --export-hf (a from_pretrained folder), from the parts the stages'
     writers left; no part outlives this."""
+    from recycle.runtime.worker.stage import drop_tied_copies, tied_copy_keys
+
     try:
-        stages = checkpoint.read_stage_parts(outputs.parts_path, num_stages)
+        stages = drop_tied_copies(checkpoint.read_stage_parts(outputs.parts_path, num_stages),
+                                  tied_copy_keys(config, factory))  # written once, as save_pretrained writes it
         if outputs.save_path:
             checkpoint.write_merged(outputs.save_path, stages, {"step": end_step, "config": config.to_dict()})
         if outputs.export_hf:

@@ -148,12 +148,13 @@ def check_run_length(options: LaunchOptions, start: int, end: int) -> None:
 
 
 def check_model_memory(config: Config, options: LaunchOptions | None = None, available: int | None = None,
-                       workers: int | None = None) -> None:
-    """Refuse a built-in GPT that cannot fit: every worker builds the whole model before it keeps its stage's layers
-    (models.gpt.build_stages) and holds at least one micro-batch's activations (and, on the last stage, its
-    logits), so this node's workers (`workers`, default the node's share of D x S) need at least that much memory
-    at once. `available`: MemAvailable (bytes) of /proc/meminfo by default; without it nothing is checked. A lower
-    bound: a run it passes may still not fit."""
+                       workers: int | None = None, whole: bool = False) -> None:
+    """Refuse a built-in GPT that cannot fit: every worker builds its own stage only (models.gpt.build_stage; the
+    largest stage is counted for each) and holds at least one micro-batch's activations (and, on the last stage,
+    its logits), so this node's workers (`workers`, default the node's share of D x S) need at least that much
+    memory at once. `whole`: each of them holds every stage (the profiler's one process). `available`:
+    MemAvailable (bytes) of /proc/meminfo by default; without it nothing is checked. A lower bound: a run it passes
+    may still not fit."""
     if (options is not None and options.model_factory) or config.model.hf_config:
         return
     if available is None:
@@ -161,6 +162,7 @@ def check_model_memory(config: Config, options: LaunchOptions | None = None, ava
         if available is None:
             return
     from recycle.models.gpt import resolve_shape
+    from recycle.runtime.state.migration import plan_bounds
 
     shape = resolve_shape(config.model, config.workload.seq_len)
     element = 8 if config.training.dtype == "float64" else 4
@@ -169,14 +171,16 @@ def check_model_memory(config: Config, options: LaunchOptions | None = None, ava
     workers = workers or -(-D * S // nnodes)
     last_stage = -(-D // nnodes)  # at most this many of the node's workers hold a last stage
     tokens = config.workload.microbatch_size * config.workload.seq_len
-    whole = shape.num_parameters * element
-    need = workers * (whole + tokens * shape.n_embd * element) + min(last_stage, workers) * tokens * \
+    layouts = [(0, shape.n_layer)] if whole else plan_bounds(config, ())
+    held = max(shape.stage_parameters(first, last) for first, last in layouts) * element
+    need = workers * (held + tokens * shape.n_embd * element) + min(last_stage, workers) * tokens * \
         shape.vocab_size * element
     if need > available:
         gb = 1e9
+        built = "the whole model" if whole else "its stage (the largest)"
         raise ConfigError(f"the built-in GPT ([model] n_layer {shape.n_layer}, n_embd {shape.n_embd}, vocab_size "
                           f"{shape.vocab_size}; micro-batches of {tokens:,} tokens) needs at least {need / gb:,.1f} GB "
-                          f"on this node: each of its {workers} worker(s) builds the whole model ({whole / gb:,.1f} GB "
+                          f"on this node: each of its {workers} worker(s) builds {built} ({held / gb:,.1f} GB "
                           f"in {config.training.dtype}) and holds a micro-batch's activations, but "
                           f"{available / gb:,.1f} GB are available; use a smaller [model] or smaller micro-batches, "
                           "or spread the workers over more nodes")

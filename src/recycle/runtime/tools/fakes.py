@@ -12,7 +12,7 @@ import torch
 
 from recycle.ir import Plan
 from recycle.runtime.protocol.messages import Channel, Message
-from recycle.runtime.worker.transport import Activity, GenerationCut, PeerLost
+from recycle.runtime.worker.transport import Activity, GenerationCut, PeerLost, tied_ranks
 
 __all__ = ["MemoryFabric", "MemoryComm", "MemoryNetwork", "FaultyComm", "LoneComm"]
 
@@ -23,9 +23,10 @@ class MemoryFabric:
     fabric is `cut` (what a worker's abort of its generation does to every peer blocked on it)."""
 
     def __init__(self, live_ranks: list[int], stage_ranks: Mapping[int, list[int]], timeout_s: float = 20.0,
-                 generation: int = 0) -> None:
+                 generation: int = 0, tied_stages: tuple[int, ...] = ()) -> None:
         self.live_ranks = sorted(live_ranks)
         self.stage_ranks = {s: sorted(r) for s, r in stage_ranks.items()}
+        self.tied_ranks = tied_ranks(self.stage_ranks, tied_stages)
         self.timeout_s = timeout_s
         self.generation = generation
         self._cond = threading.Condition()
@@ -35,10 +36,10 @@ class MemoryFabric:
         self._cut = False
 
     @classmethod
-    def for_plan(cls, plan: Plan, timeout_s: float = 20.0) -> "MemoryFabric":
+    def for_plan(cls, plan: Plan, timeout_s: float = 20.0, tied_stages: tuple[int, ...] = ()) -> "MemoryFabric":
         """The fabric of `plan`'s live workers."""
         stages = {s: [plan.rank(p, s) for p in plan.live_replicas(s)] for s in range(plan.num_stages)}
-        return cls(plan.live_ranks(), stages, timeout_s)
+        return cls(plan.live_ranks(), stages, timeout_s, tied_stages=tied_stages)
 
     def endpoint(self, rank: int, activity: Activity | None = None) -> "MemoryComm":
         return MemoryComm(self, rank, activity)
@@ -138,6 +139,13 @@ class MemoryComm:
         if len(members) > 1:
             self._collective(("stage", stage), members, tensor, _rank_ordered_sum, f"stage {stage} all-reduce")
 
+    def tied_allreduce_sum(self, tensor: torch.Tensor) -> None:
+        members = self.fabric.tied_ranks
+        if not members:
+            raise RuntimeError("a tied-weight all-reduce on a fabric made without tied stages")
+        if len(members) > 1:
+            self._collective("tied", members, tensor, _rank_ordered_sum, "tied-weight all-reduce")
+
     def world_allreduce_sum(self, tensor: torch.Tensor) -> None:
         members = self.fabric.live_ranks
         if len(members) > 1:
@@ -209,11 +217,12 @@ class MemoryNetwork:
 
     def transport(self, store: Any, generation: int, rank: int, live_ranks: list[int],
                   stage_ranks: dict[int, list[int]], timeout_s: float, backend: str, device: torch.device,
-                  activity: Activity | None = None, store_peers: Any = None) -> MemoryComm:
+                  activity: Activity | None = None, store_peers: Any = None,
+                  tied_stages: tuple[int, ...] = ()) -> MemoryComm:
         with self._lock:
             fabric = self.fabrics.get(generation)
             if fabric is None:
-                fabric = MemoryFabric(live_ranks, stage_ranks, self.timeout_s or timeout_s, generation)
+                fabric = MemoryFabric(live_ranks, stage_ranks, self.timeout_s or timeout_s, generation, tied_stages)
                 self.fabrics[generation] = fabric
         return fabric.endpoint(rank, activity)
 
@@ -256,6 +265,10 @@ class FaultyComm:
         self._op(f"stage {stage} all-reduce")
         self.inner.stage_allreduce_sum(stage, tensor)
 
+    def tied_allreduce_sum(self, tensor: torch.Tensor) -> None:
+        self._op("tied-weight all-reduce")
+        self.inner.tied_allreduce_sum(tensor)
+
     def world_allreduce_sum(self, tensor: torch.Tensor) -> None:
         self._op("world all-reduce")
         self.inner.world_allreduce_sum(tensor)
@@ -289,6 +302,9 @@ class LoneComm:
         pass
 
     def stage_allreduce_sum(self, stage: int, tensor: torch.Tensor) -> None:
+        pass
+
+    def tied_allreduce_sum(self, tensor: torch.Tensor) -> None:
         pass
 
     def world_allreduce_sum(self, tensor: torch.Tensor) -> None:

@@ -113,6 +113,10 @@ class PacedComm:
         self._transport().stage_allreduce_sum(stage, tensor)
         self._met()
 
+    def tied_allreduce_sum(self, tensor: torch.Tensor) -> None:
+        self._transport().tied_allreduce_sum(tensor)
+        self._met()
+
     def world_allreduce_sum(self, tensor: torch.Tensor) -> None:
         self._transport().world_allreduce_sum(tensor)
         self._met()

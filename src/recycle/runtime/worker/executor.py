@@ -28,6 +28,7 @@ class Comm(Protocol):
     def recv(self, message: Message, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
     def flush(self) -> None: ...
     def stage_allreduce_sum(self, stage: int, tensor: torch.Tensor) -> None: ...
+    def tied_allreduce_sum(self, tensor: torch.Tensor) -> None: ...
     def world_allreduce_sum(self, tensor: torch.Tensor) -> None: ...
     def barrier(self) -> None: ...
 
@@ -108,6 +109,14 @@ class StageExecutor:
         self.module = module
         self.loss_fn = loss_fn  # last stage: loss_fn(module(x), targets); None: module(x, targets) is the loss
         self.params = [p for p in module.parameters() if p.requires_grad]
+        # A tied weight's copy (models.hf: the first stage's input embedding, the last stage's lm_head weight): its
+        # gradient is summed over the workers of both stages, not only over this stage's replicas.
+        tied = set(getattr(module, "tied_weights", ()))
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self.tied_params = [p for name, p in named if name in tied]
+        self.stage_params = [p for name, p in named if name not in tied]
+        if len(self.tied_params) != len(tied):
+            raise ValueError(f"tied_weights {sorted(tied)} are not all trainable parameters of the stage module")
         self.optimizer = optimizer
         self._comm: Comm | None = None  # None between generations (built before the next one formed)
         self.load_microbatch = load_microbatch
@@ -285,15 +294,16 @@ class StageExecutor:
         # The last stage's losses ride along in the same all-reduce, so every replica knows the batch's loss.
         loss = torch.tensor([self._loss_sum], dtype=self.params[0].dtype, device=self.device) if self.is_last \
             else None
-        allreduce_grads(self.params, lambda flat: self.comm.stage_allreduce_sum(self.stage, flat), extra=loss)
+        allreduce_grads(self.stage_params, lambda flat: self.comm.stage_allreduce_sum(self.stage, flat), extra=loss)
+        if self.tied_params:  # after the stage's own: every tied stage's worker makes the two in the same order
+            allreduce_grads(self.tied_params, self.comm.tied_allreduce_sum)
         if loss is not None:
             self._stage_loss = float(loss[0])
         if self.grad_clip > 0:
             self._clip_global_norm()
         else:
             # For the grad-norm metric: the launcher sums the stages' squares, so no cross-stage collective is needed.
-            self._grad_sq = sum(float(p.grad.detach().double().pow(2).sum()) for p in self.params
-                                if p.grad is not None)
+            self._grad_sq = self._squared_norm()
         self.snapshot.take(self.progress.iteration)
         self._lr = learning_rate(self.optimizer)
         self.optimizer.step()
@@ -319,8 +329,7 @@ class StageExecutor:
         squares = torch.zeros(self.plan.num_stages, dtype=torch.float64, device=self.device)
         # Only the lowest live replica of each stage contributes, so the world sum counts each stage once.
         if self.replica == self.plan.live_replicas(self.stage)[0]:
-            squares[self.stage] = sum(float(p.grad.detach().double().pow(2).sum()) for p in self.params
-                                      if p.grad is not None)
+            squares[self.stage] = self._squared_norm()
         self.comm.world_allreduce_sum(squares)
         total = float(squares.sum()) ** 0.5
         self._grad_norm = total
@@ -329,6 +338,12 @@ class StageExecutor:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(coefficient)
+
+    def _squared_norm(self) -> float:
+        """The squared norm of this stage's gradients, a tied weight counted once in the model: on the first stage
+        (the last stage's copy holds the same summed gradient)."""
+        counted = self.params if self.is_first else self.stage_params
+        return sum(float(p.grad.detach().double().pow(2).sum()) for p in counted if p.grad is not None)
 
     def _output_grad(self, action: Action) -> torch.Tensor | None:
         if self.is_last:

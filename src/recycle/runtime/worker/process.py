@@ -46,7 +46,7 @@ from recycle.runtime.worker.evaluation import evaluate
 from recycle.runtime.worker.executor import StageExecutor
 from recycle.runtime.worker.nccl_env import prepare_nccl
 from recycle.runtime.worker.outbox import Outbox
-from recycle.runtime.worker.stage import build_stage
+from recycle.runtime.worker.stage import build_stage, tied_stages
 from recycle.runtime.worker.title import set_process_title
 from recycle.runtime.worker.transport import Activity, GenerationCut, Transport, is_comm_error
 
@@ -338,6 +338,7 @@ class _Worker:
                               "built-in GPT supports; run a plan without a partition with --model-factory / --hf")
         built = build_stage(config, self.stage, spec.model_factory, self.bounds)
         self.built = built
+        self.tied_stages = tied_stages(config, spec.model_factory)  # every worker forms their group
         self.layers = built.layout
         # A factory's or Hugging Face model's stages are checkpointed under per-stage key prefixes (their names need
         # not be the whole model's); the built-in GPT's under the whole model's names (checkpoint.key_prefix).
@@ -432,7 +433,7 @@ class _Worker:
                        for s in range(self.plan.num_stages)}
         transport = self.hooks.transport(self.store, generation, self.spec.rank, self.plan.live_ranks(), stage_ranks,
                                          self.spec.recovery.timeout_s, self.spec.backend, self.device, self.activity,
-                                         self._store_peers)
+                                         self._store_peers, tied_stages=self.tied_stages)
         with self._transport_lock:
             self.transport = transport
         if self.heartbeat.aborted >= generation:

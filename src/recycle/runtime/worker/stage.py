@@ -14,18 +14,21 @@ import importlib
 import inspect
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from recycle.config import Config
 from recycle.errors import ConfigError
+from recycle.models.gpt import build_stage as build_gpt_stage
 from recycle.models.gpt import build_stages, resolve_shape, stage_layers
 from recycle.models.split import LossFn, StageModel, as_stage_model, boundary_shapes, causal_lm_loss
 from recycle.runtime.state.precision import weights_dtype
 
 __all__ = ["BuiltStage", "build_stage", "load_factory", "check_model", "factory_model", "hf_model", "all_stages",
-           "check_one_model", "hf_built_stage", "hf_path", "hf_weights_path"]
+           "check_one_model", "hf_built_stage", "gpt_built_stage", "hf_path", "hf_weights_path", "tied_stages",
+           "tied_copy_keys", "drop_tied_copies"]
 
 StageFactory = Callable[[Config, int], list[nn.Module]]
 
@@ -68,6 +71,10 @@ def factory_model(config: Config, factory: str) -> StageModel:
     """The factory's stages (checked, in the config's dtype) and loss function."""
     model = as_stage_model(load_factory(factory)(config, config.num_stages), config.num_stages,
                            f"model factory {factory!r}")
+    tied = [s for s, m in enumerate(model.stages) if getattr(m, "tied_weights", ())]
+    if tied:  # the tied group is formed for a Hugging Face model's first and last stage only (tied_stages)
+        raise ConfigError(f"model factory {factory!r}: stage(s) {tied} declare tied_weights, which recycle sums "
+                          "across stages for Hugging Face models only (--hf); give each stage its own parameters")
     dtype = weights_dtype(config.training.dtype)
     return StageModel(tuple(m.to(dtype) for m in model.stages), model.loss_fn)
 
@@ -90,6 +97,45 @@ def hf_weights_path(config: Config) -> str | None:
         return None
     found = resolve_hf_weights(config.model.hf_config, config.model.hf_weights, os.path.dirname(config.source) or None)
     return None if found is None else str(found)
+
+
+def _tied_hf_config(config: Config, factory: str) -> Any:
+    """The Hugging Face config of the run's model if it ties its word embeddings, else None."""
+    if factory or not config.model.hf_config:
+        return None
+    from recycle.models.hf import load_hf_config, tied_embedding
+
+    hf = load_hf_config(hf_path(config), config.workload.seq_len)
+    return hf if tied_embedding(hf) is not None else None
+
+
+def tied_stages(config: Config, factory: str = "") -> tuple[int, ...]:
+    """The stages that hold a copy of a tied weight and sum its gradient across them (a tied Hugging Face model's
+    first and last stage, when they differ): every worker forms their group, so every worker asks."""
+    S = config.num_stages
+    return (0, S - 1) if S > 1 and _tied_hf_config(config, factory) is not None else ()
+
+
+def tied_copy_keys(config: Config, factory: str = "") -> dict[str, str]:
+    """The stage-state keys that only repeat another tensor of the model (a tied lm_head weight), each with the key
+    of the tensor it repeats: left out of the merged --save, as save_pretrained leaves them out."""
+    hf = _tied_hf_config(config, factory)
+    if hf is None:
+        return {}
+    from recycle.models.hf import tied_copies
+    from recycle.models.hf_export import STAGE_PREFIX
+
+    return {STAGE_PREFIX + copy: STAGE_PREFIX + original for copy, original in tied_copies(hf).items()}
+
+
+def drop_tied_copies(parts: list[dict[str, torch.Tensor]], copies: dict[str, str]) -> list[dict[str, torch.Tensor]]:
+    """The stages' state dicts without the tied copies (tied_copy_keys), each checked equal to the tensor it repeats
+    (the tied all-reduce keeps them bit for bit equal: a difference is a bug, never written silently)."""
+    whole = {k: v for part in parts for k, v in part.items()}
+    for copy, original in copies.items():
+        if copy in whole and original in whole and not torch.equal(whole[copy], whole[original]):
+            raise RuntimeError(f"the tied weight's copies differ: {copy} and {original}")
+    return [{k: v for k, v in part.items() if k not in copies} for part in parts]
 
 
 def hf_model(config: Config) -> tuple[StageModel, list[tuple[int, int]]]:
@@ -121,6 +167,16 @@ def hf_built_stage(config: Config, stage: int) -> BuiltStage:
                       boundary if stage < S - 1 else None, causal_lm_loss if stage == S - 1 else None)
 
 
+def gpt_built_stage(config: Config, stage: int, bounds: list[tuple[int, int]] | None = None) -> BuiltStage:
+    """A built-in GPT's stage built alone (only its tensors are allocated; recycle.models.gpt.build_stage)."""
+    S, workload = config.num_stages, config.workload
+    module = build_gpt_stage(config.model, S, stage, config.training.seed, weights_dtype(config.training.dtype),
+                             workload.seq_len, bounds)
+    boundary = module.boundary_shape(workload.microbatch_size, workload.seq_len)  # the same at every boundary
+    return BuiltStage(module, (module.first, module.last), boundary if stage > 0 else None,
+                      boundary if stage < S - 1 else None)
+
+
 def all_stages(config: Config, factory: str = "",
                bounds: list[tuple[int, int]] | None = None) -> tuple[StageModel, list[tuple[int, int]]]:
     """Every stage module of the run's model (built-in GPT, Hugging Face config, or factory) and their layouts.
@@ -145,6 +201,8 @@ def build_stage(config: Config, stage: int, factory: str = "",
     S = config.num_stages
     if config.model.hf_config and not factory:
         return hf_built_stage(config, stage)
+    if not factory:
+        return gpt_built_stage(config, stage, bounds)
     model, layouts = all_stages(config, factory, bounds)
     stages = list(model.stages)
     shapes = boundary_shapes(stages, config.workload.microbatch_size, config.workload.seq_len, upto=stage + 1)

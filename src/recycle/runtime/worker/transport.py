@@ -1,5 +1,5 @@
 """Communication for one generation of live workers: torch.distributed groups on a generation-prefixed store,
-p2p send/recv addressed by topology rank, and the per-stage and all-worker SUM all-reduces."""
+p2p send/recv addressed by topology rank, and the per-stage, tied-weight and all-worker SUM all-reduces."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from recycle.runtime.worker.nccl_env import init_kwargs
 _NO_CUT = os.environ.get("RECYCLE_TEST_NO_CUT") == "1"
 
 __all__ = ["Transport", "GenerationGroups", "GenerationCut", "PeerLost", "Activity", "is_comm_error",
-           "default_backend"]
+           "default_backend", "tied_ranks"]
 
 
 def default_backend() -> Backend:
@@ -58,11 +58,14 @@ def _is_peer_error(exc: BaseException) -> bool:
 
 @dataclass
 class GenerationGroups:
-    """The process groups of one generation: the world of live workers and each stage's live replicas."""
+    """The process groups of one generation: the world of live workers, each stage's live replicas, and the live
+    workers of the stages that hold a tied weight (a tied model's first and last stage), if any."""
 
     live_ranks: list[int]  # topology ranks, ascending; index = rank in this generation's world
     stage_ranks: dict[int, list[int]]  # stage -> topology ranks of its live replicas
     stage_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
+    tied_ranks: list[int] = field(default_factory=list)  # topology ranks, ascending
+    tied_group: dist.ProcessGroup | None = None
 
     def group_rank(self, topology_rank: int) -> int:
         return self.live_ranks.index(topology_rank)
@@ -108,13 +111,15 @@ class Transport:
 
     def __init__(self, store: dist.Store, generation: int, rank: int, live_ranks: list[int],
                  stage_ranks: dict[int, list[int]], timeout_s: float, backend: str, device: torch.device,
-                 activity: Activity | None = None, store_peers: set[tuple[str, int]] | None = None) -> None:
+                 activity: Activity | None = None, store_peers: set[tuple[str, int]] | None = None,
+                 tied_stages: tuple[int, ...] = ()) -> None:
         self.rank = rank
         self.generation = generation
         self.device = device
         self.backend = backend
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.groups = GenerationGroups(sorted(live_ranks), {s: sorted(r) for s, r in stage_ranks.items()})
+        self.groups = GenerationGroups(sorted(live_ranks), {s: sorted(r) for s, r in stage_ranks.items()},
+                                       tied_ranks=tied_ranks(stage_ranks, tied_stages))
         self.activity = activity if activity is not None else Activity()
         self.formation_s = 0.0
         self._store = store
@@ -156,6 +161,9 @@ class Transport:
         for stage in sorted(self.groups.stage_ranks):
             members = [self.groups.group_rank(r) for r in self.groups.stage_ranks[stage]]
             self.groups.stage_groups[stage] = dist.new_group(members, timeout=self.timeout)
+        if self.groups.tied_ranks:  # after the stage groups, on every worker alike (the same collective order)
+            members = [self.groups.group_rank(r) for r in self.groups.tied_ranks]
+            self.groups.tied_group = dist.new_group(members, timeout=self.timeout)
 
     # -- p2p ----------------------------------------------------------------------------------------------------
     def send(self, message: Message, tensor: torch.Tensor) -> None:
@@ -199,6 +207,14 @@ class Transport:
         if len(self.groups.stage_ranks[stage]) > 1:
             with _peer_op(self.activity, f"stage {stage} all-reduce"):
                 dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.groups.stage_groups[stage])
+
+    def tied_allreduce_sum(self, tensor: torch.Tensor) -> None:
+        """SUM over every live worker of the stages that hold the tied weight (tied_ranks)."""
+        if not self.groups.tied_ranks:  # a tied stage on a transport made without tied_stages: a bug, never silent
+            raise RuntimeError("a tied-weight all-reduce on a generation formed without tied stages")
+        if len(self.groups.tied_ranks) > 1:
+            with _peer_op(self.activity, "tied-weight all-reduce"):
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.groups.tied_group)
 
     def world_allreduce_sum(self, tensor: torch.Tensor) -> None:
         if len(self.groups.live_ranks) > 1:
@@ -248,6 +264,12 @@ class Transport:
         # gloo closes a group's sockets only when its last reference goes: drop ours (the caller must not keep the
         # exception whose traceback holds the failed op either).
         self.groups.stage_groups.clear()
+        self.groups.tied_group = None
+
+
+def tied_ranks(stage_ranks: dict[int, list[int]], tied_stages: tuple[int, ...]) -> list[int]:
+    """The live topology ranks of the stages that share a tied weight, ascending (none when no weight is tied)."""
+    return sorted({r for s in tied_stages for r in stage_ranks.get(s, [])})
 
 
 class GenerationCut(RuntimeError):
