@@ -66,7 +66,7 @@ def test_a_restarted_coordinator_takes_the_run_over_and_a_node_rejoins_it(tmp_pa
     """Two nodes. The coordinator is SIGKILLed after step 2 and started again 2 s later: it takes the run over. Then
     node 1 (its launcher and workers) is SIGKILLed, and started again: it re-joins the restarted coordinator, and the
     run ends with every worker up and the fault-free parameters."""
-    config_file = tiny_config_file(steps=80  # long enough for node 1 to start again on 2 busy cores)
+    config_file = tiny_config_file(steps=80)  # long enough for node 1 to start again on 2 busy cores
     save = tmp_path / "final.pt"
     env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
     flags = ["--config", str(config_file), "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port",
