@@ -143,9 +143,6 @@ class ClusterOptions:
     backend: Backend | None = None  # None: nccl with CUDA, else gloo
     start_method: StartMethod = "spawn"
     coordinator: CoordinatorPlace = "node0"  # where the store and the coordinator run (CoordinatorPlace)
-    # The node's own store (127.0.0.1, set by a node launcher that does not host the coordinator): its workers beat
-    # there, and the launcher tells the coordinator only about the silent or hung ones (0: beat to the job's store).
-    node_store_port: int = 0
 
     @property
     def hosts_coordinator(self) -> bool:

@@ -98,8 +98,7 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     # watches them itself, so the coordinator's work and its store's traffic grow with the nodes, not the workers.
     node_server = host_store("127.0.0.1", 0, token) if cluster.runs_workers and not cluster.hosts_coordinator \
         else None
-    resolved = replace(cluster, master_port=store_port, token=token, backend=cluster.backend or default_backend(),
-                       node_store_port=node_server.port if node_server is not None else 0)
+    resolved = replace(cluster, master_port=store_port, token=token, backend=cluster.backend or default_backend())
     mine = node_ranks(plan.live_ranks(), cluster.nnodes, cluster.node_rank) if cluster.runs_workers else []
     wall0 = time.time()
     jobs = JobStore(store)
@@ -112,7 +111,8 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     _agree_on_settings(jobs, _job_settings(config, plan, options, end_step), cluster)
     # A node started again while its job runs (a repaired node) brings its workers back as replacements.
     rejoining = not cluster.hosts_coordinator and jobs.is_set(Flags.RUNNING)
-    spec_for = _spec_maker(config, plan, options, resolved, start_step, end_step, mine)
+    spec_for = _spec_maker(config, plan, options, resolved, start_step, end_step, mine,
+                           node_server.port if node_server is not None else 0)
     spawner = Spawner(start_context(cluster.start_method), spec_for, plan.worker)
     workers = WorkerProcesses(jobs, spawner)
     finished = False
@@ -245,7 +245,7 @@ def _agree_on_settings(jobs: JobStore, mine: JobSettings, cluster: ClusterOption
 
 
 def _spec_maker(config: Config, plan: Plan, options: LaunchOptions, cluster: ClusterOptions, start_step: int,
-                end_step: int, mine: list[int]) -> Callable[[int, bool], WorkerSpec]:
+                end_step: int, mine: list[int], node_store_port: int = 0) -> Callable[[int, bool], WorkerSpec]:
     """What a worker process of this launcher is told: its rank, the run, and whether it joins a running job
     (a replacement: no resume, no scripted faults)."""
     plan_json = plan.to_json()
@@ -256,7 +256,7 @@ def _spec_maker(config: Config, plan: Plan, options: LaunchOptions, cluster: Clu
             model_factory=options.model_factory, outputs=options.outputs, checkpoint=options.checkpoint,
             recovery=options.recovery, debug=options.debug, faults=() if joining else options.faults.of(rank),
             device_index=(mine.index(rank) if rank in mine else rank) % max(torch.cuda.device_count(), 1),
-            joining=joining, incarnation=new_incarnation(),
+            joining=joining, incarnation=new_incarnation(), node_store_port=node_store_port,
             joiner_dies_at=os.environ.get("RECYCLE_TEST_JOINER_DIES", "") if joining else "")
 
     return spec_for

@@ -73,6 +73,9 @@ class WorkerSpec:
     device_index: int = 0
     joining: bool = False  # a replacement: waits to be admitted, then takes its stage's state from a peer
     incarnation: str = ""  # this process among every one that runs as `rank` (the store fences by it)
+    # The node's own store (127.0.0.1, hosted by a node launcher that does not host the coordinator): this worker
+    # beats there, and its launcher tells the coordinator only about silent or hung workers (0: beat to the job's).
+    node_store_port: int = 0
     joiner_dies_at: str = ""  # tests only: RECYCLE_TEST_JOINER_DIES as the launcher saw it (see _joiner_dies_here)
 
     @property
@@ -159,7 +162,7 @@ class _Watcher(threading.Thread):
         # only about the silent or hung ones), else to the job's store.
         # They are sent by a thread of their own then: a coordinator that is away (the watcher waits for it to come
         # back) must not silence a live worker in its launcher's eyes.
-        port = spec.cluster.node_store_port
+        port = spec.node_store_port
         self.beats_apart = bool(port)
         self.beats_to = JobStore(connect_store("127.0.0.1", port, spec.cluster.token,
                                                worker_identity(spec.rank, spec.incarnation), 30.0)
