@@ -327,6 +327,11 @@ class StoreServer:
         conn.waiter = waiter
         if self.data.register(waiter):
             return
+        if timeout_ms <= 0 and self.data.cancel(waiter):
+            # A poll (no wait): answered now, in order with the requests pipelined behind it on the connection.
+            conn.waiter = None
+            self._reply(conn, Status.TIMEOUT, ())
+            return
         self._deadline_seq += 1
         deadline = time.monotonic() + max(0, timeout_ms) / 1e3
         heapq.heappush(self._deadlines, (deadline, self._deadline_seq, conn, waiter))
