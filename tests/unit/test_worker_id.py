@@ -30,3 +30,9 @@ def test_workers_text_sorts_and_joins() -> None:
     assert workers_text({(1, 1), (0, 3)}) == "0:3 1:1"
     assert workers_text([(2, 0), (0, 1)], ";") == "0:1;2:0"
     assert workers_text([]) == ""
+
+
+def test_a_long_list_of_workers_names_the_first_and_counts_the_rest() -> None:
+    many = [(replica, 0) for replica in range(2048)]
+    assert workers_text(many, ", ", most=3) == "0:0, 1:0, 2:0, ... (2048 in all)"
+    assert workers_text(many[:3], ", ", most=3) == "0:0, 1:0, 2:0"

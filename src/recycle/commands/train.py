@@ -367,7 +367,7 @@ def _print_result(result: TrainResult, node_rank: int, save: str | None, place: 
     if result.recoveries:
         failures = sum(1 for r in result.recoveries if r.causes)
         joins = sum(len(r.joined) for r in result.recoveries)
-        down = workers_text(result.failed)
+        down = workers_text(result.failed, most=32)
         print(f"survived {failures} failure(s) without a restart ({joins} worker(s) re-joined); "
               + (f"workers down at the end: {down}" if down else "every worker is up at the end"))
     if not result.steps:  # a resume already at the last step

@@ -28,6 +28,10 @@ class Worker(NamedTuple):
         return cls(int(match.group(1)), int(match.group(2)))
 
 
-def workers_text(workers: Iterable[tuple[int, int]], sep: str = " ") -> str:
-    """Workers in their text form, sorted, joined by `sep` ("" for none)."""
-    return sep.join(str(Worker(*w)) for w in sorted(workers))
+def workers_text(workers: Iterable[tuple[int, int]], sep: str = " ", most: int | None = None) -> str:
+    """Workers in their text form, sorted, joined by `sep` ("" for none); with `most`, at most that many named and
+    the rest counted (a line about a thousand-node run stays one line)."""
+    ordered = sorted(workers)
+    named = ordered if most is None or len(ordered) <= most else ordered[:most]
+    text = sep.join(str(Worker(*w)) for w in named)
+    return text if len(named) == len(ordered) else f"{text}{sep}... ({len(ordered)} in all)"

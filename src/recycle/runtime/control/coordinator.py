@@ -354,7 +354,7 @@ class Coordinator:
         failed = state.failed | {(replica, stage)}
         self.state = replace(state, live=live, failed=failed, deaths=state.deaths + (Death(rank, cause, now),))
         if not any(self.worker(r)[1] == stage for r in live):
-            lost = workers_text((w for w in failed if w[1] == stage), ", ")
+            lost = workers_text((w for w in failed if w[1] == stage), ", ", most=8)
             what = (f"{cause}, and it was the last live replica of stage {stage} (down: {lost}); nothing holds that "
                     "stage's weights any more")
             if not self.checkpointing or self.state.latest_checkpoint is None:
