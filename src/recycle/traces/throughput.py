@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from recycle.config import Config
 from recycle.errors import ConfigError, RecycleError
 from recycle.planner.failures import normalize
 from recycle.planner.options import PlannerOptions
+
+if TYPE_CHECKING:
+    from recycle.traces.plan_cache import PlanCache
 
 __all__ = [
     "PeriodFn",
@@ -65,10 +68,13 @@ def estimate_period(config: Config, key: tuple[int, ...], fault_free_period: flo
 
 
 def planner_period_fn(config: Config, options: PlannerOptions = PlannerOptions(),
-                      solver: str = "heuristic") -> PeriodFn:
-    """The planner's period per key (`recycle.planner.api.plan_for_key`, cached there). Plans without a predicted
-    period are simulated."""
+                      solver: str = "heuristic", cache: PlanCache | None = None) -> PeriodFn:
+    """The planner's period per key (`recycle.planner.api.plan_for_key`, cached there, or by `cache`: once per run
+    and on disk). Plans without a predicted period are simulated."""
     from recycle.planner.api import plan_for_key  # lazily: OR-Tools loads only when a period is planned
+
+    if cache is not None:
+        return lambda key: cache.period(config, key, options, solver)
 
     def period(key: tuple[int, ...]) -> float:
         plan = plan_for_key(config, key, options=options, solver=solver)
@@ -103,12 +109,12 @@ def estimate_period_fn(config: Config, fault_free_period: float | None = None) -
 
 
 def make_period_fn(config: Config, model: str = "auto", options: PlannerOptions = PlannerOptions(),
-                   solver: str = "heuristic") -> tuple[PeriodFn, str]:
+                   solver: str = "heuristic", cache: PlanCache | None = None) -> tuple[PeriodFn, str]:
     """Pick the period source: "planner" (also "auto"), or "estimate". Returns (fn, label)."""
     if model not in ("auto", "planner", "estimate"):
         raise ConfigError(f"period model {model!r} is unknown; use auto, planner or estimate")
     if model in ("auto", "planner"):
-        return planner_period_fn(config, options, solver), f"planner ({solver})"
+        return planner_period_fn(config, options, solver, cache), f"planner ({solver})"
     return estimate_period_fn(config), "closed-form estimate"
 
 
