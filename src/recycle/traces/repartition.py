@@ -8,10 +8,12 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable
 
 from recycle.config import Config
+from recycle.errors import PlanError
+from recycle.planner.bounds import period_lower_bound
 from recycle.planner.options import PlannerOptions
 from recycle.planner.partition import (PARTITION_SEARCH_WORK, PartitionChoice, balanced_partition, best_partition,
                                        configured_partition, ideal_period, layer_costs, migration_bytes,
-                                       partition_config, partition_period)
+                                       partition_bound, partition_config, partition_period)
 from recycle.planner.policy import DurationEstimate, LayerDecision
 from recycle.traces.model import Decision, JobContext
 from recycle.traces.recycle_system import ReCycleSystem
@@ -151,6 +153,34 @@ class PartitionModel:
         return PartitionChoice(key, partition, period, self.configured, base, balanced,
                                ideal_period(self.config, key), evaluated, complete)
 
+    def rate_bound(self, key: tuple[int, ...], partition: tuple[int, ...] | None = None) -> float:
+        """An upper bound on rate(key, partition) (partition None: on rate(key, choice(key)), the best partition's)
+        that plans nothing: the planner's analytic lower bound on the period (over every partition that fits, by
+        `partition_bound`, for None), floored like `period`. The rate itself where it is known or cheap."""
+        key = tuple(key)
+        if self.cache is None:  # the path before the plan cache: every weighed key planned (benchmarks)
+            return self.rate(key, partition if partition is not None else self.choice(key))
+        if partition is None and (key in self._choice or not any(key)):
+            partition = self.choice(key)
+        if partition == self.configured:
+            return self.base.rate_bound(key)
+        if not self.planner or (partition is not None and (key, partition) in self._period):
+            return self.rate(key, partition if partition is not None else self.choice(key))
+        if partition is None:
+            found = partition_bound(self.config, key, self.options)
+            if not found.exact:  # the walk stopped early: its value bounds only the partitions it saw
+                return self.rate(key, self.choice(key))
+            period = found.bound
+        else:
+            try:
+                period = period_lower_bound(partition_config(self.config, partition, self.costs), key, self.options)
+            except PlanError:
+                return self.rate(key, partition)
+        period = max(period * (1 - 1e-9), self.base.period((0,) * self.config.num_stages))
+        if self.base.floor_period is not None:
+            period = max(period, self.base.floor_period)
+        return self.base.samples_per_iteration / (period * self.base.seconds_per_unit)
+
     def choices(self) -> dict[tuple[int, ...], PartitionChoice]:
         return dict(self._choice)
 
@@ -177,6 +207,13 @@ class _CurrentPartition:
         if self.best and any(key):
             rate = max(rate, self.model.rate(key, self.model.choice(key)))
         return rate
+
+    def rate_bound(self, key: tuple[int, ...]) -> float:
+        """An upper bound on throughput_for_key(key) that plans as little as it can (PartitionModel.rate_bound)."""
+        bound = self.model.rate_bound(key, self.partition)
+        if self.best and any(key):
+            bound = max(bound, self.model.rate_bound(key))
+        return bound
 
     def fault_free(self) -> float:
         return self.model.base.fault_free()

@@ -127,6 +127,9 @@ class ThroughputModel:
     seconds_per_unit: float = 1.0
     label: str = ""
     floor_period: float | None = None  # never faster than this period (the reference fault-free schedule)
+    # A lower bound on period_fn(key) that costs no planning (the planner's analytic bound), or None: rate_bound is
+    # then the rate itself.
+    period_bound: PeriodFn | None = None
 
     def __post_init__(self) -> None:
         self._cache: dict[tuple[int, ...], float] = {}
@@ -152,6 +155,16 @@ class ThroughputModel:
     def throughput_for_key(self, key: tuple[int, ...]) -> float:
         period = self.period(key)
         return 0.0 if math.isinf(period) else self.samples_per_iteration / (period * self.seconds_per_unit)
+
+    def rate_bound(self, key: tuple[int, ...]) -> float:
+        """An upper bound on throughput_for_key(key) that plans nothing when the key has not been planned yet."""
+        key = tuple(key)
+        if key in self._cache or self.period_bound is None:
+            return self.throughput_for_key(key)
+        period = self.period_bound(key)
+        if self.floor_period is not None:
+            period = max(period, self.floor_period)
+        return math.inf if period <= 0 else self.samples_per_iteration / (period * self.seconds_per_unit)
 
     def throughput(self, failed: Iterable[tuple[int, int]]) -> float:
         return self.throughput_for_key(self.key_for(failed))
