@@ -237,6 +237,17 @@ def test_rate_bounds_never_undercut_the_rate(tmp_path: Path) -> None:
         assert model.rate_bound(key) >= model.throughput_for_key(key)
         assert partitions.rate_bound(key) >= partitions.rate(key, partitions.choice(key)) * (1 - 1e-12)
         assert partitions.rate_bound(key, (1, 2, 3)) >= partitions.rate(key, (1, 2, 3)) * (1 - 1e-12)
+    # Next run: the choices are in the cache; the bound reads them without entering them in this run's choices.
+    again = PlanCache(tmp_path / "c")
+    period_fn, label = make_period_fn(config, cache=again)
+    model = ThroughputModel(config, period_fn, 0.01, label,
+                            period_bound=lambda key: period_lower_bound(config, key) * (1 - 1e-9))
+    warm, _ = _partition_model(config, model, PlannerOptions(), label, again)
+    assert warm is not None
+    bounds = {key: warm.rate_bound(key) for key in ((1, 0, 0), (0, 1, 1), (0, 0, 2), (1, 1, 1))}
+    assert warm.choices() == {} and again.stats.misses == 0 and again.stats.hits > 0
+    for key, bound in bounds.items():
+        assert bound >= partitions.rate(key, partitions.choice(key)) * (1 - 1e-12)
 
 
 def test_simulate_cli_stdout_is_the_summary_and_the_cache_is_reported(tmp_path: Path, capsys) -> None:

@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -25,14 +26,13 @@ CACHE_FORMAT = 1
 # The sources whose code decides a plan and its period (planner, simulator, IR, fault-free schedules, config
 # parsing) and the partition search's inputs: any edit to them makes every entry a miss.
 CODE_DIRS = ("planner", "sim", "ir", "schedules")
-CODE_FILES = ("config.py", "traces/plan_cache.py")
+CODE_FILES = ("__init__.py", "config.py", "traces/plan_cache.py")
 ENTRY_LIMIT_BYTES = 64 << 20  # a D=20, S=4, M=8 plan is ~20 kB; anything far larger is not ours
 
 
 def code_version(root: Path | None = None, files: Iterable[Path] | None = None) -> str:
-    """The package version and a hash of the planner's source files (relative names and bytes, sorted)."""
-    from recycle import __version__
-
+    """The package version (read from recycle/__init__.py, whose bytes are hashed too) and a hash of the planner's
+    source files (relative names and bytes, sorted)."""
     root = root or Path(__file__).resolve().parents[1]
     if files is None:
         paths = [p for d in CODE_DIRS for p in (root / d).rglob("*.py")] + [root / f for f in CODE_FILES]
@@ -42,7 +42,9 @@ def code_version(root: Path | None = None, files: Iterable[Path] | None = None) 
     for path in sorted(paths, key=lambda p: str(p)):
         name = str(path.relative_to(root)) if path.is_relative_to(root) else path.name
         digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return f"{__version__}+{digest.hexdigest()[:20]}"
+    init = root / "__init__.py"
+    found = re.search(r'^__version__ = "([^"]+)"', init.read_text(), re.M) if init.is_file() else None
+    return f"{found.group(1) if found else 'unknown'}+{digest.hexdigest()[:20]}"
 
 
 def default_cache_dir() -> Path:
@@ -207,14 +209,24 @@ class PlanCache:
         return float(period)
 
     # -- partition choices --------------------------------------------------------------------------------------
+    def _choice_inputs(self, config: Config, key: Sequence[int], configured: Sequence[int], options: PlannerOptions,
+                       solver: str, search: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        return self._inputs("partition-choice", config, key=[int(k) for k in key], configured=list(configured),
+                            options=_options_dict(options), solver=solver, search=search)
+
+    def has_choice(self, config: Config, key: Sequence[int], configured: Sequence[int], options: PlannerOptions,
+                   solver: str, search: dict[str, Any]) -> bool:
+        """Whether `choice` would find this choice made already (in this run, or an entry on disk, unchecked)."""
+        name, _ = self._choice_inputs(config, key, configured, options, solver, search)
+        return name in self._choices or (self.root is not None and (self.root / f"{name}.json").is_file())
+
     def choice(self, config: Config, key: Sequence[int], configured: Sequence[int], options: PlannerOptions,
                solver: str, search: dict[str, Any], make: Callable[[], Any], check: Callable[[dict], Any]) -> Any:
         """The partition choice for `key`: `make()` on a miss (its `to_dict()` kept), else `check(stored)` on the
         stored dict, which must rebuild the choice from it (re-deriving every period it can) or raise RecycleError
         (the entry is then rejected and the choice made again)."""
         key = tuple(int(k) for k in key)
-        name, inputs = self._inputs("partition-choice", config, key=list(key), configured=list(configured),
-                                    options=_options_dict(options), solver=solver, search=search)
+        name, inputs = self._choice_inputs(config, key, configured, options, solver, search)
         if name in self._choices:
             return self._choices[name]
         found = None

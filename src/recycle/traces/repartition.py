@@ -121,8 +121,12 @@ class PartitionModel:
                                               polish=self.polish)
         return _CHOICES[shared]
 
+    def _search(self) -> dict[str, int]:
+        """The search's settings, part of a cached choice's inputs."""
+        return {"max_evaluations": self.max_evaluations, "polish": self.polish, "work": PARTITION_SEARCH_WORK}
+
     def _cached_choice(self, key: tuple[int, ...], cache: PlanCache) -> PartitionChoice:
-        search = {"max_evaluations": self.max_evaluations, "polish": self.polish, "work": PARTITION_SEARCH_WORK}
+        search = self._search()
 
         def make() -> PartitionChoice:
             return best_partition(self.config, key, self.options, "heuristic", self.max_evaluations,
@@ -156,12 +160,17 @@ class PartitionModel:
     def rate_bound(self, key: tuple[int, ...], partition: tuple[int, ...] | None = None) -> float:
         """An upper bound on rate(key, partition) (partition None: on rate(key, choice(key)), the best partition's)
         that plans nothing: the planner's analytic lower bound on the period (over every partition that fits, by
-        `partition_bound`, for None), floored like `period`. The rate itself where it is known or cheap."""
+        `partition_bound`, for None), floored like `period`. The rate itself where it is known or cheap (a choice
+        already in the plan cache is read from it, without entering this run's choices: what the report lists
+        never depends on what an earlier run left in the cache)."""
         key = tuple(key)
         if self.cache is None:  # the path before the plan cache: every weighed key planned (benchmarks)
             return self.rate(key, partition if partition is not None else self.choice(key))
         if partition is None and (key in self._choice or not any(key)):
             partition = self.choice(key)
+        if partition is None and self.planner and self.cache.has_choice(
+                self.config, key, self.configured, self.options, "heuristic", self._search()):
+            return self._best_rate(self._cached_choice(key, self.cache))
         if partition == self.configured:
             return self.base.rate_bound(key)
         if not self.planner or (partition is not None and (key, partition) in self._period):
@@ -176,10 +185,25 @@ class PartitionModel:
                 period = period_lower_bound(partition_config(self.config, partition, self.costs), key, self.options)
             except PlanError:
                 return self.rate(key, partition)
-        period = max(period * (1 - 1e-9), self.base.period((0,) * self.config.num_stages))
+        return self._floored_rate(period * (1 - 1e-9), moved=True)
+
+    def _floored_rate(self, period: float, moved: bool) -> float:
+        """The rate of a planned `period` floored as `period()` floors it (a moved layout also at the fault-free
+        period; the configured one at the reference only)."""
+        if moved:
+            period = max(period, self.base.period((0,) * self.config.num_stages))
         if self.base.floor_period is not None:
             period = max(period, self.base.floor_period)
-        return self.base.samples_per_iteration / (period * self.base.seconds_per_unit)
+        return 0.0 if math.isinf(period) else self.base.samples_per_iteration / (period * self.base.seconds_per_unit)
+
+    def _best_rate(self, found: PartitionChoice) -> float:
+        """At least rate(key, choice(key)), from a search's result, without recording the choice: choice() keeps the
+        found partition only where it is faster than the configured one, so the rate is the larger of the two (the
+        configured layout's bounded by the base model, which plans its key under the base options)."""
+        configured = self.base.rate_bound(found.key)
+        if found.partition == self.configured:
+            return configured
+        return max(configured, self._floored_rate(found.period, moved=True))
 
     def choices(self) -> dict[tuple[int, ...], PartitionChoice]:
         return dict(self._choice)
