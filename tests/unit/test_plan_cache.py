@@ -282,3 +282,12 @@ def test_simulate_cli_stdout_is_the_summary_and_the_cache_is_reported(tmp_path: 
     assert f"- plan cache `{tmp_path / 'cache'}`:" in report and "0 planned" in report
     assert main([*argv[:-2], "--no-plan-cache"]) == 0
     assert capsys.readouterr().out == first.out
+
+
+def test_a_plan_cache_that_is_not_a_folder_is_one_error_line(tmp_path: Path, cli_error) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    line = cli_error(["simulate", "--config", str(Path(__file__).resolve().parents[2] / "configs" / "toy.toml"),
+                      "--generate", "poisson:nodes=12,hours=2,mtbf_h=2,repair_h=0.5,seed=1", "--out",
+                      str(tmp_path / "o"), "--plan-cache", str(blocker)])
+    assert f"--plan-cache {blocker}" in line and "--no-plan-cache" in line
