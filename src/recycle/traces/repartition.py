@@ -179,12 +179,12 @@ class PartitionModel:
             found = partition_bound(self.config, key, self.options)
             if not found.exact:  # the walk stopped early: its value bounds only the partitions it saw
                 return self.rate(key, self.choice(key))
-            period = found.bound
-        else:
-            try:
-                period = period_lower_bound(partition_config(self.config, partition, self.costs), key, self.options)
-            except PlanError:
-                return self.rate(key, partition)
+            # The best partition may be the configured one, whose period is not floored at the fault-free one.
+            return self._floored_rate(found.bound * (1 - 1e-9), moved=False)
+        try:
+            period = period_lower_bound(partition_config(self.config, partition, self.costs), key, self.options)
+        except PlanError:
+            return self.rate(key, partition)
         return self._floored_rate(period * (1 - 1e-9), moved=True)
 
     def _floored_rate(self, period: float, moved: bool) -> float:
