@@ -291,3 +291,20 @@ def test_a_plan_cache_that_is_not_a_folder_is_one_error_line(tmp_path: Path, cli
                       "--generate", "poisson:nodes=12,hours=2,mtbf_h=2,repair_h=0.5,seed=1", "--out",
                       str(tmp_path / "o"), "--plan-cache", str(blocker)])
     assert f"--plan-cache {blocker}" in line and "--no-plan-cache" in line
+
+
+def test_reshapes_ruled_out_by_the_bound_leave_every_decision_unchanged() -> None:
+    from recycle.traces.generate import parse_generate_spec
+
+    raw = json.loads(json.dumps(RAW))
+    raw["topology"]["num_replicas"] = 4
+    config = parse_config(raw, name="cache-toy-d4")
+    trace = parse_generate_spec("poisson:nodes=12,hours=12,mtbf_h=6,repair_h=1,seed=2")
+    _forget_in_process_plans()
+    old = run_job(config, trace, SYSTEMS, setup=JobSetup(slot_seconds=0.01))
+    _forget_in_process_plans()
+    new = simulate_trace(config, trace, systems=SYSTEMS, slot_seconds=0.01)
+    assert _outcome(new) == _outcome(old)
+    # Fewer layer searches: a weighed reshape whose bound could not pay was never searched.
+    assert len(new.extra["partitions"]) < len(old.extra["partitions"])
+    assert {tuple(p["key"]) for p in new.extra["partitions"]} < {tuple(p["key"]) for p in old.extra["partitions"]}
