@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(ROOT / "configs" / "gpt3-6.7b-a100.toml"))
     parser.add_argument("--traces", nargs="*", help="trace names to run (default: every shipped one and long-400)")
     parser.add_argument("--no-old", action="store_true", help="skip the old path (minutes per trace)")
+    parser.add_argument("--keep-cache", metavar="DIR", help="keep each trace's plan cache in DIR/<trace> (default: "
+                        "a temporary folder, removed)")
     args = parser.parse_args(argv)
     config = load_config(args.config)
     traces: list[tuple[str, object, list[str]]] = []
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(header))
     for name, trace, trace_args in traces:
         with tempfile.TemporaryDirectory(prefix="bench-replay-") as tmp:
-            cache_dir = Path(tmp) / "plans"
+            cache_dir = Path(args.keep_cache) / name if args.keep_cache else Path(tmp) / "plans"
             old_s, old = _timed(config, trace, None) if not args.no_old else (float("nan"), None)
             cold_s, cold = _timed(config, trace, PlanCache(cache_dir))
             warm_s, warm = _timed(config, trace, PlanCache(cache_dir))
