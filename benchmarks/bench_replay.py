@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -55,13 +56,18 @@ def _goodputs(result) -> dict[str, float]:
     return {name: run.goodput for name, run in result.runs.items()}
 
 
-def _cli_seconds(config_path: str, trace_args: list[str], cache: Path, out: Path) -> float:
+def _cli_seconds(config_path: str, trace_args: list[str], cache: Path, out: Path) -> tuple[float, float]:
+    """Wall and CPU (user + sys) seconds of one `recycle simulate` process: on a loaded machine the CPU seconds
+    are what the run costs, the wall seconds what it waited besides."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "recycle", "simulate", "--config", config_path, *trace_args,
                     "--replicas", "auto", "--out", str(out), "--plan-cache", str(cache)],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                    env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.traces:
         traces = [t for t in traces if t[0] in args.traces]
 
-    header = (f"{'trace':<22} {'changes':>7} {'D':>2} | {'old s':>7} {'cold s':>7} {'warm s':>6} {'CLI warm s':>10} | "
+    header = (f"{'trace':<22} {'changes':>7} {'D':>2} | {'old s':>7} {'cold s':>7} {'warm s':>6} "
+              f"{'CLI warm s (CPU s)':>18} | "
               f"{'old/cold':>8} {'old/warm':>8} | {'planned cold':>12} {'read warm':>9} | goodput unchanged")
     print(header)
     print("-" * len(header))
@@ -93,12 +100,12 @@ def main(argv: list[str] | None = None) -> int:
             old_s, old = _timed(config, trace, None) if not args.no_old else (float("nan"), None)
             cold_s, cold = _timed(config, trace, PlanCache(cache_dir))
             warm_s, warm = _timed(config, trace, PlanCache(cache_dir))
-            cli_s = _cli_seconds(args.config, trace_args, cache_dir, Path(tmp) / "out")
+            cli_s, cli_cpu = _cli_seconds(args.config, trace_args, cache_dir, Path(tmp) / "out")
         same = _goodputs(cold) == _goodputs(warm) and (old is None or _goodputs(old) == _goodputs(cold))
         changes = len(cold.timeline.times_s)
         cold_stats, warm_stats = cold.extra["plan_cache"], warm.extra["plan_cache"]
         print(f"{name:<22} {changes:>7} {cold.extra['num_replicas']:>2} | {old_s:7.1f} {cold_s:7.1f} {warm_s:6.2f} "
-              f"{cli_s:10.2f} | {old_s / cold_s:7.2f}x {old_s / warm_s:7.1f}x | {cold_stats['misses']:>12} "
+              f"{cli_s:9.2f} ({cli_cpu:5.2f}) | {old_s / cold_s:7.2f}x {old_s / warm_s:7.1f}x | {cold_stats['misses']:>12} "
               f"{warm_stats['hits']:>9} | {'yes' if same else 'NO: ' + str((_goodputs(old or cold), _goodputs(warm)))}",
               flush=True)
     return 0
