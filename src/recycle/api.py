@@ -157,7 +157,7 @@ def simulate_trace(config: Config, trace: str | Path | EventTrace, *, systems: S
                      period_model=period_model, reference=reference)
     return run_job(config, events, systems=tuple(systems) if systems else SYSTEM_NAMES,
                    costs=costs if costs is not None else JobCosts(), setup=setup, progress=progress,
-                   plan_cache=PlanCache(plan_cache))
+                   plan_cache=PlanCache(plan_cache, progress=progress))
 
 
 def select_plan(config: Config, schedule: str | None = None, plan_file: str | None = None,

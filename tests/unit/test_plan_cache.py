@@ -308,3 +308,19 @@ def test_reshapes_ruled_out_by_the_bound_leave_every_decision_unchanged() -> Non
     # Fewer layer searches: a weighed reshape whose bound could not pay was never searched.
     assert len(new.extra["partitions"]) < len(old.extra["partitions"])
     assert {tuple(p["key"]) for p in new.extra["partitions"]} < {tuple(p["key"]) for p in old.extra["partitions"]}
+
+
+def test_a_cache_that_cannot_be_written_costs_the_next_run_not_this_one(tmp_path: Path, monkeypatch) -> None:
+    import recycle.traces.plan_cache as plan_cache
+    from recycle.errors import OutputError
+
+    def full(*args, **kwargs):
+        raise OutputError("disk full")
+
+    monkeypatch.setattr(plan_cache, "atomic_write_text", full)
+    lines: list[str] = []
+    cache = PlanCache(tmp_path, code="v1", progress=lines.append, progress_every=1)
+    assert cache.period(_config(), (1, 0, 0)) > 0 and cache.period(_config(), (0, 1, 0)) > 0
+    assert cache.stats.written == 0 and cache.stats.reasons == ["not written: disk full"]
+    assert lines == ["planning: 1 plan(s) and partition choice(s) made, 0 read from the cache",
+                     "planning: 2 plan(s) and partition choice(s) made, 0 read from the cache"]

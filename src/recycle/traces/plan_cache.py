@@ -96,12 +96,16 @@ class PlanCache:
     written atomically. The layer-partition choice per key is kept the same way (`choice`), its periods coming
     from the plan entries."""
 
-    def __init__(self, root: str | Path | None = None, code: str | None = None) -> None:
+    def __init__(self, root: str | Path | None = None, code: str | None = None,
+                 progress: Callable[[str], None] | None = None, progress_every: int = 20) -> None:
         self.root = Path(root) if root is not None else None
         self.code = code if code is not None else code_version()
         self.stats = CacheStats()
+        self.progress = progress
+        self.progress_every = max(1, progress_every)
         self._periods: dict[str, float] = {}
         self._choices: dict[str, Any] = {}
+        self._config_hashes: dict[int, tuple[Config, str]] = {}
         if self.root is not None:
             try:
                 self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -112,8 +116,17 @@ class PlanCache:
                 raise OutputError(f"--plan-cache {self.root} is not a folder; pass a folder or --no-plan-cache")
 
     # -- entries ------------------------------------------------------------------------------------------------
+    def _config_hash(self, config: Config) -> str:
+        """_config_hash, once per config object of the run (the object is kept, so its id stays its own)."""
+        known = self._config_hashes.get(id(config))
+        if known is None or known[0] is not config:
+            known = (config, _config_hash(config))
+            self._config_hashes[id(config)] = known
+        return known[1]
+
     def _inputs(self, kind: str, config: Config, **more: Any) -> tuple[str, dict[str, Any]]:
-        inputs = {"format": CACHE_FORMAT, "kind": kind, "code": self.code, "config": _config_hash(config), **more}
+        inputs = {"format": CACHE_FORMAT, "kind": kind, "code": self.code, "config": self._config_hash(config),
+                  **more}
         blob = json.dumps(inputs, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest(), inputs
 
@@ -141,8 +154,20 @@ class PlanCache:
         text = json.dumps({"inputs": inputs, "value": value}, sort_keys=True, separators=(",", ":"),
                           allow_nan=False)
         # follow=False: whatever sits at the entry's path (a planted link) is replaced, never written through.
-        atomic_write_text(self.root / f"{name}.json", text, follow=False)
+        try:
+            atomic_write_text(self.root / f"{name}.json", text, follow=False)
+        except OutputError as exc:  # a full or read-only disk costs the next run its plans, not this run's replay
+            if not any(r.startswith("not written") for r in self.stats.reasons):
+                self.stats.reasons.append(f"not written: {exc}")
+            return
         self.stats.written += 1
+
+    def _planned(self) -> None:
+        """Count a miss; every `progress_every` of them, a progress line (cold replays plan for minutes)."""
+        self.stats.misses += 1
+        if self.progress and self.stats.misses % self.progress_every == 0:
+            self.progress(f"planning: {self.stats.misses} plan(s) and partition choice(s) made, {self.stats.hits} "
+                          "read from the cache")
 
     def _reject(self, name: str, why: str) -> None:
         self.stats.rejected += 1
@@ -171,7 +196,7 @@ class PlanCache:
             except _Rejected as exc:
                 self._reject(name, str(exc))
         if value is None:
-            self.stats.misses += 1
+            self._planned()
             plan = plan_for_key(config, key, options, solver, time_limit_s)
             assert plan.meta.predicted_period is not None
             value = float(plan.meta.predicted_period)
@@ -243,7 +268,7 @@ class PlanCache:
         except _Rejected as exc:
             self._reject(name, str(exc))
         if found is None:
-            self.stats.misses += 1
+            self._planned()
             found = make()
             self._write(name, inputs, found.to_dict())
         self._choices[name] = found
