@@ -223,7 +223,10 @@ class PlanCache:
             raise _Rejected("its plan was made for another config")
         from recycle.sim.simulator import simulate
 
-        result = simulate(plan, config)
+        try:
+            result = simulate(plan, config)
+        except RecycleError as exc:
+            raise _Rejected(f"its plan does not simulate: {exc}") from None
         caps = options.memory_cap
         if caps is not None and any(peak > caps[rank % config.num_stages]
                                     for rank, peak in enumerate(result.peak_activations)):
