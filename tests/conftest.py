@@ -48,3 +48,9 @@ def cli_error(capsys: pytest.CaptureFixture[str]) -> Callable[[list[str]], str]:
         return lines[0]
 
     return run
+
+
+@pytest.fixture(autouse=True)
+def _plan_cache_outside_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`recycle simulate` keeps plans in the user's cache folder by default: tests keep theirs in a temporary one."""
+    monkeypatch.setenv("RECYCLE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "plan-cache"))

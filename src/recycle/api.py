@@ -140,19 +140,24 @@ def load_trace(config: Config, path: str | Path | None = None, *, generate: str 
 def simulate_trace(config: Config, trace: str | Path | EventTrace, *, systems: Sequence[str] | None = None,
                    gpus_per_node: int = 1, replicas: str = "keep", slot_seconds: float = 1.0,
                    period_model: str = "auto", reference: str = "1f1b", costs: JobCosts | None = None,
-                   progress: Callable[[str], None] | None = None) -> JobResult:
+                   progress: Callable[[str], None] | None = None,
+                   plan_cache: str | Path | None = None) -> JobResult:
     """Replay a failure trace (a CSV path, or one from load_trace) over the job for ReCycle and the baseline models
     (fault-free, fault-scaled, checkpoint-restart, Oobleck-like, Bamboo-like, torchft-like); `costs` holds detection,
-    restart and checkpoint times. The result's `.runs` hold each system's goodput and throughput timeline."""
+    restart and checkpoint times. The result's `.runs` hold each system's goodput and throughput timeline. Each plan
+    is made once per call; `plan_cache` (a folder, e.g. `recycle.traces.plan_cache.default_cache_dir()`) also keeps
+    them across calls, validated when read."""
     from recycle.traces.experiments import SYSTEM_NAMES, JobSetup, run_job
     from recycle.traces.model import JobCosts
+    from recycle.traces.plan_cache import PlanCache
 
     events = trace if not isinstance(trace, (str, Path)) else load_trace(
         config, trace, gpus_per_node=gpus_per_node, replicas=replicas)
     setup = JobSetup(gpus_per_node=gpus_per_node, replicas=replicas, slot_seconds=slot_seconds,
                      period_model=period_model, reference=reference)
     return run_job(config, events, systems=tuple(systems) if systems else SYSTEM_NAMES,
-                   costs=costs if costs is not None else JobCosts(), setup=setup, progress=progress)
+                   costs=costs if costs is not None else JobCosts(), setup=setup, progress=progress,
+                   plan_cache=PlanCache(plan_cache, progress=progress))
 
 
 def select_plan(config: Config, schedule: str | None = None, plan_file: str | None = None,

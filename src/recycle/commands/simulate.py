@@ -33,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Replay a failure/availability trace over a D x S training job and compare ReCycle with "
                     "baseline models (fault-free, fault-scaled, checkpoint-restart, Oobleck-like, Bamboo-like, "
                     "torchft-like). Writes DIR/report.md (with every ReCycle+ decision), DIR/throughput.png and "
-                    "DIR/summary.json; stdout gets the summary.")
+                    "DIR/summary.json; stdout gets the summary. Plans are kept in a cache folder across runs "
+                    "(--plan-cache), so a second replay of the same job plans nothing.")
     p.add_argument("--config", required=True, help="job config (TOML), e.g. configs/gpt3-6.7b-a100.toml")
     add_set_option(p)
     src = p.add_mutually_exclusive_group(required=True)
@@ -55,6 +56,14 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--reference", choices=("1f1b", "planner"), default="1f1b",
                    help="fault-free reference: plain 1F1B as in the paper (ReCycle capped at it), or ReCycle's "
                         "own fault-free plan")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--plan-cache", metavar="DIR", default=None,
+                       help="folder of plans kept across runs, keyed by the config's planning values, the failure "
+                            "key, the layer partition and the code version; every entry is validated when read "
+                            "(default: $RECYCLE_CACHE_DIR, else $XDG_CACHE_HOME/recycle/plans, else "
+                            "~/.cache/recycle/plans)")
+    cache.add_argument("--no-plan-cache", action="store_true",
+                       help="keep nothing on disk: each plan is still made only once within the run")
     p.add_argument("--slot-seconds", type=float, default=1.0, help="seconds per slot for slot-unit configs")
     p.add_argument("--seed", type=int, default=0, help="seed for availability traces (which nodes fail; also the "
                    "default seed of --generate paper-gcp)")
@@ -95,12 +104,19 @@ def run(args: argparse.Namespace) -> int:
     for message in trace.notes.messages():
         print(f"warning: {trace.source}: {message}", file=sys.stderr)
     from recycle.progress import progress_lines
+    from recycle.traces.plan_cache import default_cache_dir
 
+    plan_cache = None if args.no_plan_cache else (args.plan_cache or default_cache_dir())
     with progress_lines("trace replay") as report:
         result = simulate_trace(config, trace, systems=args.systems, gpus_per_node=args.gpus_per_node,
                                 replicas=args.replicas, slot_seconds=args.slot_seconds,
                                 period_model=args.period_model, reference=args.reference, costs=costs,
-                                progress=report)
+                                progress=report, plan_cache=plan_cache)
+    cache = result.extra.get("plan_cache")
+    if cache and (cache["hits"] or cache["misses"]):
+        where = f"plan cache {cache['folder']}" if cache["folder"] else "plans (no cache on disk)"
+        print(f"{where}: {cache['hits']} read, {cache['misses']} planned, {cache['rejected']} rejected",
+              file=sys.stderr)
     for name, why in result.extra.get("skipped", {}).items():
         print(f"note: {name} skipped: {why}", file=sys.stderr)
     summary = write_report(result, args.out, title=f"{config.name} over {trace.source}")

@@ -26,6 +26,10 @@ COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W, Kind.BW})
 BACKWARD_KINDS = frozenset({Kind.B, Kind.BW})  # the actions that send an input-gradient upstream
 
 _TOKEN = re.compile(r"^(\d+)(BW|OPT|F|B|W)(\d*)$")
+# Parsed tokens: a plan read from JSON repeats the same few thousand tokens (Actions are immutable, so one object per
+# token is shared); bounded so that no input grows it without limit.
+_PARSED: dict[str, "Action"] = {}
+_PARSED_LIMIT = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +51,16 @@ class Action:
     @classmethod
     def parse(cls, token: str) -> "Action":
         """Inverse of str(): parse("2F7") == Action(Kind.F, 2, 7)."""
+        known = _PARSED.get(token) if cls is Action else None
+        if known is not None:
+            return known
+        action = cls._parse(token)
+        if cls is Action and len(_PARSED) < _PARSED_LIMIT:
+            _PARSED[token] = action
+        return action
+
+    @classmethod
+    def _parse(cls, token: str) -> "Action":
         match = _TOKEN.match(token.strip())
         if not match:
             raise PlanError(

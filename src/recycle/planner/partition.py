@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from recycle.config import Config, parse_config
 from recycle.errors import ConfigError, PlanError
 from recycle.ir.plan import Plan
 from recycle.planner.api import make_plan, plan_for_key
 from recycle.planner.bounds import period_lower_bound
+from recycle.planner.budget import LIST_SCHEDULE_COST, WorkBudget
 from recycle.planner.failures import normalize
 from recycle.planner.options import PlannerOptions
 from recycle.planner.routing import check_key
@@ -19,7 +20,19 @@ from recycle.planner.routing import check_key
 __all__ = ["LayerCosts", "configured_partition", "layer_costs", "partition_config", "partition_caps",
            "worker_memory_bytes", "balanced_partition", "PartitionChoice", "best_partition", "partition_period",
            "ideal_period", "PartitionBound", "partition_bound", "migration_bytes", "make_repartitioned_plan",
-           "plan_with_partition"]
+           "plan_with_partition", "PeriodSource", "planned_period", "PARTITION_SEARCH_WORK", "BOUND_WORK"]
+
+# The planner's period for (config, key, options, solver, time limit): `planned_period`, or a cache in front of it
+# (recycle.traces.plan_cache), so a replay plans each (failure key, partition) once.
+PeriodSource = Callable[[Config, tuple[int, ...], PlannerOptions, str, float], float]
+
+# Work budget of one `best_partition` search, in units of one walk node (a floor and memory check, ~10 us): a
+# partition's lower bound (its config built and parsed) costs BOUND_WORK units, a screened plan LIST_SCHEDULE_COST
+# per action of one iteration. Sized so that the whole space of a 32-layer, 4-stage model (about 5,000 nodes and
+# 4,500 bounds) and the 8 screened plans of a D=20 job fit: replays at those sizes choose exactly as an unbounded
+# search would; larger searches stop at the same point on every machine and load (never a clock).
+PARTITION_SEARCH_WORK = 400_000
+BOUND_WORK = 25
 
 # Per-stage values that follow the layers a stage holds; everything else (activation messages: the hidden state
 # between stages) does not depend on the partition.
@@ -218,20 +231,27 @@ def ideal_period(config: Config, key: Sequence[int]) -> float:
     return total / sum(live)
 
 
+def planned_period(config: Config, key: tuple[int, ...], options: PlannerOptions, solver: str,
+                   time_limit_s: float) -> float:
+    """The simulated period of `plan_for_key` (the default PeriodSource)."""
+    plan = plan_for_key(config, key, options, solver, time_limit_s)
+    assert plan.meta.predicted_period is not None
+    return float(plan.meta.predicted_period)
+
+
 def partition_period(config: Config, key: Sequence[int], partition: Sequence[int],
                      options: PlannerOptions = PlannerOptions(), solver: str = "heuristic",
-                     costs: LayerCosts | None = None, time_limit_s: float = 10.0) -> float:
+                     costs: LayerCosts | None = None, time_limit_s: float = 10.0,
+                     source: PeriodSource | None = None) -> float:
     """The simulated period of the planner's plan for `key` with the layers laid out as `partition` (cached by
-    the planner per derived config); inf when the partition does not fit in memory."""
+    the planner per derived config, or by `source`); inf when the partition does not fit in memory."""
     costs = costs or layer_costs(config)
     try:
         caps = partition_caps(config, partition, costs, options.memory_cap)
     except PlanError:
         return math.inf
     derived = partition_config(config, partition, costs)
-    plan = plan_for_key(derived, tuple(key), replace(options, memory_cap=caps), solver, time_limit_s)
-    assert plan.meta.predicted_period is not None
-    return float(plan.meta.predicted_period)
+    return (source or planned_period)(derived, tuple(key), replace(options, memory_cap=caps), solver, time_limit_s)
 
 
 @dataclass(frozen=True)
@@ -246,6 +266,7 @@ class PartitionChoice:
     balanced: tuple[int, ...]  # the water-filling start of the search
     ideal_period: float
     evaluated: int  # partitions planned
+    complete: bool = True  # False when the search's work budget ran out (the choice is then the best found)
 
     @property
     def changed(self) -> bool:
@@ -254,7 +275,8 @@ class PartitionChoice:
     def to_dict(self) -> dict:
         return {"key": list(self.key), "partition": list(self.partition), "period": self.period,
                 "configured": list(self.configured), "configured_period": self.configured_period,
-                "balanced": list(self.balanced), "ideal_period": self.ideal_period, "evaluated": self.evaluated}
+                "balanced": list(self.balanced), "ideal_period": self.ideal_period, "evaluated": self.evaluated,
+                "complete": self.complete}
 
 
 def _floor(config: Config, costs: LayerCosts, stage: int, n: int, live: int, decoupled: bool) -> float:
@@ -283,18 +305,18 @@ def _bound(config: Config, key: tuple[int, ...], partition: tuple[int, ...], opt
 
 
 def _below(config: Config, key: tuple[int, ...], ceiling: float, options: PlannerOptions, costs: LayerCosts,
-           near: tuple[int, ...], limit: int) -> tuple[list[tuple[float, tuple[int, ...]]], bool]:
+           near: tuple[int, ...], budget: WorkBudget, bound_work: int = 0
+           ) -> tuple[list[tuple[float, tuple[int, ...]]], bool]:
     """Every partition that fits in memory and whose lower bound is below `ceiling`, with its bound, by a depth-first
-    walk over the layer counts stage by stage (counts nearest `near` first), pruned by `_floor`. Returns (found,
-    complete): complete is False when the walk stopped after `limit` nodes (found is then a subset)."""
+    walk over the layer counts stage by stage (counts nearest `near` first), pruned by `_floor`. Each node costs one
+    unit of `budget`, each lower bound `bound_work` more. Returns (found, complete): complete is False when the
+    budget ran out (found is then a subset)."""
     S = len(costs.layers)
     total = sum(costs.layers)
     live = [config.num_replicas - k for k in key]
     found: list[tuple[float, tuple[int, ...]]] = []
-    nodes = 0
 
     def walk(prefix: list[int], left: int) -> bool:
-        nonlocal nodes
         s = len(prefix)
         if s == S - 1:
             options_n = [left]
@@ -302,12 +324,13 @@ def _below(config: Config, key: tuple[int, ...], ceiling: float, options: Planne
             top = left - (S - 1 - s)  # every later stage keeps at least one layer
             options_n = sorted(range(1, top + 1), key=lambda n: (abs(n - near[s]), n))
         for n in options_n:
-            nodes += 1
-            if nodes > limit:
+            if not budget.afford(1):
                 return False
             if _floor(config, costs, s, n, live[s], options.decoupled) >= ceiling or not _fits(config, costs, s, n):
                 continue  # larger n only raise the floor, but memory may still fail for a smaller one: go on
             if s == S - 1:
+                if not budget.afford(bound_work):
+                    return False
                 partition = tuple(prefix + [n])
                 value = _bound(config, key, partition, options, costs)
                 if value < ceiling:
@@ -341,14 +364,15 @@ def partition_bound(config: Config, key: Sequence[int], options: PlannerOptions 
     start = balanced_partition(config, key, costs)
     best = min(_bound(config, key, p, options, costs) for p in {start, costs.layers}
                if all(_fits(config, costs, s, n) for s, n in enumerate(p)))
-    found, complete = _below(config, key, best * (1 + 1e-12) + 1e-9, options, costs, start, limit)
+    found, complete = _below(config, key, best * (1 + 1e-12) + 1e-9, options, costs, start, WorkBudget(limit))
     value, partition = found[0] if found else (best, start)
     return PartitionBound(key, partition, value, complete)
 
 
 def best_partition(config: Config, key: Sequence[int], options: PlannerOptions = PlannerOptions(),
                    solver: str = "heuristic", max_evaluations: int = 24,
-                   time_limit_s: float = 10.0, polish: int = 2, limit: int = 200_000) -> PartitionChoice:
+                   time_limit_s: float = 10.0, polish: int = 2, work: int = PARTITION_SEARCH_WORK,
+                   source: PeriodSource | None = None) -> PartitionChoice:
     """The partition with the best planned period for `key`, by branch and bound over partitions.
 
     Screen: the configured and the balanced partition are planned with the priority rules only (`search=False`:
@@ -358,35 +382,47 @@ def best_partition(config: Config, key: Sequence[int], options: PlannerOptions =
     plan of it can win) or `max_evaluations` partitions were screened. Polish: the `polish` best screened
     re-partitions and the configured partition are planned with `options` and `solver` as given (the heuristic's
     budgeted local search, or the exact solver), and the fastest wins; a re-partition is kept only when
-    strictly faster than the configured layout (moving layers is never free)."""
+    strictly faster than the configured layout (moving layers is never free).
+
+    The walk and the screen share one deterministic budget of `work` units (PARTITION_SEARCH_WORK): when it runs
+    out the search goes on with what it found and the choice says `complete=False`. `source` supplies planned
+    periods (default: `planned_period`; a replay passes its plan cache)."""
     key = check_key(config, key)
     costs = layer_costs(config)
     configured = costs.layers
     screen = replace(options, search=False)
     periods: dict[tuple[int, ...], float] = {}
+    budget = WorkBudget(work)
+    screen_work = LIST_SCHEDULE_COST * (3 if options.decoupled else 2) * config.num_replicas * \
+        config.num_microbatches * config.num_stages
 
     def period(p: tuple[int, ...]) -> float:
         if p not in periods:
-            periods[p] = partition_period(config, key, p, screen, "heuristic", costs)
+            periods[p] = partition_period(config, key, p, screen, "heuristic", costs, source=source)
         return periods[p]
 
     balanced = balanced_partition(config, key, costs)
     ceiling = min(period(configured), period(balanced))
+    complete = True
     if any(key):
-        found, _ = _below(config, key, ceiling, screen, costs, balanced, limit)
+        found, complete = _below(config, key, ceiling, screen, costs, balanced, budget, BOUND_WORK)
         for value, p in found:
             if len(periods) >= max_evaluations or value >= min(periods.values()):
                 break
+            if not budget.afford(screen_work):
+                complete = False
+                break
             period(p)
     ranked = sorted(periods, key=lambda p: (periods[p], p != configured))
-    base = partition_period(config, key, configured, options, solver, costs, time_limit_s)
+    base = partition_period(config, key, configured, options, solver, costs, time_limit_s, source)
     best, final = configured, base
     for p in [p for p in ranked if p != configured][:polish]:
         if not math.isinf(periods[p]):
-            value = partition_period(config, key, p, options, solver, costs, time_limit_s)
+            value = partition_period(config, key, p, options, solver, costs, time_limit_s, source)
             if value < final:
                 best, final = p, value
-    return PartitionChoice(key, best, final, configured, base, balanced, ideal_period(config, key), len(periods))
+    return PartitionChoice(key, best, final, configured, base, balanced, ideal_period(config, key), len(periods),
+                           complete)
 
 
 def migration_bytes(costs: LayerCosts, old: Sequence[int], new: Sequence[int],

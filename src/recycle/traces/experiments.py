@@ -21,6 +21,7 @@ from recycle.traces.torchft_like import TorchftLike
 from recycle.traces.trace import ADD, EventTrace, WorkerGrid, check_replay_size
 
 if TYPE_CHECKING:
+    from recycle.traces.plan_cache import PlanCache
     from recycle.traces.repartition import PartitionModel
 
 __all__ = [
@@ -164,8 +165,11 @@ def check_systems(systems: Sequence[str]) -> None:
 def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_NAMES,
             costs: JobCosts = JobCosts(), setup: JobSetup = JobSetup(), period_fn: PeriodFn | None = None,
             period_label: str = "", options: PlannerOptions = PlannerOptions(),
-            progress: Callable[[str], None] | None = None) -> JobResult:
-    """Map the trace onto the job, build every requested system and replay them all."""
+            progress: Callable[[str], None] | None = None, plan_cache: PlanCache | None = None) -> JobResult:
+    """Map the trace onto the job, build every requested system and replay them all. With `plan_cache` every plan
+    and partition choice is made once per run and kept (validated on reading) across runs, and a reshape that
+    cannot pay is ruled out by a bound before its key is planned; without it the planner's own in-process caches
+    serve and every weighed key is planned (the path before the plan cache existed: benchmarks compare the two)."""
     check_systems(systems)
     check_replay(trace, setup.gpus_per_node, config.topology.gpus_per_worker, costs)
     timeline = map_trace_to_units(trace, setup.gpus_per_node, config.topology.gpus_per_worker)
@@ -174,17 +178,24 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
     if setup.reference not in ("1f1b", "planner"):
         raise ConfigError(f"reference {setup.reference!r} is unknown; use 1f1b (the paper's) or planner")
     if period_fn is None:
-        period_fn, period_label = make_period_fn(config, setup.period_model, options, setup.solver)
+        period_fn, period_label = make_period_fn(config, setup.period_model, options, setup.solver, plan_cache)
     floor = reference_period(config) if setup.reference == "1f1b" else None
+    bound = None
+    if plan_cache is not None and period_label.startswith("planner"):
+        from recycle.planner.bounds import period_lower_bound
+
+        # Reshapes that cannot pay are ruled out by this bound without planning their key (a hair under it: the
+        # planner clamps float noise of its own bound to the period).
+        bound = lambda key: period_lower_bound(config, key, options) * (1 - 1e-9)  # noqa: E731
     throughput = ThroughputModel(config, period_fn, seconds_per_unit(config, setup.slot_seconds), period_label,
-                                 floor_period=floor)
+                                 floor_period=floor, period_bound=bound)
     if progress:
         progress(f"planning the fault-free state of {config.name} (D={config.num_replicas}, S={config.num_stages})")
     ctx = JobContext(config, throughput.fault_free(), throughput.seconds_per_unit, costs)
     partitions: PartitionModel | None = None
     skipped: dict[str, str] = {}
     if "recycle-plus" in systems:
-        partitions, why = _partition_model(config, throughput, options, period_label)
+        partitions, why = _partition_model(config, throughput, options, period_label, plan_cache)
         if why:
             skipped["recycle-plus"] = f"cannot re-partition: {why}"
             systems = [s for s in systems if s != "recycle-plus"]
@@ -212,6 +223,9 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
         # Seconds ReCycle+ spent per (failure key, layer partition), running and in all.
         "recycle_plus_states": next((b.time_by_state(timeline.end_s) for b in built if b.name == "recycle-plus"), []),
         "skipped": skipped,
+        # What the plan cache did in this run (hits from disk, misses planned, entries rejected and rebuilt).
+        "plan_cache": ({"folder": str(plan_cache.root) if plan_cache.root else None, **plan_cache.stats.to_dict()}
+                       if plan_cache is not None else None),
         # torchft-like's active replica groups over time: its global batch is that many x M micro-batches.
         "torchft_groups": [{"time_s": t, "active_groups": n} for t, n in torchft.group_log] if torchft else [],
     }
@@ -219,7 +233,7 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
 
 
 def _partition_model(config: Config, throughput: ThroughputModel, options: PlannerOptions,
-                     period_label: str) -> tuple[PartitionModel | None, str]:
+                     period_label: str, cache: PlanCache | None = None) -> tuple[PartitionModel | None, str]:
     """(ReCycle+'s PartitionModel, "") or (None, why this job cannot re-partition)."""
     from recycle.traces.repartition import PartitionModel, partition_support
 
@@ -228,7 +242,7 @@ def _partition_model(config: Config, throughput: ThroughputModel, options: Plann
         why = f"the period source {period_label!r} knows the configured layout only"
     if why:
         return None, why
-    return PartitionModel(throughput, options, planner=not period_label.startswith("closed-form")), ""
+    return PartitionModel(throughput, options, planner=not period_label.startswith("closed-form"), cache=cache), ""
 
 
 def _build_systems(systems: Sequence[str], ctx: JobContext, throughput: ThroughputModel,

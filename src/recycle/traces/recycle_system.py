@@ -138,14 +138,21 @@ class ReCycleSystem:
         if any(k >= D for k in new_key):
             return None
         current_rate = self.model.throughput_for_key(self._settled_key())
-        new_rate = self.model.throughput_for_key(new_key)
         moved = {u for u, s in stage_of.items() if self.layout.where.get(u, (None, None))[1] != s}
         # Copies run in parallel: the slowest new-stage copy, or a re-join copy still in flight for a kept unit.
         copies = [self.ctx.stage_transfer_s(stage_of[u]) for u in moved]
         copies += [self.layout.ready_at[u] - now for u in stage_of
                    if u not in moved and self.layout.ready_at.get(u, now) > now]
         pause = c.oobleck_reconfig_s + max(copies, default=0.0)
-        if new_rate <= current_rate or (new_rate - current_rate) * c.reshape_horizon_s <= new_rate * pause:
+
+        def repays(new_rate: float) -> bool:  # never falls as new_rate grows, so an upper bound can rule it out
+            return new_rate > current_rate and (new_rate - current_rate) * c.reshape_horizon_s > new_rate * pause
+
+        # Most reshapes do not pay; a bound on the new layout's rate says so without planning its key.
+        if not repays(self.model.rate_bound(new_key)):
+            return None
+        new_rate = self.model.throughput_for_key(new_key)
+        if not repays(new_rate):
             return None
         # Re-place: stage s gets rows 0..target[s]-1; units already ready keep no transfer (the pause covers copies).
         self.layout.slot.clear()

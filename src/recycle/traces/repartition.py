@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from recycle.config import Config
+from recycle.errors import PlanError
+from recycle.planner.bounds import period_lower_bound
 from recycle.planner.options import PlannerOptions
-from recycle.planner.partition import (PartitionChoice, best_partition, configured_partition, layer_costs,
-                                       migration_bytes, partition_config, partition_period)
+from recycle.planner.partition import (PARTITION_SEARCH_WORK, PartitionChoice, balanced_partition, best_partition,
+                                       configured_partition, ideal_period, layer_costs, migration_bytes,
+                                       partition_bound, partition_config, partition_period)
 from recycle.planner.policy import DurationEstimate, LayerDecision
 from recycle.traces.model import Decision, JobContext
 from recycle.traces.recycle_system import ReCycleSystem
 from recycle.traces.throughput import ThroughputModel, estimate_period
+
+if TYPE_CHECKING:
+    from recycle.traces.plan_cache import PlanCache
 
 __all__ = ["PartitionModel", "ReCyclePlusSystem", "partition_support"]
 
@@ -46,11 +52,13 @@ class PartitionModel:
     partition per key comes from `best_partition`'s branch and bound (candidates screened with the priority rules
     only, the `polish` best planned in full), shared across runs in this process. The configured partition's
     periods are the base model's own, so ReCycle and ReCycle+ agree exactly where ReCycle+ keeps the layers where
-    they are."""
+    they are. With a `cache` (recycle.traces.plan_cache) every plan and every partition choice is made once per
+    run and kept on disk across runs."""
 
     def __init__(self, base: ThroughputModel, options: PlannerOptions = PlannerOptions(), planner: bool = True,
-                 max_evaluations: int = 8, polish: int = 1) -> None:
+                 max_evaluations: int = 8, polish: int = 1, cache: PlanCache | None = None) -> None:
         self.base = base
+        self.cache = cache
         self.config = base.config
         self.options = options
         self.planner = planner
@@ -67,7 +75,8 @@ class PartitionModel:
         cache_key = (tuple(key), tuple(partition))
         if cache_key not in self._period:
             if self.planner:
-                value = partition_period(self.config, key, partition, self.options, "heuristic", self.costs)
+                value = partition_period(self.config, key, partition, self.options, "heuristic", self.costs,
+                                         source=self.cache.period if self.cache else None)
             else:
                 derived = partition_config(self.config, partition, self.costs)
                 value = estimate_period(derived, tuple(key), self.base.period((0,) * self.config.num_stages))
@@ -91,25 +100,110 @@ class PartitionModel:
             return self.configured
         if key not in self._choice:
             if self.planner:
-                shared = (self.config.fingerprint(), self.configured, key, self.options, self.max_evaluations,
-                          self.polish)
-                if shared not in _CHOICES:  # the search does not depend on the reference: share it across runs
-                    _CHOICES[shared] = best_partition(self.config, key, self.options, "heuristic",
-                                                      self.max_evaluations, polish=self.polish)
-                found = _CHOICES[shared]
-                partition, ideal, balanced, evaluated = found.partition, found.ideal_period, found.balanced, \
-                    found.evaluated
+                found = self._cached_choice(key, self.cache) if self.cache is not None else self._shared_choice(key)
+                partition, ideal, balanced, evaluated, complete = found.partition, found.ideal_period, \
+                    found.balanced, found.evaluated, found.complete
             else:
-                from recycle.planner.partition import balanced_partition, ideal_period
-
                 partition = balanced = balanced_partition(self.config, key, self.costs)
-                ideal, evaluated = ideal_period(self.config, key), 1
+                ideal, evaluated, complete = ideal_period(self.config, key), 1, True
             base = self.period(key, self.configured)
             if self.period(key, partition) >= base:
                 partition = self.configured
             self._choice[key] = PartitionChoice(key, partition, self.period(key, partition), self.configured, base,
-                                                balanced, ideal, evaluated)
+                                                balanced, ideal, evaluated, complete)
         return self._choice[key].partition
+
+    def _shared_choice(self, key: tuple[int, ...]) -> PartitionChoice:
+        """The search without a plan cache, shared in this process (it does not depend on the reference)."""
+        shared = (self.config.fingerprint(), self.configured, key, self.options, self.max_evaluations, self.polish)
+        if shared not in _CHOICES:
+            _CHOICES[shared] = best_partition(self.config, key, self.options, "heuristic", self.max_evaluations,
+                                              polish=self.polish)
+        return _CHOICES[shared]
+
+    def _search(self) -> dict[str, int]:
+        """The search's settings, part of a cached choice's inputs."""
+        return {"max_evaluations": self.max_evaluations, "polish": self.polish, "work": PARTITION_SEARCH_WORK}
+
+    def _cached_choice(self, key: tuple[int, ...], cache: PlanCache) -> PartitionChoice:
+        search = self._search()
+
+        def make() -> PartitionChoice:
+            return best_partition(self.config, key, self.options, "heuristic", self.max_evaluations,
+                                  polish=self.polish, source=cache.period)
+
+        return cache.choice(self.config, key, self.configured, self.options, "heuristic", search, make,
+                            lambda stored: self._stored_choice(key, stored, cache))
+
+    def _stored_choice(self, key: tuple[int, ...], stored: dict[str, Any], cache: PlanCache) -> PartitionChoice:
+        """A choice read from the cache, rebuilt from what can be re-derived: its partition must fit, its periods
+        come from (validated) plans and must be the stored ones, a re-partition must beat the configured layout,
+        and the water-filling start is recomputed. Raises ValueError when anything does not hold."""
+        partition = tuple(int(n) for n in stored["partition"])
+        evaluated, complete = stored["evaluated"], stored["complete"]
+        if type(evaluated) is not int or not 1 <= evaluated <= max(self.max_evaluations, 2) or \
+                type(complete) is not bool:
+            raise ValueError(f"evaluated {evaluated!r} / complete {complete!r} are not a search's counts")
+        period = partition_period(self.config, key, partition, self.options, "heuristic", self.costs,
+                                  source=cache.period)
+        base = partition_period(self.config, key, self.configured, self.options, "heuristic", self.costs,
+                                source=cache.period)
+        if partition != self.configured and not period < base:
+            raise ValueError(f"partition {list(partition)} (period {period}) does not beat the configured layout "
+                             f"({base})")
+        balanced = balanced_partition(self.config, key, self.costs)
+        if (stored["period"], stored["configured_period"], stored["balanced"]) != (period, base, list(balanced)):
+            raise ValueError("its periods or its balanced partition are not the ones re-derived")
+        return PartitionChoice(key, partition, period, self.configured, base, balanced,
+                               ideal_period(self.config, key), evaluated, complete)
+
+    def rate_bound(self, key: tuple[int, ...], partition: tuple[int, ...] | None = None) -> float:
+        """An upper bound on rate(key, partition) (partition None: on rate(key, choice(key)), the best partition's)
+        that plans nothing: the planner's analytic lower bound on the period (over every partition that fits, by
+        `partition_bound`, for None), floored like `period`. The rate itself where it is known or cheap (a choice
+        already in the plan cache is read from it, without entering this run's choices: what the report lists
+        never depends on what an earlier run left in the cache)."""
+        key = tuple(key)
+        if self.cache is None:  # the path before the plan cache: every weighed key planned (benchmarks)
+            return self.rate(key, partition if partition is not None else self.choice(key))
+        if partition is None and (key in self._choice or not any(key)):
+            partition = self.choice(key)
+        if partition is None and self.planner and self.cache.has_choice(
+                self.config, key, self.configured, self.options, "heuristic", self._search()):
+            return self._best_rate(self._cached_choice(key, self.cache))
+        if partition == self.configured:
+            return self.base.rate_bound(key)
+        if not self.planner or (partition is not None and (key, partition) in self._period):
+            return self.rate(key, partition if partition is not None else self.choice(key))
+        if partition is None:
+            found = partition_bound(self.config, key, self.options)
+            if not found.exact:  # the walk stopped early: its value bounds only the partitions it saw
+                return self.rate(key, self.choice(key))
+            # The best partition may be the configured one, whose period is not floored at the fault-free one.
+            return self._floored_rate(found.bound * (1 - 1e-9), moved=False)
+        try:
+            period = period_lower_bound(partition_config(self.config, partition, self.costs), key, self.options)
+        except PlanError:
+            return self.rate(key, partition)
+        return self._floored_rate(period * (1 - 1e-9), moved=True)
+
+    def _floored_rate(self, period: float, moved: bool) -> float:
+        """The rate of a planned `period` floored as `period()` floors it (a moved layout also at the fault-free
+        period; the configured one at the reference only)."""
+        if moved:
+            period = max(period, self.base.period((0,) * self.config.num_stages))
+        if self.base.floor_period is not None:
+            period = max(period, self.base.floor_period)
+        return 0.0 if math.isinf(period) else self.base.samples_per_iteration / (period * self.base.seconds_per_unit)
+
+    def _best_rate(self, found: PartitionChoice) -> float:
+        """At least rate(key, choice(key)), from a search's result, without recording the choice: choice() keeps the
+        found partition only where it is faster than the configured one, so the rate is the larger of the two (the
+        configured layout's bounded by the base model, which plans its key under the base options)."""
+        configured = self.base.rate_bound(found.key)
+        if found.partition == self.configured:
+            return configured
+        return max(configured, self._floored_rate(found.period, moved=True))
 
     def choices(self) -> dict[tuple[int, ...], PartitionChoice]:
         return dict(self._choice)
@@ -137,6 +231,13 @@ class _CurrentPartition:
         if self.best and any(key):
             rate = max(rate, self.model.rate(key, self.model.choice(key)))
         return rate
+
+    def rate_bound(self, key: tuple[int, ...]) -> float:
+        """An upper bound on throughput_for_key(key) that plans as little as it can (PartitionModel.rate_bound)."""
+        bound = self.model.rate_bound(key, self.partition)
+        if self.best and any(key):
+            bound = max(bound, self.model.rate_bound(key))
+        return bound
 
     def fault_free(self) -> float:
         return self.model.base.fault_free()

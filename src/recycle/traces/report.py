@@ -211,6 +211,12 @@ def _job_lines(result: JobResult, title: str) -> list[str]:
         f"{extra.get('reference', '?')}",
         f"- fault-free throughput: {result.fault_free_rate:.3f} samples/s",
     ]
+    cache = extra.get("plan_cache")
+    if cache:
+        where = f"`{cache['folder']}`" if cache.get("folder") else "this run only (--no-plan-cache)"
+        lines.append(f"- plan cache {where}: {cache['hits']} plan(s) and partition choice(s) read and validated, "
+                     f"{cache['misses']} planned, {cache['rejected']} entry(ies) rejected and rebuilt")
+        lines += [f"- plan cache: {reason}" for reason in cache.get("reasons", [])]
     return lines + [f"- trace note: {note}" for note in extra.get("trace_notes", [])]
 
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from recycle.config import Config
 from recycle.errors import ConfigError, RecycleError
 from recycle.planner.failures import normalize
 from recycle.planner.options import PlannerOptions
+
+if TYPE_CHECKING:
+    from recycle.traces.plan_cache import PlanCache
 
 __all__ = [
     "PeriodFn",
@@ -65,10 +68,13 @@ def estimate_period(config: Config, key: tuple[int, ...], fault_free_period: flo
 
 
 def planner_period_fn(config: Config, options: PlannerOptions = PlannerOptions(),
-                      solver: str = "heuristic") -> PeriodFn:
-    """The planner's period per key (`recycle.planner.api.plan_for_key`, cached there). Plans without a predicted
-    period are simulated."""
+                      solver: str = "heuristic", cache: PlanCache | None = None) -> PeriodFn:
+    """The planner's period per key (`recycle.planner.api.plan_for_key`, cached there, or by `cache`: once per run
+    and on disk). Plans without a predicted period are simulated."""
     from recycle.planner.api import plan_for_key  # lazily: OR-Tools loads only when a period is planned
+
+    if cache is not None:
+        return lambda key: cache.period(config, key, options, solver)
 
     def period(key: tuple[int, ...]) -> float:
         plan = plan_for_key(config, key, options=options, solver=solver)
@@ -103,12 +109,12 @@ def estimate_period_fn(config: Config, fault_free_period: float | None = None) -
 
 
 def make_period_fn(config: Config, model: str = "auto", options: PlannerOptions = PlannerOptions(),
-                   solver: str = "heuristic") -> tuple[PeriodFn, str]:
+                   solver: str = "heuristic", cache: PlanCache | None = None) -> tuple[PeriodFn, str]:
     """Pick the period source: "planner" (also "auto"), or "estimate". Returns (fn, label)."""
     if model not in ("auto", "planner", "estimate"):
         raise ConfigError(f"period model {model!r} is unknown; use auto, planner or estimate")
     if model in ("auto", "planner"):
-        return planner_period_fn(config, options, solver), f"planner ({solver})"
+        return planner_period_fn(config, options, solver, cache), f"planner ({solver})"
     return estimate_period_fn(config), "closed-form estimate"
 
 
@@ -121,6 +127,9 @@ class ThroughputModel:
     seconds_per_unit: float = 1.0
     label: str = ""
     floor_period: float | None = None  # never faster than this period (the reference fault-free schedule)
+    # A lower bound on period_fn(key) that costs no planning (the planner's analytic bound), or None: rate_bound is
+    # then the rate itself.
+    period_bound: PeriodFn | None = None
 
     def __post_init__(self) -> None:
         self._cache: dict[tuple[int, ...], float] = {}
@@ -146,6 +155,16 @@ class ThroughputModel:
     def throughput_for_key(self, key: tuple[int, ...]) -> float:
         period = self.period(key)
         return 0.0 if math.isinf(period) else self.samples_per_iteration / (period * self.seconds_per_unit)
+
+    def rate_bound(self, key: tuple[int, ...]) -> float:
+        """An upper bound on throughput_for_key(key) that plans nothing when the key has not been planned yet."""
+        key = tuple(key)
+        if key in self._cache or self.period_bound is None:
+            return self.throughput_for_key(key)
+        period = self.period_bound(key)
+        if self.floor_period is not None:
+            period = max(period, self.floor_period)
+        return math.inf if period <= 0 else self.samples_per_iteration / (period * self.seconds_per_unit)
 
     def throughput(self, failed: Iterable[tuple[int, int]]) -> float:
         return self.throughput_for_key(self.key_for(failed))
