@@ -18,8 +18,8 @@ With --tied the Llama ties its word embeddings: the last stage then also holds i
 lm_head weight), so its stage is the same size as untied.
 
 With --builtin the model is the built-in GPT of the same depth, width and vocabulary: `full_model` (what every worker
-built before per-stage construction, then kept its slice) against `models.gpt.build_stage` (meta layout, only the
-stage's tensors allocated and initialised).
+built before per-stage construction, then kept its slice) against `models.gpt.build_stage` (only the
+stage's tensors allocated, in the run's dtype, each initialised from its own (seed, name) stream).
 
 Run: .venv/bin/python benchmarks/bench_stage_memory.py [--hidden 768] [--layers 8] [--vocab 32000] [--stages 8]
 [--pretrained] [--tied] [--builtin] (--hidden 3072: about 1.0 B parameters, 4 GB in float32 for the whole model)

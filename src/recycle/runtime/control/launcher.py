@@ -94,10 +94,6 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
                               connect_timeout_s=store_timeout_s)
         store_port = cluster.master_port
     # What the workers are told: the store's real port, the job secret and the backend, all settled.
-    # A node launcher that does not host the coordinator hosts its node's own store: its workers beat there and it
-    # watches them itself, so the coordinator's work and its store's traffic grow with the nodes, not the workers.
-    node_server = host_store("127.0.0.1", 0, token) if cluster.runs_workers and not cluster.hosts_coordinator \
-        else None
     resolved = replace(cluster, master_port=store_port, token=token, backend=cluster.backend or default_backend())
     mine = node_ranks(plan.live_ranks(), cluster.nnodes, cluster.node_rank) if cluster.runs_workers else []
     wall0 = time.time()
@@ -111,6 +107,10 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     _agree_on_settings(jobs, _job_settings(config, plan, options, end_step), cluster)
     # A node started again while its job runs (a repaired node) brings its workers back as replacements.
     rejoining = not cluster.hosts_coordinator and jobs.is_set(Flags.RUNNING)
+    # A node launcher that does not host the coordinator hosts its node's own store: its workers beat there and it
+    # watches them itself, so the coordinator's work and its store's traffic grow with the nodes, not the workers.
+    node_server = host_store("127.0.0.1", 0, token) if cluster.runs_workers and not cluster.hosts_coordinator \
+        else None
     spec_for = _spec_maker(config, plan, options, resolved, start_step, end_step, mine,
                            node_server.port if node_server is not None else 0)
     spawner = Spawner(start_context(cluster.start_method), spec_for, plan.worker)
