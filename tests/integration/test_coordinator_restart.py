@@ -132,3 +132,35 @@ def test_a_worker_killed_while_the_coordinator_is_away_is_handled_when_it_is_bac
     assert (checkpoints / "latest").read_text().strip() == "step000018"
     assert "Traceback" not in err
     _close_to_reference(save, config_file)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_coordinator_frozen_for_a_while_blames_nobody_when_it_wakes(tmp_path: Path, tiny_config_file) -> None:
+    """`recycle coordinator` SIGSTOPped for 8 s (four heartbeat timeouts) and continued: on waking it finds every
+    beat old, but the silence was its own; nobody is declared dead and the run ends exact."""
+    config_file = tiny_config_file(steps=24)
+    save = tmp_path / "final.pt"
+    env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
+    flags = ["--config", str(config_file), "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port",
+             str(free_port()), "--heartbeat-timeout", "2", "--save", str(save)]
+    coordinator = _start(["coordinator", *flags], env)
+    node = _start(["train", *flags, "--coordinator", "separate", "--node-rank", "0", "--emulate-costs", "--slot-ms",
+                   "60"], env)
+    try:
+        before = _wait_for(coordinator, "step 4/", 150)
+        coordinator.send_signal(signal.SIGSTOP)
+        time.sleep(8.0)
+        coordinator.send_signal(signal.SIGCONT)
+        out, err = coordinator.communicate(timeout=150)
+        out_node, err_node = node.communicate(timeout=60)
+    finally:
+        for process in (coordinator, node):
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+                process.kill()
+            process.wait()
+    assert coordinator.returncode == 0 and node.returncode == 0, err + err_node
+    output = before + out
+    assert "step 24/24" in output and "survived" not in output and "stopped responding" not in output, output
+    _close_to_reference(save, config_file)

@@ -56,3 +56,24 @@ def test_silent_and_hung_workers_and_silent_nodes() -> None:
         assert watch.silent_workers(frozenset({1}), 7.0) == []  # timed from its admission
     finally:
         server.close()
+
+
+def test_a_watcher_that_was_frozen_itself_does_not_blame_its_peers_for_the_gap() -> None:
+    """The coordinator (or a node launcher) SIGSTOPped for 30 s: on waking, its peers' beats are 30 s old, but the
+    silence was its own; they are judged from the gap's end, and one that stays silent is still caught."""
+    jobs, server = _jobs()
+    try:
+        watch = Liveness(jobs, nodes=range(1, 2), heartbeat_s=0.5, timeout_s=2.0)
+        assert watch.due(0.0)
+        _beat(jobs, 0, 1, 5)
+        jobs.raw.add(Keys.node_heartbeat(1), 1)
+        assert watch.silent_workers(frozenset({0}), 0.0) == [] and watch.silent_nodes(0.0) == []
+        assert watch.due(30.0)  # woken after 30 s
+        assert watch.silent_workers(frozenset({0}), 30.0) == [] and watch.silent_nodes(30.0) == []
+        assert watch.hung_workers(frozenset({0}), 30.0, limit_s=2.5) == []
+        for tick in range(1, 9):  # awake, checking every 0.25 s; nothing comes from the peers: now it is theirs
+            assert watch.due(30.0 + 0.25 * tick)
+        assert [r for r, _ in watch.silent_workers(frozenset({0}), 32.0)] == [0]
+        assert [n for n, _ in watch.silent_nodes(32.0)] == [1]
+    finally:
+        server.close()

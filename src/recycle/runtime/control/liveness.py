@@ -3,6 +3,8 @@ is stuck in one action while their heartbeat goes on."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from recycle.runtime.control.coordinator import Progress, hung_workers, stale_heartbeats, track_progress
 from recycle.runtime.protocol.channels import Channels, JobStore, Keys
 from recycle.runtime.protocol.records import Beat, RecordError
@@ -22,13 +24,28 @@ class Liveness:
         self.node_last_beat: dict[int, float] = {}
         self.fenced_nodes: set[int] = set()
         self.next_check = 0.0
+        self.last_check: float | None = None
 
     def due(self, now: float) -> bool:
-        """Twice per heartbeat interval: reading every beat on each poll would load the store for nothing."""
+        """Twice per heartbeat interval: reading every beat on each poll would load the store for nothing.
+
+        If this process itself did not run for a while (it was frozen, SIGSTOPped, or starved), the peers' silence
+        over that gap is its own: their clocks move on by the gap, so that a watcher that wakes up does not declare
+        every peer dead (whose beats it could not read, or that could not reach its store, meanwhile)."""
         if now < self.next_check:
             return False
+        if self.last_check is not None and now - self.last_check > self.timeout_s / 2:
+            self._forgive(now - self.last_check - self.heartbeat_s / 2)
+        self.last_check = now
         self.next_check = now + self.heartbeat_s / 2
         return True
+
+    def _forgive(self, gap: float) -> None:
+        for rank in self.last_beat:
+            self.last_beat[rank] += gap
+        for node in self.node_last_beat:
+            self.node_last_beat[node] += gap
+        self.progress = {r: replace(p, since=p.since + gap) for r, p in self.progress.items()}
 
     def silent_workers(self, live: frozenset[int], now: float) -> list[tuple[int, float]]:
         """Read the beats of `live`; those silent past the timeout, with how long they have been."""
