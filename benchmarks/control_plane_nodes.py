@@ -245,7 +245,6 @@ class StandInNodes:
                     self.silence_told.add(rank)
                     cause = _b(f"stopped responding (no heartbeat for {silent:.1f} s; fenced)")
                     requests.append(self._send("watch", Op.SET, (_b(Flags.SILENT.name(rank)), cause)))
-                    requests.append(self._send("watch", Op.ADD, (_b(Keys.NODE_REPORTS), b"1")))
         return requests
 
     def _watch(self) -> None:
@@ -418,7 +417,6 @@ class StandInNodes:
     def _report_exit(self, rank: int) -> list[Request]:
         self.exit_reported.add(rank)
         return [self._send("node", Op.SET, (_b(Flags.EXITED.name(rank)), _b(str(self.exit_code[rank])))),
-                self._send("node", Op.ADD, (_b(Keys.NODE_REPORTS), b"1")),
                 self._send("node", Op.DELETE, (_b(Flags.FENCE.name(rank)),)),
                 self._send("node", Op.DELETE, (_b(Flags.SILENT.name(rank)),))]
 

@@ -130,6 +130,8 @@ def test_a_write_failing_mid_run_names_the_directory_and_keeps_the_old_file(tmp_
     (["--hang-timeout", "inf"], "--hang-timeout inf"),
     (["--checkpoint-dir", "{tmp}/ck", "--checkpoint-every", "0"], "would never write a checkpoint"),
     (["--heartbeat-timeout", "0.5"], "--heartbeat-timeout 0.5 s must be at least twice"),
+    (["--coordinator-grace", "-1"], "--coordinator-grace -1 must be a number of seconds >= 0"),
+    (["--coordinator-grace", "nan"], "--coordinator-grace nan must be a number of seconds >= 0"),
     (["--inject", "kill:9:0@2"], "outside the topology"),
     (["--chaos", "1,7"], "SEED,RATE"),
     (["--respawn-after", "-1"], "--respawn-after -1 must be >= 0"),

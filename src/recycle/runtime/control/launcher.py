@@ -134,8 +134,9 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
                                       for r in mine]):
                 options.progress(line)
         if cluster.hosts_coordinator:
+            assert feed is not None  # subscribed with the store it serves
             run = Supervisor(config, plan, options, store, workers, start_step, end_step, wall0, server, rebuilt,
-                             feed)
+                             feed=feed)
             steps, recoveries, failed = run.run()
             chaos_events = [event.record() for event in run.reporter.chaos_events]
         else:
@@ -290,8 +291,7 @@ class NodeWatch:
         for rank, cause in causes:
             if self.told.get(rank, -1) != workers.pid(rank):
                 self.told[rank] = workers.pid(rank)
-                jobs.raise_flag(Flags.SILENT, rank, text=cause)
-                jobs.raw.add(Keys.NODE_REPORTS, 1)  # after the flag: the coordinator reads flags when it moves
+                jobs.raise_flag(Flags.SILENT, rank, text=cause)  # the coordinator learns of it from its store's feed
 
     def _hang_limit(self, jobs: JobStore) -> float:
         """The coordinator's limit (it knows the run's step periods), else the one --hang-timeout or the op timeout
@@ -394,7 +394,6 @@ def _follow_once(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
         code = workers.exitcode(rank)
         if code is not None and following.reported.get(rank) != workers.pid(rank):
             jobs.raise_flag(Flags.EXITED, rank, text=str(code))
-            jobs.raw.add(Keys.NODE_REPORTS, 1)  # after the flag: the coordinator reads the flags when the count moves
             following.reported[rank] = workers.pid(rank)
             jobs.lower_flag(Flags.FENCE, rank)
             jobs.lower_flag(Flags.SILENT, rank)

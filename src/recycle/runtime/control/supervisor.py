@@ -25,7 +25,7 @@ from recycle.runtime.control.worker_table import WorkerRow, replacement_line
 from recycle.runtime.options import LaunchOptions
 from recycle.runtime.protocol.channels import (Channel, Channels, Flags, JobStore, Keys, launcher_fence_prefix,
                                                worker_fence_prefix)
-from recycle.runtime.protocol.records import Announcement, FaultRecord, StepRecord
+from recycle.runtime.protocol.records import Announcement, FaultRecord
 from recycle.runtime.protocol.store import StoreServer
 from recycle.runtime.protocol.store.data import Feed
 from recycle.runtime.state import checkpoint
@@ -56,7 +56,7 @@ class Supervisor:
 
     def __init__(self, config: Config, plan: Plan, options: LaunchOptions, store: Any, workers: WorkerProcesses,
                  start_step: int, end_step: int, wall0: float, server: StoreServer | None = None,
-                 rebuilt: Rebuilt | None = None, feed: Feed | None = None) -> None:
+                 rebuilt: Rebuilt | None = None, *, feed: Feed) -> None:
         self.plan, self.options, self.store = plan, options, store
         self.jobs = JobStore(store)
         self.server = server
@@ -95,12 +95,10 @@ class Supervisor:
         self.pending: _PendingRecovery | None = None  # the recovery being completed
         self.failing = False
         self.unrecorded: frozenset[int] = frozenset()  # finished members whose records a restart lost
-        self.reports_seen = 0  # the NODE_REPORTS count when the node launchers' flags were last read
         self.hang_limit_told = 0.0  # the hang limit the node launchers were last told
-        self.step_records: dict[int, StepRecord] = {}  # of coordinator.next_step, by rank: each read once
         # The store's change feed (FEED_PREFIXES, subscribed before any node could write): which step records and
         # which remote workers' EXITED/SILENT flags were written, so that nothing is polled per worker per tick.
-        self.feed = feed
+        self.feed: Feed = feed
         self.arrived: dict[int, set[int]] = {}  # step -> ranks whose record of it was written
         self.flagged: set[int] = set()  # remote ranks with an EXITED or SILENT flag written since the last look
         if rebuilt is not None:
@@ -131,7 +129,7 @@ class Supervisor:
     # -- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> tuple[list[StepMetrics], list[Recovery], frozenset[tuple[int, int]]]:
         # Woken by the feed (a record or flag written), a local worker's exit, or else at the liveness checks' pace.
-        idle_s = min(0.25, max(0.02, self.options.recovery.heartbeat_s / 2)) if self.feed is not None else 0.05
+        idle_s = min(0.25, max(0.02, self.options.recovery.heartbeat_s / 2))
         while True:
             self._take_feed()
             now = time.time()
@@ -154,11 +152,9 @@ class Supervisor:
                 self._report_evaluations(final=True)
                 self._finish_nodes()
                 return list(self.reporter.steps), list(self.reporter.recoveries), self.coordinator.state.failed
-            self.workers.wait(0.02 if state.recovering else idle_s, also=[self.feed] if self.feed is not None else [])
+            self.workers.wait(0.02 if state.recovering else idle_s, also=[self.feed])
 
     def _take_feed(self) -> None:
-        if self.feed is None:
-            return
         for key in self.feed.drain():
             kind, _, rest = key.decode().partition("/")
             if kind == "metrics":
@@ -181,21 +177,15 @@ class Supervisor:
     def _exits(self, now: float) -> list[Command]:
         commands: list[Command] = []
         codes = self.workers.exitcodes()
-        if self.feed is not None:
-            flagged, self.flagged = sorted(self.flagged), set()
-        else:
-            reports = int(self.store.add(Keys.NODE_REPORTS, 0)) if self.remote else 0
-            flagged = self.remote if reports != self.reports_seen else []  # a launcher raised one: read them
-            self.reports_seen = reports
-        if flagged:
-            for rank in flagged:
-                text = self.jobs.flag_text(Flags.EXITED, rank) if rank not in self.exited else None
-                if text is not None:
-                    codes[rank] = int(text)
-                elif rank in self.coordinator.state.live and rank not in self.exited:
-                    silent = self.jobs.flag_text(Flags.SILENT, rank)
-                    if silent is not None:
-                        commands += self.coordinator.on_death(rank, f"{self._name(rank)} {silent}", now, fence=True)
+        flagged, self.flagged = sorted(self.flagged), set()  # remote ranks whose EXITED or SILENT key was written
+        for rank in flagged:
+            text = self.jobs.flag_text(Flags.EXITED, rank) if rank not in self.exited else None
+            if text is not None:
+                codes[rank] = int(text)
+            elif rank in self.coordinator.state.live and rank not in self.exited:
+                silent = self.jobs.flag_text(Flags.SILENT, rank)
+                if silent is not None:
+                    commands += self.coordinator.on_death(rank, f"{self._name(rank)} {silent}", now, fence=True)
         for rank, code in sorted(codes.items()):
             if rank in self.exited:
                 continue
@@ -380,8 +370,7 @@ class Supervisor:
             self.store.delete_key(Keys.join_ready(rank))
             self.store.set(Keys.join_generation(rank), str(facts.generation))
         self.plan = plan
-        self.step_records = {}  # a step redone in the new generation is recorded again
-        self._forget_arrivals_from(facts.redo_step)
+        self._forget_arrivals_from(facts.redo_step)  # a step redone in the new generation is recorded again
         self.pending = _PendingRecovery(facts, choice, time.time(), command.live)
 
     def _forget_steps_from(self, step: int) -> None:
@@ -389,7 +378,6 @@ class Supervisor:
         for later in range(step, self.end_step):
             for rank in range(self.plan.num_replicas * self.plan.num_stages):
                 self.store.delete_key(Keys.metrics(later, rank))
-        self.step_records = {}
         self._forget_arrivals_from(step)
         for done in range(step + 1, self.end_step + 1):
             for stage in range(self.plan.num_stages):
@@ -449,23 +437,12 @@ class Supervisor:
             # writes it before the step), so that the step's period starts after it.
             self._report_evaluations()
             members = [r for r in self.coordinator.members(step) if r not in self.unrecorded]
-            if self.feed is not None:
-                # Read once every member's record is in (the feed says which are), not on every tick.
-                if not members or not self.arrived.get(step, set()).issuperset(members):
-                    return
-                records = self._records(Channels.METRICS, step, members)
-            else:
-                # Each member's record is read (and parsed) once, not on every tick until the last one is in.
-                cache = self.step_records
-                for rank in members:
-                    if rank not in cache:
-                        record = self.jobs.read(Channels.METRICS, step, rank)
-                        if record is not None:
-                            cache[rank] = record
-                records = [cache[r] for r in members if r in cache]
-            if not members or len(records) < len(members):
+            # Read once every member's record is in (the feed says which are), not on every tick.
+            if not members or not self.arrived.get(step, set()).issuperset(members):
                 return
-            self.step_records = {}
+            records = self._records(Channels.METRICS, step, members)
+            if len(records) < len(members):
+                return
             self.arrived.pop(step, None)
             metrics = self.reporter.step_metrics(step, records)
             for rank in members:  # read once: the store keeps no per-step record for the whole run

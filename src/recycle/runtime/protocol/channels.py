@@ -213,9 +213,6 @@ class Keys:
     STORE_INSTANCE = "store/instance"  # set once by the process that serves the store: a restarted one has another
 
     ABORT_RUN = "abort"
-    # How many EXITED and SILENT flags the node launchers have raised: the coordinator reads the count once per tick,
-    # and the flags only when it moves (not one key per worker per tick).
-    NODE_REPORTS = "node_reports"
     HANG_LIMIT = "hang_limit"  # seconds one action may compute, as the coordinator last set it (launchers read it)
     FINISHED = "finished"
     RUNNING = "running"  # the first step is done: a node launcher that starts now is a repaired node
