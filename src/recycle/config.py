@@ -32,6 +32,7 @@ __all__ = [
     "SIZE_LIMITS",
     "MAX_PLAN_PAIRS",
     "LR_SCHEDULES",
+    "CHECKPOINTING_MODES",
 ]
 
 TIME_UNITS = ("slot", "us")
@@ -64,6 +65,7 @@ SIZE_LIMITS: dict[tuple[str, str], tuple[int, str]] = {
     ("training", "eval_every"): (1_000_000_000, "at most [training] steps' limit"),
     ("training", "eval_batches"): (65_536, "an evaluation of 65,536 global batches already outlasts most steps"),
 }
+CHECKPOINTING_MODES = ("none", "full", "per_layer")  # [model] activation_checkpointing (recycle.models.checkpointing)
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")  # [training] lr_schedule (runtime.state.optim.lr_factor)
 # Tokens a micro-batch carries (microbatch_size x seq_len): every worker allocates activations of this many tokens.
 MAX_MICROBATCH_TOKENS = 16_777_216  # Llama 3's whole global batch of 16M tokens in one micro-batch
@@ -143,6 +145,9 @@ class Memory:
     capacity_bytes: int = _toml_default(0)  # activation budget per worker; 0 = unlimited
     parameter_bytes: Ints = _per_stage(0)  # per stage, for re-join state transfer and all-reduce size
     optimizer_state_bytes: Ints = _per_stage(0)  # per stage (e.g. Adam moments, fp32 master weights)
+    # Per stage, with activation checkpointing: what one B or W rebuilds and frees again (the largest checkpointed
+    # region's activations), held by one micro-batch at a time on top of the live micro-batches' activation_bytes.
+    recompute_bytes: Ints = _per_stage(0)
 
 
 @dataclass(frozen=True)
@@ -204,6 +209,10 @@ class ModelSpec:
     layers_per_stage: tuple[int, ...] = ()
     hf_config: str = ""  # a Hugging Face config JSON (or save_pretrained folder): train that causal LM instead
     hf_weights: str = ""  # its initial weights: a .safetensors file or save_pretrained folder (recycle.models.hf)
+    # "none", "full" (keep each stage's input, recompute the stage in B and W) or "per_layer" (keep each block's
+    # input, recompute one block at a time): recycle.models.checkpointing. [costs] and [memory] are the stage's as it
+    # runs in this mode (`recycle profile` measures them so).
+    activation_checkpointing: str = "none"
 
 
 @dataclass(frozen=True)
@@ -666,6 +675,12 @@ def _memory(m: dict[str, Any], S: int, source: str) -> Memory:
                 raise ConfigError(f"{_where(source, 'memory', 'activation_bytes')}: stage {s} needs "
                                   f"{memory.activation_bytes[s]} bytes per micro-batch, more than capacity_bytes = "
                                   f"{capacity}; raise capacity_bytes, use more stages or smaller micro-batches")
+            if memory.activation_bytes[s] + memory.recompute_bytes[s] > capacity:
+                raise ConfigError(f"{_where(source, 'memory', 'recompute_bytes')}: stage {s} needs "
+                                  f"{memory.activation_bytes[s]} bytes per micro-batch plus {memory.recompute_bytes[s]} "
+                                  f"rebuilt in a backward, more than capacity_bytes = {capacity}; raise "
+                                  "capacity_bytes, use more stages, smaller micro-batches or [model] "
+                                  "activation_checkpointing = 'per_layer' (a smaller region to rebuild)")
     return memory
 
 
@@ -693,6 +708,11 @@ def _model(m: dict[str, Any], S: int, source: str) -> ModelSpec:
     if not 0 <= model.dropout <= 1:
         raise ConfigError(f"{_where(source, 'model', 'dropout')} = {model.dropout} must be in [0, 1] (the "
                           "probability of zeroing an activation, as torch.nn.Dropout takes it); e.g. 0 or 0.1")
+    if model.activation_checkpointing not in CHECKPOINTING_MODES:
+        raise ConfigError(f"{_where(source, 'model', 'activation_checkpointing')} = "
+                          f"{model.activation_checkpointing!r} must be one of "
+                          f"{', '.join(repr(m) for m in CHECKPOINTING_MODES)} ('full': keep each stage's input and "
+                          "recompute the stage in the backward; 'per_layer': the same per transformer block)")
     if model.n_embd % model.n_head != 0:
         raise ConfigError(f"{_where(source, 'model', 'n_embd')} = {model.n_embd} must be divisible by n_head = "
                           f"{model.n_head}")

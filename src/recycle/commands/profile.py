@@ -8,7 +8,7 @@ import os
 import sys
 from dataclasses import asdict
 
-from recycle.commands import add_set_option
+from recycle.commands import add_checkpointing_option, add_set_option, checkpointing_override
 from recycle.config import Config, ModelSpec, load_config
 from recycle.errors import ConfigError
 
@@ -31,6 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "`recycle train --hf`; same as [model] hf_config)")
     p.add_argument("--model-factory", default="", metavar="MODULE:FUNC",
                    help="profile the stages of this model factory (as `recycle train --model-factory`)")
+    add_checkpointing_option(p)
     p.add_argument("--out", required=True, metavar="COSTS.toml", help="where to write the profiled config")
     p.add_argument("--repeats", type=int, default=20, metavar="N", help="timed repeats per action (default 20)")
     p.add_argument("--warmup", type=int, default=3, metavar="N", help="untimed warm-up repeats (default 3)")
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from recycle.runtime.tools.profiler import profile_config, write_profile  # imports torch: only when used
 
     hf = [f"model.hf_config={json.dumps(os.path.abspath(args.hf))}"] if args.hf else []
-    config = load_config(args.config, [*args.set, *hf])
+    config = load_config(args.config, [*args.set, *hf, *checkpointing_override(args)])
     for flag, value in (("--repeats", args.repeats), ("--warmup", args.warmup)):
         if value > MAX_REPEATS:
             raise ConfigError(f"{flag} {value} is above the limit of {MAX_REPEATS:,} (each times every stage's "
@@ -95,13 +96,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"{config.name}: D={config.num_replicas} S={config.num_stages} M={config.num_microbatches}, "
           f"micro-batch {config.workload.microbatch_size} x {config.workload.seq_len} tokens, "
           f"{config.training.dtype}; median of {profile.repeats} repeats, 1 thread")
+    checkpointing = config.model.activation_checkpointing
+    if checkpointing != "none":  # B and W include the recompute; act KiB is what the checkpointed regions keep
+        print(f"activation checkpointing {checkpointing!r}: a backward rebuilds up to 'rebuilt KiB' at a time")
+    rebuilt = f" {'rebuilt KiB':>11}" if checkpointing != "none" else ""
     header = f"{'stage':>5} {'F us':>8} {'B us':>8} {'W us':>8} {'BW us':>8} {'OPT us':>8} {'act KiB':>9} " \
-             f"{'msg KiB':>8} {'param KiB':>10}"
+             f"{'msg KiB':>8} {'param KiB':>10}{rebuilt}"
     print(header)
     for s, st in enumerate(profile.stages):
+        rebuilt = f" {st.recompute_bytes / 1024:11.1f}" if checkpointing != "none" else ""
         print(f"{s:>5} {st.forward_us:8.0f} {st.backward_input_us:8.0f} {st.backward_weight_us:8.0f} "
               f"{st.backward_fused_us:8.0f} {st.optimizer_us:8.0f} {st.activation_bytes / 1024:9.1f} "
-              f"{st.message_bytes / 1024:8.1f} {st.parameter_bytes / 1024:10.1f}")
+              f"{st.message_bytes / 1024:8.1f} {st.parameter_bytes / 1024:10.1f}{rebuilt}")
     c = profile.comm
     print(f"comm ({c.source}): p2p {c.p2p_latency_us:.1f} us + bytes / {c.p2p_bandwidth:.0f} B/us; all-reduce "
           f"{c.allreduce_latency_us:.1f} us per ring step + bytes / {c.allreduce_bandwidth:.0f} B/us")

@@ -10,7 +10,7 @@ import sys
 from typing import TYPE_CHECKING, Mapping
 
 from recycle.api import select_plan
-from recycle.commands import add_set_option
+from recycle.commands import add_checkpointing_option, add_set_option, checkpointing_override
 from recycle.config import Config, Topology, load_config
 from recycle.errors import ConfigError
 from recycle.ir.worker import workers_text
@@ -186,6 +186,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="with --hf CONFIG_JSON: start from these pretrained weights, a .safetensors file or a "
                         "save_pretrained folder (same as [model] hf_weights); each worker reads only its stage's "
                         "tensors")
+    add_checkpointing_option(p)
     p.add_argument("--emulate-costs", action="store_true",
                    help="pad every action to the config's cost after its real work (timing studies that follow "
                         "the plan, not CPU contention); see docs/runtime-performance.md")
@@ -235,7 +236,7 @@ def run_job(args: argparse.Namespace, place: CoordinatorPlace) -> int:
     if args.hf_weights:
         hf.append(f"model.hf_weights={json.dumps(os.path.abspath(args.hf_weights))}")
     data = [f"training.data_source={json.dumps(args.data_source)}"] if args.data_source else []
-    config = load_config(args.config, [*args.set, *hf, *data])
+    config = load_config(args.config, [*args.set, *hf, *data, *checkpointing_override(args)])
     if role.nnodes > config.topology.num_workers:
         raise ConfigError(f"--nnodes {role.nnodes} is more than the job's D x S = {config.topology.num_workers} "
                           "workers: every node runs at least one; use at most that many nodes")

@@ -24,6 +24,7 @@ from torch.nn import functional as F
 
 from recycle.config import ModelSpec
 from recycle.errors import ConfigError
+from recycle.models.checkpointing import run_region, run_stage
 
 __all__ = ["PRESETS", "GPTShape", "resolve_shape", "GPTStage", "full_model", "build_stages", "build_stage",
            "stage_layers", "init_seed", "DTYPES"]
@@ -144,12 +145,23 @@ class GPTStage(nn.Module):
         """Shape of the activation this stage sends downstream (and of the gradient it receives back)."""
         return (batch, seq, self.shape.n_embd)
 
+    activation_checkpointing = "none"  # models.checkpointing.MODES; set by models.checkpointing.set_mode
+
+    def checkpoint_layers(self) -> list[nn.Module]:
+        """The regions "per_layer" checkpointing recomputes: the transformer blocks."""
+        return list(self.blocks.values())
+
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return run_stage(self.activation_checkpointing, self._forward, x)
+        return run_stage(self.activation_checkpointing, self._forward, x, targets)
+
+    def _forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if self.has_embedding:
             positions = torch.arange(x.shape[1], device=x.device)
             x = self.drop(self.wte(x) + self.wpe(positions))
         for block in self.blocks.values():
-            x = block(x)
+            x = run_region(self.activation_checkpointing, block, x)
         if not self.has_head:
             return x
         logits = self.lm_head(self.ln_f(x))

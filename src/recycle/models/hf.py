@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from recycle.errors import ConfigError
+from recycle.models.checkpointing import run_region, run_stage
 from recycle.models.gpt import stage_layers
 from recycle.models.hf_weights import Pretrained, check_pretrained, load_pretrained, open_pretrained
 
@@ -353,6 +354,18 @@ class _HFStage(nn.Module):
         if embedding is not None and self.first_stage != self.last_stage:
             self.tied_weights = (f"model.{embedding}.weight" if self.first_stage else f"model.{TIED_HEAD}",)
 
+    activation_checkpointing = "none"  # models.checkpointing.MODES; set by models.checkpointing.set_mode
+
+    def checkpoint_layers(self) -> list[nn.Module]:
+        """The regions "per_layer" checkpointing recomputes: the decoder layers."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_stage(self.activation_checkpointing, self._forward, x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def boundary_shape(self, batch: int, seq: int) -> tuple[int, ...]:
         # The hidden states. Known without a run (transformers' mask builders read values, which the meta device
         # cannot give).
@@ -374,7 +387,10 @@ class _GPT2Stage(_HFStage):
             body.ln_f = lm.transformer.ln_f
             self.model.lm_head = lm.lm_head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def checkpoint_layers(self) -> list[nn.Module]:
+        return list(self.model.transformer.h.values())
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 
         body = self.model.transformer
@@ -385,7 +401,8 @@ class _GPT2Stage(_HFStage):
         mask = create_causal_mask(config=self.hf_config, inputs_embeds=x, attention_mask=None, past_key_values=None,
                                   position_ids=positions)
         for block in body.h.values():
-            x = block(x, None, mask, None, use_cache=False, position_ids=positions)
+            x = run_region(self.activation_checkpointing, block, x, None, mask, None, use_cache=False,
+                           position_ids=positions)
         if self.last_stage:
             x = self.model.lm_head(body.ln_f(x))
         return x
@@ -409,7 +426,10 @@ class _RotaryStage(_HFStage):
             body.norm = lm.model.norm
             self.model.lm_head = lm.lm_head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def checkpoint_layers(self) -> list[nn.Module]:
+        return list(self.model.model.layers.values())
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         body = self.model.model
@@ -424,8 +444,8 @@ class _RotaryStage(_HFStage):
                  for kind in dict.fromkeys(self.attention_kinds)}
         position_embeddings = body.rotary_emb(x, position_ids=positions)
         for kind, layer in zip(self.attention_kinds, body.layers.values()):
-            x = layer(x, attention_mask=masks[kind], position_ids=positions, past_key_values=None, use_cache=False,
-                      position_embeddings=position_embeddings)
+            x = run_region(self.activation_checkpointing, layer, x, attention_mask=masks[kind], position_ids=positions,
+                           past_key_values=None, use_cache=False, position_embeddings=position_embeddings)
         if self.last_stage:
             x = self.model.lm_head(body.norm(x))
         return x

@@ -10,11 +10,15 @@ __all__ = ["budget_memory_cap", "memory_cap", "resolve_memory_cap"]
 
 
 def budget_memory_cap(config: Config) -> tuple[int, ...] | None:
-    """Live micro-batches per worker that fit the config's activation budget, per stage (None: unlimited)."""
-    capacity = config.memory.capacity_bytes
+    """Live micro-batches per worker that fit the config's activation budget, per stage (None: unlimited): what is
+    left after the one region a checkpointed stage rebuilds inside a backward (recompute_bytes), over what each live
+    micro-batch keeps (activation_bytes)."""
+    memory = config.memory
+    capacity = memory.capacity_bytes
     if capacity <= 0:
         return None
-    return tuple(max(1, capacity // max(1, b)) for b in config.memory.activation_bytes)
+    return tuple(max(1, (capacity - rebuilt) // max(1, kept))
+                 for kept, rebuilt in zip(memory.activation_bytes, memory.recompute_bytes))
 
 
 def memory_cap(config: Config, options: PlannerOptions) -> tuple[int, ...] | None:

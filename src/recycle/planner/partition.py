@@ -119,7 +119,9 @@ def partition_config(config: Config, partition: Sequence[int], costs: LayerCosts
     # The activation caps of a partition come from partition_caps (passed as the planner's memory cap); the budget
     # only has to admit one micro-batch per stage here for the config to parse.
     if raw["memory"]["capacity_bytes"] > 0:
-        raw["memory"]["capacity_bytes"] = max(raw["memory"]["capacity_bytes"], max(raw["memory"]["activation_bytes"]))
+        memory = raw["memory"]
+        memory["capacity_bytes"] = max(memory["capacity_bytes"],
+                                       max(a + r for a, r in zip(memory["activation_bytes"], memory["recompute_bytes"])))
     raw["model"]["layers_per_stage"] = list(partition)
     raw["model"]["n_layer"] = sum(partition)
     return parse_config(raw, name=config.name, source=config.source)
@@ -162,7 +164,8 @@ def partition_caps(config: Config, partition: Sequence[int], costs: LayerCosts |
     memory = worker_memory_bytes(config, costs)
     caps = []
     for s, n in enumerate(partition):
-        cap = int(_room(config, costs, memory, s, n) // max(1.0, costs.value("activation_bytes", s, n)))
+        room = _room(config, costs, memory, s, n) - config.memory.recompute_bytes[s]
+        cap = int(room // max(1.0, costs.value("activation_bytes", s, n)))
         if cap < 1:
             raise PlanError(f"layer partition {list(partition)}: stage {s} with {n} layers leaves room for {cap} "
                             "micro-batches of activations; give it fewer layers")
@@ -181,7 +184,7 @@ def _room(config: Config, costs: LayerCosts, memory: float, stage: int, n: int) 
 def _fits(config: Config, costs: LayerCosts, stage: int, n: int) -> bool:
     if config.memory.capacity_bytes <= 0:
         return True
-    room = _room(config, costs, worker_memory_bytes(config, costs), stage, n)
+    room = _room(config, costs, worker_memory_bytes(config, costs), stage, n) - config.memory.recompute_bytes[stage]
     return room >= costs.value("activation_bytes", stage, n)
 
 

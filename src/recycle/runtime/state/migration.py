@@ -144,6 +144,7 @@ def rebuild_stage(state: StageState, new_range: tuple[int, int], received: dict[
     module = cast(GPTStage, state.module)  # layers move only between the built-in GPT's stages
     reference = next(module.parameters())
     fresh = GPTStage(module.shape, first, last).to(device=reference.device, dtype=reference.dtype)
+    fresh.activation_checkpointing = module.activation_checkpointing  # the run's mode, kept across the move
     merged = {**state.state_dict(), **received}
     for name in fresh.state_dict():
         if state.prefix + name not in merged:

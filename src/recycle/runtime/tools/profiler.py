@@ -21,6 +21,7 @@ from recycle.config import Config, parse_config
 from recycle.errors import ConfigError
 from recycle.fileio import atomic_write_text
 from recycle.ir import Action, Kind, Plan
+from recycle.models.checkpointing import mode_of, regions, set_mode
 from recycle.models.gpt import build_stages
 from recycle.models.split import boundary_shapes
 from recycle.runtime.protocol.messages import Channel
@@ -45,9 +46,11 @@ class StageProfile:
     optimizer_us: float  # the executor's OPT without the all-reduce's transfer (measured separately): flatten the
     # gradients, the norm (or clipping), the roll-back snapshot, the optimizer step, zero the gradients
     activation_bytes: int  # what a micro-batch holds from F to W: saved tensors, stage input/output, output-grad
+    # (with activation checkpointing: only what the checkpointed regions keep, their inputs)
     message_bytes: int  # the stage output sent downstream (0 on the last stage)
     parameter_bytes: int
     optimizer_state_bytes: int
+    recompute_bytes: int = 0  # with activation checkpointing: the largest region's activations, rebuilt in B and W
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,48 @@ def _activation_bytes(executor: StageExecutor, comm: LoneComm, parameters: list[
     return sum(saved.values()) + grad_out
 
 
+def _recompute_bytes(executor: StageExecutor, comm: LoneComm, parameters: list[torch.nn.Parameter]) -> int:
+    """Bytes the largest checkpointed region of the stage rebuilds inside a B or W (0 without checkpointing): the
+    tensors autograd saves in that region (not the parameters), from one F run without checkpointing, which saves
+    exactly what the recompute does."""
+    module = executor.module
+    mode = mode_of(module)
+    parts = regions(module, mode)
+    if not parts:
+        return 0
+    parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
+    per_region: dict[int, dict[int, int]] = {i: {} for i in range(len(parts))}
+    current: list[int] = []  # the region whose forward is running (nested calls: the innermost)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr, nbytes = _storage_key(t)
+        if current and ptr not in parameter_storages and ptr != 0:
+            per_region[current[-1]][ptr] = nbytes
+        return t
+
+    def enter(index: int) -> Any:
+        def hook(*_: Any) -> None:
+            current.append(index)
+        return hook
+
+    def leave(*_: Any) -> None:  # returns None: a forward hook's result would replace the module's output
+        current.pop()
+
+    handles = [h for i, part in enumerate(parts)
+               for h in (part.register_forward_pre_hook(enter(i)), part.register_forward_hook(leave))]
+    set_mode(module, "none")
+    executor.abort_iteration()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            executor.run_action(Action(Kind.F, executor.stage, 0))
+    finally:
+        executor.abort_iteration()
+        set_mode(module, mode)
+        for handle in handles:
+            handle.remove()
+    return max(sum(saved.values()) for saved in per_region.values())
+
+
 def profile_stages(config: Config, repeats: int = 10, warmup: int = 3,
                    model_factory: str = "") -> tuple[StageProfile, ...]:
     """Time every stage's F, B, W, BW and optimizer step in this process (one thread, like a worker), as the
@@ -168,6 +213,7 @@ def profile_stages(config: Config, repeats: int = 10, warmup: int = 3,
                 for (kind, _), timing in zip(_ACTIONS, result.timings):
                     times[kind].append(timing.end - timing.start)
         activation = _activation_bytes(executor, comm, params)
+        recompute = _recompute_bytes(executor, comm, params)
         parameter_bytes = sum(p.numel() * p.element_size() for p in params)
         # The optimizer's per-parameter state after the steps above (the step counters are not memory that matters).
         state_bytes = sum(t.numel() * t.element_size() for per_param in optimizer.optimizer.state.values()
@@ -177,7 +223,7 @@ def profile_stages(config: Config, repeats: int = 10, warmup: int = 3,
             backward_weight_us=_median_us(times[Kind.W]), backward_fused_us=_median_us(times[Kind.BW]),
             optimizer_us=_median_us(times[Kind.OPT]), activation_bytes=activation,
             message_bytes=0 if is_last else _nbytes(comm.last_sent),
-            parameter_bytes=parameter_bytes, optimizer_state_bytes=state_bytes))
+            parameter_bytes=parameter_bytes, optimizer_state_bytes=state_bytes, recompute_bytes=recompute))
     return tuple(out_profiles)
 
 
@@ -303,6 +349,7 @@ def profiled_config_dict(config: Config, profile: Profile) -> dict[str, Any]:
         "capacity_bytes": config.memory.capacity_bytes,
         "parameter_bytes": [p.parameter_bytes for p in st],
         "optimizer_state_bytes": [p.optimizer_state_bytes for p in st],
+        "recompute_bytes": [p.recompute_bytes for p in st],
     }
     c = profile.comm
     raw["communication"] = {

@@ -21,6 +21,7 @@ from torch import nn
 
 from recycle.config import Config
 from recycle.errors import ConfigError
+from recycle.models.checkpointing import set_mode
 from recycle.models.gpt import build_stage as build_gpt_stage
 from recycle.models.gpt import build_stages, resolve_shape, stage_layers
 from recycle.models.split import LossFn, StageModel, as_stage_model, boundary_shapes, causal_lm_loss
@@ -184,14 +185,19 @@ def all_stages(config: Config, factory: str = "",
     S = config.num_stages
     check_one_model(config, factory)
     if factory:
-        return factory_model(config, factory), [(s, S) for s in range(S)]
-    if config.model.hf_config:
-        return hf_model(config)
-    seq = config.workload.seq_len
-    shape = resolve_shape(config.model, seq)
-    bounds = bounds or stage_layers(shape.n_layer, S)
-    stages = build_stages(config.model, S, config.training.seed, weights_dtype(config.training.dtype), seq, bounds)
-    return StageModel(tuple(stages)), bounds
+        model, layouts = factory_model(config, factory), [(s, S) for s in range(S)]
+    elif config.model.hf_config:
+        model, layouts = hf_model(config)
+    else:
+        seq = config.workload.seq_len
+        shape = resolve_shape(config.model, seq)
+        layouts = bounds or stage_layers(shape.n_layer, S)
+        model = StageModel(tuple(build_stages(config.model, S, config.training.seed,
+                                              weights_dtype(config.training.dtype), seq, layouts)))
+    mode = config.model.activation_checkpointing
+    for s, module in enumerate(model.stages):
+        set_mode(module, mode, f"stage {s}")
+    return model, layouts
 
 
 def build_stage(config: Config, stage: int, factory: str = "",
@@ -199,10 +205,10 @@ def build_stage(config: Config, stage: int, factory: str = "",
     """The module of `stage` (in the config's dtype), its layout and the shapes of the messages it receives
     (`bounds`: see all_stages)."""
     S = config.num_stages
-    if config.model.hf_config and not factory:
-        return hf_built_stage(config, stage)
     if not factory:
-        return gpt_built_stage(config, stage, bounds)
+        built = hf_built_stage(config, stage) if config.model.hf_config else gpt_built_stage(config, stage, bounds)
+        set_mode(built.module, config.model.activation_checkpointing, f"stage {stage}")
+        return built
     model, layouts = all_stages(config, factory, bounds)
     stages = list(model.stages)
     shapes = boundary_shapes(stages, config.workload.microbatch_size, config.workload.seq_len, upto=stage + 1)
