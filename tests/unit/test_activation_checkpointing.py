@@ -174,3 +174,32 @@ def test_under_a_budget_the_checkpointed_profile_admits_a_larger_cap_and_another
     plans = {mode: plan_for_key(c, key, PlannerOptions()) for mode, c in configs.items()}
     assert plans["full"].meta.memory_cap == caps["full"] and plans["none"].meta.memory_cap == caps["none"]
     assert plans["full"].meta.predicted_period != plans["none"].meta.predicted_period
+
+
+def test_profile_with_the_flag_writes_the_checkpointed_memory(tmp_path, capsys) -> None:
+    from recycle.cli import main
+
+    config, out = tmp_path / "c.toml", tmp_path / "costs.toml"
+    config.write_text('[topology]\nnum_replicas = 2\nnum_stages = 2\n[workload]\nnum_microbatches = 2\nseq_len = 16\n'
+                      '[costs]\nforward = 1\nbackward_input = 1\nbackward_weight = 1\n'
+                      '[model]\nn_layer = 2\nn_embd = 16\nn_head = 2\n')
+    assert main(["profile", "--config", str(config), "--out", str(out), "--activation-checkpointing", "per_layer",
+                 "--comm", "defaults", "--repeats", "1", "--warmup", "0"]) == 0
+    assert "activation checkpointing 'per_layer'" in capsys.readouterr().out
+    from recycle.config import load_config
+
+    profiled = load_config(out)
+    assert profiled.model.activation_checkpointing == "per_layer"
+    assert all(b > 0 for b in profiled.memory.recompute_bytes)
+
+
+def test_train_with_a_factory_and_checkpointing_is_one_error_line(capsys, monkeypatch) -> None:
+    from recycle.cli import main
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny-gpt.toml"
+    assert main(["train", "--config", str(config), "--model-factory", "pipelining_split:stages",
+                 "--activation-checkpointing", "full", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "activation_checkpointing = 'full'" in err, err
