@@ -203,3 +203,14 @@ def test_train_with_a_factory_and_checkpointing_is_one_error_line(capsys, monkey
                  "--activation-checkpointing", "full", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and "activation_checkpointing = 'full'" in err, err
+
+
+def test_the_simulated_peak_bytes_count_the_rebuilt_region_once() -> None:
+    from recycle.schedules.fault_free import build_schedule
+    from recycle.sim.simulator import simulate
+
+    memory = {"activation_bytes": [100, 100], "recompute_bytes": [1000, 10], "capacity_bytes": 0}
+    config = parse_config(_raw(memory=memory))
+    result = simulate(build_schedule(config, "1f1b"), config)
+    assert result.peak_activation_bytes == tuple(peak * 100 + (1000 if s == 0 else 10)
+                                                 for peak, s in zip(result.peak_activations, (0, 1, 0, 1)))

@@ -393,7 +393,10 @@ def _result(plan: Plan, config: Config, flat: _Flat, run: _Run, period: float) -
         idle.append(max(0.0, 1.0 - busy / period) if period > 0 else 0.0)
         peak = max(0, max(accumulate(flat.held_delta[lo:hi]), default=0))  # running count, its maximum
         peaks.append(peak)
-        peak_bytes.append(peak * config.memory.activation_bytes[plan.worker(r)[1]])
+        stage = plan.worker(r)[1]
+        # Plus the region a checkpointed stage rebuilds inside one backward (0 without checkpointing).
+        rebuilt = config.memory.recompute_bytes[stage] if peak > 0 else 0
+        peak_bytes.append(peak * config.memory.activation_bytes[stage] + rebuilt)
     live_idle = [idle[r] for r in run.live]
     iterations = len(run.starts)
     return SimResult(
