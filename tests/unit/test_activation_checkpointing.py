@@ -214,3 +214,14 @@ def test_the_simulated_peak_bytes_count_the_rebuilt_region_once() -> None:
     result = simulate(build_schedule(config, "1f1b"), config)
     assert result.peak_activation_bytes == tuple(peak * 100 + (1000 if s == 0 else 10)
                                                  for peak, s in zip(result.peak_activations, (0, 1, 0, 1)))
+
+
+def test_a_stage_rebuilt_by_a_layer_move_keeps_its_mode() -> None:
+    from recycle.runtime.state.migration import rebuild_stage
+    from recycle.runtime.state.stage_state import IterationPosition, StageState
+
+    config = parse_config(_raw(model={"activation_checkpointing": "per_layer"}))
+    built = build_stage(config, 1)
+    state = StageState(built.module, make_optimizer(built.module, config.training), 1, IterationPosition())
+    rebuilt = rebuild_stage(state, (2, 4), {}, lambda m: make_optimizer(m, config.training))
+    assert rebuilt.module is not built.module and rebuilt.module.activation_checkpointing == "per_layer"
