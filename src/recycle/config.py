@@ -677,8 +677,9 @@ def _memory(m: dict[str, Any], S: int, source: str) -> Memory:
                                   f"{capacity}; raise capacity_bytes, use more stages or smaller micro-batches")
             if memory.activation_bytes[s] + memory.recompute_bytes[s] > capacity:
                 raise ConfigError(f"{_where(source, 'memory', 'recompute_bytes')}: stage {s} needs "
-                                  f"{memory.activation_bytes[s]} bytes per micro-batch plus {memory.recompute_bytes[s]} "
-                                  f"rebuilt in a backward, more than capacity_bytes = {capacity}; raise "
+                                  f"{memory.activation_bytes[s]} bytes per micro-batch plus "
+                                  f"{memory.recompute_bytes[s]} rebuilt in a backward, more than capacity_bytes = "
+                                  f"{capacity}; raise "
                                   "capacity_bytes, use more stages, smaller micro-batches or [model] "
                                   "activation_checkpointing = 'per_layer' (a smaller region to rebuild)")
     return memory

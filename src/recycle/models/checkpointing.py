@@ -68,6 +68,6 @@ def set_mode(module: nn.Module, mode: str, what: str = "the stage") -> nn.Module
         raise ConfigError(f"[model] activation_checkpointing = {mode!r}: {what} ({type(module).__name__}) is not a "
                           "built-in GPT or Hugging Face stage, whose forward recycle knows how to checkpoint; set it "
                           "to 'none' and checkpoint inside your own modules (torch.utils.checkpoint)")
-    if mode != "none" or hasattr(module, "checkpoint_layers"):
+    if hasattr(module, "checkpoint_layers"):
         module.activation_checkpointing = mode  # read by the stage's forward (gpt.GPTStage, hf._HFStage)
     return module

@@ -126,6 +126,8 @@ class GPTStage(nn.Module):
     whole model's state dict: the union of the stage state dicts loads into `full_model` as is.
     """
 
+    activation_checkpointing = "none"  # models.checkpointing.MODES; set by models.checkpointing.set_mode
+
     def __init__(self, shape: GPTShape, first: int, last: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.shape = shape
@@ -144,8 +146,6 @@ class GPTStage(nn.Module):
     def boundary_shape(self, batch: int, seq: int) -> tuple[int, ...]:
         """Shape of the activation this stage sends downstream (and of the gradient it receives back)."""
         return (batch, seq, self.shape.n_embd)
-
-    activation_checkpointing = "none"  # models.checkpointing.MODES; set by models.checkpointing.set_mode
 
     def checkpoint_layers(self) -> list[nn.Module]:
         """The regions "per_layer" checkpointing recomputes: the transformer blocks."""

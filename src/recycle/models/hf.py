@@ -342,6 +342,8 @@ class _HFStage(nn.Module):
     """Decoder layers [first, last) of an HF causal LM. Submodules keep the whole model's names (e.g.
     "model.model.layers.3.self_attn..."), so the stages' state dicts together are the HFCausalLM's."""
 
+    activation_checkpointing = "none"  # models.checkpointing.MODES; set by models.checkpointing.set_mode
+
     def __init__(self, config: Any, first: int, last: int) -> None:
         super().__init__()
         self.hf_config = config
@@ -353,8 +355,6 @@ class _HFStage(nn.Module):
         self.tied_weights: tuple[str, ...] = ()
         if embedding is not None and self.first_stage != self.last_stage:
             self.tied_weights = (f"model.{embedding}.weight" if self.first_stage else f"model.{TIED_HEAD}",)
-
-    activation_checkpointing = "none"  # models.checkpointing.MODES; set by models.checkpointing.set_mode
 
     def checkpoint_layers(self) -> list[nn.Module]:
         """The regions "per_layer" checkpointing recomputes: the decoder layers."""

@@ -120,8 +120,8 @@ def partition_config(config: Config, partition: Sequence[int], costs: LayerCosts
     # only has to admit one micro-batch per stage here for the config to parse.
     if raw["memory"]["capacity_bytes"] > 0:
         memory = raw["memory"]
-        memory["capacity_bytes"] = max(memory["capacity_bytes"],
-                                       max(a + r for a, r in zip(memory["activation_bytes"], memory["recompute_bytes"])))
+        needed = max(a + r for a, r in zip(memory["activation_bytes"], memory["recompute_bytes"]))
+        memory["capacity_bytes"] = max(memory["capacity_bytes"], needed)
     raw["model"]["layers_per_stage"] = list(partition)
     raw["model"]["n_layer"] = sum(partition)
     return parse_config(raw, name=config.name, source=config.source)

@@ -129,7 +129,7 @@ def _activation_bytes(executor: StageExecutor, comm: LoneComm, parameters: list[
     return sum(saved.values()) + grad_out
 
 
-def _recompute_bytes(executor: StageExecutor, comm: LoneComm, parameters: list[torch.nn.Parameter]) -> int:
+def _recompute_bytes(executor: StageExecutor, parameters: list[torch.nn.Parameter]) -> int:
     """Bytes the largest checkpointed region of the stage rebuilds inside a B or W (0 without checkpointing): the
     tensors autograd saves in that region (not the parameters), from one F run without checkpointing, which saves
     exactly what the recompute does."""
@@ -213,7 +213,7 @@ def profile_stages(config: Config, repeats: int = 10, warmup: int = 3,
                 for (kind, _), timing in zip(_ACTIONS, result.timings):
                     times[kind].append(timing.end - timing.start)
         activation = _activation_bytes(executor, comm, params)
-        recompute = _recompute_bytes(executor, comm, params)
+        recompute = _recompute_bytes(executor, params)
         parameter_bytes = sum(p.numel() * p.element_size() for p in params)
         # The optimizer's per-parameter state after the steps above (the step counters are not memory that matters).
         state_bytes = sum(t.numel() * t.element_size() for per_param in optimizer.optimizer.state.values()
