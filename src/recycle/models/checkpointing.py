@@ -70,4 +70,8 @@ def set_mode(module: nn.Module, mode: str, what: str = "the stage") -> nn.Module
                           "to 'none' and checkpoint inside your own modules (torch.utils.checkpoint)")
     if hasattr(module, "checkpoint_layers"):
         module.activation_checkpointing = mode  # read by the stage's forward (gpt.GPTStage, hf._HFStage)
+    if mode != "none":
+        # torch.utils.checkpoint imports torch._dynamo on its first call (~2 s here): pay it while the stage is
+        # built, not inside the first F, where the rest of the pipeline (or a re-joined worker's peers) would wait.
+        import torch._dynamo  # noqa: F401
     return module
