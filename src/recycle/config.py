@@ -285,12 +285,14 @@ class Config:
         # The node keys are left out while unset, so configs without them keep their fingerprints (plan stores).
         topology = {k: v for k, v in asdict(self.topology).items() if k != "workers_per_node" or v}
         comm = {k: v for k, v in asdict(self.communication).items() if not k.startswith("inter_node") or v is not None}
+        # Likewise recompute_bytes while every stage's is 0 (no activation checkpointing).
+        memory = {k: v for k, v in asdict(self.memory).items() if k != "recompute_bytes" or any(v)}
         return {
             "time_unit": self.time_unit,
             "topology": topology,
             "workload": asdict(self.workload),
             "costs": asdict(self.costs),
-            "memory": asdict(self.memory),
+            "memory": memory,
             "communication": comm,
         }
 

@@ -225,3 +225,12 @@ def test_a_stage_rebuilt_by_a_layer_move_keeps_its_mode() -> None:
     state = StageState(built.module, make_optimizer(built.module, config.training), 1, IterationPosition())
     rebuilt = rebuild_stage(state, (2, 4), {}, lambda m: make_optimizer(m, config.training))
     assert rebuilt.module is not built.module and rebuilt.module.activation_checkpointing == "per_layer"
+
+
+def test_a_config_without_rebuilt_bytes_keeps_its_fingerprint() -> None:
+    """Plan stores carry the config's fingerprint: the new key changes it only where it is set."""
+    plain = parse_config(_raw(memory={"activation_bytes": [100, 100]}))
+    assert "recompute_bytes" not in plain.planning_dict()["memory"]
+    rebuilt = parse_config(_raw(memory={"activation_bytes": [100, 100], "recompute_bytes": [50, 0]}))
+    assert rebuilt.planning_dict()["memory"]["recompute_bytes"] == (50, 0)
+    assert rebuilt.fingerprint() != plain.fingerprint()
