@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from recycle.config import CHECKPOINTING_MODES as MODES
 from recycle.config import parse_config
 from recycle.errors import ConfigError
 from recycle.ir import Action, Kind
@@ -27,7 +28,6 @@ from recycle.runtime.worker.executor import StageExecutor
 from recycle.runtime.worker.stage import build_stage
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-MODES = ("none", "full", "per_layer")
 
 
 def _raw(S: int = 2, model: dict | None = None, memory: dict | None = None, dtype: str = "float64") -> dict:
