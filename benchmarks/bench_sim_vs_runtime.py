@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import multiprocessing as mp
+import shutil
 import signal
 import statistics
 import subprocess
@@ -43,7 +44,7 @@ from recycle.planner.options import PlannerOptions  # noqa: E402
 from recycle.planner.provider import PlanLibrary  # noqa: E402
 from recycle.runtime.control.launcher import TrainResult, launch  # noqa: E402
 from recycle.runtime.options import (CheckpointOptions, ClusterOptions, DebugOptions, FaultOptions,  # noqa: E402
-                                     LaunchOptions, RecoveryOptions)
+                                     LaunchOptions, OutputOptions, RecoveryOptions)
 from recycle.runtime.tools.chaos import ChaosSpec  # noqa: E402
 from recycle.runtime.worker.emulate import Emulation  # noqa: E402
 from recycle.schedules.fault_free import build_schedule  # noqa: E402
@@ -56,6 +57,7 @@ from recycle.traces.soak import SoakChange, soak_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL = 0.10
+CHECKPOINT_EVERY = 5
 
 
 def say(line: str) -> None:
@@ -78,14 +80,19 @@ def _toml(config, steps: int) -> str:
         "[training]", f"steps = {steps}", "lr = 0.003", "weight_decay = 0.1", 'dtype = "float64"', "seed = 1", ""])
 
 
-def run_soak(args, config, plan, library) -> TrainResult:
-    with tempfile.TemporaryDirectory() as tmp:
+def run_soak(args, config, plan, library, out: Path) -> TrainResult:
+    """The soak, its --metrics records in OUT/metrics.jsonl and its checkpoints in OUT/ckpt (the calibration reads
+    both)."""
+    if (out / "ckpt").exists():
+        shutil.rmtree(out / "ckpt")
+    if True:
         def progress(line: str) -> None:
             if line.startswith("chaos") or (line.startswith("step ") and "/" in line.split()[1]
                                             and int(line.split()[1].split("/")[0]) % 25 == 0):
                 say(f"  [soak] {line}")
         return launch(config, plan, LaunchOptions(
-            checkpoint=CheckpointOptions(dir=str(Path(tmp) / "ckpt"), every=5),
+            checkpoint=CheckpointOptions(dir=str(out / "ckpt"), every=CHECKPOINT_EVERY),
+            outputs=OutputOptions(metrics_path=str(out / "metrics.jsonl")),
             recovery=RecoveryOptions(timeout_s=20, heartbeat_timeout_s=1.0, heartbeat_s=0.25),
             cluster=ClusterOptions(start_method="forkserver"),
             faults=FaultOptions(chaos=ChaosSpec(args.seed, args.rate)),
@@ -128,7 +135,7 @@ def main() -> int:
     say(f"soak: D={D} x S={S} tiny GPT float64, {args.steps} steps paced at {args.slot_ms:g} ms/slot, chaos seed "
         f"{args.seed} rate {args.rate}/step, checkpoint every 5 steps")
     started = time.time()
-    result = run_soak(args, config, plan, library)
+    result = run_soak(args, config, plan, library, out)
     say(f"soak: {result.end_step} steps, {len(result.recoveries)} recoveries, {len(result.chaos_events)} chaos events "
         f"in {time.time() - started:.1f} s; processes left: {len(mp.active_children())}")
 
