@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from recycle.config import Config
 from recycle.errors import ConfigError
 from recycle.traces.model import JobCosts
 
@@ -84,7 +85,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-def iteration_work_units(config: Any) -> float:
+def iteration_work_units(config: Config) -> float:
     """Busy time of one whole iteration over all workers, in config time units: every micro-batch's forward and
     backward on every stage (the work a redone share is a fraction of)."""
     c = config.costs
