@@ -205,7 +205,8 @@ def main() -> int:
         run = job.runs["recycle"]
         return run.useful_samples / run.duration_s
 
-    base = JobCosts(reshape=False, runtime_layout=True, fallback_checkpoint_cost_s=0.0)
+    # The trace starts at the end of step 1: the runtime's checkpoints (steps 5, 10, ...) fall 4, 9, ... steps in.
+    base = JobCosts(reshape=False, runtime_layout=True, fallback_checkpoint_cost_s=0.0, steps_done_at_start=1)
     verdicts: list[bool] = []
     state_verdicts: list[bool] = []
     for i, soak in enumerate(soaks):
@@ -266,7 +267,8 @@ def main() -> int:
                str(soak.trace_path), "--slot-seconds", f"{soak.profiled_slot_s:.6g}", "--systems", "recycle",
                "fault-free", "--replicas", "keep", "--reference", "planner", "--no-reshape", "--runtime-layout",
                "--calibrate-from", str(soak.folder / "metrics.jsonl"), "--calibrate-checkpoints",
-               str(soak.folder / "ckpt"), "--fallback-checkpoint-cost-s", "0", "--no-plan-cache", "--json", "--out",
+               str(soak.folder / "ckpt"), "--fallback-checkpoint-cost-s", "0", "--steps-done-at-start", "1",
+               "--no-plan-cache", "--json", "--out",
                str(cli_out)]
         cli = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
         if cli.returncode != 0:

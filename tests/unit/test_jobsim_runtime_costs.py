@@ -217,3 +217,15 @@ def test_cli_calibrates_from_a_runtime_metrics_file(tmp_path: Path, capsys) -> N
     assert main(["simulate", "--config", toy, "--trace", str(trace), "--calibrate-from", str(tmp_path / "none"),
                  "--out", str(tmp_path / "out3")]) == 2
     assert "cannot read the runtime metrics" in capsys.readouterr().err
+
+
+def test_checkpoints_count_from_the_jobs_start() -> None:
+    # A checkpoint every 2 iterations (8 samples). The trace starts 1 iteration into the job (4 samples done), so
+    # the first checkpoint (the job's step 2) is 4 samples = 10 s in. Stage 1 is lost at 15 s: useful 6 samples,
+    # back to 4: 2 samples = 5 s of fault-free training lost. Counted from the trace's start instead, the first
+    # checkpoint would be at 20 s: everything (6 samples, 15 s) lost.
+    timeline = _timeline([(0, {0, 1, 2, 3}), (15, {0, 2})], 20)
+    for done, lost in ((1, 5.0), (0, 15.0)):
+        system, ff = _recycle(JobCosts(restart_s=0, checkpoint_every_steps=2, steps_done_at_start=done,
+                                       reshape=False, runtime_layout=True))
+        assert replay(system, timeline, ff).lost_s["lost work"] == pytest.approx(lost)

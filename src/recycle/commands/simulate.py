@@ -22,7 +22,7 @@ __all__ = ["register", "run"]
 # JobCosts knobs a user can set from the command line (--detect-s ...).
 COST_FLAGS = ("detect_s", "plan_switch_s", "redo_fraction", "restart_s", "checkpoint_interval_s", "checkpoint_cost_s",
               "fallback_checkpoint_interval_s", "fallback_checkpoint_cost_s", "checkpoint_every_steps",
-              "checkpoint_latency_s", "oobleck_reconfig_s",
+              "checkpoint_latency_s", "steps_done_at_start", "oobleck_reconfig_s",
               "bamboo_reconfig_s", "bamboo_rc_overhead", "reshape_horizon_s", "repartition_prior_s",
               "torchft_detect_s", "torchft_quorum_s", "torchft_lost_step_fraction", "torchft_heal_bytes_per_s",
               "torchft_restart_s")

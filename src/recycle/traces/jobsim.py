@@ -151,9 +151,11 @@ class _Ledger:
             return math.inf
         every = self.timing.every_samples
         if every > 0:
-            # Every `every` samples of progress, counted from the restored state as the runtime counts steps.
-            next_at = (math.floor(self.useful / every + _EPS) + 1) * every
-            return max(0.0, next_at - self.useful) / self.rate
+            # At every multiple of `every` samples of progress since the job's start, as the runtime counts steps
+            # (a restore counts again from the restored checkpoint's step).
+            progress = self.useful + self.timing.done_at_start
+            next_at = (math.floor(progress / every + _EPS) + 1) * every
+            return max(0.0, next_at - progress) / self.rate
         return self.checkpoint[0] - self.run_since_ckpt
 
     def advance(self, until: float) -> None:

@@ -49,6 +49,9 @@ class JobCosts:
     # the coordinator's merge): a restore goes back to the newest checkpoint complete at the failure.
     checkpoint_every_steps: float = 0.0
     checkpoint_latency_s: float = 0.0
+    # Iterations the job had done when the trace starts: its checkpoints fall at multiples of checkpoint_every_steps
+    # counted from the job's first iteration (a trace cut from a run that was already going).
+    steps_done_at_start: float = 0.0
     # ReCycle keeps the runtime's layout rules (recycle.runtime.control.coordinator) instead of the planner's: a
     # returning unit takes back its own slot (or the one its reshape donor left), and a stage that lost every
     # replica is refilled by moving workers within their pipelines until the stages' counts differ by at most one.
@@ -139,6 +142,7 @@ class CheckpointTiming:
 
     every_samples: float = 0.0  # > 0: one every this many samples of progress, instead of by running time
     latency_s: float = 0.0  # a checkpoint is restorable this long after it is taken (asynchronous write + merge)
+    done_at_start: float = 0.0  # samples of progress before the replay starts (where the multiples count from)
 
 
 @dataclass(frozen=True)
