@@ -229,3 +229,18 @@ def test_checkpoints_count_from_the_jobs_start() -> None:
         system, ff = _recycle(JobCosts(restart_s=0, checkpoint_every_steps=2, steps_done_at_start=done,
                                        reshape=False, runtime_layout=True))
         assert replay(system, timeline, ff).lost_s["lost work"] == pytest.approx(lost)
+
+
+def test_runtime_layout_waits_for_a_machine_when_no_stage_can_spare_one() -> None:
+    # Units 1, 2, 3 die at 10: unit 0 alone holds stage 0, stage 1 is empty, and no stage has two to spare: down
+    # (the runtime waits for a repaired machine). Unit 3 comes back at 30 into its own slot (1,1): restore 30-35,
+    # key (1, 1) at 0.2/s until 50. A checkpoint every iteration (4 samples = 10 s) was taken at 10: nothing lost.
+    # Useful: 4 + 15 * 0.2 = 7 samples; down 20 s, restart 5 s, degraded 15 * (1 - 0.2 / 0.4) = 7.5 s.
+    costs = JobCosts(restart_s=5, checkpoint_every_steps=1, reshape=False, runtime_layout=True)
+    system, ff = _recycle(costs)
+    run = replay(system, _timeline([(0, {0, 1, 2, 3}), (10, {0}), (30, {0, 3})], 50), ff)
+    assert run.useful_samples == pytest.approx(7)
+    assert run.lost_s["down"] == pytest.approx(20) and run.lost_s["restart"] == pytest.approx(5)
+    assert run.lost_s["lost work"] == pytest.approx(0, abs=1e-9)
+    assert run.useful_samples / ff + sum(run.lost_s.values()) == pytest.approx(50)
+    assert [policy for _, policy, _ in system.policy_log] == ["adapt", "down", "restore"]

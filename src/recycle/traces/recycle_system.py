@@ -103,7 +103,9 @@ class ReCycleSystem:
     def _restore_in_place(self, now: float, first_loss: bool, note: str) -> Decision:
         """The runtime's restore: every unit keeps its slot, workers of the fullest stages move into the emptied
         one within their pipelines; while a stage stays empty (no stage to spare) the job waits for a returning
-        unit. Everyone loads the checkpoint, so no state copy is pending."""
+        unit (a spare, a unit the trace never placed, fills an empty slot first). Everyone loads the checkpoint, so
+        no state copy is pending."""
+        self.layout.fill_from_spares(now, lambda stage: 0.0)
         moves = balancing_moves(self.layout)
         for donor, slot in moves:
             self.vacated[slot] = donor
