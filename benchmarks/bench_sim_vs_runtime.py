@@ -135,6 +135,7 @@ def main() -> int:
     signal.signal(signal.SIGALRM, overtime)
     signal.alarm(args.limit_s)
 
+    bench_started = time.time()
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="sim-vs-runtime-"))
     out.mkdir(parents=True, exist_ok=True)
     config = soak_config(args.steps)
@@ -299,7 +300,8 @@ def main() -> int:
         say(f"command: .venv/bin/python {' '.join(cmd[1:])}")
     say("")
     say(f"summary: goodput within {GOODPUT_GOAL:.0%} in {sum(verdicts)}/{len(verdicts)} runs; every failure state "
-        f"within {STATE_GOAL:.0%} in {sum(state_verdicts)}/{len(state_verdicts)} runs; files in {out}")
+        f"within {STATE_GOAL:.0%} in {sum(state_verdicts)}/{len(state_verdicts)} runs; files in {out}; "
+        f"{time.time() - bench_started:.0f} s in all")
     say(f"processes left behind: {len(mp.active_children())}")
     signal.alarm(0)
     return 0  # the goal lines above say MET or NOT MET; `make bench` goes on to the next benchmark either way
