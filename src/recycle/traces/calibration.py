@@ -117,7 +117,7 @@ def _redone_share(recovery: dict[str, Any], steps: list[dict[str, Any]], iterati
 def _checkpoint_times(root: Path, steps: list[dict[str, Any]]) -> tuple[list[int], list[float], list[float]]:
     """(checkpointed steps, write latencies, restorable latencies) from the checkpoint folder's files."""
     done, writes, merges = [], [], []
-    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+    for folder in sorted(root.iterdir()):
         match = _STEP_DIR.match(folder.name)
         if not match or folder.is_symlink() or not (folder / _MERGED).is_file():
             continue
@@ -149,6 +149,9 @@ def calibrate(records: list[dict[str, Any]], iteration_work_s: float = 0.0, chec
     joins = [r for r in recoveries if r.get("joined") and not r["workers"] and r.get("restored_step") is None]
     every, write_s, latency_s, count = checkpoint_every, 0.0, 0.0, 0
     if checkpoint_dir:
+        if not Path(checkpoint_dir).is_dir():
+            raise ConfigError(f"checkpoint folder {str(checkpoint_dir)!r} is not a directory; pass the run's "
+                              "--checkpoint-dir (--calibrate-checkpoints DIR)")
         done, writes, merges = _checkpoint_times(Path(checkpoint_dir), steps)
         if not every and done:
             every = math.gcd(*done)
