@@ -246,3 +246,18 @@ def test_runtime_layout_waits_for_a_machine_when_no_stage_can_spare_one() -> Non
     assert run.lost_s["lost work"] == pytest.approx(0, abs=1e-9)
     assert run.useful_samples / ff + sum(run.lost_s.values()) == pytest.approx(50)
     assert [policy for _, policy, _ in system.policy_log] == ["adapt", "down", "restore"]
+
+
+def test_a_restore_can_be_charged_its_expected_loss() -> None:
+    # As test_a_restore_goes_back_to_the_newest_complete_checkpoint, but charged the expectation over where the
+    # failure falls in the interval: half of it (4 samples) plus the latency's worth at the running rate (3 s x
+    # 0.4 = 1.2 samples): 5.2 samples = 13 s lost, whatever the replay's own phase (it would lose 8.4 here).
+    costs = JobCosts(restart_s=5, checkpoint_every_steps=2, checkpoint_latency_s=3, restore_expected_loss=True,
+                     reshape=False, runtime_layout=True)
+    system, ff = _recycle(costs)
+    run = replay(system, STAGE_LOST, ff)
+    assert run.lost_s["lost work"] == pytest.approx(13)
+    assert run.useful_samples == pytest.approx(16.4 - 5.2 + 54 * 0.2)
+    assert run.useful_samples / ff + sum(run.lost_s.values()) == pytest.approx(100)
+    with pytest.raises(Exception, match="restore_expected_loss needs checkpoint_every_steps > 0"):
+        JobCosts(restore_expected_loss=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from recycle.api import load_trace, simulate_trace
 from recycle.commands import add_set_option
@@ -82,6 +83,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--runtime-layout", action="store_true",
                    help="ReCycle follows the runtime's layout rules: a node that comes back takes back its slot, a "
                         "lost stage is refilled by moving workers within their pipelines, no reshape")
+    p.add_argument("--restore-expected-loss", action="store_true",
+                   help="ReCycle's restores lose the expected progress since the newest complete checkpoint (half "
+                        "an interval plus the latency), not what the replay's own checkpoint phase gives; needs "
+                        "--checkpoint-every-steps (or --calibrate-checkpoints)")
     p.add_argument("--calibrate-from", metavar="METRICS",
                    help="a `recycle train --metrics` file: ReCycle's detect, plan-switch and restart pauses and its "
                         "redone share are fitted to its recoveries (replacing those flags); slots are "
@@ -111,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
                         args.calibrate_checkpoints or "")
         costs = fit.costs(costs)
         print(f"calibrated from {args.calibrate_from}: {fit.describe()}", file=sys.stderr)
+    costs = replace(costs, restore_expected_loss=args.restore_expected_loss)  # checked once the interval is known
     trace = load_trace(config, args.trace, generate=args.generate or "", seed=args.seed,
                        placement=args.placement or "random", gpus_per_node=args.gpus_per_node, replicas=args.replicas,
                        strict=args.strict)

@@ -110,12 +110,18 @@ class _Ledger:
             self.series.append((self.t, rate))
 
     def apply(self, d: Decision) -> None:
+        running_rate = self.rate
         self.rate = max(0.0, d.rate)
         self.overhead = d.overhead
         self.down_cause = d.down_cause
         if d.rollback:
             self._completed(self.t)
             lost = self.useful - self.ckpt_useful
+            if self.timing.expected_loss and self.timing.every_samples > 0:
+                # A failure at a uniformly random point of the interval: half an interval since the newest
+                # checkpoint taken, plus the one (or more) taken but not complete within the latency.
+                lost = min(self.useful, self.timing.every_samples / 2 + self.timing.latency_s * running_rate)
+                self.ckpt_useful = self.useful - lost
             if lost > 0:
                 self.useful = self.ckpt_useful
                 self.lost["lost work"] += lost / self.ff if self.ff > 0 else 0.0

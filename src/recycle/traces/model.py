@@ -52,6 +52,11 @@ class JobCosts:
     # Iterations the job had done when the trace starts: its checkpoints fall at multiples of checkpoint_every_steps
     # counted from the job's first iteration (a trace cut from a run that was already going).
     steps_done_at_start: float = 0.0
+    # Charge a restore the *expected* progress since the newest complete checkpoint (half an interval plus the
+    # latency's worth at the running rate) instead of what the replay's own checkpoint phase gives: over a run the
+    # replay's progress drifts from the real job's by more than an interval, so its phase is a fresh draw, and an
+    # expectation predicts a run with few restores with less error. Needs checkpoint_every_steps.
+    restore_expected_loss: bool = False
     # ReCycle keeps the runtime's layout rules (recycle.runtime.control.coordinator) instead of the planner's: a
     # returning unit takes back its own slot (or the one its reshape donor left), and a stage that lost every
     # replica is refilled by moving workers within their pipelines until the stages' counts differ by at most one.
@@ -90,6 +95,9 @@ class JobCosts:
                               f"{self.checkpoint_interval_s}, fallback_checkpoint_interval_s = "
                               f"{self.fallback_checkpoint_interval_s} (--checkpoint-interval-s, "
                               "--fallback-checkpoint-interval-s)")
+        if self.restore_expected_loss and not self.checkpoint_every_steps:
+            raise ConfigError("restore_expected_loss needs checkpoint_every_steps > 0 (the interval whose half a "
+                              "restore is expected to lose; --checkpoint-every-steps K, or --calibrate-checkpoints)")
         if self.checkpoint_every_steps != int(self.checkpoint_every_steps):
             raise ConfigError(f"checkpoint_every_steps = {self.checkpoint_every_steps} must be a whole number of "
                               "iterations (0: checkpoint by time; --checkpoint-every-steps)")
@@ -143,6 +151,7 @@ class CheckpointTiming:
     every_samples: float = 0.0  # > 0: one every this many samples of progress, instead of by running time
     latency_s: float = 0.0  # a checkpoint is restorable this long after it is taken (asynchronous write + merge)
     done_at_start: float = 0.0  # samples of progress before the replay starts (where the multiples count from)
+    expected_loss: bool = False  # a rollback loses every_samples / 2 + latency_s x rate, not the replay's phase
 
 
 @dataclass(frozen=True)

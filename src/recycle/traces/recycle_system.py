@@ -55,7 +55,8 @@ class ReCycleSystem:
         self.batch_samples = cfg.num_replicas * cfg.num_microbatches * cfg.workload.microbatch_size
         self.checkpoint_timing = CheckpointTiming(ctx.costs.checkpoint_every_steps * self.batch_samples,
                                                   ctx.costs.checkpoint_latency_s,
-                                                  ctx.costs.steps_done_at_start * self.batch_samples)
+                                                  ctx.costs.steps_done_at_start * self.batch_samples,
+                                                  ctx.costs.restore_expected_loss)
         self.home: dict[int, tuple[int, int]] = {}  # runtime_layout: the slot each unit last held
         self.vacated: dict[tuple[int, int], tuple[int, int]] = {}  # a lost stage's slot -> the slot its donor left
         self.layout = StageLayout(cfg.num_replicas, cfg.num_stages)
