@@ -19,8 +19,9 @@ Per seed:
    the recovery) against simulate() of the plan the runtime ran x the fitted slot. (b) Goodput: useful steps x
    samples per step over the run (end of step 1 to end of the last step) against the job simulator's ReCycle
    (runtime layout, runtime's plans as its period per state) over the same timeline, calibrated on this run
-   (in-sample) and on the other seed's run (its costs and slot: out-of-sample), and through `recycle simulate` (the CLI, with
-   --calibrate-from). The model before issue 27 (planner layout, checkpoints by time, the default redo fraction)
+   (in-sample) and on the other seed's run (its costs and slot: out-of-sample), each with the restores charged by
+   the replay's own checkpoint phase and by their expected loss (--restore-expected-loss), and through `recycle
+   simulate` (the CLI, with --calibrate-from). The model before issue 27 (planner layout, checkpoints by time, the default redo fraction)
    is printed for comparison.
 """
 

@@ -219,6 +219,10 @@ def test_cli_calibrates_from_a_runtime_metrics_file(tmp_path: Path, capsys) -> N
     assert main(["simulate", "--config", toy, "--trace", str(trace), "--calibrate-from", str(tmp_path / "none"),
                  "--out", str(tmp_path / "out3")]) == 2
     assert "cannot read the runtime metrics" in capsys.readouterr().err
+    assert main(["simulate", "--config", toy, "--trace", str(trace), "--restore-expected-loss", "--out",
+                 str(tmp_path / "out4")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: restore_expected_loss needs checkpoint_every_steps > 0") and err.count("\n") == 1
 
 
 def test_checkpoints_count_from_the_jobs_start() -> None:
