@@ -150,6 +150,8 @@ def test_calibration_reads_a_metrics_file_and_says_what_is_wrong(tmp_path: Path)
         read_metrics(path)
     with pytest.raises(Exception, match="cannot read the runtime metrics"):
         read_metrics(tmp_path / "absent.jsonl")
+    with pytest.raises(Exception, match="not as `recycle train --metrics` writes them .KeyError: 'resumed_s'"):
+        calibrate([{k: v for k, v in r.items() if k != "resumed_s"} for r in _records()])
     with pytest.raises(Exception, match="is not a directory; pass the run's --checkpoint-dir"):
         calibrate(_records(), checkpoint_dir=tmp_path / "absent")
     assert iteration_work_units(uniform_config(3, 2, 2)) == 3 * 2 * 2 * 3  # D x M x stages x (F + B + W)

@@ -142,6 +142,15 @@ def calibrate(records: list[dict[str, Any]], iteration_work_s: float = 0.0, chec
     (`iteration_work_units` x seconds per unit); 0 caps the redone share by progress alone."""
     if not (math.isfinite(iteration_work_s) and iteration_work_s >= 0):
         raise ConfigError(f"iteration_work_s = {iteration_work_s} must be a number of seconds >= 0")
+    try:
+        return _calibrate(records, iteration_work_s, checkpoint_dir, checkpoint_every)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"the runtime's records are not as `recycle train --metrics` writes them ({type(e).__name__}: "
+                          f"{e}); pass that file unchanged") from None
+
+
+def _calibrate(records: list[dict[str, Any]], iteration_work_s: float, checkpoint_dir: str | Path,
+               checkpoint_every: int) -> RuntimeCalibration:
     steps = [r for r in records if "event" not in r and isinstance(r.get("step"), int)]
     recoveries = [r for r in records if r.get("event") == "recovery"]
     restores = [r for r in recoveries if r.get("restored_step") is not None]
