@@ -38,18 +38,19 @@ def test_failure_and_rejoin_hand_computed() -> None:
     assert ff == pytest.approx(0.4)  # 4 samples / 10 s
     # Units 0..3 hold (0,0), (0,1), (1,0), (1,1). Unit 3 fails at 100 and re-joins at 150 (no transfer time).
     run = replay(system, _timeline([(0, {0, 1, 2, 3}), (100, {0, 1, 2}), (150, {0, 1, 2, 3})], 200), ff)
-    # 0-100 at 0.4; 100-102 detect, 102-107 the interrupted iteration redone (half of the 10 s period), 107-108
-    # switch; 108-150 at 4/15; 150-151 switch (a re-join waits for an iteration boundary: nothing redone); 151-200
-    expected = 100 * 0.4 + 42 * 4 / 15 + 49 * 0.4
+    # 0-100 at 0.4; 100-102 detect; 102-109.5 the interrupted iteration's thrown-away half redone on the new plan
+    # (2 samples at 4/15 per s: half of its 15 s period); 109.5-110.5 switch; 110.5-150 at 4/15; 150-151 switch (a
+    # re-join waits for an iteration boundary: nothing redone); 151-200
+    expected = 100 * 0.4 + 39.5 * 4 / 15 + 49 * 0.4
     assert run.processed_samples == pytest.approx(expected)
     assert run.useful_samples == pytest.approx(expected)
     assert run.lost_s["detection"] == pytest.approx(2) and run.lost_s["plan switch"] == pytest.approx(2)
-    assert run.lost_s["redone iteration"] == pytest.approx(5)
-    assert run.lost_s["degraded"] == pytest.approx(42 * (1 - (4 / 15) / 0.4))
+    assert run.lost_s["redone iteration"] == pytest.approx(7.5)
+    assert run.lost_s["degraded"] == pytest.approx(39.5 * (1 - (4 / 15) / 0.4))
     assert run.mean_throughput == pytest.approx(expected / 200)
     assert run.goodput == pytest.approx(expected / (200 * 0.4))
     assert run.useful_samples / ff + sum(run.lost_s.values()) == pytest.approx(200)
-    assert run.series[0] == (0.0, 0.4) and (100.0, 0.0) in run.series and (108.0, pytest.approx(4 / 15)) in [
+    assert run.series[0] == (0.0, 0.4) and (100.0, 0.0) in run.series and (110.5, pytest.approx(4 / 15)) in [
         (t, r) for t, r in run.series]
     # The paper's model (no redo): 103-150 at 4/15.
     system, _ = _recycle(replace(costs, redo_fraction=0))
@@ -81,9 +82,9 @@ def test_rejoin_waits_for_its_state_transfer() -> None:
     costs = JobCosts(detect_s=0, plan_switch_s=1, fallback_checkpoint_interval_s=1e9)
     system, ff = _recycle(costs, parse_config(raw))
     run = replay(system, _timeline([(0, {0, 1, 2, 3}), (100, {0, 1, 2}), (150, {0, 1, 2, 3})], 200), ff)
-    # 100-105 redo, 105-106 switch; 106-160 at 4/15 (the unit re-joins at 150, copies until 160); 160-161 switch;
-    # 161-200 full
-    expected = 100 * 0.4 + 54 * 4 / 15 + 39 * 0.4
+    # 100-107.5 redo (half an iteration at the new 15 s period), 107.5-108.5 switch; 108.5-160 at 4/15 (the unit
+    # re-joins at 150, copies until 160); 160-161 switch; 161-200 full
+    expected = 100 * 0.4 + 51.5 * 4 / 15 + 39 * 0.4
     assert run.processed_samples == pytest.approx(expected)
 
 
@@ -94,8 +95,8 @@ def test_messy_trace_end_to_end_with_injected_period() -> None:
     result = run_job(uniform_config(2, 2, 2), trace, costs=costs, setup=JobSetup(reference="planner"),
                      period_fn=fake_period, period_label="fake")
     runs = result.runs
-    # 60-65: the interrupted iteration redone (half of the 10 s period)
-    assert runs["recycle"].processed_samples == pytest.approx(60 * 0.4 + 55 * 4 / 15 + 60 * 0.4)
+    # 60-67.5: the interrupted iteration's half redone on the new plan (half of its 15 s period)
+    assert runs["recycle"].processed_samples == pytest.approx(60 * 0.4 + 52.5 * 4 / 15 + 60 * 0.4)
     assert runs["fault-scaled"].processed_samples == pytest.approx(60 * 0.4 + 60 * 0.3 + 60 * 0.4)
     assert runs["fault-free"].goodput == pytest.approx(1.0)
     for run in runs.values():
@@ -159,21 +160,22 @@ def test_reshape_hand_computed_and_grows_back() -> None:
     # full pipelines, key (1, 1), period 15 s, 0.4/s: one stage-0 unit takes stage 1 (no bytes to copy), pause 5 s.
     # (0.4 - 0.2) * 1800 > 0.4 * 5, so it reshapes. At 200 both return and fill the empty row: key (0, 0).
     run = replay(system, _timeline([(0, set(range(6))), (100, {0, 2, 4, 5}), (200, set(range(6)))], 300), 0.6)
-    # 0-100 at 0.6; 100-102 detection; 102-107 redo (half of 10 s); 107-112 reconfiguration; 112-200 at 0.4;
-    # 200-201 plan switch; 201-300 at 0.6
-    expected = 100 * 0.6 + 88 * 0.4 + 99 * 0.6
+    # 0-100 at 0.6; 100-102 detection; 102-109.5 redo (half the batch, 3 samples, at the new 0.4/s);
+    # 109.5-114.5 reconfiguration; 114.5-200 at 0.4; 200-201 plan switch; 201-300 at 0.6
+    expected = 100 * 0.6 + 85.5 * 0.4 + 99 * 0.6
     assert run.processed_samples == pytest.approx(expected)
     assert run.lost_s["detection"] == pytest.approx(2) and run.lost_s["reconfiguration"] == pytest.approx(5)
     assert run.lost_s["plan switch"] == pytest.approx(1)
-    assert run.lost_s["degraded"] == pytest.approx(88 * (1 - 0.4 / 0.6))
+    assert run.lost_s["degraded"] == pytest.approx(85.5 * (1 - 0.4 / 0.6))
     assert run.useful_samples / 0.6 + sum(run.lost_s.values()) == pytest.approx(300)
     assert [(t, policy) for t, policy, _ in system.policy_log] == [(0, "adapt"), (100, "reshape"), (200, "adapt")]
     assert model.samples_per_iteration == 6  # the global batch never changes
 
-    # The same trace without the policy: 108-200 at 0.2 (detection, redo, then a plan switch).
+    # The same trace without the policy: 118-200 at 0.2 (detection 2 s, redo 3 samples at 0.2/s = 15 s, then a
+    # plan switch).
     system = ReCycleSystem(JobContext(cfg, 0.6, 1.0, replace(costs, reshape=False)), model)
     plain = replay(system, _timeline([(0, set(range(6))), (100, {0, 2, 4, 5}), (200, set(range(6)))], 300), 0.6)
-    assert plain.processed_samples == pytest.approx(100 * 0.6 + 92 * 0.2 + 99 * 0.6)
+    assert plain.processed_samples == pytest.approx(100 * 0.6 + 82 * 0.2 + 99 * 0.6)
     assert run.goodput > plain.goodput
 
 

@@ -163,16 +163,17 @@ def test_repartition_timeline_hand_computed() -> None:
     system, ff = _plus()
     run = replay(system, _timeline([(0, {0, 1, 2, 3}), (3600, {0, 1, 3}), (7200, {0, 1, 2, 3})], 9000), ff)
     assert ff == pytest.approx(0.4)  # 4 samples / 10 s
-    # 0-3600 at 0.4. 3600: detect 2 + the interrupted iteration redone 5 (half the 10 s period) + plan switch 1 (to
-    # the re-partitioned plan: one switch per event) + the migration 12 s -> 3620, then the re-partitioned rate
+    # 0-3600 at 0.4. 3600: detect 2 + the interrupted iteration's half redone on the re-routed plan 7.5 (2 samples
+    # at 4/15 per s) + plan switch 1 (to the re-partitioned plan: one switch per event) + the migration 12 s ->
+    # 3622.5, then the re-partitioned rate
     # 4 / 12. 7200: unit 2 re-joins, copying its 12 MB of stage state for 12 s while training goes on; 7212: plan
     # switch 1 + layers back 6 (6 MB: the two stage-0 workers each take layer 1 from a stage-1 peer) -> 7219,
     # then 0.4 until 9000.
-    expected = 3600 * 0.4 + (7212 - 3620) * 4 / 12 + (9000 - 7219) * 0.4
+    expected = 3600 * 0.4 + (7212 - 3622.5) * 4 / 12 + (9000 - 7219) * 0.4
     assert run.processed_samples == pytest.approx(expected)
-    assert run.series == ((0.0, 0.4), (3600.0, 0.0), (3620.0, pytest.approx(1 / 3)), (7212.0, 0.0),
+    assert run.series == ((0.0, 0.4), (3600.0, 0.0), (3622.5, pytest.approx(1 / 3)), (7212.0, 0.0),
                           (7219.0, 0.4))
-    assert run.lost_s["reconfiguration"] == pytest.approx(12 + 6) and run.lost_s["redone iteration"] == 5
+    assert run.lost_s["reconfiguration"] == pytest.approx(12 + 6) and run.lost_s["redone iteration"] == pytest.approx(7.5)
     assert run.lost_s["plan switch"] == pytest.approx(2)
     assert run.useful_samples / ff + sum(run.lost_s.values()) == pytest.approx(9000)
 
@@ -300,10 +301,10 @@ def test_time_by_state_accounts_for_the_whole_replay() -> None:
     system, ff = _plus()
     replay(system, _timeline([(0, {0, 1, 2, 3}), (3600, {0, 1, 3}), (7200, {0, 1, 2, 3})], 9000), ff)
     states = {(tuple(s["key"]), tuple(s["partition"])): s for s in system.time_by_state(9000)}
-    # As in test_repartition_timeline_hand_computed: 3612 s with 20 s of pauses on the re-partitioned layout until
+    # As in test_repartition_timeline_hand_computed: 3612 s with 22.5 s of pauses on the re-partitioned layout until
     # the re-joined worker is ready at 7212 s; the configured layout before and after, 7 s of pauses on return.
     moved, home = states[((1, 0), (1, 3))], states[((0, 0), (2, 2))]
-    assert moved["seconds"] == pytest.approx(3612) and moved["running_s"] == pytest.approx(3612 - 20)
+    assert moved["seconds"] == pytest.approx(3612) and moved["running_s"] == pytest.approx(3612 - 22.5)
     assert home["seconds"] == pytest.approx(3600 + 1788) and home["running_s"] == pytest.approx(3600 + 1788 - 7)
     assert moved["rate"] == pytest.approx(4 / 12) and set(states) == {((1, 0), (1, 3)), ((0, 0), (2, 2))}
 

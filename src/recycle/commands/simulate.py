@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from recycle.api import load_trace, simulate_trace
 from recycle.commands import add_set_option
@@ -21,7 +22,8 @@ __all__ = ["register", "run"]
 
 # JobCosts knobs a user can set from the command line (--detect-s ...).
 COST_FLAGS = ("detect_s", "plan_switch_s", "redo_fraction", "restart_s", "checkpoint_interval_s", "checkpoint_cost_s",
-              "fallback_checkpoint_interval_s", "fallback_checkpoint_cost_s", "oobleck_reconfig_s",
+              "fallback_checkpoint_interval_s", "fallback_checkpoint_cost_s", "checkpoint_every_steps",
+              "checkpoint_latency_s", "steps_done_at_start", "oobleck_reconfig_s",
               "bamboo_reconfig_s", "bamboo_rc_overhead", "reshape_horizon_s", "repartition_prior_s",
               "torchft_detect_s", "torchft_quorum_s", "torchft_lost_step_fraction", "torchft_heal_bytes_per_s",
               "torchft_restart_s")
@@ -78,6 +80,20 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--torchft-regroup", action="store_true",
                    help="torchft-like pools the idle survivors of broken replica groups into complete groups instead "
                         "of each group waiting for its own repair")
+    p.add_argument("--runtime-layout", action="store_true",
+                   help="ReCycle follows the runtime's layout rules: a node that comes back takes back its slot, a "
+                        "lost stage is refilled by moving workers within their pipelines, no reshape")
+    p.add_argument("--restore-expected-loss", action="store_true",
+                   help="ReCycle's restores lose the expected progress since the newest complete checkpoint (half "
+                        "an interval plus the latency), not what the replay's own checkpoint phase gives; needs "
+                        "--checkpoint-every-steps (or --calibrate-checkpoints)")
+    p.add_argument("--calibrate-from", metavar="METRICS",
+                   help="a `recycle train --metrics` file: ReCycle's detect, plan-switch and restart pauses and its "
+                        "redone share are fitted to its recoveries (replacing those flags); slots are "
+                        "--slot-seconds long")
+    p.add_argument("--calibrate-checkpoints", metavar="DIR",
+                   help="with --calibrate-from: that run's --checkpoint-dir; its files give the checkpoint interval "
+                        "and how long after its step a checkpoint is restorable")
     p.add_argument("--no-reshape", action="store_true",
                    help="ReCycle never reshapes into D' = live // S pipelines; it only re-routes on the D x S grid "
                         "(and restores from the checkpoint when a stage is lost)")
@@ -89,8 +105,18 @@ def run(args: argparse.Namespace) -> int:
     check_systems(args.systems)  # before the config and the trace are read
     config = load_config(args.config, args.set)
     costs = JobCosts(**{name: getattr(args, name) for name in COST_FLAGS}, reshape=not args.no_reshape,
-                     torchft_regroup=args.torchft_regroup)
+                     torchft_regroup=args.torchft_regroup, runtime_layout=args.runtime_layout)
     JobSetup(gpus_per_node=args.gpus_per_node, slot_seconds=args.slot_seconds)  # checks both before the trace is read
+    if args.calibrate_checkpoints and not args.calibrate_from:
+        raise ConfigError("--calibrate-checkpoints DIR needs --calibrate-from METRICS (the same run's --metrics file)")
+    if args.calibrate_from:
+        from recycle.traces.calibration import calibrate, iteration_work_units, read_metrics
+
+        fit = calibrate(read_metrics(args.calibrate_from), iteration_work_units(config) * args.slot_seconds,
+                        args.calibrate_checkpoints or "")
+        costs = fit.costs(costs)
+        print(f"calibrated from {args.calibrate_from}: {fit.describe()}", file=sys.stderr)
+    costs = replace(costs, restore_expected_loss=args.restore_expected_loss)  # checked once the interval is known
     trace = load_trace(config, args.trace, generate=args.generate or "", seed=args.seed,
                        placement=args.placement or "random", gpus_per_node=args.gpus_per_node, replicas=args.replicas,
                        strict=args.strict)

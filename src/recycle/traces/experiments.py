@@ -172,7 +172,9 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
     serve and every weighed key is planned (the path before the plan cache existed: benchmarks compare the two)."""
     check_systems(systems)
     check_replay(trace, setup.gpus_per_node, config.topology.gpus_per_worker, costs)
-    timeline = map_trace_to_units(trace, setup.gpus_per_node, config.topology.gpus_per_worker)
+    # The runtime's layout rules need a returning machine to be the same unit (it restarts a worker in its slot).
+    timeline = map_trace_to_units(trace, setup.gpus_per_node, config.topology.gpus_per_worker,
+                                  keep_positions=costs.runtime_layout)
     config = size_to_trace(config, timeline, setup.replicas)
     _check_placement_grid(trace, config, setup.gpus_per_node, timeline)
     if setup.reference not in ("1f1b", "planner"):

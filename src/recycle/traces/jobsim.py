@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from recycle.traces.mapping import UnitTimeline
-from recycle.traces.model import CAUSES, Decision, JobContext, SystemModel
+from recycle.traces.model import CAUSES, CheckpointTiming, Decision, JobContext, SystemModel
 
 __all__ = ["SystemRun", "replay", "replay_all", "JobResult", "rate_at", "compare_series", "binned"]
 
@@ -81,9 +81,13 @@ class SystemRun:
 class _Ledger:
     """Integrates one system's rate over time, serving pauses and checkpoints; keeps the loss identity exact."""
 
-    def __init__(self, fault_free: float, checkpoint: tuple[float, float] | None) -> None:
+    def __init__(self, fault_free: float, checkpoint: tuple[float, float] | None,
+                 timing: CheckpointTiming = CheckpointTiming()) -> None:
         self.ff = fault_free
         self.checkpoint = checkpoint
+        self.timing = timing
+        self.ckpt_useful = 0.0  # useful samples at the newest complete checkpoint (the start counts as one)
+        self.pending: deque[tuple[float, float]] = deque()  # (restorable from, useful samples) being written
         self.t = 0.0
         self.rate = 0.0
         self.overhead: tuple[tuple[str, float], ...] = ()
@@ -91,7 +95,6 @@ class _Ledger:
         self.pauses: deque[list] = deque()
         self.processed = 0.0
         self.useful = 0.0
-        self.since_ckpt = 0.0
         self.run_since_ckpt = 0.0
         self.lost = {c: 0.0 for c in CAUSES}
         self.series: list[tuple[float, float]] = []
@@ -107,18 +110,26 @@ class _Ledger:
             self.series.append((self.t, rate))
 
     def apply(self, d: Decision) -> None:
+        running_rate = self.rate
         self.rate = max(0.0, d.rate)
         self.overhead = d.overhead
         self.down_cause = d.down_cause
-        if d.rollback and self.since_ckpt > 0:
-            self.useful -= self.since_ckpt
-            self.lost["lost work"] += self.since_ckpt / self.ff if self.ff > 0 else 0.0
-            self.since_ckpt = 0.0
-            self.rollbacks += 1
-        elif d.rollback:
+        if d.rollback:
+            self._completed(self.t)
+            lost = self.useful - self.ckpt_useful
+            if self.timing.expected_loss and self.timing.every_samples > 0:
+                # A failure at a uniformly random point of the interval: half an interval since the newest
+                # checkpoint taken, plus the one (or more) taken but not complete within the latency.
+                lost = min(self.useful, self.timing.every_samples / 2 + self.timing.latency_s * running_rate)
+                self.ckpt_useful = self.useful - lost
+            if lost > 0:
+                self.useful = self.ckpt_useful
+                self.lost["lost work"] += lost / self.ff if self.ff > 0 else 0.0
+            self.pending.clear()  # checkpoints still being written when the state was lost never complete
             self.rollbacks += 1
         if d.checkpoint_now:
-            self.since_ckpt = 0.0
+            self.pending.clear()
+            self.ckpt_useful = self.useful
             self.run_since_ckpt = 0.0
         for cause, seconds in d.pauses:
             if seconds > 0:
@@ -126,6 +137,32 @@ class _Ledger:
         if not self.steady or self.steady[-1][1] != self.rate:
             self.steady.append((self.t, self.rate))
         self._mark(0.0 if self.pauses else self.rate)
+
+    def _completed(self, now: float) -> None:
+        """Checkpoints whose write and merge are done by `now` become the newest complete one."""
+        while self.pending and self.pending[0][0] <= now + _EPS:
+            self.ckpt_useful = self.pending.popleft()[1]
+
+    def _take_checkpoint(self) -> None:
+        self.run_since_ckpt = 0.0
+        self._completed(self.t)
+        if self.timing.latency_s > 0:
+            self.pending.append((self.t + self.timing.latency_s, self.useful))
+        else:
+            self.ckpt_useful = self.useful
+
+    def _until_checkpoint(self) -> float:
+        """Seconds of running at the current rate until the next checkpoint is due (inf: none)."""
+        if self.checkpoint is None:
+            return math.inf
+        every = self.timing.every_samples
+        if every > 0:
+            # At every multiple of `every` samples of progress since the job's start, as the runtime counts steps
+            # (a restore counts again from the restored checkpoint's step).
+            progress = self.useful + self.timing.done_at_start
+            next_at = (math.floor(progress / every + _EPS) + 1) * every
+            return max(0.0, next_at - progress) / self.rate
+        return self.checkpoint[0] - self.run_since_ckpt
 
     def advance(self, until: float) -> None:
         while self.t < until - _EPS:
@@ -145,14 +182,12 @@ class _Ledger:
                 continue
             dt = until - self.t
             due = False
-            if self.checkpoint is not None:
-                left = self.checkpoint[0] - self.run_since_ckpt
-                if left <= dt + _EPS:
-                    dt, due = max(0.0, left), True
+            left = self._until_checkpoint()
+            if left <= dt + _EPS:
+                dt, due = max(0.0, left), True
             gained = self.rate * dt
             self.processed += gained
             self.useful += gained
-            self.since_ckpt += gained
             self.run_since_ckpt += dt
             if self.ff > 0:
                 explained = 0.0
@@ -162,8 +197,8 @@ class _Ledger:
                 self.lost["degraded"] += max(0.0, self.ff - self.rate - explained) * dt / self.ff
             self.t += dt
             if due:
-                self.since_ckpt = 0.0  # the checkpoint captures the state at its start
-                self.run_since_ckpt = 0.0
+                assert self.checkpoint is not None
+                self._take_checkpoint()  # the checkpoint captures the state at its start
                 if self.checkpoint[1] > 0:
                     self.pauses.appendleft(["checkpoint", self.checkpoint[1]])
                     self._mark(0.0)
@@ -171,7 +206,7 @@ class _Ledger:
 
 def replay(system: SystemModel, timeline: UnitTimeline, fault_free_rate: float) -> SystemRun:
     """Replay one system over the timeline (see the module docstring for the definitions)."""
-    ledger = _Ledger(fault_free_rate, system.checkpoint)
+    ledger = _Ledger(fault_free_rate, system.checkpoint, getattr(system, "checkpoint_timing", CheckpointTiming()))
     first = system.start(0.0, timeline.live[0])
     ledger.apply(first)
     wake = first.wake_at

@@ -42,7 +42,7 @@ class NodePositions:
     """Node -> position -> worker units, exactly as `map_trace_to_units` assigns them (shared by the placement
     policies so that the node they pick is the worker they mean)."""
 
-    def __init__(self, gpus_per_node: int, gpus_per_worker: int) -> None:
+    def __init__(self, gpus_per_node: int, gpus_per_worker: int, keep_positions: bool = False) -> None:
         if gpus_per_node < 1 or gpus_per_worker < 1:
             raise TraceError(f"gpus_per_node = {gpus_per_node} and gpus_per_worker = {gpus_per_worker} must be >= 1")
         if gpus_per_node >= gpus_per_worker:
@@ -56,6 +56,10 @@ class NodePositions:
                                  f"= {gpus_per_node}; pick --gpus-per-node that divides the worker size")
             self.units_per_node, self.nodes_per_unit = 1, gpus_per_worker // gpus_per_node
         self.position: dict[str, int] = {}
+        # keep_positions: a node that comes back (the same name) takes its old position again when that is free, so
+        # a repaired machine is the same unit (the runtime restarts a dead worker in its own slot).
+        self.keep_positions = keep_positions
+        self.last: dict[str, int] = {}
         self.occupied: set[int] = set()
         # The free positions: those in the heap `_free` (each freed by a leave) and every one from `_next` on, so a
         # join takes the lowest in O(log n), not by counting up from 0 (quadratic: 70 s for 65,536 nodes).
@@ -64,6 +68,13 @@ class NodePositions:
 
     def join(self, node: str, excluded: set[int]) -> None:
         """The node takes the lowest free position, never one in `excluded` (freed at the same instant)."""
+        old = self.last.get(node) if self.keep_positions else None
+        if old is not None and old not in self.occupied and old not in excluded and old in self._free:
+            self._free.remove(old)
+            heapq.heapify(self._free)
+            self.position[node] = old
+            self.occupied.add(old)
+            return
         held = []
         while self._free and self._free[0] in excluded:
             held.append(heapq.heappop(self._free))
@@ -75,6 +86,7 @@ class NodePositions:
         for q in held:
             heapq.heappush(self._free, q)
         self.position[node] = p
+        self.last[node] = p
         self.occupied.add(p)
 
     def leave(self, node: str) -> int:
@@ -109,13 +121,15 @@ class NodePositions:
         return nodes * self.units_per_node if self.nodes_per_unit == 1 else nodes // self.nodes_per_unit
 
 
-def map_trace_to_units(trace: EventTrace, gpus_per_node: int = 1, gpus_per_worker: int = 1) -> UnitTimeline:
+def map_trace_to_units(trace: EventTrace, gpus_per_node: int = 1, gpus_per_worker: int = 1,
+                       keep_positions: bool = False) -> UnitTimeline:
     """Give every node a position (the lowest free one when it joins) and derive the live unit set per change.
 
     A node that joins at the instant another leaves does not take the leaver's position, so the loss and the join
-    stay visible as two different units (a replacement is a re-join, not "nothing happened").
+    stay visible as two different units (a replacement is a re-join, not "nothing happened"). With
+    `keep_positions`, a node that left and comes back takes its old position again when it is free.
     """
-    pos = NodePositions(gpus_per_node, gpus_per_worker)
+    pos = NodePositions(gpus_per_node, gpus_per_worker, keep_positions)
     for node in sorted(trace.initial, key=node_order):
         pos.join(node, set())
     times = [0.0]

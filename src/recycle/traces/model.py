@@ -10,7 +10,7 @@ from typing import Iterable, Protocol
 from recycle.config import Config
 from recycle.errors import ConfigError
 
-__all__ = ["JobCosts", "JobContext", "Decision", "SystemModel", "StageLayout", "CAUSES"]
+__all__ = ["JobCosts", "JobContext", "CheckpointTiming", "Decision", "SystemModel", "StageLayout", "CAUSES"]
 
 # Causes of lost time, in report order. Each is in seconds of fault-free-equivalent training time.
 CAUSES = (
@@ -43,6 +43,24 @@ class JobCosts:
     checkpoint_cost_s: float = 120.0  # Oobleck artifact, Varuna GPT-3 6.7B checkpointing overhead (120,000 ms)
     fallback_checkpoint_interval_s: float = 3600.0  # adaptive systems checkpoint too, as a fallback; assumption
     fallback_checkpoint_cost_s: float = 0.0  # ... asynchronously (CheckFreq-style): no pause; assumption
+    # ReCycle's fallback checkpoint as the runtime takes it (`recycle train --checkpoint-every K`): every K iterations
+    # of progress instead of every fallback_checkpoint_interval_s of running (0: by time). A checkpoint is restorable
+    # only `checkpoint_latency_s` after its iteration ends (the asynchronous write of the slowest stage's shard, then
+    # the coordinator's merge): a restore goes back to the newest checkpoint complete at the failure.
+    checkpoint_every_steps: float = 0.0
+    checkpoint_latency_s: float = 0.0
+    # Iterations the job had done when the trace starts: its checkpoints fall at multiples of checkpoint_every_steps
+    # counted from the job's first iteration (a trace cut from a run that was already going).
+    steps_done_at_start: float = 0.0
+    # Charge a restore the *expected* progress since the newest complete checkpoint (half an interval plus the
+    # latency's worth at the running rate) instead of what the replay's own checkpoint phase gives: over a run the
+    # replay's progress drifts from the real job's by more than an interval, so its phase is a fresh draw, and an
+    # expectation predicts a run with few restores with less error. Needs checkpoint_every_steps.
+    restore_expected_loss: bool = False
+    # ReCycle keeps the runtime's layout rules (recycle.runtime.control.coordinator) instead of the planner's: a
+    # returning unit takes back its own slot (or the one its reshape donor left), and a stage that lost every
+    # replica is refilled by moving workers within their pipelines until the stages' counts differ by at most one.
+    runtime_layout: bool = False
     oobleck_reconfig_s: float = 10.0  # Oobleck artifact, GPT-3 6.7B reconfiguration (10,000 ms)
     bamboo_reconfig_s: float = 450.0  # Oobleck artifact, Bamboo GPT-3 6.7B local rendezvous (450,000 ms)
     bamboo_rc_overhead: float = 0.2785  # Oobleck artifact bamboo_simulator redundant_ratio (6 h trace)
@@ -77,6 +95,12 @@ class JobCosts:
                               f"{self.checkpoint_interval_s}, fallback_checkpoint_interval_s = "
                               f"{self.fallback_checkpoint_interval_s} (--checkpoint-interval-s, "
                               "--fallback-checkpoint-interval-s)")
+        if self.restore_expected_loss and not self.checkpoint_every_steps:
+            raise ConfigError("restore_expected_loss needs checkpoint_every_steps > 0 (the interval whose half a "
+                              "restore is expected to lose; --checkpoint-every-steps K, or --calibrate-checkpoints)")
+        if self.checkpoint_every_steps != int(self.checkpoint_every_steps):
+            raise ConfigError(f"checkpoint_every_steps = {self.checkpoint_every_steps} must be a whole number of "
+                              "iterations (0: checkpoint by time; --checkpoint-every-steps)")
         if self.redo_fraction > 1:
             raise ConfigError(f"redo_fraction = {self.redo_fraction} must be in [0, 1] (a fraction of one iteration; --redo-fraction)")
         if self.torchft_lost_step_fraction > 1:
@@ -121,6 +145,16 @@ class JobContext:
 
 
 @dataclass(frozen=True)
+class CheckpointTiming:
+    """When a system's periodic checkpoints are taken, and when each can be restored (both: the runtime's rules)."""
+
+    every_samples: float = 0.0  # > 0: one every this many samples of progress, instead of by running time
+    latency_s: float = 0.0  # a checkpoint is restorable this long after it is taken (asynchronous write + merge)
+    done_at_start: float = 0.0  # samples of progress before the replay starts (where the multiples count from)
+    expected_loss: bool = False  # a rollback loses every_samples / 2 + latency_s x rate, not the replay's phase
+
+
+@dataclass(frozen=True)
 class Decision:
     """What a system does after a change: its running rate, pauses to serve first, and bookkeeping."""
 
@@ -140,6 +174,8 @@ class SystemModel(Protocol):
     name: str
     label: str  # e.g. "ReCycle (planner)", "Oobleck-like (model)"
     checkpoint: tuple[float, float] | None  # (interval_s, cost_s) of periodic checkpoints, or None
+    # Optional `checkpoint_timing: CheckpointTiming`: checkpoints by progress and their restore latency (default: by
+    # running time, restorable at once).
 
     def start(self, now: float, live: frozenset[int]) -> Decision: ...
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from recycle.traces.model import Decision, JobContext, StageLayout
+from dataclasses import replace
+
+from recycle.traces.model import CheckpointTiming, Decision, JobContext, StageLayout
+from recycle.traces.runtime_layout import balancing_moves, return_slot
 from recycle.traces.throughput import ThroughputModel
 
 __all__ = ["ReCycleSystem"]
@@ -14,14 +17,20 @@ class ReCycleSystem:
     * units are laid out on the D x S grid; a failed worker's slot stays empty and the rate is the throughput of
       the plan for the normalized key of the empty slots (`ThroughputModel`, cached per key);
     * a failure of a working worker costs `detect_s` then `plan_switch_s` (a plan-store lookup, not a solve), and the
-      iteration it interrupted is redone: `redo_fraction` of one period of the state before the failure;
+      work of the iteration it interrupted that was thrown away is redone on the new plan: `redo_fraction` of one
+      period of the state after the failure (the runtime's records measure that fraction: traces/calibration.py);
     * a re-joining unit (or a spare) fills an empty slot of the most depleted stage; it first copies its stage's
       parameters and optimizer state from a live peer over one link while training goes on with the old plan,
       then every worker switches plan (`plan_switch_s`);
     * a stage that loses every replica has lost its weights: the progress since the last (fallback) checkpoint is
       lost, and once at least S units are live the job restores from the checkpoint (`restart_s`) onto all live
       units, laid out stage by stage;
-    * periodic fallback checkpoints (`fallback_checkpoint_*`, asynchronous by default);
+    * periodic fallback checkpoints (`fallback_checkpoint_*`, asynchronous by default), or every
+      `checkpoint_every_steps` iterations of progress as the runtime takes them, each restorable only
+      `checkpoint_latency_s` after it is taken (write + merge);
+    * `runtime_layout`: the runtime's layout rules instead (traces/runtime_layout.py): a returning unit takes back
+      its own slot (or the one its reshape donor left), a lost stage is refilled by moving workers within their
+      pipelines (then restored from the checkpoint; down while a stage stays empty), and no reshape;
     * reshape policy (`JobCosts.reshape`, on by default): after every change, the live workers (spares included)
       could instead form D' = live // S full pipelines plus leftover workers whose micro-batches are re-routed
       (the global batch stays D x M micro-batches: `_compact`). When that layout's rate beats the current one's
@@ -43,6 +52,13 @@ class ReCycleSystem:
         self.label = f"ReCycle ({throughput.label})" if throughput.label else "ReCycle"
         self.checkpoint = (ctx.costs.fallback_checkpoint_interval_s, ctx.costs.fallback_checkpoint_cost_s)
         cfg = ctx.config
+        self.batch_samples = cfg.num_replicas * cfg.num_microbatches * cfg.workload.microbatch_size
+        self.checkpoint_timing = CheckpointTiming(ctx.costs.checkpoint_every_steps * self.batch_samples,
+                                                  ctx.costs.checkpoint_latency_s,
+                                                  ctx.costs.steps_done_at_start * self.batch_samples,
+                                                  ctx.costs.restore_expected_loss)
+        self.home: dict[int, tuple[int, int]] = {}  # runtime_layout: the slot each unit last held
+        self.vacated: dict[tuple[int, int], tuple[int, int]] = {}  # a lost stage's slot -> the slot its donor left
         self.layout = StageLayout(cfg.num_replicas, cfg.num_stages)
         self.down = False
         self.key: tuple[int, ...] | None = None
@@ -68,6 +84,8 @@ class ReCycleSystem:
     def _restore(self, now: float, live: frozenset[int], first_loss: bool, lost_stage: int) -> Decision:
         S = self.ctx.config.num_stages
         note = f"stage {lost_stage} lost every replica" if lost_stage >= 0 else "workers returned"
+        if self.ctx.costs.runtime_layout:
+            return self._restore_in_place(now, first_loss, note)
         if len(live) < S:
             self.down = True
             self.key = None
@@ -83,8 +101,46 @@ class ReCycleSystem:
         return Decision(decision.rate, pauses=decision.pauses, rollback=first_loss, wake_at=decision.wake_at,
                         note=decision.note)
 
+    def _restore_in_place(self, now: float, first_loss: bool, note: str) -> Decision:
+        """The runtime's restore: every unit keeps its slot, workers of the fullest stages move into the emptied
+        one within their pipelines; while a stage stays empty (no stage to spare) the job waits for a returning
+        unit (a spare, a unit the trace never placed, fills an empty slot first). Everyone loads the checkpoint, so
+        no state copy is pending."""
+        self.layout.fill_from_spares(now, lambda stage: 0.0)
+        moves = balancing_moves(self.layout)
+        for donor, slot in moves:
+            self.vacated[slot] = donor
+        self.layout.ready_at.clear()
+        self.home.update(self.layout.where)
+        self.key = None
+        if 0 in self.layout.live_per_stage(now):
+            self.down = True
+            self._log(now, "down", "a stage holds no worker and no stage has one to spare")
+            return Decision(0.0, rollback=first_loss, down_cause="down", note=note + "; waiting for workers")
+        self.down = False
+        moved = ", ".join(f"{d[0]}:{d[1]} -> {t[0]}:{t[1]}" for d, t in moves)
+        self._log(now, "restore", f"from the checkpoint in place{f' (moved {moved})' if moved else ''}, key "
+                                  f"{self.model.key_for(self.layout.failed_workers(now))}")
+        decision = self._running(now, (("restart", self.ctx.costs.restart_s),), note=note + "; restored")
+        return replace(decision, rollback=first_loss)
+
+    def _return(self, now: float, unit: int, restoring: bool) -> None:
+        """runtime_layout: a unit comes back to its own slot (or its donor's) after copying its stage's state from
+        a live peer (none to copy when the job restores anyway); else it waits as a spare."""
+        slot = return_slot(self.layout, self.home.get(unit), self.vacated)
+        if slot is None:
+            self.layout.add_spare(unit)
+            return
+        self.layout.slot[slot] = unit
+        self.layout.where[unit] = slot
+        self.home[unit] = slot
+        delay = 0.0 if restoring else self.ctx.stage_transfer_s(slot[1])
+        if delay > 0:
+            self.layout.ready_at[unit] = now + delay
+
     def start(self, now: float, live: frozenset[int]) -> Decision:
         self.layout.place_all(live)
+        self.home.update(self.layout.where)
         lost = self._stage_lost(now)
         if lost is not None:
             return self._restore(now, live, first_loss=False, lost_stage=lost)
@@ -174,39 +230,46 @@ class ReCycleSystem:
         return Decision(new_rate, pauses=(("reconfiguration", pause),), wake_at=self.layout.next_ready(now),
                         note=f"reshape: {detail}")
 
-    def _redo_s(self) -> float:
-        """Work lost in the iteration a failure interrupted (redone on the new plan): a fraction of the current
-        state's period."""
-        if self.key is None or self.ctx.costs.redo_fraction == 0:
+    def _redo_s(self, rate: float) -> float:
+        """The thrown-away work of the iteration a failure interrupted, redone on the new plan at `rate`: the
+        samples it had done (`redo_fraction` of the global batch) took the old plan's time once and take the new
+        plan's time again, with nothing to show for the first time."""
+        if self.ctx.costs.redo_fraction == 0 or rate <= 0:
             return 0.0
-        cfg = self.ctx.config
-        samples = cfg.num_replicas * cfg.num_microbatches * cfg.workload.microbatch_size  # the global batch
-        rate = self.model.throughput_for_key(self.key)
-        return self.ctx.costs.redo_fraction * samples / rate if rate > 0 else 0.0
+        return self.ctx.costs.redo_fraction * self.batch_samples / rate
 
     def on_change(self, now, live, lost, joined) -> Decision:
         c = self.ctx.costs
         working = self.layout.ready_workers(now)
-        redo = self._redo_s()
         hit = False
         for u in lost:
             w = self.layout.remove(u)
             hit |= w is not None and w in working
         for u in sorted(joined):
-            self.layout.add_spare(u)
+            if c.runtime_layout:
+                self._return(now, u, restoring=self.down)
+            else:
+                self.layout.add_spare(u)
         if self.down:
             return self._restore(now, live, first_loss=False, lost_stage=-1)
         self.layout.fill_from_spares(now, self.ctx.stage_transfer_s)
+        self.home.update(self.layout.where)
         stage = self._stage_lost(now)
         if stage is not None:
             return self._restore(now, live, first_loss=True, lost_stage=stage)
-        detection = ((("detection", c.detect_s),) + ((("redone iteration", redo),) if redo > 0 else ())) if hit else ()
-        reshaped = self._maybe_reshape(now, live)
+        detection = (("detection", c.detect_s),) if hit else ()
+        reshaped = None if c.runtime_layout else self._maybe_reshape(now, live)
         if reshaped is not None:
-            return Decision(reshaped.rate, pauses=detection + reshaped.pauses, wake_at=reshaped.wake_at,
+            self.home.update(self.layout.where)
+            redo = (("redone iteration", self._redo_s(reshaped.rate)),) if hit else ()
+            return Decision(reshaped.rate, pauses=detection + redo + reshaped.pauses, wake_at=reshaped.wake_at,
                             note=reshaped.note)
         self._log(now, "adapt", f"key {self.model.key_for(self.layout.failed_workers(now))}")
-        return self._running(now, detection)
+        decision = self._running(now, detection)
+        if not hit:
+            return decision
+        return replace(decision, pauses=detection + (("redone iteration", self._redo_s(decision.rate)),)
+                       + decision.pauses[len(detection):])
 
     def on_wake(self, now: float) -> Decision:
         return self._running(now, (), note="re-join ready")
