@@ -120,7 +120,8 @@ def partition_config(config: Config, partition: Sequence[int], costs: LayerCosts
     # only has to admit one micro-batch per stage here for the config to parse.
     if raw["memory"]["capacity_bytes"] > 0:
         memory = raw["memory"]
-        needed = max(a + r for a, r in zip(memory["activation_bytes"], memory["recompute_bytes"]))
+        rebuilt = memory.get("recompute_bytes", [0] * len(partition))  # to_dict leaves it out while all 0
+        needed = max(a + r for a, r in zip(memory["activation_bytes"], rebuilt))
         memory["capacity_bytes"] = max(memory["capacity_bytes"], needed)
     raw["model"]["layers_per_stage"] = list(partition)
     raw["model"]["n_layer"] = sum(partition)
