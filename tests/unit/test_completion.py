@@ -62,8 +62,9 @@ def timeline(plan: Plan) -> dict[int, list[int]]:
                 ready = stage == plan.num_stages - 1 or (Kind.B, stage + 1, a.mb) in done
             elif a.kind is Kind.W:
                 ready = True
-            else:
-                ready = plan.staggered or all(position[q] >= len(plan.actions[q]) - 1 for q in position)
+            else:  # the all-reduce: every replica of the stage (every worker, when the step is coupled) at its OPT
+                ready = all(position[q] == len(plan.actions[q]) - 1 for q in position
+                            if not plan.staggered or plan.worker(q)[1] == stage)
             if ready:
                 ran.append((r, a))
         assert ran, "the plan deadlocks"
