@@ -88,6 +88,16 @@ def test_kill_matrix_2x2(stage: int, what: str, tmp_path) -> None:
     # another stage may still have been finishing KILL_STEP - 1 (staggered optimizer).
     assert recovery.step in (KILL_STEP, KILL_STEP + 1)
     assert result.failed == ((1, stage),)
+    assert_only_lost_work_redone(recovery, config, worker)
+
+
+def assert_only_lost_work_redone(recovery, config, worker: tuple[int, int]) -> None:
+    """--redo lost (the default): the survivors kept their work; what is redone is at most the dead worker's share
+    of one iteration (its actions), where redoing the iteration costs every survivor's finished work."""
+    share = len(build_schedule(config, "zb-h1", staggered=True).worker_actions(*worker))
+    assert recovery.kept.startswith("kept the survivors' work"), recovery.kept
+    assert recovery.rolled_back == 0
+    assert recovery.lost_actions <= recovery.redone_actions <= share, (recovery.redone_actions, share)
 
 
 @pytest.mark.parametrize("stage,what", MATRIX_3x3)
@@ -99,6 +109,22 @@ def test_kill_matrix_3x3_with_clipping(stage: int, what: str, tmp_path) -> None:
     result = run(config, [(worker, FaultInjection(KILL_STEP, index))], tmp_path)
     assert_exact(result, tmp_path, 3, 3, grad_clip=0.5)
     assert [r.workers for r in result.recoveries] == [(f"2:{stage}",)]
+    # Clipping's world all-reduce: a survivor stopped inside it drops its gradients, so a kill at the step can
+    # cost more; everywhere else the survivors keep their work.
+    if what != "OPT":
+        assert_only_lost_work_redone(result.recoveries[0], config, worker)
+
+
+@pytest.mark.parametrize("stage,what", [(0, "B"), (1, "W")])
+def test_kill_matrix_redoing_the_whole_iteration(stage: int, what: str, tmp_path) -> None:
+    """--redo iteration, the classic recovery: every survivor redoes the interrupted iteration; exact too."""
+    config = config_for(2, 2)
+    worker = (1, stage)
+    index = action_index(build_schedule(config, "zb-h1", staggered=True), worker, what)
+    result = run(config, [(worker, FaultInjection(KILL_STEP, index))], tmp_path, redo="iteration")
+    assert_exact(result, tmp_path, 2, 2)
+    (recovery,) = result.recoveries
+    assert recovery.kept == "" and recovery.lost_actions == 0 and recovery.redone_actions > 0
 
 
 @pytest.mark.parametrize("D,S,stage", [(2, 2, 0), (2, 2, 1), (3, 3, 1)])
@@ -125,18 +151,22 @@ def test_kill_during_a_checkpoint_write(D: int, S: int, stage: int, tmp_path) ->
             assert float((tensor - ref[key]).abs().max() / ref[key].abs().max().clamp_min(1e-12)) < 1e-9, key
 
 
-def test_hang_between_two_stages_optimizer_steps_is_fenced_and_rolled_back(tmp_path) -> None:
+@pytest.mark.parametrize("redo", ["lost", "iteration"])
+def test_hang_between_two_stages_optimizer_steps_is_fenced(redo: str, tmp_path) -> None:
     """Worker 1:0 freezes (SIGSTOP) at its stage all-reduce. Stage 1 does not need it for its own step, so it
-    steps the iteration while stage 0 cannot: the heartbeat catches the freeze long before the 30 s timeout, the
-    worker is killed, and stage 1 rolls back to its pre-step snapshot so that both stages redo the iteration."""
+    steps the iteration while stage 0 cannot: the heartbeat catches the freeze long before the 30 s timeout and the
+    worker is killed. --redo lost: stage 1 keeps its step and only re-sends what stage 0 needs from its log, and
+    stage 0's survivor (stopped inside its all-reduce) computes its gradients again; --redo iteration: stage 1 rolls
+    back to its pre-step snapshot and both stages redo the iteration."""
     config = config_for(2, 2)
     index = action_index(build_schedule(config, "zb-h1", staggered=True), (1, 0), "OPT")
     result = run(config, [((1, 0), FaultInjection(KILL_STEP, index, mode="hang"))], tmp_path,
-                 heartbeat_timeout_s=2.0, heartbeat_s=0.25)
+                 heartbeat_timeout_s=2.0, heartbeat_s=0.25, redo=redo)
     assert_exact(result, tmp_path, 2, 2)
     (recovery,) = result.recoveries
     assert "stopped responding" in recovery.causes[0]
-    assert recovery.rolled_back == 2  # both stage-1 replicas had stepped
+    assert recovery.rolled_back == (2 if redo == "iteration" else 0)  # both stage-1 replicas had stepped
+    assert recovery.kept.startswith("kept") == (redo == "lost"), recovery.kept
     assert recovery.resumed_s < 10
 
 

@@ -56,12 +56,12 @@ def run(D: int, S: int, tmp_path, faults=(), rejoins=(), **extra) -> TrainResult
     return launch(config, plan, options)
 
 
-def assert_exact(result: TrainResult, tmp_path, D: int, S: int) -> None:
+def assert_exact(result: TrainResult, tmp_path, D: int, S: int, tolerance: float = 1e-9) -> None:
     got = torch.load(tmp_path / "final.pt", weights_only=True)["model"]
     ref = reference(D, S)
     for key in ref:
         error = float((got[key] - ref[key]).abs().max() / ref[key].abs().max().clamp_min(1e-12))
-        assert error < 1e-9, (key, error)
+        assert error < tolerance, (key, error)
     assert [m.step for m in result.steps][-1] == STEPS
     assert not mp.active_children()
 
@@ -171,7 +171,11 @@ def test_a_short_chaos_soak_ends_exact(tmp_path) -> None:
         faults=FaultOptions(chaos=ChaosSpec(4, 0.6, stage_loss_share=0.3)),
         debug=DebugOptions(verify_replicas=True, emulation=PACING), progress=None,
         plan_provider=PlanLibrary.build(config, PlannerOptions(), max_failures=4).lookup))
-    assert_exact(result, tmp_path, 3, 2)
+    # Each recovery changes the order in which micro-batches' gradients are summed (re-routed ones land on other
+    # replicas, a completion adds them after the survivors' own), and Adam's eps turns the float64 rounding noise of
+    # mathematically-zero gradients (the attention key bias) into steps: over this soak's random recoveries that
+    # reaches ~1.1e-9 of the tensor's scale (measured); a wrong gradient is off by orders of magnitude more.
+    assert_exact(result, tmp_path, 3, 2, tolerance=1e-8)
     injected = [w for e in result.chaos_events for w in e["workers"]]
     recovered = [w for r in result.recoveries for w in r.workers]
     assert len(result.chaos_events) >= 1 and sorted(injected) == sorted(recovered)

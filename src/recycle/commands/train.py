@@ -15,7 +15,7 @@ from recycle.config import Config, Topology, load_config
 from recycle.errors import ConfigError
 from recycle.ir.worker import workers_text
 from recycle.runtime.control.cluster_env import NodeRole, resolve_role
-from recycle.runtime.options import (STAGE_LOSS_POLICIES, START_METHODS, CheckpointOptions, ClusterOptions,
+from recycle.runtime.options import (REDO_POLICIES, STAGE_LOSS_POLICIES, START_METHODS, CheckpointOptions, ClusterOptions,
                                      CoordinatorPlace, DebugOptions, FaultOptions, LaunchOptions, OutputOptions,
                                      RecoveryOptions, hosts_coordinator)
 from recycle.runtime.tools.chaos import parse_chaos
@@ -116,6 +116,11 @@ def add_recovery_options(p: argparse.ArgumentParser) -> None:
                                "needed; default), respawn = wait for a replacement worker for the dead slot (a "
                                "repaired machine). reshape falls back to respawn when no stage has a replica to "
                                "spare")
+    recovery.add_argument("--redo", choices=REDO_POLICIES, default="lost",
+                          help="what a failure costs in the iteration it interrupts: lost = the survivors keep their "
+                               "work and only what died with the failed workers is computed again, re-routed to "
+                               "their stage's replicas (default; where that cannot be exact the iteration is redone), "
+                               "iteration = every survivor redoes the whole iteration")
     recovery.add_argument("--respawn-after", type=float, default=None, metavar="SECONDS",
                           help="start every worker that died again after SECONDS (a stand-in for a repair on one "
                                "machine); it re-joins at an iteration boundary")
@@ -299,7 +304,7 @@ def _launch_options(args: argparse.Namespace, role: NodeRole, faults: list[tuple
                                      resume_dir=args.resume),
         recovery=RecoveryOptions(timeout_s=args.timeout, heartbeat_timeout_s=args.heartbeat_timeout,
                                  hang_timeout_s=args.hang_timeout, stage_loss=args.on_stage_loss,
-                                 coordinator_grace_s=args.coordinator_grace),
+                                 coordinator_grace_s=args.coordinator_grace, redo=args.redo),
         cluster=ClusterOptions(master_addr=role.master_addr, master_port=role.master_port, nnodes=role.nnodes,
                                node_rank=role.node_rank, token=read_token(_checked_token_file(args.token_file)),
                                start_method=args.start_method, coordinator=place),

@@ -24,6 +24,7 @@ __all__ = ["StageLossPolicy", "StartMethod", "Backend", "STAGE_LOSS_POLICIES", "
 # replicas into it (no spare machine needed), falling back to "respawn" (wait for a replacement process for the dead
 # slot, i.e. a repaired machine) when no stage has a replica to spare.
 StageLossPolicy = Literal["reshape", "respawn"]
+RedoPolicy = Literal["lost", "iteration"]
 # "spawn": a fresh interpreter per worker. "forkserver": workers fork from one clean server process that has imported
 # torch once (per launcher process), so repeated launches (tests, benchmarks) skip ~2 s of imports each. Plain fork
 # would copy the launcher's threads and store connection.
@@ -35,6 +36,7 @@ Backend = Literal["nccl", "gloo"]
 CoordinatorPlace = Literal["node0", "separate", "self"]
 
 STAGE_LOSS_POLICIES: tuple[StageLossPolicy, ...] = get_args(StageLossPolicy)
+REDO_POLICIES: tuple[RedoPolicy, ...] = get_args(RedoPolicy)
 START_METHODS: tuple[StartMethod, ...] = get_args(StartMethod)
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
 COORDINATOR_PLACES: tuple[CoordinatorPlace, ...] = get_args(CoordinatorPlace)
@@ -100,6 +102,10 @@ class RecoveryOptions:
     # With a separate coordinator: how long a node's launcher (and its workers, which train on meanwhile) waits for
     # the coordinator to come back (restarted by k8s, systemd, SLURM or by hand) before it stops the node.
     coordinator_grace_s: float = 600.0
+    # After a failure: "lost" keeps the survivors' work of the interrupted iteration and redoes only what died with
+    # the failed workers (ir.completion; falls back to "iteration" where that cannot be exact); "iteration" redoes the
+    # whole iteration on the new plan.
+    redo: RedoPolicy = "lost"
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
@@ -121,6 +127,9 @@ class RecoveryOptions:
         if not (math.isfinite(self.coordinator_grace_s) and self.coordinator_grace_s >= 0):
             raise ConfigError(f"--coordinator-grace {self.coordinator_grace_s:g} must be a number of seconds >= 0 "
                               "(how long a node waits for a restarted coordinator), e.g. 600")
+        if self.redo not in REDO_POLICIES:
+            raise ConfigError(f"--redo {self.redo!r} is not a policy; use lost (keep the survivors' work, the "
+                              "default) or iteration (redo the whole interrupted iteration)")
         if self.stage_loss not in STAGE_LOSS_POLICIES:
             raise ConfigError(f"--on-stage-loss {self.stage_loss!r} is not a policy; use one of "
                               f"{', '.join(STAGE_LOSS_POLICIES)}")
@@ -252,7 +261,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "checkpoint_dir": ("checkpoint", "dir"), "checkpoint_every": ("checkpoint", "every"),
     "keep_checkpoints": ("checkpoint", "keep"), "resume_dir": ("checkpoint", "resume_dir"),
     **{name: ("recovery", name) for name in ("timeout_s", "heartbeat_s", "heartbeat_timeout_s", "hang_timeout_s",
-                                             "coordinator_grace_s", "stage_loss")},
+                                             "coordinator_grace_s", "stage_loss", "redo")},
     **{name: ("cluster", name) for name in ("master_addr", "master_port", "nnodes", "node_rank", "token", "backend",
                                             "start_method", "coordinator")},
     "faults": ("faults", "injections"),

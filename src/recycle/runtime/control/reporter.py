@@ -97,6 +97,8 @@ class Recovery:
     redone_actions: int
     redone_s: float
     rolled_back: int  # survivors whose stage had already stepped the redone iteration (restored from a snapshot)
+    lost_actions: int = 0  # the failed workers' finished actions of the iteration (their in-flight share), if kept
+    kept: str = ""  # "kept the survivors' work (...)" or why the whole iteration was redone (empty: --redo iteration)
     joined: tuple[str, ...] = ()  # "replica:stage" of workers re-admitted
     transfer_bytes: int = 0  # state moved to them from live replicas
     transfer_s: float = 0.0  # the longest transfer
@@ -150,7 +152,8 @@ class Recovery:
         return (f"step {self.step}: {'; '.join(what)}; {detected}plan for {{{state or 'none down'}}} {source} "
                 f"({self.plan_lookup_s * 1e3:.1f} ms); generation {self.generation} in {self.formed_s:.2f} s"
                 f"{f' (groups: {self.formation})' if self.formation else ''}; "
-                f"redid {self.redone_actions} actions ({self.redone_s:.2f} s of work); training resumed "
+                f"redid {self.redone_actions} actions ({self.redone_s:.2f} s of work"
+                f"{f'; {self.kept}' if self.kept else ''}); training resumed "
                 f"{self.resumed_s:.2f} s {after}")
 
 
@@ -344,7 +347,7 @@ def measure_recovery(facts: RecoveryFacts, records: GenerationRecords, worker: C
         plan_source=choice.source, plan_lookup_s=choice.seconds, plan_note=choice.note,
         formed_s=(max(j.time for j in joins) - announced) if joins else 0.0,
         resumed_s=end - (failure_time if facts.deaths else paused_from), redone_actions=facts.redone_actions,
-        redone_s=facts.redone_s, rolled_back=facts.rolled_back,
+        redone_s=facts.redone_s, rolled_back=facts.rolled_back, lost_actions=facts.lost_actions, kept=facts.kept,
         joined=tuple(_name(worker(r)) for r in sorted(facts.joining)),
         transfer_bytes=sum(t.bytes for t in transfers), transfer_s=max((t.seconds for t in transfers), default=0.0),
         restored_step=facts.restore_step, steps_lost=facts.steps_lost,

@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, NoReturn, TypeVar
 
 from recycle.config import Config
 from recycle.errors import RuntimeFailure
 from recycle.ir import Plan, PlanChoice
+from recycle.ir.completion import Completion, WorkerProgress, complete_iteration
 from recycle.ir.worker import Worker
 from recycle.runtime.control.coordinator import (AbortGeneration, Announce, Command, Coordinator, Drain, FailRun, Fence,
                                                  MarkLatest, Move, RecoveryFacts, Respawn, describe_exit, hang_limit_s)
@@ -31,6 +32,7 @@ from recycle.runtime.protocol.store.data import Feed
 from recycle.runtime.state import checkpoint
 from recycle.runtime.tools.chaos import ChaosMonkey
 from recycle.runtime.worker.process import EXIT_FENCED
+from recycle.runtime.worker.stage import tied_stages
 
 __all__ = ["Supervisor"]
 
@@ -94,6 +96,9 @@ class Supervisor:
         self.unfenceable = {int(r) for r in os.environ.get("RECYCLE_TEST_UNFENCEABLE", "").split(",") if r.strip()}
         self.pending: _PendingRecovery | None = None  # the recovery being completed
         self.failing = False
+        # What decides whether an interrupted iteration can be finished rather than redone (ir.completion).
+        self.collective_step = not plan.staggered or config.training.grad_clip > 0
+        self.tied = bool(tied_stages(config, options.model_factory))
         self.unrecorded: frozenset[int] = frozenset()  # finished members whose records a restart lost
         self.hang_limit_told = 0.0  # the hang limit the node launchers were last told
         # The store's change feed (FEED_PREFIXES, subscribed before any node could write): which step records and
@@ -361,10 +366,13 @@ class Supervisor:
         if facts.restore_step is not None:
             self._forget_steps_from(facts.restore_step)
         self.store.set(Keys.plan(facts.generation), plan.to_json())
+        facts, completion = self._completion(facts, plan)
+        if completion is not None:
+            self.store.set(Keys.completion(facts.generation), completion.to_json())
         self.jobs.put(Channels.ANNOUNCE, Announcement(
             facts.generation, tuple(sorted(command.live)), facts.redo_step, self.end_step,
             "; ".join(d.cause for d in facts.deaths), tuple(sorted(facts.joining)),
-            -1 if facts.restore_step is None else facts.restore_step), facts.generation)
+            -1 if facts.restore_step is None else facts.restore_step, completion is not None), facts.generation)
         for rank in facts.joining:
             self.liveness.admit(rank, time.time())
             self.store.delete_key(Keys.join_ready(rank))
@@ -372,6 +380,30 @@ class Supervisor:
         self.plan = plan
         self._forget_arrivals_from(facts.redo_step)  # a step redone in the new generation is recorded again
         self.pending = _PendingRecovery(facts, choice, time.time(), command.live)
+
+    def _completion(self, facts: RecoveryFacts, plan: Plan) -> tuple[RecoveryFacts, Completion | None]:
+        """With --redo lost: how the survivors finish the interrupted iteration keeping their work (ir.completion),
+        and the recovery's facts with the work that is really redone; else (or where that cannot be exact) the
+        whole iteration is redone."""
+        if self.options.recovery.redo != "lost" or facts.restore_step is not None or facts.joining or \
+                facts.redo_step >= self.end_step or not facts.deaths:
+            return facts, None
+        if any(r.completing or r.generation != facts.generation - 1 for r in facts.reports):
+            return replace(facts, kept="the whole iteration is redone: a failure hit the completion of the last "
+                                       "one"), None
+        progress = {r.rank: WorkerProgress(r.rank, r.applied, r.iteration, r.current_actions, r.weighed_current,
+                                           r.reducing) for r in facts.reports}
+        completion = complete_iteration(self.plan, plan, facts.redo_step, progress, self.collective_step,
+                                        self.tied)
+        if isinstance(completion, str):
+            return replace(facts, kept=f"the whole iteration is redone: {completion}"), None
+        dropped_s = sum(r.current_s for r in facts.reports if r.iteration > facts.redo_step)
+        kept = [r for r in facts.reports if r.iteration == facts.redo_step and r.current_actions]
+        per_action = sum(r.current_s for r in kept) / max(1, sum(r.current_actions for r in kept))
+        return replace(facts, redone_actions=completion.redone_actions, lost_actions=completion.lost_actions,
+                       redone_s=dropped_s + completion.lost_actions * per_action, rolled_back=0,
+                       kept=f"kept the survivors' work ({completion.rerouted_actions} steps re-routed, "
+                            f"{completion.resent} messages re-sent)"), completion
 
     def _forget_steps_from(self, step: int) -> None:
         """A checkpoint restore: steps from `step` on run again, so their records and checkpoint keys are stale."""

@@ -114,6 +114,11 @@ class Keys:
         return f"gen{generation}/plan"
 
     @staticmethod
+    def completion(generation: int) -> str:
+        """How the survivors finish the interrupted iteration in `generation` (ir.completion), when they keep it."""
+        return f"gen{generation}/completion"
+
+    @staticmethod
     def abort(generation: int) -> str:
         return f"gen{generation}/abort"
 

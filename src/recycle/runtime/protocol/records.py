@@ -127,6 +127,9 @@ class StoppedReport:
     previous_s: float
     error: str  # the first line of the error that stopped it
     time: float  # wall clock
+    weighed_current: bool = False  # its unfinished action is a BW whose weight-gradient it had accumulated
+    completing: bool = False  # it was finishing an interrupted iteration (its actions are the completion's steps)
+    reducing: bool = False  # it stopped inside its OPT after the stage all-reduce: its .grad holds sums (it drops them)
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,7 @@ class Announcement:
     reason: str
     joining: tuple[int, ...] = ()  # ranks admitted in this generation (they take their stage's state from a peer)
     restore_step: int = -1  # >= 0: every worker loads this checkpoint step instead of rolling back
+    completion: bool = False  # survivors keep redo_step's work and run its completion (key gen/completion)
 
 
 @dataclass(frozen=True)

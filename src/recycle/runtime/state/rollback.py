@@ -4,7 +4,10 @@ stage still has."""
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
 
 from recycle.runtime.state.stage_state import StageState, copy_state
 
@@ -29,10 +32,32 @@ class StageSnapshot:
 
     def restore(self, iteration: int) -> None:
         """Put back the state from before the step of `iteration` (which must be the one snapshotted)."""
+        saved = self._held(iteration)
+        # A copy: the optimizer adopts the tensors it loads, and the saved ones are overwritten by the next take.
+        self.state.load_state_dict(copy_state(saved))
+
+    @contextmanager
+    def weights_before_step(self, iteration: int) -> Iterator[None]:
+        """The module's tensors as they were before the step of `iteration`, for the duration: a stage that stepped
+        an interrupted iteration computes a lost micro-batch's forward and input-gradient again with the weights
+        that iteration used (ir.completion). The graphs made inside must be used up inside."""
+        saved = self._held(iteration)
+        live = self.state.module_entries()
+        now = {key: tensor.detach().clone() for key, tensor in live.items()}
+        with torch.no_grad():
+            for key, tensor in live.items():
+                tensor.copy_(saved[key])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for key, tensor in live.items():
+                    tensor.copy_(now[key])
+
+    def _held(self, iteration: int) -> dict[str, Any]:
         saved = self._saved
         held = self.state.position.snapshot if saved is not None else None
         if saved is None or held != iteration:
-            raise RuntimeError(f"roll-back to before the step of iteration {iteration} needs that snapshot, but the "
-                               f"one held is of iteration {held}")
-        # A copy: the optimizer adopts the tensors it loads, and the saved ones are overwritten by the next take.
-        self.state.load_state_dict(copy_state(saved))
+            raise RuntimeError(f"the state from before the step of iteration {iteration} is needed, but the snapshot "
+                               f"held is of iteration {held}")
+        return saved

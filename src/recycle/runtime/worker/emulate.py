@@ -179,7 +179,10 @@ class CostPacer:
         start = begin if self.emulated_end is None else min(begin, self.emulated_end)
         if self.comm.last_arrival is not None:
             start = max(start, self.comm.last_arrival)
-        target = start + self.cost_s[action]
+        cost = self.cost_s.get(action)
+        if cost is None:  # a completion's step (ir.completion) that the plan's list does not hold, e.g. a B of a BW
+            cost = self.cost_s[action] = action_cost(self.config, self.plan, action) * self.unit_s
+        target = start + cost
         if done > target:
             self.stats.overruns += 1
             self.stats.worst_overrun_s = max(self.stats.worst_overrun_s, done - target)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol, Sequence
 
 import torch
 from torch import nn
 
 from recycle.ir import Action, Kind, Plan
+from recycle.ir.completion import SEND_ACTIVATION, SEND_GRADIENT, Completion, Step
 from recycle.ir.worker import Worker
 from recycle.runtime.protocol.messages import Channel, Message, incoming, outgoing, send_order
 from recycle.runtime.state.optim import StageOptimizer, allreduce_grads, learning_rate
@@ -51,6 +53,9 @@ class IterationProgress:
     index: int = 0
     finished: bool = False
     busy_s: float = 0.0  # time spent in this iteration's finished actions
+    weighed: bool = False  # the running action is a BW whose weight-gradient is already in .grad
+    reducing: bool = False  # the running OPT has put the all-reduced sums into .grad (its own work is not there alone)
+    completing: bool = False  # running the completion of an interrupted iteration (ir.completion), not the plan
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,15 @@ class StageExecutor:
         self._next_from: dict[int, int] = defaultdict(int)
         self._parked: dict[Message, torch.Tensor] = {}
         self._stash: dict[int, _Stash] = {}
+        # The tensors sent in the two newest iterations, by (channel, micro-batch): after a failure a survivor
+        # re-sends from here what a re-routed micro-batch needs instead of anyone recomputing it (ir.completion).
+        self._sent: dict[int, dict[tuple[Channel, int], torch.Tensor]] = {}
+        # A completion's routes, by (kind, micro-batch): (message received first, message sent after); None: the
+        # plan's own routing.
+        self._routes: dict[tuple[Kind, int], tuple[Message | None, Message | None]] | None = None
+        self.last_result: IterationResult | None = None  # the newest iteration this worker finished
         self._loss_sum = 0.0
+        self._losses_in: set[int] = set()  # micro-batches whose loss _loss_sum holds
         self._grad_norm: float | None = None
         self._grad_sq: float | None = None
         self._lr: float | None = None
@@ -187,22 +200,48 @@ class StageExecutor:
         self._stash.clear()
         self._parked.clear()
         self._next_from.clear()
+        self._routes = None
         self.optimizer.zero_grad(set_to_none=True)
         self.progress = IterationProgress(self.progress.iteration, 0)
+
+    def keep_for_completion(self, iteration: int) -> None:
+        """After a failure, before `iteration`'s completion (run_completion): keep this iteration's work (stashed
+        graphs, accumulated gradients, the loss so far, the log of sent tensors). A worker already in the next
+        iteration (it had stepped `iteration`) drops that one's partial work; it only re-sends from its log. One
+        stopped inside its OPT drops its gradients (the all-reduce may have summed them in part): the completion
+        computes its micro-batches' weight-gradients again."""
+        self._parked.clear()  # messages of the broken generation: the completion has them sent again if needed
+        self._next_from.clear()
+        self._routes = None
+        if self.progress.reducing and not self.progress.finished:
+            self._stash.clear()
+            self.optimizer.zero_grad(set_to_none=True)
+            self._loss_sum = 0.0
+            self._losses_in = set()
+        if self.progress.iteration > iteration:
+            self._stash.clear()
+            self._sent.pop(self.progress.iteration, None)
+            self.optimizer.zero_grad(set_to_none=True)
+            self._loss_sum = 0.0
+            self._losses_in = set()
 
     # -- one iteration --------------------------------------------------------------------------------------------
     def run_iteration(self, iteration: int) -> IterationResult:
         self.progress = IterationProgress(iteration, 0)
         self._loss_sum = 0.0
+        self._losses_in = set()
         self._grad_norm = None
         self._grad_sq = None
         self._lr = None
         self._stage_loss = None
         self._next_from.clear()
+        self._sent = {i: log for i, log in self._sent.items() if i == iteration - 1}
+        self._sent[iteration] = {}
         timings: list[ActionTiming] = []
         start = time.time()
         for index, action in enumerate(self.actions):
             self.progress.index = index
+            self.progress.weighed = self.progress.reducing = False
             if self.before_action is not None:
                 self.before_action(action)
             t0 = time.perf_counter()
@@ -221,9 +260,100 @@ class StageExecutor:
         if self._stash or self._parked:
             raise RuntimeError(f"worker {self.replica}:{self.stage} ended iteration {iteration} with unfinished "
                                f"micro-batches {sorted(self._stash)} or unread messages; the plan is inconsistent")
-        return IterationResult(iteration, start, time.time(), self._loss_sum if self.is_last else None,
-                               self._grad_norm, timings=timings, stage_loss=self._stage_loss,
-                               grad_sq=self._grad_sq, lr=self._lr)
+        self.last_result = IterationResult(iteration, start, time.time(), self._loss_sum if self.is_last else None,
+                                           self._grad_norm, timings=timings, stage_loss=self._stage_loss,
+                                           grad_sq=self._grad_sq, lr=self._lr)
+        return self.last_result
+
+    def run_completion(self, completion: Completion) -> IterationResult:
+        """Finish `completion.iteration` with this worker's steps of it (after keep_for_completion): the work it
+        kept stands, the steps add the rest. A stage that had stepped the iteration only re-sends from its log and
+        returns the result it had."""
+        iteration = completion.iteration
+        steps = completion.steps[self.rank]
+        stepped = self.stage in completion.applied_stages
+        self.progress = IterationProgress(iteration, 0, completing=True)
+        if not stepped:
+            self._grad_norm = self._grad_sq = self._lr = self._stage_loss = None
+        self._routes = {}
+        for step in steps:
+            if step.kind in ("F", "B"):
+                self._routes[(Kind(step.kind), step.mb)] = (self._step_message(step.kind, step.mb, step.src, True),
+                                                            self._step_message(step.kind, step.mb, step.dst, False))
+        self._expected = {}
+        for src, their_steps in enumerate(completion.steps):
+            sent = [m for m in (self._sent_by(src, s) for s in their_steps) if m is not None and m.dst == self.rank]
+            if sent:
+                self._expected[src] = sent
+        self._next_from.clear()
+        timings: list[ActionTiming] = []
+        start = time.time()
+        # A stage that stepped the iteration computes lost forwards and input-gradients again with its weights from
+        # before that step (it runs no W and no OPT of it).
+        recomputes = stepped and any(step.kind in ("F", "B") for step in steps)
+        with self.snapshot.weights_before_step(iteration) if recomputes else contextlib.nullcontext():
+            for index, step in enumerate(steps):
+                self.progress.index = index
+                self.progress.weighed = self.progress.reducing = False
+                action = Action(Kind.OPT, step.stage) if step.kind == "OPT" else \
+                    Action(Kind(step.kind) if step.kind in ("F", "B", "W") else
+                           (Kind.F if step.kind == SEND_ACTIVATION else Kind.B), step.stage, step.mb)
+                if self.before_action is not None:
+                    self.before_action(action)
+                t0 = time.perf_counter()
+                if step.kind in (SEND_ACTIVATION, SEND_GRADIENT):
+                    self._resend(iteration, step)
+                elif self.pacing is None:
+                    self.run_action(action)
+                else:
+                    self.pacing.run(action, self.run_action)
+                t1 = time.perf_counter()
+                self.progress.busy_s += t1 - t0
+                if self.record_timings:
+                    timings.append(ActionTiming(str(step), t0, t1))
+            self._stash.clear()  # graphs of forwards run again only to send an input-gradient on: used up here
+        if self._parked:
+            raise RuntimeError(f"worker {self.replica}:{self.stage} ended the completion of iteration {iteration} "
+                               "with unread messages; the completion is inconsistent")
+        self._routes = None
+        self.set_plan(self.plan)  # the plan's own message order from the next iteration on
+        self.progress.index = len(steps)
+        self.progress.finished = True
+        self.completed = self.progress
+        if stepped and self.last_result is not None and self.last_result.iteration == iteration:
+            return replace(self.last_result, timings=timings)
+        self.last_result = IterationResult(iteration, start, time.time(), self._loss_sum if self.is_last else None,
+                                           self._grad_norm, timings=timings, stage_loss=self._stage_loss,
+                                           grad_sq=self._grad_sq, lr=self._lr)
+        return self.last_result
+
+    def _step_message(self, kind: str, mb: int, peer: int, receive: bool) -> Message | None:
+        """The message a completion's F or B step receives from (or sends to) rank `peer`, if any."""
+        if peer < 0:
+            return None
+        channel = Channel.ACTIVATION if kind in ("F", SEND_ACTIVATION) else Channel.GRADIENT
+        return Message(channel, mb, peer, self.rank) if receive else Message(channel, mb, self.rank, peer)
+
+    @staticmethod
+    def _sent_by(src: int, step: Step) -> Message | None:
+        """The message rank `src`'s completion step sends, if any."""
+        if step.dst < 0:
+            return None
+        channel = Channel.ACTIVATION if step.kind in ("F", SEND_ACTIVATION) else Channel.GRADIENT
+        return Message(channel, step.mb, src, step.dst)
+
+    def _resend(self, iteration: int, step: Step) -> None:
+        """Send a tensor this worker sent in the broken generation again, from its log."""
+        channel = Channel.ACTIVATION if step.kind == SEND_ACTIVATION else Channel.GRADIENT
+        tensor = self._sent.get(iteration, {}).get((channel, step.mb))
+        if tensor is None:
+            raise RuntimeError(f"worker {self.replica}:{self.stage} has no logged {channel.name.lower()} of "
+                               f"micro-batch {step.mb} in iteration {iteration} to send again")
+        self.comm.send(Message(channel, step.mb, self.rank, step.dst), tensor)
+
+    def _log_sent(self, channel: Channel, mb: int, tensor: torch.Tensor) -> None:
+        log = self._sent.setdefault(self.progress.iteration, {})
+        log[(channel, mb)] = tensor.detach()
 
     def run_action(self, action: Action) -> None:
         handler = {Kind.F: self.forward, Kind.B: self.backward_input, Kind.W: self.backward_weight,
@@ -252,11 +382,16 @@ class StageExecutor:
             else:
                 out = self.module(x)
         if self.is_last:
-            self._loss_sum += float(out.detach())
+            if mb not in self._losses_in:  # a completion may run a forward again only to send its gradient on
+                self._losses_in.add(mb)
+                self._loss_sum += float(out.detach())
         else:
             if out.dtype != self.dtype:  # a stage whose output autocast left in bf16: the boundary is float32
                 out = out.to(self.dtype)
-            self.comm.send(self._outgoing(action), out)
+            outgoing = self._outgoing(action)
+            if outgoing is not None:
+                self.comm.send(outgoing, out)
+                self._log_sent(Channel.ACTIVATION, mb, out)
         self._stash[mb] = _Stash(inp, out)
 
     def backward_input(self, action: Action) -> None:
@@ -266,8 +401,12 @@ class StageExecutor:
         if self.is_first:
             return  # token ids have no gradient: stage 0's B only takes delivery of the output-gradient
         assert stash.inp is not None  # every stage but the first receives its input
+        outgoing = self._outgoing(action)
+        if outgoing is None:
+            return  # a completion's B only for its own W: nobody upstream needs the input-gradient
         (grad_in,) = torch.autograd.grad(stash.out, [stash.inp], stash.grad_out, retain_graph=True)
-        self.comm.send(self._outgoing(action), grad_in)
+        self.comm.send(outgoing, grad_in)
+        self._log_sent(Channel.GRADIENT, action.mb, grad_in)
 
     def backward_weight(self, action: Action) -> None:
         """W: the weight-gradient, accumulated into .grad; frees the micro-batch's graph."""
@@ -276,16 +415,20 @@ class StageExecutor:
 
     def backward_fused(self, action: Action) -> None:
         """BW: input- and weight-gradient in one backward pass."""
-        stash = self._stash.pop(action.mb)
         grad_out = self._output_grad(action)
+        stash = self._stash.pop(action.mb)  # after the receive: a failure there leaves the graph for a completion
         if self.is_first:
             self._backward_into_grad(stash.out, grad_out, self.params)
             return
         assert stash.inp is not None  # every stage but the first receives its input
         self._backward_into_grad(stash.out, grad_out, [stash.inp, *self.params])
+        self.progress.weighed = True  # a failure in the send below: the weight-gradient is kept, the rest redone
         # stash.inp is this micro-batch's own leaf (a fresh receive buffer): its .grad is exactly the input-gradient.
         assert stash.inp.grad is not None
-        self.comm.send(self._outgoing(action), stash.inp.grad)
+        outgoing = self._outgoing(action)
+        assert outgoing is not None, f"{action} sends its input-gradient upstream"
+        self.comm.send(outgoing, stash.inp.grad)
+        self._log_sent(Channel.GRADIENT, action.mb, stash.inp.grad)
 
     def optimizer_step(self, action: Action) -> None:
         """OPT: SUM all-reduce of the stage's gradients over its live replicas, optional clipping, AdamW step."""
@@ -295,6 +438,9 @@ class StageExecutor:
         loss = torch.tensor([self._loss_sum], dtype=self.params[0].dtype, device=self.device) if self.is_last \
             else None
         allreduce_grads(self.stage_params, lambda flat: self.comm.stage_allreduce_sum(self.stage, flat), extra=loss)
+        # The sums are in .grad now (the all-reduce ran on a flat copy until here): a failure from here on leaves
+        # gradients that a completion cannot keep.
+        self.progress.reducing = True
         if self.tied_params:  # after the stage's own: every tied stage's worker makes the two in the same order
             allreduce_grads(self.tied_params, self.comm.tied_allreduce_sum)
         if loss is not None:
@@ -351,12 +497,16 @@ class StageExecutor:
         return self._receive(self._incoming(action))
 
     def _incoming(self, action: Action) -> Message:
-        message = incoming(self.plan, self.rank, action)
+        message = self._routes[(action.kind, action.mb)][0] if self._routes is not None else \
+            incoming(self.plan, self.rank, action)
         if message is None:
             raise RuntimeError(f"worker {self.replica}:{self.stage}: {action} receives nothing in its plan")
         return message
 
-    def _outgoing(self, action: Action) -> Message:
+    def _outgoing(self, action: Action) -> Message | None:
+        """The message `action` sends: the plan's, or in a completion the step's (None: nobody needs it)."""
+        if self._routes is not None:
+            return self._routes[(action.kind, action.mb)][1]
         message = outgoing(self.plan, self.rank, action)
         if message is None:
             raise RuntimeError(f"worker {self.replica}:{self.stage}: {action} sends nothing in its plan")

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from recycle.config import Config
 from recycle.errors import ConfigError, RecycleError
 from recycle.ir import Action, Plan
+from recycle.ir.completion import Completion
 from recycle.ir.worker import Worker
 from recycle.models.gpt import GPTStage
 from recycle.runtime.options import (Backend, CheckpointOptions, ClusterOptions, DebugOptions, OutputOptions,
@@ -364,6 +365,7 @@ class _Worker:
         self.transport: Transport | None = None
         self.executor: StageExecutor | None = None
         self.announcement: Announcement | None = None  # of the current generation (None: generation 0)
+        self.completion: Completion | None = None  # how to finish the interrupted iteration (a kept recovery)
         self.writer = CheckpointWriter(spec.checkpoint.dir, hooks.connect(spec), self._shard_written) \
             if spec.checkpoint.enabled else None
         self._fired: set[FaultInjection] = set()
@@ -672,13 +674,20 @@ class _Worker:
         spec = self.spec
         self._stop_for_drain(step)
         cpu0 = time.process_time()
+        completion = self.completion if self.completion is not None and self.completion.iteration == step else None
         try:
-            result = self._executor().run_iteration(step)
+            if completion is not None:
+                self.completion = None
+                result = self._executor().run_completion(completion)
+            else:
+                result = self._executor().run_iteration(step)
         finally:
             self.activity.phase = "idle"
         cpu_s = time.process_time() - cpu0  # all threads of this process, gloo's included
         done = step + 1
-        if spec.checkpoint.due(done):
+        if completion is not None and self.stage in completion.applied_stages:
+            self._repair_checkpoint(done)  # its stage had stepped: the checkpoint was written then, unless lost
+        elif spec.checkpoint.due(done):
             self._save_checkpoint()
         self.outbox.put(self.store, Channels.METRICS, StepRecord(
             self.replica, self.stage, self.generation, result.start, result.end, cpu_s, result.loss_sum,
@@ -760,7 +769,9 @@ class _Worker:
             report = StoppedReport(spec.rank, self.generation, applied, progress.iteration, current[0], current[1],
                                    completed.index if applied >= spec.start_step else 0,
                                    completed.busy_s if applied >= spec.start_step else 0.0,
-                                   error, time.time())
+                                   error, time.time(), weighed_current=progress.weighed and not progress.finished,
+                                   completing=progress.completing and not progress.finished,
+                                   reducing=progress.reducing and not progress.finished)
         else:  # failed while forming its first generation: nothing done yet
             # Its state is the run's start, or (a replacement that loaded the restored checkpoint) that step.
             report = StoppedReport(spec.rank, self.generation, applied, applied + 1, 0, 0.0, 0, 0.0, error,
@@ -776,7 +787,13 @@ class _Worker:
         self.announcement = announcement
         self.plan = Plan.from_json(self.store.get(Keys.plan(announcement.generation)).decode())
         redo = announcement.redo_step
-        if announcement.restore_step >= 0:  # a stage lost every replica: everyone restores the checkpoint
+        self.completion = None
+        if announcement.completion:  # keep the interrupted iteration's work; run only what the failure lost
+            self.completion = Completion.from_json(self.store.get(Keys.completion(announcement.generation)),
+                                                   self.plan)
+            if executor is not None:
+                executor.keep_for_completion(redo)
+        elif announcement.restore_step >= 0:  # a stage lost every replica: everyone restores the checkpoint
             if self.writer is not None:
                 self.writer.wait()
             self._take_layout()  # the checkpoint's keys are the whole model's: it loads into any partition
@@ -803,6 +820,8 @@ class _Worker:
         spec = self.spec
         if not (spec.checkpoint.due(redo) and redo > spec.start_step and self._is_writer()):
             return
+        if self.position.done != redo:
+            return  # a stage that kept its step of the interrupted iteration (a completion) is past that state
         if self.writer is not None:
             # This worker's own write of that step may still be in flight: let it finish (and report) first, or the
             # step would be written twice and the second copy could land after the coordinator recorded the first's
