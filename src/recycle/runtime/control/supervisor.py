@@ -386,8 +386,8 @@ class Supervisor:
         and the recovery's facts with the work that is really redone; else (or where that cannot be exact) the
         whole iteration is redone."""
         if self.options.recovery.redo != "lost" or facts.restore_step is not None or facts.joining or \
-                facts.redo_step >= self.end_step or not facts.deaths:
-            return facts, None
+                facts.redo_step >= self.end_step or not facts.deaths or not facts.redone_actions:
+            return facts, None  # (no work done in the iteration: nothing to keep)
         if any(r.completing or r.generation != facts.generation - 1 for r in facts.reports):
             return replace(facts, kept="the whole iteration is redone: a failure hit the completion of the last "
                                        "one"), None
