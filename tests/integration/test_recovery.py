@@ -92,13 +92,14 @@ def test_kill_matrix_2x2(stage: int, what: str, tmp_path) -> None:
 
 
 def assert_only_lost_work_redone(recovery, config, worker: tuple[int, int]) -> None:
-    """--redo lost (the default): the survivors kept their work; what is redone is at most the dead worker's share
-    of one iteration (its actions), where redoing the iteration costs every survivor's finished work."""
+    """--redo lost (the default): the survivors kept their work; what is redone is at most twice the dead worker's
+    share of one iteration (its actions; issue 27's goal), where redoing the iteration costs every survivor's
+    finished work."""
     share = len(build_schedule(config, "zb-h1", staggered=True).worker_actions(*worker))
     # (No survivor work in flight, e.g. a kill before the iteration's first forward: nothing to keep or redo.)
     assert recovery.kept.startswith("kept the survivors' work") or recovery.redone_actions == 0, recovery.kept
     assert recovery.rolled_back == 0
-    assert recovery.lost_actions <= recovery.redone_actions <= share, (recovery.redone_actions, share)
+    assert recovery.lost_actions <= recovery.redone_actions <= 2 * share, (recovery.redone_actions, share)
 
 
 @pytest.mark.parametrize("stage,what", MATRIX_3x3)

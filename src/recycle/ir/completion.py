@@ -78,7 +78,8 @@ class Completion:
     # input-gradient again with their weights from before that step; they run no W and no OPT of it.
     applied_stages: tuple[int, ...]
     redone_actions: int  # work done before and run again: survivors' dropped next-iteration actions + `lost_actions`
-    lost_actions: int  # the failed workers' actions of the iteration known to have finished (their in-flight share)
+    # The failed workers' actions of the iteration that may have finished (an upper bound: their lost work).
+    lost_actions: int
     rerouted_actions: int  # compute steps run for cells whose host died
     resent: int  # messages re-sent from a survivor's log
 
@@ -198,7 +199,7 @@ def complete_iteration(old: Plan, new: Plan, iteration: int, progress: Mapping[i
     if isinstance(order, str):
         return order
     dead = set(old.live_ranks()) - alive
-    lost = sum(_proven_prefix(old, rank, cells, stepped) for rank in sorted(dead))
+    lost = sum(_possible_prefix(old, rank, cells, stepped, dead) for rank in sorted(dead))
     dropped = sum(p.finished for p in progress.values() if p.iteration == iteration + 1)
     # A stage that stepped has every weight-gradient of the iteration; what it computes again (with its pre-step
     # weights) is a forward or input-gradient whose message died with the broken generation: redone work too.
@@ -348,20 +349,23 @@ def _list_schedule(tasks: dict[tuple[str, int, int], _Task], num_ranks: int) -> 
     return tuple(tuple(steps) for steps in order)
 
 
-def _proven_prefix(old: Plan, rank: int, cells: Mapping[tuple[int, int], _Cell], stepped: Mapping[int, bool]) -> int:
-    """How many of a dead worker's actions had provably finished: up to the last one whose product a survivor
-    holds (a forward output or input-gradient it received, or the stage's step). A lower bound on its lost work."""
-    actions = old.actions[rank]
+def _possible_prefix(old: Plan, rank: int, cells: Mapping[tuple[int, int], _Cell], stepped: Mapping[int, bool],
+                     dead: set[int]) -> int:
+    """How many of a dead worker's actions may have finished: all of them up to the first whose input a surviving
+    producer had not sent yet (it cannot have got past that one), and never its OPT unless its stage stepped. An
+    upper bound on its lost work, so that what is reported as redone is never less than what was."""
     if stepped[old.worker(rank)[1]]:
         return 0  # its stage stepped: its whole share of the iteration is in the applied step, nothing is lost
-    last = -1
+    actions = old.actions[rank]
     for index, action in enumerate(actions):
-        if action.kind is Kind.F:
-            consumer = cells.get((action.stage + 1, action.mb))
-            if consumer is not None and (consumer.forward or consumer.weighed):
-                last = index
-        elif action.kind in (Kind.B, Kind.BW):
-            consumer = cells.get((action.stage - 1, action.mb))
-            if consumer is not None and (consumer.grad_out or consumer.weighed):
-                last = index
-    return last + 1
+        if action.kind is Kind.F and action.stage > 0:
+            producer, logged = (action.stage - 1, action.mb), "act_logged"
+        elif action.kind in (Kind.B, Kind.BW) and action.stage < old.num_stages - 1:
+            producer, logged = (action.stage + 1, action.mb), "grad_logged"
+        else:
+            continue
+        if old.rank(old.host[producer[0]][producer[1]], producer[0]) in dead:
+            continue  # a dead producer: whether it had sent is unknown, so assume it had
+        if not getattr(cells[producer], logged):
+            return index
+    return len(actions) - 1  # its OPT did not finish: its stage has not stepped

@@ -142,7 +142,7 @@ class RecoveryFacts:
     restore_step: int | None = None  # every worker loads this checkpoint (a stage had lost every replica)
     steps_lost: int = 0  # applied steps thrown away by the restore
     moved: tuple[tuple[int, int], ...] = ()  # (donor rank, rank it now runs as): the reshape of a lost stage
-    lost_actions: int = 0  # the failed workers' finished actions of the interrupted iteration (when it is kept)
+    lost_actions: int = 0  # the failed workers' actions of the interrupted iteration that may have finished (if kept)
     kept: str = ""  # whether the survivors kept the interrupted iteration's work, and why not (the launcher's word)
 
 

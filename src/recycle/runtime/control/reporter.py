@@ -97,7 +97,7 @@ class Recovery:
     redone_actions: int
     redone_s: float
     rolled_back: int  # survivors whose stage had already stepped the redone iteration (restored from a snapshot)
-    lost_actions: int = 0  # the failed workers' finished actions of the iteration (their in-flight share), if kept
+    lost_actions: int = 0  # the failed workers' actions of the iteration that may have finished (at most), if kept
     kept: str = ""  # "kept the survivors' work (...)" or why the whole iteration was redone (empty: --redo iteration)
     joined: tuple[str, ...] = ()  # "replica:stage" of workers re-admitted
     transfer_bytes: int = 0  # state moved to them from live replicas
