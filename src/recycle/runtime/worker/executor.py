@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -240,19 +241,7 @@ class StageExecutor:
         timings: list[ActionTiming] = []
         start = time.time()
         for index, action in enumerate(self.actions):
-            self.progress.index = index
-            self.progress.weighed = self.progress.reducing = False
-            if self.before_action is not None:
-                self.before_action(action)
-            t0 = time.perf_counter()
-            if self.pacing is None:
-                self.run_action(action)
-            else:
-                self.pacing.run(action, self.run_action)
-            t1 = time.perf_counter()
-            self.progress.busy_s += t1 - t0
-            if self.record_timings:
-                timings.append(ActionTiming(str(action), t0, t1))
+            self._run_one(index, action, str(action), timings)
         self.comm.flush()
         self.progress.index = len(self.actions)
         self.progress.finished = True
@@ -293,24 +282,12 @@ class StageExecutor:
         recomputes = stepped and any(step.kind in ("F", "B") for step in steps)
         with self.snapshot.weights_before_step(iteration) if recomputes else contextlib.nullcontext():
             for index, step in enumerate(steps):
-                self.progress.index = index
-                self.progress.weighed = self.progress.reducing = False
                 action = Action(Kind.OPT, step.stage) if step.kind == "OPT" else \
                     Action(Kind(step.kind) if step.kind in ("F", "B", "W") else
                            (Kind.F if step.kind == SEND_ACTIVATION else Kind.B), step.stage, step.mb)
-                if self.before_action is not None:
-                    self.before_action(action)
-                t0 = time.perf_counter()
-                if step.kind in (SEND_ACTIVATION, SEND_GRADIENT):
-                    self._resend(iteration, step)
-                elif self.pacing is None:
-                    self.run_action(action)
-                else:
-                    self.pacing.run(action, self.run_action)
-                t1 = time.perf_counter()
-                self.progress.busy_s += t1 - t0
-                if self.record_timings:
-                    timings.append(ActionTiming(str(step), t0, t1))
+                resend = functools.partial(self._resend, iteration, step) \
+                    if step.kind in (SEND_ACTIVATION, SEND_GRADIENT) else None
+                self._run_one(index, action, str(step), timings, resend)
             self._stash.clear()  # graphs of forwards run again only to send an input-gradient on: used up here
         if self._parked:
             raise RuntimeError(f"worker {self.replica}:{self.stage} ended the completion of iteration {iteration} "
@@ -326,6 +303,26 @@ class StageExecutor:
                                            self._grad_norm, timings=timings, stage_loss=self._stage_loss,
                                            grad_sq=self._grad_sq, lr=self._lr)
         return self.last_result
+
+    def _run_one(self, index: int, action: Action, label: str, timings: list[ActionTiming],
+                 work: Callable[[], None] | None = None) -> None:
+        """Run `action` (or, for a completion's re-send, `work`, announced to the hooks as `action`) with what goes
+        around every action: the progress, before_action, the pacing, its busy time and timing record."""
+        self.progress.index = index
+        self.progress.weighed = self.progress.reducing = False
+        if self.before_action is not None:
+            self.before_action(action)
+        t0 = time.perf_counter()
+        if work is not None:
+            work()
+        elif self.pacing is None:
+            self.run_action(action)
+        else:
+            self.pacing.run(action, self.run_action)
+        t1 = time.perf_counter()
+        self.progress.busy_s += t1 - t0
+        if self.record_timings:
+            timings.append(ActionTiming(label, t0, t1))
 
     def _step_message(self, kind: str, mb: int, peer: int, receive: bool) -> Message | None:
         """The message a completion's F or B step receives from (or sends to) rank `peer`, if any."""
