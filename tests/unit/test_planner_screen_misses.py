@@ -19,10 +19,11 @@ from recycle.sim.simulator import simulate
 
 
 def _config(D: int, S: int, M: int, forward: int, backward_input: int, backward_weight: int,
-            optimizer: int) -> Config:
+            optimizer: int, p2p: float = 0.0) -> Config:
     return parse_config({"topology": {"num_replicas": D, "num_stages": S}, "workload": {"num_microbatches": M},
                          "costs": {"forward": forward, "backward_input": backward_input,
-                                   "backward_weight": backward_weight, "optimizer": optimizer}}, name="screen")
+                                   "backward_weight": backward_weight, "optimizer": optimizer},
+                         "communication": {"p2p_latency": p2p}}, name="screen")
 
 
 # `bench_planner_quality.py --draw distinct --planner make_plan` (seed 0) cases, with CP-SAT's proved optimum
@@ -152,3 +153,48 @@ def test_waiting_rules_never_start_a_forward_that_delays_a_backward_on_its_way()
     assert waited > 0, "the waiting rules never changed a schedule: the check above tests nothing"
     # The plain rules do start such F's: the property is the waiting rule's, not every list schedule's.
     assert plain_violations > 0
+
+
+
+# The misses the seed-0 screen (`bench_planner_quality.py --draw distinct --planner make_plan`, 300 cases) leaves
+# after the strict waiting rules: (shape, failed, options, CP-SAT's best (4 s, 2 workers), proved optimal,
+# make_plan's period now; case 237, +1.8 %, is in SCREEN_MISSES). Guards: no plan gets slower, none beats a proved
+# optimum (that would be a broken simulator or model), the same plan twice.
+REMAINING_MISSES = [
+    # case 94: not nested, 82 against the proved 81 (+1.2 %)
+    ((2, 3, 5, 3, 4, 1, 1), [(0, 1), (1, 0)], PlannerOptions(), 81.0, True, 82.0),
+    # case 123: nested, 35 against CP-SAT's best 34 without a proof (+2.9 %)
+    ((5, 4, 4, 2, 1, 3, 3), [(3, 0), (3, 2)], PlannerOptions(), 34.0, False, 35.0),
+    # case 47: not nested, 40 against CP-SAT's best 39 without a proof (+2.6 %)
+    ((6, 3, 3, 4, 2, 1, 3), [(2, 0), (4, 1), (5, 0)], PlannerOptions(), 39.0, False, 40.0),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shape, failed, options, best, proved, now", REMAINING_MISSES)
+def test_remaining_screen_misses_do_not_get_worse(shape: tuple, failed: list, options: PlannerOptions, best: float,
+                                                  proved: bool, now: float) -> None:
+    config = _config(*shape)
+    clear_cache()
+    plan = validate_plan(make_plan(config, failed, options))
+    clear_cache()
+    assert make_plan(config, failed, options).to_json() == plan.to_json()  # deterministic: work, not seconds
+    period = plan.meta.predicted_period
+    assert period == simulate(plan, config).period
+    assert period <= now, f"period {period:g}, was {now:g} (CP-SAT's best {best:g})"
+    if proved:
+        assert best <= period <= best * 1.02
+    clear_cache()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=True, reason="open miss: seed 1 case 6 of the screen, 61 against CP-SAT's proved 59 "
+                                       "(+3.4 %); no rule reaches 59 even on CP-SAT's own routing")
+def test_open_miss_fused_coupled_within_two_percent() -> None:
+    # Not nested (three pipelines, two stages), fused backward, coupled optimizer. The optimum is the lower bound:
+    # the busiest stage-0 workers never idle. Strict xfail: this test reports when a change closes the miss.
+    config = _config(6, 3, 5, 4, 2, 1, 3)
+    clear_cache()
+    plan = make_plan(config, [(0, 0), (1, 1), (4, 0)], PlannerOptions(decoupled=False, staggered=False))
+    clear_cache()
+    assert plan.meta.predicted_period <= 59.0 * 1.02

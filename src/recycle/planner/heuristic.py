@@ -25,6 +25,7 @@ from recycle.planner.failures import canonical_failed
 from recycle.planner.local_search import OrderEvaluator, improve_orders, stage_extents
 from recycle.planner.memory_cap import memory_cap
 from recycle.planner.options import PlannerOptions
+from recycle.planner.settling import settling
 from recycle.planner.routing import (balanced_routing, check_key, failed_routing, routing_candidates,
                                     worker_loads)
 from recycle.sim.simulator import simulate
@@ -667,9 +668,12 @@ def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int,
         for merge in ((True, False) if options.decoupled else (True,)):
             plan = build(candidate, merge)
             result = simulate(plan, config)
-            score = (result.period, max(result.peak_activations), candidate.order, not merge)
+            # Ranked by the mean period over whole cycles (a plan whose iteration times alternate is not credited
+            # with the simulator's average over an odd number of them), then settled plans first.
+            settled = settling(result)
+            score = (settled.period, settled.cycle != 1, max(result.peak_activations), candidate.order, not merge)
             if best is None or score < best[0]:
-                best = (score, plan.with_meta(predicted_period=result.period, predicted_makespan=result.makespan))
+                best = (score, plan.with_meta(predicted_period=settled.period, predicted_makespan=result.makespan))
     assert best is not None
     return validate_plan(best[1])
 
