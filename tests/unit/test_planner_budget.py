@@ -17,7 +17,7 @@ from recycle.config import Config, parse_config
 from recycle.ir.plan import Plan
 from recycle.ir.validate import validate_plan
 from recycle.planner import heuristic, local_search
-from recycle.planner.api import TRAFFIC_WORK_SHARE, clear_cache, make_plan, plan_for_failed
+from recycle.planner.api import clear_cache, make_plan, plan_for_failed
 from recycle.planner.budget import SEARCH_WORK_CAP, SEARCH_WORK_FLOOR, WorkBudget, search_work
 from recycle.planner.failures import normalize
 from recycle.planner.options import PlannerOptions
@@ -140,7 +140,7 @@ SLOWER_FAILED = [(0, 1), (2, 2), (5, 3)]
 def test_traffic_plan_slower_than_canonical_falls_back_and_says_so() -> None:
     config = _config(**SLOWER_TRAFFIC)
     clear_cache()
-    kept = plan_for_failed(config, frozenset(SLOWER_FAILED), PlannerOptions(), TRAFFIC_WORK_SHARE)
+    kept = plan_for_failed(config, frozenset(SLOWER_FAILED), PlannerOptions())
     canonical = make_plan(config, SLOWER_FAILED, routing="canonical")
     assert not normalize(SLOWER_FAILED, 6, 4).symmetric
     assert kept.meta.predicted_period > canonical.meta.predicted_period, "the case no longer shows the miss"

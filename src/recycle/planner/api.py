@@ -21,7 +21,7 @@ from recycle.planner.settling import settling
 from recycle.sim.simulator import simulate
 
 __all__ = ["SOLVERS", "ROUTINGS", "resolve_memory_cap", "resolve_options", "plan_for_key", "plan_for_failed",
-           "make_plan", "fault_free_period", "baseline_1f1b_period", "clear_cache", "TRAFFIC_WORK_SHARE"]
+           "make_plan", "fault_free_period", "baseline_1f1b_period", "clear_cache"]
 
 SOLVERS = ("heuristic", "exact")
 _CACHE: dict[tuple, Plan] = {}
@@ -130,12 +130,6 @@ def plan_for_key(config: Config, key: Sequence[int], options: PlannerOptions = P
 
 
 ROUTINGS = ("traffic", "canonical")
-# The traffic-aware plan's search gets this share of a plan's work budget: make_plan also plans the canonical layout
-# in full whenever the traffic plan is above the bound, and the two must fit the small-plan time goal (0.3 s). On the
-# F != B != W screen (seed 0, 300 cases) shares 1, 0.5, 0.25 and 0 gave the same gaps over CP-SAT's proved optima;
-# below 1, one case without a proof (265) is left to the canonical plan (+5.9 % over CP-SAT's best instead of
-# +2.9 %): docs/planner.md, "Quality screen with F != B != W".
-TRAFFIC_WORK_SHARE = 0.25
 
 
 def make_plan(config: Config, failed: Iterable[tuple[int, int]] = (), options: PlannerOptions = PlannerOptions(),
@@ -152,16 +146,14 @@ def make_plan(config: Config, failed: Iterable[tuple[int, int]] = (), options: P
 
     The traffic-aware plan is returned only when it is as fast as the canonical one: where the canonical plan
     relabelled per stage has a lower simulated period, that plan is returned instead, and its
-    meta.routing_fallback says so and why (a traffic-aware plan at the lower bound skips the comparison). The
-    traffic-aware plan's search gets TRAFFIC_WORK_SHARE of a plan's work budget, the canonical one all of it (so
-    the result is never slower than routing="canonical").
+    meta.routing_fallback says so and why (a traffic-aware plan at the lower bound skips the comparison).
     """
     if routing not in ROUTINGS:
         raise PlanError(f"routing {routing!r} is unknown; choose one of {list(ROUTINGS)}")
     state = normalize(failed, config.num_replicas, config.num_stages)
     if state.symmetric or routing == "canonical" or solver != "heuristic":
         return state.to_real(plan_for_key(config, state.key, options, solver, time_limit_s))
-    planned = plan_for_failed(config, state.failed, options, TRAFFIC_WORK_SHARE)
+    planned = plan_for_failed(config, state.failed, options)
     period, bound = planned.meta.predicted_period, planned.meta.lower_bound
     assert period is not None
     if bound is not None and period <= bound * (1 + 1e-9):
@@ -181,16 +173,15 @@ def make_plan(config: Config, failed: Iterable[tuple[int, int]] = (), options: P
 
 @_collector_paused()
 def plan_for_failed(config: Config, failed: frozenset[tuple[int, int]],
-                    options: PlannerOptions = PlannerOptions(), work_share: float = 1.0) -> Plan:
-    """The traffic-aware heuristic plan on the real ranks of `failed`, meta filled like plan_for_key's (cached);
-    its search gets `work_share` of a plan's work budget."""
+                    options: PlannerOptions = PlannerOptions()) -> Plan:
+    """The traffic-aware heuristic plan on the real ranks of `failed`, meta filled like plan_for_key's (cached)."""
     options = resolve_options(config, options)
     fingerprint = config.fingerprint()
-    cache_key = (fingerprint, "failed", frozenset(failed), options, work_share)
+    cache_key = (fingerprint, "failed", frozenset(failed), options)
     cached = _CACHE.get(cache_key)
     if cached is not None:
         return cached
-    plan = schedule_failed(config, failed, options, work_share=work_share)
+    plan = schedule_failed(config, failed, options)
     key = plan.meta.failure_key
     period, makespan, settling_note = _period_makespan(plan, config)
     lower_bound = period_lower_bound(config, key, options)

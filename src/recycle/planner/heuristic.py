@@ -585,10 +585,9 @@ def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptio
 
 
 def schedule_failed(config: Config, failed: Iterable[tuple[int, int]], options: PlannerOptions = PlannerOptions(),
-                    variants: Sequence[Variant] = VARIANTS, work_share: float = 1.0) -> Plan:
+                    variants: Sequence[Variant] = VARIANTS) -> Plan:
     """A validated plan on the real ranks of a failure set, routed by `failed_routing` (only the failed workers'
-    micro-batches leave their pipeline); the same rules and search as `schedule_heuristic`, the search with
-    `work_share` of its work budget."""
+    micro-batches leave their pipeline); the same rules and search as `schedule_heuristic`."""
     failed = frozenset(failed)
     D, S = config.num_replicas, config.num_stages
     key = check_key(config, [sum(1 for p, st in failed if st == s) for s in range(S)])
@@ -598,12 +597,12 @@ def schedule_failed(config: Config, failed: Iterable[tuple[int, int]], options: 
     first = failed_routing(config, failed)
     second = failed_routing(config, failed, slot_major=True) if small else first
     routings = (first,) if second == first else (first, second)
-    return _schedule(config, key, failed, routings, options, variants, work_share)
+    return _schedule(config, key, failed, routings, options, variants)
 
 
 def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, int]],
-              routings: Sequence[tuple[tuple[int, ...], ...]], options: PlannerOptions, variants: Sequence[Variant],
-              work_share: float = 1.0) -> Plan:
+              routings: Sequence[tuple[tuple[int, ...], ...]], options: PlannerOptions, variants: Sequence[Variant]
+              ) -> Plan:
     """schedule_heuristic's body for any failure set and routing candidates (see there)."""
     D, S, M = config.num_replicas, config.num_stages, config.num_microbatches
     caps = memory_cap(config, options)
@@ -641,7 +640,7 @@ def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int,
     bound = period_lower_bound(config, key, options) if waiting or search else math.inf
     if search:
         if ranked[0].estimate > bound * (1 + 1e-9):
-            budget = WorkBudget(int(search_work(per_iteration) * work_share))
+            budget = WorkBudget(search_work(per_iteration))
             found = _search(config, key, failed, options, caps, ranked, variants, bound, budget)
             ranked = sorted([*found, *ranked], key=lambda c: (c.estimate, c.order))
     if waiting and ranked[0].estimate > bound * (1 + 1e-9):
