@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from recycle.config import Config, parse_config
-from recycle.planner.api import TRAFFIC_WORK_SHARE, clear_cache, make_plan, plan_for_failed
+from recycle.planner.api import clear_cache, make_plan, plan_for_failed
 from recycle.planner.options import PlannerOptions
 from recycle.planner.settling import settling
 from recycle.sim.convergence import MAX_ITERATIONS
@@ -29,7 +29,7 @@ def _config(D: int, S: int, M: int, forward: int, backward_input: int, backward_
 def test_a_plan_that_alternates_is_priced_by_whole_cycles_and_says_why() -> None:
     config = _config(**UNSETTLED)
     clear_cache()
-    plan = plan_for_failed(config, UNSETTLED_FAILED, PlannerOptions(), TRAFFIC_WORK_SHARE)
+    plan = plan_for_failed(config, UNSETTLED_FAILED, PlannerOptions())
     result = simulate(plan, config)
     assert result.num_iterations == MAX_ITERATIONS  # never three equal gaps in a row
     gaps = [b - a for a, b in zip(result.iteration_starts, result.iteration_starts[1:])]
