@@ -25,9 +25,9 @@ from recycle.planner.failures import canonical_failed
 from recycle.planner.local_search import OrderEvaluator, improve_orders, stage_extents
 from recycle.planner.memory_cap import memory_cap
 from recycle.planner.options import PlannerOptions
-from recycle.planner.settling import settling
 from recycle.planner.routing import (balanced_routing, check_key, failed_routing, routing_candidates,
                                     worker_loads)
+from recycle.planner.settling import settling
 from recycle.sim.simulator import simulate
 
 if TYPE_CHECKING:  # numpy loads only when a large plan is scheduled (CLI start-up, small plans)
@@ -45,7 +45,7 @@ _LARGE_VARIANTS = 1
 # Small instances also try this many random-priority schedules (fixed seeds, so plans are reproducible): on small
 # uniform cases with a failure at stage 0 about one in six of them beats every fixed rule by a slot (see
 # test_zero_overhead_where_the_bubbles_can_absorb_one_failure). 6 rather than 12 since the search (issue 26): the
-# same gaps on the F != B != W screen (seeds 0 and 1, 450 cases; none at all lost one case), ~10 % less time.
+# same gaps on the F != B != W screen (seeds 0 and 1, 450 cases; with none, seed 1 had one more miss).
 RANDOM_RESTARTS = 6
 _RANDOM_RESTART_LIMIT = 5_000
 # How many of the best-estimated distinct schedules are simulated (the estimate is exact for a coupled optimizer and

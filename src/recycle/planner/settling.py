@@ -9,8 +9,8 @@ from recycle.sim.simulator import SimResult
 
 __all__ = ["Settling", "settling", "MAX_CYCLE"]
 
-# Longest repeat (in iterations) looked for in the gaps between iteration starts; the simulator runs MAX_ITERATIONS
-# iterations, so a repeat must show at least twice in its tail.
+# Longest repeat (in iterations) looked for in the gaps between iteration starts; a repeat counts when it shows three
+# times in a row at the end of the simulator's MAX_ITERATIONS iterations.
 MAX_CYCLE = 8
 
 
