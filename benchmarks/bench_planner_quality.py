@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     heur_times = []
+    unsettled = 0  # plans that never settle to a one-iteration period (recycle.planner.settling says so in notes)
     began = time.perf_counter()
     for n, i in enumerate(chosen):
         case = cases[i]
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         gap = (h - e) / e
         bound = period_lower_bound(config, key, case.options)
         fallback = bool(getattr(planned.meta, "routing_fallback", ""))
+        unsettled += "-iteration cycle" in planned.meta.notes or "not periodic" in planned.meta.notes
         rows.append((i, case, key, h, e, status, gap, bound, fallback))
         if args.verbose or gap > 0:
             print(f"#{i:<4} {case.describe():<70} heur {h:>6g} exact {e:>6g} {status:<8} "
@@ -201,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.time_limit:g} s per case, {args.workers} workers; exact proved optimal in {len(proved)}")
     print(f"heuristic time per case: mean {statistics.mean(heur_times) * 1e3:.0f} ms, max "
           f"{max(heur_times) * 1e3:.0f} ms;"
-          f" heuristic at the analytic lower bound in {at_bound}")
+          f" heuristic at the analytic lower bound in {at_bound}; plans without a one-iteration period: {unsettled}")
     print(f"heuristic gap over the exact plan: mean {statistics.mean(gaps):.2%}, max {max(gaps):.2%}; misses (gap > 0) "
           f"{len(misses)}, over 2 %: {sum(1 for g in gaps if g > 0.02)}")
     if proved:

@@ -1,9 +1,10 @@
-"""Misses of issue 26's quality screen (F != B != W, nested and not) closed by the wait-for-backward rules and by
-order searches from several routings."""
+"""Misses of issue 26's quality screen (F != B != W, nested and not) closed by the wait-for-backward rules (plain and
+strict) and by order searches from several routings; the misses left, guarded against getting worse."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -18,10 +19,11 @@ from recycle.sim.simulator import simulate
 
 
 def _config(D: int, S: int, M: int, forward: int, backward_input: int, backward_weight: int,
-            optimizer: int) -> Config:
+            optimizer: int, p2p: float = 0.0) -> Config:
     return parse_config({"topology": {"num_replicas": D, "num_stages": S}, "workload": {"num_microbatches": M},
                          "costs": {"forward": forward, "backward_input": backward_input,
-                                   "backward_weight": backward_weight, "optimizer": optimizer}}, name="screen")
+                                   "backward_weight": backward_weight, "optimizer": optimizer},
+                         "communication": {"p2p_latency": p2p}}, name="screen")
 
 
 # `bench_planner_quality.py --draw distinct --planner make_plan` (seed 0) cases, with CP-SAT's proved optimum
@@ -55,9 +57,29 @@ def test_screen_misses_are_within_two_percent_of_the_proved_optimum(
     clear_cache()
 
 
-def _violations(config: Config, entries: tuple[tuple[tuple[int, int, float, float], ...], ...]) -> list[str]:
-    """F's that run while a B whose message was already on its way to the same worker arrives (its producer
-    started strictly before the F): what the waiting rule forbids."""
+@pytest.mark.timeout(120)
+def test_strict_waiting_rules_close_a_non_nested_miss(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Case 15 of the same screen: not nested (three pipelines, three stages), decoupled, staggered; CP-SAT proves
+    # 31 (4 s). The plain waiting rule starts stage 1's F at the very instant stage 2 starts the B it should wait
+    # for, then fills the gap before the next B with a W that delays it: 32 (+3.2 %) with every other mechanism.
+    config = _config(D=3, S=3, M=2, forward=4, backward_input=1, backward_weight=3, optimizer=3)
+    failed = [(0, 0), (2, 1), (2, 2)]
+    assert not normalize(failed, 3, 3).symmetric
+    clear_cache()
+    plan = validate_plan(make_plan(config, failed))
+    assert plan.meta.predicted_period == simulate(plan, config).period == 31.0
+    assert "wait-strict" in plan.meta.notes
+    monkeypatch.setattr(heuristic, "WAITING_VARIANTS",
+                        tuple(v for v in heuristic.WAITING_VARIANTS if not v.wait_strict))
+    clear_cache()
+    assert make_plan(config, failed).meta.predicted_period == 32.0
+    clear_cache()
+
+
+def _violations(config: Config, entries: tuple[tuple[tuple[int, int, float, float], ...], ...],
+                codes: tuple[int, ...] = (heuristic._F,)) -> list[str]:
+    """Actions of `codes` (F's by default) that run while a B whose message was already on its way to the same
+    worker arrives (its producer started strictly before them): what the waiting rules forbid."""
     S = config.num_stages
     p2p = [config.communication.p2p_time(s) for s in range(S)]
     timing: dict[tuple[int, int, int], tuple[float, float]] = {}
@@ -78,8 +100,8 @@ def _violations(config: Config, entries: tuple[tuple[tuple[int, int, float, floa
                 producer = timing[(heuristic._B, s + 1, mb)]
                 arrivals.append((producer[0], producer[1] + p2p[s]))
         for code, mb, start, end in row:
-            if code == heuristic._F:
-                found += [f"rank {rank} F{mb} at {start:g}-{end:g} delays a B arriving at {arrival:g}"
+            if code in codes:
+                found += [f"rank {rank} {'FBW'[code]}{mb} at {start:g}-{end:g} delays a B arriving at {arrival:g}"
                           for sent, arrival in arrivals if sent < start and start < arrival < end]
     return found
 
@@ -88,9 +110,12 @@ def _violations(config: Config, entries: tuple[tuple[tuple[int, int, float, floa
 def test_order_moves_from_several_routings_reach_the_proved_optimum(monkeypatch: pytest.MonkeyPatch) -> None:
     # Case 0 of the same screen: nested (one pipeline, two stages), decoupled, staggered. Every balanced routing the
     # orphan swaps pass through has the rules' estimate 28; the order moves reach the optimum 26 (CP-SAT proves it
-    # in 20 s) from the third routing they start from, and stay at 28 from the swaps' best alone.
+    # in 20 s) from the third routing they start from, and stay at 28 from the swaps' best alone. (The strict
+    # waiting rules reach 26 as well; they are left out here so the test is about the order moves.)
     config = _config(D=5, S=3, M=2, forward=3, backward_input=1, backward_weight=4, optimizer=0)
     failed = [(4, 0), (4, 2)]
+    monkeypatch.setattr(heuristic, "WAITING_VARIANTS",
+                        tuple(v for v in heuristic.WAITING_VARIANTS if not v.wait_strict))
     clear_cache()
     plan = validate_plan(make_plan(config, failed))
     assert plan.meta.predicted_period == simulate(plan, config).period == 26.0
@@ -114,10 +139,11 @@ def test_waiting_rules_never_start_a_forward_that_delays_a_backward_on_its_way()
         decoupled = rng.random() < 0.75
         for variant in heuristic.WAITING_VARIANTS:
             timed = heuristic.list_schedule(config, key, host, decoupled, True, None, variant)
-            assert _violations(config, timed.entries) == []
+            # The strict rules hold their W's too.
+            codes = (heuristic._F, heuristic._W) if variant.wait_strict else (heuristic._F,)
+            assert _violations(config, timed.entries, codes) == []
             plain = heuristic.list_schedule(config, key, host, decoupled, True, None,
-                                            next(v for v in heuristic.VARIANTS
-                                                 if v.name == variant.name.removesuffix("-wait-for-backward")))
+                                            replace(variant, wait_for_backward=False, wait_strict=False))
             waited += timed.entries != plain.entries
             plain_violations += bool(_violations(config, plain.entries))
         # Plans built from the waiting rules alone are valid (schedule_heuristic validates what it returns).
@@ -127,3 +153,47 @@ def test_waiting_rules_never_start_a_forward_that_delays_a_backward_on_its_way()
     assert waited > 0, "the waiting rules never changed a schedule: the check above tests nothing"
     # The plain rules do start such F's: the property is the waiting rule's, not every list schedule's.
     assert plain_violations > 0
+
+
+# The misses the seed-0 screen (`bench_planner_quality.py --draw distinct --planner make_plan`, 300 cases) leaves
+# after the strict waiting rules: (shape, failed, options, CP-SAT's best (4 s, 2 workers), proved optimal,
+# make_plan's period now; case 237, +1.8 %, is in SCREEN_MISSES). Guards: no plan gets slower, none beats a proved
+# optimum (that would be a broken simulator or model), the same plan twice.
+REMAINING_MISSES = [
+    # case 94: not nested, 82 against the proved 81 (+1.2 %)
+    ((2, 3, 5, 3, 4, 1, 1), [(0, 1), (1, 0)], PlannerOptions(), 81.0, True, 82.0),
+    # case 123: nested, 35 against CP-SAT's best 34 without a proof (+2.9 %)
+    ((5, 4, 4, 2, 1, 3, 3), [(3, 0), (3, 2)], PlannerOptions(), 34.0, False, 35.0),
+    # case 47: not nested, 40 against CP-SAT's best 39 without a proof (+2.6 %)
+    ((6, 3, 3, 4, 2, 1, 3), [(2, 0), (4, 1), (5, 0)], PlannerOptions(), 39.0, False, 40.0),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shape, failed, options, best, proved, now", REMAINING_MISSES)
+def test_remaining_screen_misses_do_not_get_worse(shape: tuple, failed: list, options: PlannerOptions, best: float,
+                                                  proved: bool, now: float) -> None:
+    config = _config(*shape)
+    clear_cache()
+    plan = validate_plan(make_plan(config, failed, options))
+    clear_cache()
+    assert make_plan(config, failed, options).to_json() == plan.to_json()  # deterministic: work, not seconds
+    period = plan.meta.predicted_period
+    assert period == simulate(plan, config).period
+    assert period <= now, f"period {period:g}, was {now:g} (CP-SAT's best {best:g})"
+    if proved:
+        assert best <= period <= best * 1.02
+    clear_cache()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=True, reason="open miss: seed 1 case 6 of the screen, 61 against CP-SAT's proved 59 "
+                                       "(+3.4 %); no rule reaches 59 even on CP-SAT's own routing")
+def test_open_miss_fused_coupled_within_two_percent() -> None:
+    # Not nested (three pipelines, two stages), fused backward, coupled optimizer. The optimum is the lower bound:
+    # the busiest stage-0 workers never idle. Strict xfail: this test reports when a change closes the miss.
+    config = _config(6, 3, 5, 4, 2, 1, 3)
+    clear_cache()
+    plan = make_plan(config, [(0, 0), (1, 1), (4, 0)], PlannerOptions(decoupled=False, staggered=False))
+    clear_cache()
+    assert plan.meta.predicted_period <= 59.0 * 1.02

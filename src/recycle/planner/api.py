@@ -17,6 +17,7 @@ from recycle.planner.heuristic import schedule_failed, schedule_heuristic
 from recycle.planner.memory_cap import memory_cap, resolve_memory_cap
 from recycle.planner.options import PlannerOptions
 from recycle.planner.routing import check_key, traffic
+from recycle.planner.settling import settling
 from recycle.sim.simulator import simulate
 
 __all__ = ["SOLVERS", "ROUTINGS", "resolve_memory_cap", "resolve_options", "plan_for_key", "plan_for_failed",
@@ -45,17 +46,24 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _period_makespan(plan: Plan, config: Config) -> tuple[float, float]:
-    """simulate(plan, config)'s period and makespan; for a large heuristic plan (CompactActions) read straight from
-    its arrays by `recycle.sim.levels.time_compact` (the same floats), so no Action object is built."""
+def _period_makespan(plan: Plan, config: Config) -> tuple[float, float, str]:
+    """simulate(plan, config)'s period and makespan, and a note when the plan does not settle to a one-iteration
+    period (the period is then the mean over whole cycles: `recycle.planner.settling`); for a large heuristic plan
+    (CompactActions) read straight from its arrays by `recycle.sim.levels.time_compact` (the same floats), so no
+    Action object is built."""
     if isinstance(plan.actions, CompactActions):
         from recycle.sim.levels import time_compact  # numpy: only for large plans
 
         timing = time_compact(config, plan.actions, plan.failed, plan.staggered)
         if timing is not None:
-            return timing
+            return (*timing, "")
     result = simulate(plan, config)
-    return result.period, result.makespan
+    settled = settling(result)
+    return settled.period, result.makespan, settled.note(result.period)
+
+
+def _with_note(notes: str, note: str) -> str:
+    return f"{notes}; {note}" if note else notes
 
 
 def clear_cache() -> None:
@@ -91,17 +99,17 @@ def plan_for_key(config: Config, key: Sequence[int], options: PlannerOptions = P
         return cached
 
     plan = schedule_heuristic(config, key, options)
-    period, makespan = _period_makespan(plan, config)
-    notes = plan.meta.notes
+    period, makespan, settling_note = _period_makespan(plan, config)
+    notes = _with_note(plan.meta.notes, settling_note)
     lower_bound = period_lower_bound(config, key, options)
     if solver == "exact":
         exact = _schedule_exact(config, key, options, time_limit_s, plan)
-        exact_result = simulate(exact, config)
-        if exact_result.period <= period:
-            plan, period, makespan = exact, exact_result.period, exact_result.makespan
-            notes = exact.meta.notes or f"exact solver (status {exact.meta.status})"
+        exact_period, exact_makespan, exact_note = _period_makespan(exact, config)
+        if exact_period <= period:
+            plan, period, makespan = exact, exact_period, exact_makespan
+            notes = _with_note(exact.meta.notes or f"exact solver (status {exact.meta.status})", exact_note)
         else:
-            notes = (f"{notes}; exact solver returned period {exact_result.period:g} (status "
+            notes = (f"{notes}; exact solver returned period {exact_period:g} (status "
                      f"{exact.meta.status}), worse than the heuristic's {period:g}, so the heuristic plan "
                      "was kept")
         theirs = exact.meta.lower_bound
@@ -175,13 +183,14 @@ def plan_for_failed(config: Config, failed: frozenset[tuple[int, int]],
         return cached
     plan = schedule_failed(config, failed, options)
     key = plan.meta.failure_key
-    period, makespan = _period_makespan(plan, config)
+    period, makespan, settling_note = _period_makespan(plan, config)
     lower_bound = period_lower_bound(config, key, options)
     if period < lower_bound <= period * (1 + 1e-9):
         lower_bound = period
     plan = plan.with_meta(predicted_period=period, predicted_makespan=makespan,
                           lower_bound=lower_bound, memory_cap=options.memory_cap or (),
-                          notes=f"{plan.meta.notes}; traffic-aware routing on the real ranks")
+                          notes=_with_note(f"{plan.meta.notes}; traffic-aware routing on the real ranks",
+                                           settling_note))
     if len(_CACHE) >= _CACHE_LIMIT:
         _CACHE.pop(next(iter(_CACHE)))
     _CACHE[cache_key] = plan
