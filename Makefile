@@ -19,7 +19,7 @@ demo: $(VENV_STAMP)
 # Both type-check runtime/ and ir/ first ([tool.mypy] in pyproject.toml): a mypy error fails the target.
 test: $(VENV_STAMP)
 	$(PY) -m mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: $(VENV_STAMP)
 	$(PY) -m mypy
