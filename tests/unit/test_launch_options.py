@@ -38,6 +38,7 @@ def test_launch_option_errors(tiny_config, tmp_path) -> None:
     (lambda: RecoveryOptions(hang_timeout_s=math.inf), "--hang-timeout inf must be a finite number"),
     (lambda: RecoveryOptions(heartbeat_timeout_s=0.5), r"must be at least twice the heartbeat interval \(0.5 s\)"),
     (lambda: RecoveryOptions(stage_loss="wait"), "--on-stage-loss 'wait' is not a policy; use one of reshape, respawn"),
+    (lambda: RecoveryOptions(redo="step"), "--redo 'step' is not a policy; use lost"),
     (lambda: ClusterOptions(master_port=70000), "--master-port 70000 is not a TCP port"),
     (lambda: ClusterOptions(node_rank=1), r"--node-rank 1 must be in \[0, --nnodes 1\)"),
     (lambda: ClusterOptions(nnodes=2, node_rank=1, token="x" * 48), "needs a fixed --master-port"),
