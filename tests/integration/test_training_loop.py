@@ -84,6 +84,22 @@ def test_lr_and_eval_in_the_metrics_exact_against_the_reference(tiny_config, tmp
     assert not mp.active_children()
 
 
+def test_a_kill_in_the_step_after_an_evaluation_keeps_that_evaluation(tiny_config, tmp_path: Path) -> None:
+    """Worker 1:0 dies at its stage all-reduce of step 3, after the evaluation after step 2: the survivors keep
+    their work (--redo lost) and finish step 3 with a completion; the evaluation after step 2, done and reported
+    before the failure, stands (not reported again), and every evaluation and the parameters equal the
+    reference's."""
+    config = eval_config(tiny_config)
+    plan = build_schedule(config, "zb-h1", staggered=True)
+    index = next(i for i, a in enumerate(plan.worker_actions(1, 0)) if a.kind.value == "OPT")
+    lines: list[str] = []
+    result = run(config, tmp_path, lines, faults=((plan.rank(1, 0), FaultInjection(step=2, index=index)),))
+    (recovery,) = result.recoveries
+    assert recovery.step == 3 and recovery.kept.startswith("kept the survivors' work"), recovery.kept
+    records = assert_exact(config, tmp_path)
+    assert [r["redone"] for r in records if r.get("event") == "eval"] == [False, False]
+
+
 @pytest.mark.parametrize("worker", [(1, 1), (0, 0)])
 def test_a_worker_killed_during_the_eval_is_survived_and_the_eval_redone(tiny_config, tmp_path: Path,
                                                                         worker: tuple[int, int]) -> None:

@@ -406,8 +406,11 @@ class _Worker:
                 self.phase = "training"
                 while True:
                     # An evaluation after `step` steps; after a recovery that resumes here, it runs (again) in the
-                    # new generation: every worker decides alike, from the step the coordinator announced.
-                    if self._eval_due(step):
+                    # new generation: every worker decides alike, from the step the coordinator announced. Not
+                    # before a completion: the survivors had started that step, so its evaluation was done and
+                    # reported, and a stage that kept its step holds weights past it.
+                    completing = self.completion is not None and self.completion.iteration == step
+                    if self._eval_due(step) and not completing:
                         self._stop_for_drain(step)
                         self._evaluate(step)
                     if step >= spec.end_step:
