@@ -30,7 +30,7 @@ from recycle.config import Config, parse_config
 from recycle.models.gpt import DTYPES, build_stages
 from recycle.runtime.control.launcher import launch
 from recycle.runtime.options import ClusterOptions, LaunchOptions, RecoveryOptions
-from recycle.runtime.state.optim import allreduce_grads, make_optimizer
+from recycle.runtime.state.optim import allreduce_grads, fill_missing_grads, make_optimizer
 from recycle.runtime.worker.data import data_source
 from recycle.schedules.fault_free import build_schedule
 
@@ -117,9 +117,12 @@ def _their_worker(rank: int, config: Config, port: int, steps: int, results: mp.
             schedule.step(target=targets, return_outputs=False)
         else:
             schedule.step()
-        # The data-parallel reduce and step, as our OPT does it: one flat SUM all-reduce, AdamW.
-        allreduce_grads(params, lambda flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_groups[stage])
-                        if D > 1 else None)
+        # The data-parallel reduce and step, as our OPT does it: one flat SUM all-reduce (none for D = 1, where our
+        # OPT skips it too), AdamW.
+        if D > 1:
+            allreduce_grads(params, lambda flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_groups[stage]))
+        else:
+            fill_missing_grads(params)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ends.append(time.time())
