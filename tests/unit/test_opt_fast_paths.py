@@ -1,5 +1,6 @@
-"""The OPT of a stage with one live replica skips the flat all-reduce copy but steps exactly as with it: a parameter
-no micro-batch reached still gets a zero gradient, so AdamW decays it and keeps state for it."""
+"""The OPT's cheap paths compute what the slower ones did, bit for bit: a stage with one live replica skips the flat
+all-reduce copy (a parameter no micro-batch reached still gets a zero gradient, so AdamW decays it and keeps state
+for it), and the squared gradient norm squares in place."""
 
 from __future__ import annotations
 
@@ -41,3 +42,18 @@ def test_a_one_replica_stage_steps_a_parameter_no_micro_batch_reached(tiny_confi
     assert torch.equal(module.unused.detach(), expected)
     inner = getattr(optimizer, "optimizer", optimizer)  # a TrainingOptimizer wraps the torch.optim one
     assert module.unused in inner.state
+
+
+def test_the_squared_norm_is_bit_for_bit_the_sum_of_pow_2(tiny_config) -> None:
+    config = tiny_config(D=1, S=2, M=2, steps=1)
+    plan = build_schedule(config, "1f1b", staggered=True)
+    module = build_stages(config.model, 2, config.training.seed, torch.float64, config.workload.seq_len)[1]
+    executor = StageExecutor(plan, 1, module, make_optimizer(module, config.training), LoneComm(),
+                             data_source(config), None, None, torch.float64)
+    generator = torch.Generator().manual_seed(3)
+    for p in module.parameters():
+        p.grad = torch.randn(p.shape, dtype=p.dtype, generator=generator) * 1e3
+    grads = [p.grad.clone() for p in module.parameters()]
+    old = sum(float(p.grad.detach().double().pow(2).sum()) for p in module.parameters())
+    assert executor._squared_norm() == old
+    assert all(torch.equal(p.grad, g) for p, g in zip(module.parameters(), grads))  # the gradients are left alone
