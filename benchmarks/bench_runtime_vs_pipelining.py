@@ -5,9 +5,10 @@ threads (torch.set_num_threads(1)), gloo on CPU, the same AdamW, and for D > 1 t
 SUM all-reduce of the flattened gradients (theirs: a DP group per stage, all-reduced after `schedule.step`). Our
 plan is 1F1B with a fused backward and the staggered optimizer (each stage reduces and steps on its own, no
 cross-stage barrier), which is the work their loop does. Runs alternate (ours, theirs, ours, ...) to cancel machine
-noise; each run drops its warm-up steps; the period of a step is the last worker's end of that step minus the last
-worker's end of the previous one (what our launcher reports). Prints per-run medians, the overall medians and the
-ratio ours / theirs (goal <= 1.0).
+noise, after a warm-up round that is not counted (the process's first run is often its slowest); each run drops its
+warm-up steps; the period of a step is the last worker's end of that step minus the last worker's end of the
+previous one (what our launcher reports). Prints per-run medians, the overall medians and the ratio ours / theirs
+(goal <= 1.0).
 
     .venv/bin/python benchmarks/bench_runtime_vs_pipelining.py [--replicas 2 --stages 2 --microbatches 4 ...]
 """
@@ -170,6 +171,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=7, help="steps per run (the first --warmup are dropped)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=6, help="alternating rounds of (ours, theirs)")
+    parser.add_argument("--warmup-rounds", type=int, default=1,
+                        help="rounds of (ours, theirs) run first and not counted (the process's first run, always "
+                             "ours, was ours' slowest in three of five runs)")
     args = parser.parse_args()
     if args.microbatches < args.stages:
         # Schedule1F1B refuses it in every worker, and the parent would wait out its timeout for their results.
@@ -185,6 +189,12 @@ def main() -> int:
     cpu: dict[str, list[float]] = {"ours": [], "theirs": []}
     pair_ratios: list[float] = []
     round_medians: dict[str, list[float]] = {"ours": [], "theirs": []}
+    for _ in range(args.warmup_rounds):
+        untimed = {name: statistics.median((run_ours if name == "ours" else run_theirs)(config, args.steps,
+                                                                                         args.warmup)[0])
+                   for name in ("ours", "theirs")}
+        print(f"warm-up round (not counted): ours {untimed['ours'] * 1e3:.1f} ms, theirs "
+              f"{untimed['theirs'] * 1e3:.1f} ms", flush=True)
     for r in range(args.rounds):
         order = ("ours", "theirs") if r % 2 == 0 else ("theirs", "ours")
         medians: dict[str, float] = {}
