@@ -218,8 +218,8 @@ def main() -> int:
           f"{statistics.median(pair_ratios):.3f} (range {min(pair_ratios):.3f}-{max(pair_ratios):.3f}), best round "
           f"{best:.3f}, CPU per step {ours_cpu / theirs_cpu:.3f}")
     # On a shared machine other jobs' bursts hit single runs: the best-round and per-round ratios are the robust
-    # ones. CPU per step is not a pure measure of work there: the same forward costs up to 40 % more CPU while the
-    # other core is busy (docs/runtime-performance.md), so a run that overlaps its workers more pays more per op.
+    # ones. CPU per step is not a pure measure of work there: the same forward cost about 45 % more CPU in runs whose
+    # workers overlapped more (docs/runtime-performance.md), so a side that runs in parallel more pays more per op.
     return 0
 
 
