@@ -16,8 +16,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from recycle.config import LR_SCHEDULES, Training
 from recycle.errors import ConfigError
 
-__all__ = ["AdamW", "StageOptimizer", "TrainingOptimizer", "allreduce_grads", "make_optimizer", "optimizer_class",
-           "optimizer_kwargs", "lr_factor", "learning_rate", "OPTIMIZER_KEYS", "LR_SCHEDULES"]
+__all__ = ["AdamW", "StageOptimizer", "TrainingOptimizer", "allreduce_grads", "fill_missing_grads", "make_optimizer",
+           "optimizer_class", "optimizer_kwargs", "lr_factor", "learning_rate", "OPTIMIZER_KEYS", "LR_SCHEDULES"]
 
 # [training] keys passed to the optimizer's constructor when set (lr and weight_decay always are).
 OPTIMIZER_KEYS = ("betas", "eps", "momentum", "dampening", "nesterov", "amsgrad")
@@ -31,11 +31,7 @@ def allreduce_grads(params: list[torch.nn.Parameter], allreduce: Callable[[torch
     """The data-parallel half of an OPT: flatten the stage's gradients (zeros for unused parameters) into one buffer,
     SUM-all-reduce it with `allreduce`, and copy the result back into every .grad. `extra` (a small 1-D tensor of
     the gradients' dtype) is summed in the same all-reduce and updated in place."""
-    grads = []
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
+    grads = fill_missing_grads(params)
     pieces = [g.reshape(-1) for g in grads]
     flat = torch.cat(pieces if extra is None else [*pieces, extra.reshape(-1)])
     allreduce(flat)
@@ -46,6 +42,15 @@ def allreduce_grads(params: list[torch.nn.Parameter], allreduce: Callable[[torch
         n = g.numel()
         g.copy_(flat[offset:offset + n].view_as(g))
         offset += n
+
+
+def fill_missing_grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Every parameter's .grad, zeros for a parameter no micro-batch reached (so the optimizer steps it as it steps
+    the others, whether or not an all-reduce ran)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params if p.grad is not None]
 
 
 class StageOptimizer(Protocol):

@@ -1,0 +1,59 @@
+"""The OPT's cheap paths compute what the slower ones did, bit for bit: a stage with one live replica skips the flat
+all-reduce copy (a parameter no micro-batch reached still gets a zero gradient, so AdamW decays it and keeps state
+for it), and the squared gradient norm squares in place."""
+
+from __future__ import annotations
+
+import torch
+
+from recycle.models.gpt import build_stages
+from recycle.runtime.state.optim import allreduce_grads, fill_missing_grads, make_optimizer
+from recycle.runtime.tools.fakes import LoneComm
+from recycle.runtime.worker.data import data_source
+from recycle.runtime.worker.executor import StageExecutor
+from recycle.schedules.fault_free import build_schedule
+
+
+def test_fill_missing_grads_gives_zeros_where_the_all_reduce_did() -> None:
+    reached = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    reached.grad = torch.full((3,), 2.0, dtype=torch.float64)
+    missed = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    grads = fill_missing_grads([reached, missed])
+    assert [g.tolist() for g in grads] == [[2.0, 2.0, 2.0], [0.0, 0.0]]
+    assert grads[0] is reached.grad and grads[1] is missed.grad
+    # The all-reduce over one member leaves the same values.
+    other = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    allreduce_grads([other], lambda flat: None)
+    assert torch.equal(other.grad, missed.grad)
+
+
+def test_a_one_replica_stage_steps_a_parameter_no_micro_batch_reached(tiny_config) -> None:
+    config = tiny_config(D=1, S=1, M=2, steps=1)
+    training = config.training
+    plan = build_schedule(config, "1f1b", staggered=True)
+    module = build_stages(config.model, 1, training.seed, torch.float64, config.workload.seq_len)[0]
+    module.unused = torch.nn.Parameter(torch.full((4,), 3.0, dtype=torch.float64))  # outside the forward
+    optimizer = make_optimizer(module, training)
+    executor = StageExecutor(plan, 0, module, optimizer, LoneComm(), data_source(config), None, None,
+                             torch.float64)
+    executor.run_iteration(0)
+    # AdamW with a zero gradient: only the decoupled weight decay moves it, and it now has optimizer state.
+    expected = torch.full((4,), 3.0, dtype=torch.float64) * (1 - training.lr * training.weight_decay)
+    assert torch.equal(module.unused.detach(), expected)
+    inner = getattr(optimizer, "optimizer", optimizer)  # a TrainingOptimizer wraps the torch.optim one
+    assert module.unused in inner.state
+
+
+def test_the_squared_norm_is_bit_for_bit_the_sum_of_pow_2(tiny_config) -> None:
+    config = tiny_config(D=1, S=2, M=2, steps=1)
+    plan = build_schedule(config, "1f1b", staggered=True)
+    module = build_stages(config.model, 2, config.training.seed, torch.float64, config.workload.seq_len)[1]
+    executor = StageExecutor(plan, 1, module, make_optimizer(module, config.training), LoneComm(),
+                             data_source(config), None, None, torch.float64)
+    generator = torch.Generator().manual_seed(3)
+    for p in module.parameters():
+        p.grad = torch.randn(p.shape, dtype=p.dtype, generator=generator) * 1e3
+    grads = [p.grad.clone() for p in module.parameters()]
+    old = sum(float(p.grad.detach().double().pow(2).sum()) for p in module.parameters())
+    assert executor._squared_norm() == old
+    assert all(torch.equal(p.grad, g) for p, g in zip(module.parameters(), grads))  # the gradients are left alone
