@@ -9,6 +9,7 @@ import multiprocessing as mp
 
 import pytest
 import torch
+from reference_check import LONG_RUN_TOLERANCE
 
 from recycle.config import parse_config
 from recycle.errors import RuntimeFailure
@@ -171,11 +172,7 @@ def test_a_short_chaos_soak_ends_exact(tmp_path) -> None:
         faults=FaultOptions(chaos=ChaosSpec(4, 0.6, stage_loss_share=0.3)),
         debug=DebugOptions(verify_replicas=True, emulation=PACING), progress=None,
         plan_provider=PlanLibrary.build(config, PlannerOptions(), max_failures=4).lookup))
-    # Each recovery changes the order in which micro-batches' gradients are summed (re-routed ones land on other
-    # replicas, a completion adds them after the survivors' own), and Adam's eps turns the float64 rounding noise of
-    # mathematically-zero gradients (the attention key bias) into steps: over this soak's random recoveries that
-    # reaches ~1.1e-9 of the tensor's scale (measured); a wrong gradient is off by orders of magnitude more.
-    assert_exact(result, tmp_path, 3, 2, tolerance=1e-8)
+    assert_exact(result, tmp_path, 3, 2, tolerance=LONG_RUN_TOLERANCE)  # random recoveries: see reference_check
     injected = [w for e in result.chaos_events for w in e["workers"]]
     recovered = [w for r in result.recoveries for w in r.workers]
     assert len(result.chaos_events) >= 1 and sorted(injected) == sorted(recovered)
@@ -194,7 +191,8 @@ def test_a_replacement_that_dies_during_its_admission_is_survived(point: str, tm
     assert (tmp_path / "died").exists()  # the first replacement did die at that point
     got = torch.load(tmp_path / "final.pt", weights_only=True)["model"]
     ref = reference_train(config_for(2, 2), steps)[0]
-    for key in ref:
-        assert float((got[key] - ref[key]).abs().max() / ref[key].abs().max().clamp_min(1e-12)) < 1e-9, key
+    for key in ref:  # 30 steps with recoveries: see reference_check
+        error = float((got[key] - ref[key]).abs().max() / ref[key].abs().max().clamp_min(1e-12))
+        assert error < LONG_RUN_TOLERANCE, (key, error)
     assert not mp.active_children()
     assert result.failed == () and joins(result)[-1] == "0:1"
