@@ -194,7 +194,7 @@ def complete_iteration(old: Plan, new: Plan, iteration: int, progress: Mapping[i
 
     cells = _cells(old, new, iteration, progress, stepped)
     _settle(cells, S, total)
-    tasks = _tasks(old, cells, S, total, {r for r in alive if not stepped[old.worker(r)[1]]})
+    tasks = _tasks(old, cells, {r for r in alive if not stepped[old.worker(r)[1]]})
     order = _list_schedule(tasks, old.num_workers)
     if isinstance(order, str):
         return order
@@ -208,8 +208,7 @@ def complete_iteration(old: Plan, new: Plan, iteration: int, progress: Mapping[i
                                                                                     t.cell[0]) in dead)
     resent = sum(1 for t in tasks.values() if t.step.kind in (SEND_ACTIVATION, SEND_GRADIENT))
     return Completion(iteration, order, tuple(s for s in range(S) if stepped[s]), dropped + lost + again, lost,
-                      rerouted,
-                      resent)
+                      rerouted, resent)
 
 
 def _cells(old: Plan, new: Plan, iteration: int, progress: Mapping[int, WorkerProgress],
@@ -280,8 +279,7 @@ class _Task:
     after: list[tuple[str, int, int]]  # keys of the tasks it waits for
 
 
-def _tasks(old: Plan, cells: dict[tuple[int, int], _Cell], num_stages: int, total: int,
-           stepping: set[int]) -> dict[tuple[str, int, int], _Task]:
+def _tasks(old: Plan, cells: dict[tuple[int, int], _Cell], stepping: set[int]) -> dict[tuple[str, int, int], _Task]:
     """Every step of the completion, keyed (kind, stage, mb), with what it waits for."""
     tasks: dict[tuple[str, int, int], _Task] = {}
     for (stage, mb), cell in cells.items():

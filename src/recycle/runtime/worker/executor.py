@@ -79,6 +79,11 @@ class IterationResult:
     lr: float | None = None  # the learning rate this stage's optimizer step applied
 
 
+def _step_channel(kind: str) -> Channel:
+    """What a completion's step (ir.completion) carries: a forward or its re-send activations, the rest gradients."""
+    return Channel.ACTIVATION if kind in ("F", SEND_ACTIVATION) else Channel.GRADIENT
+
+
 def dropout_seed(seed: int, iteration: int, mb: int, stage: int) -> int:
     """The RNG seed for a forward: a function of (iteration, mb, stage) only, so a re-routed micro-batch draws the
     same dropout masks whichever replica runs it."""
@@ -214,14 +219,11 @@ class StageExecutor:
         self._parked.clear()  # messages of the broken generation: the completion has them sent again if needed
         self._next_from.clear()
         self._routes = None
-        if self.progress.reducing and not self.progress.finished:
-            self._stash.clear()
-            self.optimizer.zero_grad(set_to_none=True)
-            self._loss_sum = 0.0
-            self._losses_in = set()
-        if self.progress.iteration > iteration:
-            self._stash.clear()
+        past = self.progress.iteration > iteration
+        if past:
             self._sent.pop(self.progress.iteration, None)
+        if past or (self.progress.reducing and not self.progress.finished):
+            self._stash.clear()
             self.optimizer.zero_grad(set_to_none=True)
             self._loss_sum = 0.0
             self._losses_in = set()
@@ -267,8 +269,8 @@ class StageExecutor:
         self._routes = {}
         for step in steps:
             if step.kind in ("F", "B"):
-                self._routes[(Kind(step.kind), step.mb)] = (self._step_message(step.kind, step.mb, step.src, True),
-                                                            self._step_message(step.kind, step.mb, step.dst, False))
+                received = Message(_step_channel(step.kind), step.mb, step.src, self.rank) if step.src >= 0 else None
+                self._routes[(Kind(step.kind), step.mb)] = (received, self._sent_by(self.rank, step))
         self._expected = {}
         for src, their_steps in enumerate(completion.steps):
             sent = [m for m in (self._sent_by(src, s) for s in their_steps) if m is not None and m.dst == self.rank]
@@ -324,24 +326,14 @@ class StageExecutor:
         if self.record_timings:
             timings.append(ActionTiming(label, t0, t1))
 
-    def _step_message(self, kind: str, mb: int, peer: int, receive: bool) -> Message | None:
-        """The message a completion's F or B step receives from (or sends to) rank `peer`, if any."""
-        if peer < 0:
-            return None
-        channel = Channel.ACTIVATION if kind in ("F", SEND_ACTIVATION) else Channel.GRADIENT
-        return Message(channel, mb, peer, self.rank) if receive else Message(channel, mb, self.rank, peer)
-
     @staticmethod
     def _sent_by(src: int, step: Step) -> Message | None:
         """The message rank `src`'s completion step sends, if any."""
-        if step.dst < 0:
-            return None
-        channel = Channel.ACTIVATION if step.kind in ("F", SEND_ACTIVATION) else Channel.GRADIENT
-        return Message(channel, step.mb, src, step.dst)
+        return Message(_step_channel(step.kind), step.mb, src, step.dst) if step.dst >= 0 else None
 
     def _resend(self, iteration: int, step: Step) -> None:
         """Send a tensor this worker sent in the broken generation again, from its log."""
-        channel = Channel.ACTIVATION if step.kind == SEND_ACTIVATION else Channel.GRADIENT
+        channel = _step_channel(step.kind)
         tensor = self._sent.get(iteration, {}).get((channel, step.mb))
         if tensor is None:
             raise RuntimeError(f"worker {self.replica}:{self.stage} has no logged {channel.name.lower()} of "
