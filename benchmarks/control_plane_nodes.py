@@ -7,8 +7,9 @@ What each simulated process does (and where in the runtime it comes from):
 - worker watcher (worker/process.py _Watcher): a Beat every heartbeat_s to its node launcher's own store (not the
   job's: no request here); it waits on the current and next generation's abort and drain keys of the job's store
   (one wait per stand-in object here, not one per worker);
-- worker main thread: a StepRecord on Channels.METRICS per step; on an abort (or a drain at its step) a StoppedReport
-  on Channels.STOPPED plus the stopped_count add; on the announcement of the next generation it reads it and the
+- worker main thread: a StepRecord per step, to its node launcher's own store (no request here: the launcher hands
+  the coordinator one NodeSteps record per step, on Channels.NODE_METRICS); on an abort (or a drain at its step) a
+  StoppedReport on Channels.STOPPED plus the stopped_count add; on the announcement of the next generation it reads it and the
   plan, writes Joined and, at its first action, Resumed; a worker left out of the generation exits (code 4);
 - replacement worker (_admit): JoinReady, then admitted by the announcement that names it;
 - node launcher (_follow_once, every 0.1 s): its node heartbeat add, the EXITED flag of a worker that ended (once),
@@ -162,6 +163,7 @@ class StandInNodes:
         self.poll_credit = 0.0
         self.poll_cursor = 0
         self.metrics: collections.deque[Request] = collections.deque()  # step records not sent yet
+        self.node_seq: dict[int, int] = {}  # node -> its launcher's last NodeSteps write number
         self.last_tick = time.time()
         self.stop = threading.Event()
 
@@ -293,12 +295,21 @@ class StandInNodes:
         step = self.next_step
         self.next_step += 1
         last = self.spec.num_stages - 1
+        # The workers write their records to their node launcher's own store (no request here); each launcher hands
+        # the coordinator one NodeSteps record of the step (control/node_steps.py StepForwarder).
+        by_node: dict[int, list[bytes]] = {}
         for rank in sorted(self.members):
             if not self._running(rank):
                 continue
             replica, stage = divmod(rank, self.spec.num_stages)
             record = step_json(replica, stage, self.generation, ends - self.spec.step_s, ends, stage == last)
-            self.metrics.append(self._send("metrics", Op.SET, (_b(Keys.metrics(step, rank)), record)))
+            by_node.setdefault(self.node_of[rank], []).append(record)
+        for node, records in by_node.items():
+            batch = b'{"kind": "node_steps", "node": %d, "step": %d, "records": [%s]}' % (node, step,
+                                                                                         b", ".join(records))
+            self.node_seq[node] = self.node_seq.get(node, -1) + 1
+            self.metrics.append(self._send("metrics", Op.SET, (_b(Keys.node_metrics(step, node, self.node_seq[node])),
+                                                               batch)))
 
     def _recovery(self, now: float, client: PipelinedClient) -> tuple[list[Request], int | None]:
         """Stop reports when the generation is aborted (or drains at this step); the next generation once it is

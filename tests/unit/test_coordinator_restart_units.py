@@ -3,13 +3,16 @@ store gets back what it lacks) and the restarted coordinator's rebuild of the ru
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from recycle.runtime.control.resync import is_restart, rebuild
 from recycle.runtime.protocol.channels import Channels, Keys
 from recycle.runtime.protocol.records import (Announcement, FaultRecord, NodeHello, RecordError, StepRecord,
                                               WorkerResync, from_json)
-from recycle.runtime.protocol.store import StoreUnavailable
+from recycle.runtime.protocol.store import StoreFenced, StoreUnavailable
 from recycle.runtime.worker.outbox import KEPT, Outbox
 
 
@@ -101,6 +104,84 @@ def test_a_new_store_gets_back_every_kept_write_and_where_the_worker_stands() ->
     assert store.data[Keys.stopped_count(2)] == b"1"  # an add is made once per store
     assert from_json(WorkerResync, store.data[Keys.resync(5)]) == _status()
     assert outbox.resyncs == 1 and outbox.oldest_record() == 0
+
+
+class GatedStore(FakeStore):
+    """A store whose writes of one key wait until the test lets them through (a slow round trip)."""
+
+    def __init__(self, gated: str) -> None:
+        super().__init__()
+        self.gated, self.open, self.entered = gated, threading.Event(), threading.Event()
+        self.lock = threading.Lock()
+
+    def set(self, key: str, value: bytes) -> None:
+        if key == self.gated:
+            self.entered.set()
+            assert self.open.wait(10)
+        with self.lock:
+            super().set(key, value)
+
+    def add(self, key: str, value: int) -> int:
+        with self.lock:
+            return super().add(key, value)
+
+
+def _until(condition: object, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:  # type: ignore[operator]
+        time.sleep(0.005)
+    assert condition(), "timed out"  # type: ignore[operator]
+
+
+def test_a_background_write_does_not_wait_for_the_store_and_later_writes_keep_their_order() -> None:
+    store = GatedStore(Keys.metrics(0, 5))
+    outbox = Outbox(5, _status)
+    outbox.sync(store)
+    outbox.start_writer(store)
+    outbox.put(store, Channels.METRICS, _step(0), 0, 5, kind="metrics", order=0, background=True)  # returns at once
+    assert store.entered.wait(10)  # the writer thread is inside the slow write
+    # The training thread goes on: its next writes must not overtake the step record.
+    outbox.write(store, Keys.stopped_count(0), "1", kind="stopped_count", op="add")
+    outbox.put(store, Channels.FAULT, FaultRecord(1.0, "x", "kill"), 5)
+    assert store.log == []
+    store.open.set()
+    outbox.wait_sent()
+    assert store.log == [Keys.metrics(0, 5), Keys.stopped_count(0), Keys.fault(5)]
+    assert not outbox.needs_sync() and outbox.oldest_record() == 0  # the step record is kept for a new store
+    # Nothing queued: a write goes straight through again, and a background one is written by the thread.
+    outbox.put(store, Channels.FAULT, FaultRecord(2.0, "y", "kill"), 6)
+    assert store.log[-1] == Keys.fault(6)
+    outbox.put(store, Channels.METRICS, _step(1), 1, 5, kind="metrics", order=1, background=True)
+    _until(lambda: Keys.metrics(1, 5) in store.data)
+
+
+def test_a_background_write_that_finds_the_store_away_waits_for_the_watchers_sync() -> None:
+    store, outbox = FakeStore(), Outbox(5, _status)
+    outbox.sync(store)
+    outbox.start_writer(store)
+    store.away = True
+    outbox.put(store, Channels.METRICS, _step(0), 0, 5, kind="metrics", order=0, background=True)
+    _until(lambda: outbox.down)
+    outbox.put(store, Channels.FAULT, FaultRecord(1.0, "x", "kill"), 5)  # queues behind it
+    store.away = False
+    assert outbox.sync(store) is False
+    assert store.log == [Keys.metrics(0, 5), Keys.fault(5)] and not outbox.needs_sync()
+
+
+class FencingStore(FakeStore):
+    def set(self, key: str, value: bytes) -> None:
+        raise StoreFenced("this worker was fenced")
+
+
+def test_a_fence_met_by_the_writer_is_raised_to_the_next_write() -> None:
+    store, outbox = FencingStore(), Outbox(5, _status)
+    outbox.start_writer(store)
+    outbox.put(store, Channels.METRICS, _step(0), 0, 5, kind="metrics", order=0, background=True)
+    _until(lambda: outbox._writer_error is not None)
+    with pytest.raises(StoreFenced):
+        outbox.put(store, Channels.FAULT, FaultRecord(1.0, "x", "kill"), 5)
+    with pytest.raises(StoreFenced):
+        outbox.wait_sent()
 
 
 def test_kept_writes_are_bounded_and_the_unsent_ones_pushed_out_are_counted() -> None:

@@ -24,6 +24,7 @@ from recycle.ir.worker import Worker
 from recycle.runtime.control import preflight
 from recycle.runtime.control.coordinator import hang_limit_s
 from recycle.runtime.control.liveness import Liveness
+from recycle.runtime.control.node_steps import StepForwarder
 from recycle.runtime.control.processes import Spawner, WorkerProcesses, node_ranks, start_context
 from recycle.runtime.control.reporter import Recovery, StepMetrics, last_reported_step
 from recycle.runtime.control.resync import Rebuilt, collect_hellos, collect_resyncs, is_restart, rebuild
@@ -111,6 +112,9 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     # watches them itself, so the coordinator's work and its store's traffic grow with the nodes, not the workers.
     node_server = host_store("127.0.0.1", 0, token) if cluster.runs_workers and not cluster.hosts_coordinator \
         else None
+    # Its workers' step records come to it there too (before any can write): one record per step to the coordinator.
+    forwarder = StepForwarder(cluster.node_rank, LocalStore(node_server.data),
+                              node_server.data.subscribe((b"metrics/",))) if node_server is not None else None
     spec_for = _spec_maker(config, plan, options, resolved, start_step, end_step, mine,
                            node_server.port if node_server is not None else 0)
     spawner = Spawner(start_context(cluster.start_method), spec_for, plan.worker)
@@ -140,8 +144,8 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
             steps, recoveries, failed = run.run()
             chaos_events = [event.record() for event in run.reporter.chaos_events]
         else:
-            assert node_server is not None
-            _follow(jobs, workers, options, plan, NodeWatch(node_server, options))
+            assert node_server is not None and forwarder is not None
+            _follow(jobs, workers, options, plan, NodeWatch(node_server, options), forwarder)
             steps, recoveries, failed, chaos_events = [], [], plan.failed, []
         finished = True
     finally:
@@ -151,6 +155,8 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
             server.close()
         if feed is not None:
             feed.close()
+        if forwarder is not None:
+            forwarder.feed.close()
         if node_server is not None:
             node_server.close()
         if not finished and options.checkpoint.dir:  # a shard being written when the run failed
@@ -303,11 +309,12 @@ class NodeWatch:
             return hang_limit_s(self.explicit_hang_s, [], self.timeout_s)
 
 
-def _follow(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan, watch: NodeWatch) -> None:
-    """A node whose coordinator runs elsewhere (node 0's launcher or `recycle coordinator`): report its workers'
-    exits, carry out fences and respawns, stop when the run ends."""
+def _follow(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan, watch: NodeWatch,
+            forwarder: StepForwarder) -> None:
+    """A node whose coordinator runs elsewhere (node 0's launcher or `recycle coordinator`): hand on its workers'
+    step records, report their exits, carry out fences and respawns, stop when the run ends."""
     try:
-        _follow_loop(jobs, workers, options, plan, watch)
+        _follow_loop(jobs, workers, options, plan, watch, forwarder)
     except StoreFenced:
         workers.stop()
         raise RuntimeFailure(f"node {options.cluster.node_rank} was declared dead by the job's coordinator while it "
@@ -324,7 +331,7 @@ def _follow(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, pl
 
 
 def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan,
-                 watch: NodeWatch) -> None:
+                 watch: NodeWatch, forwarder: StepForwarder) -> None:
     """Carry out the coordinator's word for this node's workers. A separate coordinator may die and come back: the
     workers train on meanwhile, and once its store answers again (a new one: it restarted) this launcher says where
     its workers stand and reports their exits again."""
@@ -344,6 +351,7 @@ def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
                     instance = now_instance
                     following.forget()
                     watch.told.clear()
+                    forwarder.resend()
                     codes = workers.exitcodes()
                     jobs.put(Channels.HELLO, NodeHello("running", tuple(r for r in workers.ranks if r not in codes),
                                                        tuple(sorted(codes.items()))), node)
@@ -352,7 +360,7 @@ def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
                                      f"{time.monotonic() - away_since:.1f} s"
                                      + (" (restarted)" if restarted else ""))
                 away_since = None
-            if _follow_once(jobs, workers, options, plan, following, watch):
+            if _follow_once(jobs, workers, options, plan, following, watch, forwarder):
                 return
         except StoreUnavailable:
             now = time.monotonic()
@@ -384,12 +392,15 @@ class _Following:
 
 
 def _follow_once(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan,
-                 following: _Following, watch: NodeWatch) -> bool:
+                 following: _Following, watch: NodeWatch, forwarder: StepForwarder) -> bool:
     """One pass over this node's workers, then a wait for the coordinator's word; True when the run is over for this
     node. The word is waited for in the store on its keys (this node's FENCE and RESPAWN flags, the run's end or
     failure): one request per pass, not a poll of every worker's flags."""
     node = options.cluster.node_rank
     jobs.raw.add(Keys.node_heartbeat(node), 1)  # the coordinator tells a frozen or cut-off node by its silence
+    # Before the exits: a worker that finished wrote its last record before it exited, and the coordinator must not
+    # see the exit of a member whose last step it has no record of yet.
+    forwarder.forward(jobs)
     for rank in workers.ranks:
         code = workers.exitcode(rank)
         if code is not None and following.reported.get(rank) != workers.pid(rank):

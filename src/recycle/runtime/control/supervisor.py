@@ -17,6 +17,7 @@ from recycle.ir.worker import Worker
 from recycle.runtime.control.coordinator import (AbortGeneration, Announce, Command, Coordinator, Drain, FailRun, Fence,
                                                  MarkLatest, Move, RecoveryFacts, Respawn, describe_exit, hang_limit_s)
 from recycle.runtime.control.liveness import Liveness
+from recycle.runtime.control.node_steps import HeldSteps
 from recycle.runtime.control.processes import WorkerProcesses, node_ranks
 from recycle.runtime.control.reporter import (ChaosEvent, EvalMetrics, EventSink, GenerationRecords, MetricsFile,
                                               ProgressSink, Recovery, Reporter, StepMetrics, measure_recovery,
@@ -26,7 +27,7 @@ from recycle.runtime.control.worker_table import WorkerRow, replacement_line
 from recycle.runtime.options import LaunchOptions
 from recycle.runtime.protocol.channels import (Channel, Channels, Flags, JobStore, Keys, launcher_fence_prefix,
                                                worker_fence_prefix)
-from recycle.runtime.protocol.records import Announcement, FaultRecord
+from recycle.runtime.protocol.records import Announcement, FaultRecord, RecordError
 from recycle.runtime.protocol.store import StoreServer
 from recycle.runtime.protocol.store.data import Feed
 from recycle.runtime.state import checkpoint
@@ -54,7 +55,7 @@ class Supervisor:
     report steps and recoveries."""
 
     # The keys whose writes the loop learns from the store's feed rather than by polling each worker's key.
-    FEED_PREFIXES = (b"metrics/", b"exit/", b"silent/", b"join/", b"ckpt/", b"eval/")
+    FEED_PREFIXES = (b"metrics/", b"node_metrics/", b"exit/", b"silent/", b"join/", b"ckpt/", b"eval/")
 
     def __init__(self, config: Config, plan: Plan, options: LaunchOptions, store: Any, workers: WorkerProcesses,
                  start_step: int, end_step: int, wall0: float, server: StoreServer | None = None,
@@ -105,6 +106,8 @@ class Supervisor:
         # which remote workers' EXITED/SILENT flags were written, so that nothing is polled per worker per tick.
         self.feed: Feed = feed
         self.arrived: dict[int, set[int]] = {}  # step -> ranks whose record of it was written
+        # Step records that came in a node launcher's NodeSteps (read on arrival: one read per node and step).
+        self.held = HeldSteps()
         self.flagged: set[int] = set()  # remote ranks with an EXITED or SILENT flag written since the last look
         if rebuilt is not None:
             self._adopt(rebuilt)
@@ -165,8 +168,21 @@ class Supervisor:
             if kind == "metrics":
                 step, _, rank = rest.partition("/")
                 self.arrived.setdefault(int(step), set()).add(int(rank))
+            elif kind == "node_metrics":
+                self._take_node_steps(*(int(part) for part in rest.split("/")))
             elif kind in ("exit", "silent"):
                 self.flagged.add(int(rest))
+
+    def _take_node_steps(self, step: int, node: int, seq: int) -> None:
+        """A node launcher's records of `step` that came in since its previous look (each key is written once)."""
+        try:
+            batch = self.jobs.read(Channels.NODE_METRICS, step, node, seq)
+        except RecordError:
+            batch = None  # only the job's processes can write; a record of another version is no report
+        self.store.delete_key(Keys.node_metrics(step, node, seq))  # read once, like the workers' own records
+        ranks = self.held.add(batch, self.plan.rank, self.coordinator.next_step) if batch is not None else []
+        if ranks:
+            self.arrived.setdefault(step, set()).update(ranks)
 
     def _all_local_exited(self) -> bool:
         """Every local member of the run has exited (replacements never admitted are stopped afterwards)."""
@@ -364,7 +380,7 @@ class Supervisor:
         plan = choice.plan
         self._execute(self.coordinator.on_plan_chosen(plan.live_ranks()))
         if facts.restore_step is not None:
-            self._forget_steps_from(facts.restore_step)
+            self._forget_steps_from(facts.restore_step, facts.generation)
         self.store.set(Keys.plan(facts.generation), plan.to_json())
         facts, completion = self._completion(facts, plan)
         if completion is not None:
@@ -378,7 +394,7 @@ class Supervisor:
             self.store.delete_key(Keys.join_ready(rank))
             self.store.set(Keys.join_generation(rank), str(facts.generation))
         self.plan = plan
-        self._forget_arrivals_from(facts.redo_step)  # a step redone in the new generation is recorded again
+        self._forget_arrivals_from(facts.redo_step, facts.generation)  # a step redone in the new generation is recorded again
         self.pending = _PendingRecovery(facts, choice, time.time(), command.live)
 
     def _completion(self, facts: RecoveryFacts, plan: Plan) -> tuple[RecoveryFacts, Completion | None]:
@@ -405,12 +421,12 @@ class Supervisor:
                        kept=f"kept the survivors' work ({completion.rerouted_actions} steps re-routed, "
                             f"{completion.resent} messages re-sent)"), completion
 
-    def _forget_steps_from(self, step: int) -> None:
+    def _forget_steps_from(self, step: int, generation: int) -> None:
         """A checkpoint restore: steps from `step` on run again, so their records and checkpoint keys are stale."""
         for later in range(step, self.end_step):
             for rank in range(self.plan.num_replicas * self.plan.num_stages):
                 self.store.delete_key(Keys.metrics(later, rank))
-        self._forget_arrivals_from(step)
+        self._forget_arrivals_from(step, generation)
         for done in range(step + 1, self.end_step + 1):
             for stage in range(self.plan.num_stages):
                 self.jobs.lower_flag(Flags.CHECKPOINTED, done, stage)
@@ -421,9 +437,11 @@ class Supervisor:
             self.jobs.delete(Channels.EVAL, done)
         self.next_eval = min(self.next_eval, first)
 
-    def _forget_arrivals_from(self, step: int) -> None:
-        """Steps from `step` on run again: their records will be written again (the ones in are stale)."""
+    def _forget_arrivals_from(self, step: int, generation: int) -> None:
+        """Steps from `step` on run again in `generation`: their records will be written again (the ones in are
+        stale)."""
         self.arrived = {s: ranks for s, ranks in self.arrived.items() if s < step}
+        self.held.forget_from(step, generation)
 
     def _fail(self, message: str) -> NoReturn:
         if not self.failing:
@@ -472,13 +490,17 @@ class Supervisor:
             # Read once every member's record is in (the feed says which are), not on every tick.
             if not members or not self.arrived.get(step, set()).issuperset(members):
                 return
-            records = self._records(Channels.METRICS, step, members)
+            held = self.held.get(step)
+            found = (held.get(rank) or self.jobs.read(Channels.METRICS, step, rank) for rank in members)
+            records = [record for record in found if record is not None]
             if len(records) < len(members):
                 return
             self.arrived.pop(step, None)
+            self.held.pop(step)
             metrics = self.reporter.step_metrics(step, records)
             for rank in members:  # read once: the store keeps no per-step record for the whole run
-                self.store.delete_key(Keys.metrics(step, rank))
+                if rank not in held:
+                    self.store.delete_key(Keys.metrics(step, rank))
             if self.options.debug.verify_replicas:
                 mismatch = replica_mismatch(metrics.step, records, self.plan.num_stages)
                 if mismatch is not None:

@@ -12,8 +12,9 @@ from typing import Any, Callable, Generic, TypeVar
 
 from recycle.errors import ConfigError
 from recycle.runtime.protocol.records import (Announcement, Beat, ErrorRecord, EvalRecord, FaultRecord, JobSettings,
-                                              Joined, JoinReady, MigrationRecord, NodeHello, StepRecord, StoppedReport,
-                                              Timestamp, TransferRecord, WorkerResync, from_json, to_json)
+                                              Joined, JoinReady, MigrationRecord, NodeHello, NodeSteps, StepRecord,
+                                              StoppedReport, Timestamp, TransferRecord, WorkerResync, from_json,
+                                              to_json)
 from recycle.runtime.protocol.store import StoreClient, StoreServer
 
 __all__ = ["TOKEN_ENV", "new_token", "read_token", "host_store", "connect_store", "new_incarnation",
@@ -172,6 +173,11 @@ class Keys:
         return f"metrics/{step}/{rank}"
 
     @staticmethod
+    def node_metrics(step: int, node: int, seq: int) -> str:
+        """A node launcher's step records of `step`, its write number `seq` (records.NodeSteps)."""
+        return f"node_metrics/{step}/{node}/{seq}"
+
+    @staticmethod
     def evaluation(done_steps: int) -> str:
         return f"eval/{done_steps}"
 
@@ -247,7 +253,8 @@ class Channels:
     RESUMED = Channel(Keys.resumed, Timestamp)  # (generation, rank)
     TRANSFER = Channel(Keys.transfer, TransferRecord)  # (generation, rank)
     MIGRATION = Channel(Keys.migration, MigrationRecord)  # (generation, rank)
-    METRICS = Channel(Keys.metrics, StepRecord)  # (step, rank)
+    METRICS = Channel(Keys.metrics, StepRecord)  # (step, rank): on the job's store, or on the node's (NodeSteps)
+    NODE_METRICS = Channel(Keys.node_metrics, NodeSteps)  # (step, node, seq)
     EVAL = Channel(Keys.evaluation, EvalRecord)  # (done steps)
     ERROR = Channel(Keys.error, ErrorRecord)  # (rank)
     FAULT = Channel(Keys.fault, FaultRecord)  # (rank)

@@ -4,7 +4,7 @@ with a JSON round-trip that names each record's kind, so both sides read and wri
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from recycle.ir.worker import Worker
@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # typeshed's type of a dataclass (what fields() takes); it ex
 
 __all__ = ["RecordError", "StepRecord", "EvalRecord", "ErrorRecord", "FaultRecord", "JoinReady", "Timestamp",
            "TransferRecord", "MigrationRecord", "StoppedReport", "Announcement", "Joined", "Beat", "JobSettings",
-           "NodeHello", "WorkerResync", "to_json", "from_json"]
+           "NodeHello", "WorkerResync", "NodeSteps", "to_json", "from_json"]
 
 
 class RecordError(ValueError):
@@ -230,11 +230,31 @@ class WorkerResync:
     incarnation: str
 
 
+@dataclass(frozen=True)
+class NodeSteps:
+    """A node launcher's step records of one step (key node_metrics/STEP/NODE/SEQ): its workers write theirs to the
+    node's own store, and the launcher hands the coordinator the ones that came in since its last look, one record per
+    step, so the coordinator's reads grow with the nodes, not the workers. SEQ counts the launcher's writes: each key
+    is written once, so its reader may delete it once read."""
+
+    node: int
+    step: int
+    records: tuple[StepRecord, ...]
+
+    def __post_init__(self) -> None:
+        # from_json hands nested records over as the dicts JSON holds: read each as the StepRecord it must be.
+        if any(not isinstance(r, StepRecord) for r in self.records):
+            object.__setattr__(self, "records", tuple(
+                r if isinstance(r, StepRecord) else _from_data(StepRecord, r, "a StepRecord in a NodeSteps record")
+                for r in self.records))
+
+
 _KINDS: dict[str, type[DataclassInstance]] = {
     "job": JobSettings, "beat": Beat, "joined": Joined, "step": StepRecord, "eval": EvalRecord, "error": ErrorRecord,
     "fault": FaultRecord,
     "join_ready": JoinReady, "timestamp": Timestamp, "transfer": TransferRecord, "migration": MigrationRecord,
-    "stopped": StoppedReport, "announce": Announcement, "node_hello": NodeHello, "worker_resync": WorkerResync}
+    "stopped": StoppedReport, "announce": Announcement, "node_hello": NodeHello, "worker_resync": WorkerResync,
+    "node_steps": NodeSteps}
 _NAMES = {cls: kind for kind, cls in _KINDS.items()}
 
 R = TypeVar("R")
@@ -246,7 +266,17 @@ def to_json(record: Any) -> str:
     if kind is None:
         raise TypeError(f"{type(record).__name__} is not a store record; use one of "
                         f"{', '.join(c.__name__ for c in _KINDS.values())}")
-    return json.dumps({"kind": kind, **asdict(record)})
+    return json.dumps(_data(record))
+
+
+def _data(value: Any) -> Any:
+    """A record as JSON data, each record (nested ones too) with its "kind"."""
+    kind = _NAMES.get(type(value))
+    if kind is not None:
+        return {"kind": kind, **{f.name: _data(getattr(value, f.name)) for f in fields(value)}}
+    if isinstance(value, (tuple, list)):
+        return [_data(v) for v in value]
+    return value
 
 
 def _tuples(value: Any) -> Any:
@@ -263,6 +293,10 @@ def from_json(cls: type[R], text: bytes | str) -> R:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RecordError(f"{where} is not JSON ({exc}); every process of a run must be the same recycle version") \
             from None
+    return _from_data(cls, data, where)
+
+
+def _from_data(cls: type[R], data: Any, where: str) -> R:
     kind = data.get("kind") if isinstance(data, dict) else None
     if not isinstance(kind, str) or kind not in _KINDS:
         raise RecordError(f"{where} has kind {kind!r}, which is unknown (known: {', '.join(_KINDS)}); every "

@@ -134,6 +134,12 @@ def _connect(spec: WorkerSpec) -> StoreClient:
                          on_fenced=fenced)
 
 
+def _connect_node_store(spec: WorkerSpec) -> StoreClient:
+    """One connection of this worker to its node launcher's own store (beats, step records)."""
+    return connect_store("127.0.0.1", spec.node_store_port, spec.cluster.token,
+                         worker_identity(spec.rank, spec.incarnation), 30.0)
+
+
 @dataclass(frozen=True)
 class WorkerHooks:
     """What a worker reaches outside its own code through: each store connection (a fenced one ends the process),
@@ -163,11 +169,8 @@ class _Watcher(threading.Thread):
         # only about the silent or hung ones), else to the job's store.
         # They are sent by a thread of their own then: a coordinator that is away (the watcher waits for it to come
         # back) must not silence a live worker in its launcher's eyes.
-        port = spec.node_store_port
-        self.beats_apart = bool(port)
-        self.beats_to = JobStore(connect_store("127.0.0.1", port, spec.cluster.token,
-                                               worker_identity(spec.rank, spec.incarnation), 30.0)
-                                 if port else self.store)
+        self.beats_apart = bool(spec.node_store_port)
+        self.beats_to = JobStore(_connect_node_store(spec) if spec.node_store_port else self.store)
         self.jobs = JobStore(self.store)
         self.rank = spec.rank
         self.incarnation = spec.incarnation
@@ -360,6 +363,10 @@ class _Worker:
         self.phase = "admitting" if spec.joining else "training"  # where it stands, for a restarted coordinator
         self.outbox = Outbox(spec.rank, self._resync_status)
         self.heartbeat = _Watcher(spec, self.activity, self._abort_generation, hooks.connect, self.outbox)
+        # Step records are written from a thread of their own: on stage 0 the write lay between the step's OPT and
+        # the next iteration's first forward, the pipeline's critical path (docs/runtime-performance.md). A node
+        # launcher with a store of its own takes them and hands the coordinator one record per node and step.
+        self.outbox.start_writer(hooks.connect(spec), _connect_node_store(spec) if spec.node_store_port else None)
         self._transport_lock = threading.Lock()
         self._store_peers = _store_peers(spec.cluster.master_addr, spec.cluster.master_port)
         self.transport: Transport | None = None
@@ -697,7 +704,7 @@ class _Worker:
             result.stage_loss, result.grad_norm, result.grad_sq,
             digest=parameter_digest(self.state.module) if spec.debug.verify_replicas else "",
             timings=tuple((t.action, t.start, t.end) for t in result.timings), lr=result.lr), step, spec.rank,
-            kind="metrics", order=step)
+            kind="metrics", order=step, background=True)
 
     def _is_writer(self) -> bool:
         """One live replica per stage writes the stage's files."""
