@@ -9,10 +9,12 @@ What each simulated process does (and where in the runtime it comes from):
   (one wait per stand-in object here, not one per worker);
 - worker main thread: a StepRecord per step, to its node launcher's own store (no request here: the launcher hands
   the coordinator one NodeSteps record per step, on Channels.NODE_METRICS); on an abort (or a drain at its step) a
-  StoppedReport on Channels.STOPPED plus the stopped_count add; on the announcement of the next generation it reads it and the
-  plan, writes Joined and, at its first action, Resumed; a worker left out of the generation exits (code 4);
+  StoppedReport on Channels.STOPPED plus the stopped_count add; on the announcement of the next generation it reads
+  it and the plan, writes Joined and, at its first action, Resumed; a worker left out of the generation exits
+  (code 4);
 - replacement worker (_admit): JoinReady, then admitted by the announcement that names it;
-- node launcher (_follow_once, every 0.1 s): its node heartbeat add, the EXITED flag of a worker that ended (once),
+- node launcher (_follow_once, every 0.1 s): its node heartbeat add, its workers' step records of the pass as one
+  NodeSteps record per step, the EXITED flag of a worker that ended (once),
   then one wait on the keys of the coordinator's word (ABORT_RUN, FINISHED, FENCE per running worker, RESPAWN per
   ended one); every heartbeat_s / 2 its
   NodeWatch reads the hang limit and raises a SILENT flag for a worker silent past the heartbeat timeout (once).

@@ -394,7 +394,8 @@ class Supervisor:
             self.store.delete_key(Keys.join_ready(rank))
             self.store.set(Keys.join_generation(rank), str(facts.generation))
         self.plan = plan
-        self._forget_arrivals_from(facts.redo_step, facts.generation)  # a step redone in the new generation is recorded again
+        # A step redone in the new generation is recorded again.
+        self._forget_arrivals_from(facts.redo_step, facts.generation)
         self.pending = _PendingRecovery(facts, choice, time.time(), command.live)
 
     def _completion(self, facts: RecoveryFacts, plan: Plan) -> tuple[RecoveryFacts, Completion | None]:

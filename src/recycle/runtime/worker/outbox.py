@@ -1,8 +1,8 @@
 """A worker's writes to the job store, kept so that training never waits for the control plane: while the store is
 away (its coordinator died) they wait here and the worker trains on; when the store answers again they are written,
 and when it is another store (a restarted coordinator's, which starts empty) the worker first writes again what that
-store lacks (its announcement, stop report, recent step records, checkpoint flags) and says where it stands. Step records go through a writer thread of their own (`start_writer`), so that a step
-never waits for the store's round trip."""
+store lacks (its announcement, stop report, recent step records, checkpoint flags) and says where it stands. Step
+records go through a writer thread of their own (`start_writer`), so that a step never waits for a round trip."""
 
 from __future__ import annotations
 
