@@ -308,6 +308,12 @@ class Config:
         blob = json.dumps(self.planning_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
+    def one_chunk(self) -> "Config":
+        """This config with one stage per worker (itself when it has one): the same workers, costs and memory."""
+        if self.topology.chunks_per_worker == 1:
+            return self
+        return replace(self, topology=replace(self.topology, chunks_per_worker=1, chunk_layout="interleaved"))
+
     def with_topology(self, num_replicas: int | None = None, num_stages: int | None = None,
                       num_microbatches: int | None = None) -> "Config":
         """A copy with a new D, S or M; per-stage lists must then be uniform (or S unchanged)."""

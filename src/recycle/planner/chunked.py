@@ -20,7 +20,7 @@ from recycle.planner.options import PlannerOptions
 from recycle.planner.routing import failed_routing
 from recycle.sim.simulator import SimResult, simulate
 
-__all__ = ["ChunkVariant", "CHUNK_VARIANTS", "chunk_caps", "chunked_routing", "list_schedule_chunked",
+__all__ = ["ChunkVariant", "CHUNK_VARIANTS", "ALL_CHUNK_VARIANTS", "chunk_caps", "chunked_routing", "list_schedule_chunked",
            "schedule_chunked", "schedule_chunked_key", "chunked_lower_bound"]
 
 
@@ -31,20 +31,40 @@ class ChunkVariant:
 
     forward_order / backward_order pick among several ready ones: "deep" = the chunk nearest the loss (forward) or
     nearest the input (backward) first, then the lowest micro-batch; "mb" = the lowest micro-batch first, then the
-    deeper chunk; "ready" = the earliest-ready first. `w_first_at` > 0 runs a ready W instead of a forward once the
+    deeper chunk; "ready" = the earliest-ready first; "shallow" = the chunk nearest the input first (a forward
+    only). `w_first_at` > 0 runs a ready W instead of a forward once the
     worker holds at least cap - w_first_at chunk activations (frees memory before the cap stalls the forwards)."""
 
     forward_order: str = "deep"
     backward_order: str = "deep"
     w_first_at: int = 0
+    # When a forward and a backward are both ready, run the kind the worker did not run last (a steady F, B, W
+    # rhythm per worker instead of bursts of backwards that starve the next chunk's forwards).
+    alternate: bool = False
 
     @property
     def name(self) -> str:
-        return f"f-{self.forward_order}/b-{self.backward_order}" + (f"/w{self.w_first_at}" if self.w_first_at else "")
+        return (f"f-{self.forward_order}/b-{self.backward_order}" + (f"/w{self.w_first_at}" if self.w_first_at else "")
+                + ("/alternate" if self.alternate else ""))
 
 
-CHUNK_VARIANTS = tuple(ChunkVariant(f, b, w) for f in ("deep", "mb", "ready") for b in ("deep", "mb", "ready")
-                       for w in (0, 1))
+# Every combination (96 rules); benchmarks/bench_chunks.py --all-variants tries them all.
+ALL_CHUNK_VARIANTS = tuple(ChunkVariant(f, b, w, alt) for alt in (False, True)
+                           for f in ("deep", "mb", "ready", "shallow") for b in ("deep", "mb", "ready")
+                           for w in (0, 1, 2, 1 << 20))
+# The rules the planner tries: a greedy cover of the rules that reached the best period over all 96 on the fault-free
+# sweep of bench_chunks.py (S 2-8, M S..4S, unit and F=2 B=3 W=1 costs, both layouts, coupled and staggered, at
+# torch's best peak), plus the plain deep-first rule and the earliest-ready alternating one.
+CHUNK_VARIANTS = (
+    ChunkVariant("mb", "ready", alternate=True),
+    ChunkVariant("deep", "deep", alternate=True),
+    ChunkVariant("mb", "deep"),
+    ChunkVariant("deep", "ready", w_first_at=2, alternate=True),
+    ChunkVariant("deep", "deep", w_first_at=1),
+    ChunkVariant("mb", "ready", w_first_at=1, alternate=True),
+    ChunkVariant("deep", "deep"),
+    ChunkVariant("ready", "ready", alternate=True),
+)
 
 
 def chunk_caps(config: Config, options: PlannerOptions) -> tuple[int, ...] | None:
@@ -113,6 +133,7 @@ def list_schedule_chunked(config: Config, failed: frozenset[tuple[int, int]], ho
             wake.append((0.0, seq, r))
             seq += 1
     heapq.heapify(wake)
+    last_was_back = [False] * n
     limit = [caps[r % S] if caps is not None else 1 << 30 for r in range(n)]
 
     def f_key(item: tuple[float, Kind, int, int]) -> tuple:
@@ -121,6 +142,8 @@ def list_schedule_chunked(config: Config, failed: frozenset[tuple[int, int]], ho
             return (-v, mb)
         if variant.forward_order == "mb":
             return (mb, -v)
+        if variant.forward_order == "shallow":
+            return (v, mb)
         return (ready, -v, mb)
 
     def b_key(item: tuple[float, Kind, int, int]) -> tuple:
@@ -139,7 +162,10 @@ def list_schedule_chunked(config: Config, failed: frozenset[tuple[int, int]], ho
         backs = [it for it in ready if it[1] is back]
         fwds = [it for it in ready if it[1] is Kind.F] if held[r] < limit[r] else []
         ws = [it for it in ready if it[1] is Kind.W]
-        if backs:
+        if backs and fwds and variant.alternate and last_was_back[r] \
+                and not (ws and variant.w_first_at and held[r] >= limit[r] - variant.w_first_at):
+            pick = min(fwds, key=f_key)
+        elif backs:
             pick = min(backs, key=b_key)
         elif fwds and not (ws and variant.w_first_at and held[r] >= limit[r] - variant.w_first_at):
             pick = min(fwds, key=f_key)
@@ -153,6 +179,8 @@ def list_schedule_chunked(config: Config, failed: frozenset[tuple[int, int]], ho
         free[r] = end
         todo[r] -= 1
         order[r].append(Action(kind, v, mb))
+        if kind is not Kind.W:
+            last_was_back[r] = kind is not Kind.F
         heapq.heappush(wake, (end, seq, r))
         seq += 1
         nxt: list[tuple[Kind, int]] = []
