@@ -312,3 +312,16 @@ def test_recycle_schedule_points_chunked_configs_to_the_planner(capsys) -> None:
     code = main(["schedule", "--config", TOY, "--set", "topology.chunks_per_worker=2", "--schedule", "zb-h1"])
     assert code == 2
     assert "come from the planner: `recycle plan" in capsys.readouterr().err
+
+
+def test_a_canonical_chunked_plan_maps_onto_real_ranks_of_a_non_nested_failure_set() -> None:
+    """What a plan store does: the key's canonical plan relabelled per stage (chunk rows with their worker's stage)."""
+    from recycle.planner.failures import normalize
+
+    config = chunked(3, 3, 3, "v")
+    state = normalize([(0, 0), (2, 1)], 3, 3)
+    assert not state.symmetric
+    real = state.to_real(plan_for_key(config, state.key, PlannerOptions()))
+    validate_plan(real)
+    assert real.failed == frozenset({(0, 0), (2, 1)})
+    assert simulate(real, config).period == plan_for_key(config, state.key, PlannerOptions()).meta.predicted_period

@@ -20,7 +20,7 @@ from recycle.planner.options import PlannerOptions
 from recycle.planner.routing import failed_routing
 from recycle.sim.simulator import SimResult, simulate
 
-__all__ = ["ChunkVariant", "CHUNK_VARIANTS", "ALL_CHUNK_VARIANTS", "chunk_caps", "chunked_routing", "list_schedule_chunked",
+__all__ = ["ChunkVariant", "CHUNK_VARIANTS", "FAILURE_VARIANTS", "ALL_CHUNK_VARIANTS", "chunk_caps", "chunked_routing", "list_schedule_chunked",
            "schedule_chunked", "schedule_chunked_key", "chunked_lower_bound"]
 
 
@@ -38,6 +38,11 @@ class ChunkVariant:
     forward_order: str = "deep"
     backward_order: str = "deep"
     w_first_at: int = 0
+    # Admit a micro-batch into the pipeline (its chunk-0 forward) only when every worker on its path has room for all
+    # the chunks it will hold there, reserved until each one's W (or BW) ends; every later forward then always fits.
+    # Never deadlocks under a cap (the greedy rules can: a worker full of shallow chunks' activations waits for a deep
+    # chunk's forward it has no room for), at the price of holding room earlier than needed.
+    reserve: bool = False
     # When a forward and a backward are both ready, run the kind the worker did not run last (a steady F, B, W
     # rhythm per worker instead of bursts of backwards that starve the next chunk's forwards).
     alternate: bool = False
@@ -45,16 +50,17 @@ class ChunkVariant:
     @property
     def name(self) -> str:
         return (f"f-{self.forward_order}/b-{self.backward_order}" + (f"/w{self.w_first_at}" if self.w_first_at else "")
-                + ("/alternate" if self.alternate else ""))
+                + ("/alternate" if self.alternate else "") + ("/reserve" if self.reserve else ""))
 
 
-# Every combination (96 rules); benchmarks/bench_chunks.py --all-variants tries them all.
-ALL_CHUNK_VARIANTS = tuple(ChunkVariant(f, b, w, alt) for alt in (False, True)
+# Every combination (96 rules, 192 with reserve); the sweeps that chose the sets below tried them all.
+ALL_CHUNK_VARIANTS = tuple(ChunkVariant(f, b, w, reserve, alt) for reserve in (False, True) for alt in (False, True)
                            for f in ("deep", "mb", "ready", "shallow") for b in ("deep", "mb", "ready")
                            for w in (0, 1, 2, 1 << 20))
-# The rules the planner tries: a greedy cover of the rules that reached the best period over all 96 on the fault-free
-# sweep of bench_chunks.py (S 2-8, M S..4S, unit and F=2 B=3 W=1 costs, both layouts, coupled and staggered, at
-# torch's best peak), plus the plain deep-first rule and the earliest-ready alternating one.
+# The rules the planner tries without failures: a greedy cover of the rules that reached the best period over the 96
+# without reserve on the fault-free sweep of benchmarks/bench_chunks.py (S 2-8, M S..4S, unit and F=2 B=3 W=1
+# costs, both layouts, coupled and staggered, at torch's best peak), plus the plain deep-first rule, the
+# earliest-ready alternating one and two reserving ones (which never deadlock).
 CHUNK_VARIANTS = (
     ChunkVariant("mb", "ready", alternate=True),
     ChunkVariant("deep", "deep", alternate=True),
@@ -64,6 +70,25 @@ CHUNK_VARIANTS = (
     ChunkVariant("mb", "ready", w_first_at=1, alternate=True),
     ChunkVariant("deep", "deep"),
     ChunkVariant("ready", "ready", alternate=True),
+    ChunkVariant("deep", "deep", alternate=True, reserve=True),
+    ChunkVariant("mb", "ready", alternate=True, reserve=True),
+)
+# Added after failures: a greedy cover of the best of 96 rules (every forward and backward order and W threshold,
+# with and without reserve, not alternating; each with both routings) over 24 failure cases
+# (D x S x M in 4x4x8, 4x8x8, 3x5x5, 3x6x12, 4x6x6, 2x4x8; one and two random failures; unit and F=2 B=3 W=1 costs;
+# V layout, coupled, a cap of S full-stage activations). Most reserve: a survivor holds two pipelines' chunks, and
+# the greedy rules then often deadlock or fill the cap with shallow chunks.
+FAILURE_VARIANTS = (
+    ChunkVariant("deep", "deep", w_first_at=2, reserve=True),
+    ChunkVariant("mb", "mb", w_first_at=1),
+    ChunkVariant("deep", "ready", reserve=True),
+    ChunkVariant("deep", "ready", w_first_at=1 << 20, reserve=True),
+    ChunkVariant("mb", "ready", reserve=True),
+    ChunkVariant("deep", "deep", w_first_at=1, reserve=True),
+    ChunkVariant("ready", "ready"),
+    ChunkVariant("ready", "ready", w_first_at=1 << 20),
+    ChunkVariant("deep", "ready", w_first_at=2, reserve=True),
+    ChunkVariant("mb", "mb", reserve=True),
 )
 
 
@@ -75,14 +100,35 @@ def chunk_caps(config: Config, options: PlannerOptions) -> tuple[int, ...] | Non
     return None if caps is None else tuple(c * C for c in caps)
 
 
-def chunked_routing(config: Config, failed: frozenset[tuple[int, int]], slot_major: bool = False
-                    ) -> tuple[tuple[int, ...], ...]:
-    """host[chunk][mb]: every chunk of a worker takes its worker's row of the one-chunk traffic-aware routing, so
-    a failed worker's micro-batches go, for every chunk it held, to the same chunks on its live peers (only the
-    failed workers' micro-batches move; loads of a stage's survivors differ by at most one)."""
-    per_stage = failed_routing(config, failed, slot_major)
+def chunked_routing(config: Config, failed: frozenset[tuple[int, int]], slot_major: bool = False,
+                    rotate: bool = False) -> tuple[tuple[int, ...], ...]:
+    """host[chunk][mb]: a failed worker's micro-batches go, for every chunk it held, to the same chunks on its live
+    peers; only the failed workers' micro-batches move and the loads of a stage's survivors differ by at most one.
+
+    Each chunk's orphans are dealt round-robin over the live replicas of its worker's stage like the one-chunk
+    traffic-aware routing (in id order, or (slot, owner) order with `slot_major`). Without `rotate` every chunk of a
+    worker takes the same deal (a micro-batch's chunks on the dead worker all go to one peer); with it the j-th
+    chunk of a worker starts the deal j survivors further, so they go to different peers (spread over time).
+    """
     t = config.topology
-    return tuple(per_stage[w] for w in chunk_workers(t.num_stages, t.chunks_per_worker, t.chunk_layout))
+    D, S, M = t.num_replicas, t.num_stages, config.num_microbatches
+    where = chunk_workers(S, t.chunks_per_worker, t.chunk_layout)
+    per_stage = failed_routing(config, failed, slot_major)  # also refuses a stage with no live replica
+    rows = []
+    for v, w in enumerate(where):
+        shift = where[:v].count(w) if rotate else 0
+        if not shift:
+            rows.append(per_stage[w])
+            continue
+        live = [p for p in range(D) if (p, w) not in failed]
+        row = [mb // M for mb in range(D * M)]
+        orphans = [mb for p in range(D) if (p, w) in failed for mb in range(p * M, (p + 1) * M)]
+        if slot_major:
+            orphans.sort(key=lambda mb: (mb % M, mb // M))
+        for i, mb in enumerate(orphans):
+            row[mb] = live[(i + shift) % len(live)]
+        rows.append(tuple(row))
+    return tuple(rows)
 
 
 def list_schedule_chunked(config: Config, failed: frozenset[tuple[int, int]], host: Sequence[Sequence[int]],
@@ -135,6 +181,27 @@ def list_schedule_chunked(config: Config, failed: frozenset[tuple[int, int]], ho
     heapq.heapify(wake)
     last_was_back = [False] * n
     limit = [caps[r % S] if caps is not None else 1 << 30 for r in range(n)]
+    # reserve: the chunks each micro-batch runs on each worker (its footprint), and what admitted ones hold there
+    footprint: list[dict[int, int]] = []
+    if variant.reserve:
+        for mb in range(total):
+            counts: dict[int, int] = {}
+            for v in range(V):
+                counts[rank(v, mb)] = counts.get(rank(v, mb), 0) + 1
+            footprint.append(counts)
+            worst = max(counts.items(), key=lambda kv: kv[1] - limit[kv[0]])
+            if worst[1] > limit[worst[0]]:
+                raise PlanError(f"micro-batch {mb} runs {worst[1]} chunks on worker {worst[0] // S}:{worst[0] % S}, "
+                                f"more than its cap of {limit[worst[0]]} chunk activations; raise --memory-cap")
+    reserved = [0] * n
+    entries = sorted({rank(0, mb) for mb in range(total)})  # the workers that run chunk 0
+
+    def admissible(r: int, item: tuple[float, Kind, int, int]) -> bool:
+        if not variant.reserve:
+            return held[r] < limit[r]
+        if item[2] > 0:
+            return True  # reserved when the micro-batch was admitted
+        return all(reserved[q] + k <= limit[q] for q, k in footprint[item[3]].items())
 
     def f_key(item: tuple[float, Kind, int, int]) -> tuple:
         ready, _, v, mb = item
@@ -160,7 +227,7 @@ def list_schedule_chunked(config: Config, failed: frozenset[tuple[int, int]], ho
             continue
         ready = [it for it in pending[r] if it[0] <= now]
         backs = [it for it in ready if it[1] is back]
-        fwds = [it for it in ready if it[1] is Kind.F] if held[r] < limit[r] else []
+        fwds = [it for it in ready if it[1] is Kind.F and admissible(r, it)]
         ws = [it for it in ready if it[1] is Kind.W]
         if backs and fwds and variant.alternate and last_was_back[r] \
                 and not (ws and variant.w_first_at and held[r] >= limit[r] - variant.w_first_at):
@@ -186,16 +253,26 @@ def list_schedule_chunked(config: Config, failed: frozenset[tuple[int, int]], ho
         nxt: list[tuple[Kind, int]] = []
         if kind is Kind.F:
             held[r] += 1
+            if variant.reserve and v == 0:
+                for q, k in footprint[mb].items():
+                    reserved[q] += k
             nxt.append((Kind.F, v + 1) if v + 1 < V else (back, v))
         elif kind is Kind.B or kind is Kind.BW:
             if kind is Kind.BW:
                 held[r] -= 1
+                reserved[r] -= 1
             else:
                 nxt.append((Kind.W, v))
             if v > 0:
                 nxt.append((back, v - 1))
         else:
             held[r] -= 1
+            reserved[r] -= 1
+        if variant.reserve and kind is not Kind.F and kind is not Kind.B:
+            # room freed here may admit a micro-batch at a pipeline entry elsewhere: let the entries look again
+            for q in entries:
+                heapq.heappush(wake, (end, seq, q))
+                seq += 1
         for k, u in nxt:
             dst = rank(u, mb)
             edge = min(u, v)
@@ -237,18 +314,22 @@ def _rank_key(result: SimResult) -> tuple[float, int]:
 
 def schedule_chunked(config: Config, failed: Iterable[tuple[int, int]] = (),
                      options: PlannerOptions = PlannerOptions(), caps: Sequence[int] | None = None,
-                     variants: Sequence[ChunkVariant] = CHUNK_VARIANTS) -> Plan:
-    """The best plan over the variants and two routings (orphans in id order and in slot order), by simulated
-    period, then the lower peak. `caps` (chunk activations per stage) overrides the options' cap (chunk_caps);
+                     variants: Sequence[ChunkVariant] | None = None) -> Plan:
+    """The best plan over the variants (default: CHUNK_VARIANTS, with FAILURE_VARIANTS too when workers failed) and
+    three routings (chunked_routing: orphans in id order, in slot order, and in id order rotated per chunk), by
+    simulated period, then the lower peak. `caps` (chunk activations per stage) overrides the options' cap (chunk_caps);
     the plan is validated and its meta carries the simulator's period and makespan."""
     failed_set = frozenset(failed)
+    if variants is None:
+        variants = CHUNK_VARIANTS + FAILURE_VARIANTS if failed_set else CHUNK_VARIANTS
     if caps is None:
         caps = chunk_caps(config, options)
     routings = [chunked_routing(config, failed_set)]
     if failed_set:
-        spread = chunked_routing(config, failed_set, slot_major=True)
-        if spread != routings[0]:
-            routings.append(spread)
+        for other in (chunked_routing(config, failed_set, slot_major=True),
+                      chunked_routing(config, failed_set, rotate=True)):
+            if other not in routings:
+                routings.append(other)
     best: tuple[tuple[float, int], Plan, SimResult] | None = None
     errors = []
     for host in routings:
