@@ -45,7 +45,8 @@ def config(D: int, S: int, M: int, costs: tuple[float, float, float], chunks: in
 
 
 def torch_best(S: int, M: int, costs: tuple[float, float, float]) -> tuple[str, float, int, dict[str, str]]:
-    """(name, period, peak chunk activations) of torch's best two-chunk schedule, and why the others are missing."""
+    """(name, period, peak chunk activations) of torch's best two-chunk schedule (names joined by "=" when several
+    tie on period and peak), and why the others are missing."""
     best: tuple[float, int, str] | None = None
     missing: dict[str, str] = {}
     for name, (_, layout) in TORCH_CHUNK_SCHEDULES.items():
@@ -57,7 +58,9 @@ def torch_best(S: int, M: int, costs: tuple[float, float, float]) -> tuple[str, 
             continue
         result = simulate(plan, cfg)
         key = (result.period, max(result.peak_activations), name)
-        if best is None or key < best:
+        if best is not None and key[:2] == best[:2]:
+            best = (best[0], best[1], f"{best[2]}={name}")
+        elif best is None or key < best:
             best = key
     assert best is not None
     return best[2], best[0], best[1], missing
@@ -84,7 +87,7 @@ def one_chunk(S: int, M: int, costs: tuple[float, float, float], cap: int) -> fl
 
 def fault_free(quick: bool) -> bool:
     print("Fault-free, one pipeline, equal memory (cap = torch's best schedule's peak, chunk activations per worker)")
-    print(f"{'costs':<9}{'S':>3}{'M':>4}  {'torch best':<17}{'period':>8}{'peak':>5}  {'ours':>8}{'peak':>5}"
+    print(f"{'costs':<9}{'S':>3}{'M':>4}  {'torch best (ties: =)':<31}{'period':>8}{'peak':>5}  {'ours':>8}{'peak':>5}"
           f"{' layout':<13}{'ours/torch':>11}  {'staggered':>9}{'ratio':>7}  {'1-chunk':>8}{'ratio':>7}")
     ratios = []
     wins = 0
@@ -98,7 +101,7 @@ def fault_free(quick: bool) -> bool:
                 ratio = mine / period
                 ratios.append(ratio)
                 wins += mine <= period + 1e-9
-                print(f"{label:<9}{S:>3}{M:>4}  {name:<17}{period:>8g}{peak:>5}  {mine:>8g}{mine_peak:>5} "
+                print(f"{label:<9}{S:>3}{M:>4}  {name:<31}{period:>8g}{peak:>5}  {mine:>8g}{mine_peak:>5} "
                       f"{layout:<12}{ratio:>11.3f}  {stag:>9g}{stag / period:>7.3f}  {single:>8g}"
                       f"{single / period:>7.3f}", flush=True)
     print(f"ours <= torch's best on {wins} of {len(ratios)} shapes; ours/torch min {min(ratios):.3f}, "

@@ -325,3 +325,60 @@ def test_a_canonical_chunked_plan_maps_onto_real_ranks_of_a_non_nested_failure_s
     validate_plan(real)
     assert real.failed == frozenset({(0, 0), (2, 1)})
     assert simulate(real, config).period == plan_for_key(config, state.key, PlannerOptions()).meta.predicted_period
+
+
+def test_reserving_rules_never_deadlock_where_a_greedy_rule_does() -> None:
+    """D=4, S=4, M=8, 1:1 and 2:0 down, cap 8 chunk activations: the greedy alternating rule fills survivors with
+    shallow chunks and deadlocks; the same rule with reserve admits micro-batches only with room on their whole path."""
+    from recycle.planner.chunked import ChunkVariant, list_schedule_chunked
+
+    config = chunked(4, 4, 8, "v")
+    failed = frozenset({(1, 1), (2, 0)})
+    host = chunked_routing(config, failed)
+    greedy = ChunkVariant("mb", "ready", alternate=True)
+    with pytest.raises(PlanError, match="could not place every action"):
+        list_schedule_chunked(config, failed, host, True, False, (8,) * 4, greedy)
+    plan = list_schedule_chunked(config, failed, host, True, False, (8,) * 4,
+                                 ChunkVariant("mb", "ready", alternate=True, reserve=True))
+    validate_plan(plan)
+    assert max(simulate(plan, config).peak_activations) <= 8
+
+
+def test_a_cap_below_one_microbatchs_chunks_is_refused_by_the_reserving_rule() -> None:
+    from recycle.planner.chunked import ChunkVariant, list_schedule_chunked
+
+    config = chunked(1, 3, 3, "v")
+    with pytest.raises(PlanError, match=r"runs 2 chunks on worker 0:\d, more than its cap of 1 chunk activations; "
+                                        r"raise --memory-cap"):
+        list_schedule_chunked(config, frozenset(), chunked_routing(config, frozenset()), True, False, (1,) * 3,
+                              ChunkVariant(reserve=True))
+
+
+@pytest.mark.parametrize("S,M,costs", [(4, 8, (1.0, 1.0, 1.0)), (5, 10, (1.0, 1.0, 1.0)), (3, 6, (2.0, 3.0, 1.0)),
+                                       (6, 12, (2.0, 3.0, 1.0))])
+def test_ours_is_at_least_as_fast_as_torchs_best_two_chunk_schedule_at_its_peak(S: int, M: int, costs) -> None:
+    """benchmarks/bench_chunks.py's claim on a few shapes: same simulator, our cap = torch's best schedule's peak."""
+    pytest.importorskip("torch.distributed.pipelining.schedules")
+    from recycle.schedules.torch_chunks import TORCH_CHUNK_SCHEDULES, torch_chunk_plan
+
+    f, b, w = costs
+    best = None
+    for name, (_, layout) in TORCH_CHUNK_SCHEDULES.items():
+        config = chunked(1, S, M, layout, f=f, b=b, w=w)
+        result = simulate(torch_chunk_plan(config, name), config)
+        best = min(best or (result.period, max(result.peak_activations)), (result.period, max(result.peak_activations)))
+    period, peak = best
+    ours = min(simulate(schedule_chunked(cfg, (), PlannerOptions(staggered=False), caps=(peak,) * S), cfg).period
+               for cfg in (chunked(1, S, M, layout, f=f, b=b, w=w) for layout in ("v", "interleaved")))
+    assert ours <= period
+
+
+def test_rotated_routing_sends_a_microbatchs_two_chunks_to_different_peers() -> None:
+    config = chunked(3, 4, 4, "v")
+    failed = frozenset({(1, 2)})
+    same, rotated = chunked_routing(config, failed), chunked_routing(config, failed, rotate=True)
+    orphans = range(4, 8)
+    assert all(same[2][mb] == same[5][mb] for mb in orphans)
+    assert all(rotated[2][mb] != rotated[5][mb] for mb in orphans)
+    assert sorted(rotated[5][mb] for mb in orphans) == sorted(same[5][mb] for mb in orphans)  # same loads
+    assert rotated[2] == same[2] and all(rotated[5][mb] == mb // 4 for mb in range(12) if mb // 4 != 1)

@@ -117,17 +117,10 @@ def chunked_routing(config: Config, failed: frozenset[tuple[int, int]], slot_maj
     rows = []
     for v, w in enumerate(where):
         shift = where[:v].count(w) if rotate else 0
-        if not shift:
-            rows.append(per_stage[w])
-            continue
         live = [p for p in range(D) if (p, w) not in failed]
-        row = [mb // M for mb in range(D * M)]
-        orphans = [mb for p in range(D) if (p, w) in failed for mb in range(p * M, (p + 1) * M)]
-        if slot_major:
-            orphans.sort(key=lambda mb: (mb % M, mb // M))
-        for i, mb in enumerate(orphans):
-            row[mb] = live[(i + shift) % len(live)]
-        rows.append(tuple(row))
+        # the deal gave the i-th orphan live[i mod n]; rotated, it gets live[(i + shift) mod n]
+        rows.append(tuple(h if (mb // M, w) not in failed else live[(live.index(h) + shift) % len(live)]
+                          for mb, h in enumerate(per_stage[w])))
     return tuple(rows)
 
 
