@@ -189,12 +189,15 @@ def select_plan(config: Config, schedule: str | None = None, plan_file: str | No
 
 def check_runtime_chunks(config: Config, plan: Plan | None = None) -> None:
     """The runtime holds one stage module per worker: refuse a chunked config or plan before anything starts."""
-    chunks = plan.chunks if plan is not None and plan.chunks > 1 else config.topology.chunks_per_worker
+    from_plan = plan is not None and plan.chunks > 1
+    chunks = plan.chunks if plan is not None and from_plan else config.topology.chunks_per_worker
     if chunks > 1:
-        what = "the plan has" if plan is not None and plan.chunks > 1 else "[topology] chunks_per_worker ="
+        what = "the plan has" if from_plan else "[topology] chunks_per_worker ="
+        fix = ("make the plan from a config with chunks_per_worker = 1" if from_plan else
+               "set chunks_per_worker = 1 to train")
         raise ConfigError(f"{what} {chunks} chunks per worker, but the runtime (recycle train) runs one stage per "
-                          "worker (each worker holds one stage module); set chunks_per_worker = 1 to train, or use "
-                          "recycle plan / simulate / --format pipelining-csv for chunked schedules")
+                          f"worker (each worker holds one stage module); {fix}, or use recycle plan / simulate / "
+                          "--format pipelining-csv for chunked schedules")
 
 
 def train(config: Config, plan: Plan | None = None, *, schedule: str | None = None, down: Iterable[Worker | str] = (),

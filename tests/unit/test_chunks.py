@@ -382,3 +382,15 @@ def test_rotated_routing_sends_a_microbatchs_two_chunks_to_different_peers() -> 
     assert all(rotated[2][mb] != rotated[5][mb] for mb in orphans)
     assert sorted(rotated[5][mb] for mb in orphans) == sorted(same[5][mb] for mb in orphans)  # same loads
     assert rotated[2] == same[2] and all(rotated[5][mb] == mb // 4 for mb in range(12) if mb // 4 != 1)
+
+
+def test_recycle_train_refuses_a_chunked_plan_file(tmp_path, capsys) -> None:
+    path = tmp_path / "v.json"
+    assert main(["plan", "--config", TOY, "--set", "topology.chunks_per_worker=2", "--set",
+                 'topology.chunk_layout="v"', "--save", str(path)]) == 0
+    capsys.readouterr()
+    code = main(["train", "--config", str(ROOT / "configs" / "tiny-gpt.toml"), "--plan", str(path), "--steps", "1"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the plan has 2 chunks per worker" in err[0]
+    assert "make the plan from a config with chunks_per_worker = 1" in err[0]
