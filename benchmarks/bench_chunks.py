@@ -11,7 +11,8 @@ then one iteration's makespan). A chunk costs 1/2 of its worker's stage. Torch's
 lowest peak) sets the memory: our chunked planner gets a cap of exactly its peak, in chunk activations (F start ..
 W end, per worker), in both layouts; "ours" is the better of the two. Also shown: ours with the staggered optimizer
 at the same cap, and the one-chunk planner (one stage per worker) at the same memory (floor(peak / 2) full-stage
-activations), which is what recycle offered before chunks.
+activations), which is what recycle offered before chunks. Then interleaved 1F1B alone (fused backward): ours in the
+interleaved layout with --no-decouple against torch's ScheduleInterleaved1F1B at its peak.
 
 After failures (D x S = 4x4, 4x8, 3x5, 3x6, M = S and 2S, one and two failed workers, a cap of S full-stage
 activations per worker, ZB-H1's and ZBV's peak): the chunked V-shape plan against the one-chunk plan for the same failure set, both
@@ -114,6 +115,28 @@ def fault_free(quick: bool) -> bool:
 
 # (D, S, failure sets); the second group's shapes and failures were not in the sweep that chose the planner's
 # rules for failures (planner/chunked.py, FAILURE_VARIANTS), the first group's D x S were
+def interleaved_1f1b(quick: bool) -> bool:
+    """Fused backward (no B/W split): ours with the interleaved layout against torch's ScheduleInterleaved1F1B."""
+    print("\nInterleaved 1F1B (fused backward), one pipeline, our cap = torch's ScheduleInterleaved1F1B's peak")
+    print(f"{'costs':<9}{'S':>3}{'M':>4}  {'torch':>8}{'peak':>5}  {'ours':>8}{'peak':>5}{'ours/torch':>11}")
+    ratios = []
+    for label, costs in COSTS.items():
+        for S in (range(2, 9) if not quick else (2, 4, 8)):
+            for M in sorted({S, 2 * S, 3 * S, 4 * S}):
+                cfg = config(1, S, M, costs, 2, "interleaved")
+                theirs = simulate(torch_chunk_plan(cfg, "interleaved-1f1b"), cfg)
+                peak = max(theirs.peak_activations)
+                plan = schedule_chunked(cfg, (), PlannerOptions(decoupled=False, staggered=False), caps=(peak,) * S)
+                mine = simulate(plan, cfg)
+                ratios.append(mine.period / theirs.period)
+                print(f"{label:<9}{S:>3}{M:>4}  {theirs.period:>8g}{peak:>5}  {mine.period:>8g}"
+                      f"{max(mine.peak_activations):>5}{ratios[-1]:>11.3f}", flush=True)
+    wins = sum(r <= 1 + 1e-9 for r in ratios)
+    print(f"ours <= torch's interleaved 1F1B on {wins} of {len(ratios)} shapes; ours/torch min {min(ratios):.3f}, "
+          f"max {max(ratios):.3f}")
+    return wins == len(ratios)
+
+
 FAILURES = [(4, 4, ([(1, 1)], [(1, 1), (2, 0)])), (4, 8, ([(1, 1)], [(1, 1), (2, 0)])),
             (3, 5, ([(2, 3)], [(0, 0), (1, 4)])), (3, 6, ([(1, 5)], [(0, 2), (2, 3)]))]
 
@@ -153,6 +176,7 @@ def main() -> int:
     started = time.perf_counter()
     if not args.failures_only:
         fault_free(args.quick)
+        interleaved_1f1b(args.quick)
     if not args.no_failures:
         after_failures(args.quick)
     print(f"\n{time.perf_counter() - started:.1f} s")

@@ -394,3 +394,16 @@ def test_recycle_train_refuses_a_chunked_plan_file(tmp_path, capsys) -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the plan has 2 chunks per worker" in err[0]
     assert "make the plan from a config with chunks_per_worker = 1" in err[0]
+
+
+@pytest.mark.parametrize("S,M", [(3, 6), (4, 8), (6, 12)])
+def test_interleaved_1f1b_matches_torchs_at_its_peak(S: int, M: int) -> None:
+    pytest.importorskip("torch.distributed.pipelining.schedules")
+    from recycle.schedules.torch_chunks import torch_chunk_plan
+
+    config = chunked(1, S, M, "interleaved", f=2.0, b=3.0, w=1.0)
+    theirs = simulate(torch_chunk_plan(config, "interleaved-1f1b"), config)
+    peak = max(theirs.peak_activations)
+    ours = simulate(schedule_chunked(config, (), PlannerOptions(decoupled=False, staggered=False), caps=(peak,) * S),
+                    config)
+    assert ours.period <= theirs.period and max(ours.peak_activations) <= peak

@@ -32,7 +32,8 @@ class ChunkVariant:
     forward_order / backward_order pick among several ready ones: "deep" = the chunk nearest the loss (forward) or
     nearest the input (backward) first, then the lowest micro-batch; "mb" = the lowest micro-batch first, then the
     deeper chunk; "ready" = the earliest-ready first; "shallow" = the chunk nearest the input first (a forward
-    only). `w_first_at` > 0 runs a ready W instead of a forward once the
+    only); "round" = by rounds of S micro-batches (mb // S), then the shallower chunk first (forward) or the deeper
+    one (backward): every chunk of a round before the next round, the order of Megatron's interleaved 1F1B. `w_first_at` > 0 runs a ready W instead of a forward once the
     worker holds at least cap - w_first_at chunk activations (frees memory before the cap stalls the forwards)."""
 
     forward_order: str = "deep"
@@ -53,14 +54,15 @@ class ChunkVariant:
                 + ("/alternate" if self.alternate else "") + ("/reserve" if self.reserve else ""))
 
 
-# Every combination (96 rules, 192 with reserve); the sweeps that chose the sets below tried them all.
+# Every combination (160 rules, 320 with reserve); the sweeps that chose the sets below tried the ones they name.
 ALL_CHUNK_VARIANTS = tuple(ChunkVariant(f, b, w, reserve, alt) for reserve in (False, True) for alt in (False, True)
-                           for f in ("deep", "mb", "ready", "shallow") for b in ("deep", "mb", "ready")
-                           for w in (0, 1, 2, 1 << 20))
+                           for f in ("deep", "mb", "ready", "shallow", "round")
+                           for b in ("deep", "mb", "ready", "round") for w in (0, 1, 2, 1 << 20))
 # The rules the planner tries without failures: a greedy cover of the rules that reached the best period over the 96
 # without reserve on the fault-free sweep of benchmarks/bench_chunks.py (S 2-8, M S..4S, unit and F=2 B=3 W=1
 # costs, both layouts, coupled and staggered, at torch's best peak), plus the plain deep-first rule, the
-# earliest-ready alternating one and two reserving ones (which never deadlock).
+# earliest-ready alternating one, the round-robin one for fused backwards and two reserving ones (which never
+# deadlock).
 CHUNK_VARIANTS = (
     ChunkVariant("mb", "ready", alternate=True),
     ChunkVariant("deep", "deep", alternate=True),
@@ -70,6 +72,9 @@ CHUNK_VARIANTS = (
     ChunkVariant("mb", "ready", w_first_at=1, alternate=True),
     ChunkVariant("deep", "deep"),
     ChunkVariant("ready", "ready", alternate=True),
+    # With a fused backward (interleaved 1F1B) this rule alone matched torch's ScheduleInterleaved1F1B at its peak
+    # on all 24 shapes tried (S 3, 4, 6, 8; M S, 2S, 4S; both cost sets), among 80 rules with the "round" orders.
+    ChunkVariant("round", "round", alternate=True),
     ChunkVariant("deep", "deep", alternate=True, reserve=True),
     ChunkVariant("mb", "ready", alternate=True, reserve=True),
 )
@@ -204,6 +209,8 @@ def list_schedule_chunked(config: Config, failed: frozenset[tuple[int, int]], ho
             return (mb, -v)
         if variant.forward_order == "shallow":
             return (v, mb)
+        if variant.forward_order == "round":
+            return (mb // S, v, mb)
         return (ready, -v, mb)
 
     def b_key(item: tuple[float, Kind, int, int]) -> tuple:
@@ -212,6 +219,8 @@ def list_schedule_chunked(config: Config, failed: frozenset[tuple[int, int]], ho
             return (v, mb)
         if variant.backward_order == "mb":
             return (mb, v)
+        if variant.backward_order == "round":
+            return (mb // S, -v, mb)
         return (ready, v, mb)
 
     while wake:
