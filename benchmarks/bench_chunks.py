@@ -15,8 +15,8 @@ activations), which is what recycle offered before chunks. Then interleaved 1F1B
 interleaved layout with --no-decouple against torch's ScheduleInterleaved1F1B at its peak.
 
 After failures (D x S = 4x4, 4x8, 3x5, 3x6, M = S and 2S, one and two failed workers, a cap of S full-stage
-activations per worker, ZB-H1's and ZBV's peak): the chunked V-shape plan against the one-chunk plan for the same failure set, both
-from `make_plan`, same options (decoupled; coupled and staggered optimizer), same simulator.
+activations per worker, ZB-H1's and ZBV's peak): the chunked V-shape plan against the one-chunk plan for the same
+failure set, both from `make_plan`, same options (decoupled; coupled and staggered optimizer), same simulator.
 
 Every ratio is ours / theirs (below 1: ours is faster).
 """

@@ -14,14 +14,13 @@ from recycle.ir.chunks import chunk_workers
 from recycle.ir.costs import action_duration
 from recycle.ir.plan import Plan, PlanMeta
 from recycle.ir.validate import validate_plan
-from recycle.planner.failures import canonical_failed
 from recycle.planner.memory_cap import memory_cap
 from recycle.planner.options import PlannerOptions
 from recycle.planner.routing import failed_routing
 from recycle.sim.simulator import SimResult, simulate
 
-__all__ = ["ChunkVariant", "CHUNK_VARIANTS", "FAILURE_VARIANTS", "ALL_CHUNK_VARIANTS", "chunk_caps", "chunked_routing", "list_schedule_chunked",
-           "schedule_chunked", "schedule_chunked_key", "chunked_lower_bound"]
+__all__ = ["ChunkVariant", "CHUNK_VARIANTS", "FAILURE_VARIANTS", "ALL_CHUNK_VARIANTS", "chunk_caps", "chunked_routing",
+           "list_schedule_chunked", "schedule_chunked", "chunked_lower_bound"]
 
 
 @dataclass(frozen=True)
@@ -33,8 +32,9 @@ class ChunkVariant:
     nearest the input (backward) first, then the lowest micro-batch; "mb" = the lowest micro-batch first, then the
     deeper chunk; "ready" = the earliest-ready first; "shallow" = the chunk nearest the input first (a forward
     only); "round" = by rounds of S micro-batches (mb // S), then the shallower chunk first (forward) or the deeper
-    one (backward): every chunk of a round before the next round, the order of Megatron's interleaved 1F1B. `w_first_at` > 0 runs a ready W instead of a forward once the
-    worker holds at least cap - w_first_at chunk activations (frees memory before the cap stalls the forwards)."""
+    one (backward): every chunk of a round before the next round, the order of Megatron's interleaved 1F1B.
+    `w_first_at` > 0 runs a ready W instead of a forward once the worker holds at least cap - w_first_at chunk
+    activations (frees memory before the cap stalls the forwards)."""
 
     forward_order: str = "deep"
     backward_order: str = "deep"
@@ -357,8 +357,3 @@ def schedule_chunked(config: Config, failed: Iterable[tuple[int, int]] = (),
                           memory_cap=cap_full or (), config_fingerprint=config.fingerprint(),
                           notes=f"chunked list schedule, {config.topology.chunks_per_worker} chunks per worker "
                                 f"({config.topology.chunk_layout} layout), rule {plan.meta.notes}")
-
-
-def schedule_chunked_key(config: Config, key: Sequence[int], options: PlannerOptions = PlannerOptions()) -> Plan:
-    """schedule_chunked on the canonical layout of a failure key (failed replicas of stage s are 0..k_s-1)."""
-    return schedule_chunked(config, canonical_failed(key), options)
