@@ -101,7 +101,8 @@ def _check_shape(plan: Plan) -> None:
         raise PlanError(f"plan has {len(plan.actions)} worker lists but D*S = {D * S}; give one list per worker")
     rows = plan.num_chunks
     if len(plan.host) != rows or any(len(row) != total for row in plan.host):
-        raise PlanError(f"plan routing must be host[stage][mb] with {rows} rows (one per chunk) of {total} entries")
+        per = " (one per chunk)" if plan.chunks > 1 else ""
+        raise PlanError(f"plan routing must be host[stage][mb] with {rows} rows{per} of {total} entries")
     for p, s in plan.failed:
         if not (0 <= p < D and 0 <= s < S):
             raise PlanError(f"failed worker ({p},{s}) is outside the {D}x{S} topology")
