@@ -187,6 +187,19 @@ def select_plan(config: Config, schedule: str | None = None, plan_file: str | No
     return build_schedule(config, schedule or ("zb-h1" if decoupled else "1f1b"), staggered=staggered)
 
 
+def check_runtime_chunks(config: Config, plan: Plan | None = None) -> None:
+    """The runtime holds one stage module per worker: refuse a chunked config or plan before anything starts."""
+    from_plan = plan is not None and plan.chunks > 1
+    chunks = plan.chunks if plan is not None and from_plan else config.topology.chunks_per_worker
+    if chunks > 1:
+        what = "the plan has" if from_plan else "[topology] chunks_per_worker ="
+        fix = ("make the plan from a config with chunks_per_worker = 1" if from_plan else
+               "set chunks_per_worker = 1 to train")
+        raise ConfigError(f"{what} {chunks} chunks per worker, but the runtime (recycle train) runs one stage per "
+                          f"worker (each worker holds one stage module); {fix}, or use recycle plan / simulate / "
+                          "--format pipelining-csv for chunked schedules")
+
+
 def train(config: Config, plan: Plan | None = None, *, schedule: str | None = None, down: Iterable[Worker | str] = (),
           decoupled: bool = True, staggered: bool = True, recover: bool = True, max_failures: int = 2,
           plan_store: str | Path = "", store_progress: IO[str] | None = None, repartition: bool = False,
@@ -215,6 +228,7 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
     unknown = sorted(set(options) - set(KEYWORDS))
     if unknown:
         raise ConfigError(f"train() got unknown option(s) {unknown}; known: {', '.join(sorted(KEYWORDS))}")
+    check_runtime_chunks(config, plan)
     if data_source is not None:
         config = _with_data_source(config, data_source)
     factory = options.get("model_factory")

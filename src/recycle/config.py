@@ -102,6 +102,11 @@ class Topology:
     # Workers per node, ranks numbered replica * S + stage (a pipeline's stages are packed onto consecutive nodes);
     # 0 = not given: every message is priced at the p2p cost. See Communication.inter_node_*.
     workers_per_node: int = 0
+    # Virtual stages: the model is cut into num_stages x chunks_per_worker chunks and each worker holds
+    # chunks_per_worker of them, placed by chunk_layout (recycle.ir.chunks): "interleaved" (worker w holds chunks
+    # w, w+S, ...) or "v" (C = 2: chunks w and 2S-1-w, the ZBV / DualPipeV shape). 1 = one stage per worker.
+    chunks_per_worker: int = 1
+    chunk_layout: str = "interleaved"
 
     def node(self, rank: int) -> int:
         """The node hosting `rank` (0 for every rank when workers_per_node is not given)."""
@@ -284,6 +289,8 @@ class Config:
         """Everything that affects plans and their timing (not the runtime's model or training settings)."""
         # The node keys are left out while unset, so configs without them keep their fingerprints (plan stores).
         topology = {k: v for k, v in asdict(self.topology).items() if k != "workers_per_node" or v}
+        if self.topology.chunks_per_worker == 1:  # one chunk per worker: the fingerprints of before chunks existed
+            del topology["chunks_per_worker"], topology["chunk_layout"]
         comm = {k: v for k, v in asdict(self.communication).items() if not k.startswith("inter_node") or v is not None}
         # Likewise recompute_bytes while every stage's is 0 (no activation checkpointing).
         memory = {k: v for k, v in asdict(self.memory).items() if k != "recompute_bytes" or any(v)}
@@ -300,6 +307,12 @@ class Config:
         """A stable hash of the planning-relevant config; plan stores carry it."""
         blob = json.dumps(self.planning_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def one_chunk(self) -> "Config":
+        """This config with one stage per worker (itself when it has one): the same workers, costs and memory."""
+        if self.topology.chunks_per_worker == 1:
+            return self
+        return replace(self, topology=replace(self.topology, chunks_per_worker=1, chunk_layout="interleaved"))
 
     def with_topology(self, num_replicas: int | None = None, num_stages: int | None = None,
                       num_microbatches: int | None = None) -> "Config":
@@ -615,6 +628,7 @@ def _topology(t: dict[str, Any], source: str) -> Topology:
     _at_least(topology, "topology", ("workers_per_node",), 0, source,
               " (0 = not given: all messages priced at the p2p cost)")
     _at_most(topology, "topology", source)
+    _check_chunks(topology, source)
     gpus = topology.num_workers * topology.gpus_per_worker
     if gpus > MAX_GPUS:
         raise ConfigError(f"{_where(source, 'topology', 'num_replicas')}: D x S x gpus_per_worker = "
@@ -622,6 +636,25 @@ def _topology(t: dict[str, Any], source: str) -> Topology:
                           f"GPUs is above the limit of {MAX_GPUS:,} (64x Llama 3's 16,384); use fewer replicas or "
                           "stages")
     return topology
+
+
+def _check_chunks(topology: Topology, source: str) -> None:
+    """chunks_per_worker >= 1 and a known chunk_layout; the V layout pairs exactly two chunks per worker."""
+    from recycle.ir.chunks import CHUNK_LAYOUTS, MAX_CHUNKS
+
+    chunks, layout = topology.chunks_per_worker, topology.chunk_layout
+    if not 1 <= chunks <= MAX_CHUNKS:
+        raise ConfigError(f"{_where(source, 'topology', 'chunks_per_worker')} = {chunks} must be in [1, {MAX_CHUNKS}] "
+                          "(model chunks, i.e. virtual stages, per worker); use 1 for one stage per worker or 2 for "
+                          "interleaved / V-shape schedules")
+    if layout not in CHUNK_LAYOUTS:
+        raise ConfigError(f"{_where(source, 'topology', 'chunk_layout')} = {layout!r} is unknown; choose one of "
+                          f"{list(CHUNK_LAYOUTS)} (interleaved: worker w holds chunks w, w+S, ...; v: chunks w and "
+                          "2S-1-w)")
+    if layout == "v" and chunks != 2:
+        raise ConfigError(f"{_where(source, 'topology', 'chunk_layout')} = 'v' needs chunks_per_worker = 2 (a worker "
+                          f"holds chunks w and 2S-1-w), but chunks_per_worker = {chunks}; set chunks_per_worker = 2 "
+                          "or chunk_layout = \"interleaved\"")
 
 
 def _workload(w: dict[str, Any], source: str) -> Workload:
@@ -640,7 +673,8 @@ def _workload(w: dict[str, Any], source: str) -> Workload:
 def _check_plan_size(topology: Topology, workload: Workload, source: str) -> None:
     """Every command builds at least one whole plan of the config (the simulator's 1F1B reference included): refuse
     D x S x M (stage, micro-batch) pairs above MAX_PLAN_PAIRS before any is built."""
-    D, S, M = topology.num_replicas, topology.num_stages, workload.num_microbatches
+    # Chunked workers hold chunks_per_worker virtual stages: S counts those here (a pair is one chunk's).
+    D, S, M = topology.num_replicas, topology.num_stages * topology.chunks_per_worker, workload.num_microbatches
     if D * S * M > MAX_PLAN_PAIRS:
         raise ConfigError(f"{_where(source, 'workload', 'num_microbatches')}: D x S x M = {D} x {S} x {M} = "
                           f"{D * S * M:,} (stage, micro-batch) pairs is above the limit of {MAX_PLAN_PAIRS:,} (a plan "

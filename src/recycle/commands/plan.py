@@ -126,6 +126,8 @@ def plan_summary(plan: Plan, config: Config, result: SimResult, options: Planner
         "slowdown_vs_planner_fault_free": result.period / free if free else None,
         "throughput_mb_per_unit": plan.total_microbatches / result.period if result.period > 0 else None,
         "bubble_fraction": result.bubble_fraction,
+        # Chunked plans ([topology] chunks_per_worker = C > 1) count chunk activations, 1/C of a stage's each.
+        "chunks_per_worker": plan.chunks,
         "peak_activations": list(result.peak_activations),
         "peak_activations_per_stage": [max(result.peak_activations[r] for r in range(s, plan.num_workers, S))
                                        for s in range(S)],
@@ -133,7 +135,7 @@ def plan_summary(plan: Plan, config: Config, result: SimResult, options: Planner
         # Traffic per iteration: (stage, mb) pairs run off their own pipeline (and how many of those belong to a
         # live worker), activations + input-gradients sent between pipelines, and between nodes when the config's
         # [topology] workers_per_node says which workers share one.
-        **traffic(plan.host, plan.num_microbatches, plan.failed),
+        **traffic(plan.host, plan.num_microbatches, plan.failed, plan.chunk_stages),
         "cross_node_messages": cross_node_messages(plan, config) if config.topology.workers_per_node else None,
         # Why a failure set planned with traffic-aware routing got the canonical plan instead (it was faster);
         # None when it did not fall back.
@@ -144,13 +146,12 @@ def plan_summary(plan: Plan, config: Config, result: SimResult, options: Planner
 
 def cross_node_messages(plan: Plan, config: Config) -> int:
     """Forward activations and input-gradients per iteration whose sender and receiver are on different nodes."""
-    S = plan.num_stages
     node = config.topology.node
     count = 0
-    for s in range(S - 1):
+    for s in range(plan.num_chunks - 1):  # consecutive stages, or chunks when chunked
         here, there = plan.host[s], plan.host[s + 1]
         for mb in range(plan.total_microbatches):
-            if node(plan.rank(here[mb], s)) != node(plan.rank(there[mb], s + 1)):
+            if node(plan.chunk_rank(here[mb], s)) != node(plan.chunk_rank(there[mb], s + 1)):
                 count += 2
     return count
 
@@ -181,7 +182,8 @@ def _summary_text(d: dict[str, Any]) -> str:
         ("makespan", t(d["makespan"])),
         ("lower bound", f"{t(d['lower_bound'])}{gap}" if d["lower_bound"] is not None else "none"),
         ("peak activations", "/".join(map(str, d["peak_activations_per_stage"]))
-         + " micro-batches per stage (max over replicas)"),
+         + (" micro-batches per stage (max over replicas)" if d["chunks_per_worker"] == 1 else
+            f" chunk activations per stage (max over replicas; {d['chunks_per_worker']} make one micro-batch's)")),
         ("traffic", f"{d['moved_microbatches']} (stage, micro-batch) pairs off their pipeline ({d['moved_healthy']} of "
                     f"live workers); {d['cross_pipeline_messages']} cross-pipeline messages per iteration"
                     + (f", {d['cross_node_messages']} cross-node" if d["cross_node_messages"] is not None else "")),

@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_job(args: argparse.Namespace, place: CoordinatorPlace) -> int:
     """`recycle train` on a training node (place node0 or separate), or `recycle coordinator` (place self)."""
-    from recycle.api import train
+    from recycle.api import check_runtime_chunks, train
 
     role = node_role(args, os.environ)
     tensorboard = args.tensorboard if hosts_coordinator(place, role.node_rank) else ""  # the coordinator gathers the metrics
@@ -242,6 +242,7 @@ def run_job(args: argparse.Namespace, place: CoordinatorPlace) -> int:
         hf.append(f"model.hf_weights={json.dumps(os.path.abspath(args.hf_weights))}")
     data = [f"training.data_source={json.dumps(args.data_source)}"] if args.data_source else []
     config = load_config(args.config, [*args.set, *hf, *data, *checkpointing_override(args)])
+    check_runtime_chunks(config)
     if role.nnodes > config.topology.num_workers:
         raise ConfigError(f"--nnodes {role.nnodes} is more than the job's D x S = {config.topology.num_workers} "
                           "workers: every node runs at least one; use at most that many nodes")

@@ -59,7 +59,7 @@ def producer_kind(kind: Kind, source_decoupled: bool) -> Kind:
 
 def producer(plan: Plan, action: Action) -> Action | None:
     """The action (on host[input stage][mb]) whose message `action` waits for, or None if it needs none."""
-    source = input_stage(action.kind, action.stage, plan.num_stages)
+    source = input_stage(action.kind, action.stage, plan.num_chunks)  # the chain runs over chunks
     if source is None:
         return None
     kind = producer_kind(action.kind, (source, action.mb) in plan.decoupled_pairs)

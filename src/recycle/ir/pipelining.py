@@ -3,7 +3,9 @@ reads): one row per pipeline rank, one action per cell, `{stage}{F|I|W|B}{microb
 
 The format describes ONE pipeline (rank = stage here) over its own micro-batches 0..M-1; data parallelism lives
 outside it. So a plan is exported per replica: replica r's row for stage s is worker (r, s)'s compute actions with
-the micro-batches renumbered to r's local 0..M-1. Our kinds map as F -> F, B (input-gradient) -> I, W -> W, fused BW
+the micro-batches renumbered to r's local 0..M-1. A chunked plan's cells name chunks (torch's virtual stage
+indices, e.g. rank 0 of a V-shape plan runs stages 0 and 2S-1); torch infers which rank holds which stage from the
+rows, and its stages must be built with num_stages = S x chunks_per_worker. Our kinds map as F -> F, B (input-gradient) -> I, W -> W, fused BW
 -> B. What the format cannot express, and the export therefore refuses or leaves out:
   * cross-pipeline re-routing: a replica with a failed worker, or one whose workers run another pipeline's
     micro-batches (or whose micro-batches run elsewhere), has no row set that torch's runtime could execute;
@@ -30,8 +32,8 @@ def replica_problem(plan: Plan, replica: int) -> str:
     if down:
         return f"worker(s) {', '.join(f'{replica}:{s}' for s in down)} of replica {replica} are down"
     M = plan.num_microbatches
-    for s in range(plan.num_stages):
-        for mb, host in enumerate(plan.host[s]):
+    for s, row in enumerate(plan.host):  # one row per stage (per chunk when chunked)
+        for mb, host in enumerate(row):
             if (host == replica) != (mb // M == replica):
                 moved, where = (mb, host) if mb // M == replica else (mb, replica)
                 return (f"micro-batch {moved} of replica {mb // M} runs stage {s} on replica {where} "

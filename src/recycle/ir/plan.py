@@ -12,6 +12,7 @@ from recycle.config import SIZE_LIMITS
 from recycle.errors import PlanError
 from recycle.inputs import MIB, UnsafeJSON, read_input_text, strict_json_loads
 from recycle.ir.actions import Action, Kind
+from recycle.ir.chunks import CHUNK_LAYOUTS, MAX_CHUNKS, chunk_workers
 
 __all__ = ["PlanMeta", "Plan", "derive_host", "read_plan", "MAX_PLAN_FILE_BYTES"]
 
@@ -48,6 +49,12 @@ class Plan:
     `mb`'s actions at that stage. `staggered` selects the optimizer mode: each stage steps after its own reduce
     (True) or all stages step together after every stage has finished (False). `partition` is the number of
     contiguous model layers each stage holds when the plan re-partitions layers (empty: the config's own layout).
+
+    Chunked plans (`chunks` > 1, [topology] chunks_per_worker): the model is cut into num_stages x chunks chunks
+    (virtual stages) and each worker holds `chunks` of them, placed by `chunk_layout` (recycle.ir.chunks). An
+    action's `stage` is then its chunk (the position in the dependency chain: F of chunk v needs F of chunk v-1),
+    `host` has one row per chunk, and the worker that runs it is (host[chunk][mb], chunk_stage(chunk)); OPT keeps
+    the worker's own stage index (it steps every chunk the worker holds). With chunks = 1 both readings coincide.
     """
 
     num_replicas: int
@@ -59,6 +66,8 @@ class Plan:
     staggered: bool = False
     meta: PlanMeta = field(default_factory=PlanMeta)
     partition: tuple[int, ...] = ()
+    chunks: int = 1
+    chunk_layout: str = "interleaved"
 
     # -- topology helpers -------------------------------------------------------------------------------------
     @property
@@ -74,6 +83,24 @@ class Plan:
 
     def worker(self, rank: int) -> tuple[int, int]:
         return divmod(rank, self.num_stages)
+
+    @property
+    def num_chunks(self) -> int:
+        """Virtual stages of one pipeline: num_stages x chunks (num_stages when not chunked)."""
+        return self.num_stages * self.chunks
+
+    @cached_property
+    def chunk_stages(self) -> tuple[int, ...]:
+        """chunk_stage of every chunk, for loops."""
+        return chunk_workers(self.num_stages, self.chunks, self.chunk_layout)
+
+    def chunk_stage(self, chunk: int) -> int:
+        """The stage index of the worker that holds `chunk` (the chunk itself when not chunked)."""
+        return self.chunk_stages[chunk]
+
+    def chunk_rank(self, replica: int, chunk: int) -> int:
+        """The rank of the worker of `replica` that holds `chunk`."""
+        return replica * self.num_stages + self.chunk_stages[chunk]
 
     def owner(self, mb: int) -> int:
         """The replica whose data shard micro-batch `mb` belongs to."""
@@ -119,6 +146,9 @@ class Plan:
         }
         if self.partition:  # only when set: plans without it keep their JSON byte for byte
             out["partition"] = list(self.partition)
+        if self.chunks > 1:  # likewise
+            out["chunks"] = self.chunks
+            out["chunk_layout"] = self.chunk_layout
         return out
 
     def to_json(self) -> str:
@@ -137,6 +167,7 @@ class Plan:
             M = _count(d, "num_microbatches", SIZE_LIMITS["workload", "num_microbatches"][0])
             meta = _read_meta(d.get("meta", {}))
             partition = _read_partition(d.get("partition", []), S)
+            chunks, layout = _read_chunks(d.get("chunks", 1), d.get("chunk_layout", "interleaved"))
             host = tuple(_int_row(row, f"host[{s}]") for s, row in enumerate(_list(d, "host")))
             actions = tuple(tuple(Action.parse(t) for t in _text(line, f"actions[{r}]").split())
                             for r, line in enumerate(_list(d, "actions")))
@@ -146,7 +177,7 @@ class Plan:
                 raise PlanError(f"plan field \"staggered\" = {staggered!r} must be true or false (JSON booleans, "
                                 "not strings)")
             return cls(num_replicas=D, num_stages=S, num_microbatches=M, host=host, actions=actions, failed=failed,
-                       staggered=staggered, meta=meta, partition=partition)
+                       staggered=staggered, meta=meta, partition=partition, chunks=chunks, chunk_layout=layout)
         except PlanError as exc:
             if "regenerate" in str(exc):
                 raise
@@ -167,12 +198,13 @@ class Plan:
     @classmethod
     def from_worker_lists(cls, num_replicas: int, num_stages: int, num_microbatches: int,
                           actions: Sequence[Iterable[Action]], failed: Iterable[tuple[int, int]] = (),
-                          staggered: bool = False, meta: PlanMeta | None = None) -> "Plan":
+                          staggered: bool = False, meta: PlanMeta | None = None, chunks: int = 1,
+                          chunk_layout: str = "interleaved") -> "Plan":
         """Build a plan whose routing is read off the lists (the worker that runs F of mb at stage s hosts it)."""
         acts = tuple(tuple(a) for a in actions)
-        host = derive_host(num_replicas, num_stages, num_microbatches, acts)
+        host = derive_host(num_replicas, num_stages, num_microbatches, acts, chunks)
         return cls(num_replicas, num_stages, num_microbatches, host, acts, frozenset(failed), staggered,
-                   meta or PlanMeta())
+                   meta or PlanMeta(), chunks=chunks, chunk_layout=chunk_layout)
 
 
 def _is_int(value: Any) -> bool:
@@ -256,6 +288,17 @@ def _read_partition(raw: Any, num_stages: int) -> tuple[int, ...]:
     return tuple(raw)
 
 
+def _read_chunks(chunks: Any, layout: Any) -> tuple[int, str]:
+    """The optional "chunks" and "chunk_layout" of a plan's JSON (left out: one chunk per worker)."""
+    if not _is_int(chunks) or not 1 <= chunks <= MAX_CHUNKS:
+        raise PlanError(f"plan field \"chunks\" = {_short(chunks)} must be a whole number in [1, {MAX_CHUNKS}] "
+                        "(model chunks per worker)")
+    if layout not in CHUNK_LAYOUTS or (layout == "v" and chunks != 2):
+        raise PlanError(f"plan field \"chunk_layout\" = {_short(layout)} must be one of {list(CHUNK_LAYOUTS)} "
+                        "(\"v\" with exactly 2 chunks per worker)")
+    return chunks, layout
+
+
 def read_plan(path: str | Path, flag: str = "--plan") -> Plan:
     """A plan from a JSON file written by `recycle plan --save`; every failure names the file and the format."""
     want = "a plan JSON file written by `recycle plan --save`"
@@ -278,14 +321,16 @@ def read_plan(path: str | Path, flag: str = "--plan") -> Plan:
 
 
 def derive_host(num_replicas: int, num_stages: int, num_microbatches: int,
-                actions: Sequence[Sequence[Action]]) -> tuple[tuple[int, ...], ...]:
-    """host[stage][mb] from the position of each forward; unrouted micro-batches get -1 (the validator flags it)."""
+                actions: Sequence[Sequence[Action]], chunks: int = 1) -> tuple[tuple[int, ...], ...]:
+    """host[stage][mb] (one row per chunk when chunked) from the position of each forward; unrouted micro-batches
+    get -1 (the validator flags it)."""
     total = num_replicas * num_microbatches
-    host = [[-1] * total for _ in range(num_stages)]
+    rows = num_stages * chunks
+    host = [[-1] * total for _ in range(rows)]
     for rank, acts in enumerate(actions):
         replica = rank // num_stages
         for a in acts:
-            if a.kind is Kind.F and 0 <= a.stage < num_stages and 0 <= a.mb < total:
+            if a.kind is Kind.F and 0 <= a.stage < rows and 0 <= a.mb < total:
                 if host[a.stage][a.mb] == -1:
                     host[a.stage][a.mb] = replica
     return tuple(tuple(row) for row in host)

@@ -12,7 +12,7 @@ from recycle.errors import PlanError
 from recycle.ir.compact import CompactActions
 from recycle.ir.plan import Plan
 from recycle.planner.bounds import period_lower_bound
-from recycle.planner.failures import normalize
+from recycle.planner.failures import canonical_failed, normalize
 from recycle.planner.heuristic import schedule_failed, schedule_heuristic
 from recycle.planner.memory_cap import memory_cap, resolve_memory_cap
 from recycle.planner.options import PlannerOptions
@@ -97,6 +97,8 @@ def plan_for_key(config: Config, key: Sequence[int], options: PlannerOptions = P
     cached = _CACHE.get(cache_key)
     if cached is not None:
         return cached
+    if config.topology.chunks_per_worker > 1:
+        return _remember(cache_key, _chunked(config, canonical_failed(key), options, solver))
 
     plan = schedule_heuristic(config, key, options)
     period, makespan, settling_note = _period_makespan(plan, config)
@@ -129,6 +131,25 @@ def plan_for_key(config: Config, key: Sequence[int], options: PlannerOptions = P
     return plan
 
 
+def _remember(cache_key: tuple, plan: Plan) -> Plan:
+    if len(_CACHE) >= _CACHE_LIMIT:
+        _CACHE.pop(next(iter(_CACHE)))  # oldest first
+    _CACHE[cache_key] = plan
+    return plan
+
+
+def _chunked(config: Config, failed: frozenset[tuple[int, int]], options: PlannerOptions, solver: str) -> Plan:
+    """The chunked planner's plan (several virtual stages per worker) on these failed ranks; only the heuristic
+    knows chunks (the CP-SAT model has one stage per worker)."""
+    if solver != "heuristic":
+        raise PlanError(f"solver {solver!r} plans one stage per worker, but [topology] chunks_per_worker = "
+                        f"{config.topology.chunks_per_worker}; use --solver heuristic (the chunked list scheduler) "
+                        "or set chunks_per_worker = 1")
+    from recycle.planner.chunked import schedule_chunked
+
+    return schedule_chunked(config, failed, options)
+
+
 ROUTINGS = ("traffic", "canonical")
 
 
@@ -151,6 +172,12 @@ def make_plan(config: Config, failed: Iterable[tuple[int, int]] = (), options: P
     if routing not in ROUTINGS:
         raise PlanError(f"routing {routing!r} is unknown; choose one of {list(ROUTINGS)}")
     state = normalize(failed, config.num_replicas, config.num_stages)
+    if config.topology.chunks_per_worker > 1:
+        # Chunked plans are made on the real ranks directly (only the failed workers' micro-batches move).
+        options = resolve_options(config, options)
+        cache_key = (config.fingerprint(), "chunked", state.failed, options, solver)
+        cached = _CACHE.get(cache_key)
+        return cached if cached is not None else _remember(cache_key, _chunked(config, state.failed, options, solver))
     if state.symmetric or routing == "canonical" or solver != "heuristic":
         return state.to_real(plan_for_key(config, state.key, options, solver, time_limit_s))
     planned = plan_for_failed(config, state.failed, options)
@@ -208,4 +235,5 @@ def baseline_1f1b_period(config: Config, options: PlannerOptions = PlannerOption
     """The simulated period of plain fault-free 1F1B (fused backward): the reference the paper's overheads use."""
     from recycle.schedules.fault_free import build_schedule
 
+    config = config.one_chunk()  # the paper's reference has one stage per worker, whatever the config's chunks
     return simulate(build_schedule(config, "1f1b", staggered=options.staggered), config).period

@@ -101,12 +101,14 @@ def failed_routing(config: Config, failed: frozenset[tuple[int, int]], slot_majo
 
 
 def traffic(host: Sequence[Sequence[int]], num_microbatches: int,
-            failed: frozenset[tuple[int, int]] = frozenset()) -> dict[str, int]:
+            failed: frozenset[tuple[int, int]] = frozenset(), stage_of: Sequence[int] | None = None
+            ) -> dict[str, int]:
     """Off-pipeline work and cross-pipeline messages of one iteration under a routing.
 
     moved_microbatches: (stage, mb) pairs run off their own pipeline; moved_healthy: those whose own worker is alive
     (work that did not have to move); cross_pipeline_messages: forward activations and input-gradients sent
-    between different pipelines (two per stage boundary a micro-batch crosses between hosts).
+    between different pipelines (two per stage boundary a micro-batch crosses between hosts). A chunked plan's
+    rows are its chunks; `stage_of[row]` is then the stage of the worker holding the chunk (Plan.chunk_stages).
     """
     M = num_microbatches
     moved = healthy = cross = 0
@@ -116,7 +118,7 @@ def traffic(host: Sequence[Sequence[int]], num_microbatches: int,
         for mb, p in enumerate(row):
             if p != mb // M:
                 moved += 1
-                if (mb // M, s) not in failed:
+                if (mb // M, s if stage_of is None else stage_of[s]) not in failed:
                     healthy += 1
             if nxt is not None and nxt[mb] != p:
                 cross += 2

@@ -90,6 +90,11 @@ def build_schedule(config: Config, name: str, staggered: bool = False) -> Plan:
     """The fault-free plan `name` for the config's D, S, M; every pipeline runs the same per-stage order."""
     if name not in SCHEDULES:
         raise ConfigError(f"schedule {name!r} is unknown; choose one of {sorted(SCHEDULES)}")
+    chunks = config.topology.chunks_per_worker
+    if chunks > 1:
+        raise ConfigError(f"schedule {name!r} runs one stage per worker, but [topology] chunks_per_worker = {chunks}; "
+                          "chunked schedules (V-shape zero bubble, interleaved 1F1B) come from the planner: `recycle "
+                          "plan --config ...` (add --no-decouple for interleaved 1F1B), or set chunks_per_worker = 1")
     order_fn, decoupled = SCHEDULES[name]
     D, S, M = config.num_replicas, config.num_stages, config.num_microbatches
     actions: list[list[Action]] = []

@@ -152,6 +152,12 @@ def _flatten(plan: Plan, config: Config) -> _Flat:
     S = plan.num_stages
     live_per_stage = [len(plan.live_replicas(s)) for s in range(S)]
     duration_of = [[action_duration(config, k, s, live_per_stage[s]) for s in range(S)] for k in _KINDS]
+    if plan.chunks > 1:
+        # A chunk's F, B and W take 1/C of its worker's stage costs (the config's costs are per worker); compute
+        # actions are indexed by chunk, OPT (the worker's whole step) by the worker's stage.
+        C, where = plan.chunks, plan.chunk_stages
+        duration_of = [row if k is Kind.OPT else [row[where[v]] / C for v in range(plan.num_chunks)]
+                       for k, row in zip(_KINDS, duration_of)]
     first: list[int] = []
     stop: list[int] = []
     for acts in plan.actions:
@@ -205,11 +211,15 @@ def simulate(plan: Plan, config: Config, iterations: int | None = None, record: 
         iterations = MAX_ITERATIONS
     if iterations < 1:
         raise ValueError("iterations must be >= 1")
-    check_plan_matches(plan, config.num_replicas, config.num_stages, config.num_microbatches)
+    topology = config.topology
+    check_plan_matches(plan, config.num_replicas, config.num_stages, config.num_microbatches,
+                       chunks=topology.chunks_per_worker, chunk_layout=topology.chunk_layout)
     flat = _flatten(plan, config)
     live = [r for r in range(plan.num_workers) if plan.actions[r]]
     run = _Run(plan, config, flat, live, _opt_groups(plan, live), _compute_spans(live, flat), record)
-    timer = run.level_timer() if flat.total >= LEVEL_TIMER_MIN_ACTIONS and not record else None
+    # The level timer knows one chunk per worker only; chunked plans take the per-action loop.
+    vectorize = flat.total >= LEVEL_TIMER_MIN_ACTIONS and not record and plan.chunks == 1
+    timer = run.level_timer() if vectorize else None
     if timer is not None:
         run.iterate_levels(timer, iterations, adaptive)
     else:
@@ -233,9 +243,11 @@ class _Run:
         self.msg: list[float] = []
 
     def _links(self) -> tuple[list[float], list[float]]:
+        """Message times per stage boundary (per chunk boundary when chunked: chunk v's output is priced as its
+        worker's stage output; a boundary inside one worker sends nothing)."""
         comm = self.config.communication
-        S = self.plan.num_stages
-        return [comm.p2p_time(s) for s in range(S)], [comm.inter_node_time(s) for s in range(S)]
+        source = self.plan.chunk_stages
+        return [comm.p2p_time(s) for s in source], [comm.inter_node_time(s) for s in source]
 
     def level_timer(self) -> LevelTimer | None:
         """The level-vectorized timer for a large plan (recycle.sim.levels; numpy, imported only here), or None when
@@ -271,7 +283,7 @@ class _Run:
         f, plan = self.flat, self.plan
         if not self.dep:
             p2p, inter = self._links()
-            self.dep, self.msg = _dependencies(f.code, f.stage_of, f.mb_of, f.first, f.stop, plan.num_stages,
+            self.dep, self.msg = _dependencies(f.code, f.stage_of, f.mb_of, f.first, f.stop, plan.num_chunks,
                                                plan.total_microbatches, p2p, inter, self.config.topology.node)
         tokens = [str(a) for acts in plan.actions for a in acts] if self.record else []
         heads = [f.first[r] for r in self.live]
@@ -392,11 +404,11 @@ def _result(plan: Plan, config: Config, flat: _Flat, run: _Run, period: float) -
         busy = sum(flat.dur[lo:hi])
         idle.append(max(0.0, 1.0 - busy / period) if period > 0 else 0.0)
         peak = max(0, max(accumulate(flat.held_delta[lo:hi]), default=0))  # running count, its maximum
-        peaks.append(peak)
+        peaks.append(peak)  # chunked plans: in chunk activations, each 1/C of the worker's activation_bytes
         stage = plan.worker(r)[1]
         # Plus the region a checkpointed stage rebuilds inside one backward (0 without checkpointing).
         rebuilt = config.memory.recompute_bytes[stage] if peak > 0 else 0
-        peak_bytes.append(peak * config.memory.activation_bytes[stage] + rebuilt)
+        peak_bytes.append(peak * config.memory.activation_bytes[stage] // plan.chunks + rebuilt)
     live_idle = [idle[r] for r in run.live]
     iterations = len(run.starts)
     return SimResult(
