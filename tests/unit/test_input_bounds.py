@@ -368,6 +368,34 @@ def test_the_memory_check_passes_the_tiny_gpt() -> None:
     check_model_memory(load_config(TINY), LaunchOptions(), available=10**8)  # 4 x 0.2M parameters: under 10 MB
 
 
+def test_the_memory_check_counts_the_sent_log_that_redo_lost_keeps() -> None:
+    """--redo lost keeps each worker's sent activations/gradients of two iterations: a node that fits the stages but
+    not that log is refused with both named, and --redo iteration (no log) passes on the same memory."""
+    from dataclasses import replace
+
+    from recycle.api import load_config
+    from recycle.errors import ConfigError
+    from recycle.runtime.control.preflight import check_model_memory
+    from recycle.runtime.options import LaunchOptions, RecoveryOptions
+
+    config = load_config(TINY)
+    config = replace(config, workload=replace(config.workload, num_microbatches=512, seq_len=64))
+    iteration = LaunchOptions(recovery=RecoveryOptions(redo="iteration"))
+    lost = LaunchOptions(recovery=RecoveryOptions(redo="lost"))
+    # Find the memory the stages need without the log, then give exactly that.
+    low, high = 10**5, 10**11
+    while high - low > 1:
+        middle = (low + high) // 2
+        try:
+            check_model_memory(config, iteration, available=middle)
+            high = middle
+        except ConfigError:
+            low = middle
+    check_model_memory(config, iteration, available=high)
+    with pytest.raises(ConfigError, match="with --redo lost .* keeps what it sent in its two newest iterations"):
+        check_model_memory(config, lost, available=high)
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--set", "model.n_embd=16384", "--set", "model.n_layer=1024"], "each of its 1 worker(s) builds the whole model"),
     (["--repeats", "1000000000"], "--repeats 1000000000 is above the limit of 10,000"),

@@ -150,8 +150,8 @@ def check_run_length(options: LaunchOptions, start: int, end: int) -> None:
 def check_model_memory(config: Config, options: LaunchOptions | None = None, available: int | None = None,
                        workers: int | None = None, whole: bool = False) -> None:
     """Refuse a built-in GPT that cannot fit: every worker builds its own stage only (models.gpt.build_stage; the
-    largest stage is counted for each) and holds at least one micro-batch's activations (and, on the last stage,
-    its logits), so this node's workers (`workers`, default the node's share of D x S) need at least that much
+    largest stage is counted for each), holds at least one micro-batch's activations (and, on the last stage, its
+    logits) and, with --redo lost, the tensors it sent in its two newest iterations, so this node's workers (`workers`, default the node's share of D x S) need at least that much
     memory at once. `whole`: each of them holds every stage (the profiler's one process). `available`:
     MemAvailable (bytes) of /proc/meminfo by default; without it nothing is checked. A lower bound: a run it passes
     may still not fit."""
@@ -173,15 +173,21 @@ def check_model_memory(config: Config, options: LaunchOptions | None = None, ava
     tokens = config.workload.microbatch_size * config.workload.seq_len
     layouts = [(0, shape.n_layer)] if whole else plan_bounds(config, ())
     held = max(shape.stage_parameters(first, last) for first, last in layouts) * element
-    need = workers * (held + tokens * shape.n_embd * element) + min(last_stage, workers) * tokens * \
-        shape.vocab_size * element
+    boundary = tokens * shape.n_embd * element  # one micro-batch's activation (or its gradient) between two stages
+    # --redo lost: each worker keeps what it sent in its two newest iterations (its M micro-batches' activations or
+    # gradients at least; runtime/worker/executor.py `_sent`), to send it again after a failure.
+    logged = 2 * config.num_microbatches * boundary if options is not None and options.recovery.redo == "lost" \
+        and S > 1 and not whole else 0
+    need = workers * (held + boundary + logged) + min(last_stage, workers) * tokens * shape.vocab_size * element
     if need > available:
         gb = 1e9
         built = "the whole model" if whole else "its stage (the largest)"
+        log = (f", and with --redo lost (the default) keeps what it sent in its two newest iterations "
+               f"({logged / gb:,.1f} GB; --redo iteration keeps none)") if logged else ""
         raise ConfigError(f"the built-in GPT ([model] n_layer {shape.n_layer}, n_embd {shape.n_embd}, vocab_size "
                           f"{shape.vocab_size}; micro-batches of {tokens:,} tokens) needs at least {need / gb:,.1f} GB "
                           f"on this node: each of its {workers} worker(s) builds {built} ({held / gb:,.1f} GB "
-                          f"in {config.training.dtype}) and holds a micro-batch's activations, but "
+                          f"in {config.training.dtype}) and holds a micro-batch's activations{log}, but "
                           f"{available / gb:,.1f} GB are available; use a smaller [model] or smaller micro-batches, "
                           "or spread the workers over more nodes")
 
