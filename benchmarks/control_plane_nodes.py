@@ -9,7 +9,7 @@ What each simulated process does (and where in the runtime it comes from):
   (one wait per stand-in object here, not one per worker);
 - worker main thread: a StepRecord per step, to its node launcher's own store (no request here: the launcher hands
   the coordinator one NodeSteps record per step, on Channels.NODE_METRICS); on an abort (or a drain at its step) a
-  StoppedReport on Channels.STOPPED plus the stopped_count add; on the announcement of the next generation it reads
+  StoppedReport on Channels.STOPPED; on the announcement of the next generation it reads
   it and the plan, writes Joined and, at its first action, Resumed; a worker left out of the generation exits
   (code 4);
 - replacement worker (_admit): JoinReady, then admitted by the announcement that names it;
@@ -331,7 +331,6 @@ class StandInNodes:
                                        error, now)
                 requests.append(self._send("stopped", Op.SET, (_b(Keys.stopped(self.generation, rank)),
                                                                _b(to_json(report)))))
-                requests.append(self._send("stopped", Op.ADD, (_b(Keys.stopped_count(self.generation)), b"1")))
             self.events.append({"kind": "stopped", "generation": self.generation, "time": time.time()})
             reported = self.generation
         if self.announced is not None and self.announced > self.generation:

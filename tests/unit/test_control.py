@@ -218,8 +218,8 @@ def test_records_travel_on_their_declared_channels_only() -> None:
         assert jobs.read(Channels.RESUMED, 3, 1) is None
         jobs.put(Channels.RESUMED, Timestamp(12.5), 3, 1)
         assert jobs.read(Channels.RESUMED, 3, 1) == Timestamp(12.5) == jobs.get(Channels.RESUMED, 3, 1)
-        assert jobs.raw.try_get("gen3/resumed/1") is not None  # the key names are the documented ones
-        jobs.raw.set(Channels.JOINED.key(3, 1), jobs.raw.get("gen3/resumed/1"))  # a record on the wrong channel
+        assert jobs.raw.try_get("resumed/3/1") is not None  # the key names are the documented ones
+        jobs.raw.set(Channels.JOINED.key(3, 1), jobs.raw.get("resumed/3/1"))  # a record on the wrong channel
         with pytest.raises(RecordError, match="holds a Timestamp"):
             jobs.read(Channels.JOINED, 3, 1)
         jobs.delete(Channels.RESUMED, 3, 1)

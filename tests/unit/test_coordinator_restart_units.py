@@ -49,6 +49,11 @@ class FakeStore:
         return self.data.get(key)
 
 
+def COUNT(generation: int) -> str:
+    """A key the outbox adds to (op "add"), kept for a new store like the join kind."""
+    return f"count/{generation}"
+
+
 def _step(step: int) -> StepRecord:
     return StepRecord(0, 1, 0, float(step), step + 0.5, 0.1, None, None, None, 1.0)
 
@@ -61,9 +66,9 @@ def test_writes_go_straight_through_while_the_store_answers() -> None:
     store, outbox = FakeStore(), Outbox(5, _status)
     outbox.sync(store)
     outbox.put(store, Channels.METRICS, _step(0), 0, 5, kind="metrics", order=0)
-    outbox.write(store, Keys.stopped_count(0), "1", kind="stopped_count", op="add")
+    outbox.write(store, COUNT(0), "1", kind="join", op="add")
     assert from_json(StepRecord, store.data[Keys.metrics(0, 5)]) == _step(0)
-    assert store.data[Keys.stopped_count(0)] == b"1"
+    assert store.data[COUNT(0)] == b"1"
     assert not outbox.needs_sync()
 
 
@@ -92,7 +97,7 @@ def test_a_new_store_gets_back_every_kept_write_and_where_the_worker_stands() ->
     outbox.sync(store)
     for step in range(3):
         outbox.put(store, Channels.METRICS, _step(step), step, 5, kind="metrics", order=step)
-    outbox.write(store, Keys.stopped_count(2), "1", kind="stopped_count", op="add")
+    outbox.write(store, COUNT(2), "1", kind="join", op="add")
     outbox.remember(Keys.announce(2), b'{"kind": "announce"}', "announce")
     outbox.put(store, Channels.FAULT, FaultRecord(1.0, "x", "kill"), 5)
     store.away = True
@@ -100,8 +105,8 @@ def test_a_new_store_gets_back_every_kept_write_and_where_the_worker_stands() ->
     store.restart("second")
     assert outbox.sync(store) is True
     assert set(store.data) == {Keys.STORE_INSTANCE, Keys.metrics(0, 5), Keys.metrics(1, 5), Keys.metrics(2, 5),
-                               Keys.stopped_count(2), Keys.announce(2), Keys.resync(5)}  # the fault was not kept
-    assert store.data[Keys.stopped_count(2)] == b"1"  # an add is made once per store
+                               COUNT(2), Keys.announce(2), Keys.resync(5)}  # the fault was not kept
+    assert store.data[COUNT(2)] == b"1"  # an add is made once per store
     assert from_json(WorkerResync, store.data[Keys.resync(5)]) == _status()
     assert outbox.resyncs == 1 and outbox.oldest_record() == 0
 
@@ -141,12 +146,12 @@ def test_a_background_write_does_not_wait_for_the_store_and_later_writes_keep_th
     outbox.put(store, Channels.METRICS, _step(0), 0, 5, kind="metrics", order=0, background=True)  # returns at once
     assert store.entered.wait(10)  # the writer thread is inside the slow write
     # The training thread goes on: its next writes must not overtake the step record.
-    outbox.write(store, Keys.stopped_count(0), "1", kind="stopped_count", op="add")
+    outbox.write(store, COUNT(0), "1", kind="join", op="add")
     outbox.put(store, Channels.FAULT, FaultRecord(1.0, "x", "kill"), 5)
     assert store.log == []
     store.open.set()
     outbox.wait_sent()
-    assert store.log == [Keys.metrics(0, 5), Keys.stopped_count(0), Keys.fault(5)]
+    assert store.log == [Keys.metrics(0, 5), COUNT(0), Keys.fault(5)]
     assert not outbox.needs_sync() and outbox.oldest_record() == 0  # the step record is kept for a new store
     # Nothing queued: a write goes straight through again, and a background one is written by the thread.
     outbox.put(store, Channels.FAULT, FaultRecord(2.0, "y", "kill"), 6)

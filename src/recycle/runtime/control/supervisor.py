@@ -55,7 +55,8 @@ class Supervisor:
     report steps and recoveries."""
 
     # The keys whose writes the loop learns from the store's feed rather than by polling each worker's key.
-    FEED_PREFIXES = (b"metrics/", b"node_metrics/", b"exit/", b"silent/", b"join/", b"ckpt/", b"eval/")
+    FEED_PREFIXES = (b"metrics/", b"node_metrics/", b"stopped/", b"resumed/", b"exit/", b"silent/", b"join/", b"ckpt/",
+                     b"eval/")
 
     def __init__(self, config: Config, plan: Plan, options: LaunchOptions, store: Any, workers: WorkerProcesses,
                  start_step: int, end_step: int, wall0: float, server: StoreServer | None = None,
@@ -109,6 +110,9 @@ class Supervisor:
         # Step records that came in a node launcher's NodeSteps (read on arrival: one read per node and step).
         self.held = HeldSteps()
         self.flagged: set[int] = set()  # remote ranks with an EXITED or SILENT flag written since the last look
+        # Per generation, the ranks whose stop report (not read yet) and whose "resumed" record were written.
+        self.stopped_in: dict[int, set[int]] = {}
+        self.resumed_in: dict[int, set[int]] = {}
         if rebuilt is not None:
             self._adopt(rebuilt)
 
@@ -172,6 +176,10 @@ class Supervisor:
                 self._take_node_steps(*(int(part) for part in rest.split("/")))
             elif kind in ("exit", "silent"):
                 self.flagged.add(int(rest))
+            elif kind in ("stopped", "resumed"):
+                generation, _, rank = rest.partition("/")
+                into = self.stopped_in if kind == "stopped" else self.resumed_in
+                into.setdefault(int(generation), set()).add(int(rank))
 
     def _take_node_steps(self, step: int, node: int, seq: int) -> None:
         """A node launcher's records of `step` that came in since its previous look (each key is written once)."""
@@ -280,11 +288,12 @@ class Supervisor:
         return commands
 
     def _stopped_reports(self, now: float) -> list[Command]:
+        """The stop reports written since the last look (the feed says whose): one read per report."""
         state = self.coordinator.state
-        if self.store.add(Keys.stopped_count(state.generation), 0) == len(state.reports):
-            return []  # nobody new has stopped in this generation
+        self.stopped_in = {g: ranks for g, ranks in self.stopped_in.items() if g >= state.generation}
+        written = self.stopped_in.pop(state.generation, set())
         commands: list[Command] = []
-        for rank in sorted(state.live - set(state.reports) - state.done):
+        for rank in sorted(written & (state.live - set(state.reports) - state.done)):
             report = self.jobs.read(Channels.STOPPED, state.generation, rank)
             if report is not None:
                 commands += self.coordinator.on_stopped(report, now)
@@ -463,9 +472,12 @@ class Supervisor:
         facts = pending.facts
         live = sorted(pending.live)
         generation = facts.generation
-        resumed = tuple(t.time for t in self._records(Channels.RESUMED, generation, live))
-        if facts.redo_step < self.end_step and len(resumed) < len(live) and not final:
+        # Read once every worker's record is in (the feed says whose are), not on every tick.
+        arrived = self.resumed_in.get(generation, set())
+        if facts.redo_step < self.end_step and not arrived.issuperset(live) and not final:
             return
+        resumed = tuple(t.time for t in self._records(Channels.RESUMED, generation, live))
+        self.resumed_in = {g: ranks for g, ranks in self.resumed_in.items() if g > generation}
         self.pending = None
         if not facts.deaths and not facts.joining:
             return  # a drain whose joiner never came in (the run ended first): nothing happened

@@ -125,7 +125,8 @@ class Keys:
 
     @staticmethod
     def stopped(generation: int, rank: int) -> str:
-        return f"gen{generation}/stopped/{rank}"
+        # Not under gen{G}/: the coordinator learns of these from its store's feed, by prefix.
+        return f"stopped/{generation}/{rank}"
 
     @staticmethod
     def respawn(rank: int) -> str:
@@ -153,16 +154,12 @@ class Keys:
         return f"gen{generation}/migration/{rank}"
 
     @staticmethod
-    def stopped_count(generation: int) -> str:
-        return f"gen{generation}/stopped_count"
-
-    @staticmethod
     def joined(generation: int, rank: int) -> str:
         return f"gen{generation}/joined/{rank}"
 
     @staticmethod
     def resumed(generation: int, rank: int) -> str:
-        return f"gen{generation}/resumed/{rank}"
+        return f"resumed/{generation}/{rank}"
 
     @staticmethod
     def process_groups(generation: int) -> str:

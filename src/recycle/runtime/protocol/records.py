@@ -87,7 +87,7 @@ class JoinReady:
 
 @dataclass(frozen=True)
 class Timestamp:
-    """A moment a worker reached (keys genG/joined/RANK and genG/resumed/RANK)."""
+    """A moment a worker reached (keys genG/joined/RANK and resumed/G/RANK)."""
 
     time: float
 

@@ -21,7 +21,7 @@ __all__ = ["Outbox", "KEPT"]
 # How many writes of each kind are kept to be written again to a restarted coordinator's store; a kind not named here
 # is written once and forgotten. 64 step records cover a coordinator that is back within 64 steps; records older than
 # that are reported lost (Outbox.dropped) rather than held without bound.
-KEPT = {"metrics": 64, "checkpointed": 8, "eval": 4, "announce": 1, "stopped": 1, "stopped_count": 1, "join": 1}
+KEPT = {"metrics": 64, "checkpointed": 8, "eval": 4, "announce": 1, "stopped": 1, "join": 1}
 
 
 @dataclass

@@ -789,7 +789,6 @@ class _Worker:
         self.phase = "stopped"
         self.outbox.put(self.store, Channels.STOPPED, report, self.generation, spec.rank, kind="stopped")
         # One key for the coordinator to poll.
-        self.outbox.write(self.store, Keys.stopped_count(self.generation), "1", kind="stopped_count", op="add")
         announcement = self._await_announcement(self.generation + 1)
         if spec.rank not in announcement.live:
             raise _Fenced()
