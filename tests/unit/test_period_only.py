@@ -1,0 +1,78 @@
+"""Replay planning at less cost (issue 27): period_only ends at the first schedule the planner is sure to pick once it
+reaches the lower bound (same period as the full planner), and a key planned without and then with the search reuses
+the rule schedules (the same plan as planned cold)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+import recycle.planner.heuristic as heuristic
+from recycle.config import Config, parse_config
+from recycle.planner.api import clear_cache, period_plan_for_key, plan_for_key
+from recycle.planner.options import PlannerOptions
+
+pytestmark = pytest.mark.timeout(120)
+
+RAW = {
+    "time_unit": "slot",
+    "topology": {"num_replicas": 3, "num_stages": 3},
+    "workload": {"num_microbatches": 3},
+    "costs": {"forward": [2.0, 2.0, 2.5], "backward_input": [2.0, 2.0, 2.5], "backward_weight": [2.0, 2.0, 2.0],
+              "optimizer": 1.0},
+    "memory": {"parameter_bytes": [2_000_000] * 3, "optimizer_state_bytes": [8_000_000] * 3},
+    "communication": {"p2p_bandwidth": 1_000_000.0},
+}
+
+
+def _config() -> Config:
+    return parse_config(json.loads(json.dumps(RAW)), name="period-only")
+
+
+def test_period_only_gives_the_full_planners_period_on_every_key() -> None:
+    config = _config()
+    ended_early = went_on = 0
+    for key in itertools.product(range(3), repeat=3):
+        for options in (PlannerOptions(), PlannerOptions(search=False), PlannerOptions(staggered=False)):
+            clear_cache()
+            quick = period_plan_for_key(config, key, options)
+            clear_cache()
+            full = plan_for_key(config, key, options)
+            assert quick.meta.predicted_period == full.meta.predicted_period, (key, options)
+            if "period_only" in quick.meta.notes:
+                ended_early += 1
+                assert quick.meta.predicted_period == quick.meta.lower_bound
+            else:
+                went_on += 1
+                assert quick.to_dict() == full.to_dict()  # not at the bound: the full planner's own plan
+    assert ended_early > 0 and went_on > 0  # both paths ran
+    clear_cache()
+
+
+def test_the_search_plan_reuses_the_screens_schedules_and_is_the_cold_plan(monkeypatch) -> None:
+    config = _config()
+    # A key the first rule leaves above the bound (found by the test above's fallback path).
+    key = next(k for k in itertools.product(range(3), repeat=3)
+               if _above_bound(config, k))
+    clear_cache()
+    cold = plan_for_key(config, key, PlannerOptions()).to_dict()
+    clear_cache()
+    calls = []
+    real = heuristic.list_schedule
+    monkeypatch.setattr(heuristic, "list_schedule", lambda *a, **k: calls.append(1) or real(*a, **k))
+    plan_for_key(config, key, PlannerOptions(search=False))
+    screen_calls = len(calls)
+    calls.clear()
+    warm = plan_for_key(config, key, PlannerOptions()).to_dict()
+    assert warm == cold
+    assert len(calls) < screen_calls  # the rule schedules were not made again (the search makes its own)
+    clear_cache()
+
+
+def _above_bound(config: Config, key: tuple[int, ...]) -> bool:
+    clear_cache()
+    plan = plan_for_key(config, key, PlannerOptions(search=False))
+    assert plan.meta.predicted_period is not None and plan.meta.lower_bound is not None
+    return plan.meta.predicted_period > plan.meta.lower_bound
