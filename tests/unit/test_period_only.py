@@ -76,3 +76,36 @@ def _above_bound(config: Config, key: tuple[int, ...]) -> bool:
     plan = plan_for_key(config, key, PlannerOptions(search=False))
     assert plan.meta.predicted_period is not None and plan.meta.lower_bound is not None
     return plan.meta.predicted_period > plan.meta.lower_bound
+
+
+def test_a_cold_replay_decides_as_the_full_planner_and_the_warm_replay(tmp_path) -> None:
+    """The replay's cache plans with period_only (some plans end early, some go on) and shares rule schedules; every
+    system's series, samples and goodput, and ReCycle+'s decisions, are those of the path without the cache
+    (plan_for_key's plans) and of the warm replay that reads the stored plans back."""
+    import recycle.traces.repartition as repartition
+    from recycle.traces.experiments import JobSetup, run_job
+    from recycle.traces.generate import parse_generate_spec
+    from recycle.traces.plan_cache import PlanCache
+
+    raw = json.loads(json.dumps(RAW))
+    raw["topology"]["num_replicas"] = 4
+    raw["model"] = {"layers_per_stage": [2, 2, 2]}
+    config = parse_config(raw, name="period-only-replay")
+    trace = parse_generate_spec("poisson:nodes=12,hours=6,mtbf_h=6,repair_h=1,seed=2")
+    systems = ("recycle", "recycle-plus", "fault-scaled")
+
+    def replay(cache):
+        clear_cache()
+        repartition._CHOICES.clear()
+        result = run_job(config, trace, systems, setup=JobSetup(slot_seconds=0.01), plan_cache=cache)
+        runs = {name: (run.series, run.useful_samples, run.goodput) for name, run in result.runs.items()}
+        return runs, result.extra["recycle_plus_policy"]
+
+    old = replay(None)
+    cold = replay(PlanCache(tmp_path / "plans"))
+    notes = [json.loads(p.read_text())["value"].get("meta", {}).get("notes", "")
+             for p in (tmp_path / "plans").glob("*.json")]
+    assert any("period_only" in n for n in notes) and any(n and "period_only" not in n for n in notes)
+    warm = replay(PlanCache(tmp_path / "plans"))
+    assert cold == old == warm
+    clear_cache()
