@@ -43,7 +43,9 @@ def test_period_only_gives_the_full_planners_period_on_every_key() -> None:
             assert quick.meta.predicted_period == full.meta.predicted_period, (key, options)
             if "period_only" in quick.meta.notes:
                 ended_early += 1
-                assert quick.meta.predicted_period == quick.meta.lower_bound
+                # At the bound, or the two schedules the full planner simulates: then its very plan.
+                assert quick.meta.predicted_period == quick.meta.lower_bound or \
+                    _without_notes(quick) == _without_notes(full)
             else:
                 went_on += 1
                 assert quick.to_dict() == full.to_dict()  # not at the bound: the full planner's own plan
@@ -69,6 +71,12 @@ def test_the_search_plan_reuses_the_screens_schedules_and_is_the_cold_plan(monke
     assert warm == cold
     assert len(calls) < screen_calls  # the rule schedules were not made again (the search makes its own)
     clear_cache()
+
+
+def _without_notes(plan) -> dict:
+    data = plan.to_dict()
+    data["meta"] = {k: v for k, v in data["meta"].items() if k != "notes"}
+    return data
 
 
 def _above_bound(config: Config, key: tuple[int, ...]) -> bool:

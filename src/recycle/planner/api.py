@@ -21,8 +21,7 @@ from recycle.planner.settling import settling
 from recycle.sim.simulator import simulate
 
 __all__ = ["SOLVERS", "ROUTINGS", "resolve_memory_cap", "resolve_options", "plan_for_key", "period_plan_for_key",
-           "plan_for_failed",
-           "make_plan", "fault_free_period", "baseline_1f1b_period", "clear_cache"]
+           "plan_for_failed", "make_plan", "fault_free_period", "baseline_1f1b_period", "clear_cache"]
 
 SOLVERS = ("heuristic", "exact")
 _CACHE: dict[tuple, Plan] = {}

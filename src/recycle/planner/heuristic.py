@@ -578,13 +578,14 @@ def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptio
     instances skip the simulation and take the best estimate.
     meta.notes names the winning variant.
 
-    period_only (issue 27: a caller that uses only the period, a trace replay): the first schedule, in the order
-    the rules are tried, whose estimate is at the lower bound is simulated at once; when its period is at the bound
-    too, its plan is returned without trying the other rules. The plan may differ from the full planner's, its
-    period does not: estimates are never below the bound (each is the period of a feasible periodic schedule),
-    ties rank by the order tried, so that schedule ranks first, no search or waiting rule runs and it is among the
-    schedules simulated, and no plan is faster than the bound. Otherwise the planner goes on exactly as without
-    the flag (the same plan).
+    period_only (issue 27: a caller that uses only the period, a trace replay): estimates are never below the
+    lower bound (each is the period of a feasible periodic schedule) and ties rank by the order the rules are
+    tried, so once schedules with an estimate at the bound appear, the first of them rank first, no search or
+    waiting rule runs, and the first _SIMULATED_CANDIDATES of them are the ones simulated. The first is simulated
+    at once: when its period is at the bound too, its plan is returned (possibly another plan than the full
+    planner's; the same period, nothing beats the bound); when the second appears, the plan the full planner
+    would pick from the two is returned. Either way the other rules are not tried. Otherwise the planner goes on
+    exactly as without the flag (the same plan).
     """
     key = check_key(config, key)
     failed = canonical_failed(key)
@@ -625,20 +626,23 @@ def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int,
     simulate_top = _SIMULATED_CANDIDATES if per_iteration <= SIMULATE_ALL_LIMIT else 0
 
     search = options.search and per_iteration <= SEARCH_LIMIT
-    probe = period_only and simulate_top > 0  # the first schedule at the bound may end the planning (see there)
+    probe = period_only and simulate_top > 0  # the first schedules at the bound may end the planning (see there)
     bound = period_lower_bound(config, key, options) if waiting or search or probe else math.inf
     ranked: list[_Candidate] = []
     seen: set[int] = set()
 
+    at_estimate_bound: list[_Candidate] = []  # period_only: the first schedules whose estimate is at the bound
+
     def probed() -> Plan | None:
-        """period_only: the plan of the newest candidate when it is the first at the bound and simulates there."""
-        nonlocal probe
-        if not (probe and ranked[-1].estimate <= bound * (1 + 1e-9)):
+        """period_only: a plan with the full planner's period once the newest candidate settles it, else None."""
+        if not (probe and len(at_estimate_bound) < simulate_top and ranked[-1].estimate <= bound * (1 + 1e-9)):
             return None
-        probe = False  # only the first such schedule is sure to be simulated by the full planner
-        plan = _best_simulated(config, key, failed, options, caps, ranked[-1:])
+        at_estimate_bound.append(ranked[-1])
+        plan = _best_simulated(config, key, failed, options, caps, at_estimate_bound)
         assert plan.meta.predicted_period is not None
-        return plan if plan.meta.predicted_period <= bound else None
+        if plan.meta.predicted_period <= bound or len(at_estimate_bound) == simulate_top:
+            return plan  # at the bound; or the very candidates the full planner simulates: its own plan
+        return None
 
     def rank(rules: Sequence[Variant]) -> Plan | None:
         for r, host in enumerate(routings):
@@ -681,8 +685,8 @@ def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int,
             if len(_RANKED) > _RANKED_LIMIT:
                 _RANKED.popitem(last=False)
     if at_bound is not None:
-        return validate_plan(at_bound.with_meta(notes=f"{at_bound.meta.notes}; at the lower bound, the rules after "
-                                                      "it not tried (period_only)"))
+        return validate_plan(at_bound.with_meta(notes=f"{at_bound.meta.notes}; the rules after the first schedules "
+                                                      "estimated at the lower bound not tried (period_only)"))
     if not ranked:
         raise PlanError("schedule_heuristic needs at least one variant")
     ranked.sort(key=lambda c: (c.estimate, c.order))
