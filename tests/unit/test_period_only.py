@@ -1,6 +1,6 @@
-"""Replay planning at less cost (issue 27): period_only ends at the first schedule the planner is sure to pick once it
-reaches the lower bound (same period as the full planner), and a key planned without and then with the search reuses
-the rule schedules (the same plan as planned cold)."""
+"""Replay planning at less cost (issue 27): period_only ends once the schedules estimated at the lower bound settle the
+full planner's period (the first simulates at the bound, or the first two are the ones it would simulate), and a key
+planned without and then with the search reuses the rule schedules (the same plan as planned cold)."""
 
 from __future__ import annotations
 
@@ -13,18 +13,9 @@ import recycle.planner.heuristic as heuristic
 from recycle.config import Config, parse_config
 from recycle.planner.api import clear_cache, period_plan_for_key, plan_for_key
 from recycle.planner.options import PlannerOptions
+from test_plan_cache import RAW  # the plan cache tests' 3x3 job: two layers per stage, a slower last stage
 
 pytestmark = pytest.mark.timeout(120)
-
-RAW = {
-    "time_unit": "slot",
-    "topology": {"num_replicas": 3, "num_stages": 3},
-    "workload": {"num_microbatches": 3},
-    "costs": {"forward": [2.0, 2.0, 2.5], "backward_input": [2.0, 2.0, 2.5], "backward_weight": [2.0, 2.0, 2.0],
-              "optimizer": 1.0},
-    "memory": {"parameter_bytes": [2_000_000] * 3, "optimizer_state_bytes": [8_000_000] * 3},
-    "communication": {"p2p_bandwidth": 1_000_000.0},
-}
 
 
 def _config() -> Config:
@@ -97,7 +88,6 @@ def test_a_cold_replay_decides_as_the_full_planner_and_the_warm_replay(tmp_path)
 
     raw = json.loads(json.dumps(RAW))
     raw["topology"]["num_replicas"] = 4
-    raw["model"] = {"layers_per_stage": [2, 2, 2]}
     config = parse_config(raw, name="period-only-replay")
     trace = parse_generate_spec("poisson:nodes=12,hours=6,mtbf_h=6,repair_h=1,seed=2")
     systems = ("recycle", "recycle-plus", "fault-scaled")
