@@ -100,7 +100,7 @@ class PlanCache:
                  progress: Callable[[str], None] | None = None, progress_every: int = 20,
                  period_only: bool = True) -> None:
         self.root = Path(root) if root is not None else None
-        # Plans made with `period_plan_for_key` (the full planner's period, sooner where a rule reaches the bound);
+        # Plans made with `period_plan_for_key` (the full planner's period, sooner where schedules reach the bound);
         # False: `plan_for_key`'s own plans (benchmarks/bench_replay.py times the two).
         self.period_only = period_only
         self.code = code if code is not None else code_version()
@@ -201,8 +201,8 @@ class PlanCache:
                 self._reject(name, str(exc))
         if value is None:
             self._planned()
-            # Only the period is used: where the first rule reaches the lower bound its plan has the full planner's
-            # period at a fraction of the cost (period_plan_for_key).
+            # Only the period is used: where the schedules estimated at the lower bound settle it, planning stops
+            # there, with the full planner's period (period_plan_for_key).
             plan = period_plan_for_key(config, key, options) if solver == "heuristic" and self.period_only else \
                 plan_for_key(config, key, options, solver, time_limit_s)
             assert plan.meta.predicted_period is not None
