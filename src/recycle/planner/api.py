@@ -13,15 +13,15 @@ from recycle.ir.compact import CompactActions
 from recycle.ir.plan import Plan
 from recycle.planner.bounds import period_lower_bound
 from recycle.planner.failures import canonical_failed, normalize
-from recycle.planner.heuristic import schedule_failed, schedule_heuristic
+from recycle.planner.heuristic import clear_schedules, schedule_failed, schedule_heuristic
 from recycle.planner.memory_cap import memory_cap, resolve_memory_cap
 from recycle.planner.options import PlannerOptions
 from recycle.planner.routing import check_key, traffic
 from recycle.planner.settling import settling
 from recycle.sim.simulator import simulate
 
-__all__ = ["SOLVERS", "ROUTINGS", "resolve_memory_cap", "resolve_options", "plan_for_key", "plan_for_failed",
-           "make_plan", "fault_free_period", "baseline_1f1b_period", "clear_cache"]
+__all__ = ["SOLVERS", "ROUTINGS", "resolve_memory_cap", "resolve_options", "plan_for_key", "period_plan_for_key",
+           "plan_for_failed", "make_plan", "fault_free_period", "baseline_1f1b_period", "clear_cache"]
 
 SOLVERS = ("heuristic", "exact")
 _CACHE: dict[tuple, Plan] = {}
@@ -67,8 +67,10 @@ def _with_note(notes: str, note: str) -> str:
 
 
 def clear_cache() -> None:
-    """Forget the plans cached in this process (tests and benchmarks use it to time cold planning)."""
+    """Forget the plans (and the rule schedules behind them) cached in this process (tests and benchmarks use it
+    to time cold planning)."""
     _CACHE.clear()
+    clear_schedules()
 
 
 def _schedule_exact(config: Config, key: tuple[int, ...], options: PlannerOptions, time_limit_s: float,
@@ -92,8 +94,7 @@ def plan_for_key(config: Config, key: Sequence[int], options: PlannerOptions = P
         raise PlanError(f"time limit {time_limit_s} s must be positive; pass e.g. --time-limit 10")
     key = check_key(config, key)
     options = resolve_options(config, options)
-    fingerprint = config.fingerprint()
-    cache_key = (fingerprint, key, options, solver, float(time_limit_s) if solver == "exact" else 0.0)
+    cache_key = (config.fingerprint(), key, options, solver, float(time_limit_s) if solver == "exact" else 0.0)
     cached = _CACHE.get(cache_key)
     if cached is not None:
         return cached
@@ -117,17 +118,48 @@ def plan_for_key(config: Config, key: Sequence[int], options: PlannerOptions = P
         theirs = exact.meta.lower_bound
         if theirs is not None and theirs <= period + 1e-9:  # only a bound on this same simulated period
             lower_bound = max(lower_bound, theirs)
+    plan = _key_meta(plan, config, key, options, solver, period, makespan, lower_bound, notes)
+    _remember(cache_key, plan)
+    return plan
+
+
+def _key_meta(plan: Plan, config: Config, key: tuple[int, ...], options: PlannerOptions, solver: str, period: float,
+              makespan: float, lower_bound: float, notes: str) -> Plan:
+    """plan_for_key's meta: the simulated figures, the bound, the options' caps and the config's fingerprint."""
     if period < lower_bound <= period * (1 + 1e-9):
         lower_bound = period  # the same sum added in another order: float noise, not a broken bound
-    plan = plan.with_meta(
+    return plan.with_meta(
         schedule="adaptive", decoupled=options.decoupled, failure_key=key,
         solver=plan.meta.solver or solver, status=plan.meta.status or "FEASIBLE",
         predicted_period=period, predicted_makespan=makespan, lower_bound=lower_bound,
-        memory_cap=options.memory_cap or (), config_fingerprint=fingerprint, notes=notes,
+        memory_cap=options.memory_cap or (), config_fingerprint=config.fingerprint(), notes=notes,
     )
+
+
+def _remember(cache_key: tuple, plan: Plan) -> None:
     if len(_CACHE) >= _CACHE_LIMIT:
         _CACHE.pop(next(iter(_CACHE)))  # oldest first
     _CACHE[cache_key] = plan
+
+
+@_collector_paused()
+def period_plan_for_key(config: Config, key: Sequence[int], options: PlannerOptions = PlannerOptions()) -> Plan:
+    """A heuristic plan for `key` with `plan_for_key(config, key, options)`'s simulated period, made at less cost
+    where it can be: `schedule_heuristic(..., period_only=True)` ends as soon as a schedule it is sure to pick
+    reaches the lower bound (the plan may then be another one of the same period). For callers that use only the
+    period: trace replays (issue 27). Cached like plan_for_key; a plan_for_key result already cached serves."""
+    key = check_key(config, key)
+    options = resolve_options(config, options)
+    full_key = (config.fingerprint(), key, options, "heuristic", 0.0)
+    cache_key = (config.fingerprint(), key, options, "period-only")
+    cached = _CACHE.get(full_key) or _CACHE.get(cache_key)
+    if cached is not None:
+        return cached
+    plan = schedule_heuristic(config, key, options, period_only=True)
+    period, makespan, settling_note = _period_makespan(plan, config)
+    plan = _key_meta(plan, config, key, options, "heuristic", period, makespan,
+                     period_lower_bound(config, key, options), _with_note(plan.meta.notes, settling_note))
+    _remember(cache_key, plan)
     return plan
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, replace
 from enum import Enum
 from functools import cached_property
@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # numpy loads only when a large plan is scheduled (CLI start-
     from recycle.planner.vector_schedule import CompactSchedule
 
 __all__ = ["Variant", "VARIANTS", "Order", "order_of", "schedule_heuristic", "schedule_failed", "list_schedule",
-           "SIMULATE_ALL_LIMIT", "VECTOR_MIN_ACTIONS"]
+           "clear_schedules", "SIMULATE_ALL_LIMIT", "VECTOR_MIN_ACTIONS"]
 
 # Up to this many actions per iteration the best candidates are simulated and the best simulated period wins; above
 # it the list schedule's own period estimate decides (simulating 100k actions costs ~0.6 s each).
@@ -566,7 +566,7 @@ def _to_actions(config: Config, timed: _Timed, host: Sequence[Sequence[int]], de
 
 
 def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptions = PlannerOptions(),
-                       variants: Sequence[Variant] = VARIANTS) -> Plan:
+                       variants: Sequence[Variant] = VARIANTS, period_only: bool = False) -> Plan:
     """A validated plan for the canonical layout of `key` (failed = replicas 0..k_s-1 of stage s).
 
     Every variant (plus, for small instances, RANDOM_RESTARTS random-priority ones) is list-scheduled on each
@@ -577,13 +577,22 @@ def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptio
     the best simulated period wins (ties: lower peak activations, then the earlier candidate). Very large
     instances skip the simulation and take the best estimate.
     meta.notes names the winning variant.
+
+    period_only (issue 27: a caller that uses only the period, a trace replay): estimates are never below the
+    lower bound (each is the period of a feasible periodic schedule) and ties rank by the order the rules are
+    tried, so once schedules with an estimate at the bound appear, the first of them rank first, no search or
+    waiting rule runs, and the first _SIMULATED_CANDIDATES of them are the ones simulated. The first is simulated
+    at once: when its period is at the bound too, its plan is returned (possibly another plan than the full
+    planner's; the same period, nothing beats the bound); when the second appears, the plan the full planner
+    would pick from the two is returned. Either way the other rules are not tried. Otherwise the planner goes on
+    exactly as without the flag (the same plan).
     """
     key = check_key(config, key)
     failed = canonical_failed(key)
     small = (3 if options.decoupled else 2) * config.num_replicas * config.num_microbatches * config.num_stages \
         <= _RANDOM_RESTART_LIMIT
     routings = routing_candidates(config, key) if small else (balanced_routing(config, key),)
-    return _schedule(config, key, failed, routings, options, variants)
+    return _schedule(config, key, failed, routings, options, variants, period_only)
 
 
 def schedule_failed(config: Config, failed: Iterable[tuple[int, int]], options: PlannerOptions = PlannerOptions(),
@@ -603,8 +612,8 @@ def schedule_failed(config: Config, failed: Iterable[tuple[int, int]], options: 
 
 
 def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, int]],
-              routings: Sequence[tuple[tuple[int, ...], ...]], options: PlannerOptions, variants: Sequence[Variant]
-              ) -> Plan:
+              routings: Sequence[tuple[tuple[int, ...], ...]], options: PlannerOptions, variants: Sequence[Variant],
+              period_only: bool = False) -> Plan:
     """schedule_heuristic's body for any failure set and routing candidates (see there)."""
     D, S, M = config.num_replicas, config.num_stages, config.num_microbatches
     caps = memory_cap(config, options)
@@ -615,12 +624,27 @@ def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int,
     elif waiting:
         variants = (*variants, *(Variant(f"random-{seed}", seed=seed) for seed in range(RANDOM_RESTARTS)))
     simulate_top = _SIMULATED_CANDIDATES if per_iteration <= SIMULATE_ALL_LIMIT else 0
-    fingerprint = config.fingerprint()
 
+    search = options.search and per_iteration <= SEARCH_LIMIT
+    probe = period_only and simulate_top > 0  # the first schedules at the bound may end the planning (see there)
+    bound = period_lower_bound(config, key, options) if waiting or search or probe else math.inf
     ranked: list[_Candidate] = []
     seen: set[int] = set()
 
-    def rank(rules: Sequence[Variant]) -> None:
+    at_estimate_bound: list[_Candidate] = []  # period_only: the first schedules whose estimate is at the bound
+
+    def probed() -> Plan | None:
+        """period_only: a plan with the full planner's period once the newest candidate settles it, else None."""
+        if not (probe and len(at_estimate_bound) < simulate_top and ranked[-1].estimate <= bound * (1 + 1e-9)):
+            return None
+        at_estimate_bound.append(ranked[-1])
+        plan = _best_simulated(config, key, failed, options, caps, at_estimate_bound)
+        assert plan.meta.predicted_period is not None
+        if plan.meta.predicted_period <= bound or len(at_estimate_bound) == simulate_top:
+            return plan  # at the bound; or the very candidates the full planner simulates: its own plan
+        return None
+
+    def rank(rules: Sequence[Variant]) -> Plan | None:
         for r, host in enumerate(routings):
             for variant in rules:
                 if r and variant.seed is not None:
@@ -628,18 +652,44 @@ def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int,
                 timed = list_schedule(config, key, host, options.decoupled, options.staggered, caps, variant)
                 if len(variants) * len(routings) == 1:  # nothing to de-duplicate (large instances: skip the hash)
                     ranked.append(_Candidate(timed.estimate, 0, variant.name, host, timed))
-                    continue
-                signature = hash((timed.entries, host))
-                if signature not in seen:  # several rules often produce the same schedule
+                else:
+                    signature = hash((timed.entries, host))
+                    if signature in seen:  # several rules often produce the same schedule
+                        continue
                     seen.add(signature)
                     ranked.append(_Candidate(timed.estimate, len(ranked), variant.name, host, timed))
+                found = probed()
+                if found is not None:
+                    return found
+        return None
 
-    rank(variants)
+    # The rule schedules depend on neither options.search nor period_only: a replay plans a key without the search
+    # (ReCycle+'s partition screen) and with it, and the second plan reuses the first's schedules (_RANKED).
+    shared = (config.fingerprint(), key, failed, tuple(routings), options.decoupled, options.staggered,
+              tuple(caps) if caps is not None else None, tuple(variants))
+    reused = _RANKED.get(shared)
+    if reused is not None:
+        _RANKED.move_to_end(shared)
+        at_bound = None
+        for candidate in reused[0]:
+            ranked.append(candidate)
+            at_bound = probed()
+            if at_bound is not None:
+                break
+        ranked[:] = reused[0]
+        seen = set(reused[1])
+    else:
+        at_bound = rank(variants)
+        if at_bound is None:
+            _RANKED[shared] = (tuple(ranked), frozenset(seen))
+            if len(_RANKED) > _RANKED_LIMIT:
+                _RANKED.popitem(last=False)
+    if at_bound is not None:
+        return validate_plan(at_bound.with_meta(notes=f"{at_bound.meta.notes}; the rules after the first schedules "
+                                                      "estimated at the lower bound not tried (period_only)"))
     if not ranked:
         raise PlanError("schedule_heuristic needs at least one variant")
     ranked.sort(key=lambda c: (c.estimate, c.order))
-    search = options.search and per_iteration <= SEARCH_LIMIT
-    bound = period_lower_bound(config, key, options) if waiting or search else math.inf
     if search:
         if ranked[0].estimate > bound * (1 + 1e-9):
             budget = WorkBudget(search_work(per_iteration))
@@ -652,31 +702,42 @@ def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int,
         rank(WAITING_VARIANTS)
         ranked.sort(key=lambda c: (c.estimate, c.order))
 
-    def build(candidate: _Candidate, merge: bool) -> Plan:
-        actions = _to_actions(config, candidate.timed, candidate.host, options.decoupled, merge)
-        return Plan(D, S, M, candidate.host, actions, failed, options.staggered, PlanMeta(
-            schedule="adaptive", decoupled=options.decoupled, failure_key=key, solver="heuristic",
-            status="HEURISTIC", memory_cap=caps or (), config_fingerprint=fingerprint,
-            notes=f"heuristic variant {candidate.name}{'' if merge else ' (no B/W fusion)'}"))
-
     if simulate_top == 0:
         # Not re-validated: the list schedule that produced it already executed exactly these dependencies and
         # counts (it raises on a stall), and _to_actions only fuses adjacent B;W pairs; validate_plan would add
         # ~40 % at D=64, S=16, M=128. tests/unit/test_planner_heuristic.py validates plans from this path.
-        return build(ranked[0], merge=True)
+        return _build(config, key, failed, options, caps, ranked[0], merge=True)
+    return validate_plan(_best_simulated(config, key, failed, options, caps, ranked[:simulate_top]))
+
+
+def _build(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, int]], options: PlannerOptions,
+           caps: Sequence[int] | None, candidate: _Candidate, merge: bool) -> Plan:
+    """The plan of a ranked list schedule (with `merge`: B;W pairs fused where that gains nothing split)."""
+    actions = _to_actions(config, candidate.timed, candidate.host, options.decoupled, merge)
+    return Plan(config.num_replicas, config.num_stages, config.num_microbatches, candidate.host, actions, failed,
+                options.staggered, PlanMeta(
+                    schedule="adaptive", decoupled=options.decoupled, failure_key=key, solver="heuristic",
+                    status="HEURISTIC", memory_cap=caps or (), config_fingerprint=config.fingerprint(),
+                    notes=f"heuristic variant {candidate.name}{'' if merge else ' (no B/W fusion)'}"))
+
+
+def _best_simulated(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, int]],
+                    options: PlannerOptions, caps: Sequence[int] | None, candidates: Sequence[_Candidate]) -> Plan:
+    """The candidate plan (each with and, when decoupled, without B/W fusion) with the best simulated period, its
+    predicted period and makespan filled in."""
     best: tuple[tuple, Plan] | None = None
-    for candidate in ranked[:simulate_top]:
+    for candidate in candidates:
         for merge in ((True, False) if options.decoupled else (True,)):
-            plan = build(candidate, merge)
+            plan = _build(config, key, failed, options, caps, candidate, merge)
             result = simulate(plan, config)
             # Ranked by the mean period over whole cycles (a plan whose iteration times alternate is not credited
-            # with the simulator's average over an odd number of them), then settled plans first.
+            # with a mean over part of a cycle), then settled plans first.
             settled = settling(result)
             score = (settled.period, settled.cycle != 1, max(result.peak_activations), candidate.order, not merge)
             if best is None or score < best[0]:
                 best = (score, plan.with_meta(predicted_period=settled.period, predicted_makespan=result.makespan))
     assert best is not None
-    return validate_plan(best[1])
+    return best[1]
 
 
 @dataclass(frozen=True)
@@ -688,6 +749,18 @@ class _Candidate:
     name: str
     host: tuple[tuple[int, ...], ...]
     timed: _Timed
+
+
+# The rule schedules of the last few plans (per config, key, failure set, routings, options but the search, caps and
+# rules), reused by a plan of the same inputs: a replay plans each key of ReCycle+'s partition screen twice, without
+# and with the search. A few entries cover one partition search; each holds ~50 schedules (a few MB at D=20).
+_RANKED: OrderedDict[tuple, tuple[tuple[_Candidate, ...], frozenset[int]]] = OrderedDict()
+_RANKED_LIMIT = 12
+
+
+def clear_schedules() -> None:
+    """Forget the rule schedules kept for reuse (planner.api.clear_cache: cold planning in tests and benchmarks)."""
+    _RANKED.clear()
 
 
 def _search(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, int]], options: PlannerOptions,

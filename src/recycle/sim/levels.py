@@ -12,7 +12,7 @@ from recycle.ir.actions import Kind
 from recycle.ir.compact import KIND_CODES, CompactActions
 from recycle.ir.costs import action_duration
 from recycle.ir.dependencies import input_stage_table
-from recycle.sim.convergence import LEVEL_TIMER_MIN_ACTIONS, MAX_ITERATIONS, converged
+from recycle.sim.convergence import LEVEL_TIMER_MIN_ACTIONS, MAX_ITERATIONS, converged, settled_period
 
 __all__ = ["LevelTimer", "build_level_timer", "flat_dependencies", "time_compact"]
 
@@ -309,6 +309,5 @@ def time_compact(config: Config, actions: CompactActions, failed: AbstractSet[tu
         makespans.append(float(max((max(end[b] for _, b in group) - min(start[a] for a, _ in group)
                                     for group in spans.values()), default=0.0)))
         if converged(starts):
-            return starts[-1] - starts[-2], makespans[-1]
-    half = len(starts) // 2
-    return (starts[-1] - starts[half]) / (len(starts) - 1 - half), makespans[-1]
+            break
+    return settled_period(starts), makespans[-1]

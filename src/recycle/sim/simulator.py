@@ -16,7 +16,7 @@ from recycle.ir.costs import action_duration
 from recycle.ir.dependencies import boundary, input_stage_table
 from recycle.ir.plan import Plan
 from recycle.ir.validate import check_plan_matches, format_grid
-from recycle.sim.convergence import LEVEL_TIMER_MIN_ACTIONS, MAX_ITERATIONS
+from recycle.sim.convergence import LEVEL_TIMER_MIN_ACTIONS, MAX_ITERATIONS, settled_period
 from recycle.sim.convergence import converged as _converged
 
 if TYPE_CHECKING:  # numpy is imported only for large plans
@@ -198,8 +198,9 @@ def simulate(plan: Plan, config: Config, iterations: int | None = None, record: 
     """Run back-to-back iterations of the plan and measure them.
 
     `iterations=None` (the default) runs until the schedule is periodic (three equal gaps between iteration starts;
-    staggered plans can take several iterations to settle) or MAX_ITERATIONS, and the period is the last gap (the
-    mean of the last half of the gaps if it never settled). A fixed `iterations` runs exactly that many.
+    staggered plans can take several iterations to settle) or MAX_ITERATIONS, and the period is the last gap, or
+    when the iteration times never became equal the mean over their last whole cycle (`convergence.settled_period`;
+    the mean of the last half of the gaps if no cycle shows). A fixed `iterations` runs exactly that many.
 
     Each worker runs its list in order; an action starts when its worker is free and its inputs have arrived
     (producer end + p2p latency + bytes / bandwidth when producer and consumer differ). OPT waits for the whole
@@ -377,11 +378,8 @@ class _Run:
 def _period(starts: list[float], adaptive: bool, free: list[float], live: list[int]) -> float:
     """The steady-state period from the iteration starts (see simulate)."""
     iterations = len(starts)
-    if adaptive and _converged(starts):
-        return starts[-1] - starts[-2]
     if adaptive:
-        half = len(starts) // 2
-        return (starts[-1] - starts[half]) / (len(starts) - 1 - half)
+        return settled_period(starts)
     if iterations >= 3:
         return (starts[-1] - starts[1]) / (iterations - 2)
     if iterations == 2:
