@@ -283,7 +283,7 @@ def _scripted_faults(specs: list[str],
             worker, step = parse_rejoin(spec, topology.num_replicas, topology.num_stages)
             rejoins.append((topology.rank(*worker), step))
         else:
-            worker, fault = parse_fault(spec, topology.num_replicas, topology.num_stages)
+            worker, fault = parse_fault(spec, topology.num_replicas, topology.num_stages, topology.gpus_per_worker)
             faults.append((topology.rank(*worker), fault))
     return faults, rejoins
 

@@ -79,6 +79,7 @@ class ResumePoint:
 def check_launch(config: Config, options: LaunchOptions, end: int) -> int:
     """Everything a launch can check before spawning a worker beyond the options' own ranges; returns the step to
     start from (0 or the intact checkpoint's). Prints which checkpoint is used and any warnings."""
+    check_tensor_parallel_launch(config, options)
     check_save_target(options)
     check_export_model(config, options)
     optimizer_class(config.training)  # an unknown optimizer or argument fails here, not in every worker
@@ -106,6 +107,22 @@ def check_launch(config: Config, options: LaunchOptions, end: int) -> int:
         atomic_write_text(Path(ckpt.dir) / checkpoint.RUN_FILE,
                           _dumps(run_fingerprint(config, options.model_factory)), follow=False)
     return start
+
+
+def check_tensor_parallel_launch(config: Config, options: LaunchOptions) -> None:
+    """With T > 1 ranks per worker, refuse what a tensor-parallel worker does not do yet: each message names the
+    limitation and the way around it (docs/runtime.md, "Tensor parallel inside a worker")."""
+    T = config.topology.gpus_per_worker
+    if T == 1:
+        return
+    rule = f"[topology] gpus_per_worker = {T} (tensor parallel inside a worker)"
+    ckpt, faults = options.checkpoint, options.faults
+    if ckpt.dir or ckpt.resume_dir:
+        raise ConfigError(f"{rule} does not write or resume checkpoints yet (--checkpoint-dir / --resume); train "
+                          "with gpus_per_worker = 1 for checkpointed runs, or leave the checkpoint flags out")
+    if faults.rejoins or faults.respawn_after_s is not None or faults.chaos is not None:
+        raise ConfigError(f"{rule} does not re-join a failed worker yet (rejoin:, --respawn-after, --chaos): a "
+                          "failed worker stays down and its micro-batches stay re-routed; leave those flags out")
 
 
 def check_export_model(config: Config, options: LaunchOptions) -> None:

@@ -25,6 +25,7 @@ from recycle.ir import Action, Plan
 from recycle.ir.completion import Completion
 from recycle.ir.worker import Worker
 from recycle.models.gpt import GPTStage
+from recycle.models.tensor_parallel import local_tensor, parallelize_gpt_stage, whole_state_dict
 from recycle.runtime.options import (Backend, CheckpointOptions, ClusterOptions, DebugOptions, OutputOptions,
                                      RecoveryOptions)
 from recycle.runtime.protocol.channels import Channels, Flags, JobStore, Keys, connect_store, worker_identity
@@ -46,8 +47,9 @@ from recycle.runtime.worker.emulate import cost_pacer
 from recycle.runtime.worker.evaluation import evaluate
 from recycle.runtime.worker.executor import StageExecutor
 from recycle.runtime.worker.nccl_env import prepare_nccl
-from recycle.runtime.worker.outbox import Outbox
+from recycle.runtime.worker.outbox import Outbox, SilentOutbox
 from recycle.runtime.worker.stage import build_stage, tied_stages
+from recycle.runtime.worker.tensor_parallel import bind_mesh, check_worker_features, tp_degree, worker_mesh
 from recycle.runtime.worker.title import set_process_title
 from recycle.runtime.worker.transport import Activity, GenerationCut, Transport, is_comm_error
 
@@ -78,6 +80,11 @@ class WorkerSpec:
     # beats there, and its launcher tells the coordinator only about silent or hung workers (0: beat to the job's).
     node_store_port: int = 0
     joiner_dies_at: str = ""  # tests only: RECYCLE_TEST_JOINER_DIES as the launcher saw it (see _joiner_dies_here)
+    tp_rank: int = 0  # this process among its worker's [topology] gpus_per_worker tensor-parallel ranks
+
+    @property
+    def tp_degree(self) -> int:
+        return tp_degree(self.config)
 
     @property
     def backend(self) -> Backend:
@@ -90,11 +97,12 @@ class GenerationAborted(Exception):
 
 
 def parameter_digest(module: torch.nn.Module) -> str:
-    """SHA-256 of the parameters' bytes: equal digests mean bit-identical replicas."""
+    """SHA-256 of the parameters' bytes: equal digests mean bit-identical replicas (with tensor parallelism, of this
+    rank's shards: replicas compare rank by rank)."""
     digest = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(local_tensor(tensor).detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -165,6 +173,9 @@ class _Watcher(threading.Thread):
         # back) must not silence a live worker in its launcher's eyes.
         port = spec.node_store_port
         self.beats_apart = bool(port)
+        # A worker beats through its TP rank 0 (one heartbeat per worker): the others' liveness is their launcher's
+        # process watch (any rank's death ends the worker) and the TP collectives (a frozen rank stalls rank 0).
+        self.beating = spec.tp_rank == 0
         self.beats_to = JobStore(connect_store("127.0.0.1", port, spec.cluster.token,
                                                worker_identity(spec.rank, spec.incarnation), 30.0)
                                  if port else self.store)
@@ -191,6 +202,8 @@ class _Watcher(threading.Thread):
         return watched
 
     def _beat(self) -> None:
+        if not self.beating:
+            return
         self.beats += 1
         self.beats_to.put(Channels.HEARTBEAT, Beat(self.beats, self.activity.actions, self.activity.phase,
                                                    self.incarnation), self.rank)
@@ -207,7 +220,7 @@ class _Watcher(threading.Thread):
             time.sleep(self.interval_s)
 
     def run(self) -> None:
-        if self.beats_apart:
+        if self.beats_apart and self.beating:
             threading.Thread(target=self._beat_forever, daemon=True, name="recycle-beat").start()
         next_beat = 0.0
         while True:
@@ -255,7 +268,8 @@ def worker_main(spec: WorkerSpec, launcher_alive: Connection | None = None) -> N
     """Process entry point; exits non-zero after writing an error record to the store if anything fails."""
     torch.set_num_threads(1)
     # Before gloo's threads exist, which inherit it: ps, top and /proc name every thread of worker 1:1 'recycle 1:1'.
-    set_process_title(f"recycle {Worker(*divmod(spec.rank, spec.config.num_stages))}")
+    worker = Worker(*divmod(spec.rank, spec.config.num_stages))
+    set_process_title(f"recycle {worker}" + (f" tp{spec.tp_rank}" if spec.tp_degree > 1 else ""))
     _thread_lock_for_progress_bars()
     if spec.backend == "gloo" and spec.cluster.master_addr in ("127.0.0.1", "localhost", "::1"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # single machine: keep gloo on loopback
@@ -340,7 +354,14 @@ class _Worker:
         if fixed_split and self.plan.partition:
             raise ConfigError(f"the plan re-partitions layers ({list(self.plan.partition)} per stage), which only the "
                               "built-in GPT supports; run a plan without a partition with --model-factory / --hf")
+        check_worker_features(config, spec.model_factory, bool(self.plan.partition))
         built = build_stage(config, self.stage, spec.model_factory, self.bounds)
+        # Tensor parallelism: the stage is sharded before its optimizer exists (which holds its parameters), over a
+        # mesh that each generation binds to its group of this worker's ranks (worker.tensor_parallel).
+        self.mesh = worker_mesh(spec.tp_degree, spec.tp_rank) if spec.tp_degree > 1 else None
+        if self.mesh is not None:
+            assert isinstance(built.module, GPTStage), "check_worker_features admits the built-in GPT only"
+            parallelize_gpt_stage(built.module, self.mesh)
         self.built = built
         self.tied_stages = tied_stages(config, spec.model_factory)  # every worker forms their group
         self.layers = built.layout
@@ -358,7 +379,7 @@ class _Worker:
             if training.eval_every and self.stage in (0, config.num_stages - 1) else None
         self.activity = Activity()
         self.phase = "admitting" if spec.joining else "training"  # where it stands, for a restarted coordinator
-        self.outbox = Outbox(spec.rank, self._resync_status)
+        self.outbox = Outbox(spec.rank, self._resync_status) if spec.tp_rank == 0 else SilentOutbox(spec.rank)
         self.heartbeat = _Watcher(spec, self.activity, self._abort_generation, hooks.connect, self.outbox)
         self._transport_lock = threading.Lock()
         self._store_peers = _store_peers(spec.cluster.master_addr, spec.cluster.master_port)
@@ -398,8 +419,13 @@ class _Worker:
         while True:
             try:
                 if step >= spec.end_step and self.generation > 0:
-                    # A failure in the final barrier: every step is applied everywhere; nothing left to run together.
-                    self._save_final()
+                    # A failure in the final barrier: every step is applied everywhere; nothing left to run together
+                    # but a tensor-parallel stage's gather, which needs this generation's groups.
+                    if self.mesh is not None:
+                        self._join()
+                        self._finish()
+                    else:
+                        self._save_final()
                     self._leave()
                     return
                 self._join()
@@ -439,14 +465,17 @@ class _Worker:
             raise GenerationAborted(f"generation {generation} was aborted before it formed")
         stage_ranks = {s: [self.plan.rank(p, s) for p in self.plan.live_replicas(s)]
                        for s in range(self.plan.num_stages)}
+        tensor_parallel = {"tp_rank": self.spec.tp_rank, "tp_degree": self.spec.tp_degree} if self.mesh else {}
         transport = self.hooks.transport(self.store, generation, self.spec.rank, self.plan.live_ranks(), stage_ranks,
                                          self.spec.recovery.timeout_s, self.spec.backend, self.device, self.activity,
-                                         self._store_peers, tied_stages=self.tied_stages)
+                                         self._store_peers, tied_stages=self.tied_stages, **tensor_parallel)
         with self._transport_lock:
             self.transport = transport
         if self.heartbeat.aborted >= generation:
             transport.abort()  # the watcher saw the abort before this transport existed
         transport.form()
+        if self.mesh is not None:
+            bind_mesh(self.mesh, transport.groups.tp_group)
         if self.spec.joining and self.announcement is not None and self.spec.rank in self.announcement.joining:
             _joiner_dies_here(self.spec.joiner_dies_at, "formed")
         self.outbox.put(self.store, Channels.JOINED, Joined(time.time(), transport.formation_s, "init"), generation,
@@ -612,7 +641,8 @@ class _Worker:
                              grad_clip=config.training.grad_clip, seed=config.training.seed, device=self.device,
                              record_timings=self.spec.debug.record_timings, before_action=self._before_action,
                              precision=config.training.dtype, loss_fn=built.loss_fn, pacing=pacing,
-                             position=self.position)
+                             position=self.position, tp_rank=self.spec.tp_rank,
+                             tp_allreduce=(lambda t: self._transport().tp_allreduce_sum(t)) if self.mesh else None)
 
     def _starting_work(self) -> None:
         """Before each action and each evaluation forward: count it for the heartbeat, stop if the generation was
@@ -718,8 +748,11 @@ class _Worker:
         """The --save / --export-hf part of this stage, and every checkpoint on disk (and reported) before the worker
         leaves."""
         if self._is_writer() and self.spec.outputs.parts_path:
-            checkpoint.atomic_torch_save({k: v.detach().cpu() for k, v in self.state.module.state_dict().items()},
-                                         checkpoint.part_file(self.spec.outputs.parts_path, self.stage))
+            # A tensor-parallel stage is gathered whole (a collective of the worker's ranks); its rank 0 writes it.
+            state = self.state.module.state_dict() if self.mesh is None else whole_state_dict(self.state.module)
+            if self.spec.tp_rank == 0:
+                checkpoint.atomic_torch_save({k: v.detach().cpu() for k, v in state.items()},
+                                             checkpoint.part_file(self.spec.outputs.parts_path, self.stage))
         if self.writer is not None:
             self.writer.wait()
 
