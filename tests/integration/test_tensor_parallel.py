@@ -4,6 +4,7 @@ SIGKILLed mid-step."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 from dataclasses import replace
 
 import pytest
@@ -57,3 +58,36 @@ def test_fault_free_1f1b_d2_s2_t2_matches_reference(tiny_config, tmp_path) -> No
     for metrics in result.steps:  # the TP rank 0 shards of both replicas of a stage stay bit-identical
         for s in range(2):
             assert metrics.digests[f"0:{s}"] == metrics.digests[f"1:{s}"]
+
+
+def test_worker_down_adaptive_plan_d2_s2_t2_matches_reference(tiny_config, tmp_path) -> None:
+    """--down 1:1 with T=2: stage 1's micro-batches of pipeline 1 run on worker 0:1's two TP ranks."""
+    from recycle.planner.api import make_plan  # the test may use the planner; the runtime never does
+    from recycle.planner.options import PlannerOptions
+
+    config = with_tp(tiny_config(seed=11), 2)
+    plan = make_plan(config, frozenset({(1, 1)}), options=PlannerOptions(decoupled=True, staggered=True),
+                     solver="heuristic")
+    assert plan.failed == {(1, 1)} and not plan.actions[plan.rank(1, 1)]
+    check(config, plan, tmp_path)
+
+
+def test_sigkill_of_one_tp_rank_fences_the_whole_worker_and_the_run_is_exact(tiny_config, tmp_path) -> None:
+    """TP rank 1 of worker 1:1 is SIGKILLed at its first backward of step 2 (1F1B: a fused BW): its TP rank 0 is fenced with it, the
+    plan re-routes the worker's micro-batches, and the run ends exact."""
+    from recycle.planner.options import PlannerOptions
+    from recycle.planner.provider import PlanLibrary
+
+    config = with_tp(tiny_config(seed=5, steps=3), 2)
+    plan = build_schedule(config, "1f1b")
+    index = next(i for i, a in enumerate(plan.actions[plan.rank(1, 1)]) if a.kind.name in ("B", "BW"))
+    worker, fault = parse_fault(f"kill:1:1:1@2.{index}", 2, 2, tp_degree=2)
+    assert fault.tp_rank == 1
+    library = PlanLibrary.build(config, PlannerOptions(), max_failures=1)
+    result = check(config, plan, tmp_path, faults=FaultOptions(injections=((plan.rank(*worker), fault),)),
+                   provider=library.lookup)
+    (recovery,) = result.recoveries
+    assert recovery.workers == ("1:1",) and "killed by SIGKILL" in recovery.causes[0]
+    assert result.failed == ((1, 1),)
+    assert recovery.kept == ""  # T > 1 redoes the whole iteration (--redo iteration)
+    assert not mp.active_children()  # worker 1:1's TP rank 0 was fenced with its killed rank 1
