@@ -245,6 +245,10 @@ def run_job(args: argparse.Namespace, place: CoordinatorPlace) -> int:
     if role.nnodes > config.topology.num_workers:
         raise ConfigError(f"--nnodes {role.nnodes} is more than the job's D x S = {config.topology.num_workers} "
                           "workers: every node runs at least one; use at most that many nodes")
+    if config.topology.gpus_per_worker > 1:  # a tensor-parallel degree the model cannot take fails before planning
+        from recycle.runtime.worker.stage import check_model
+
+        check_model(config, args.model_factory)
     plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
                        staggered=not args.no_stagger)
     faults, rejoins = _scripted_faults(args.inject, config.topology)

@@ -1,0 +1,110 @@
+"""Tensor parallel inside a worker, without processes: the sharding rule's errors, c_attn's rank order, --inject
+aimed at a TP rank, the launch refusals, and a worker's T processes fenced as one (WorkerGroup)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from recycle.config import ModelSpec
+from recycle.errors import ConfigError
+from recycle.models.gpt import resolve_shape
+from recycle.models.tensor_parallel import check_tensor_parallel, qkv_order
+from recycle.runtime.control.preflight import check_tensor_parallel_launch
+from recycle.runtime.control.processes import WorkerGroup
+from recycle.runtime.options import CheckpointOptions, FaultOptions, LaunchOptions
+from recycle.runtime.tools.faults import parse_fault
+from recycle.runtime.worker.stage import check_model
+
+
+def test_a_degree_that_does_not_divide_the_heads_names_value_rule_and_fix() -> None:
+    shape = resolve_shape(ModelSpec(preset="tiny"), 8)  # n_head = 2
+    check_tensor_parallel(shape, 2)
+    with pytest.raises(ConfigError) as caught:
+        check_tensor_parallel(shape, 4)
+    text = str(caught.value)
+    assert "gpus_per_worker = 4" in text and "n_head = 2" in text and "whole attention heads" in text
+    assert "gpus_per_worker in [1, 2]" in text
+    with pytest.raises(ConfigError, match=r"dropout = 0.1 .* set dropout = 0"):
+        check_tensor_parallel(replace(shape, dropout=0.1), 2, 0.1)
+
+
+def test_check_model_refuses_t_beyond_the_heads_and_other_models(tiny_config) -> None:
+    config = tiny_config()
+    wide = replace(config, topology=replace(config.topology, gpus_per_worker=4))
+    with pytest.raises(ConfigError, match=r"gpus_per_worker = 4 does not divide the model's n_head = 2"):
+        check_model(wide)
+    two = replace(config, topology=replace(config.topology, gpus_per_worker=2))
+    check_model(two)
+    with pytest.raises(ConfigError, match=r"shards the built-in GPT only, not --model-factory"):
+        check_model(two, "tests.nowhere:stages")
+
+
+def test_the_cli_refuses_a_bad_degree_with_one_error_line(cli_error, tmp_path: Path) -> None:
+    text = Path("configs/tiny-gpt.toml").read_text().replace("num_stages = 2\n", "num_stages = 2\ngpus_per_worker = 3\n")
+    config = tmp_path / "tp3.toml"
+    config.write_text(text)
+    line = cli_error(["train", "--config", str(config)])
+    assert "gpus_per_worker = 3 does not divide the model's n_head = 2" in line, line
+
+
+def test_qkv_rows_are_put_in_rank_order_by_heads() -> None:
+    order = qkv_order(4, 2).tolist()  # C = 4: q rows 0-3, k rows 4-7, v rows 8-11
+    assert order == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
+    assert qkv_order(4, 1).tolist() == list(range(12))
+
+
+def test_inject_names_a_tp_rank_and_checks_it() -> None:
+    worker, fault = parse_fault("kill:1:0:1@2.3", 2, 2, tp_degree=2)
+    assert worker == (1, 0) and (fault.step, fault.index, fault.tp_rank) == (1, 3, 1)
+    assert "TP rank 1" in fault.describe()
+    assert parse_fault("kill:1:0@2", 2, 2)[1].tp_rank == 0
+    with pytest.raises(ConfigError, match=r"TP rank 2 is outside the worker's 2 process\(es\).*TP_RANK < 2"):
+        parse_fault("kill:1:0:2@2", 2, 2, tp_degree=2)
+
+
+def test_tensor_parallel_launch_refuses_checkpoints_and_rejoins(tiny_config) -> None:
+    config = tiny_config()
+    two = replace(config, topology=replace(config.topology, gpus_per_worker=2))
+    check_tensor_parallel_launch(two, LaunchOptions())
+    check_tensor_parallel_launch(config, LaunchOptions(checkpoint=CheckpointOptions(dir="/tmp/x", every=1)))  # T = 1
+    with pytest.raises(ConfigError, match=r"gpus_per_worker = 2 .* does not write or resume checkpoints"):
+        check_tensor_parallel_launch(two, LaunchOptions(checkpoint=CheckpointOptions(dir="/tmp/x", every=1)))
+    with pytest.raises(ConfigError, match=r"does not re-join a failed worker"):
+        check_tensor_parallel_launch(two, LaunchOptions(faults=FaultOptions(rejoins=((3, 2),))))
+
+
+class _FakeProcess:
+    def __init__(self, pid: int) -> None:
+        self.pid, self.exitcode, self.sentinel, self.killed = pid, None, pid, False
+
+    def terminate(self) -> None:
+        self.kill()
+
+    def kill(self) -> None:
+        self.killed = True
+        self.exitcode = -9
+
+    def join(self, timeout: float | None = None) -> None:
+        return
+
+
+def test_one_failed_process_fences_the_whole_worker_with_its_exit_code() -> None:
+    leader, follower = _FakeProcess(10), _FakeProcess(11)
+    group = WorkerGroup([leader, follower])
+    assert group.pid == 10 and group.exitcode is None
+    follower.exitcode = -9  # SIGKILLed from outside
+    assert group.exitcode == -9 and leader.killed  # its TP rank 0 is fenced at once
+    assert group.running_sentinels() == []
+
+
+def test_a_clean_end_waits_for_every_rank_and_kills_none() -> None:
+    leader, follower = _FakeProcess(10), _FakeProcess(11)
+    group = WorkerGroup([leader, follower])
+    leader.exitcode = 0
+    assert group.exitcode is None and not follower.killed and group.running_sentinels() == [11]
+    follower.exitcode = 0
+    assert group.exitcode == 0
