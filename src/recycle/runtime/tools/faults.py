@@ -57,9 +57,10 @@ def parse_fault(spec: str, num_replicas: int, num_stages: int,
     the part after the dot is an action index (0-based, in the worker's action list), 'ckpt', 'recovery' or
     'eval'. 'kill:1:1:1@3.5' hits TP rank 1 of worker 1:1 (a worker of `tp_degree` > 1 processes)."""
     match = _SPEC.match(spec.strip())
-    rule = ("--inject takes MODE:REPLICA:STAGE[:TP_RANK]@STEP[.ACTION], e.g. kill:1:1@3.5 (MODE kill, hang, stall or "
-            "raise; TP_RANK one of a tensor-parallel worker's processes, default 0; STEP 1-based; ACTION an index "
-            "into the worker's action list, or 'ckpt', 'recovery' or 'eval'), or rejoin:R:S@STEP")
+    rule = ("--inject takes MODE:REPLICA:STAGE@STEP[.ACTION], e.g. kill:1:1@3.5 (MODE kill, hang, stall or raise; STEP "
+            "1-based; ACTION an index into the worker's action list, or 'ckpt', 'recovery' or 'eval'), "
+            "MODE:REPLICA:STAGE:TP_RANK@STEP[.ACTION] for one process of a tensor-parallel worker, or "
+            "rejoin:R:S@STEP")
     if not match:
         raise ConfigError(f"--inject {spec!r}: {rule}")
     mode = match["mode"]
