@@ -358,10 +358,10 @@ class _Worker:
         built = build_stage(config, self.stage, spec.model_factory, self.bounds)
         # Tensor parallelism: the stage is sharded before its optimizer exists (which holds its parameters), over a
         # mesh that each generation binds to its group of this worker's ranks (worker.tensor_parallel).
-        self.mesh = worker_mesh(spec.tp_degree, spec.tp_rank) if spec.tp_degree > 1 else None
+        self.mesh = worker_mesh(spec.tp_degree, spec.tp_rank, self.device.type) if spec.tp_degree > 1 else None
         if self.mesh is not None:
             assert isinstance(built.module, GPTStage), "check_worker_features admits the built-in GPT only"
-            parallelize_gpt_stage(built.module, self.mesh)
+            parallelize_gpt_stage(built.module.to(self.device), self.mesh)  # on its device first: sliced there
         self.built = built
         self.tied_stages = tied_stages(config, spec.model_factory)  # every worker forms their group
         self.layers = built.layout

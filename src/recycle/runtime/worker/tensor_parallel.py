@@ -26,11 +26,11 @@ def tp_degree(config: Config) -> int:
     return int(config.topology.gpus_per_worker)
 
 
-def worker_mesh(degree: int, tp_rank: int) -> Any:
+def worker_mesh(degree: int, tp_rank: int, device_type: str = "cpu") -> Any:
     """The 1-D mesh of a worker's `degree` ranks, as rank `tp_rank` sees it, with no process group yet."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh("cpu", torch.arange(degree), _init_backend=False, _rank=tp_rank)
+    return DeviceMesh(device_type, torch.arange(degree), _init_backend=False, _rank=tp_rank)
 
 
 def bind_mesh(mesh: Any, group: Any) -> None:

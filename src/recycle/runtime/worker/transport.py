@@ -39,9 +39,11 @@ class PeerLost(RuntimeError):
 
 
 def is_comm_error(exc: BaseException) -> bool:
-    """Whether `exc` ends a generation rather than the run: the transport's PeerLost (and GenerationCut), or a
-    torch.distributed error (the job store's among them)."""
-    return isinstance(exc, (PeerLost, GenerationCut, dist.DistError))
+    """Whether `exc` ends a generation rather than the run: the transport's PeerLost (and GenerationCut), a
+    torch.distributed error (the job store's among them), or a peer's failure raised by a collective outside the
+    transport (a tensor-parallel stage's DTensor all-reduce inside its forward or backward: a RuntimeError whose
+    text only says so)."""
+    return isinstance(exc, (PeerLost, GenerationCut, dist.DistError)) or _is_peer_error(exc)
 
 
 _PEER_ERROR_TEXTS = ("Connection closed by peer", "Connection reset", "Timed out waiting", "pair closure",
