@@ -73,21 +73,23 @@ def test_worker_down_adaptive_plan_d2_s2_t2_matches_reference(tiny_config, tmp_p
 
 
 def test_sigkill_of_one_tp_rank_fences_the_whole_worker_and_the_run_is_exact(tiny_config, tmp_path) -> None:
-    """TP rank 1 of worker 1:1 is SIGKILLed at its first backward of step 2 (1F1B: a fused BW): its TP rank 0 is fenced with it, the
-    plan re-routes the worker's micro-batches, and the run ends exact."""
+    """TP rank 1 of worker 1:0 is SIGKILLed at its first backward of step 2 (1F1B: a fused BW): its TP rank 0 is
+    fenced with it, the plan re-routes the worker's micro-batches, and the run ends exact. Worker 1:1's ranks are
+    then inside their own TP all-reduces (DTensor's, outside the transport) when the abort cuts them: a peer's
+    failure there must end the generation, not the run."""
     from recycle.planner.options import PlannerOptions
     from recycle.planner.provider import PlanLibrary
 
     config = with_tp(tiny_config(seed=5, steps=3), 2)
     plan = build_schedule(config, "1f1b")
-    index = next(i for i, a in enumerate(plan.actions[plan.rank(1, 1)]) if a.kind.name in ("B", "BW"))
-    worker, fault = parse_fault(f"kill:1:1:1@2.{index}", 2, 2, tp_degree=2)
+    index = next(i for i, a in enumerate(plan.actions[plan.rank(1, 0)]) if a.kind.name in ("B", "BW"))
+    worker, fault = parse_fault(f"kill:1:0:1@2.{index}", 2, 2, tp_degree=2)
     assert fault.tp_rank == 1
     library = PlanLibrary.build(config, PlannerOptions(), max_failures=1)
     result = check(config, plan, tmp_path, faults=FaultOptions(injections=((plan.rank(*worker), fault),)),
                    provider=library.lookup)
     (recovery,) = result.recoveries
-    assert recovery.workers == ("1:1",) and "killed by SIGKILL" in recovery.causes[0]
-    assert result.failed == ((1, 1),)
+    assert recovery.workers == ("1:0",) and "killed by SIGKILL" in recovery.causes[0]
+    assert result.failed == ((1, 0),)
     assert recovery.kept == ""  # T > 1 redoes the whole iteration (--redo iteration)
-    assert not mp.active_children()  # worker 1:1's TP rank 0 was fenced with its killed rank 1
+    assert not mp.active_children()  # worker 1:0's TP rank 0 was fenced with its killed rank 1
