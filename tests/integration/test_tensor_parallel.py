@@ -1,6 +1,6 @@
 """Tensor parallel inside a worker (D x S x T processes, gloo on CPU): exact against the single-process reference
 fault-free (1F1B) and with a worker down (adaptive plan), and the whole worker fenced when one of its TP ranks is
-SIGKILLed mid-step."""
+SIGKILLed or frozen mid-step."""
 
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ def with_tp(config: Config, degree: int) -> Config:
     return replace(config, topology=replace(config.topology, gpus_per_worker=degree))
 
 
-def train(config: Config, plan: Plan, tmp_path, faults: FaultOptions = FaultOptions(),
-          provider: object = None) -> tuple[dict[str, torch.Tensor], TrainResult]:
+def train(config: Config, plan: Plan, tmp_path, faults: FaultOptions = FaultOptions(), provider: object = None,
+          recovery: RecoveryOptions = RecoveryOptions(timeout_s=30)) -> tuple[dict[str, torch.Tensor], TrainResult]:
     save = tmp_path / "final.pt"
     options = LaunchOptions(outputs=OutputOptions(save_path=str(save)), debug=DebugOptions(verify_replicas=True),
-                            recovery=RecoveryOptions(timeout_s=30), faults=faults,
+                            recovery=recovery, faults=faults,
                             cluster=ClusterOptions(start_method="forkserver"), progress=None)
     if provider is not None:
         options = replace(options, plan_provider=provider)
@@ -93,3 +93,21 @@ def test_sigkill_of_one_tp_rank_fences_the_whole_worker_and_the_run_is_exact(tin
     assert result.failed == ((1, 0),)
     assert recovery.kept == ""  # T > 1 redoes the whole iteration (--redo iteration)
     assert not mp.active_children()  # worker 1:0's TP rank 0 was fenced with its killed rank 1
+
+
+def test_a_frozen_tp_rank_ends_its_worker_through_rank_0_and_the_run_is_exact(tiny_config, tmp_path) -> None:
+    """TP rank 1 of worker 1:0 is SIGSTOPped: it beats to nobody but its rank 0, which sees its beats stop and ends
+    the worker; the launcher kills the frozen rank with it, and the plan re-routes as for a death."""
+    from recycle.planner.options import PlannerOptions
+    from recycle.planner.provider import PlanLibrary
+
+    config = with_tp(tiny_config(seed=5, steps=3), 2)
+    plan = build_schedule(config, "1f1b")
+    worker, fault = parse_fault("hang:1:0:1@2.1", 2, 2, tp_degree=2)
+    library = PlanLibrary.build(config, PlannerOptions(), max_failures=1)
+    result = check(config, plan, tmp_path, faults=FaultOptions(injections=((plan.rank(*worker), fault),)),
+                   provider=library.lookup,
+                   recovery=RecoveryOptions(timeout_s=30, heartbeat_s=0.25, heartbeat_timeout_s=2.0))
+    (recovery,) = result.recoveries
+    assert recovery.workers == ("1:0",) and "exited with code 5" in recovery.causes[0], recovery.causes
+    assert not mp.active_children()

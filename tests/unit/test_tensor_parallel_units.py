@@ -108,3 +108,16 @@ def test_a_clean_end_waits_for_every_rank_and_kills_none() -> None:
     assert group.exitcode is None and not follower.killed and group.running_sentinels() == [11]
     follower.exitcode = 0
     assert group.exitcode == 0
+
+
+def test_rank_beats_call_a_rank_frozen_once_its_count_stops_moving() -> None:
+    from recycle.runtime.worker.tensor_parallel import RankBeats
+
+    beats = RankBeats(timeout_s=2.0)
+    beats.saw(1, None, 0.0)  # not started yet: not watched
+    assert beats.frozen(100.0) == []
+    beats.saw(1, b"1", 10.0)
+    beats.saw(1, b"2", 11.0)
+    beats.saw(1, b"2", 12.5)  # the same count again does not refresh it
+    assert beats.frozen(12.9) == []
+    assert beats.frozen(13.1) == [1]

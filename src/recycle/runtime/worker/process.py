@@ -49,7 +49,8 @@ from recycle.runtime.worker.executor import StageExecutor
 from recycle.runtime.worker.nccl_env import prepare_nccl
 from recycle.runtime.worker.outbox import Outbox, SilentOutbox
 from recycle.runtime.worker.stage import build_stage, tied_stages
-from recycle.runtime.worker.tensor_parallel import bind_mesh, check_worker_features, tp_degree, worker_mesh
+from recycle.runtime.worker.tensor_parallel import (RankBeats, bind_mesh, check_worker_features, rank_beat_key,
+                                                    tp_degree, worker_mesh)
 from recycle.runtime.worker.title import set_process_title
 from recycle.runtime.worker.transport import Activity, GenerationCut, Transport, is_comm_error
 
@@ -57,6 +58,7 @@ __all__ = ["WorkerSpec", "WorkerHooks", "FaultInjection", "GenerationAborted", "
            "make_optimizer", "parameter_digest", "EXIT_FENCED"]
 
 EXIT_FENCED = 4  # the coordinator left this worker out of the new generation (or fenced it while it was frozen)
+EXIT_RANK_FROZEN = 5  # TP rank 0: another rank of its worker stopped beating (the worker is lost with it)
 
 
 @dataclass(frozen=True)
@@ -173,9 +175,13 @@ class _Watcher(threading.Thread):
         # back) must not silence a live worker in its launcher's eyes.
         port = spec.node_store_port
         self.beats_apart = bool(port)
-        # A worker beats through its TP rank 0 (one heartbeat per worker): the others' liveness is their launcher's
-        # process watch (any rank's death ends the worker) and the TP collectives (a frozen rank stalls rank 0).
+        # A worker beats through its TP rank 0 (one heartbeat per worker); its other ranks count their beats in the
+        # store for rank 0 alone, which ends the worker when one of them freezes (RankBeats). A rank's death is its
+        # launcher's to see (control.processes.WorkerGroup).
         self.beating = spec.tp_rank == 0
+        self.tp_rank, self.tp_degree = spec.tp_rank, spec.tp_degree
+        self.rank_beats = RankBeats(spec.recovery.heartbeat_timeout_s)
+        self.worker = Worker(*divmod(spec.rank, spec.config.num_stages))
         self.beats_to = JobStore(connect_store("127.0.0.1", port, spec.cluster.token,
                                                worker_identity(spec.rank, spec.incarnation), 30.0)
                                  if port else self.store)
@@ -203,10 +209,28 @@ class _Watcher(threading.Thread):
 
     def _beat(self) -> None:
         if not self.beating:
+            self.beats += 1
+            self.beats_to.raw.set(rank_beat_key(self.rank, self.tp_rank), str(self.beats))
             return
+        self._watch_ranks()
         self.beats += 1
         self.beats_to.put(Channels.HEARTBEAT, Beat(self.beats, self.activity.actions, self.activity.phase,
                                                    self.incarnation), self.rank)
+
+    def _watch_ranks(self) -> None:
+        """TP rank 0: end the worker (its launcher then kills every rank) once another of its ranks has frozen."""
+        if self.tp_degree == 1:
+            return
+        now = time.monotonic()
+        for t in range(1, self.tp_degree):
+            self.rank_beats.saw(t, self.beats_to.raw.try_get(rank_beat_key(self.rank, t)), now)
+        frozen = self.rank_beats.frozen(now)
+        if frozen:
+            sys.stderr.write(f"recycle: TP rank(s) {frozen} of worker {self.worker} sent no beat for "
+                             f"{self.rank_beats.timeout_s:g} s (frozen): the worker leaves, and its launcher stops "
+                             "every rank of it\n")
+            sys.stderr.flush()
+            os._exit(EXIT_RANK_FROZEN)
 
     def _beat_forever(self) -> None:
         """Beats to the node's store, whatever the job's store is doing."""

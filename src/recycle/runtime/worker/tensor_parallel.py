@@ -18,7 +18,7 @@ import torch
 from recycle.config import Config
 from recycle.errors import ConfigError
 
-__all__ = ["tp_degree", "worker_mesh", "bind_mesh", "check_worker_features"]
+__all__ = ["tp_degree", "worker_mesh", "bind_mesh", "check_worker_features", "rank_beat_key", "RankBeats"]
 
 
 def tp_degree(config: Config) -> int:
@@ -55,3 +55,28 @@ def check_worker_features(config: Config, model_factory: str, partition: bool) -
     if partition:
         raise ConfigError(f"{rule} cannot move layers between stages (a plan with a layer partition); use plans "
                           "without one (stage_loss = 'respawn') or gpus_per_worker = 1")
+
+
+def rank_beat_key(rank: int, tp_rank: int) -> str:
+    """The store key where TP rank `tp_rank` (> 0) of worker `rank` counts its beats for its rank 0."""
+    return f"tp_beat/{rank}/{tp_rank}"
+
+
+class RankBeats:
+    """TP rank 0's watch over its worker's other ranks, which do not beat to the coordinator: a rank whose beat count
+    has not moved for `timeout_s` (by rank 0's own clock) is frozen, and then so is the worker. A rank is watched
+    from its first beat (before that, the generation's formation waits for it, under its own timeout)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._last: dict[int, tuple[bytes, float]] = {}  # TP rank -> (its beat count, when rank 0 saw it change)
+
+    def saw(self, tp_rank: int, count: bytes | None, now: float) -> None:
+        if count is None:
+            return
+        last = self._last.get(tp_rank)
+        if last is None or last[0] != count:
+            self._last[tp_rank] = (count, now)
+
+    def frozen(self, now: float) -> list[int]:
+        return sorted(t for t, (_, seen) in self._last.items() if now - seen > self.timeout_s)
