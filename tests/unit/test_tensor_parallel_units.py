@@ -39,7 +39,7 @@ def test_check_model_refuses_t_beyond_the_heads_and_other_models(tiny_config) ->
         check_model(wide)
     two = replace(config, topology=replace(config.topology, gpus_per_worker=2))
     check_model(two)
-    with pytest.raises(ConfigError, match=r"shards the built-in GPT only, not --model-factory"):
+    with pytest.raises(ConfigError, match=r"shards the built-in GPT and Hugging Face rotary models only, not --model-factory"):
         check_model(two, "tests.nowhere:stages")
 
 
@@ -121,3 +121,47 @@ def test_rank_beats_call_a_rank_frozen_once_its_count_stops_moving() -> None:
     beats.saw(1, b"2", 12.5)  # the same count again does not refresh it
     assert beats.frozen(12.9) == []
     assert beats.frozen(13.1) == [1]
+
+
+def test_stages_are_sharded_by_heads_without_any_communication() -> None:
+    """parallelize_stage slices the built-in GPT's and a llama stage's linears on the placeholder mesh (no process
+    group exists yet; each rank takes its own slice of the weights it built): the local shapes are 1/T."""
+    from torch.distributed.tensor import DTensor
+
+    from recycle.models.gpt import build_stage
+    from recycle.models.tensor_parallel import parallelize_stage
+    from recycle.runtime.worker.tensor_parallel import worker_mesh
+
+    gpt = build_stage(ModelSpec(preset="tiny"), 1, 0, seed=1, dtype="float64", seq_len=8)
+    whole_qkv = gpt.blocks["0"].attn.c_attn.weight.detach().clone()
+    parallelize_stage(gpt, worker_mesh(2, 1))
+    qkv = gpt.blocks["0"].attn.c_attn.weight
+    assert isinstance(qkv, DTensor) and qkv.to_local().shape == (48, 32)  # 3 x 32 rows, half of them
+    # Rank 1's shard: the q, k and v rows of head 1 (rows 16-31 of each of q, k, v).
+    assert torch.equal(qkv.to_local(), torch.cat([whole_qkv[16:32], whole_qkv[48:64], whole_qkv[80:96]]))
+    assert gpt.blocks["0"].mlp[2].weight.to_local().shape == (32, 64)  # row-parallel: input columns split
+    assert not isinstance(gpt.ln_f.weight, DTensor) and not isinstance(gpt.wte.weight, DTensor)
+
+    pytest.importorskip("transformers")
+    from recycle.models.hf import hf_stage
+
+    llama = hf_stage(Path("examples/hf-tiny-llama.json"), 2, 0, 16, 4, torch.float64)
+    parallelize_stage(llama, worker_mesh(2, 0))
+    attention = llama.model.model.layers["0"].self_attn
+    assert attention.q_proj.weight.to_local().shape == (16, 32)  # 4 heads of 8 -> 2 per rank
+    assert attention.k_proj.weight.to_local().shape == (8, 32)  # 2 key/value heads -> 1 per rank
+    assert attention.o_proj.weight.to_local().shape == (32, 16)
+
+
+def test_a_hugging_face_model_t_must_divide_its_kv_heads() -> None:
+    from types import SimpleNamespace
+
+    from recycle.models.tensor_parallel import check_hf_tensor_parallel
+
+    llama = SimpleNamespace(model_type="llama", num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                            attention_dropout=0.0)
+    check_hf_tensor_parallel(llama, 2)
+    with pytest.raises(ConfigError, match=r"does not divide the Hugging Face config's num_key_value_heads = 2"):
+        check_hf_tensor_parallel(llama, 4)
+    with pytest.raises(ConfigError, match=r"not 'gpt2'"):
+        check_hf_tensor_parallel(SimpleNamespace(model_type="gpt2"), 2)

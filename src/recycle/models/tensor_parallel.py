@@ -1,11 +1,13 @@
-"""Tensor parallelism inside one worker: the built-in GPT stage's linear layers sharded with torch's own
-ColwiseParallel / RowwiseParallel over a DeviceMesh of the worker's T ranks, and the whole-model tensors gathered
-back from the shards.
+"""Tensor parallelism inside one worker: a stage's linear layers sharded with torch's own ColwiseParallel /
+RowwiseParallel over a DeviceMesh of the worker's T ranks (the built-in GPT, and the Hugging Face rotary families
+llama / mistral / qwen2), and the whole-model tensors gathered back from the shards.
 
 Megatron's layout: per block, attention's c_attn is column-parallel by heads and c_proj row-parallel, the MLP's first
 linear column-parallel and its second row-parallel; each row-parallel output is summed over the T ranks (one
 all-reduce in the forward, one in the backward per pair), so every block's output, and the stage's, is replicated
-on the T ranks. Embeddings, LayerNorms and the head stay replicated (a byte vocabulary is small).
+on the T ranks. Embeddings, LayerNorms and the head stay replicated (a byte vocabulary is small). The rotary
+families are laid out alike: q_proj, k_proj, v_proj and gate_proj, up_proj column-parallel, o_proj and down_proj
+row-parallel (their attention reshapes by head_dim, so it runs on the rank's own heads as it is).
 
 c_attn holds q, k and v stacked ([3C, C]); a plain column split would give rank 0 all of q and part of k. Its rows
 are put in rank order [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (q_t: the heads of rank t) before the split, so each rank's
@@ -22,8 +24,8 @@ from torch import nn
 from recycle.errors import ConfigError
 from recycle.models.gpt import GPTShape, GPTStage
 
-__all__ = ["check_tensor_parallel", "parallelize_gpt_stage", "whole_state_dict", "local_tensor", "qkv_order",
-           "is_sharded", "tp_degree"]
+__all__ = ["check_tensor_parallel", "check_hf_tensor_parallel", "parallelize_gpt_stage", "parallelize_hf_stage",
+           "parallelize_stage", "whole_state_dict", "local_tensor", "qkv_order", "is_sharded", "tp_degree"]
 
 _ATTN_QKV = "attn.c_attn"
 
@@ -45,6 +47,32 @@ def check_tensor_parallel(shape: GPTShape, degree: int, dropout: float = 0.0) ->
         raise ConfigError(f"[model] dropout = {dropout} with [topology] gpus_per_worker = {degree}: dropout inside "
                           "tensor-parallel attention would draw other masks than the unsharded model; set dropout = "
                           "0 or gpus_per_worker = 1")
+
+
+def check_hf_tensor_parallel(hf_config: Any, degree: int) -> None:
+    """The Hugging Face model's rule: a rotary family (llama, mistral, qwen2) whose query heads, key/value heads and
+    MLP width T divides, without attention dropout."""
+    if degree == 1:
+        return
+    from recycle.models.hf import ROTARY_FAMILIES
+
+    rule = f"[topology] gpus_per_worker = {degree}"
+    family = hf_config.model_type
+    if family not in ROTARY_FAMILIES:
+        raise ConfigError(f"{rule} shards the Hugging Face families {', '.join(ROTARY_FAMILIES)} (and the built-in "
+                          f"GPT), not {family!r} (its fused Conv1D attention); use gpus_per_worker = 1 for it")
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+                        ("intermediate_size", hf_config.intermediate_size)):
+        if value % degree:
+            divisors = [t for t in range(1, value + 1) if value % t == 0]
+            raise ConfigError(f"{rule} does not divide the Hugging Face config's {name} = {value}: each of a "
+                              f"worker's {degree} ranks holds an equal share of it; use gpus_per_worker in "
+                              f"{divisors} (dividing num_attention_heads, num_key_value_heads and intermediate_size)")
+    if getattr(hf_config, "attention_dropout", 0.0):
+        raise ConfigError(f"{rule} with attention_dropout = {hf_config.attention_dropout}: masks inside sharded "
+                          "attention would differ from the unsharded model's; set it to 0 or gpus_per_worker = 1")
 
 
 def qkv_order(n_embd: int, degree: int) -> torch.Tensor:
@@ -86,6 +114,33 @@ def parallelize_gpt_stage(stage: GPTStage, mesh: Any) -> None:
     # Every rank built the same whole weights from the seed: each takes its own slice (src_data_rank=None), no
     # scatter, which would also need the mesh's process group before the worker has one.
     parallelize_module(stage, mesh, _styles(stage), src_data_rank=None)
+
+
+@torch.no_grad()
+def parallelize_hf_stage(stage: nn.Module, mesh: Any) -> None:
+    """Shard a Hugging Face rotary-family stage (models.hf) in place over `mesh`."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    check_hf_tensor_parallel(stage.hf_config, tp_degree(mesh))
+    plan: dict[str, Any] = {}
+    for name, module in stage.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Linear) and leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            plan[name] = ColwiseParallel()
+        elif isinstance(module, nn.Linear) and leaf in ("o_proj", "down_proj"):
+            plan[name] = RowwiseParallel()
+    parallelize_module(stage, mesh, plan, src_data_rank=None)
+
+
+def parallelize_stage(stage: nn.Module, mesh: Any) -> None:
+    """Shard a stage in place over `mesh`: the built-in GPT's, or a Hugging Face rotary family's."""
+    if isinstance(stage, GPTStage):
+        parallelize_gpt_stage(stage, mesh)
+    elif getattr(stage, "hf_config", None) is not None:
+        parallelize_hf_stage(stage, mesh)
+    else:
+        raise ConfigError(f"tensor parallelism shards the built-in GPT and Hugging Face rotary models, not a "
+                          f"{type(stage).__name__}; use [topology] gpus_per_worker = 1 for it")
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:

@@ -25,7 +25,7 @@ from recycle.ir import Action, Plan
 from recycle.ir.completion import Completion
 from recycle.ir.worker import Worker
 from recycle.models.gpt import GPTStage
-from recycle.models.tensor_parallel import local_tensor, parallelize_gpt_stage, whole_state_dict
+from recycle.models.tensor_parallel import local_tensor, parallelize_stage, whole_state_dict
 from recycle.runtime.options import (Backend, CheckpointOptions, ClusterOptions, DebugOptions, OutputOptions,
                                      RecoveryOptions)
 from recycle.runtime.protocol.channels import Channels, Flags, JobStore, Keys, connect_store, worker_identity
@@ -384,8 +384,7 @@ class _Worker:
         # mesh that each generation binds to its group of this worker's ranks (worker.tensor_parallel).
         self.mesh = worker_mesh(spec.tp_degree, spec.tp_rank, self.device.type) if spec.tp_degree > 1 else None
         if self.mesh is not None:
-            assert isinstance(built.module, GPTStage), "check_worker_features admits the built-in GPT only"
-            parallelize_gpt_stage(built.module.to(self.device), self.mesh)  # on its device first: sliced there
+            parallelize_stage(built.module.to(self.device), self.mesh)  # on its device first: sliced there
         self.built = built
         self.tied_stages = tied_stages(config, spec.model_factory)  # every worker forms their group
         self.layers = built.layout

@@ -24,7 +24,7 @@ from recycle.errors import ConfigError
 from recycle.models.checkpointing import set_mode
 from recycle.models.gpt import build_stage as build_gpt_stage
 from recycle.models.gpt import build_stages, resolve_shape, stage_layers
-from recycle.models.tensor_parallel import check_tensor_parallel
+from recycle.models.tensor_parallel import check_hf_tensor_parallel, check_tensor_parallel
 from recycle.models.split import LossFn, StageModel, as_stage_model, boundary_shapes, causal_lm_loss
 from recycle.runtime.state.precision import weights_dtype
 from recycle.runtime.worker.tensor_parallel import check_worker_features
@@ -235,6 +235,11 @@ def check_model(config: Config, factory: str = "") -> None:
 
         # On the meta device, and the weights' headers only.
         check_hf_model(hf_path(config), config.num_stages, config.workload.seq_len, hf_weights_path(config))
+        if config.topology.gpus_per_worker > 1:
+            from recycle.models.hf import load_hf_config
+
+            check_hf_tensor_parallel(load_hf_config(hf_path(config), config.workload.seq_len),
+                                     config.topology.gpus_per_worker)
     else:
         shape = resolve_shape(config.model, config.workload.seq_len)
         stage_layers(shape.n_layer, config.num_stages)

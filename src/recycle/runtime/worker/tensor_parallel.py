@@ -47,11 +47,8 @@ def check_worker_features(config: Config, model_factory: str, partition: bool) -
         return
     rule = f"[topology] gpus_per_worker = {T} (tensor parallel inside a worker)"
     if model_factory:
-        raise ConfigError(f"{rule} shards the built-in GPT only, not --model-factory {model_factory!r}; use "
-                          "gpus_per_worker = 1 with a model factory")
-    if config.model.hf_config:
-        raise ConfigError(f"{rule} shards the built-in GPT only, not the Hugging Face model "
-                          f"{config.model.hf_config!r}; use gpus_per_worker = 1 with --hf")
+        raise ConfigError(f"{rule} shards the built-in GPT and Hugging Face rotary models only, not --model-factory "
+                          f"{model_factory!r}; use gpus_per_worker = 1 with a model factory")
     if partition:
         raise ConfigError(f"{rule} cannot move layers between stages (a plan with a layer partition); use plans "
                           "without one (stage_loss = 'respawn') or gpus_per_worker = 1")
