@@ -17,6 +17,7 @@ from recycle.runtime.options import (ClusterOptions, DebugOptions, FaultOptions,
                                      RecoveryOptions)
 from recycle.runtime.tools.faults import parse_fault
 from recycle.runtime.tools.reference import reference_train
+from recycle.runtime.worker.emulate import Emulation
 from recycle.schedules.fault_free import build_schedule
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -27,9 +28,10 @@ def with_tp(config: Config, degree: int) -> Config:
 
 
 def train(config: Config, plan: Plan, tmp_path, faults: FaultOptions = FaultOptions(), provider: object = None,
-          recovery: RecoveryOptions = RecoveryOptions(timeout_s=30)) -> tuple[dict[str, torch.Tensor], TrainResult]:
+          recovery: RecoveryOptions = RecoveryOptions(timeout_s=30),
+          debug: DebugOptions = DebugOptions(verify_replicas=True)) -> tuple[dict[str, torch.Tensor], TrainResult]:
     save = tmp_path / "final.pt"
-    options = LaunchOptions(outputs=OutputOptions(save_path=str(save)), debug=DebugOptions(verify_replicas=True),
+    options = LaunchOptions(outputs=OutputOptions(save_path=str(save)), debug=debug,
                             recovery=recovery, faults=faults,
                             cluster=ClusterOptions(start_method="forkserver"), progress=None)
     if provider is not None:
@@ -147,3 +149,27 @@ seed = 4
 """)
     config = load_config(path)
     check(config, build_schedule(config, "1f1b"), tmp_path)
+
+
+def test_a_tp_worker_rejoins_with_its_ranks_state_from_a_live_replica(tiny_config, tmp_path) -> None:
+    """TP rank 1 of worker 1:0 is SIGKILLed in step 2; all of worker 1:0 is started again at step 3 (both ranks) and
+    admitted at a step boundary once up, each rank taking its shards from the same rank of the live replica 0:0; the
+    run ends exact with nobody down."""
+    from recycle.planner.options import PlannerOptions
+    from recycle.planner.provider import PlanLibrary
+
+    # A replacement's two processes take ~20 s to start on this loaded 2-core machine: the steps are paced (100 ms a
+    # cost slot, ~1 s a step) so that the run is still going when it is up.
+    config = with_tp(tiny_config(seed=5, steps=20), 2)
+    plan = build_schedule(config, "1f1b")
+    worker, fault = parse_fault("kill:1:0:1@2.2", 2, 2, tp_degree=2)
+    library = PlanLibrary.build(config, PlannerOptions(), max_failures=1)
+    result = check(config, plan, tmp_path, provider=library.lookup,
+                   faults=FaultOptions(injections=((plan.rank(*worker), fault),), rejoins=((plan.rank(1, 0), 2),)),
+                   debug=DebugOptions(verify_replicas=True, emulation=Emulation(100.0)))
+    kill, join = result.recoveries
+    assert kill.workers == ("1:0",) and join.joined == ("1:0",)
+    assert join.transfer_bytes > 0 and result.failed == ()
+    last = result.steps[-1]
+    assert last.digests["0:0"] == last.digests["1:0"]  # the re-joined rank 0 shards equal the replica's
+    assert not mp.active_children()

@@ -66,15 +66,18 @@ def test_inject_names_a_tp_rank_and_checks_it() -> None:
         parse_fault("kill:1:0:2@2", 2, 2, tp_degree=2)
 
 
-def test_tensor_parallel_launch_refuses_checkpoints_and_rejoins(tiny_config) -> None:
+def test_tensor_parallel_launch_refuses_checkpoints_and_chaos(tiny_config) -> None:
     config = tiny_config()
     two = replace(config, topology=replace(config.topology, gpus_per_worker=2))
     check_tensor_parallel_launch(two, LaunchOptions())
     check_tensor_parallel_launch(config, LaunchOptions(checkpoint=CheckpointOptions(dir="/tmp/x", every=1)))  # T = 1
     with pytest.raises(ConfigError, match=r"gpus_per_worker = 2 .* does not write or resume checkpoints"):
         check_tensor_parallel_launch(two, LaunchOptions(checkpoint=CheckpointOptions(dir="/tmp/x", every=1)))
-    with pytest.raises(ConfigError, match=r"does not re-join a failed worker"):
-        check_tensor_parallel_launch(two, LaunchOptions(faults=FaultOptions(rejoins=((3, 2),))))
+    check_tensor_parallel_launch(two, LaunchOptions(faults=FaultOptions(rejoins=((3, 2),))))
+    from recycle.runtime.tools.chaos import ChaosSpec
+
+    with pytest.raises(ConfigError, match=r"not soaked with --chaos"):
+        check_tensor_parallel_launch(two, LaunchOptions(faults=FaultOptions(chaos=ChaosSpec(seed=1, rate=0.1))))
 
 
 class _FakeProcess:
@@ -165,3 +168,60 @@ def test_a_hugging_face_model_t_must_divide_its_kv_heads() -> None:
         check_hf_tensor_parallel(llama, 4)
     with pytest.raises(ConfigError, match=r"not 'gpt2'"):
         check_hf_tensor_parallel(SimpleNamespace(model_type="gpt2"), 2)
+
+
+def _sharded_stage_state(rank: int):
+    from recycle.config import Training
+    from recycle.models.gpt import build_stage
+    from recycle.models.tensor_parallel import parallelize_stage
+    from recycle.runtime.state.optim import make_optimizer
+    from recycle.runtime.state.stage_state import IterationPosition, StageState
+    from recycle.runtime.worker.tensor_parallel import worker_mesh
+
+    module = build_stage(ModelSpec(preset="tiny"), 2, 0, seed=1, dtype="float64", seq_len=8)
+    parallelize_stage(module, worker_mesh(2, rank))
+    return StageState(module, make_optimizer(module, Training(lr=0.01)), 0, IterationPosition(-1))
+
+
+def _step(state, value: float) -> None:
+    for p in state.module.parameters():  # element-wise DTensor ops on one placement: no communication
+        p.grad = torch.full_like(p, value)
+    state.optimizer.step()
+    state.position.applied = state.position.applied + 1
+
+
+def test_a_sharded_stage_state_moves_shard_by_shard_and_rolls_back() -> None:
+    """A re-joiner's TP rank takes the same rank's plain shards (state_transfer sends local_state) into its DTensor
+    parameters and optimizer; a snapshot of a sharded stage restores it exactly."""
+    from torch.distributed.tensor import DTensor
+
+    from recycle.models.tensor_parallel import local_state
+    from recycle.runtime.state.rollback import StageSnapshot
+    from recycle.runtime.state.stage_state import copy_state
+
+    source, joiner = _sharded_stage_state(1), _sharded_stage_state(1)
+    _step(source, 0.5)
+    _step(source, -0.25)
+    sent = copy_state(local_state(source.state_dict()))
+    assert not any(isinstance(v, DTensor) for v in sent.values())
+    joiner.load_state_dict(sent)
+    got, want = local_state(joiner.state_dict()), local_state(source.state_dict())
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if key.startswith("train.rng"):
+            continue
+        assert torch.equal(got[key], value), key
+    exp_avg = joiner.optimizer.optimizer.state[next(p for p in joiner.module.parameters()
+                                                    if isinstance(p, DTensor))]["exp_avg"]
+    assert isinstance(exp_avg, DTensor)  # the joiner steps on like the source
+    _step(joiner, 1.0)
+
+    snapshot = StageSnapshot(source)
+    before = copy_state(local_state(source.state_dict()))
+    snapshot.take(2)
+    _step(source, 3.0)
+    snapshot.restore(2)
+    after = local_state(source.state_dict())
+    for key, value in before.items():
+        if not key.startswith("train."):
+            assert torch.equal(after[key], value), key

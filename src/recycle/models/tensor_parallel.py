@@ -25,7 +25,8 @@ from recycle.errors import ConfigError
 from recycle.models.gpt import GPTShape, GPTStage
 
 __all__ = ["check_tensor_parallel", "check_hf_tensor_parallel", "parallelize_gpt_stage", "parallelize_hf_stage",
-           "parallelize_stage", "whole_state_dict", "local_tensor", "qkv_order", "is_sharded", "tp_degree"]
+           "parallelize_stage", "whole_state_dict", "local_tensor", "local_state", "sharded_like", "qkv_order",
+           "is_sharded", "tp_degree"]
 
 _ATTN_QKV = "attn.c_attn"
 
@@ -155,6 +156,24 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # to_local() would go through autograd
+
+
+def sharded_like(value: Any, param: torch.Tensor) -> Any:
+    """`value` (an optimizer entry received as this rank's plain shard) as a DTensor laid out like `param`, when
+    `param` is one and `value` is its shard; anything else as it is (a step counter, an unsharded stage's tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+            and value.shape == param._local_tensor.shape:
+        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return value
+
+
+def local_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A flat stage state with each DTensor replaced by this rank's shard (what goes over the wire to the same TP
+    rank of another replica)."""
+    return {key: local_tensor(value) if isinstance(value, torch.Tensor) else value for key, value in state.items()}
 
 
 def whole_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
