@@ -244,7 +244,7 @@ class _Watcher(threading.Thread):
             time.sleep(self.interval_s)
 
     def run(self) -> None:
-        if self.beats_apart and self.beating:
+        if self.beats_apart:  # (a TP rank > 0 counts its beats there for its rank 0, which reads the same store)
             threading.Thread(target=self._beat_forever, daemon=True, name="recycle-beat").start()
         next_beat = 0.0
         while True:
