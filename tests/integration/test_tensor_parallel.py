@@ -4,6 +4,7 @@ SIGKILLed or frozen mid-step."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 from dataclasses import replace
 
@@ -31,7 +32,8 @@ def train(config: Config, plan: Plan, tmp_path, faults: FaultOptions = FaultOpti
           recovery: RecoveryOptions = RecoveryOptions(timeout_s=30),
           debug: DebugOptions = DebugOptions(verify_replicas=True)) -> tuple[dict[str, torch.Tensor], TrainResult]:
     save = tmp_path / "final.pt"
-    options = LaunchOptions(outputs=OutputOptions(save_path=str(save)), debug=debug,
+    options = LaunchOptions(outputs=OutputOptions(save_path=str(save), metrics_path=str(tmp_path / "m.jsonl")),
+                            debug=debug,
                             recovery=recovery, faults=faults,
                             cluster=ClusterOptions(start_method="forkserver"), progress=None)
     if provider is not None:
@@ -55,11 +57,20 @@ def check(config: Config, plan: Plan, tmp_path, **kwargs) -> TrainResult:
 
 
 def test_fault_free_1f1b_d2_s2_t2_matches_reference(tiny_config, tmp_path) -> None:
-    config = with_tp(tiny_config(seed=11), 2)
+    """Also the held-out evaluation after each step (forward-only through the sharded stages), whose loss only TP
+    rank 0 of the last stage counts: equal to the reference's."""
+    config = with_tp(tiny_config(seed=11, eval_every=1, eval_batches=1, eval_fraction=0.2), 2)
     result = check(config, build_schedule(config, "1f1b"), tmp_path)
     for metrics in result.steps:  # the TP rank 0 shards of both replicas of a stage stay bit-identical
         for s in range(2):
             assert metrics.digests[f"0:{s}"] == metrics.digests[f"1:{s}"]
+    expected: dict[int, float] = {}
+    reference_train(config, evaluations=expected)
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r["loss"] for r in records if r.get("event") == "eval"}
+    assert sorted(evals) == sorted(expected) == [1, 2]
+    for step, loss in evals.items():
+        assert abs(loss - expected[step]) <= 1e-9 * abs(expected[step]), (step, loss, expected[step])
 
 
 def test_worker_down_adaptive_plan_d2_s2_t2_matches_reference(tiny_config, tmp_path) -> None:

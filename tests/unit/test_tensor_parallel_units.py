@@ -29,7 +29,7 @@ def test_a_degree_that_does_not_divide_the_heads_names_value_rule_and_fix() -> N
     assert "gpus_per_worker = 4" in text and "n_head = 2" in text and "whole attention heads" in text
     assert "gpus_per_worker in [1, 2]" in text
     with pytest.raises(ConfigError, match=r"dropout = 0.1 .* set dropout = 0"):
-        check_tensor_parallel(replace(shape, dropout=0.1), 2, 0.1)
+        check_tensor_parallel(replace(shape, dropout=0.1), 2)
 
 
 def test_check_model_refuses_t_beyond_the_heads_and_other_models(tiny_config) -> None:

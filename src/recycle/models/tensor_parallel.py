@@ -26,12 +26,12 @@ from recycle.models.gpt import GPTShape, GPTStage
 
 __all__ = ["check_tensor_parallel", "check_hf_tensor_parallel", "parallelize_gpt_stage", "parallelize_hf_stage",
            "parallelize_stage", "whole_state_dict", "local_tensor", "local_state", "sharded_like", "qkv_order",
-           "is_sharded", "tp_degree"]
+           "is_sharded"]
 
 _ATTN_QKV = "attn.c_attn"
 
 
-def check_tensor_parallel(shape: GPTShape, degree: int, dropout: float = 0.0) -> None:
+def check_tensor_parallel(shape: GPTShape, degree: int) -> None:
     """Refuse a tensor-parallel degree the built-in GPT cannot be split by (the message names value, rule, fix)."""
     if degree == 1:
         return
@@ -41,11 +41,9 @@ def check_tensor_parallel(shape: GPTShape, degree: int, dropout: float = 0.0) ->
                           f"{shape.n_head}: tensor parallelism gives each of a worker's {degree} ranks whole "
                           f"attention heads; use gpus_per_worker in {divisors} or a model whose n_head is a multiple "
                           f"of {degree}")
-    if (4 * shape.n_embd) % degree:  # implied by the heads rule today; kept for a preset with another MLP width
-        raise ConfigError(f"[topology] gpus_per_worker = {degree} does not divide the MLP width 4 x n_embd = "
-                          f"{4 * shape.n_embd}; pick gpus_per_worker dividing it")
-    if dropout > 0:
-        raise ConfigError(f"[model] dropout = {dropout} with [topology] gpus_per_worker = {degree}: dropout inside "
+    # (n_embd = n_head x head size, so the MLP width 4 x n_embd divides too.)
+    if shape.dropout > 0:
+        raise ConfigError(f"[model] dropout = {shape.dropout} with [topology] gpus_per_worker = {degree}: dropout inside "
                           "tensor-parallel attention would draw other masks than the unsharded model; set dropout = "
                           "0 or gpus_per_worker = 1")
 
@@ -84,7 +82,7 @@ def qkv_order(n_embd: int, degree: int) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def tp_degree(mesh: Any) -> int:
+def _mesh_degree(mesh: Any) -> int:
     return int(mesh.size())
 
 
@@ -105,8 +103,8 @@ def parallelize_gpt_stage(stage: GPTStage, mesh: Any) -> None:
     """Shard `stage` in place over `mesh` (1-D, the worker's T ranks); its parameters become DTensors."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    degree = tp_degree(mesh)
-    check_tensor_parallel(stage.shape, degree, stage.shape.dropout)
+    degree = _mesh_degree(mesh)
+    check_tensor_parallel(stage.shape, degree)
     order = qkv_order(stage.shape.n_embd, degree)
     for block in stage.blocks.values():
         qkv = block.attn.c_attn
@@ -122,7 +120,7 @@ def parallelize_hf_stage(stage: nn.Module, mesh: Any) -> None:
     """Shard a Hugging Face rotary-family stage (models.hf) in place over `mesh`."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    check_hf_tensor_parallel(stage.hf_config, tp_degree(mesh))
+    check_hf_tensor_parallel(stage.hf_config, _mesh_degree(mesh))
     plan: dict[str, Any] = {}
     for name, module in stage.named_modules():
         leaf = name.rsplit(".", 1)[-1]
@@ -184,7 +182,7 @@ def whole_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     whole: dict[str, torch.Tensor] = {}
     for key, value in module.state_dict().items():
         if isinstance(value, DTensor):
-            degree = tp_degree(value.device_mesh)
+            degree = _mesh_degree(value.device_mesh)
             value = value.full_tensor()
             if key.endswith(f"{_ATTN_QKV}.weight") or key.endswith(f"{_ATTN_QKV}.bias"):
                 restored = torch.empty_like(value)

@@ -718,7 +718,8 @@ class _Worker:
         try:
             loss = evaluate(self.plan, self.spec.rank, self.state.module, self._transport(), self.eval_data,
                             config.training.eval_batches, built.input_shape, weights_dtype(config.training.dtype),
-                            self.device, config.training.dtype, built.loss_fn, before_forward)
+                            self.device, config.training.dtype, built.loss_fn, before_forward,
+                            counts=self.spec.tp_rank == 0)
         finally:
             self.activity.phase = "idle"
         if self.stage == config.num_stages - 1 and self._is_writer():

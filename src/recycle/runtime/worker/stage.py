@@ -243,4 +243,4 @@ def check_model(config: Config, factory: str = "") -> None:
     else:
         shape = resolve_shape(config.model, config.workload.seq_len)
         stage_layers(shape.n_layer, config.num_stages)
-        check_tensor_parallel(shape, config.topology.gpus_per_worker, shape.dropout)
+        check_tensor_parallel(shape, config.topology.gpus_per_worker)
