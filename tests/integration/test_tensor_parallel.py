@@ -126,39 +126,16 @@ def test_a_frozen_tp_rank_ends_its_worker_through_rank_0_and_the_run_is_exact(ti
     assert not mp.active_children()
 
 
-def test_a_llama_stage_sharded_over_two_ranks_matches_the_whole_model(tmp_path, monkeypatch) -> None:
+def test_a_llama_stage_sharded_over_two_ranks_matches_the_whole_model(tiny_config, tmp_path, monkeypatch) -> None:
     """The Hugging Face llama family (built from a config JSON, nothing downloaded), D=1 x S=2 x T=2, with the
     grouped-query heads (4 query, 2 key/value) split over the ranks: exact against the whole model in one process."""
     pytest.importorskip("transformers")
     import os
 
-    from recycle.config import load_config
-
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     llama = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "examples", "hf-tiny-llama.json"))
-    path = tmp_path / "llama.toml"
-    path.write_text(f"""
-[topology]
-num_replicas = 1
-num_stages = 2
-gpus_per_worker = 2
-[workload]
-num_microbatches = 2
-microbatch_size = 2
-seq_len = 16
-[costs]
-forward = 1
-backward_input = 1
-backward_weight = 1
-[model]
-hf_config = {llama!r}
-[training]
-steps = 2
-lr = 0.01
-dtype = "float64"
-seed = 4
-""")
-    config = load_config(path)
+    base = tiny_config(D=1, seed=4)
+    config = with_tp(replace(base, model=replace(base.model, hf_config=llama)), 2)
     check(config, build_schedule(config, "1f1b"), tmp_path)
 
 
