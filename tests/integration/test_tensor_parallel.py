@@ -1,6 +1,6 @@
 """Tensor parallel inside a worker (D x S x T processes, gloo on CPU): exact against the single-process reference
-fault-free (1F1B) and with a worker down (adaptive plan), and the whole worker fenced when one of its TP ranks is
-SIGKILLed or frozen mid-step."""
+fault-free (1F1B) and with a worker down (adaptive plan), the whole worker fenced when one of its TP ranks is
+SIGKILLed or frozen mid-step, a re-join, a llama stage, and a T=2 checkpoint resumed with T=1."""
 
 from __future__ import annotations
 
@@ -160,4 +160,27 @@ def test_a_tp_worker_rejoins_with_its_ranks_state_from_a_live_replica(tiny_confi
     assert join.transfer_bytes > 0 and result.failed == ()
     last = result.steps[-1]
     assert last.digests["0:0"] == last.digests["1:0"]  # the re-joined rank 0 shards equal the replica's
+    assert not mp.active_children()
+
+
+def test_a_t2_checkpoint_holds_the_whole_model_and_resumes_with_t1(tiny_config, tmp_path) -> None:
+    """D=2 x S=2 x T=2 writes its checkpoint gathered whole (the T = 1 format, whole-model names, optimizer state
+    included): it equals the reference after 2 steps, and a D=2 x S=2 x T=1 run resumed from it ends exact."""
+    from recycle.runtime.options import CheckpointOptions
+    from recycle.runtime.state import checkpoint
+
+    config = with_tp(tiny_config(seed=5, steps=4, lr_schedule="cosine", warmup_steps=1, min_lr=0.001), 2)
+    ck = tmp_path / "ck"
+    options = LaunchOptions(outputs=OutputOptions(save_path=str(tmp_path / "t2.pt")), progress=None,
+                            checkpoint=CheckpointOptions(dir=str(ck), every=2),
+                            cluster=ClusterOptions(start_method="forkserver"))
+    launch(config, build_schedule(config, "1f1b"), replace(options, steps=2))
+    assert (ck / "latest").read_text().strip() == "step000002"
+    at_two = checkpoint.load_full_model(ck, config).state_dict()
+    assert max_relative_error(at_two, reference_train(config, steps=2)[0]) < 1e-9
+    one = with_tp(config, 1)
+    launch(one, build_schedule(one, "1f1b"), replace(options, checkpoint=CheckpointOptions(resume_dir=str(ck)),
+                                                     outputs=OutputOptions(save_path=str(tmp_path / "t1.pt"))))
+    resumed = torch.load(tmp_path / "t1.pt", weights_only=True)["model"]
+    assert max_relative_error(resumed, reference_train(config)[0]) < 1e-9  # Adam's moments came through whole
     assert not mp.active_children()

@@ -66,13 +66,15 @@ def test_inject_names_a_tp_rank_and_checks_it() -> None:
         parse_fault("kill:1:0:2@2", 2, 2, tp_degree=2)
 
 
-def test_tensor_parallel_launch_refuses_checkpoints_and_chaos(tiny_config) -> None:
+def test_tensor_parallel_launch_refuses_resume_and_chaos(tiny_config) -> None:
     config = tiny_config()
     two = replace(config, topology=replace(config.topology, gpus_per_worker=2))
     check_tensor_parallel_launch(two, LaunchOptions())
-    check_tensor_parallel_launch(config, LaunchOptions(checkpoint=CheckpointOptions(dir="/tmp/x", every=1)))  # T = 1
-    with pytest.raises(ConfigError, match=r"gpus_per_worker = 2 .* does not write or resume checkpoints"):
-        check_tensor_parallel_launch(two, LaunchOptions(checkpoint=CheckpointOptions(dir="/tmp/x", every=1)))
+    check_tensor_parallel_launch(two, LaunchOptions(checkpoint=CheckpointOptions(dir="/tmp/x", every=1)))
+    check_tensor_parallel_launch(config, LaunchOptions(checkpoint=CheckpointOptions(resume_dir="/tmp/x")))  # T = 1
+    with pytest.raises(ConfigError, match=r"gpus_per_worker = 2 .* does not resume checkpoints yet .* resume with "
+                                          r"gpus_per_worker = 1"):
+        check_tensor_parallel_launch(two, LaunchOptions(checkpoint=CheckpointOptions(resume_dir="/tmp/x")))
     check_tensor_parallel_launch(two, LaunchOptions(faults=FaultOptions(rejoins=((3, 2),))))
     from recycle.runtime.tools.chaos import ChaosSpec
 

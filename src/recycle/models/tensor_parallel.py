@@ -25,7 +25,7 @@ from recycle.errors import ConfigError
 from recycle.models.gpt import GPTShape, GPTStage
 
 __all__ = ["check_tensor_parallel", "check_hf_tensor_parallel", "parallelize_gpt_stage", "parallelize_hf_stage",
-           "parallelize_stage", "whole_state_dict", "local_tensor", "local_state", "sharded_like", "qkv_order",
+           "parallelize_stage", "whole_state_dict", "whole_state", "local_tensor", "local_state", "sharded_like", "qkv_order",
            "is_sharded"]
 
 _ATTN_QKV = "attn.c_attn"
@@ -177,16 +177,23 @@ def local_state(state: dict[str, Any]) -> dict[str, Any]:
 def whole_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """The stage's state dict with every sharded tensor gathered whole, in the unsharded model's layout (c_attn's
     rows back in q, k, v order): a collective over the worker's ranks, every rank gets the same."""
+    return whole_state(module.state_dict())
+
+
+def whole_state(state: Any) -> dict[str, Any]:
+    """A flat state (a state dict, or a StageState's: parameters and their optimizer entries, whose keys hold the
+    parameter's name) with every DTensor gathered whole in the unsharded layout; a collective over the worker's
+    ranks, in key order, which every rank runs alike."""
     from torch.distributed.tensor import DTensor
 
-    whole: dict[str, torch.Tensor] = {}
-    for key, value in module.state_dict().items():
+    whole: dict[str, Any] = {}
+    for key, value in state.items():
         if isinstance(value, DTensor):
             degree = _mesh_degree(value.device_mesh)
             value = value.full_tensor()
-            if key.endswith(f"{_ATTN_QKV}.weight") or key.endswith(f"{_ATTN_QKV}.bias"):
+            if f"{_ATTN_QKV}.weight" in key or f"{_ATTN_QKV}.bias" in key:
                 restored = torch.empty_like(value)
                 restored[qkv_order(value.shape[0] // 3, degree)] = value
                 value = restored
-        whole[key] = value.detach()
+        whole[key] = value.detach() if isinstance(value, torch.Tensor) else value
     return whole

@@ -25,7 +25,7 @@ from recycle.ir import Action, Plan
 from recycle.ir.completion import Completion
 from recycle.ir.worker import Worker
 from recycle.models.gpt import GPTStage
-from recycle.models.tensor_parallel import local_tensor, parallelize_stage, whole_state_dict
+from recycle.models.tensor_parallel import local_tensor, parallelize_stage, whole_state, whole_state_dict
 from recycle.runtime.options import (Backend, CheckpointOptions, ClusterOptions, DebugOptions, OutputOptions,
                                      RecoveryOptions)
 from recycle.runtime.protocol.channels import Channels, Flags, JobStore, Keys, connect_store, worker_identity
@@ -410,8 +410,9 @@ class _Worker:
         self.executor: StageExecutor | None = None
         self.announcement: Announcement | None = None  # of the current generation (None: generation 0)
         self.completion: Completion | None = None  # how to finish the interrupted iteration (a kept recovery)
+        # A tensor-parallel worker's checkpoint is written by its rank 0 (gathered whole: _save_checkpoint).
         self.writer = CheckpointWriter(spec.checkpoint.dir, hooks.connect(spec), self._shard_written) \
-            if spec.checkpoint.enabled else None
+            if spec.checkpoint.enabled and spec.tp_rank == 0 else None
         self._fired: set[FaultInjection] = set()
         self._resumed_pending = False
         # A replacement holds its stage's state only once it has arrived (from a replica, or the checkpoint); until
@@ -612,6 +613,10 @@ class _Worker:
         (restored when a stage was lost before any checkpoint completed), the checkpoint it resumed from or the
         seed's initial state."""
         spec = self.spec
+        if self.mesh is not None:
+            raise ConfigError(f"a stage lost every replica and the run restores the checkpoint of step {step}, which "
+                              f"[topology] gpus_per_worker = {spec.tp_degree} cannot load into its sharded stages yet; "
+                              f"resume from it with gpus_per_worker = 1 (--resume {spec.checkpoint.dir})")
         if step == spec.start_step and not checkpoint.step_dir(spec.checkpoint.dir, step).is_dir():
             if spec.checkpoint.resume_dir:
                 checkpoint.load_stage(spec.checkpoint.resume_dir, step, self.state)
@@ -765,8 +770,16 @@ class _Worker:
         done = self.position.done
         faults = [f for f in self.spec.faults if f.point == "ckpt" and f.step == done - 1]
         before_write = (lambda: self._fire(faults[0], f"the checkpoint of step {done}")) if faults else None
+        entries = None
+        if self.mesh is not None:
+            # Gathered whole (a collective of the worker's ranks), under the whole model's names: the same shard a
+            # T = 1 worker writes, so any T, D or S can resume from it. Rank 0 writes it.
+            entries = {k: v.detach().to("cpu", copy=True) for k, v in whole_state(self.state.state_dict()).items()
+                       if isinstance(v, torch.Tensor)}
+            if self.spec.tp_rank > 0:
+                return
         assert self.writer is not None, "checkpoints are due only when a checkpoint folder is set"
-        self.writer.submit(self.state, self.layers, before_write)
+        self.writer.submit(self.state, self.layers, before_write, entries)
 
     def _save_final(self) -> None:
         """The --save / --export-hf part of this stage, and every checkpoint on disk (and reported) before the worker
@@ -877,6 +890,10 @@ class _Worker:
     def _repair_checkpoint(self, redo: int) -> None:
         """A checkpoint due at the step we roll back to may have lost its writer mid-save: write it again from the
         rolled-back state (which is exactly that step's state)."""
+        if self.mesh is not None:
+            # Rewriting needs every rank of the worker to gather, and they read the store's flag at different
+            # moments: a tensor-parallel run leaves such a step out (the next checkpoint is written as usual).
+            return
         spec = self.spec
         if not (spec.checkpoint.due(redo) and redo > spec.start_step and self._is_writer()):
             return
