@@ -108,7 +108,8 @@ def add_recovery_options(p: argparse.ArgumentParser) -> None:
                                "step 3; hang: freezes it (SIGSTOP); stall: blocks its main thread while its heartbeat goes on; "
                                "raise: raises; ACTION may also be 'ckpt' (during "
                                "its checkpoint write), 'recovery' (while a recovery is under way) or 'eval' (at "
-                               "its first forward of the evaluation after the step); rejoin:1:1@8 "
+                               "its first forward of the evaluation after the step); kill:1:1:1@3.5 hits TP rank 1 "
+                               "of worker 1:1 ([topology] gpus_per_worker > 1); rejoin:1:1@8 "
                                "starts worker 1:1 again at step 8 (it takes its state from a live replica)")
     recovery.add_argument("--on-stage-loss", choices=STAGE_LOSS_POLICIES, default="reshape",
                           help="when a stage loses every replica (the run restores the latest checkpoint): reshape = "
