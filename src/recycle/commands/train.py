@@ -108,7 +108,8 @@ def add_recovery_options(p: argparse.ArgumentParser) -> None:
                                "step 3; hang: freezes it (SIGSTOP); stall: blocks its main thread while its heartbeat goes on; "
                                "raise: raises; ACTION may also be 'ckpt' (during "
                                "its checkpoint write), 'recovery' (while a recovery is under way) or 'eval' (at "
-                               "its first forward of the evaluation after the step); rejoin:1:1@8 "
+                               "its first forward of the evaluation after the step); kill:1:1:1@3.5 hits TP rank 1 "
+                               "of worker 1:1 ([topology] gpus_per_worker > 1); rejoin:1:1@8 "
                                "starts worker 1:1 again at step 8 (it takes its state from a live replica)")
     recovery.add_argument("--on-stage-loss", choices=STAGE_LOSS_POLICIES, default="reshape",
                           help="when a stage loses every replica (the run restores the latest checkpoint): reshape = "
@@ -246,6 +247,10 @@ def run_job(args: argparse.Namespace, place: CoordinatorPlace) -> int:
     if role.nnodes > config.topology.num_workers:
         raise ConfigError(f"--nnodes {role.nnodes} is more than the job's D x S = {config.topology.num_workers} "
                           "workers: every node runs at least one; use at most that many nodes")
+    if config.topology.gpus_per_worker > 1:  # a tensor-parallel degree the model cannot take fails before planning
+        from recycle.runtime.worker.stage import check_model
+
+        check_model(config, args.model_factory)
     plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
                        staggered=not args.no_stagger)
     faults, rejoins = _scripted_faults(args.inject, config.topology)
@@ -284,7 +289,7 @@ def _scripted_faults(specs: list[str],
             worker, step = parse_rejoin(spec, topology.num_replicas, topology.num_stages)
             rejoins.append((topology.rank(*worker), step))
         else:
-            worker, fault = parse_fault(spec, topology.num_replicas, topology.num_stages)
+            worker, fault = parse_fault(spec, topology.num_replicas, topology.num_stages, topology.gpus_per_worker)
             faults.append((topology.rank(*worker), fault))
     return faults, rejoins
 

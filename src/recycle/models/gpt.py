@@ -98,11 +98,15 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        qkv = self.c_attn(x)
+        # Under tensor parallelism c_attn is column-sharded by heads (models.tensor_parallel): this rank holds the
+        # q, k and v of n_head * width / C heads; unsharded, width = C.
+        width = qkv.shape[-1] // 3
+        heads = self.n_head * width // C
+        q, k, v = (t.view(B, T, heads, width // heads).transpose(1, 2) for t in qkv.split(width, dim=2))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, width))
 
 
 class Block(nn.Module):

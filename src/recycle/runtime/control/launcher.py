@@ -122,7 +122,10 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     finished = False
     try:
         if options.progress and cluster.runs_workers:
-            options.progress(f"starting {len(mine)} worker process(es) ({cluster.start_method}): each imports torch "
+            T = config.topology.gpus_per_worker
+            processes = f"{len(mine)} worker process(es)" if T == 1 else \
+                f"{len(mine)} workers x {T} tensor-parallel ranks = {len(mine) * T} processes (pids below: TP rank 0's)"
+            options.progress(f"starting {processes} ({cluster.start_method}): each imports torch "
                              "and builds its stage; step 1 follows when every worker has joined"
                              + (" (this node re-joins a running job)" if rejoining else ""))
         elif options.progress:

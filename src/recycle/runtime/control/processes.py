@@ -1,4 +1,5 @@
-"""The worker processes of one node's launcher: started, started again as replacements, fenced (killed) and stopped."""
+"""The worker processes of one node's launcher: started, started again as replacements, fenced (killed) and stopped.
+A tensor-parallel worker is T processes on the node, started, watched and killed as one (WorkerGroup)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,18 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from dataclasses import replace
 from multiprocessing import connection as mp_connection
 from typing import Any, Callable, Protocol, Sequence
+
+import torch
 
 from recycle.ir.worker import Worker
 from recycle.runtime.options import StartMethod
 from recycle.runtime.protocol.channels import JobStore, Keys
 from recycle.runtime.worker.process import WorkerSpec, worker_main
 
-__all__ = ["WorkerProcess", "Spawner", "WorkerProcesses", "start_context", "node_ranks"]
+__all__ = ["WorkerProcess", "WorkerGroup", "Spawner", "WorkerProcesses", "start_context", "node_ranks"]
 
 
 def node_ranks(live: list[int], nnodes: int, node_rank: int) -> list[int]:
@@ -51,6 +55,66 @@ class WorkerProcess(Protocol):
     def join(self, timeout: float | None = None) -> None: ...
 
 
+class WorkerGroup:
+    """A tensor-parallel worker's T processes as one WorkerProcess. The worker is the failure unit: once any of its
+    processes has ended in failure (a non-zero exit: killed, crashed, fenced), the others are killed at once and the
+    worker has ended with that process's exit code; after a clean end of all T its code is 0. Its pid is TP rank
+    0's (the one that speaks for the worker)."""
+
+    def __init__(self, members: list[WorkerProcess]) -> None:
+        self.members = members
+        self._failure: int | None = None  # the exit code of the first process seen to fail
+
+    @property
+    def pid(self) -> int | None:
+        return self.members[0].pid
+
+    @property
+    def exitcode(self) -> int | None:
+        if self._failure is None:
+            failed = [code for code in (p.exitcode for p in self.members) if code not in (None, 0)]
+            if failed:
+                self._failure = failed[0]
+                self._fence()
+        if self._failure is not None:
+            return self._failure if all(p.exitcode is not None for p in self.members) else None
+        codes = [p.exitcode for p in self.members]
+        return 0 if all(code == 0 for code in codes) else None
+
+    def _fence(self) -> None:
+        """Kill the worker's other processes (SIGKILL: works on a SIGSTOPped one) and reap them."""
+        for p in self.members:
+            if p.exitcode is None:
+                p.kill()
+        for p in self.members:
+            p.join(2.0)
+
+    @property
+    def sentinel(self) -> int:
+        return self.members[0].sentinel
+
+    def running_sentinels(self) -> list[int]:
+        """What to wait on: each process still running (one that has ended would wake every wait at once)."""
+        return [p.sentinel for p in self.members if p.exitcode is None]
+
+    def terminate(self) -> None:
+        for p in self.members:
+            p.terminate()
+
+    def kill(self) -> None:
+        for p in self.members:
+            p.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.time() + timeout
+        for p in self.members:
+            p.join(None if deadline is None else max(0.0, deadline - time.time()))
+
+
+def _members(process: WorkerProcess) -> list[WorkerProcess]:
+    return process.members if isinstance(process, WorkerGroup) else [process]
+
+
 class Spawner:
     """Starts worker processes: one fresh process per call, told its WorkerSpec and the launcher's pipe."""
 
@@ -62,8 +126,19 @@ class Spawner:
 
     def __call__(self, rank: int, joining: bool) -> WorkerProcess:
         replica, stage = self.worker(rank)
-        process = self.context.Process(target=worker_main, args=(self.spec_for(rank, joining), self._alive),
-                                       name=f"recycle-worker-{Worker(replica, stage)}", daemon=True)
+        spec = self.spec_for(rank, joining)
+        T = spec.tp_degree
+        if T == 1:
+            return self._start(spec, f"recycle-worker-{Worker(replica, stage)}")
+        # A worker's T ranks run on this node, each on its own device (CUDA), each with its own scripted faults.
+        members = [self._start(replace(spec, tp_rank=t, faults=tuple(f for f in spec.faults if f.tp_rank == t),
+                                       device_index=(spec.device_index * T + t) % max(torch.cuda.device_count(), 1)),
+                               f"recycle-worker-{Worker(replica, stage)}-tp{t}")
+                   for t in range(T)]
+        return WorkerGroup(members)
+
+    def _start(self, spec: WorkerSpec, name: str) -> WorkerProcess:
+        process = self.context.Process(target=worker_main, args=(spec, self._alive), name=name, daemon=True)
         process.start()
         return process
 
@@ -119,15 +194,22 @@ class WorkerProcesses:
         return None if process is None else process.pid
 
     def signal(self, rank: int, number: signal.Signals) -> None:
-        """Send `number` to the running process of `rank` (SIGKILL: works on a SIGSTOPped process too)."""
-        pid = self.pid(rank)
-        if self.running(rank) and pid is not None:
-            os.kill(pid, number)
+        """Send `number` to the running process(es) of `rank` (SIGKILL: works on a SIGSTOPped process too)."""
+        process = self._processes.get(rank)
+        if process is None or not self.running(rank):
+            return
+        for member in _members(process):
+            if member.exitcode is None and member.pid is not None:
+                try:
+                    os.kill(member.pid, number)
+                except ProcessLookupError:
+                    pass
 
     def wait(self, timeout_s: float, also: Sequence[Any] = ()) -> None:
         """Sleep until a worker exits (seen at once), one of `also` (objects with a fileno()) is readable, or
         `timeout_s` passes: a busy poll would take CPU from the workers on a small machine."""
-        waiting = [p.sentinel for p in self._processes.values() if p.exitcode is None] + list(also)
+        waiting = [s for p in self._processes.values() if p.exitcode is None
+                   for s in (p.running_sentinels() if isinstance(p, WorkerGroup) else [p.sentinel])] + list(also)
         if waiting:
             mp_connection.wait(waiting, timeout=timeout_s)
         else:
@@ -135,7 +217,8 @@ class WorkerProcesses:
 
     def stop(self) -> None:
         """Terminate every still-running worker (SIGTERM, then SIGKILL) and reap it."""
-        for p in self._processes.values():
+        processes = [m for p in self._processes.values() for m in _members(p)]
+        for p in processes:
             if p.exitcode is None:
                 p.terminate()
                 try:
@@ -144,7 +227,7 @@ class WorkerProcesses:
                 except ProcessLookupError:
                     pass
         deadline = time.time() + 3.0
-        for p in self._processes.values():
+        for p in processes:
             p.join(max(0.0, deadline - time.time()))
             if p.exitcode is None:
                 p.kill()

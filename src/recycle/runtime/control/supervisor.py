@@ -62,6 +62,7 @@ class Supervisor:
                  start_step: int, end_step: int, wall0: float, server: StoreServer | None = None,
                  rebuilt: Rebuilt | None = None, *, feed: Feed) -> None:
         self.plan, self.options, self.store = plan, options, store
+        self.tp_degree = config.topology.gpus_per_worker
         self.jobs = JobStore(store)
         self.server = server
         self.plan_at_start = plan
@@ -411,8 +412,10 @@ class Supervisor:
         """With --redo lost: how the survivors finish the interrupted iteration keeping their work (ir.completion),
         and the recovery's facts with the work that is really redone; else (or where that cannot be exact) the
         whole iteration is redone."""
-        if self.options.recovery.redo != "lost" or facts.restore_step is not None or facts.joining or \
-                facts.redo_step >= self.end_step or not facts.deaths or not facts.redone_actions:
+        # A tensor-parallel run redoes whole iterations (--redo iteration): keeping a survivor's partial iteration
+        # is not checked exact across a worker's ranks yet.
+        if self.options.recovery.redo != "lost" or self.tp_degree > 1 or facts.restore_step is not None or \
+                facts.joining or facts.redo_step >= self.end_step or not facts.deaths or not facts.redone_actions:
             return facts, None  # (no work done in the iteration: nothing to keep)
         if any(r.completing or r.generation != facts.generation - 1 for r in facts.reports):
             return replace(facts, kept="the whole iteration is redone: a failure hit the completion of the last "

@@ -7,6 +7,8 @@ import queue
 import threading
 from typing import Any, Callable
 
+import torch
+
 from recycle.runtime.protocol.channels import Keys
 from recycle.runtime.protocol.store import StoreUnavailable
 from recycle.runtime.state import checkpoint
@@ -37,15 +39,18 @@ class CheckpointWriter:
         self._thread.start()
 
     def submit(self, state: StageState, layers: tuple[int, int],
-               before_write: Callable[[], None] | None = None) -> None:
-        """Checkpoint `state` as the shard of the step it holds (its position's steps done)."""
+               before_write: Callable[[], None] | None = None,
+               entries: dict[str, torch.Tensor] | None = None) -> None:
+        """Checkpoint `state` as the shard of the step it holds (its position's steps done); `entries`: what to write
+        instead of its own (a tensor-parallel stage's, gathered whole), fresh CPU tensors the step will not touch."""
         self._raise_if_failed()
         # At most one checkpoint in flight (as with dcp.async_save): memory stays at one copy, and a writer never
         # falls steps behind the training it checkpoints. A step that checkpoints before the previous checkpoint
         # is written waits for it.
         self._queue.join()
         self._raise_if_failed()
-        entries = checkpoint.shard_entries(state, copy=True)
+        if entries is None:
+            entries = checkpoint.shard_entries(state, copy=True)
         self._queue.put((state.position.done, state.stage, layers, entries, before_write))
 
     def wait(self) -> None:

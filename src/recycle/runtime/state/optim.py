@@ -15,6 +15,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from recycle.config import LR_SCHEDULES, Training
 from recycle.errors import ConfigError
+from recycle.models.tensor_parallel import local_tensor
 
 __all__ = ["AdamW", "StageOptimizer", "TrainingOptimizer", "allreduce_grads", "fill_missing_grads", "make_optimizer",
            "optimizer_class", "optimizer_kwargs", "lr_factor", "learning_rate", "OPTIMIZER_KEYS", "LR_SCHEDULES"]
@@ -30,8 +31,9 @@ def allreduce_grads(params: list[torch.nn.Parameter], allreduce: Callable[[torch
                     extra: torch.Tensor | None = None) -> None:
     """The data-parallel half of an OPT: flatten the stage's gradients (zeros for unused parameters) into one buffer,
     SUM-all-reduce it with `allreduce`, and copy the result back into every .grad. `extra` (a small 1-D tensor of
-    the gradients' dtype) is summed in the same all-reduce and updated in place."""
-    grads = fill_missing_grads(params)
+    the gradients' dtype) is summed in the same all-reduce and updated in place. A tensor-parallel stage's DTensor
+    gradients are reduced shard by shard: each rank of a worker with the same rank of the stage's other replicas."""
+    grads = [local_tensor(g) for g in fill_missing_grads(params)]
     pieces = [g.reshape(-1) for g in grads]
     flat = torch.cat(pieces if extra is None else [*pieces, extra.reshape(-1)])
     allreduce(flat)

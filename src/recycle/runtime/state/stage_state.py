@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from recycle.models.tensor_parallel import local_tensor, sharded_like
 from recycle.runtime.state.optim import StageOptimizer
 
 __all__ = ["IterationPosition", "StageState", "copy_state", "OPTIMIZER_PREFIX", "STEP_KEY", "RNG_PREFIX"]
@@ -110,17 +111,19 @@ class StageState:
                 key = self.prefix + name
                 if key not in state:
                     raise KeyError(f"the stage state to load has no {key!r}")
-                value = state[key]
+                # A tensor-parallel stage's DTensors load shard by shard (from a DTensor or a plain shard alike).
+                value, live = local_tensor(state[key]), local_tensor(live)
                 if value.shape != live.shape:
                     raise ValueError(f"{key!r} is {tuple(value.shape)} in the state to load, {tuple(live.shape)} in "
                                      "this stage")
                 if value.data_ptr() != live.data_ptr():  # loaded in place already (DCP fills the live tensors)
                     live.copy_(value)
         per_param: dict[int, dict[str, Any]] = {}
+        params = [p for p in self.module.parameters() if p.requires_grad]  # the optimizer's order
         for key, value in state.items():
             index = self.parameter_of(key)
             if index is not None:
-                per_param.setdefault(index, {})[key.rpartition(".")[2]] = value
+                per_param.setdefault(index, {})[key.rpartition(".")[2]] = sharded_like(value, params[index])
         done = int(state[STEP_KEY])
         groups = self.optimizer.state_dict()["optimizer"]["param_groups"]
         self.optimizer.load_state_dict({"optimizer": {"state": dict(sorted(per_param.items())),

@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from recycle.models.tensor_parallel import local_state
 from recycle.runtime.state.stage_state import StageState
 
 __all__ = ["TransferStats", "transfer_stage_state", "send_state", "receive_state", "group_by_dtype"]
@@ -99,7 +100,9 @@ def transfer_stage_state(state: StageState, is_source: bool, broadcast: Wire,
     at the first step), so the layout travels first and the joiner allocates what it receives into."""
     started = time.perf_counter()
     if is_source:
-        moved = send_state(state.state_dict(), broadcast, device)
+        # A tensor-parallel stage sends this rank's shards: the group is this TP rank's (runtime.transport), so each
+        # joiner rank receives its own shards from the source's same rank.
+        moved = send_state(local_state(state.state_dict()), broadcast, device)
     else:
         received, moved = receive_state(broadcast, device)
         state.load_state_dict(received)

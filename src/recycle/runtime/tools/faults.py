@@ -17,7 +17,7 @@ __all__ = ["FaultInjection", "MODES", "POINTS", "parse_fault", "parse_rejoin", "
 MODES = ("kill", "hang", "stall", "raise")
 POINTS = ("action", "ckpt", "recovery", "eval")
 
-_SPEC = re.compile(r"^(?P<mode>[a-z]+):(?P<replica>\d+):(?P<stage>\d+)@(?P<step>\d+)(?:\.(?P<point>\d+|[a-z]+))?$")
+_SPEC = re.compile(r"^(?P<mode>[a-z]+):(?P<replica>\d+):(?P<stage>\d+)(?::(?P<tp>\d+))?@(?P<step>\d+)(?:\.(?P<point>\d+|[a-z]+))?$")
 
 
 @dataclass(frozen=True)
@@ -27,12 +27,14 @@ class FaultInjection:
     deadlocked compute thread; only the progress check catches it) or raises ("raise"). `point` says where: before action `index` of its
     action list ("action"), in the middle of writing its checkpoint file after the step ("ckpt"), as soon as it
     stops for a recovery in that iteration or later ("recovery": a failure during a recovery), or before its first
-    forward of the evaluation after the step ("eval", [training] eval_every)."""
+    forward of the evaluation after the step ("eval", [training] eval_every). `tp_rank`: which of a
+    tensor-parallel worker's processes it hits (any one of them takes the whole worker down)."""
 
     step: int
     index: int = 0
     mode: str = "kill"
     point: str = "action"
+    tp_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.mode == "freeze":  # the name older callers use
@@ -45,16 +47,19 @@ class FaultInjection:
 
     def describe(self) -> str:
         where = f"action {self.index}" if self.point == "action" else self.point
-        return f"{self.mode} at step {self.step + 1}, {where}"
+        rank = f" of TP rank {self.tp_rank}" if self.tp_rank else ""
+        return f"{self.mode}{rank} at step {self.step + 1}, {where}"
 
 
-def parse_fault(spec: str, num_replicas: int, num_stages: int) -> tuple[tuple[int, int], FaultInjection]:
+def parse_fault(spec: str, num_replicas: int, num_stages: int,
+                tp_degree: int = 1) -> tuple[tuple[int, int], FaultInjection]:
     """'kill:1:1@3.5' -> ((1, 1), FaultInjection(step=2, index=5)); STEP is 1-based as the progress lines print it;
     the part after the dot is an action index (0-based, in the worker's action list), 'ckpt', 'recovery' or
-    'eval'."""
+    'eval'. 'kill:1:1:1@3.5' hits TP rank 1 of worker 1:1 (a worker of `tp_degree` > 1 processes)."""
     match = _SPEC.match(spec.strip())
     rule = ("--inject takes MODE:REPLICA:STAGE@STEP[.ACTION], e.g. kill:1:1@3.5 (MODE kill, hang, stall or raise; STEP "
-            "1-based; ACTION an index into the worker's action list, or 'ckpt', 'recovery' or 'eval'), or "
+            "1-based; ACTION an index into the worker's action list, or 'ckpt', 'recovery' or 'eval'), "
+            "MODE:REPLICA:STAGE:TP_RANK@STEP[.ACTION] for one process of a tensor-parallel worker, or "
             "rejoin:R:S@STEP")
     if not match:
         raise ConfigError(f"--inject {spec!r}: {rule}")
@@ -62,19 +67,23 @@ def parse_fault(spec: str, num_replicas: int, num_stages: int) -> tuple[tuple[in
     if mode not in MODES:
         raise ConfigError(f"--inject {spec!r}: mode {mode!r} is unknown; {rule}")
     (replica, stage), step = _worker_and_step(spec, match, num_replicas, num_stages)
+    tp_rank = int(match["tp"] or 0)
+    if tp_rank >= tp_degree:
+        raise ConfigError(f"--inject {spec!r}: TP rank {tp_rank} is outside the worker's {tp_degree} process(es) "
+                          f"([topology] gpus_per_worker = {tp_degree}); use TP_RANK < {tp_degree}")
     point_text = match["point"] or "0"
     if point_text.isdigit():
-        return (replica, stage), FaultInjection(step - 1, int(point_text), mode, "action")
+        return (replica, stage), FaultInjection(step - 1, int(point_text), mode, "action", tp_rank)
     if point_text not in POINTS[1:]:
         raise ConfigError(f"--inject {spec!r}: {point_text!r} is not an action index, 'ckpt', 'recovery' or "
                           "'eval'")
-    return (replica, stage), FaultInjection(step - 1, 0, mode, point_text)
+    return (replica, stage), FaultInjection(step - 1, 0, mode, point_text, tp_rank)
 
 
 def parse_rejoin(spec: str, num_replicas: int, num_stages: int) -> tuple[tuple[int, int], int]:
     """'rejoin:1:1@8' -> ((1, 1), 7): bring worker 1:1 back (if it is down) once 7 steps are done."""
     match = _SPEC.match(spec.strip())
-    if not match or match["mode"] != "rejoin" or match["point"] is not None:
+    if not match or match["mode"] != "rejoin" or match["point"] is not None or match["tp"] is not None:
         raise ConfigError(f"--inject {spec!r}: a re-join is rejoin:REPLICA:STAGE@STEP, e.g. rejoin:1:1@8 (STEP "
                           "1-based: the worker is started again when that step begins)")
     (replica, stage), step = _worker_and_step(spec, match, num_replicas, num_stages)

@@ -22,7 +22,7 @@ MAX_EVAL_MICROBATCHES = 1 << 24  # an evaluation's micro-batches are numbered in
 def evaluate(plan: Plan, rank: int, module: nn.Module, comm: Comm, load: DataSource | None, batches: int,
              input_shape: tuple[int, ...] | None, dtype: torch.dtype, device: torch.device, precision: str,
              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-             before_forward: Callable[[], None]) -> float:
+             before_forward: Callable[[], None], counts: bool = True) -> float:
     """The mean loss over `batches` global batches of the held-out split (`load`: its DataSource; micro-batch mb of
     batch b is load(b, mb)), which every live worker returns. Each worker forwards the micro-batches the plan's
     routing gives its stage, in one global order (batch, then micro-batch), so that every pair of workers sends and
@@ -31,7 +31,8 @@ def evaluate(plan: Plan, rank: int, module: nn.Module, comm: Comm, load: DataSou
 
     Deterministic: the same batches every time, no dropout (eval mode), and the sum does not depend on who hosted
     what beyond float64 rounding. `before_forward` runs before each forward (the abort check and the heartbeat's
-    progress, as before an action)."""
+    progress, as before an action). `counts`: whether this process's losses enter the sum (a tensor-parallel
+    worker's ranks all hold the same loss: only its rank 0 counts)."""
     replica, stage = plan.worker(rank)
     is_first, is_last = stage == 0, stage == plan.num_stages - 1
     total = plan.total_microbatches
@@ -72,6 +73,6 @@ def evaluate(plan: Plan, rank: int, module: nn.Module, comm: Comm, load: DataSou
             comm.flush()
     finally:
         module.train(training)
-    total_loss = torch.tensor([loss_sum], dtype=torch.float64, device=device)
+    total_loss = torch.tensor([loss_sum if counts else 0.0], dtype=torch.float64, device=device)
     comm.world_allreduce_sum(total_loss)
     return float(total_loss[0]) / (batches * total)

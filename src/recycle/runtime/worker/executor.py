@@ -15,6 +15,7 @@ from torch import nn
 from recycle.ir import Action, Kind, Plan
 from recycle.ir.completion import SEND_ACTIVATION, SEND_GRADIENT, Completion, Step
 from recycle.ir.worker import Worker
+from recycle.models.tensor_parallel import is_sharded, local_tensor
 from recycle.runtime.protocol.messages import Channel, Message, incoming, outgoing, send_order
 from recycle.runtime.state.optim import StageOptimizer, allreduce_grads, fill_missing_grads, learning_rate
 from recycle.runtime.state.precision import autocast
@@ -115,7 +116,8 @@ class StageExecutor:
                  before_action: Callable[[Action], None] | None = None,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  precision: str = "", pacing: Pacing | None = None,
-                 position: IterationPosition | None = None) -> None:
+                 position: IterationPosition | None = None, tp_rank: int = 0,
+                 tp_allreduce: Callable[[torch.Tensor], None] | None = None) -> None:
         self.rank = rank
         self.module = module
         self.loss_fn = loss_fn  # last stage: loss_fn(module(x), targets); None: module(x, targets) is the loss
@@ -136,6 +138,10 @@ class StageExecutor:
         self.dtype = dtype  # of the weights and of every tensor sent between stages
         self.precision = precision  # [training] dtype: "bfloat16" runs the forward under bf16 autocast
         self.grad_clip = grad_clip
+        # Tensor parallelism inside the worker: this process's rank, and the SUM over the worker's ranks (None: one
+        # rank). Only gradient norms need it; the stage module's own collectives go through its DeviceMesh.
+        self.tp_rank = tp_rank
+        self.tp_allreduce = tp_allreduce
         self.seed = seed
         self.device = device or torch.device("cpu")
         self.record_timings = record_timings
@@ -470,7 +476,9 @@ class StageExecutor:
         squares = torch.zeros(self.plan.num_stages, dtype=torch.float64, device=self.device)
         # Only the lowest live replica of each stage contributes, so the world sum counts each stage once.
         if self.replica == self.plan.live_replicas(self.stage)[0]:
-            squares[self.stage] = self._squared_norm()
+            # Every TP rank's shards, a replicated tensor from TP rank 0 only: the world sum counts each once.
+            sharded, whole = self._squared_norms()
+            squares[self.stage] = sharded + (whole if self.tp_rank == 0 else 0.0)
         self.comm.world_allreduce_sum(squares)
         total = float(squares.sum()) ** 0.5
         self._grad_norm = total
@@ -482,17 +490,32 @@ class StageExecutor:
 
     def _squared_norm(self) -> float:
         """The squared norm of this stage's gradients, a tied weight counted once in the model: on the first stage
-        (the last stage's copy holds the same summed gradient)."""
+        (the last stage's copy holds the same summed gradient). With tensor parallelism, of the whole stage: the
+        shards' squares summed over the worker's ranks."""
+        sharded, whole = self._squared_norms()
+        if self.tp_allreduce is not None:
+            summed = torch.tensor([sharded], dtype=torch.float64, device=self.device)
+            self.tp_allreduce(summed)
+            sharded = float(summed[0])
+        return sharded + whole
+
+    def _squared_norms(self) -> tuple[float, float]:
+        """This rank's squared gradient norm (see _squared_norm), split: (its shards of tensor-parallel gradients,
+        the gradients it holds whole)."""
         counted = self.params if self.is_first else self.stage_params
-        total = 0.0
+        sharded, whole = 0.0, 0.0
         for p in counted:
             if p.grad is not None:
                 # Squared in place in a float64 copy (always a copy: .double() of a float64 gradient is the gradient
                 # itself): the same products as pow(2), which is x * x, without a second buffer. Half the time of this
                 # per-step metric, and the clip coefficient needs it exact.
-                square = p.grad.detach().to(torch.float64, copy=True)
-                total += float(square.mul_(square).sum())
-        return total
+                square = local_tensor(p.grad).detach().to(torch.float64, copy=True)
+                value = float(square.mul_(square).sum())
+                if is_sharded(p.grad):
+                    sharded += value
+                else:
+                    whole += value
+        return sharded, whole
 
     def _output_grad(self, action: Action) -> torch.Tensor | None:
         if self.is_last:

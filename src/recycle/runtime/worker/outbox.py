@@ -16,7 +16,7 @@ from recycle.runtime.protocol.channels import Channel, Keys
 from recycle.runtime.protocol.records import WorkerResync, to_json
 from recycle.runtime.protocol.store import StoreUnavailable
 
-__all__ = ["Outbox", "KEPT"]
+__all__ = ["Outbox", "SilentOutbox", "KEPT"]
 
 # How many writes of each kind are kept to be written again to a restarted coordinator's store; a kind not named here
 # is written once and forgotten. 64 step records cover a coordinator that is back within 64 steps; records older than
@@ -211,3 +211,18 @@ class Outbox:
             if self._writer_error is not None:
                 raise self._writer_error
             time.sleep(poll_s)
+
+
+class SilentOutbox(Outbox):
+    """The outbox of a tensor-parallel worker's rank other than 0: the worker speaks to the job through its rank 0
+    (the coordinator counts one record per worker), so these ranks write nothing; every rank reads alike."""
+
+    def write(self, store: Any, key: str, value: bytes | str, kind: str = "", op: str = "set", order: int = 0,
+              background: bool = False) -> None:
+        return
+
+    def remember(self, key: str, value: bytes, kind: str) -> None:
+        return
+
+    def needs_sync(self) -> bool:
+        return False

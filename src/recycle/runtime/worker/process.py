@@ -25,6 +25,7 @@ from recycle.ir import Action, Plan
 from recycle.ir.completion import Completion
 from recycle.ir.worker import Worker
 from recycle.models.gpt import GPTStage
+from recycle.models.tensor_parallel import local_tensor, parallelize_stage, whole_state, whole_state_dict
 from recycle.runtime.options import (Backend, CheckpointOptions, ClusterOptions, DebugOptions, OutputOptions,
                                      RecoveryOptions)
 from recycle.runtime.protocol.channels import Channels, Flags, JobStore, Keys, connect_store, worker_identity
@@ -46,8 +47,10 @@ from recycle.runtime.worker.emulate import cost_pacer
 from recycle.runtime.worker.evaluation import evaluate
 from recycle.runtime.worker.executor import StageExecutor
 from recycle.runtime.worker.nccl_env import prepare_nccl
-from recycle.runtime.worker.outbox import Outbox
+from recycle.runtime.worker.outbox import Outbox, SilentOutbox
 from recycle.runtime.worker.stage import build_stage, tied_stages
+from recycle.runtime.worker.tensor_parallel import (RankBeats, bind_mesh, check_worker_features, rank_beat_key,
+                                                    tp_degree, worker_mesh)
 from recycle.runtime.worker.title import set_process_title
 from recycle.runtime.worker.transport import Activity, GenerationCut, Transport, is_comm_error
 
@@ -55,6 +58,7 @@ __all__ = ["WorkerSpec", "WorkerHooks", "FaultInjection", "GenerationAborted", "
            "make_optimizer", "parameter_digest", "EXIT_FENCED"]
 
 EXIT_FENCED = 4  # the coordinator left this worker out of the new generation (or fenced it while it was frozen)
+EXIT_RANK_FROZEN = 5  # TP rank 0: another rank of its worker stopped beating (the worker is lost with it)
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,11 @@ class WorkerSpec:
     # beats there, and its launcher tells the coordinator only about silent or hung workers (0: beat to the job's).
     node_store_port: int = 0
     joiner_dies_at: str = ""  # tests only: RECYCLE_TEST_JOINER_DIES as the launcher saw it (see _joiner_dies_here)
+    tp_rank: int = 0  # this process among its worker's [topology] gpus_per_worker tensor-parallel ranks
+
+    @property
+    def tp_degree(self) -> int:
+        return tp_degree(self.config)
 
     @property
     def backend(self) -> Backend:
@@ -90,11 +99,12 @@ class GenerationAborted(Exception):
 
 
 def parameter_digest(module: torch.nn.Module) -> str:
-    """SHA-256 of the parameters' bytes: equal digests mean bit-identical replicas."""
+    """SHA-256 of the parameters' bytes: equal digests mean bit-identical replicas (with tensor parallelism, of this
+    rank's shards: replicas compare rank by rank)."""
     digest = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(local_tensor(tensor).detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -170,6 +180,13 @@ class _Watcher(threading.Thread):
         # They are sent by a thread of their own then: a coordinator that is away (the watcher waits for it to come
         # back) must not silence a live worker in its launcher's eyes.
         self.beats_apart = bool(spec.node_store_port)
+        # A worker beats through its TP rank 0 (one heartbeat per worker); its other ranks count their beats in the
+        # store for rank 0 alone, which ends the worker when one of them freezes (RankBeats). A rank's death is its
+        # launcher's to see (control.processes.WorkerGroup).
+        self.beating = spec.tp_rank == 0
+        self.tp_rank, self.tp_degree = spec.tp_rank, spec.tp_degree
+        self.rank_beats = RankBeats(spec.recovery.heartbeat_timeout_s)
+        self.worker = Worker(*divmod(spec.rank, spec.config.num_stages))
         self.beats_to = JobStore(_connect_node_store(spec) if spec.node_store_port else self.store)
         self.jobs = JobStore(self.store)
         self.rank = spec.rank
@@ -194,9 +211,29 @@ class _Watcher(threading.Thread):
         return watched
 
     def _beat(self) -> None:
+        if not self.beating:
+            self.beats += 1
+            self.beats_to.raw.set(rank_beat_key(self.rank, self.tp_rank), str(self.beats))
+            return
+        self._watch_ranks()
         self.beats += 1
         self.beats_to.put(Channels.HEARTBEAT, Beat(self.beats, self.activity.actions, self.activity.phase,
                                                    self.incarnation), self.rank)
+
+    def _watch_ranks(self) -> None:
+        """TP rank 0: end the worker (its launcher then kills every rank) once another of its ranks has frozen."""
+        if self.tp_degree == 1:
+            return
+        now = time.monotonic()
+        for t in range(1, self.tp_degree):
+            self.rank_beats.saw(t, self.beats_to.raw.try_get(rank_beat_key(self.rank, t)), now)
+        frozen = self.rank_beats.frozen(now)
+        if frozen:
+            sys.stderr.write(f"recycle: TP rank(s) {frozen} of worker {self.worker} sent no beat for "
+                             f"{self.rank_beats.timeout_s:g} s (frozen): the worker leaves, and its launcher stops "
+                             "every rank of it\n")
+            sys.stderr.flush()
+            os._exit(EXIT_RANK_FROZEN)
 
     def _beat_forever(self) -> None:
         """Beats to the node's store, whatever the job's store is doing."""
@@ -210,7 +247,7 @@ class _Watcher(threading.Thread):
             time.sleep(self.interval_s)
 
     def run(self) -> None:
-        if self.beats_apart:
+        if self.beats_apart:  # (a TP rank > 0 counts its beats there for its rank 0, which reads the same store)
             threading.Thread(target=self._beat_forever, daemon=True, name="recycle-beat").start()
         next_beat = 0.0
         while True:
@@ -258,7 +295,8 @@ def worker_main(spec: WorkerSpec, launcher_alive: Connection | None = None) -> N
     """Process entry point; exits non-zero after writing an error record to the store if anything fails."""
     torch.set_num_threads(1)
     # Before gloo's threads exist, which inherit it: ps, top and /proc name every thread of worker 1:1 'recycle 1:1'.
-    set_process_title(f"recycle {Worker(*divmod(spec.rank, spec.config.num_stages))}")
+    worker = Worker(*divmod(spec.rank, spec.config.num_stages))
+    set_process_title(f"recycle {worker}" + (f" tp{spec.tp_rank}" if spec.tp_degree > 1 else ""))
     _thread_lock_for_progress_bars()
     if spec.backend == "gloo" and spec.cluster.master_addr in ("127.0.0.1", "localhost", "::1"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # single machine: keep gloo on loopback
@@ -343,7 +381,13 @@ class _Worker:
         if fixed_split and self.plan.partition:
             raise ConfigError(f"the plan re-partitions layers ({list(self.plan.partition)} per stage), which only the "
                               "built-in GPT supports; run a plan without a partition with --model-factory / --hf")
+        check_worker_features(config, spec.model_factory, bool(self.plan.partition))
         built = build_stage(config, self.stage, spec.model_factory, self.bounds)
+        # Tensor parallelism: the stage is sharded before its optimizer exists (which holds its parameters), over a
+        # mesh that each generation binds to its group of this worker's ranks (worker.tensor_parallel).
+        self.mesh = worker_mesh(spec.tp_degree, spec.tp_rank, self.device.type) if spec.tp_degree > 1 else None
+        if self.mesh is not None:
+            parallelize_stage(built.module.to(self.device), self.mesh)  # on its device first: sliced there
         self.built = built
         self.tied_stages = tied_stages(config, spec.model_factory)  # every worker forms their group
         self.layers = built.layout
@@ -361,20 +405,22 @@ class _Worker:
             if training.eval_every and self.stage in (0, config.num_stages - 1) else None
         self.activity = Activity()
         self.phase = "admitting" if spec.joining else "training"  # where it stands, for a restarted coordinator
-        self.outbox = Outbox(spec.rank, self._resync_status)
+        self.outbox = Outbox(spec.rank, self._resync_status) if spec.tp_rank == 0 else SilentOutbox(spec.rank)
         self.heartbeat = _Watcher(spec, self.activity, self._abort_generation, hooks.connect, self.outbox)
         # Step records are written from a thread of their own: on stage 0 the write lay between the step's OPT and
         # the next iteration's first forward, the pipeline's critical path (docs/runtime-performance.md). A node
         # launcher with a store of its own takes them and hands the coordinator one record per node and step.
-        self.outbox.start_writer(hooks.connect(spec), _connect_node_store(spec) if spec.node_store_port else None)
+        if spec.tp_rank == 0:  # (the other TP ranks write nothing)
+            self.outbox.start_writer(hooks.connect(spec), _connect_node_store(spec) if spec.node_store_port else None)
         self._transport_lock = threading.Lock()
         self._store_peers = _store_peers(spec.cluster.master_addr, spec.cluster.master_port)
         self.transport: Transport | None = None
         self.executor: StageExecutor | None = None
         self.announcement: Announcement | None = None  # of the current generation (None: generation 0)
         self.completion: Completion | None = None  # how to finish the interrupted iteration (a kept recovery)
+        # A tensor-parallel worker's checkpoint is written by its rank 0 (gathered whole: _save_checkpoint).
         self.writer = CheckpointWriter(spec.checkpoint.dir, hooks.connect(spec), self._shard_written) \
-            if spec.checkpoint.enabled else None
+            if spec.checkpoint.enabled and spec.tp_rank == 0 else None
         self._fired: set[FaultInjection] = set()
         self._resumed_pending = False
         # A replacement holds its stage's state only once it has arrived (from a replica, or the checkpoint); until
@@ -405,8 +451,13 @@ class _Worker:
         while True:
             try:
                 if step >= spec.end_step and self.generation > 0:
-                    # A failure in the final barrier: every step is applied everywhere; nothing left to run together.
-                    self._save_final()
+                    # A failure in the final barrier: every step is applied everywhere; nothing left to run together
+                    # but a tensor-parallel stage's gather, which needs this generation's groups.
+                    if self.mesh is not None:
+                        self._join()
+                        self._finish()
+                    else:
+                        self._save_final()
                     self._leave()
                     return
                 self._join()
@@ -446,14 +497,17 @@ class _Worker:
             raise GenerationAborted(f"generation {generation} was aborted before it formed")
         stage_ranks = {s: [self.plan.rank(p, s) for p in self.plan.live_replicas(s)]
                        for s in range(self.plan.num_stages)}
+        tensor_parallel = {"tp_rank": self.spec.tp_rank, "tp_degree": self.spec.tp_degree} if self.mesh else {}
         transport = self.hooks.transport(self.store, generation, self.spec.rank, self.plan.live_ranks(), stage_ranks,
                                          self.spec.recovery.timeout_s, self.spec.backend, self.device, self.activity,
-                                         self._store_peers, tied_stages=self.tied_stages)
+                                         self._store_peers, tied_stages=self.tied_stages, **tensor_parallel)
         with self._transport_lock:
             self.transport = transport
         if self.heartbeat.aborted >= generation:
             transport.abort()  # the watcher saw the abort before this transport existed
         transport.form()
+        if self.mesh is not None:
+            bind_mesh(self.mesh, transport.groups.tp_group)
         if self.spec.joining and self.announcement is not None and self.spec.rank in self.announcement.joining:
             _joiner_dies_here(self.spec.joiner_dies_at, "formed")
         self.outbox.put(self.store, Channels.JOINED, Joined(time.time(), transport.formation_s, "init"), generation,
@@ -567,6 +621,10 @@ class _Worker:
         (restored when a stage was lost before any checkpoint completed), the checkpoint it resumed from or the
         seed's initial state."""
         spec = self.spec
+        if self.mesh is not None:
+            raise ConfigError(f"a stage lost every replica and the run restores the checkpoint of step {step}, which "
+                              f"[topology] gpus_per_worker = {spec.tp_degree} cannot load into its sharded stages yet; "
+                              f"resume from it with gpus_per_worker = 1 (--resume {spec.checkpoint.dir})")
         if step == spec.start_step and not checkpoint.step_dir(spec.checkpoint.dir, step).is_dir():
             if spec.checkpoint.resume_dir:
                 checkpoint.load_stage(spec.checkpoint.resume_dir, step, self.state)
@@ -619,7 +677,8 @@ class _Worker:
                              grad_clip=config.training.grad_clip, seed=config.training.seed, device=self.device,
                              record_timings=self.spec.debug.record_timings, before_action=self._before_action,
                              precision=config.training.dtype, loss_fn=built.loss_fn, pacing=pacing,
-                             position=self.position)
+                             position=self.position, tp_rank=self.spec.tp_rank,
+                             tp_allreduce=(lambda t: self._transport().tp_allreduce_sum(t)) if self.mesh else None)
 
     def _starting_work(self) -> None:
         """Before each action and each evaluation forward: count it for the heartbeat, stop if the generation was
@@ -672,7 +731,8 @@ class _Worker:
         try:
             loss = evaluate(self.plan, self.spec.rank, self.state.module, self._transport(), self.eval_data,
                             config.training.eval_batches, built.input_shape, weights_dtype(config.training.dtype),
-                            self.device, config.training.dtype, built.loss_fn, before_forward)
+                            self.device, config.training.dtype, built.loss_fn, before_forward,
+                            counts=self.spec.tp_rank == 0)
         finally:
             self.activity.phase = "idle"
         if self.stage == config.num_stages - 1 and self._is_writer():
@@ -718,15 +778,26 @@ class _Worker:
         done = self.position.done
         faults = [f for f in self.spec.faults if f.point == "ckpt" and f.step == done - 1]
         before_write = (lambda: self._fire(faults[0], f"the checkpoint of step {done}")) if faults else None
+        entries = None
+        if self.mesh is not None:
+            # Gathered whole (a collective of the worker's ranks), under the whole model's names: the same shard a
+            # T = 1 worker writes, so any T, D or S can resume from it. Rank 0 writes it.
+            entries = {k: v.detach().to("cpu", copy=True) for k, v in whole_state(self.state.state_dict()).items()
+                       if isinstance(v, torch.Tensor)}
+            if self.spec.tp_rank > 0:
+                return
         assert self.writer is not None, "checkpoints are due only when a checkpoint folder is set"
-        self.writer.submit(self.state, self.layers, before_write)
+        self.writer.submit(self.state, self.layers, before_write, entries)
 
     def _save_final(self) -> None:
         """The --save / --export-hf part of this stage, and every checkpoint on disk (and reported) before the worker
         leaves."""
         if self._is_writer() and self.spec.outputs.parts_path:
-            checkpoint.atomic_torch_save({k: v.detach().cpu() for k, v in self.state.module.state_dict().items()},
-                                         checkpoint.part_file(self.spec.outputs.parts_path, self.stage))
+            # A tensor-parallel stage is gathered whole (a collective of the worker's ranks); its rank 0 writes it.
+            state = self.state.module.state_dict() if self.mesh is None else whole_state_dict(self.state.module)
+            if self.spec.tp_rank == 0:
+                checkpoint.atomic_torch_save({k: v.detach().cpu() for k, v in state.items()},
+                                             checkpoint.part_file(self.spec.outputs.parts_path, self.stage))
         if self.writer is not None:
             self.writer.wait()
 
@@ -826,6 +897,10 @@ class _Worker:
     def _repair_checkpoint(self, redo: int) -> None:
         """A checkpoint due at the step we roll back to may have lost its writer mid-save: write it again from the
         rolled-back state (which is exactly that step's state)."""
+        if self.mesh is not None:
+            # Rewriting needs every rank of the worker to gather, and they read the store's flag at different
+            # moments: a tensor-parallel run leaves such a step out (the next checkpoint is written as usual).
+            return
         spec = self.spec
         if not (spec.checkpoint.due(redo) and redo > spec.start_step and self._is_writer()):
             return

@@ -24,8 +24,10 @@ from recycle.errors import ConfigError
 from recycle.models.checkpointing import set_mode
 from recycle.models.gpt import build_stage as build_gpt_stage
 from recycle.models.gpt import build_stages, resolve_shape, stage_layers
+from recycle.models.tensor_parallel import check_hf_tensor_parallel, check_tensor_parallel
 from recycle.models.split import LossFn, StageModel, as_stage_model, boundary_shapes, causal_lm_loss
 from recycle.runtime.state.precision import weights_dtype
+from recycle.runtime.worker.tensor_parallel import check_worker_features
 
 __all__ = ["BuiltStage", "build_stage", "load_factory", "check_model", "factory_model", "hf_model", "all_stages",
            "check_one_model", "hf_built_stage", "gpt_built_stage", "hf_path", "hf_weights_path", "tied_stages",
@@ -223,6 +225,7 @@ def check_model(config: Config, factory: str = "") -> None:
     config, stages whose outputs cannot be sent): a factory is called once and its stages run on the meta device; a
     Hugging Face model is only laid out there."""
     check_one_model(config, factory)
+    check_worker_features(config, factory, partition=False)
     hf_weights_path(config)  # hf_weights without hf_config
     if factory:
         model, _ = all_stages(config, factory)
@@ -232,5 +235,12 @@ def check_model(config: Config, factory: str = "") -> None:
 
         # On the meta device, and the weights' headers only.
         check_hf_model(hf_path(config), config.num_stages, config.workload.seq_len, hf_weights_path(config))
+        if config.topology.gpus_per_worker > 1:
+            from recycle.models.hf import load_hf_config
+
+            check_hf_tensor_parallel(load_hf_config(hf_path(config), config.workload.seq_len),
+                                     config.topology.gpus_per_worker)
     else:
-        stage_layers(resolve_shape(config.model, config.workload.seq_len).n_layer, config.num_stages)
+        shape = resolve_shape(config.model, config.workload.seq_len)
+        stage_layers(shape.n_layer, config.num_stages)
+        check_tensor_parallel(shape, config.topology.gpus_per_worker)

@@ -39,9 +39,11 @@ class PeerLost(RuntimeError):
 
 
 def is_comm_error(exc: BaseException) -> bool:
-    """Whether `exc` ends a generation rather than the run: the transport's PeerLost (and GenerationCut), or a
-    torch.distributed error (the job store's among them)."""
-    return isinstance(exc, (PeerLost, GenerationCut, dist.DistError))
+    """Whether `exc` ends a generation rather than the run: the transport's PeerLost (and GenerationCut), a
+    torch.distributed error (the job store's among them), or a peer's failure raised by a collective outside the
+    transport (a tensor-parallel stage's DTensor all-reduce inside its forward or backward: a RuntimeError whose
+    text only says so)."""
+    return isinstance(exc, (PeerLost, GenerationCut, dist.DistError)) or _is_peer_error(exc)
 
 
 _PEER_ERROR_TEXTS = ("Connection closed by peer", "Connection reset", "Timed out waiting", "pair closure",
@@ -59,16 +61,29 @@ def _is_peer_error(exc: BaseException) -> bool:
 @dataclass
 class GenerationGroups:
     """The process groups of one generation: the world of live workers, each stage's live replicas, and the live
-    workers of the stages that hold a tied weight (a tied model's first and last stage), if any."""
+    workers of the stages that hold a tied weight (a tied model's first and last stage), if any.
 
-    live_ranks: list[int]  # topology ranks, ascending; index = rank in this generation's world
+    With tensor parallelism (`tp_degree` T > 1) each worker is T processes and the world holds all of them, worker
+    after worker (world rank = index of the worker among the live ones x T + TP rank). The plan's traffic and the
+    stage and tied groups then run per TP rank: rank t of a worker talks to rank t of the others (its "plane"), and
+    each worker's T ranks form its own group (`tp_group`)."""
+
+    live_ranks: list[int]  # topology ranks, ascending; index = worker index in this generation's world
     stage_ranks: dict[int, list[int]]  # stage -> topology ranks of its live replicas
     stage_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
     tied_ranks: list[int] = field(default_factory=list)  # topology ranks, ascending
     tied_group: dist.ProcessGroup | None = None
+    tp_rank: int = 0  # this process's rank inside its worker
+    tp_degree: int = 1
+    tp_group: dist.ProcessGroup | None = None  # this worker's T ranks (T > 1 only)
 
     def group_rank(self, topology_rank: int) -> int:
-        return self.live_ranks.index(topology_rank)
+        """The world rank of the worker `topology_rank`'s process of this process's TP rank."""
+        return self.live_ranks.index(topology_rank) * self.tp_degree + self.tp_rank
+
+    def plane(self, topology_ranks: list[int], tp_rank: int) -> list[int]:
+        """The world ranks of TP rank `tp_rank` of the workers `topology_ranks`."""
+        return [self.live_ranks.index(r) * self.tp_degree + tp_rank for r in topology_ranks]
 
 
 class Activity:
@@ -112,14 +127,15 @@ class Transport:
     def __init__(self, store: dist.Store, generation: int, rank: int, live_ranks: list[int],
                  stage_ranks: dict[int, list[int]], timeout_s: float, backend: str, device: torch.device,
                  activity: Activity | None = None, store_peers: set[tuple[str, int]] | None = None,
-                 tied_stages: tuple[int, ...] = ()) -> None:
+                 tied_stages: tuple[int, ...] = (), tp_rank: int = 0, tp_degree: int = 1) -> None:
         self.rank = rank
         self.generation = generation
         self.device = device
         self.backend = backend
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.groups = GenerationGroups(sorted(live_ranks), {s: sorted(r) for s, r in stage_ranks.items()},
-                                       tied_ranks=tied_ranks(stage_ranks, tied_stages))
+                                       tied_ranks=tied_ranks(stage_ranks, tied_stages), tp_rank=tp_rank,
+                                       tp_degree=tp_degree)
         self.activity = activity if activity is not None else Activity()
         self.formation_s = 0.0
         self._store = store
@@ -152,18 +168,30 @@ class Transport:
             raise GenerationCut(f"generation {self.generation} was aborted while it formed")
 
     def _form_groups(self) -> None:
+        groups = self.groups
+        T = groups.tp_degree
         prefixed = dist.PrefixStore(Keys.process_groups(self.generation), self._store)
-        dist.init_process_group(self.backend, store=prefixed, rank=self.groups.group_rank(self.rank),
-                                world_size=len(self.groups.live_ranks), timeout=self.timeout,
+        dist.init_process_group(self.backend, store=prefixed, rank=groups.group_rank(self.rank),
+                                world_size=len(groups.live_ranks) * T, timeout=self.timeout,
                                 **init_kwargs(self.device, self.backend))
-        # Every worker creates every stage group in the same order (new_group is collective over the world);
-        # new_group does not inherit the init timeout, so pass it explicitly.
-        for stage in sorted(self.groups.stage_ranks):
-            members = [self.groups.group_rank(r) for r in self.groups.stage_ranks[stage]]
-            self.groups.stage_groups[stage] = dist.new_group(members, timeout=self.timeout)
-        if self.groups.tied_ranks:  # after the stage groups, on every worker alike (the same collective order)
-            members = [self.groups.group_rank(r) for r in self.groups.tied_ranks]
-            self.groups.tied_group = dist.new_group(members, timeout=self.timeout)
+        # Every process creates every group in the same order (new_group is collective over the world), keeping
+        # those of its own TP rank; new_group does not inherit the init timeout, so pass it explicitly.
+        for stage in sorted(groups.stage_ranks):
+            for t in range(T):
+                group = dist.new_group(groups.plane(groups.stage_ranks[stage], t), timeout=self.timeout)
+                if t == groups.tp_rank:
+                    groups.stage_groups[stage] = group
+        if groups.tied_ranks:  # after the stage groups, on every worker alike (the same collective order)
+            for t in range(T):
+                group = dist.new_group(groups.plane(groups.tied_ranks, t), timeout=self.timeout)
+                if t == groups.tp_rank:
+                    groups.tied_group = group
+        if T > 1:
+            mine = groups.live_ranks.index(self.rank)
+            for index in range(len(groups.live_ranks)):
+                group = dist.new_group(list(range(index * T, (index + 1) * T)), timeout=self.timeout)
+                if index == mine:
+                    groups.tp_group = group
 
     # -- p2p ----------------------------------------------------------------------------------------------------
     def send(self, message: Message, tensor: torch.Tensor) -> None:
@@ -216,8 +244,15 @@ class Transport:
             with _peer_op(self.activity, "tied-weight all-reduce"):
                 dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.groups.tied_group)
 
+    def tp_allreduce_sum(self, tensor: torch.Tensor) -> None:
+        """SUM over this worker's T ranks (tensor parallelism; nothing to do with one rank)."""
+        if self.groups.tp_group is not None:
+            with _peer_op(self.activity, "tensor-parallel all-reduce"):
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.groups.tp_group)
+
     def world_allreduce_sum(self, tensor: torch.Tensor) -> None:
-        if len(self.groups.live_ranks) > 1:
+        """SUM over every live process (every worker; with tensor parallelism, each of its T ranks)."""
+        if len(self.groups.live_ranks) * self.groups.tp_degree > 1:
             with _peer_op(self.activity, "world all-reduce"):
                 dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
 
@@ -265,6 +300,7 @@ class Transport:
         # exception whose traceback holds the failed op either).
         self.groups.stage_groups.clear()
         self.groups.tied_group = None
+        self.groups.tp_group = None
 
 
 def tied_ranks(stage_ranks: dict[int, list[int]], tied_stages: tuple[int, ...]) -> list[int]:
