@@ -42,6 +42,25 @@ def test_a_death_aborts_the_generation_and_waits_for_every_survivor() -> None:
     assert c.state.generation == 1 and not c.state.recovering
 
 
+@pytest.mark.parametrize("death", [True, False])
+def test_reports_taken_together_decide_as_one_at_a_time(death: bool) -> None:
+    """on_stopped_all (what the supervisor calls with the reports of one look) = one on_stopped per report: the same
+    commands and state, stale and dead workers' reports left out, the first report's error as the cause."""
+    reports = [report(0, applied=4, current=3), report(1, applied=5, current=1), report(2, applied=4),
+               report(3, applied=4), report(4, applied=4, generation=1), report(5, applied=4)]
+    one, together = coordinator(), coordinator()
+    for c in (one, together):
+        if death:
+            c.on_death(3, "worker 1:1 died (killed by SIGKILL)", now=1.0)
+    expected = [command for r in reports for command in one.on_stopped(r, now=1.1)]
+    # rank 4's report is of another generation: nothing is announced until it reports in generation 0.
+    assert together.on_stopped_all(reports, now=1.1) == expected
+    assert together.state == one.state
+    expected = one.on_stopped(report(4, applied=4), now=1.2)
+    assert together.on_stopped_all([report(4, applied=4)], now=1.2) == expected
+    assert kinds(expected)[-1:] == [Announce] and together.state == one.state
+
+
 def test_redo_starts_at_the_oldest_unapplied_iteration_and_counts_rolled_back_work() -> None:
     """Staggered optimizer: stage 1 already stepped iteration 5, stage 0 had not; everyone redoes iteration 5."""
     c = coordinator()

@@ -490,13 +490,22 @@ class Coordinator:
 
     def on_stopped(self, report: StoppedReport, now: float) -> list[Command]:
         """A worker left the current generation after a communication error or an abort."""
+        return self.on_stopped_all([report], now)
+
+    def on_stopped_all(self, reports: list[StoppedReport], now: float) -> list[Command]:
+        """Workers left the current generation (the reports that came in since the last look, in rank order): the
+        same as one on_stopped per report, with one copy of the state and one check for the announcement, not one
+        per report (at 16,384 workers that was quadratic)."""
         state = self.state
-        if state.finished or report.generation != state.generation or report.rank not in state.live:
-            return []  # a late report of an older generation, or from a worker already counted as dead
+        # A late report of an older generation, or from a worker already counted as dead, is left out.
+        fresh = [r for r in reports if r.generation == state.generation and r.rank in state.live]
+        if state.finished or not fresh:
+            return []
         # While draining for a joiner, reports are expected; otherwise a report is the first sign of a failure.
+        first = fresh[0]
         commands = [] if state.recovering else \
-            self._begin_recovery(now, f"worker {'%d:%d' % self.worker(report.rank)} stopped: {report.error}")
-        self.state = replace(self.state, reports={**self.state.reports, report.rank: report})
+            self._begin_recovery(now, f"worker {'%d:%d' % self.worker(first.rank)} stopped: {first.error}")
+        self.state = replace(self.state, reports={**self.state.reports, **{r.rank: r for r in fresh}})
         return commands + self._maybe_announce(now)
 
     def on_done(self, rank: int, now: float) -> list[Command]:

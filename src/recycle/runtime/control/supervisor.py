@@ -40,6 +40,9 @@ __all__ = ["Supervisor"]
 R = TypeVar("R")
 
 
+TICK_MIN_S = 0.01  # the supervisor's loop, while nothing fails: what it adds at most to noticing a failure
+
+
 @dataclass(frozen=True)
 class _PendingRecovery:
     """An announced generation whose recovery is reported once every worker has started in it."""
@@ -144,6 +147,7 @@ class Supervisor:
         # Woken by the feed (a record or flag written), a local worker's exit, or else at the liveness checks' pace.
         idle_s = min(0.25, max(0.02, self.options.recovery.heartbeat_s / 2))
         while True:
+            tick = time.monotonic()
             self._take_feed()
             now = time.time()
             self._execute(self._exits(now))
@@ -165,6 +169,11 @@ class Supervisor:
                 self._report_evaluations(final=True)
                 self._finish_nodes()
                 return list(self.reporter.steps), list(self.reporter.recoveries), self.coordinator.state.failed
+            if not state.recovering:
+                # The feed wakes the loop on every key a node writes, about one per node and step: at thousands of
+                # nodes a tick per key costs more than the keys (540 ticks/s, a third of a core, at 16,384 ranks).
+                # Ticks at most every TICK_MIN_S while nothing fails; a recovery's ticks are not held back.
+                time.sleep(max(0.0, tick + TICK_MIN_S - time.monotonic()))
             self.workers.wait(0.02 if state.recovering else idle_s, also=[self.feed])
 
     def _take_feed(self) -> None:
@@ -293,12 +302,11 @@ class Supervisor:
         state = self.coordinator.state
         self.stopped_in = {g: ranks for g, ranks in self.stopped_in.items() if g >= state.generation}
         written = self.stopped_in.pop(state.generation, set())
-        commands: list[Command] = []
-        for rank in sorted(written & (state.live - set(state.reports) - state.done)):
-            report = self.jobs.read(Channels.STOPPED, state.generation, rank)
-            if report is not None:
-                commands += self.coordinator.on_stopped(report, now)
-        return commands
+        if not written:
+            return []  # (not a set difference over every live rank on every tick)
+        found = (self.jobs.read(Channels.STOPPED, state.generation, rank)
+                 for rank in sorted(written & (state.live - set(state.reports) - state.done)))
+        return self.coordinator.on_stopped_all([report for report in found if report is not None], now)
 
     def _written_shards(self) -> list[tuple[int, int]]:
         return [(done, stage) for done, stage in self.coordinator.awaited_shards()
@@ -502,6 +510,11 @@ class Supervisor:
             # The evaluation before this step first (its record is in before the step's last one: the writer
             # writes it before the step), so that the step's period starts after it.
             self._report_evaluations()
+            # Cheap first: fewer records in than the fewest members the step can have (every live rank but the
+            # replacements and the unrecorded) cannot complete it; members() sorts every live rank.
+            live = len(self.coordinator.state.live)
+            if len(self.arrived.get(step, ())) < live - len(self.coordinator.member_from) - len(self.unrecorded):
+                return
             members = [r for r in self.coordinator.members(step) if r not in self.unrecorded]
             # Read once every member's record is in (the feed says which are), not on every tick.
             if not members or not self.arrived.get(step, set()).issuperset(members):

@@ -256,6 +256,7 @@ _KINDS: dict[str, type[DataclassInstance]] = {
     "stopped": StoppedReport, "announce": Announcement, "node_hello": NodeHello, "worker_resync": WorkerResync,
     "node_steps": NodeSteps}
 _NAMES = {cls: kind for kind, cls in _KINDS.items()}
+_FIELD_NAMES = {kind: frozenset(f.name for f in fields(cls)) for kind, cls in _KINDS.items()}  # (read per record)
 
 R = TypeVar("R")
 
@@ -303,7 +304,7 @@ def _from_data(cls: type[R], data: Any, where: str) -> R:
                           "process of a run must be the same recycle version")
     if _KINDS[kind] is not cls:
         raise RecordError(f"{where} was expected, but the key holds a {_KINDS[kind].__name__} (kind {kind!r})")
-    names = {f.name for f in fields(_KINDS[kind])}  # cls itself, checked above
+    names = _FIELD_NAMES[kind]  # cls's, checked above
     try:
         return cls(**{k: _tuples(v) for k, v in data.items() if k in names})
     except TypeError as exc:
