@@ -160,6 +160,27 @@ def test_a_background_write_does_not_wait_for_the_store_and_later_writes_keep_th
     _until(lambda: Keys.metrics(1, 5) in store.data)
 
 
+def test_flush_waits_for_a_write_queued_behind_a_background_one_unless_the_store_is_away() -> None:
+    store = GatedStore(Keys.metrics(0, 5))
+    outbox = Outbox(5, _status)
+    outbox.sync(store)
+    outbox.start_writer(store)
+    outbox.put(store, Channels.METRICS, _step(0), 0, 5, kind="metrics", order=0, background=True)
+    assert store.entered.wait(10)
+    outbox.put(store, Channels.FAULT, FaultRecord(1.0, "x", "kill"), 5)  # queued behind the step record
+    threading.Timer(0.2, store.open.set).start()
+    outbox.flush(timeout_s=10)
+    assert store.log == [Keys.metrics(0, 5), Keys.fault(5)]  # what a fault injection needs before it fires
+    away = FakeStore()
+    idle = Outbox(6, _status)
+    idle.sync(away)
+    away.away = True
+    idle.put(away, Channels.FAULT, FaultRecord(1.0, "x", "kill"), 6)  # finds the store away: queued
+    started = time.monotonic()
+    idle.flush(timeout_s=10)
+    assert time.monotonic() - started < 1.0 and idle.down  # does not wait for a store that is away
+
+
 def test_a_background_write_that_finds_the_store_away_waits_for_the_watchers_sync() -> None:
     store, outbox = FakeStore(), Outbox(5, _status)
     outbox.sync(store)

@@ -205,6 +205,15 @@ class Outbox:
             steps = [w.order for w in self._writes.values() if w.kind == "metrics"]
         return min(steps) if steps else None
 
+    def flush(self, timeout_s: float = 5.0, poll_s: float = 0.005) -> None:
+        """Wait until the queued writes are in the store, unless it is away (that may last) or `timeout_s` passes:
+        for a write that must land before what the caller does next (a fault record before the fault)."""
+        deadline = time.monotonic() + timeout_s
+        while self._unsent and not self.down and time.monotonic() < deadline:
+            if self._writer_error is not None:
+                raise self._writer_error
+            time.sleep(poll_s)
+
     def wait_sent(self, poll_s: float = 0.01) -> None:
         """Block until every write has reached the store (the watcher writes them once it answers again)."""
         while self.down or self._unsent:

@@ -702,6 +702,9 @@ class _Worker:
             return
         self._fired.add(fault)
         self.outbox.put(self.store, Channels.FAULT, FaultRecord(time.time(), where, fault.mode), self.spec.rank)
+        # The record may have queued behind a step record the writer thread is still sending: it must be in the
+        # store before the fault (a SIGKILL of this process) or the recovery cannot say where the fault hit.
+        self.outbox.flush()
         self.hooks.fire(fault, where)
 
     def _stop_for_drain(self, step: int) -> None:
