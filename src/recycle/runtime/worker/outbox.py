@@ -209,14 +209,15 @@ class Outbox:
         """Wait until the queued writes are in the store, unless it is away (that may last) or `timeout_s` passes:
         for a write that must land before what the caller does next (a fault record before the fault)."""
         deadline = time.monotonic() + timeout_s
-        while self._unsent and not self.down and time.monotonic() < deadline:
-            if self._writer_error is not None:
-                raise self._writer_error
-            time.sleep(poll_s)
+        self._wait_until(lambda: not self._unsent or self.down or time.monotonic() >= deadline, poll_s)
 
     def wait_sent(self, poll_s: float = 0.01) -> None:
         """Block until every write has reached the store (the watcher writes them once it answers again)."""
-        while self.down or self._unsent:
+        self._wait_until(lambda: not self.down and not self._unsent, poll_s)
+
+    def _wait_until(self, done: Callable[[], bool], poll_s: float) -> None:
+        """Poll `done`; a fence the writer thread met is raised here."""
+        while not done():
             if self._writer_error is not None:
                 raise self._writer_error
             time.sleep(poll_s)
