@@ -47,8 +47,12 @@ def _wait_for(process: subprocess.Popen, text: str, timeout_s: float) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_losing_node_0_with_a_separate_coordinator_is_an_ordinary_node_failure(tmp_path: Path,
-                                                                               tiny_config_file) -> None:
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_losing_node_0_with_a_separate_coordinator_is_an_ordinary_node_failure(tmp_path: Path, tiny_config_file,
+                                                                               fault: str) -> None:
+    """Node 0 SIGKILLed, or SIGSTOPped (frozen) until the run has ended: node 1 trains to the end either way, and a
+    frozen node 0 woken after the end (the coordinator and its store gone) stops at once and says why, rather than
+    waiting out --coordinator-grace for a coordinator that will not come back."""
     config_file = tiny_config_file(steps=14)
     save = tmp_path / "final.pt"
     port = str(free_port())
@@ -66,12 +70,21 @@ def test_losing_node_0_with_a_separate_coordinator_is_an_ordinary_node_failure(t
                              text=True, env=env)
     try:
         before = _wait_for(coordinator, "step 4/14", 150)
-        os.killpg(node0.pid, signal.SIGKILL)
+        os.killpg(node0.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         out1, err1 = node1.communicate(timeout=150)
         out_c, err_c = coordinator.communicate(timeout=60)
+        if fault == "freeze":
+            woken = time.monotonic()
+            os.killpg(node0.pid, signal.SIGCONT)
+            _, err0 = node0.communicate(timeout=60)
+            assert time.monotonic() - woken < 20, "the woken node waited for the coordinator to come back"
+            assert node0.returncode != 0
+            assert "did not run for" in err0 and "re-join" in err0, err0
+            assert "Traceback" not in err0
     finally:
         for process in (coordinator, node0, node1):
             if process.poll() is None:
+                os.killpg(node0.pid, signal.SIGCONT) if process is node0 else None
                 process.kill()
             process.wait()
     out_c = before + out_c

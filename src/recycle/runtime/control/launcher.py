@@ -28,6 +28,7 @@ from recycle.runtime.control.node_steps import StepForwarder
 from recycle.runtime.control.processes import Spawner, WorkerProcesses, node_ranks, start_context
 from recycle.runtime.control.reporter import Recovery, StepMetrics, last_reported_step
 from recycle.runtime.control.resync import Rebuilt, collect_hellos, collect_resyncs, is_restart, rebuild
+from recycle.runtime.control.stall import StallClock
 from recycle.runtime.control.supervisor import Supervisor
 from recycle.runtime.control.worker_table import WorkerRow, replacement_line, worker_table
 from recycle.runtime.options import ClusterOptions, LaunchOptions, OutputOptions
@@ -316,8 +317,9 @@ def _follow(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, pl
             forwarder: StepForwarder) -> None:
     """A node whose coordinator runs elsewhere (node 0's launcher or `recycle coordinator`): hand on its workers'
     step records, report their exits, carry out fences and respawns, stop when the run ends."""
+    stalls = StallClock().start()
     try:
-        _follow_loop(jobs, workers, options, plan, watch, forwarder)
+        _follow_loop(jobs, workers, options, plan, watch, forwarder, stalls)
     except StoreFenced:
         workers.stop()
         raise RuntimeFailure(f"node {options.cluster.node_rank} was declared dead by the job's coordinator while it "
@@ -331,10 +333,12 @@ def _follow(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, pl
                              f"({options.cluster.master_addr}:{options.cluster.master_port}): the run has ended or "
                              f"{where} is gone") \
             from None
+    finally:
+        stalls.stop()
 
 
 def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan,
-                 watch: NodeWatch, forwarder: StepForwarder) -> None:
+                 watch: NodeWatch, forwarder: StepForwarder, stalls: StallClock) -> None:
     """Carry out the coordinator's word for this node's workers. A separate coordinator may die and come back: the
     workers train on meanwhile, and once its store answers again (a new one: it restarted) this launcher says where
     its workers stand and reports their exits again."""
@@ -343,6 +347,7 @@ def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
     grace = options.recovery.coordinator_grace_s if options.cluster.coordinator == "separate" else 0.0
     instance = jobs.raw.try_get(Keys.STORE_INSTANCE)
     away_since: float | None = None
+    answered_at = time.monotonic()
     for rank in workers.ranks:
         jobs.lower_flag(Flags.FENCE, rank)
     while True:
@@ -363,10 +368,15 @@ def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
                                      f"{time.monotonic() - away_since:.1f} s"
                                      + (" (restarted)" if restarted else ""))
                 away_since = None
+            started = time.monotonic()
             if _follow_once(jobs, workers, options, plan, following, watch, forwarder):
                 return
+            # Only as fresh as the pass's start: a process frozen mid-call reads, when it wakes, the reply that the
+            # store sent before it went away.
+            answered_at = started
         except StoreUnavailable:
             now = time.monotonic()
+            _check_not_stalled(stalls.longest_since(answered_at), workers, options)
             if away_since is None:
                 away_since = now
                 if grace > 0 and options.progress:
@@ -376,6 +386,23 @@ def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
             if now - away_since >= grace:
                 raise
             workers.wait(0.5)
+
+
+def _check_not_stalled(stalled_s: float, workers: WorkerProcesses, options: LaunchOptions) -> None:
+    """A launcher that did not run (frozen, its VM paused) for longer than the coordinator waits for a silent node,
+    and then finds the coordinator gone, has been declared dead: the run went on without it, and may since have
+    ended, taking its store along, so nothing will ever tell this node so. It stops its workers and says so instead
+    of waiting out --coordinator-grace for a coordinator that is only away."""
+    limit = options.recovery.heartbeat_timeout_s
+    if stalled_s < limit:
+        return
+    workers.stop()
+    where = f"{options.cluster.master_addr}:{options.cluster.master_port}"
+    raise RuntimeFailure(f"node {options.cluster.node_rank} did not run for {stalled_s:.1f} s (frozen or paused), "
+                         f"longer than the {limit:g} s after which the coordinator declares a silent node dead, and "
+                         f"the job's coordinator at {where} no longer answers: the run went on without this node and "
+                         "may have ended since. Its workers have been stopped. If the run is still going, start this "
+                         "node's launcher again (the same command) to re-join it as a repaired node")
 
 
 @dataclass

@@ -1,0 +1,78 @@
+"""The launcher's own-stall clock: a gap between its ticks is a stall only when much longer than a tick, and a
+stall counts for the marks it ended after (or is still going on)."""
+
+from __future__ import annotations
+
+import pytest
+
+from recycle.errors import RuntimeFailure
+from recycle.runtime.control.launcher import _check_not_stalled
+from recycle.runtime.control.stall import StallClock
+from recycle.runtime.options import LaunchOptions, RecoveryOptions
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _ticks(stalls: StallClock, clock: _Clock, *gaps: float) -> None:
+    for gap in gaps:
+        clock.now += gap
+        stalls.tick()
+
+
+def test_scheduling_noise_is_not_a_stall_and_a_freeze_is() -> None:
+    clock = _Clock()
+    stalls = StallClock(tick_s=0.25, clock=clock)
+    _ticks(stalls, clock, 0.25, 0.4, 0.9, 0.25)  # late ticks on a loaded machine
+    assert stalls.longest_since(0.0) == 0.0
+    mark = clock.now
+    _ticks(stalls, clock, 12.25, 0.25)  # SIGSTOPped for 12 s
+    assert stalls.longest_since(mark) == pytest.approx(12.0)
+    assert stalls.longest_since(clock.now) == 0.0  # it ended before this mark
+
+
+def test_a_stall_the_clock_thread_has_not_ticked_past_yet_counts() -> None:
+    clock = _Clock()
+    stalls = StallClock(tick_s=0.25, clock=clock)
+    _ticks(stalls, clock, 0.25)
+    mark = clock.now
+    clock.now += 30.0  # woken: the caller looks before the clock's thread has run
+    assert stalls.longest_since(mark) == pytest.approx(29.75)
+
+
+def test_the_gaps_kept_are_bounded() -> None:
+    clock = _Clock()
+    stalls = StallClock(tick_s=0.25, clock=clock, keep=3)
+    _ticks(stalls, clock, *[5.0] * 10)
+    assert len(stalls._gaps) == 3
+
+
+def test_a_clock_thread_ticks() -> None:
+    stalls = StallClock(tick_s=0.01).start()
+    try:
+        assert stalls.longest_since(0.0) < 5.0
+    finally:
+        stalls.stop()
+
+
+class _Workers:
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def test_a_launcher_stalled_past_the_node_timeout_stops_its_workers_and_says_why() -> None:
+    options = LaunchOptions(recovery=RecoveryOptions(heartbeat_timeout_s=5.0))
+    workers = _Workers()
+    _check_not_stalled(4.9, workers, options)  # type: ignore[arg-type]
+    assert not workers.stopped
+    with pytest.raises(RuntimeFailure, match=r"did not run for 7\.0 s .* longer than the 5 s .* re-join"):
+        _check_not_stalled(7.0, workers, options)  # type: ignore[arg-type]
+    assert workers.stopped
