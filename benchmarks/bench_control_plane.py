@@ -33,7 +33,6 @@ import cProfile
 import io
 import json
 import multiprocessing as mp
-from multiprocessing import connection as mp_connection
 import os
 import pstats
 import statistics
@@ -41,6 +40,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from multiprocessing import connection as mp_connection
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -475,7 +475,7 @@ def _failure(cluster: _Cluster, rank: int, command: str) -> dict[str, Any]:
     return {"rank": rank, "failed_at": reply.get("time", reply.get("last_beat")), "announced": when,
             "generation": announced, "abort": abort, "noticed": max(noticed, default=abort),
             "reports_sent": max(sent, default=abort), "plan_start": plan_start, "plan_end": plan_end,
-            "plan_stored": written.get(Keys.plan(announced), when)}
+            "plan_stored": max((t for k, t in written.items() if k.startswith(f"gen{announced}/plan/")), default=when)}
 
 
 def run_size(settings: Settings, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -616,7 +616,7 @@ ROWS = [
     ("steady: store server thread CPU (fraction)", "store_server_cpu_fraction", ""),
     ("steady: store server CPU per request", "store_server_us_per_request", " us"),
     ("steady: server cores the protocol's requests need", "store_server_cores_asked", ""),
-    ("plan JSON in the store", "plan_bytes", " B"),
+    ("a worker's plan view (largest)", "plan_bytes", " B"),
 ]
 
 

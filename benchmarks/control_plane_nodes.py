@@ -338,13 +338,15 @@ class StandInNodes:
         return requests, reported
 
     def _next_generation(self, generation: int, client: PipelinedClient) -> list[Request]:
-        """The workers read the announcement and the plan (each real worker reads both; here once), join the
-        generation or exit, and resume from its redo step."""
+        """The workers read the announcement (each real worker reads it; here once) and each its own view of the
+        plan, join the generation or exit, and resume from its redo step."""
         raw = client.try_get(Keys.announce(generation))
         assert raw is not None, "the watcher saw the announcement"
         announcement = from_json(Announcement, raw)
-        plan = client.get(Keys.plan(generation))
         live = set(announcement.live)
+        readers = sorted((self.members | self.joiners) & live)
+        views = client.pipeline([(Op.GET, (_b(Keys.plan_view(generation, rank)), b"0")) for rank in readers])
+        assert all(status == Status.OK and values for status, values in views), "every live rank has a plan view"
         for rank in self.members | self.joiners:
             if rank not in live and self._running(rank):
                 self.exit_code[rank] = EXIT_LEFT_OUT  # left out of the generation: it exits, its node reports it
@@ -362,7 +364,7 @@ class StandInNodes:
         self.first_step = self.next_step = announcement.redo_step
         self.step_origin = now
         self.events.append({"kind": "resumed", "generation": self.generation, "time": now,
-                            "plan_bytes": len(plan), "members": len(self.members)})
+                            "plan_bytes": max((len(v[0]) for _, v in views), default=0), "members": len(self.members)})
         return requests
 
     # -- the node launchers' follow loops ------------------------------------------------------------------------

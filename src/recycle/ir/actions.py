@@ -26,6 +26,7 @@ COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W, Kind.BW})
 BACKWARD_KINDS = frozenset({Kind.B, Kind.BW})  # the actions that send an input-gradient upstream
 
 _TOKEN = re.compile(r"^(\d+)(BW|OPT|F|B|W)(\d*)$")
+_KINDS = {kind.value: kind for kind in Kind}  # a dict lookup: Kind(text) is an Enum call, a third of a plan's parse
 # Parsed tokens: a plan read from JSON repeats the same few thousand tokens (Actions are immutable, so one object per
 # token is shared); bounded so that no input grows it without limit.
 _PARSED: dict[str, "Action"] = {}
@@ -74,4 +75,4 @@ class Action:
             return cls(Kind.OPT, int(stage))
         if not mb:
             raise PlanError(f"action token {token!r} needs a micro-batch id after {kind!r}, e.g. '{stage}{kind}0'")
-        return cls(Kind(kind), int(stage), int(mb))
+        return cls(_KINDS[kind], int(stage), int(mb))

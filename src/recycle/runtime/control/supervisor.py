@@ -14,6 +14,7 @@ from recycle.errors import RuntimeFailure
 from recycle.ir import Plan, PlanChoice
 from recycle.ir.completion import Completion, WorkerProgress, complete_iteration
 from recycle.ir.worker import Worker
+from recycle.ir.worker_view import PlanViews
 from recycle.runtime.control.coordinator import (AbortGeneration, Announce, Command, Coordinator, Drain, FailRun, Fence,
                                                  MarkLatest, Move, RecoveryFacts, Respawn, describe_exit, hang_limit_s)
 from recycle.runtime.control.liveness import Liveness
@@ -69,6 +70,7 @@ class Supervisor:
         self.jobs = JobStore(store)
         self.server = server
         self.plan_at_start = plan
+        self.published: dict[int, list[int]] = {}  # generation -> ranks whose plan views are in the store
         self.workers = workers
         self.end_step, self.wall0 = end_step, wall0
         self.local = frozenset(workers.ranks)  # ranks this node starts (and restarts)
@@ -131,7 +133,7 @@ class Supervisor:
                 self._fail("the restarted coordinator found workers down and has no plan provider for that state")
             self.plan = self.options.plan_provider(failed).plan
         if rebuilt.generation > 0:
-            self.store.set(Keys.plan(rebuilt.generation), self.plan.to_json())
+            self._publish_plan(rebuilt.generation, self.plan)
         self.start_step = rebuilt.next_step
         self.next_eval = self._first_eval(rebuilt.next_step)
         self.last_chaos_step = rebuilt.next_step
@@ -399,7 +401,7 @@ class Supervisor:
         self._execute(self.coordinator.on_plan_chosen(plan.live_ranks()))
         if facts.restore_step is not None:
             self._forget_steps_from(facts.restore_step, facts.generation)
-        self.store.set(Keys.plan(facts.generation), plan.to_json())
+        self._publish_plan(facts.generation, plan)
         facts, completion = self._completion(facts, plan)
         if completion is not None:
             self.store.set(Keys.completion(facts.generation), completion.to_json())
@@ -441,6 +443,19 @@ class Supervisor:
                        redone_s=dropped_s + completion.lost_actions * per_action, rolled_back=0,
                        kept=f"kept the survivors' work ({completion.rerouted_actions} steps re-routed, "
                             f"{completion.resent} messages re-sent)"), completion
+
+    def _publish_plan(self, generation: int, plan: Plan) -> None:
+        """Each live worker's view of the generation's plan (not the whole plan: at 16,384 workers that is 2.75 MB
+        that every worker would read and take seconds to parse); the views of two generations back are deleted (a
+        worker still that far behind has been fenced or aborted, and the store stays bounded over many failures)."""
+        views = PlanViews(plan)
+        ranks = plan.live_ranks()
+        for rank in ranks:
+            self.store.set(Keys.plan_view(generation, rank), views.json_for(rank))
+        self.published[generation] = ranks
+        for old in [g for g in self.published if g <= generation - 2]:
+            for rank in self.published.pop(old):
+                self.store.delete_key(Keys.plan_view(old, rank))
 
     def _forget_steps_from(self, step: int, generation: int) -> None:
         """A checkpoint restore: steps from `step` on run again, so their records and checkpoint keys are stale."""

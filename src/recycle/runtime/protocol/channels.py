@@ -111,8 +111,9 @@ class Keys:
         return f"gen{generation}/announce"
 
     @staticmethod
-    def plan(generation: int) -> str:
-        return f"gen{generation}/plan"
+    def plan_view(generation: int, rank: int) -> str:
+        """Worker `rank`'s view of the generation's plan (ir.worker_view): what it runs, a few KB at any scale."""
+        return f"gen{generation}/plan/{rank}"
 
     @staticmethod
     def completion(generation: int) -> str:

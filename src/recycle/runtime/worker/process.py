@@ -24,6 +24,7 @@ from recycle.errors import ConfigError, RecycleError
 from recycle.ir import Action, Plan
 from recycle.ir.completion import Completion
 from recycle.ir.worker import Worker
+from recycle.ir.worker_view import read_worker_view
 from recycle.models.gpt import GPTStage
 from recycle.models.tensor_parallel import local_tensor, parallelize_stage, whole_state, whole_state_dict
 from recycle.runtime.options import (Backend, CheckpointOptions, ClusterOptions, DebugOptions, OutputOptions,
@@ -544,7 +545,7 @@ class _Worker:
         self.generation = int(self.store.get(key))
         _joiner_dies_here(self.spec.joiner_dies_at, "admitted")
         self.announcement = self._take_announcement(self.generation)
-        self.plan = Plan.from_json(self.store.get(Keys.plan(self.generation)).decode())
+        self.plan = read_worker_view(self.store.get(Keys.plan_view(self.generation, spec.rank)), spec.rank)
         self._take_layout()  # this generation's layer partition; the state arrives from a replica or the checkpoint
         if self.announcement.restore_step >= 0:
             self._load_checkpoint(self.announcement.restore_step)
@@ -868,7 +869,7 @@ class _Worker:
             raise _Fenced()
         self.generation = announcement.generation
         self.announcement = announcement
-        self.plan = Plan.from_json(self.store.get(Keys.plan(announcement.generation)).decode())
+        self.plan = read_worker_view(self.store.get(Keys.plan_view(announcement.generation, spec.rank)), spec.rank)
         redo = announcement.redo_step
         self.completion = None
         if announcement.completion:  # keep the interrupted iteration's work; run only what the failure lost

@@ -1,0 +1,115 @@
+"""A worker's view of a plan: the part one worker needs to run it (its own actions, the action lists of the workers
+that send to it, whose order is its receive order, and the routing as the few entries that differ from each micro-
+batch's owner), so that a recovery at thousands of workers sends each a few KB instead of the whole plan."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+from recycle.errors import PlanError
+from recycle.inputs import strict_json_loads
+from recycle.ir.dependencies import input_stage
+from recycle.ir.plan import Plan
+
+__all__ = ["worker_view", "PlanViews", "read_worker_view"]
+
+
+def _senders(plan: Plan, rank: int) -> set[int]:
+    """`rank` and every worker whose message one of `rank`'s actions waits for."""
+    keep = {rank}
+    for action in plan.actions[rank]:
+        src = input_stage(action.kind, action.stage, plan.num_chunks)
+        if src is not None:
+            keep.add(plan.chunk_rank(plan.host[src][action.mb], src))
+    return keep
+
+
+def worker_view(plan: Plan, rank: int) -> Plan:
+    """`plan` with every action list but `rank`'s and its senders' left empty: the executor, the transport and the
+    evaluation of worker `rank` run it exactly as the whole plan (they read nothing else of other workers)."""
+    keep = _senders(plan, rank)
+    return replace(plan, actions=tuple(acts if r in keep else () for r, acts in enumerate(plan.actions)))
+
+
+class PlanViews:
+    """Every live worker's view of one plan as JSON, with what they share (the routing's exceptions, the metadata,
+    each worker's action tokens) encoded once."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        whole = replace(plan, host=(), actions=()).to_dict()  # not the whole plan's action tokens, only to drop them
+        del whole["host"], whole["actions"]
+        moved = [[s, mb, replica] for s, row in enumerate(plan.host) for mb, replica in enumerate(row)
+                 if replica != plan.owner(mb)]
+        self._shared = json.dumps(whole, separators=(",", ":"))[:-1] + ',"host_moved":' \
+            + json.dumps(moved, separators=(",", ":"))
+        self._lines: dict[int, str] = {}
+
+    def _line(self, rank: int) -> str:
+        line = self._lines.get(rank)
+        if line is None:
+            line = self._lines[rank] = json.dumps(" ".join(str(a) for a in self.plan.actions[rank]))
+        return line
+
+    def json_for(self, rank: int) -> str:
+        """Worker `rank`'s view, for read_worker_view."""
+        lists = ",".join(f'"{r}":{self._line(r)}' for r in sorted(_senders(self.plan, rank)))
+        return f'{self._shared},"view_of":{rank},"view_actions":{{{lists}}}}}'
+
+
+def read_worker_view(text: str | bytes, rank: int) -> Plan:
+    """The view PlanViews.json_for(rank) wrote, checked as strictly as a whole plan (it comes from the job store):
+    a Plan whose other workers' lists are empty."""
+    try:
+        raw = strict_json_loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        if raw.pop("view_of", None) != rank:
+            raise ValueError(f"it is not worker {rank}'s view")
+        lists, moved = raw.pop("view_actions"), raw.pop("host_moved")
+        D, S, M, chunks = (_whole(raw.get(k, 1 if k == "chunks" else None))
+                           for k in ("num_replicas", "num_stages", "num_microbatches", "chunks"))
+        if D * S * M * chunks > 1 << 26:
+            raise ValueError(f"its shape {D} x {S} x {M} x {chunks} is too large")
+        host = [[mb // M for mb in range(D * M)] for _ in range(S * chunks)]
+        for entry in _as_list(moved):
+            s, mb, replica = _as_list(entry)
+            if not (_index(s, S * chunks) and _index(mb, D * M) and _index(replica, D)):
+                raise ValueError(f"routing entry {entry!r} is outside the plan's shape")
+            host[s][mb] = replica
+        actions = [""] * (D * S)
+        for key, line in _as_dict(lists).items():
+            if not (key.isdigit() and int(key) < D * S):
+                raise ValueError(f"worker {key!r} is outside the plan's {D * S} workers")
+            actions[int(key)] = line
+        raw["host"], raw["actions"] = host, actions
+        return Plan.from_dict(raw)
+    except PlanError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise PlanError(f"worker {rank}'s view of the plan is malformed ({type(exc).__name__}: {exc}); the "
+                        "coordinator and the workers must run the same recycle version") from None
+
+
+def _whole(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"its shape {str(value)[:40]!r} is not whole numbers >= 1")
+    return value
+
+
+def _index(value: Any, size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < size
+
+
+def _as_list(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise ValueError(f"{str(value)[:40]!r} is not a list")
+    return value
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{str(value)[:40]!r} is not an object")
+    return value

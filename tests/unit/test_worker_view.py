@@ -1,0 +1,86 @@
+"""A worker's view of a plan (ir.worker_view): it holds everything that worker's executor reads (its actions, and the
+send order of every worker that sends to it), it round-trips through JSON, it stays a few KB at scale, and malformed
+views are refused with a clear error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from recycle.config import parse_config
+from recycle.errors import PlanError
+from recycle.ir.plan import Plan
+from recycle.ir.worker_view import PlanViews, read_worker_view, worker_view
+from recycle.planner.api import make_plan
+from recycle.runtime.protocol.messages import incoming, send_order
+from recycle.schedules.fault_free import build_schedule
+
+
+def _config(D: int, S: int, M: int, chunks: int = 1):
+    return parse_config({"topology": {"num_replicas": D, "num_stages": S, "chunks_per_worker": chunks,
+                                      **({"chunk_layout": "v"} if chunks == 2 else {})},
+                         "workload": {"num_microbatches": M},
+                         "costs": {"forward": 1.0, "backward_input": 1.2, "backward_weight": 0.7}})
+
+
+def _plans() -> list[Plan]:
+    config = _config(3, 3, 4)
+    return [build_schedule(config, "1f1b", staggered=True),
+            make_plan(config, [(0, 1)]),  # re-routed: stage 1's micro-batches of replica 0 move
+            make_plan(config, [(0, 1), (2, 2)])]
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_a_view_holds_what_its_worker_runs_and_receives(index: int) -> None:
+    plan = _plans()[index]
+    views = PlanViews(plan)
+    for rank in plan.live_ranks():
+        view = read_worker_view(views.json_for(rank), rank)
+        assert view == worker_view(plan, rank)
+        assert view.actions[rank] == plan.actions[rank] and view.host == plan.host and view.failed == plan.failed
+        for action in plan.actions[rank]:
+            message = incoming(plan, rank, action)
+            assert incoming(view, rank, action) == message
+            if message is not None:
+                assert send_order(view, message.src, rank) == send_order(plan, message.src, rank)
+        others = [r for r in range(plan.num_workers) if view.actions[r] and r != rank]
+        assert len(others) < plan.num_workers - 1 or plan.num_workers <= 2  # it is a part, not the whole
+
+
+def test_a_chunked_plans_view_round_trips() -> None:
+    plan = make_plan(_config(2, 2, 4, chunks=2), [(1, 0)])
+    views = PlanViews(plan)
+    for rank in plan.live_ranks():
+        assert read_worker_view(views.json_for(rank), rank) == worker_view(plan, rank)
+
+
+def test_views_stay_small_where_the_plan_is_large() -> None:
+    plan = build_schedule(_config(256, 4, 8), "1f1b", staggered=True)
+    views = PlanViews(plan)
+    whole = len(plan.to_json())
+    assert max(len(views.json_for(r)) for r in (0, 517, 1023)) * 50 < whole
+
+
+def _view(**changes) -> tuple[str, int]:
+    plan = _plans()[1]
+    raw = json.loads(PlanViews(plan).json_for(4))
+    raw.update(changes)
+    return json.dumps(raw), 4
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"view_of": 5}, r"worker 4's view of the plan is malformed .*not worker 4's view"),
+    ({"host_moved": [[0, 99, 1]]}, r"routing entry \[0, 99, 1\] is outside the plan's shape"),
+    ({"host_moved": [[0, 1, True]]}, r"outside the plan's shape"),
+    ({"view_actions": {"-1": "0F0"}}, r"worker '-1' is outside the plan's 9 workers"),
+    ({"view_actions": {"4": "0X0"}}, r"action token '0X0' is malformed"),
+    ({"num_stages": 2.5}, r"not whole numbers"),
+    ({"num_replicas": 1 << 20, "num_microbatches": 1 << 20}, r"too large"),
+])
+def test_a_malformed_view_is_refused_clearly(changes: dict, match: str) -> None:
+    text, rank = _view(**changes)
+    with pytest.raises(PlanError, match=match):
+        read_worker_view(text, rank)
+    with pytest.raises(PlanError, match="malformed"):
+        read_worker_view("[1, 2]", 4)
