@@ -586,7 +586,8 @@ def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptio
                        variants: Sequence[Variant] = VARIANTS, period_only: bool = False) -> Plan:
     """A validated plan for the canonical layout of `key` (failed = replicas 0..k_s-1 of stage s).
 
-    Every variant (plus, for small instances, RANDOM_RESTARTS random-priority ones) is list-scheduled on each
+    Every variant (plus, for small instances, RANDOM_RESTARTS random-priority ones and FIRST_STAGE_VARIANTS) is
+    list-scheduled on each
     routing candidate and ranked by its own period estimate. With `options.search` (the default), small instances
     whose best estimate is above the analytic lower bound are then improved by a seeded local search (`_search`:
     orphan swaps between survivors, then moves in the per-worker orders); small instances still above the bound
