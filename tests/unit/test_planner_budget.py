@@ -187,9 +187,16 @@ def test_cli_says_when_routing_fell_back(capsys: pytest.CaptureFixture[str], tmp
     assert main(["plan", "--config", str(config), *fails, "--json", "--compare", "no"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["routing_fallback"].startswith("canonical routing")
-    assert summary["moved_healthy"] > 0
+    assert summary["moved_healthy"] > 0 and summary["routing"] == "canonical"
     assert main(["plan", "--config", str(config), *fails, "--compare", "no"]) == 0
     text = capsys.readouterr().out
     assert "fell back to the canonical routing" in text
     assert main(["plan", "--config", str(config), "--fail", "0:1", "--json", "--compare", "no"]) == 0
-    assert json.loads(capsys.readouterr().out)["routing_fallback"] is None
+    nested = json.loads(capsys.readouterr().out)
+    assert nested["routing_fallback"] is None and nested["routing"] == "traffic-aware"
+    # Asked for: the routing named, no fall-back reason (nothing fell back).
+    assert main(["plan", "--config", str(config), *fails, "--routing", "canonical", "--json", "--compare", "no"]) == 0
+    asked = json.loads(capsys.readouterr().out)
+    assert asked["routing"] == "canonical" and asked["routing_fallback"] is None
+    assert main(["plan", "--config", str(config), *fails, "--routing", "canonical", "--compare", "no"]) == 0
+    assert "canonical: the failure key's plan relabelled per stage" in capsys.readouterr().out

@@ -97,6 +97,7 @@ def plan_summary(plan: Plan, config: Config, result: SimResult, options: Planner
     """The numbers `recycle plan --json` prints: all timing from the simulator, bound and (with `compare`) the
     fault-free references; without `compare` those four fields are None."""
     S = plan.num_stages
+    moves = traffic(plan.host, plan.num_microbatches, plan.failed, plan.chunk_stages)
     free = fault_free_period(config, options) if compare else None
     baseline = baseline_1f1b_period(config, options) if compare else None
     lb = plan.meta.lower_bound
@@ -135,8 +136,12 @@ def plan_summary(plan: Plan, config: Config, result: SimResult, options: Planner
         # Traffic per iteration: (stage, mb) pairs run off their own pipeline (and how many of those belong to a
         # live worker), activations + input-gradients sent between pipelines, and between nodes when the config's
         # [topology] workers_per_node says which workers share one.
-        **traffic(plan.host, plan.num_microbatches, plan.failed, plan.chunk_stages),
+        **moves,
         "cross_node_messages": cross_node_messages(plan, config) if config.topology.workers_per_node else None,
+        # The routing the plan actually uses: "traffic-aware" when only the failed workers' micro-batches leave
+        # their pipeline (nested sets relabelled, or planned on the real ranks), "canonical" when healthy ones move
+        # too (the key's plan relabelled per stage: --routing canonical, --solver exact, or the fall-back below).
+        "routing": "traffic-aware" if moves["moved_healthy"] == 0 else "canonical",
         # Why a failure set planned with traffic-aware routing got the canonical plan instead (it was faster);
         # None when it did not fall back.
         "routing_fallback": plan.meta.routing_fallback or None,
@@ -190,6 +195,9 @@ def _summary_text(d: dict[str, Any]) -> str:
     ]
     if d.get("routing_fallback"):
         rows.append(("routing", f"fell back to the {d['routing_fallback']}"))
+    elif d["routing"] == "canonical":
+        rows.append(("routing", "canonical: the failure key's plan relabelled per stage (healthy micro-batches "
+                                "move too)"))
     part = d.get("partition")
     if part is not None:
         moved = "" if part["partition"] != part["configured"] else " (kept: no partition is faster)"
