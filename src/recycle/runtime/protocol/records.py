@@ -257,6 +257,10 @@ _KINDS: dict[str, type[DataclassInstance]] = {
     "node_steps": NodeSteps}
 _NAMES = {cls: kind for kind, cls in _KINDS.items()}
 _FIELD_NAMES = {kind: frozenset(f.name for f in fields(cls)) for kind, cls in _KINDS.items()}  # (read per record)
+# The fields that hold tuples: only their JSON arrays are turned back into tuples (the coordinator reads thousands of
+# step records a second at scale, and walking every field of each was most of that).
+_TUPLE_FIELDS = {kind: frozenset(f.name for f in fields(cls) if str(f.type).startswith("tuple"))
+                 for kind, cls in _KINDS.items()}
 
 R = TypeVar("R")
 
@@ -304,9 +308,9 @@ def _from_data(cls: type[R], data: Any, where: str) -> R:
                           "process of a run must be the same recycle version")
     if _KINDS[kind] is not cls:
         raise RecordError(f"{where} was expected, but the key holds a {_KINDS[kind].__name__} (kind {kind!r})")
-    names = _FIELD_NAMES[kind]  # cls's, checked above
+    names, tuples = _FIELD_NAMES[kind], _TUPLE_FIELDS[kind]  # cls's, checked above
     try:
-        return cls(**{k: _tuples(v) for k, v in data.items() if k in names})
+        return cls(**{k: _tuples(v) if k in tuples else v for k, v in data.items() if k in names})
     except TypeError as exc:
         raise RecordError(f"{where} lacks a field ({exc}); every process of a run must be the same recycle "
                           "version") from None
