@@ -138,6 +138,13 @@ class CoordinatorStore(LocalStore):
             raise _Stop()
         self.calls += 1
 
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._count()
+        super().multi_set(keys, values)
+        now = time.time()
+        for key in keys:
+            self.written.setdefault(key, now)
+
     def set(self, key: str, value: Any) -> None:
         self._count()
         super().set(key, value)

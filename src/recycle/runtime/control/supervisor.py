@@ -450,8 +450,7 @@ class Supervisor:
         worker still that far behind has been fenced or aborted, and the store stays bounded over many failures)."""
         views = PlanViews(plan)
         ranks = plan.live_ranks()
-        for rank in ranks:
-            self.store.set(Keys.plan_view(generation, rank), views.json_for(rank))
+        self.store.multi_set([Keys.plan_view(generation, rank) for rank in ranks], [views.json_for(r) for r in ranks])
         self.published[generation] = ranks
         for old in [g for g in self.published if g <= generation - 2]:
             for rank in self.published.pop(old):

@@ -346,6 +346,9 @@ class LocalStore:
     def num_keys(self) -> int:
         return self.data.num_keys()
 
+    def multi_set(self, keys: list[str], values: list[Value]) -> None:
+        self.data.multi_set([(_bytes(k), _bytes(v)) for k, v in zip(keys, values, strict=True)])
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         self.wait(keys)
         return [self.data.get(_bytes(k)) or b"" for k in keys]
