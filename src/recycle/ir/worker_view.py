@@ -39,7 +39,8 @@ class PlanViews:
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-        whole = replace(plan, host=(), actions=()).to_dict()  # not the whole plan's action tokens, only to drop them
+        # Without host and actions: to_dict would encode every action token of the plan, half the cost, to drop it.
+        whole = replace(plan, host=(), actions=()).to_dict()
         del whole["host"], whole["actions"]
         moved = [[s, mb, replica] for s, row in enumerate(plan.host) for mb, replica in enumerate(row)
                  if replica != plan.owner(mb)]
