@@ -37,6 +37,7 @@ from recycle.runtime.protocol.channels import (Channels, Flags, JobStore, Keys, 
 from recycle.runtime.protocol.messages import check_plan_matches
 from recycle.runtime.protocol.records import JobSettings, NodeHello, RecordError
 from recycle.runtime.protocol.store import LocalStore, StoreFenced, StoreServer, StoreUnavailable
+from recycle.runtime.protocol.store.capacity import connections_needed
 from recycle.runtime.protocol.store.data import Feed
 from recycle.runtime.state import checkpoint
 from recycle.runtime.worker.data import check_data
@@ -86,7 +87,8 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     store: Any
     if cluster.hosts_coordinator:
         # The coordinator's process serves the store and reads it in-process (no socket, and it cannot be fenced).
-        server = host_store(cluster.master_addr, cluster.master_port, token)
+        server = host_store(cluster.master_addr, cluster.master_port, token,
+                            connections_needed(plan.num_workers * config.topology.gpus_per_worker, cluster.nnodes))
         store, store_port = LocalStore(server.data, store_timeout_s), server.port
         # Before any node can write: the coordinator learns of records and flags from the feed, not by polling.
         feed = server.data.subscribe(Supervisor.FEED_PREFIXES)

@@ -16,6 +16,8 @@ from recycle.runtime.protocol.records import (Announcement, Beat, ErrorRecord, E
                                               StoppedReport, Timestamp, TransferRecord, WorkerResync, from_json,
                                               to_json)
 from recycle.runtime.protocol.store import StoreClient, StoreServer
+from recycle.runtime.protocol.store.capacity import connection_limit, ensure_descriptors
+from recycle.runtime.protocol.store.server import StoreLimits
 
 __all__ = ["TOKEN_ENV", "new_token", "read_token", "host_store", "connect_store", "new_incarnation",
            "worker_identity", "worker_fence_prefix", "launcher_identity", "launcher_fence_prefix", "Keys", "Channel",
@@ -50,11 +52,13 @@ def read_token(token_file: str = "") -> str:
     return token
 
 
-def host_store(address: str, port: int, token: str) -> StoreServer:
+def host_store(address: str, port: int, token: str, connections: int = 0) -> StoreServer:
     """The job's store, listening on `address` only (loopback for a single-node run) and serving only processes that
-    prove they hold the job token; started."""
+    prove they hold the job token, sized for `connections` at once (store.capacity; 0: a node's own store); started."""
+    if connections:
+        ensure_descriptors(connections, "the job's store")
     try:
-        server = StoreServer(address, port, token)
+        server = StoreServer(address, port, token, StoreLimits(max_connections=connection_limit(connections)))
     except OSError as exc:
         raise ConfigError(f"cannot listen on {address}:{port} for the job's store ({exc.strerror}); pick another "
                           "--master-port, or an address of this machine for --master-addr") from None
