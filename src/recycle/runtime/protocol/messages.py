@@ -2,9 +2,10 @@
 
 Every message is an activation (F of `mb` at stage s -> host[s+1][mb]) or an input-gradient (B/BW of `mb` at
 stage s -> host[s-1][mb]); in a chunked plan s is a chunk and the peer is the worker holding chunk s+1 (or s-1),
-which may be the sender itself (the V layout's turn: a local hand-off, never sent). Both ends derive the per-pair order from the sender's action list, so the receiver can
-take messages from one peer strictly in the order they were sent. That makes the runtime correct on transports
-without tags (NCCL) too: tags are only a second safety net on gloo.
+which may be the sender itself (the V layout's turn: a local hand-off, never sent). Both ends derive the per-pair
+order from the sender's action list, so the receiver can take messages from one peer strictly in the order they were
+sent. That makes the runtime correct on transports without tags (NCCL) too: tags are only a second safety net on
+gloo.
 """
 
 from __future__ import annotations
