@@ -1,6 +1,7 @@
 """`recycle train` on chunked plans (several model chunks per worker, interleaved and V layouts) ends with the
 single-process reference's parameters: fault-free, with a worker down from the start, with a worker SIGKILLed
-mid-run, and across --resume between chunked and unchunked runs."""
+mid-run, with a whole worker position lost and restored from the checkpoint, and across --resume between chunked and
+unchunked runs."""
 
 from __future__ import annotations
 
@@ -96,5 +97,20 @@ def test_resume_moves_between_chunked_and_unchunked_runs(tiny_config_file, first
                  str(ck), "--checkpoint-every", "2", "--start-method", "forkserver"]) == 0
     assert main(["train", "--config", str(config_file), *chunking(second), "--resume", str(ck), "--save", str(save),
                  "--start-method", "forkserver"]) == 0
+    ref, _ = reference_train(load_config(config_file))
+    assert max_relative_error(torch.load(save, weights_only=True)["model"], ref) < 1e-9
+
+
+def test_a_stage_that_loses_every_replica_is_restored_from_the_checkpoint(tiny_config_file, tmp_path: Path,
+                                                                          capsys) -> None:
+    """Both workers of position 1 die (V layout): the run restores the newest checkpoint into a worker moved there
+    (reshape), which builds that position's two chunks, and ends with the reference's parameters."""
+    config_file = chunked_file(tiny_config_file, "v", steps=5)
+    save = tmp_path / "final.pt"
+    assert main(["train", "--config", str(config_file), "--inject", "kill:0:1@2.3", "--inject", "kill:1:1@4.3",
+                 "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1", "--save", str(save),
+                 "--start-method", "forkserver"]) == 0
+    out = capsys.readouterr().out
+    assert "restored checkpoint step" in out and "survived 2 failure(s)" in out
     ref, _ = reference_train(load_config(config_file))
     assert max_relative_error(torch.load(save, weights_only=True)["model"], ref) < 1e-9
