@@ -189,10 +189,10 @@ def select_plan(config: Config, schedule: str | None = None, plan_file: str | No
 
 
 def check_runtime_chunks(config: Config, plan: Plan | None = None, *, model_factory: str = "",
-                         repartition: bool = False, rejoins: bool = False) -> None:
+                         repartition: bool = False, chaos: bool = False) -> None:
     """What `recycle train` cannot run with several chunks per worker ([topology] chunks_per_worker > 1), refused
     before anything starts: a plan for another number of chunks, models other than the built-in GPT, tensor
-    parallelism, evaluations, layer re-partitioning and workers brought back (re-joins, respawns, chaos)."""
+    parallelism, evaluations, layer re-partitioning and --chaos soaks."""
     chunks, layout = config.topology.chunks_per_worker, config.topology.chunk_layout
     if plan is not None and (plan.chunks, plan.chunk_layout if plan.chunks > 1 else "") != \
             (chunks, layout if chunks > 1 else ""):
@@ -214,8 +214,7 @@ def check_runtime_chunks(config: Config, plan: Plan | None = None, *, model_fact
         (config.training.eval_every > 0, f"[training] eval_every = {config.training.eval_every}: evaluations run "
                                          "one stage per worker"),
         (repartition, "--repartition: layer migration moves whole stages"),
-        (rejoins, "a worker brought back (--inject rejoin:, --respawn-after, --chaos): a replacement takes one "
-                  "stage's state"),
+        (chaos, "--chaos: random hangs, kills and repairs are not tested with chunks"),
     ]
     for refused, why in unsupported:
         if refused:
@@ -264,9 +263,8 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
     elif schedule or tuple(down):
         raise ConfigError("train() takes a plan or schedule=/down=, not both; drop one")
     launch_opts = with_keywords(launch_options or LaunchOptions(), options)
-    faults = launch_opts.faults
     check_runtime_chunks(config, plan, model_factory=launch_opts.model_factory, repartition=repartition,
-                         rejoins=bool(faults.rejoins or faults.respawn_after_s is not None or faults.chaos))
+                         chaos=launch_opts.faults.chaos is not None)
     if repartition and (launch_opts.model_factory or config.model.hf_config):
         raise ConfigError("--repartition moves layers of the built-in GPT between stages; a --model-factory or --hf "
                           "model's split is fixed. Drop one of the two")

@@ -1,7 +1,7 @@
 """`recycle train` on chunked plans (several model chunks per worker, interleaved and V layouts) ends with the
 single-process reference's parameters: fault-free, with a worker down from the start, with a worker SIGKILLed
-mid-run, with a whole worker position lost and restored from the checkpoint, and across --resume between chunked and
-unchunked runs."""
+mid-run, re-joined after a kill, with a whole worker position lost and restored from the checkpoint, and across
+--resume between chunked and unchunked runs."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from recycle.api import select_plan
 from recycle.cli import main
 from recycle.config import Config, load_config
 from recycle.runtime.control.launcher import launch
-from recycle.runtime.options import ClusterOptions, DebugOptions, LaunchOptions, OutputOptions, RecoveryOptions
+from recycle.runtime.options import (ClusterOptions, DebugOptions, LaunchOptions, OutputOptions, RecoveryOptions,
+                                     with_keywords)
 from recycle.runtime.tools.reference import reference_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -114,3 +115,28 @@ def test_a_stage_that_loses_every_replica_is_restored_from_the_checkpoint(tiny_c
     assert "restored checkpoint step" in out and "survived 2 failure(s)" in out
     ref, _ = reference_train(load_config(config_file))
     assert max_relative_error(torch.load(save, weights_only=True)["model"], ref) < 1e-9
+
+
+def test_a_killed_worker_re_joins_with_its_chunks_state_from_a_peer(tiny_config, tmp_path: Path) -> None:
+    """Worker 1:1 (V layout: chunks 1 and 2) is killed in step 2 and brought back after step 3: the replacement
+    builds its chunks and takes their state from 0:1 over the stage group; the run ends exact, nobody down."""
+    from recycle.planner.options import PlannerOptions
+    from recycle.planner.provider import PlanLibrary
+    from recycle.runtime.worker.emulate import Emulation
+    from recycle.runtime.worker.process import FaultInjection
+
+    config = chunked(tiny_config(D=2, S=2, M=2, steps=10, seed=3), "v")
+    plan = select_plan(config)
+    library = PlanLibrary.build(config, PlannerOptions(), max_failures=2)
+    options = with_keywords(LaunchOptions(), dict(
+        save_path=str(tmp_path / "final.pt"), verify_replicas=True, timeout_s=30, progress=None,
+        plan_provider=library.lookup, emulation=Emulation(20.0, 1.0), start_method="forkserver",
+        faults=((plan.rank(1, 1), FaultInjection(1, 3)),), rejoins=((plan.rank(1, 1), 3),)))
+    result = launch(config, plan, options)
+    kill, join = result.recoveries
+    assert kill.workers == ("1:1",) and join.joined == ("1:1",) and join.transfer_bytes > 0
+    assert result.failed == ()
+    ref, _ = reference_train(config)
+    assert max_relative_error(torch.load(tmp_path / "final.pt", weights_only=True)["model"], ref) < 1e-9
+    last = result.steps[-1]
+    assert last.digests["0:1"] == last.digests["1:1"]  # the replacement's chunks are bit-identical to its peer's

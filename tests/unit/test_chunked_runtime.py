@@ -123,7 +123,7 @@ def test_a_chunked_run_starts_on_the_chunked_planners_plan_and_recovers_onto_chu
     ({"topology": {"gpus_per_worker": 2}}, {}, "[topology] gpus_per_worker = 2"),
     ({"training": {"eval_every": 2}}, {}, "[training] eval_every = 2"),
     ({}, {"repartition": True}, "--repartition"),
-    ({}, {"rejoins": True}, "a worker brought back"),
+    ({}, {"chaos": True}, "--chaos"),
 ])
 def test_what_chunks_cannot_run_yet_is_refused_naming_value_rule_and_fix(change, kwargs, named: str) -> None:
     config = chunked("v")
@@ -160,8 +160,7 @@ def test_recycle_train_refuses_chunks_with_an_evaluation_in_one_error_line(cli_e
     assert "[training] eval_every = 2" in line and "set chunks_per_worker = 1" in line
 
 
-def test_recycle_train_refuses_chunks_with_a_rejoin_in_one_error_line(cli_error) -> None:
+def test_recycle_train_refuses_chunks_with_chaos_in_one_error_line(cli_error) -> None:
     line = cli_error(["train", "--config", str(ROOT / "configs" / "tiny-gpt.toml"), "--set",
-                      "topology.chunks_per_worker=2", "--inject", "rejoin:1:1@2", "--inject", "kill:1:1@1",
-                      "--steps", "3"])
-    assert "a worker brought back" in line
+                      "topology.chunks_per_worker=2", "--chaos", "7,0.1", "--steps", "3"])
+    assert "--chaos: random hangs, kills and repairs are not tested with chunks" in line
