@@ -192,7 +192,7 @@ def check_runtime_chunks(config: Config, plan: Plan | None = None, *, model_fact
                          repartition: bool = False, chaos: bool = False) -> None:
     """What `recycle train` cannot run with several chunks per worker ([topology] chunks_per_worker > 1), refused
     before anything starts: a plan for another number of chunks, models other than the built-in GPT, tensor
-    parallelism, evaluations, layer re-partitioning and --chaos soaks."""
+    parallelism, layer re-partitioning and --chaos soaks."""
     chunks, layout = config.topology.chunks_per_worker, config.topology.chunk_layout
     if plan is not None and (plan.chunks, plan.chunk_layout if plan.chunks > 1 else "") != \
             (chunks, layout if chunks > 1 else ""):
@@ -211,8 +211,6 @@ def check_runtime_chunks(config: Config, plan: Plan | None = None, *, model_fact
                                        "built-in GPT only"),
         (config.topology.gpus_per_worker > 1, f"[topology] gpus_per_worker = {config.topology.gpus_per_worker}: "
                                               "tensor parallelism runs one stage per worker"),
-        (config.training.eval_every > 0, f"[training] eval_every = {config.training.eval_every}: evaluations run "
-                                         "one stage per worker"),
         (repartition, "--repartition: layer migration moves whole stages"),
         (chaos, "--chaos: random hangs, kills and repairs are not tested with chunks"),
     ]

@@ -1,7 +1,7 @@
 """`recycle train` on chunked plans (several model chunks per worker, interleaved and V layouts) ends with the
 single-process reference's parameters: fault-free, with a worker down from the start, with a worker SIGKILLed
 mid-run, re-joined after a kill, with a whole worker position lost and restored from the checkpoint, and across
---resume between chunked and unchunked runs."""
+--resume between chunked and unchunked runs; held-out evaluations equal the reference's."""
 
 from __future__ import annotations
 
@@ -140,3 +140,26 @@ def test_a_killed_worker_re_joins_with_its_chunks_state_from_a_peer(tiny_config,
     assert max_relative_error(torch.load(tmp_path / "final.pt", weights_only=True)["model"], ref) < 1e-9
     last = result.steps[-1]
     assert last.digests["0:1"] == last.digests["1:1"]  # the replacement's chunks are bit-identical to its peer's
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "v"])
+def test_evaluations_of_a_chunked_run_equal_the_references(tiny_config, layout: str, tmp_path: Path) -> None:
+    """[training] eval_every: the held-out loss forwarded chunk by chunk (the V's turn handed over locally), with
+    worker 1:1 down so that its chunks' micro-batches are evaluated on 0:1."""
+    import json
+
+    config = chunked(tiny_config(D=2, S=2, M=2, steps=4, seed=3, eval_every=2, eval_batches=2, eval_fraction=0.2),
+                     layout)
+    plan = select_plan(config, down=("1:1",))
+    metrics = tmp_path / "m.jsonl"
+    launch(config, plan, LaunchOptions(outputs=OutputOptions(save_path=str(tmp_path / "final.pt"),
+                                                             metrics_path=str(metrics)),
+                                       recovery=RecoveryOptions(timeout_s=30),
+                                       cluster=ClusterOptions(start_method="forkserver"), progress=None))
+    evaluations: dict[int, float] = {}
+    ref, _ = reference_train(config, evaluations=evaluations)
+    assert max_relative_error(torch.load(tmp_path / "final.pt", weights_only=True)["model"], ref) < 1e-9
+    evals = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("event") == "eval"]
+    assert [e["step"] for e in evals] == [2, 4] == sorted(evaluations)
+    for e in evals:
+        assert abs(e["loss"] - evaluations[e["step"]]) <= 1e-9 * abs(evaluations[e["step"]]), e

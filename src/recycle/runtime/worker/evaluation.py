@@ -10,6 +10,7 @@ from torch import nn
 
 from recycle.data.source import DataSource
 from recycle.ir import Plan
+from recycle.models.chunk_set import ChunkSet
 from recycle.runtime.protocol.messages import Channel, Message
 from recycle.runtime.state.precision import autocast
 from recycle.runtime.worker.executor import Comm
@@ -38,6 +39,11 @@ def evaluate(plan: Plan, rank: int, module: nn.Module, comm: Comm, load: DataSou
     total = plan.total_microbatches
     if batches * total > MAX_EVAL_MICROBATCHES:
         raise ValueError(f"an evaluation of {batches} x {total} micro-batches exceeds {MAX_EVAL_MICROBATCHES:,}")
+    if plan.chunks > 1:
+        if not isinstance(module, ChunkSet):
+            raise TypeError(f"a chunked plan evaluates a ChunkSet, not a {type(module).__name__}")
+        return _evaluate_chunks(plan, rank, module, comm, load, batches, input_shape, dtype, device, precision,
+                                before_forward, counts)
     if (is_first or is_last) and load is None:
         raise RuntimeError(f"worker {replica}:{stage} evaluates without the held-out split's data source")
     loss_sum = 0.0
@@ -70,6 +76,62 @@ def evaluate(plan: Plan, rank: int, module: nn.Module, comm: Comm, load: DataSou
                         out = module(x)
                     dst = plan.rank(plan.host[stage + 1][mb], stage + 1)
                     comm.send(Message(Channel.EVAL, number, rank, dst), out.to(dtype))
+            comm.flush()
+    finally:
+        module.train(training)
+    total_loss = torch.tensor([loss_sum if counts else 0.0], dtype=torch.float64, device=device)
+    comm.world_allreduce_sum(total_loss)
+    return float(total_loss[0]) / (batches * total)
+
+
+def _evaluate_chunks(plan: Plan, rank: int, module: ChunkSet, comm: Comm, load: DataSource | None, batches: int,
+                     input_shape: tuple[int, ...] | None, dtype: torch.dtype, device: torch.device, precision: str,
+                     before_forward: Callable[[], None], counts: bool) -> float:
+    """evaluate() of a chunked plan: each worker forwards its chunks' micro-batches in one global order (micro-batch
+    number, then chunk), so that the unfinished item lowest in that order can always run and every pair sends and
+    receives in the same order; chunk v's output goes to the worker of host[v+1][mb] that holds chunk v+1 (kept
+    here when that is this worker: the V's turn)."""
+    replica, stage = plan.worker(rank)
+    total, last = plan.total_microbatches, plan.num_chunks - 1
+    held = module.chunk_ids
+    if (0 in held or last in held) and load is None:
+        raise RuntimeError(f"worker {replica}:{stage} evaluates without the held-out split's data source")
+    if input_shape is None:
+        raise RuntimeError(f"worker {replica}:{stage} has no input shape to receive with")
+    loss_sum = 0.0
+    training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            for batch in range(batches):
+                for mb in range(total):
+                    number = batch * total + mb
+                    handed: torch.Tensor | None = None  # this micro-batch's output of a chunk kept on this worker
+                    for v in held:
+                        if plan.host[v][mb] != replica:
+                            continue
+                        before_forward()
+                        tokens, targets = load(batch, mb) if load is not None and v in (0, last) else (None, None)
+                        if v == 0:
+                            assert tokens is not None
+                            x = tokens.to(device)
+                        elif plan.chunk_rank(plan.host[v - 1][mb], v - 1) == rank:
+                            assert handed is not None, f"chunk {v - 1}'s output of micro-batch {mb} is not here"
+                            x = handed
+                        else:
+                            src = plan.chunk_rank(plan.host[v - 1][mb], v - 1)
+                            x = comm.recv(Message(Channel.EVAL, number, src, rank, v - 1), input_shape, dtype)
+                        with autocast(precision, device):
+                            if v == last:
+                                assert targets is not None
+                                loss_sum += float(module.chunk(v)(x, targets.to(device)).detach().double())
+                                continue
+                            out = module.chunk(v)(x).to(dtype)
+                        dst = plan.chunk_rank(plan.host[v + 1][mb], v + 1)
+                        if dst == rank:
+                            handed = out
+                        else:
+                            comm.send(Message(Channel.EVAL, number, rank, dst, v), out)
             comm.flush()
     finally:
         module.train(training)

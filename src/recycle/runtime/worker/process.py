@@ -406,7 +406,7 @@ class _Worker:
         # Only the first stage (inputs) and the last (targets) load micro-batches; the others never open the data.
         self.data = data_source(config) if self.stage in data_stages(config) else None
         self.eval_data = data_source(config, "eval") \
-            if training.eval_every and self.stage in (0, config.num_stages - 1) else None
+            if training.eval_every and self.stage in data_stages(config) else None
         self.activity = Activity()
         self.phase = "admitting" if spec.joining else "training"  # where it stands, for a restarted coordinator
         self.outbox = Outbox(spec.rank, self._resync_status) if spec.tp_rank == 0 else SilentOutbox(spec.rank)
