@@ -31,9 +31,11 @@ def max_relative_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor
     return max(float((got[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-12)) for k in ref)
 
 
-def train_and_check(config: Config, down: tuple[str, ...], tmp_path: Path) -> None:
-    plan = select_plan(config, down=down)
+def train_and_check(config: Config, down: tuple[str, ...], tmp_path: Path, decoupled: bool = True,
+                    staggered: bool = True) -> None:
+    plan = select_plan(config, down=down, decoupled=decoupled, staggered=staggered)
     assert plan.chunks == 2 and plan.failed == {tuple(int(x) for x in w.split(":")) for w in down}
+    assert bool(plan.decoupled_pairs) == decoupled and plan.staggered == staggered
     save = tmp_path / "final.pt"
     result = launch(config, plan, LaunchOptions(outputs=OutputOptions(save_path=str(save)),
                                                 debug=DebugOptions(verify_replicas=True),
@@ -51,6 +53,13 @@ def train_and_check(config: Config, down: tuple[str, ...], tmp_path: Path) -> No
 @pytest.mark.parametrize("D", [1, 2])
 def test_fault_free_chunked_plans_match_the_reference(tiny_config, layout: str, D: int, tmp_path: Path) -> None:
     train_and_check(chunked(tiny_config(D=D, S=2, M=2, seed=11), layout), (), tmp_path)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "v"])
+def test_fused_backward_and_coupled_optimizer_match_the_reference(tiny_config, layout: str, tmp_path: Path) -> None:
+    """--no-decouple (BW: interleaved 1F1B) and --no-stagger (every worker steps after the last backward)."""
+    train_and_check(chunked(tiny_config(D=2, S=2, M=2, seed=11), layout), (), tmp_path, decoupled=False,
+                    staggered=False)
 
 
 @pytest.mark.parametrize("layout", ["interleaved", "v"])
