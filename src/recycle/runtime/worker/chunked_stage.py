@@ -5,11 +5,11 @@ from __future__ import annotations
 from recycle.config import Config
 from recycle.ir.chunks import chunk_worker
 from recycle.models.checkpointing import set_mode
-from recycle.models.chunk_set import ChunkSet, gpt_chunk_set
+from recycle.models.chunk_set import gpt_chunk_set
 from recycle.runtime.state.precision import weights_dtype
 from recycle.runtime.worker.stage import BuiltStage
 
-__all__ = ["chunked_built_stage", "data_stages", "is_chunk_set"]
+__all__ = ["chunked_built_stage", "data_stages"]
 
 
 def chunked_built_stage(config: Config, stage: int) -> BuiltStage:
@@ -34,7 +34,3 @@ def data_stages(config: Config) -> tuple[int, ...]:
     return tuple(sorted({chunk_worker(0, S, C, topology.chunk_layout),
                          chunk_worker(S * C - 1, S, C, topology.chunk_layout)}))
 
-
-def is_chunk_set(module: object) -> bool:
-    """Whether a worker's module is a ChunkSet (the executor to run it is then the chunked one)."""
-    return isinstance(module, ChunkSet)

@@ -42,11 +42,11 @@ from recycle.runtime.state.precision import weights_dtype
 from recycle.runtime.state.stage_state import IterationPosition, StageState
 from recycle.runtime.state.state_transfer import transfer_stage_state
 from recycle.runtime.tools.faults import FaultInjection, fire
+from recycle.runtime.worker.chunked_executor import ChunkedStageExecutor
+from recycle.runtime.worker.chunked_stage import chunked_built_stage, data_stages
 from recycle.runtime.worker.data import data_source
 from recycle.runtime.worker.emulate import cost_pacer
 from recycle.runtime.worker.evaluation import evaluate
-from recycle.runtime.worker.chunked_executor import ChunkedStageExecutor
-from recycle.runtime.worker.chunked_stage import chunked_built_stage, data_stages
 from recycle.runtime.worker.executor import StageExecutor
 from recycle.runtime.worker.nccl_env import prepare_nccl
 from recycle.runtime.worker.outbox import Outbox, SilentOutbox
@@ -403,7 +403,8 @@ class _Worker:
         self.state = self._stage_state(built.module.to(self.device))
         if spec.checkpoint.resume_dir and not spec.joining:  # a replacement takes its state from the job instead
             checkpoint.load_stage(spec.checkpoint.resume_dir, spec.start_step, self.state)
-        # Only the first stage (inputs) and the last (targets) load micro-batches; the others never open the data.
+        # Only the first stage (inputs) and the last (targets) load micro-batches, the holders of the first and the
+        # last chunk in a chunked run; the others never open the data.
         self.data = data_source(config) if self.stage in data_stages(config) else None
         self.eval_data = data_source(config, "eval") \
             if training.eval_every and self.stage in data_stages(config) else None
@@ -684,12 +685,12 @@ class _Worker:
             if emulation is not None else None
         executor: type[StageExecutor] = ChunkedStageExecutor if self.chunked else StageExecutor
         return executor(self.plan, self.spec.rank, self.state.module, self.state.optimizer, self.transport, load,
-                             built.input_shape, built.output_shape, weights_dtype(config.training.dtype),
-                             grad_clip=config.training.grad_clip, seed=config.training.seed, device=self.device,
-                             record_timings=self.spec.debug.record_timings, before_action=self._before_action,
-                             precision=config.training.dtype, loss_fn=built.loss_fn, pacing=pacing,
-                             position=self.position, tp_rank=self.spec.tp_rank,
-                             tp_allreduce=(lambda t: self._transport().tp_allreduce_sum(t)) if self.mesh else None)
+                        built.input_shape, built.output_shape, weights_dtype(config.training.dtype),
+                        grad_clip=config.training.grad_clip, seed=config.training.seed, device=self.device,
+                        record_timings=self.spec.debug.record_timings, before_action=self._before_action,
+                        precision=config.training.dtype, loss_fn=built.loss_fn, pacing=pacing,
+                        position=self.position, tp_rank=self.spec.tp_rank,
+                        tp_allreduce=(lambda t: self._transport().tp_allreduce_sum(t)) if self.mesh else None)
 
     def _starting_work(self) -> None:
         """Before each action and each evaluation forward: count it for the heartbeat, stop if the generation was
