@@ -163,7 +163,8 @@ def simulate_trace(config: Config, trace: str | Path | EventTrace, *, systems: S
 def select_plan(config: Config, schedule: str | None = None, plan_file: str | None = None,
                 down: Iterable[Worker | str] = (), decoupled: bool = True, staggered: bool = True) -> Plan:
     """The plan a training run starts on: a plan file, the adaptive plan for workers `down` from the start, or a
-    fault-free schedule (default zb-h1, or 1f1b when not decoupled)."""
+    fault-free schedule (default zb-h1, or 1f1b when not decoupled; with several chunks per worker the chunked
+    planner's fault-free plan, e.g. the V-shape zero bubble)."""
     failed = frozenset(_workers(config, down))
     if plan_file:
         from recycle.ir import read_plan as read
@@ -173,7 +174,7 @@ def select_plan(config: Config, schedule: str | None = None, plan_file: str | No
             raise PlanError(f"--plan {plan_file!r} is for failed workers {sorted(loaded.failed)} but --down names "
                             f"{sorted(failed)}; drop --down or pass the plan for that failure state")
         return loaded
-    if failed:
+    if failed or (config.topology.chunks_per_worker > 1 and not schedule):
         if schedule:
             raise ConfigError("--schedule names a fault-free schedule; with --down the planner makes the plan, so "
                               "drop --schedule")
@@ -187,17 +188,39 @@ def select_plan(config: Config, schedule: str | None = None, plan_file: str | No
     return build_schedule(config, schedule or ("zb-h1" if decoupled else "1f1b"), staggered=staggered)
 
 
-def check_runtime_chunks(config: Config, plan: Plan | None = None) -> None:
-    """The runtime holds one stage module per worker: refuse a chunked config or plan before anything starts."""
-    from_plan = plan is not None and plan.chunks > 1
-    chunks = plan.chunks if plan is not None and from_plan else config.topology.chunks_per_worker
-    if chunks > 1:
-        what = "the plan has" if from_plan else "[topology] chunks_per_worker ="
-        fix = ("make the plan from a config with chunks_per_worker = 1" if from_plan else
-               "set chunks_per_worker = 1 to train")
-        raise ConfigError(f"{what} {chunks} chunks per worker, but the runtime (recycle train) runs one stage per "
-                          f"worker (each worker holds one stage module); {fix}, or use recycle plan / simulate / "
-                          "--format pipelining-csv for chunked schedules")
+def check_runtime_chunks(config: Config, plan: Plan | None = None, *, model_factory: str = "",
+                         repartition: bool = False, chaos: bool = False) -> None:
+    """What `recycle train` cannot run with several chunks per worker ([topology] chunks_per_worker > 1), refused
+    before anything starts: a plan for another number of chunks, models other than the built-in GPT, tensor
+    parallelism, layer re-partitioning and --chaos soaks."""
+    chunks, layout = config.topology.chunks_per_worker, config.topology.chunk_layout
+    if plan is not None and (plan.chunks, plan.chunk_layout if plan.chunks > 1 else "") != \
+            (chunks, layout if chunks > 1 else ""):
+        has = f"{plan.chunks} chunks per worker ({plan.chunk_layout} layout)" if plan.chunks > 1 else \
+            "1 chunk per worker"
+        raise ConfigError(f"the plan has {has} but the config has [topology] chunks_per_worker = {chunks}"
+                          + (f", chunk_layout = {layout!r}" if chunks > 1 else "") + "; make the plan from this "
+                          "config, or train with the config the plan was made from (--set "
+                          f"topology.chunks_per_worker={plan.chunks})")
+    if chunks == 1:
+        return
+    what = f"[topology] chunks_per_worker = {chunks}"
+    unsupported = [
+        (bool(model_factory), f"--model-factory {model_factory!r}: chunks are cut from the built-in GPT only"),
+        (bool(config.model.hf_config), f"[model] hf_config = {config.model.hf_config!r}: chunks are cut from the "
+                                       "built-in GPT only"),
+        (config.topology.gpus_per_worker > 1, f"[topology] gpus_per_worker = {config.topology.gpus_per_worker}: "
+                                              "tensor parallelism runs one stage per worker"),
+        (repartition, "--repartition: layer migration moves whole stages"),
+        (chaos, "--chaos: random hangs, kills and repairs are not tested with chunks"),
+    ]
+    for refused, why in unsupported:
+        if refused:
+            raise ConfigError(f"{what} (several model chunks per worker) cannot run with {why}; drop that option, "
+                              "or set chunks_per_worker = 1 to train with it")
+    from recycle.models.chunk_set import chunk_layers
+
+    chunk_layers(config.model, config.workload.seq_len, config.num_stages, chunks)  # every chunk has a layer
 
 
 def train(config: Config, plan: Plan | None = None, *, schedule: str | None = None, down: Iterable[Worker | str] = (),
@@ -228,7 +251,6 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
     unknown = sorted(set(options) - set(KEYWORDS))
     if unknown:
         raise ConfigError(f"train() got unknown option(s) {unknown}; known: {', '.join(sorted(KEYWORDS))}")
-    check_runtime_chunks(config, plan)
     if data_source is not None:
         config = _with_data_source(config, data_source)
     factory = options.get("model_factory")
@@ -239,6 +261,8 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
     elif schedule or tuple(down):
         raise ConfigError("train() takes a plan or schedule=/down=, not both; drop one")
     launch_opts = with_keywords(launch_options or LaunchOptions(), options)
+    check_runtime_chunks(config, plan, model_factory=launch_opts.model_factory, repartition=repartition,
+                         chaos=launch_opts.faults.chaos is not None)
     if repartition and (launch_opts.model_factory or config.model.hf_config):
         raise ConfigError("--repartition moves layers of the built-in GPT between stages; a --model-factory or --hf "
                           "model's split is fixed. Drop one of the two")

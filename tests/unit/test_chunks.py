@@ -297,15 +297,16 @@ def test_the_cli_plans_and_exports_a_v_shape_plan(tmp_path, capsys) -> None:
     assert len(rows) == 4 and rows[0].startswith("0F0") and "7F0" in rows[0].split(",")
 
 
-# -- the runtime refuses chunked work ---------------------------------------------------------------------------
+# -- the runtime refuses what chunks cannot run (tests/unit/test_chunked_runtime.py has the rest) -----------------
 
-def test_recycle_train_refuses_chunks_with_one_error_line(capsys) -> None:
+def test_recycle_train_refuses_chunks_with_a_model_factory_in_one_error_line(capsys) -> None:
     code = main(["train", "--config", str(ROOT / "configs" / "tiny-gpt.toml"), "--set",
-                 "topology.chunks_per_worker=2", "--steps", "1"])
+                 "topology.chunks_per_worker=2", "--model-factory", "pkg.mod:stages", "--steps", "1"])
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:")
-    assert "chunks_per_worker = 2 chunks per worker" in err[0] and "set chunks_per_worker = 1" in err[0]
+    assert "chunks_per_worker = 2 (several model chunks per worker) cannot run with --model-factory" in err[0]
+    assert "set chunks_per_worker = 1" in err[0]
 
 
 def test_recycle_schedule_points_chunked_configs_to_the_planner(capsys) -> None:
@@ -392,8 +393,8 @@ def test_recycle_train_refuses_a_chunked_plan_file(tmp_path, capsys) -> None:
     code = main(["train", "--config", str(ROOT / "configs" / "tiny-gpt.toml"), "--plan", str(path), "--steps", "1"])
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "the plan has 2 chunks per worker" in err[0]
-    assert "make the plan from a config with chunks_per_worker = 1" in err[0]
+    assert len(err) == 1 and "the plan has 2 chunks per worker (v layout)" in err[0]
+    assert "but the config has [topology] chunks_per_worker = 1; make the plan from this config" in err[0]
 
 
 @pytest.mark.parametrize("S,M", [(3, 6), (4, 8), (6, 12)])

@@ -110,3 +110,44 @@ def test_eval_keys_are_checked_with_the_fix(tiny_config) -> None:
     with pytest.raises(ConfigError, match=r"eval_batches = 65536 makes an evaluation of 17,039,360 micro-batches"):
         check_data(tiny_config(D=2, M=130, eval_every=1, eval_fraction=0.1, eval_batches=65_536))
     check_data(tiny_config(D=2, M=128, eval_every=1, eval_fraction=0.1, eval_batches=65_536))  # 2^24 exactly
+
+
+@pytest.mark.parametrize("layout,D,down", [("v", 2, set()), ("interleaved", 2, set()), ("v", 3, {(1, 1)}),
+                                           ("interleaved", 3, {(0, 0), (2, 1)})])
+def test_a_chunked_pipelines_eval_is_the_reference_eval(tiny_config, layout: str, D: int, down: set) -> None:
+    """Each worker's ChunkSet forwards its chunks in one global (micro-batch, chunk) order: the in-memory fabric
+    checks every pair's messages arrive in the order they are expected, and the V's turn stays on its worker."""
+    from dataclasses import replace
+
+    from recycle.models.chunk_set import gpt_chunk_set
+
+    config = tiny_config(D=D, S=2, M=2, eval_every=1, eval_fraction=0.2, eval_batches=2)
+    config = replace(config, topology=replace(config.topology, chunks_per_worker=2, chunk_layout=layout))
+    plan = adaptive_plan(config, down)
+    assert plan.chunks == 2
+    training, workload = config.training, config.workload
+    load = data_source(config, "eval")
+    fabric = MemoryFabric.for_plan(plan)
+    losses: dict[int, float] = {}
+    errors = []
+
+    def work(rank: int) -> None:
+        try:
+            module = gpt_chunk_set(config.model, 2, 2, layout, plan.worker(rank)[1], training.seed,
+                                   weights_dtype(training.dtype), workload.seq_len)
+            losses[rank] = evaluate(plan, rank, module, fabric.endpoint(rank), load, training.eval_batches,
+                                    (workload.microbatch_size, workload.seq_len, 32), weights_dtype(training.dtype),
+                                    torch.device("cpu"), training.dtype, None, lambda: None)
+        except BaseException as exc:
+            errors.append((rank, exc))
+            fabric.cut()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in plan.live_ranks()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    expected = reference(config)
+    assert set(losses) == set(plan.live_ranks())
+    assert all(abs(v - expected) <= 1e-9 * abs(expected) for v in losses.values()), (losses, expected)

@@ -243,7 +243,7 @@ def run_job(args: argparse.Namespace, place: CoordinatorPlace) -> int:
         hf.append(f"model.hf_weights={json.dumps(os.path.abspath(args.hf_weights))}")
     data = [f"training.data_source={json.dumps(args.data_source)}"] if args.data_source else []
     config = load_config(args.config, [*args.set, *hf, *data, *checkpointing_override(args)])
-    check_runtime_chunks(config)
+    check_runtime_chunks(config, model_factory=args.model_factory, repartition=args.repartition)
     if role.nnodes > config.topology.num_workers:
         raise ConfigError(f"--nnodes {role.nnodes} is more than the job's D x S = {config.topology.num_workers} "
                           "workers: every node runs at least one; use at most that many nodes")

@@ -240,6 +240,8 @@ def plan_for_failed(config: Config, failed: frozenset[tuple[int, int]],
     cached = _CACHE.get(cache_key)
     if cached is not None:
         return cached
+    if config.topology.chunks_per_worker > 1:  # the chunked list scheduler plans real ranks itself
+        return _remember(cache_key, _chunked(config, frozenset(failed), options, "heuristic"))
     plan = schedule_failed(config, failed, options)
     key = plan.meta.failure_key
     period, makespan, settling_note = _period_makespan(plan, config)

@@ -62,7 +62,8 @@ class TrainResult:
 def _check_options(config: Config, plan: Plan, options: LaunchOptions) -> tuple[int, int]:
     """What the options cannot check alone (each sub-config checked its own values): against the config and the
     plan, the model, the outputs and the checkpoint to resume."""
-    check_plan_matches(plan, config.num_replicas, config.num_stages, config.num_microbatches)
+    check_plan_matches(plan, config.num_replicas, config.num_stages, config.num_microbatches,
+                       chunks=config.topology.chunks_per_worker, chunk_layout=config.topology.chunk_layout)
     validate_plan(plan)
     end = config.training.steps if options.steps is None else options.steps  # both checked >= 0
     # Catch model and data errors here, with a clear message, rather than in every worker.

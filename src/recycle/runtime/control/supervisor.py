@@ -430,6 +430,9 @@ class Supervisor:
         if any(r.completing or r.generation != facts.generation - 1 for r in facts.reports):
             return replace(facts, kept="the whole iteration is redone: a failure hit the completion of the last "
                                        "one"), None
+        if plan.chunks > 1:
+            return replace(facts, kept="the whole iteration is redone: keeping the survivors' work knows one stage "
+                                       "per worker, not chunked plans"), None
         progress = {r.rank: WorkerProgress(r.rank, r.applied, r.iteration, r.current_actions, r.weighed_current,
                                            r.reducing) for r in facts.reports}
         completion = complete_iteration(self.plan, plan, facts.redo_step, progress, self.collective_step,

@@ -43,13 +43,15 @@ from recycle.runtime.state.precision import weights_dtype
 from recycle.runtime.state.stage_state import IterationPosition, StageState
 from recycle.runtime.state.state_transfer import transfer_stage_state
 from recycle.runtime.tools.faults import FaultInjection, fire
+from recycle.runtime.worker.chunked_executor import ChunkedStageExecutor
+from recycle.runtime.worker.chunked_stage import chunked_built_stage, data_stages
 from recycle.runtime.worker.data import data_source
 from recycle.runtime.worker.emulate import cost_pacer
 from recycle.runtime.worker.evaluation import evaluate
 from recycle.runtime.worker.executor import StageExecutor
 from recycle.runtime.worker.nccl_env import prepare_nccl
 from recycle.runtime.worker.outbox import Outbox, SilentOutbox
-from recycle.runtime.worker.stage import build_stage, tied_stages
+from recycle.runtime.worker.stage import BuiltStage, build_stage, tied_stages
 from recycle.runtime.worker.tensor_parallel import (RankBeats, bind_mesh, check_worker_features, rank_beat_key,
                                                     tp_degree, worker_mesh)
 from recycle.runtime.worker.title import set_process_title
@@ -378,12 +380,14 @@ class _Worker:
             torch.cuda.set_device(self.device)
         # Every stage's [first, last) layers under the current plan (None: a factory or HF model, split fixed).
         fixed_split = bool(spec.model_factory or config.model.hf_config)  # a factory's or HF model's split is fixed
-        self.bounds = None if fixed_split else plan_bounds(config, self.plan.partition)
+        # A chunked run (several chunks per worker) keeps its chunks' layers: no layer migration.
+        self.chunked = config.topology.chunks_per_worker > 1
+        self.bounds = None if fixed_split or self.chunked else plan_bounds(config, self.plan.partition)
         if fixed_split and self.plan.partition:
             raise ConfigError(f"the plan re-partitions layers ({list(self.plan.partition)} per stage), which only the "
                               "built-in GPT supports; run a plan without a partition with --model-factory / --hf")
         check_worker_features(config, spec.model_factory, bool(self.plan.partition))
-        built = build_stage(config, self.stage, spec.model_factory, self.bounds)
+        built = self._build()
         # Tensor parallelism: the stage is sharded before its optimizer exists (which holds its parameters), over a
         # mesh that each generation binds to its group of this worker's ranks (worker.tensor_parallel).
         self.mesh = worker_mesh(spec.tp_degree, spec.tp_rank, self.device.type) if spec.tp_degree > 1 else None
@@ -400,10 +404,11 @@ class _Worker:
         self.state = self._stage_state(built.module.to(self.device))
         if spec.checkpoint.resume_dir and not spec.joining:  # a replacement takes its state from the job instead
             checkpoint.load_stage(spec.checkpoint.resume_dir, spec.start_step, self.state)
-        # Only the first stage (inputs) and the last (targets) load micro-batches; the others never open the data.
-        self.data = data_source(config) if self.stage in (0, config.num_stages - 1) else None
+        # Only the first stage (inputs) and the last (targets) load micro-batches, the holders of the first and the
+        # last chunk in a chunked run; the others never open the data.
+        self.data = data_source(config) if self.stage in data_stages(config) else None
         self.eval_data = data_source(config, "eval") \
-            if training.eval_every and self.stage in (0, config.num_stages - 1) else None
+            if training.eval_every and self.stage in data_stages(config) else None
         self.activity = Activity()
         self.phase = "admitting" if spec.joining else "training"  # where it stands, for a restarted coordinator
         self.outbox = Outbox(spec.rank, self._resync_status) if spec.tp_rank == 0 else SilentOutbox(spec.rank)
@@ -631,7 +636,7 @@ class _Worker:
                 checkpoint.load_stage(spec.checkpoint.resume_dir, step, self.state)
                 return
             if step == 0:
-                built = build_stage(self.config, self.stage, spec.model_factory, self.bounds)
+                built = self._build()
                 self._install(self._stage_state(built.module.to(self.device)), built.layout)
                 self.position.restart(0)
                 return
@@ -662,6 +667,12 @@ class _Worker:
                                                                           "%d:%d" % self.plan.worker(source)),
                             self.generation, self.spec.rank)
 
+    def _build(self) -> BuiltStage:
+        """This worker's stage module as the run's start builds it (its chunks in a chunked run)."""
+        if self.chunked:
+            return chunked_built_stage(self.config, self.stage)
+        return build_stage(self.config, self.stage, self.spec.model_factory, self.bounds)
+
     def _make_executor(self) -> StageExecutor:
         config, built = self.config, self.built
 
@@ -673,13 +684,14 @@ class _Worker:
         emulation = self.spec.debug.emulation
         pacing = cost_pacer(layer_scaled_config(config, self.bounds), self.plan, self.spec.rank, emulation) \
             if emulation is not None else None
-        return StageExecutor(self.plan, self.spec.rank, self.state.module, self.state.optimizer, self.transport, load,
-                             built.input_shape, built.output_shape, weights_dtype(config.training.dtype),
-                             grad_clip=config.training.grad_clip, seed=config.training.seed, device=self.device,
-                             record_timings=self.spec.debug.record_timings, before_action=self._before_action,
-                             precision=config.training.dtype, loss_fn=built.loss_fn, pacing=pacing,
-                             position=self.position, tp_rank=self.spec.tp_rank,
-                             tp_allreduce=(lambda t: self._transport().tp_allreduce_sum(t)) if self.mesh else None)
+        executor: type[StageExecutor] = ChunkedStageExecutor if self.chunked else StageExecutor
+        return executor(self.plan, self.spec.rank, self.state.module, self.state.optimizer, self.transport, load,
+                        built.input_shape, built.output_shape, weights_dtype(config.training.dtype),
+                        grad_clip=config.training.grad_clip, seed=config.training.seed, device=self.device,
+                        record_timings=self.spec.debug.record_timings, before_action=self._before_action,
+                        precision=config.training.dtype, loss_fn=built.loss_fn, pacing=pacing,
+                        position=self.position, tp_rank=self.spec.tp_rank,
+                        tp_allreduce=(lambda t: self._transport().tp_allreduce_sum(t)) if self.mesh else None)
 
     def _starting_work(self) -> None:
         """Before each action and each evaluation forward: count it for the heartbeat, stop if the generation was

@@ -221,7 +221,7 @@ class Transport:
             dist.broadcast(tensor, src=self.groups.group_rank(src_rank), group=self.groups.stage_groups[stage])
 
     def _tag(self, message: Message) -> int:
-        return message_tag(Channel(message.channel), message.mb) if self.backend == "gloo" else 0
+        return message_tag(Channel(message.channel), message.mb, message.boundary) if self.backend == "gloo" else 0
 
     def flush(self) -> None:
         """Wait for every send of this iteration."""
