@@ -12,7 +12,7 @@ import pytest
 from recycle.config import parse_config
 from recycle.errors import PlanError
 from recycle.ir import Kind, Plan
-from recycle.ir.completion import (SEND_ACTIVATION, SEND_GRADIENT, Completion, WorkerProgress,
+from recycle.ir.completion import (SEND_ACTIVATION, SEND_GRADIENT, Completion, CompletionViews, WorkerProgress,
                                    complete_iteration)
 from recycle.schedules.fault_free import build_schedule
 
@@ -290,3 +290,32 @@ def test_a_coupled_optimizer_step_never_lets_one_stage_keep_its_step() -> None:
 def test_a_malformed_completion_is_refused_with_one_clear_error(text: str) -> None:
     with pytest.raises(PlanError, match="completion of an interrupted iteration is malformed"):
         Completion.from_json(text, plan_for(2, 2, 2))
+
+
+def test_each_workers_view_of_a_completion_holds_its_steps_and_its_senders() -> None:
+    plan = plan_for(3, 3, 3)
+    dead = plan.rank(1, 1)
+    new_plan = rerouted(plan, {dead})
+    finished = {r: len(plan.actions[r]) // 2 for r in plan.live_ranks() if r != dead}
+    progress = {r: WorkerProgress(r, -1, 0, n) for r, n in finished.items()}
+    completion = complete_iteration(plan, new_plan, 0, progress)
+    assert not isinstance(completion, str), completion
+    views = CompletionViews(completion)
+    with_senders = 0
+    for rank in new_plan.live_ranks():
+        text = views.json_for(rank)
+        view = Completion.from_json(text, new_plan, rank)
+        assert view.steps[rank] == completion.steps[rank]
+        for src, steps in enumerate(completion.steps):
+            if any(step.dst == rank for step in steps):
+                assert view.steps[src] == steps  # its receive order is their send order
+                with_senders += src != rank
+            elif src != rank:
+                assert view.steps[src] == ()
+        assert (view.iteration, view.applied_stages, view.redone_actions) == \
+            (completion.iteration, completion.applied_stages, completion.redone_actions)
+        with pytest.raises(PlanError, match="not worker"):
+            Completion.from_json(text, new_plan, rank + 1)
+    assert with_senders > 0
+    with pytest.raises(PlanError, match="outside the plan's 9 workers"):
+        Completion.from_json(views.json_for(0).replace('"steps_of":{"0"', '"steps_of":{"99"'), new_plan, 0)

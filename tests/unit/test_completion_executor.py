@@ -11,7 +11,8 @@ import torch
 from test_completion import timeline
 
 from recycle.ir import Plan
-from recycle.ir.completion import Completion, WorkerProgress, complete_iteration
+from recycle.ir.completion import Completion, CompletionViews, WorkerProgress, complete_iteration
+from recycle.ir.worker_view import PlanViews, read_worker_view
 from recycle.models.gpt import build_stages
 from recycle.runtime.state.optim import make_optimizer
 from recycle.runtime.state.precision import weights_dtype
@@ -85,15 +86,17 @@ def kill_and_complete(config, plan: Plan, new_plan: Plan, dead: int, counts: dic
     completion = complete_iteration(plan, new_plan, KILLED_AT, progress)
     if isinstance(completion, str):
         return None, completion
-    completion = Completion.from_json(completion.to_json(), new_plan)  # as the workers take it from the store
+    completion = Completion.from_json(completion.to_json(), new_plan)
     next_fabric = MemoryFabric.for_plan(new_plan)
+    # As the workers take them from the store: each its own view of the new plan and of the completion.
+    plan_views, completion_views = PlanViews(new_plan), CompletionViews(completion)
 
     def next_generation(rank: int) -> None:
         executor = survivors[rank]
         executor.before_action = None
         executor.keep_for_completion(KILLED_AT)
-        executor.set_plan(new_plan, next_fabric.endpoint(rank))
-        executor.run_completion(completion)
+        executor.set_plan(read_worker_view(plan_views.json_for(rank), rank), next_fabric.endpoint(rank))
+        executor.run_completion(Completion.from_json(completion_views.json_for(rank), new_plan, rank))
         executor.run_iteration(KILLED_AT + 1)
 
     _threads(survivors, next_generation)

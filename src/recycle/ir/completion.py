@@ -22,6 +22,8 @@ although the step is collective, ...) return the reason instead, and the caller 
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -31,7 +33,8 @@ from recycle.inputs import strict_json_loads
 from recycle.ir.actions import Kind
 from recycle.ir.plan import Plan
 
-__all__ = ["WorkerProgress", "Step", "Completion", "complete_iteration", "SEND_ACTIVATION", "SEND_GRADIENT"]
+__all__ = ["WorkerProgress", "Step", "Completion", "CompletionViews", "complete_iteration", "SEND_ACTIVATION",
+           "SEND_GRADIENT"]
 
 SEND_ACTIVATION = "SA"  # re-send a logged forward output downstream
 SEND_GRADIENT = "SG"  # re-send a logged input-gradient upstream
@@ -97,15 +100,25 @@ class Completion:
         }, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | bytes, plan: Plan) -> "Completion":
-        """A completion for `plan`'s shape, every field checked (it comes from the job's store)."""
+    def from_json(cls, text: str | bytes, plan: Plan, rank: int | None = None) -> "Completion":
+        """A completion for `plan`'s shape, every field checked (it comes from the job's store); with `rank`, the
+        view CompletionViews wrote for that worker (its steps and its senders'; every other rank's left empty)."""
         try:
             raw = strict_json_loads(text)
             if not isinstance(raw, dict):
                 raise ValueError("not a JSON object")
             counts = [_whole(raw[k], k) for k in ("iteration", "redone_actions", "lost_actions", "rerouted_actions",
                                                   "resent")]
-            rows = raw["steps"]
+            if rank is None:
+                rows = raw["steps"]
+            else:
+                if raw.get("view_of") != rank:
+                    raise ValueError(f"it is not worker {rank}'s view")
+                rows = [[] for _ in range(plan.num_workers)]
+                for key, row in _as_dict(raw["steps_of"]).items():
+                    if not (key.isdigit() and int(key) < plan.num_workers):
+                        raise ValueError(f"rank {key!r} is outside the plan's {plan.num_workers} workers")
+                    rows[int(key)] = row
             if not isinstance(rows, list) or len(rows) != plan.num_workers:
                 raise ValueError(f"steps must list {plan.num_workers} ranks")
             steps = tuple(tuple(_step(item, plan) for item in _as_list(row)) for row in rows)
@@ -114,6 +127,43 @@ class Completion:
             raise PlanError(f"the completion of an interrupted iteration is malformed ({exc}); the coordinator and "
                             "the workers must run the same recycle version") from None
         return cls(counts[0], steps, applied, *counts[1:])
+
+
+class CompletionViews:
+    """Every worker's view of a completion as JSON: its own steps and those of the ranks whose steps send to it (its
+    receive order), so that each worker reads a few KB, not every rank's steps, after a failure at scale."""
+
+    def __init__(self, completion: Completion) -> None:
+        self.completion = completion
+        self._senders: dict[int, set[int]] = {}
+        for src, steps in enumerate(completion.steps):
+            for step in steps:
+                if step.dst >= 0:
+                    self._senders.setdefault(step.dst, set()).add(src)
+        counts = {k: getattr(completion, k) for k in ("iteration", "redone_actions", "lost_actions",
+                                                      "rerouted_actions", "resent")}
+        self._shared = json.dumps({**counts, "applied_stages": list(completion.applied_stages)},
+                                  separators=(",", ":"))[:-1]
+        self._rows: dict[int, str] = {}
+
+    def _row(self, rank: int) -> str:
+        row = self._rows.get(rank)
+        if row is None:
+            row = self._rows[rank] = json.dumps([[s.kind, s.stage, s.mb, s.src, s.dst]
+                                                 for s in self.completion.steps[rank]], separators=(",", ":"))
+        return row
+
+    def json_for(self, rank: int) -> str:
+        """Worker `rank`'s view, for Completion.from_json(text, plan, rank)."""
+        ranks = sorted(self._senders.get(rank, set()) | {rank})
+        rows = ",".join(f'"{r}":{self._row(r)}' for r in ranks)
+        return f'{self._shared},"view_of":{rank},"steps_of":{{{rows}}}}}'
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{str(value)[:40]!r} is not an object")
+    return value
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -305,10 +355,12 @@ def _tasks(old: Plan, cells: dict[tuple[int, int], _Cell], stepping: set[int]) -
         if not cell.weighed:
             after = [(k, stage, mb) for k in ("F", "B") if (k, stage, mb) in tasks]
             tasks[("W", stage, mb)] = _Task(Step("W", stage, mb), cell.host, (stage, mb), after)
+    by_rank: dict[int, list[tuple[str, int, int]]] = {}  # one pass, not one per stepping rank (quadratic at scale)
+    for key, task in tasks.items():
+        by_rank.setdefault(task.rank, []).append(key)
     for rank in sorted(stepping):
         stage = old.worker(rank)[1]
-        mine = [key for key, t in tasks.items() if t.rank == rank]
-        tasks[("OPT", stage, rank)] = _Task(Step("OPT", stage), rank, None, mine)
+        tasks[("OPT", stage, rank)] = _Task(Step("OPT", stage), rank, None, by_rank.get(rank, []))
     return tasks
 
 
@@ -323,27 +375,35 @@ def _list_schedule(tasks: dict[tuple[str, int, int], _Task], num_ranks: int) -> 
     for key, task in tasks.items():
         for dep in task.after:
             users.setdefault(dep, []).append(key)
-    ready: dict[int, list[tuple[str, int, int]]] = {}
+    # Per rank, a heap of its ready steps by (priority, micro-batch, stage), ties by the order they became ready;
+    # each tick looks only at the ranks that have one (a scan of every rank per tick was most of the time at scale).
+    ready: dict[int, list[tuple[int, int, int, int, tuple[str, int, int]]]] = {}
+    counter = itertools.count()
+
+    def make_ready(key: tuple[str, int, int]) -> None:
+        heapq.heappush(ready.setdefault(tasks[key].rank, []), (_PRIORITY[key[0]], key[2], key[1], next(counter), key))
+
     for key, count in waiting.items():
         if count == 0:
-            ready.setdefault(tasks[key].rank, []).append(key)
+            make_ready(key)
     order: list[list[Step]] = [[] for _ in range(num_ranks)]
     left = len(tasks)
     while left:
-        ran = [min(keys, key=lambda k: (_PRIORITY[k[0]], k[2], k[1])) for keys in ready.values() if keys]
+        ran = [heapq.heappop(heap)[-1] for heap in ready.values() if heap]
         if not ran:
             stuck = sorted(str(tasks[k].step) for k, n in waiting.items() if n > 0)[:4]
             return f"the completion's steps wait on each other ({', '.join(stuck)})"
         for key in ran:
             task = tasks[key]
-            ready[task.rank].remove(key)
             order[task.rank].append(task.step)
             left -= 1
         for key in ran:  # the next tick sees what this one finished
             for user in users.get(key, ()):
                 waiting[user] -= 1
                 if waiting[user] == 0:
-                    ready.setdefault(tasks[user].rank, []).append(user)
+                    make_ready(user)
+        for rank in [r for r, heap in ready.items() if not heap]:
+            del ready[rank]
     return tuple(tuple(steps) for steps in order)
 
 

@@ -12,7 +12,7 @@ from typing import Any, Iterable, NoReturn, TypeVar
 from recycle.config import Config
 from recycle.errors import RuntimeFailure
 from recycle.ir import Plan, PlanChoice
-from recycle.ir.completion import Completion, WorkerProgress, complete_iteration
+from recycle.ir.completion import Completion, CompletionViews, WorkerProgress, complete_iteration
 from recycle.ir.worker import Worker
 from recycle.ir.worker_view import PlanViews
 from recycle.runtime.control.coordinator import (AbortGeneration, Announce, Command, Coordinator, Drain, FailRun, Fence,
@@ -70,7 +70,7 @@ class Supervisor:
         self.jobs = JobStore(store)
         self.server = server
         self.plan_at_start = plan
-        self.published: dict[int, list[int]] = {}  # generation -> ranks whose plan views are in the store
+        self.published: dict[int, list[str]] = {}  # generation -> its per-worker keys (plan and completion views)
         self.workers = workers
         self.end_step, self.wall0 = end_step, wall0
         self.local = frozenset(workers.ranks)  # ranks this node starts (and restarts)
@@ -404,7 +404,10 @@ class Supervisor:
         self._publish_plan(facts.generation, plan)
         facts, completion = self._completion(facts, plan)
         if completion is not None:
-            self.store.set(Keys.completion(facts.generation), completion.to_json())
+            views = CompletionViews(completion)
+            ranks = plan.live_ranks()
+            self._publish(facts.generation, [Keys.completion_view(facts.generation, r) for r in ranks],
+                          [views.json_for(r) for r in ranks])
         self.jobs.put(Channels.ANNOUNCE, Announcement(
             facts.generation, tuple(sorted(command.live)), facts.redo_step, self.end_step,
             "; ".join(d.cause for d in facts.deaths), tuple(sorted(facts.joining)),
@@ -453,11 +456,15 @@ class Supervisor:
         worker still that far behind has been fenced or aborted, and the store stays bounded over many failures)."""
         views = PlanViews(plan)
         ranks = plan.live_ranks()
-        self.store.multi_set([Keys.plan_view(generation, rank) for rank in ranks], [views.json_for(r) for r in ranks])
-        self.published[generation] = ranks
+        self._publish(generation, [Keys.plan_view(generation, r) for r in ranks], [views.json_for(r) for r in ranks])
+
+    def _publish(self, generation: int, keys: list[str], values: list[str]) -> None:
+        """Write one key per worker for `generation` in one call, and delete those of two generations back."""
+        self.store.multi_set(keys, values)
+        self.published.setdefault(generation, []).extend(keys)
         for old in [g for g in self.published if g <= generation - 2]:
-            for rank in self.published.pop(old):
-                self.store.delete_key(Keys.plan_view(old, rank))
+            for key in self.published.pop(old):
+                self.store.delete_key(key)
 
     def _forget_steps_from(self, step: int, generation: int) -> None:
         """A checkpoint restore: steps from `step` on run again, so their records and checkpoint keys are stale."""

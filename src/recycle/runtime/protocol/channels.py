@@ -120,9 +120,10 @@ class Keys:
         return f"gen{generation}/plan/{rank}"
 
     @staticmethod
-    def completion(generation: int) -> str:
-        """How the survivors finish the interrupted iteration in `generation` (ir.completion), when they keep it."""
-        return f"gen{generation}/completion"
+    def completion_view(generation: int, rank: int) -> str:
+        """How worker `rank` finishes the interrupted iteration in `generation` (its view of ir.completion's
+        Completion: its steps and its senders'), when the survivors keep their work."""
+        return f"gen{generation}/completion/{rank}"
 
     @staticmethod
     def abort(generation: int) -> str:

@@ -885,8 +885,8 @@ class _Worker:
         redo = announcement.redo_step
         self.completion = None
         if announcement.completion:  # keep the interrupted iteration's work; run only what the failure lost
-            self.completion = Completion.from_json(self.store.get(Keys.completion(announcement.generation)),
-                                                   self.plan)
+            self.completion = Completion.from_json(
+                self.store.get(Keys.completion_view(announcement.generation, spec.rank)), self.plan, spec.rank)
             if executor is not None:
                 executor.keep_for_completion(redo)
         elif announcement.restore_step >= 0:  # a stage lost every replica: everyone restores the checkpoint
