@@ -1,6 +1,7 @@
 """Tensor parallel inside a worker (D x S x T processes, gloo on CPU): exact against the single-process reference
 fault-free (1F1B) and with a worker down (adaptive plan), the whole worker fenced when one of its TP ranks is
-SIGKILLed or frozen mid-step, a re-join, a llama stage, and a T=2 checkpoint resumed with T=1."""
+SIGKILLed or frozen mid-step, a re-join, a llama stage, a T=2 checkpoint resumed with T=1, and --resume into T=2
+across a change of T, D and S."""
 
 from __future__ import annotations
 
@@ -184,3 +185,32 @@ def test_a_t2_checkpoint_holds_the_whole_model_and_resumes_with_t1(tiny_config, 
     resumed = torch.load(tmp_path / "t1.pt", weights_only=True)["model"]
     assert max_relative_error(resumed, reference_train(config)[0]) < 1e-9  # Adam's moments came through whole
     assert not mp.active_children()
+
+
+def test_resume_into_t2_across_a_change_of_t_d_and_s(tiny_config, tmp_path) -> None:
+    """A T = 1 checkpoint (D=1 x S=1, step 2) resumed with T = 2 at D=1 x S=2, which checkpoints step 4; that T = 2
+    checkpoint resumed with T = 2 at D=2 x S=1 (M halved: the same 4 micro-batches a step) to step 6. Each rank cuts
+    its shards from the checkpoint's whole tensors, Adam's moments included; both runs end exact against the
+    single-process reference, the warm-up + cosine schedule going on where it was."""
+    from recycle.runtime.options import CheckpointOptions
+
+    def tiny(D: int, S: int, M: int, degree: int) -> Config:
+        return with_tp(tiny_config(D=D, S=S, M=M, seed=5, steps=6, lr_schedule="cosine", warmup_steps=1,
+                                   min_lr=0.001), degree)
+
+    def run(config: Config, steps: int, save: str, **checkpoints: object) -> dict[str, torch.Tensor]:
+        options = LaunchOptions(outputs=OutputOptions(save_path=str(tmp_path / save)), progress=None, steps=steps,
+                                checkpoint=CheckpointOptions(**checkpoints),  # type: ignore[arg-type]
+                                cluster=ClusterOptions(start_method="forkserver"))
+        launch(config, build_schedule(config, "1f1b"), options)
+        assert not mp.active_children()
+        return torch.load(tmp_path / save, weights_only=True)["model"]
+
+    one = tiny(D=1, S=1, M=4, degree=1)
+    run(one, 2, "t1.pt", dir=str(tmp_path / "ck1"), every=2)
+    at_four = run(tiny(D=1, S=2, M=4, degree=2), 4, "t2-s2.pt", resume_dir=str(tmp_path / "ck1"),
+                  dir=str(tmp_path / "ck2"), every=2)
+    assert (tmp_path / "ck2" / "latest").read_text().strip() == "step000004"
+    assert max_relative_error(at_four, reference_train(one, steps=4)[0]) < 1e-9
+    at_six = run(tiny(D=2, S=1, M=2, degree=2), 6, "t2-d2.pt", resume_dir=str(tmp_path / "ck2"))
+    assert max_relative_error(at_six, reference_train(one)[0]) < 1e-9

@@ -116,11 +116,7 @@ def check_tensor_parallel_launch(config: Config, options: LaunchOptions) -> None
     if T == 1:
         return
     rule = f"[topology] gpus_per_worker = {T} (tensor parallel inside a worker)"
-    ckpt, faults = options.checkpoint, options.faults
-    if ckpt.resume_dir:
-        raise ConfigError(f"{rule} does not resume checkpoints yet (--resume {ckpt.resume_dir}); resume with "
-                          "gpus_per_worker = 1 (a checkpoint written with any T holds the whole model), or start "
-                          "afresh")
+    faults = options.faults
     if faults.chaos is not None:
         raise ConfigError(f"{rule} is not soaked with --chaos yet (its random faults hit a worker's TP rank 0 only); "
                           "leave --chaos out, or script faults with --inject MODE:R:S:TP_RANK@STEP")
