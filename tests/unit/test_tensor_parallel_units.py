@@ -281,3 +281,24 @@ def test_a_whole_checkpoint_state_loads_as_this_ranks_shards(tiny_config) -> Non
             entry = moments[index][key]
             assert isinstance(entry, DTensor) == isinstance(param, DTensor), (name, key)
             assert torch.equal(local_tensor(entry), want * scale), (name, key)
+
+
+def test_tp_rank_0_finds_whether_its_ranks_stopped_at_one_point() -> None:
+    """--redo lost with T > 1 (worker.tp_agreement): the work of a worker is kept only when every TP rank posted the
+    stop point of rank 0; a rank one action ahead, or silent, makes rank 0's report say how they differ."""
+    import torch.distributed as dist
+
+    from recycle.runtime.worker.tp_agreement import StopPoint, post_stop_point, stop_key, tp_split
+
+    store = dist.HashStore()
+    here = StopPoint(applied=0, iteration=1, finished=2, weighed=False, reducing=False, completing=False)
+    post_stop_point(store, 3, 5, 1, here)
+    post_stop_point(store, 3, 5, 2, here)
+    assert tp_split(store, 3, 5, 3, here, timeout_s=1.0) == ""
+    assert not store.check([stop_key(3, 5, 1)])  # read and removed
+    ahead = StopPoint(applied=0, iteration=1, finished=3, weighed=False, reducing=False, completing=False)
+    post_stop_point(store, 4, 5, 1, ahead)
+    split = tp_split(store, 4, 5, 2, here, timeout_s=1.0)
+    assert split == ("TP rank 1 stopped in iteration 1 after 3 action(s) (applied 0), TP rank 0 in iteration 1 "
+                     "after 2 action(s) (applied 0)"), split
+    assert tp_split(store, 5, 5, 2, here, timeout_s=0.2) == "TP rank 1 posted no stop point within 0.2 s"

@@ -65,7 +65,6 @@ class Supervisor:
                  start_step: int, end_step: int, wall0: float, server: StoreServer | None = None,
                  rebuilt: Rebuilt | None = None, *, feed: Feed) -> None:
         self.plan, self.options, self.store = plan, options, store
-        self.tp_degree = config.topology.gpus_per_worker
         self.jobs = JobStore(store)
         self.server = server
         self.plan_at_start = plan
@@ -420,11 +419,14 @@ class Supervisor:
         """With --redo lost: how the survivors finish the interrupted iteration keeping their work (ir.completion),
         and the recovery's facts with the work that is really redone; else (or where that cannot be exact) the
         whole iteration is redone."""
-        # A tensor-parallel run redoes whole iterations (--redo iteration): keeping a survivor's partial iteration
-        # is not checked exact across a worker's ranks yet.
-        if self.options.recovery.redo != "lost" or self.tp_degree > 1 or facts.restore_step is not None or \
+        if self.options.recovery.redo != "lost" or facts.restore_step is not None or \
                 facts.joining or facts.redo_step >= self.end_step or not facts.deaths or not facts.redone_actions:
             return facts, None  # (no work done in the iteration: nothing to keep)
+        # A tensor-parallel worker's work is kept only when its T ranks stopped at one point (worker.tp_agreement).
+        split = next((r for r in facts.reports if r.tp_split), None)
+        if split is not None:
+            worker = "%d:%d" % self.plan.worker(split.rank)
+            return replace(facts, kept=f"the whole iteration is redone: worker {worker}'s {split.tp_split}"), None
         if any(r.completing or r.generation != facts.generation - 1 for r in facts.reports):
             return replace(facts, kept="the whole iteration is redone: a failure hit the completion of the last "
                                        "one"), None

@@ -51,6 +51,7 @@ from recycle.runtime.worker.outbox import Outbox, SilentOutbox
 from recycle.runtime.worker.stage import build_stage, tied_stages
 from recycle.runtime.worker.tensor_parallel import (RankBeats, bind_mesh, check_worker_features, rank_beat_key,
                                                     tp_degree, worker_mesh)
+from recycle.runtime.worker.tp_agreement import StopPoint, post_stop_point, tp_split
 from recycle.runtime.worker.title import set_process_title
 from recycle.runtime.worker.transport import Activity, GenerationCut, Transport, is_comm_error
 
@@ -623,8 +624,9 @@ class _Worker:
         spec = self.spec
         if self.mesh is not None:
             raise ConfigError(f"a stage lost every replica and the run restores the checkpoint of step {step}, which "
-                              f"[topology] gpus_per_worker = {spec.tp_degree} cannot load into its sharded stages yet; "
-                              f"resume from it with gpus_per_worker = 1 (--resume {spec.checkpoint.dir})")
+                              f"a running job with [topology] gpus_per_worker = {spec.tp_degree} does not do yet "
+                              f"(not built for tensor-parallel workers); start the job again from it with "
+                              f"--resume {spec.checkpoint.dir} (any gpus_per_worker)")
         if step == spec.start_step and not checkpoint.step_dir(spec.checkpoint.dir, step).is_dir():
             if spec.checkpoint.resume_dir:
                 checkpoint.load_stage(spec.checkpoint.resume_dir, step, self.state)
@@ -849,17 +851,28 @@ class _Worker:
         if executor is not None:
             executor.drop_comm()
             progress, completed = executor.progress, executor.completed
-            current = (progress.index, progress.busy_s) if not progress.finished else (0, 0.0)
+            # A TP rank stopped in the send of an action whose results it holds counts the action done, as a peer
+            # rank whose own send went through does (worker.tp_agreement).
+            sent = self.mesh is not None and progress.sending and not progress.finished
+            current = (progress.index + sent, progress.busy_s) if not progress.finished else (0, 0.0)
             report = StoppedReport(spec.rank, self.generation, applied, progress.iteration, current[0], current[1],
                                    completed.index if applied >= spec.start_step else 0,
                                    completed.busy_s if applied >= spec.start_step else 0.0,
-                                   error, time.time(), weighed_current=progress.weighed and not progress.finished,
+                                   error, time.time(),
+                                   weighed_current=progress.weighed and not progress.finished and not sent,
                                    completing=progress.completing and not progress.finished,
                                    reducing=progress.reducing and not progress.finished)
         else:  # failed while forming its first generation: nothing done yet
             # Its state is the run's start, or (a replacement that loaded the restored checkpoint) that step.
             report = StoppedReport(spec.rank, self.generation, applied, applied + 1, 0, 0.0, 0, 0.0, error,
                                    time.time())
+        if self.mesh is not None:  # the worker's ranks may have stopped at different points (worker.tp_agreement)
+            point = StopPoint.of(report)
+            if spec.tp_rank > 0:
+                post_stop_point(self.store, self.generation, spec.rank, spec.tp_rank, point)
+            else:
+                report = replace(report, tp_split=tp_split(self.store, self.generation, spec.rank, spec.tp_degree,
+                                                           point, spec.recovery.timeout_s))
         self.phase = "stopped"
         self.outbox.put(self.store, Channels.STOPPED, report, self.generation, spec.rank, kind="stopped")
         # One key for the coordinator to poll.
