@@ -1,7 +1,7 @@
 """Tensor parallel inside a worker (D x S x T processes, gloo on CPU): exact against the single-process reference
 fault-free (1F1B) and with a worker down (adaptive plan), the whole worker fenced when one of its TP ranks is
-SIGKILLed or frozen mid-step, a re-join, a llama stage, a T=2 checkpoint resumed with T=1, and --resume into T=2
-across a change of T, D and S."""
+SIGKILLed (the survivors' work kept) or frozen mid-step, a re-join, a stage lost whole and restored from the
+checkpoint, a llama stage, a T=2 checkpoint resumed with T=1, and --resume into T=2 across a change of T, D and S."""
 
 from __future__ import annotations
 
@@ -87,16 +87,17 @@ def test_worker_down_adaptive_plan_d2_s2_t2_matches_reference(tiny_config, tmp_p
 
 
 def test_sigkill_of_one_tp_rank_fences_the_whole_worker_and_the_run_is_exact(tiny_config, tmp_path) -> None:
-    """TP rank 1 of worker 1:0 is SIGKILLed at its first backward of step 2 (1F1B: a fused BW): its TP rank 0 is
-    fenced with it, the plan re-routes the worker's micro-batches, the survivors keep their work of the step
-    (--redo lost), and the run ends exact. Worker 1:1's ranks are then inside their own TP all-reduces (DTensor's,
+    """TP rank 1 of worker 1:0 is SIGKILLed at its second backward of step 2 (1F1B: a fused BW; by then worker 1:1
+    has done work of the step for sure: the first backward took its gradient): its TP rank 0 is fenced with it, the
+    plan re-routes the worker's micro-batches, the survivors keep their work of the step (--redo lost), and the run
+    ends exact. Worker 1:1's ranks are then inside their own TP all-reduces (DTensor's,
     outside the transport) when the abort cuts them: a peer's failure there must end the generation, not the run."""
     from recycle.planner.options import PlannerOptions
     from recycle.planner.provider import PlanLibrary
 
     config = with_tp(tiny_config(seed=5, steps=3), 2)
     plan = build_schedule(config, "1f1b")
-    index = next(i for i, a in enumerate(plan.actions[plan.rank(1, 0)]) if a.kind.name in ("B", "BW"))
+    index = [i for i, a in enumerate(plan.actions[plan.rank(1, 0)]) if a.kind.name in ("B", "BW")][1]
     worker, fault = parse_fault(f"kill:1:0:1@2.{index}", 2, 2, tp_degree=2)
     assert fault.tp_rank == 1
     library = PlanLibrary.build(config, PlannerOptions(), max_failures=1)
@@ -218,3 +219,30 @@ def test_resume_into_t2_across_a_change_of_t_d_and_s(tiny_config, tmp_path) -> N
     assert max_relative_error(at_four, reference_train(one, steps=4)[0]) < 1e-9
     at_six = run(tiny(D=2, S=1, M=2, degree=2), 6, "t2-d2.pt", resume_dir=str(tmp_path / "ck2"))
     assert max_relative_error(at_six, reference_train(one)[0]) < 1e-9
+
+
+def test_a_stage_lost_whole_is_restored_from_the_checkpoint_into_tp_workers(tiny_config, tmp_path) -> None:
+    """Both replicas of stage 1 die (TP rank 1 of 1:1 at step 2, TP rank 0 of 0:1 at step 6, after the checkpoint of
+    step 4): worker 1:0 moves into slot 1:1 (reshape, two new processes), every worker loads that checkpoint, each
+    rank cutting its shards from the whole tensors, and the run redoes the lost steps to the reference's weights."""
+    from recycle.planner.options import PlannerOptions
+    from recycle.planner.provider import PlanLibrary
+    from recycle.runtime.options import CheckpointOptions
+
+    config = with_tp(tiny_config(seed=3, steps=8), 2)
+    plan = build_schedule(config, "1f1b")
+    faults = tuple((plan.rank(*worker), fault) for worker, fault in
+                   (parse_fault(text, 2, 2, tp_degree=2) for text in ("kill:1:1:1@2.1", "kill:0:1:0@6.1")))
+    library = PlanLibrary.build(config, PlannerOptions(), max_failures=4)
+    ck = tmp_path / "ck"
+    options = LaunchOptions(outputs=OutputOptions(save_path=str(tmp_path / "final.pt")), progress=None,
+                            checkpoint=CheckpointOptions(dir=str(ck), every=2), plan_provider=library.lookup,
+                            recovery=RecoveryOptions(timeout_s=30), faults=FaultOptions(injections=faults),
+                            cluster=ClusterOptions(start_method="forkserver"))
+    result = launch(config, plan, options)
+    got = torch.load(tmp_path / "final.pt", weights_only=True)["model"]
+    assert max_relative_error(got, reference_train(config)[0]) < 1e-9
+    restore = next(r for r in result.recoveries if r.restored_step is not None)
+    assert restore.restored_step == 4 and restore.moved == (((1, 0), (1, 1)),), restore.line()
+    assert result.failed == ((0, 1), (1, 0)) and (ck / "latest").read_text().strip() == "step000008"
+    assert not mp.active_children()

@@ -622,17 +622,14 @@ class _Worker:
         (restored when a stage was lost before any checkpoint completed), the checkpoint it resumed from or the
         seed's initial state."""
         spec = self.spec
-        if self.mesh is not None:
-            raise ConfigError(f"a stage lost every replica and the run restores the checkpoint of step {step}, which "
-                              f"a running job with [topology] gpus_per_worker = {spec.tp_degree} does not do yet "
-                              f"(not built for tensor-parallel workers); start the job again from it with "
-                              f"--resume {spec.checkpoint.dir} (any gpus_per_worker)")
         if step == spec.start_step and not checkpoint.step_dir(spec.checkpoint.dir, step).is_dir():
             if spec.checkpoint.resume_dir:
                 checkpoint.load_stage(spec.checkpoint.resume_dir, step, self.state)
                 return
             if step == 0:
                 built = build_stage(self.config, self.stage, spec.model_factory, self.bounds)
+                if self.mesh is not None:  # each rank slices its shards of the seed's weights, as at the start
+                    parallelize_stage(built.module.to(self.device), self.mesh)
                 self._install(self._stage_state(built.module.to(self.device)), built.layout)
                 self.position.restart(0)
                 return
