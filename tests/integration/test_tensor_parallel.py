@@ -1,7 +1,8 @@
 """Tensor parallel inside a worker (D x S x T processes, gloo on CPU): exact against the single-process reference
 fault-free (1F1B) and with a worker down (adaptive plan), the whole worker fenced when one of its TP ranks is
 SIGKILLed (the survivors' work kept) or frozen mid-step, a re-join, a stage lost whole and restored from the
-checkpoint, a llama stage, a T=2 checkpoint resumed with T=1, and --resume into T=2 across a change of T, D and S."""
+checkpoint, a llama stage, a T=2 checkpoint resumed with T=1, --resume into T=2 across a change of T, D and S, and
+a short --chaos soak."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from recycle.runtime.worker.emulate import Emulation
 from recycle.schedules.fault_free import build_schedule
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+CHAOS_SEED = 4
 
 
 def with_tp(config: Config, degree: int) -> Config:
@@ -245,4 +247,33 @@ def test_a_stage_lost_whole_is_restored_from_the_checkpoint_into_tp_workers(tiny
     restore = next(r for r in result.recoveries if r.restored_step is not None)
     assert restore.restored_step == 4 and restore.moved == (((1, 0), (1, 1)),), restore.line()
     assert result.failed == ((0, 1), (1, 0)) and (ck / "latest").read_text().strip() == "step000008"
+    assert not mp.active_children()
+
+
+def test_a_short_chaos_soak_with_tp_workers_ends_exact(tiny_config, tmp_path) -> None:
+    """--chaos with T = 2: random faults, each of one process of a worker (TP rank 1 among them), here whole-stage
+    losses restored from the checkpoint and a frozen rank, each repaired (all T processes again), in one run that
+    ends with the reference's weights. (A replacement's rank 0 says the worker is ready only once its other ranks
+    are up: the generation that admits it waited for a rank still starting, and timed out, before.)"""
+    from recycle.planner.options import PlannerOptions
+    from recycle.planner.provider import PlanLibrary
+    from recycle.runtime.options import CheckpointOptions
+    from recycle.runtime.tools.chaos import ChaosSpec
+
+    config = with_tp(tiny_config(seed=3, steps=8), 2)
+    result = launch(config, build_schedule(config, "1f1b"), LaunchOptions(
+        outputs=OutputOptions(save_path=str(tmp_path / "final.pt")),
+        checkpoint=CheckpointOptions(dir=str(tmp_path / "ck"), every=2),
+        recovery=RecoveryOptions(timeout_s=40, heartbeat_timeout_s=3.0, heartbeat_s=0.25),
+        cluster=ClusterOptions(start_method="forkserver"),
+        faults=FaultOptions(chaos=ChaosSpec(CHAOS_SEED, 0.6, stage_loss_share=0.3)),
+        debug=DebugOptions(verify_replicas=True), progress=None,
+        plan_provider=PlanLibrary.build(config, PlannerOptions(), max_failures=4).lookup))
+    got = torch.load(tmp_path / "final.pt", weights_only=True)["model"]
+    assert max_relative_error(got, reference_train(config)[0]) < 1e-9
+    injected = [w for e in result.chaos_events for w in e["workers"]]
+    recovered = [w for r in result.recoveries for w in r.workers]
+    assert len(result.chaos_events) >= 1 and sorted(injected) == sorted(recovered)
+    causes = [cause for r in result.recoveries for cause in r.causes]
+    assert any("of TP rank 1" in cause for cause in causes), causes  # not only the rank that speaks for a worker
     assert not mp.active_children()

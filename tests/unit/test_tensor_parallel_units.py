@@ -1,5 +1,5 @@
 """Tensor parallel inside a worker, without processes: the sharding rule's errors, c_attn's rank order, --inject
-aimed at a TP rank, the launch refusals, a whole checkpoint state loaded as one rank's shards, and a worker's T
+aimed at a TP rank, --chaos aimed at a TP rank, a whole checkpoint state loaded as one rank's shards, and a worker's T
 processes fenced as one (WorkerGroup)."""
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from recycle.config import ModelSpec
 from recycle.errors import ConfigError
 from recycle.models.gpt import resolve_shape
 from recycle.models.tensor_parallel import check_tensor_parallel, qkv_order
-from recycle.runtime.control.preflight import check_tensor_parallel_launch
 from recycle.runtime.control.processes import WorkerGroup
-from recycle.runtime.options import CheckpointOptions, FaultOptions, LaunchOptions
 from recycle.runtime.tools.faults import parse_fault
 from recycle.runtime.worker.stage import check_model
 
@@ -67,17 +65,23 @@ def test_inject_names_a_tp_rank_and_checks_it() -> None:
         parse_fault("kill:1:0:2@2", 2, 2, tp_degree=2)
 
 
-def test_tensor_parallel_launch_resumes_and_refuses_chaos(tiny_config) -> None:
-    config = tiny_config()
-    two = replace(config, topology=replace(config.topology, gpus_per_worker=2))
-    check_tensor_parallel_launch(two, LaunchOptions())
-    check_tensor_parallel_launch(two, LaunchOptions(checkpoint=CheckpointOptions(dir="/tmp/x", every=1)))
-    check_tensor_parallel_launch(two, LaunchOptions(checkpoint=CheckpointOptions(resume_dir="/tmp/x")))
-    check_tensor_parallel_launch(two, LaunchOptions(faults=FaultOptions(rejoins=((3, 2),))))
-    from recycle.runtime.tools.chaos import ChaosSpec
+def test_chaos_hits_one_process_of_a_tp_worker_and_draws_t1_events_as_before() -> None:
+    """--chaos with T > 1: each event names the TP rank it hits (seeded, every rank in turn over many events); the
+    events themselves (kind, workers, repair times) are those T = 1 draws with the same seed."""
+    from recycle.runtime.tools.chaos import ChaosMonkey, ChaosSpec
 
-    with pytest.raises(ConfigError, match=r"not soaked with --chaos"):
-        check_tensor_parallel_launch(two, LaunchOptions(faults=FaultOptions(chaos=ChaosSpec(seed=1, rate=0.1))))
+    spec = ChaosSpec(5, 1.0, stage_loss_share=0.3)
+    one, two = ChaosMonkey(spec, num_stages=2), ChaosMonkey(spec, num_stages=2, tp_degree=2)
+    hit: set[int] = set()
+    for step in range(40):
+        one.rng.setstate(two.rng.getstate())  # from the same state (the T = 2 monkey draws its TP ranks on top)
+        a = one.decide(step, [0, 1, 2, 3], can_lose_stage=True)
+        b = two.decide(step, [0, 1, 2, 3], can_lose_stage=True)
+        assert a is not None and b is not None and a.tp_ranks == ()
+        assert (a.kind, a.ranks, a.repair_after_s) == (b.kind, b.ranks, b.repair_after_s)
+        assert len(b.tp_ranks) == len(b.ranks) and all(0 <= t < 2 for t in b.tp_ranks)
+        hit.update(b.tp_ranks)
+    assert hit == {0, 1}
 
 
 class _FakeProcess:

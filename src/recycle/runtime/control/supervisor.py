@@ -91,7 +91,8 @@ class Supervisor:
         self.eval_every = config.training.eval_every
         self.tokens_per_microbatch = config.workload.microbatch_size * config.workload.seq_len
         self.next_eval = self._first_eval(start_step)  # the next evaluation to report (done steps)
-        self.monkey = ChaosMonkey(options.faults.chaos, plan.num_stages) if options.faults.chaos is not None else None
+        self.monkey = ChaosMonkey(options.faults.chaos, plan.num_stages, config.topology.gpus_per_worker) \
+            if options.faults.chaos is not None else None
         self.last_chaos_step = start_step
         self.exited: set[int] = set()
         self.pids: dict[int, int | None] = {r: workers.pid(r) for r in workers.ranks}
@@ -329,10 +330,12 @@ class Supervisor:
         event = self.monkey.decide(step, live, can_lose_stage=state.latest_checkpoint is not None)
         if event is None:
             return
-        for rank, delay in zip(event.ranks, event.repair_after_s):
+        for index, (rank, delay) in enumerate(zip(event.ranks, event.repair_after_s)):
+            tp_rank = event.tp_ranks[index] if event.tp_ranks else None  # T > 1: one of the worker's processes
+            what = f"a chaos {event.kind}" + (f" of TP rank {tp_rank}" if tp_rank is not None else "")
             # Recorded like an injected fault, so its recovery is timed from the kill, not from its detection.
-            self.jobs.put(Channels.FAULT, FaultRecord(time.time(), f"a chaos {event.kind}", event.kind), rank)
-            self.workers.signal(rank, signal.SIGSTOP if event.kind == "hang" else signal.SIGKILL)
+            self.jobs.put(Channels.FAULT, FaultRecord(time.time(), what, event.kind), rank)
+            self.workers.signal(rank, signal.SIGSTOP if event.kind == "hang" else signal.SIGKILL, tp_rank)
             self.coordinator.on_repair_planned(rank, now + delay)
         self.reporter.chaos(ChaosEvent(now, event.kind, event.step,
                                        tuple("%d:%d" % self.plan.worker(r) for r in event.ranks)))

@@ -50,7 +50,7 @@ from recycle.runtime.worker.nccl_env import prepare_nccl
 from recycle.runtime.worker.outbox import Outbox, SilentOutbox
 from recycle.runtime.worker.stage import build_stage, tied_stages
 from recycle.runtime.worker.tensor_parallel import (RankBeats, bind_mesh, check_worker_features, rank_beat_key,
-                                                    tp_degree, worker_mesh)
+                                                    ready_key, tp_degree, worker_mesh)
 from recycle.runtime.worker.tp_agreement import StopPoint, post_stop_point, tp_split
 from recycle.runtime.worker.title import set_process_title
 from recycle.runtime.worker.transport import Activity, GenerationCut, Transport, is_comm_error
@@ -527,20 +527,19 @@ class _Worker:
         """A replacement worker: say it is ready, wait to be admitted into a generation, take that generation's plan
         (and its checkpoint, when the run restores one); the stage's live state arrives after the groups form."""
         spec = self.spec
-        self.outbox.put(self.store, Channels.JOIN_READY, JoinReady(time.time(), os.getpid()), spec.rank, kind="join")
+        if spec.tp_rank > 0:  # up: its rank 0 says the worker is ready once every rank is
+            self.store.set(ready_key(spec.rank, spec.incarnation, spec.tp_rank), "up")
+        else:
+            peers = [ready_key(spec.rank, spec.incarnation, t) for t in range(1, spec.tp_degree)]
+            if peers:
+                self._wait_for_keys(peers)
+                for peer in peers:
+                    self.store.delete_key(peer)
+            self.outbox.put(self.store, Channels.JOIN_READY, JoinReady(time.time(), os.getpid()), spec.rank,
+                            kind="join")
         _joiner_dies_here(self.spec.joiner_dies_at, "ready")
         key = Keys.join_generation(spec.rank)
-        while True:
-            try:
-                self.store.wait([key], datetime.timedelta(seconds=5))
-                break
-            except dist.DistStoreError:
-                try:
-                    finished = self.jobs.is_set(Flags.FINISHED)
-                except StoreUnavailable:
-                    continue  # the coordinator is away: wait for it (its launcher gives up on it, not this worker)
-                if finished:
-                    raise _Fenced() from None  # the run ended before this worker was needed
+        self._wait_for_keys([key])
         self.outbox.forget(Keys.join_ready(spec.rank))
         self.generation = int(self.store.get(key))
         _joiner_dies_here(self.spec.joiner_dies_at, "admitted")
@@ -551,6 +550,20 @@ class _Worker:
             self._load_checkpoint(self.announcement.restore_step)
             self._holds_state = True
         return self.announcement.redo_step
+
+    def _wait_for_keys(self, keys: list[str]) -> None:
+        """A replacement waits for `keys` in the store, as long as the run goes on (if it ends first, it leaves)."""
+        while True:
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=5))
+                return
+            except dist.DistStoreError:
+                try:
+                    finished = self.jobs.is_set(Flags.FINISHED)
+                except StoreUnavailable:
+                    continue  # the coordinator is away: wait for it (its launcher gives up on it, not this worker)
+                if finished:
+                    raise _Fenced() from None  # the run ended before this worker was needed
 
     def _abort_generation(self, generation: int) -> None:
         """The watcher saw `generation` aborted: cut its communicators now (the main thread may be blocked on a
