@@ -1,5 +1,6 @@
 """Chaos for soak runs (`recycle train --chaos SEED,RATE`): seeded decisions of which worker to kill or freeze (with
-tensor parallelism: which one of its T processes), when a whole stage goes, and how long a repair takes. Pure decisions; the launcher carries them out with real signals."""
+tensor parallelism: which one of its T processes), when a whole stage goes, and how long a repair takes. Pure
+decisions; the launcher carries them out with real signals."""
 
 from __future__ import annotations
 

@@ -413,7 +413,7 @@ class StageExecutor:
     def backward_weight(self, action: Action) -> None:
         """W: the weight-gradient, accumulated into .grad; frees the micro-batch's graph."""
         stash = self._stash[action.mb]
-        self._backward_into_grad(stash.out, stash.grad_out, self.params)
+        self._backward(stash.out, stash.grad_out, self.params)
         del self._stash[action.mb]
 
     def backward_fused(self, action: Action) -> None:
@@ -423,11 +423,11 @@ class StageExecutor:
         # leaves the graph for a completion.
         stash = self._stash[action.mb]
         if self.is_first:
-            self._backward_into_grad(stash.out, grad_out, self.params)
+            self._backward(stash.out, grad_out, self.params)
             del self._stash[action.mb]
             return
         assert stash.inp is not None  # every stage but the first receives its input
-        self._backward_into_grad(stash.out, grad_out, [stash.inp, *self.params])
+        self._backward(stash.out, grad_out, [stash.inp, *self.params])
         del self._stash[action.mb]
         self.progress.weighed = True  # a failure in the send below: the weight-gradient is kept, the rest redone
         # stash.inp is this micro-batch's own leaf (a fresh receive buffer): its .grad is exactly the input-gradient.
@@ -583,19 +583,28 @@ class StageExecutor:
         if self.device.type == "cuda":
             torch.cuda.manual_seed(seed)  # the current device (worker_main sets it); CUDA is initialised there
 
-    def _backward_into_grad(self, out: torch.Tensor, grad_out: torch.Tensor | None,
-                            inputs: Sequence[torch.Tensor]) -> None:
+    def _backward(self, out: torch.Tensor, grad_out: torch.Tensor | None, inputs: Sequence[torch.Tensor]) -> None:
+        """The backward of a W or BW into the inputs' .grad: _backward_into_grad, or on a tensor-parallel stage
+        _backward_kept. Why: a TP stage's backward holds TP collectives, which a failure elsewhere can cut midway;
+        autograd.backward accumulates as it goes and frees the graph, so a cut one would leave part of the
+        micro-batch's gradient in .grad and its graph half freed, which a completion could not run again."""
+        if self.tp_allreduce is None:
+            self._backward_into_grad(out, grad_out, inputs)
+        else:
+            self._backward_kept(out, grad_out, inputs)
+
+    @staticmethod
+    def _backward_into_grad(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: Sequence[torch.Tensor]) -> None:
         """Accumulate d(out)/d(inputs) into the inputs' .grad, as loss.backward() would: autograd's AccumulateGrad
         adopts the first micro-batch's gradient and adds the later ones in place, in C++ (the same sums, in the same
         micro-batch order, as a Python clone-then-add_ loop over autograd.grad's results, without the copies and
-        the per-parameter Python calls). Frees the graph. Inputs the graph does not reach keep their .grad.
+        the per-parameter Python calls). Frees the graph. Inputs the graph does not reach keep their .grad."""
+        torch.autograd.backward(out, grad_out, inputs=inputs)
 
-        A tensor-parallel stage's backward holds TP collectives, which a failure elsewhere can cut midway: there
-        the gradients are taken whole first and added after (that Python loop, the same sums), and the graph is
-        kept, so a cut backward leaves .grad and the graph as they were and a completion can run it again."""
-        if self.tp_allreduce is None:
-            torch.autograd.backward(out, grad_out, inputs=inputs)
-            return
+    @staticmethod
+    def _backward_kept(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: Sequence[torch.Tensor]) -> None:
+        """The same sums as _backward_into_grad, with the gradients taken whole first (the graph kept) and added to
+        .grad only after: a backward that raises leaves .grad and the graph as they were."""
         grads = torch.autograd.grad(out, list(inputs), grad_out, retain_graph=True, allow_unused=True)
         for tensor, grad in zip(inputs, grads):
             if grad is not None:
