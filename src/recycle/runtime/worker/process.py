@@ -864,7 +864,7 @@ class _Worker:
             # A TP rank stopped in the send of an action whose results it holds counts the action done, as a peer
             # rank whose own send went through does (worker.tp_agreement).
             sent = self.mesh is not None and progress.sending and not progress.finished
-            current = (progress.index + sent, progress.busy_s) if not progress.finished else (0, 0.0)
+            current = (progress.index + int(sent), progress.busy_s) if not progress.finished else (0, 0.0)
             report = StoppedReport(spec.rank, self.generation, applied, progress.iteration, current[0], current[1],
                                    completed.index if applied >= spec.start_step else 0,
                                    completed.busy_s if applied >= spec.start_step else 0.0,
