@@ -1,5 +1,6 @@
 """Tensor parallel inside a worker, without processes: the sharding rule's errors, c_attn's rank order, --inject
-aimed at a TP rank, the launch refusals, and a worker's T processes fenced as one (WorkerGroup)."""
+aimed at a TP rank, --chaos aimed at a TP rank, a whole checkpoint state loaded as one rank's shards, and a worker's T
+processes fenced as one (WorkerGroup)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,7 @@ from recycle.config import ModelSpec
 from recycle.errors import ConfigError
 from recycle.models.gpt import resolve_shape
 from recycle.models.tensor_parallel import check_tensor_parallel, qkv_order
-from recycle.runtime.control.preflight import check_tensor_parallel_launch
 from recycle.runtime.control.processes import WorkerGroup
-from recycle.runtime.options import CheckpointOptions, FaultOptions, LaunchOptions
 from recycle.runtime.tools.faults import parse_fault
 from recycle.runtime.worker.stage import check_model
 
@@ -66,20 +65,23 @@ def test_inject_names_a_tp_rank_and_checks_it() -> None:
         parse_fault("kill:1:0:2@2", 2, 2, tp_degree=2)
 
 
-def test_tensor_parallel_launch_refuses_resume_and_chaos(tiny_config) -> None:
-    config = tiny_config()
-    two = replace(config, topology=replace(config.topology, gpus_per_worker=2))
-    check_tensor_parallel_launch(two, LaunchOptions())
-    check_tensor_parallel_launch(two, LaunchOptions(checkpoint=CheckpointOptions(dir="/tmp/x", every=1)))
-    check_tensor_parallel_launch(config, LaunchOptions(checkpoint=CheckpointOptions(resume_dir="/tmp/x")))  # T = 1
-    with pytest.raises(ConfigError, match=r"gpus_per_worker = 2 .* does not resume checkpoints yet .* resume with "
-                                          r"gpus_per_worker = 1"):
-        check_tensor_parallel_launch(two, LaunchOptions(checkpoint=CheckpointOptions(resume_dir="/tmp/x")))
-    check_tensor_parallel_launch(two, LaunchOptions(faults=FaultOptions(rejoins=((3, 2),))))
-    from recycle.runtime.tools.chaos import ChaosSpec
+def test_chaos_hits_one_process_of_a_tp_worker_and_draws_t1_events_as_before() -> None:
+    """--chaos with T > 1: each event names the TP rank it hits (seeded, every rank in turn over many events); the
+    events themselves (kind, workers, repair times) are those T = 1 draws with the same seed."""
+    from recycle.runtime.tools.chaos import ChaosMonkey, ChaosSpec
 
-    with pytest.raises(ConfigError, match=r"not soaked with --chaos"):
-        check_tensor_parallel_launch(two, LaunchOptions(faults=FaultOptions(chaos=ChaosSpec(seed=1, rate=0.1))))
+    spec = ChaosSpec(5, 1.0, stage_loss_share=0.3)
+    one, two = ChaosMonkey(spec, num_stages=2), ChaosMonkey(spec, num_stages=2, tp_degree=2)
+    hit: set[int] = set()
+    for step in range(40):
+        one.rng.setstate(two.rng.getstate())  # from the same state (the T = 2 monkey draws its TP ranks on top)
+        a = one.decide(step, [0, 1, 2, 3], can_lose_stage=True)
+        b = two.decide(step, [0, 1, 2, 3], can_lose_stage=True)
+        assert a is not None and b is not None and a.tp_ranks == ()
+        assert (a.kind, a.ranks, a.repair_after_s) == (b.kind, b.ranks, b.repair_after_s)
+        assert len(b.tp_ranks) == len(b.ranks) and all(0 <= t < 2 for t in b.tp_ranks)
+        hit.update(b.tp_ranks)
+    assert hit == {0, 1}
 
 
 class _FakeProcess:
@@ -227,3 +229,80 @@ def test_a_sharded_stage_state_moves_shard_by_shard_and_rolls_back() -> None:
     for key, value in before.items():
         if not key.startswith("train."):
             assert torch.equal(after[key], value), key
+
+
+def _megatron_shard(name: str, whole: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """Rank `tp_rank`'s part of `whole` (parameter `name`) in Megatron's layout over 2 ranks, written out by hand:
+    c_attn (rows in rank order first) and mlp.0 split by rows, c_proj's and mlp.2's weights by columns."""
+    if "c_attn" in name:
+        whole = whole[qkv_order(whole.shape[0] // 3, 2)]
+    if "c_attn" in name or "mlp.0" in name:
+        return whole.chunk(2, 0)[tp_rank]
+    if name.endswith(("c_proj.weight", "mlp.2.weight")):
+        return whole.chunk(2, 1)[tp_rank]
+    return whole
+
+
+def test_a_whole_checkpoint_state_loads_as_this_ranks_shards(tiny_config) -> None:
+    """What --resume into T = 2 does on one rank, with no process group: a stage state in the unsharded layout (a
+    checkpoint's whole tensors, Adam's moments included) loads into a sharded stage as this rank's Megatron shards
+    (c_attn's rows in rank order, for the moments too), the optimizer's entries as DTensors like their parameters.
+
+    TP rank 1 (rank 0's shards are the first chunks, which a slicing that ignored the rank would get right too). One
+    rank per process, as in a worker: DTensor's dispatch reuses results across meshes that compare equal, and a mesh
+    seen from rank 0 equals one seen from rank 1, so a second rank's stage in this process could take rank 0's
+    mesh."""
+    tp_rank = 1
+    from torch.distributed.tensor import DTensor
+
+    from recycle.models.gpt import full_model
+    from recycle.models.tensor_parallel import local_tensor, parallelize_gpt_stage
+    from recycle.runtime.state.optim import make_optimizer
+    from recycle.runtime.state.stage_state import OPTIMIZER_PREFIX, STEP_KEY, IterationPosition, StageState
+    from recycle.runtime.worker.tensor_parallel import worker_mesh
+
+    config = tiny_config(dtype="float64")
+    spec, seq_len = config.model, config.workload.seq_len
+    whole = full_model(spec, seq_len, 3, torch.float64)
+    state: dict[str, object] = dict(whole.state_dict())
+    for name, p in whole.named_parameters():  # moments: the weights x 2 and x 3, whole, under the parameter's name
+        state[f"{OPTIMIZER_PREFIX}{name}.exp_avg"] = p.detach() * 2
+        state[f"{OPTIMIZER_PREFIX}{name}.exp_avg_sq"] = p.detach() * 3
+        state[f"{OPTIMIZER_PREFIX}{name}.step"] = torch.tensor(4.0, dtype=torch.float64)
+    state[STEP_KEY] = torch.tensor(4)
+    target = full_model(spec, seq_len, 9, torch.float64)  # other weights: every shard must be overwritten
+    parallelize_gpt_stage(target, worker_mesh(2, tp_rank))
+    loaded = StageState(target, make_optimizer(target, config.training), 0, IterationPosition())
+    loaded.load_state_dict(state)
+    assert loaded.position.done == 4
+    moments = loaded.optimizer.state_dict()["optimizer"]["state"]
+    split = [n for n, p in target.named_parameters() if isinstance(p, DTensor) and p._local_tensor.shape != p.shape]
+    assert any("c_attn" in n for n in split) and any("mlp.2" in n for n in split)
+    for index, (name, param) in enumerate(target.named_parameters()):
+        want = _megatron_shard(name, whole.state_dict()[name], tp_rank)
+        assert torch.equal(local_tensor(param), want), name
+        for key, scale in (("exp_avg", 2.0), ("exp_avg_sq", 3.0)):
+            entry = moments[index][key]
+            assert isinstance(entry, DTensor) == isinstance(param, DTensor), (name, key)
+            assert torch.equal(local_tensor(entry), want * scale), (name, key)
+
+
+def test_tp_rank_0_finds_whether_its_ranks_stopped_at_one_point() -> None:
+    """--redo lost with T > 1 (worker.tp_agreement): the work of a worker is kept only when every TP rank posted the
+    stop point of rank 0; a rank one action ahead, or silent, makes rank 0's report say how they differ."""
+    import torch.distributed as dist
+
+    from recycle.runtime.worker.tp_agreement import StopPoint, post_stop_point, stop_key, tp_split
+
+    store = dist.HashStore()
+    here = StopPoint(applied=0, iteration=1, finished=2, weighed=False, reducing=False, completing=False)
+    post_stop_point(store, 3, 5, 1, here)
+    post_stop_point(store, 3, 5, 2, here)
+    assert tp_split(store, 3, 5, 3, here, timeout_s=1.0) == ""
+    assert not store.check([stop_key(3, 5, 1)])  # read and removed
+    ahead = StopPoint(applied=0, iteration=1, finished=3, weighed=False, reducing=False, completing=False)
+    post_stop_point(store, 4, 5, 1, ahead)
+    split = tp_split(store, 4, 5, 2, here, timeout_s=1.0)
+    assert split == ("TP rank 1 stopped in iteration 1 after 3 action(s) (applied 0), TP rank 0 in iteration 1 "
+                     "after 2 action(s) (applied 0)"), split
+    assert tp_split(store, 5, 5, 2, here, timeout_s=0.2) == "TP rank 1 posted no stop point within 0.2 s"

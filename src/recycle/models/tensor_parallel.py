@@ -26,7 +26,7 @@ from recycle.models.gpt import GPTShape, GPTStage
 
 __all__ = ["check_tensor_parallel", "check_hf_tensor_parallel", "parallelize_gpt_stage", "parallelize_hf_stage",
            "parallelize_stage", "whole_state_dict", "whole_state", "local_tensor", "local_state", "sharded_like", "qkv_order",
-           "is_sharded"]
+           "is_sharded", "shard_of_whole"]
 
 _ATTN_QKV = "attn.c_attn"
 
@@ -168,6 +168,30 @@ def sharded_like(value: Any, param: torch.Tensor) -> Any:
     return value
 
 
+def _is_qkv(key: str) -> bool:
+    """Whether `key` (a state-dict name, or an optimizer entry's, which holds its parameter's name) is c_attn's."""
+    return f"{_ATTN_QKV}.weight" in key or f"{_ATTN_QKV}.bias" in key
+
+
+def shard_of_whole(key: str, value: Any, like: torch.Tensor) -> Any:
+    """This rank's shard of `value` when it is a whole tensor in the unsharded model's layout (what checkpoints and
+    whole_state hold) and `like`, the live tensor stored under `key` or the parameter an optimizer entry `key`
+    belongs to, is a sharded DTensor: the inverse of whole_state, c_attn's rows put in rank order first. Each rank
+    slices its own part (as parallelize_module did from the seed's weights), so it needs no process group. Anything
+    else (a shard already, a step counter, a replicated or unsharded tensor) comes back as it is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not is_sharded(like) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor) \
+            or value.shape != like.shape:
+        return value
+    mesh = like.device_mesh  # type: ignore[attr-defined]
+    if _is_qkv(key):
+        value = value[qkv_order(value.shape[0] // 3, _mesh_degree(mesh))]
+    shard = distribute_tensor(value.to(like.device), mesh, like.placements,  # type: ignore[attr-defined]
+                              src_data_rank=None)
+    return shard._local_tensor
+
+
 def local_state(state: dict[str, Any]) -> dict[str, Any]:
     """A flat stage state with each DTensor replaced by this rank's shard (what goes over the wire to the same TP
     rank of another replica)."""
@@ -191,7 +215,7 @@ def whole_state(state: Any) -> dict[str, Any]:
         if isinstance(value, DTensor):
             degree = _mesh_degree(value.device_mesh)
             value = value.full_tensor()
-            if f"{_ATTN_QKV}.weight" in key or f"{_ATTN_QKV}.bias" in key:
+            if _is_qkv(key):
                 restored = torch.empty_like(value)
                 restored[qkv_order(value.shape[0] // 3, degree)] = value
                 value = restored

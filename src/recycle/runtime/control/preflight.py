@@ -79,7 +79,6 @@ class ResumePoint:
 def check_launch(config: Config, options: LaunchOptions, end: int) -> int:
     """Everything a launch can check before spawning a worker beyond the options' own ranges; returns the step to
     start from (0 or the intact checkpoint's). Prints which checkpoint is used and any warnings."""
-    check_tensor_parallel_launch(config, options)
     check_save_target(options)
     check_export_model(config, options)
     optimizer_class(config.training)  # an unknown optimizer or argument fails here, not in every worker
@@ -107,23 +106,6 @@ def check_launch(config: Config, options: LaunchOptions, end: int) -> int:
         atomic_write_text(Path(ckpt.dir) / checkpoint.RUN_FILE,
                           _dumps(run_fingerprint(config, options.model_factory)), follow=False)
     return start
-
-
-def check_tensor_parallel_launch(config: Config, options: LaunchOptions) -> None:
-    """With T > 1 ranks per worker, refuse what a tensor-parallel worker does not do yet: each message names the
-    limitation and the way around it (docs/runtime.md, "Tensor parallel inside a worker")."""
-    T = config.topology.gpus_per_worker
-    if T == 1:
-        return
-    rule = f"[topology] gpus_per_worker = {T} (tensor parallel inside a worker)"
-    ckpt, faults = options.checkpoint, options.faults
-    if ckpt.resume_dir:
-        raise ConfigError(f"{rule} does not resume checkpoints yet (--resume {ckpt.resume_dir}); resume with "
-                          "gpus_per_worker = 1 (a checkpoint written with any T holds the whole model), or start "
-                          "afresh")
-    if faults.chaos is not None:
-        raise ConfigError(f"{rule} is not soaked with --chaos yet (its random faults hit a worker's TP rank 0 only); "
-                          "leave --chaos out, or script faults with --inject MODE:R:S:TP_RANK@STEP")
 
 
 def check_export_model(config: Config, options: LaunchOptions) -> None:

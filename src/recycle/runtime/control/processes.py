@@ -193,12 +193,14 @@ class WorkerProcesses:
         process = self._processes.get(rank)
         return None if process is None else process.pid
 
-    def signal(self, rank: int, number: signal.Signals) -> None:
-        """Send `number` to the running process(es) of `rank` (SIGKILL: works on a SIGSTOPped process too)."""
+    def signal(self, rank: int, number: signal.Signals, tp_rank: int | None = None) -> None:
+        """Send `number` to the running process(es) of `rank`, or to its TP rank `tp_rank` alone (SIGKILL: works
+        on a SIGSTOPped process too)."""
         process = self._processes.get(rank)
         if process is None or not self.running(rank):
             return
-        for member in _members(process):
+        members = _members(process)
+        for member in members if tp_rank is None else members[tp_rank:tp_rank + 1]:
             if member.exitcode is None and member.pid is not None:
                 try:
                     os.kill(member.pid, number)

@@ -66,7 +66,6 @@ class Supervisor:
                  start_step: int, end_step: int, wall0: float, server: StoreServer | None = None,
                  rebuilt: Rebuilt | None = None, *, feed: Feed) -> None:
         self.plan, self.options, self.store = plan, options, store
-        self.tp_degree = config.topology.gpus_per_worker
         self.jobs = JobStore(store)
         self.server = server
         self.plan_at_start = plan
@@ -94,7 +93,8 @@ class Supervisor:
         self.eval_every = config.training.eval_every
         self.tokens_per_microbatch = config.workload.microbatch_size * config.workload.seq_len
         self.next_eval = self._first_eval(start_step)  # the next evaluation to report (done steps)
-        self.monkey = ChaosMonkey(options.faults.chaos, plan.num_stages) if options.faults.chaos is not None else None
+        self.monkey = ChaosMonkey(options.faults.chaos, plan.num_stages, config.topology.gpus_per_worker) \
+            if options.faults.chaos is not None else None
         self.last_chaos_step = start_step
         self.exited: set[int] = set()
         self.pids: dict[int, int | None] = {r: workers.pid(r) for r in workers.ranks}
@@ -332,10 +332,12 @@ class Supervisor:
         event = self.monkey.decide(step, live, can_lose_stage=state.latest_checkpoint is not None)
         if event is None:
             return
-        for rank, delay in zip(event.ranks, event.repair_after_s):
+        for index, (rank, delay) in enumerate(zip(event.ranks, event.repair_after_s)):
+            tp_rank = event.tp_ranks[index] if event.tp_ranks else None  # T > 1: one of the worker's processes
+            what = f"a chaos {event.kind}" + (f" of TP rank {tp_rank}" if tp_rank is not None else "")
             # Recorded like an injected fault, so its recovery is timed from the kill, not from its detection.
-            self.jobs.put(Channels.FAULT, FaultRecord(time.time(), f"a chaos {event.kind}", event.kind), rank)
-            self.workers.signal(rank, signal.SIGSTOP if event.kind == "hang" else signal.SIGKILL)
+            self.jobs.put(Channels.FAULT, FaultRecord(time.time(), what, event.kind), rank)
+            self.workers.signal(rank, signal.SIGSTOP if event.kind == "hang" else signal.SIGKILL, tp_rank)
             self.coordinator.on_repair_planned(rank, now + delay)
         self.reporter.chaos(ChaosEvent(now, event.kind, event.step,
                                        tuple("%d:%d" % self.plan.worker(r) for r in event.ranks)))
@@ -425,11 +427,14 @@ class Supervisor:
         """With --redo lost: how the survivors finish the interrupted iteration keeping their work (ir.completion),
         and the recovery's facts with the work that is really redone; else (or where that cannot be exact) the
         whole iteration is redone."""
-        # A tensor-parallel run redoes whole iterations (--redo iteration): keeping a survivor's partial iteration
-        # is not checked exact across a worker's ranks yet.
-        if self.options.recovery.redo != "lost" or self.tp_degree > 1 or facts.restore_step is not None or \
+        if self.options.recovery.redo != "lost" or facts.restore_step is not None or \
                 facts.joining or facts.redo_step >= self.end_step or not facts.deaths or not facts.redone_actions:
             return facts, None  # (no work done in the iteration: nothing to keep)
+        # A tensor-parallel worker's work is kept only when its T ranks stopped at one point (worker.tp_agreement).
+        split = next((r for r in facts.reports if r.tp_split), None)
+        if split is not None:
+            worker = "%d:%d" % self.plan.worker(split.rank)
+            return replace(facts, kept=f"the whole iteration is redone: worker {worker}'s {split.tp_split}"), None
         if any(r.completing or r.generation != facts.generation - 1 for r in facts.reports):
             return replace(facts, kept="the whole iteration is redone: a failure hit the completion of the last "
                                        "one"), None

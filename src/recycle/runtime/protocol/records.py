@@ -130,6 +130,7 @@ class StoppedReport:
     weighed_current: bool = False  # its unfinished action is a BW whose weight-gradient it had accumulated
     completing: bool = False  # it was finishing an interrupted iteration (its actions are the completion's steps)
     reducing: bool = False  # it stopped inside its OPT after the stage all-reduce: its .grad holds sums (it drops them)
+    tp_split: str = ""  # T > 1: how its TP ranks' stop points differ ("" when they agree; worker.tp_agreement)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from torch import nn
 from recycle.errors import CheckpointError, ConfigError, OutputError, RecycleError
 from recycle.fileio import (UnsafeFile, atomic_write_bytes, atomic_write_text, is_stream_target, lstat_inside,
                             open_inside, read_inside, relative_parts, sha256_inside)
+from recycle.models.tensor_parallel import is_sharded, local_tensor
 from recycle.runtime.state.stage_state import OPTIMIZER_PREFIX, RNG_PREFIX, STEP_KEY, StageState
 
 __all__ = ["preload", "atomic_torch_save", "atomic_write_text", "step_dir", "shard_dir", "key_prefix", "shard_entries",
@@ -746,14 +747,19 @@ def _dcp_load(state: dict[str, torch.Tensor], where: Path, root: str | Path | No
 
 def load_stage(root: str | Path, step: int, state: StageState) -> None:
     """Load a stage's state (parameters, optimizer state, schedule and iteration position) from the checkpoint of
-    `step`, whatever the number of stages it was written with (the keys are the whole model's)."""
+    `step`, whatever the number of stages, replicas and tensor-parallel ranks it was written with (the keys and
+    tensors are the whole model's; a tensor-parallel rank takes its shard of each)."""
     where = step_dir(root, step)
     metadata = read_metadata(where, root=root)
     available = metadata.state_dict_metadata
     # DCP loads in place: into the live module tensors, and into new ones for the optimizer's entries (a fresh
     # optimizer holds none yet). The CPU generator's position: dropout is seeded per forward, so it matters little;
     # under another number of stages this stage's entry is another stage's (or absent), which is just as harmless.
-    template: dict[str, torch.Tensor] = state.module_entries()
+    # A tensor-parallel stage's sharded tensors are read whole (the checkpoint holds the unsharded layout, whatever T
+    # wrote it) and sliced to this rank's shard by load_state_dict; its replicated ones load in place.
+    template: dict[str, torch.Tensor] = {
+        key: torch.empty(tuple(live.shape), dtype=live.dtype) if is_sharded(live) else local_tensor(live)
+        for key, live in state.module_entries().items()}
     template.update({key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
                      for key, entry in available.items() if state.parameter_of(key) is not None})
     template[STEP_KEY] = torch.zeros((), dtype=torch.int64)

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from recycle.models.tensor_parallel import local_tensor, sharded_like
+from recycle.models.tensor_parallel import local_tensor, shard_of_whole, sharded_like
 from recycle.runtime.state.optim import StageOptimizer
 
 __all__ = ["IterationPosition", "StageState", "copy_state", "OPTIMIZER_PREFIX", "STEP_KEY", "RNG_PREFIX"]
@@ -105,14 +105,16 @@ class StageState:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take this stage's entries of `state` (others are ignored): the module's tensors are copied in place, the
         optimizer adopts its entries' tensors, with the schedule position and the iteration position of the steps
-        done; the CPU generator's state when `state` has this stage's."""
+        done; the CPU generator's state when `state` has this stage's. On a tensor-parallel stage each entry may be a
+        DTensor, this rank's plain shard, or the whole tensor in the unsharded layout (a checkpoint's)."""
         with torch.no_grad():
             for name, live in self.module.state_dict().items():
                 key = self.prefix + name
                 if key not in state:
                     raise KeyError(f"the stage state to load has no {key!r}")
-                # A tensor-parallel stage's DTensors load shard by shard (from a DTensor or a plain shard alike).
-                value, live = local_tensor(state[key]), local_tensor(live)
+                # A tensor-parallel stage's DTensors load shard by shard (from a DTensor or a plain shard alike), or
+                # take their shard of a whole tensor (a checkpoint's, written in the unsharded layout).
+                value, live = local_tensor(shard_of_whole(key, state[key], live)), local_tensor(live)
                 if value.shape != live.shape:
                     raise ValueError(f"{key!r} is {tuple(value.shape)} in the state to load, {tuple(live.shape)} in "
                                      "this stage")
@@ -123,7 +125,8 @@ class StageState:
         for key, value in state.items():
             index = self.parameter_of(key)
             if index is not None:
-                per_param.setdefault(index, {})[key.rpartition(".")[2]] = sharded_like(value, params[index])
+                shard = shard_of_whole(key, value, params[index])
+                per_param.setdefault(index, {})[key.rpartition(".")[2]] = sharded_like(shard, params[index])
         done = int(state[STEP_KEY])
         groups = self.optimizer.state_dict()["optimizer"]["param_groups"]
         self.optimizer.load_state_dict({"optimizer": {"state": dict(sorted(per_param.items())),

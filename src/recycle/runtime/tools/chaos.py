@@ -1,5 +1,6 @@
-"""Chaos for soak runs (`recycle train --chaos SEED,RATE`): seeded decisions of which worker to kill or freeze, when
-a whole stage goes, and how long a repair takes. Pure decisions; the launcher carries them out with real signals."""
+"""Chaos for soak runs (`recycle train --chaos SEED,RATE`): seeded decisions of which worker to kill or freeze (with
+tensor parallelism: which one of its T processes), when a whole stage goes, and how long a repair takes. Pure
+decisions; the launcher carries them out with real signals."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class ChaosEvent:
     ranks: tuple[int, ...]
     step: int  # completed steps when it was decided
     repair_after_s: tuple[float, ...]  # per rank: when its replacement is started
+    tp_ranks: tuple[int, ...] = ()  # per rank, with T > 1: the one of its processes hit (the others are fenced)
 
 
 def parse_chaos(text: str) -> ChaosSpec:
@@ -44,9 +46,10 @@ def parse_chaos(text: str) -> ChaosSpec:
 class ChaosMonkey:
     """Decides, once per completed step, whether something fails and what."""
 
-    def __init__(self, spec: ChaosSpec, num_stages: int) -> None:
+    def __init__(self, spec: ChaosSpec, num_stages: int, tp_degree: int = 1) -> None:
         self.spec = spec
         self.num_stages = num_stages
+        self.tp_degree = tp_degree
         self.rng = random.Random(spec.seed)
 
     def decide(self, step: int, live: list[int], can_lose_stage: bool) -> ChaosEvent | None:
@@ -61,13 +64,19 @@ class ChaosMonkey:
         if can_lose_stage and draw < self.spec.stage_loss_share:
             stage = self.rng.choice(sorted(by_stage))
             ranks = tuple(by_stage[stage])
-            return ChaosEvent("stage-loss", ranks, step, tuple(self._repair() for _ in ranks))
+            return ChaosEvent("stage-loss", ranks, step, tuple(self._repair() for _ in ranks),
+                              self._tp_ranks(len(ranks)))
         spare = [r for ranks in by_stage.values() if len(ranks) > 1 for r in ranks]
         if not spare:
             return None
         rank = self.rng.choice(sorted(spare))
         kind = "hang" if draw >= 1 - self.spec.hang_share else "kill"
-        return ChaosEvent(kind, (rank,), step, (self._repair(),))
+        return ChaosEvent(kind, (rank,), step, (self._repair(),), self._tp_ranks(1))
+
+    def _tp_ranks(self, count: int) -> tuple[int, ...]:
+        """With T > 1, the process hit in each of `count` workers (drawn after the rest, so that T = 1 draws the
+        same events as before)."""
+        return tuple(self.rng.randrange(self.tp_degree) for _ in range(count)) if self.tp_degree > 1 else ()
 
     def _repair(self) -> float:
         low, high = self.spec.repair_s

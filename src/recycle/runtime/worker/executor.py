@@ -58,6 +58,9 @@ class IterationProgress:
     weighed: bool = False  # the running action is a BW whose weight-gradient is already in .grad
     reducing: bool = False  # the running OPT has put the all-reduced sums into .grad (its own work is not there alone)
     completing: bool = False  # running the completion of an interrupted iteration (ir.completion), not the plan
+    # The running F, B or BW has its results in the stash and the sent-log: only its send remains. (A tensor-parallel
+    # worker's ranks may stop on either side of it: worker.tp_agreement counts such a rank as done with the action.)
+    sending: bool = False
 
 
 @dataclass(frozen=True)
@@ -317,7 +320,7 @@ class StageExecutor:
         """Run `action` (or, for a completion's re-send, `work`, announced to the hooks as `action`) with what goes
         around every action: the progress, before_action, the pacing, its busy time and timing record."""
         self.progress.index = index
-        self.progress.weighed = self.progress.reducing = False
+        self.progress.weighed = self.progress.reducing = self.progress.sending = False
         if self.before_action is not None:
             self.before_action(action)
         t0 = time.perf_counter()
@@ -385,8 +388,11 @@ class StageExecutor:
                 out = out.to(self.dtype)
             outgoing = self._outgoing(action)
             if outgoing is not None:
-                self.comm.send(outgoing, out)
+                self._stash[mb] = _Stash(inp, out)
                 self._log_sent(Channel.ACTIVATION, mb, out)
+                self.progress.sending = True
+                self.comm.send(outgoing, out)
+                return
         self._stash[mb] = _Stash(inp, out)
 
     def backward_input(self, action: Action) -> None:
@@ -400,30 +406,37 @@ class StageExecutor:
         if outgoing is None:
             return  # a completion's B only for its own W: nobody upstream needs the input-gradient
         (grad_in,) = torch.autograd.grad(stash.out, [stash.inp], stash.grad_out, retain_graph=True)
-        self.comm.send(outgoing, grad_in)
         self._log_sent(Channel.GRADIENT, action.mb, grad_in)
+        self.progress.sending = True
+        self.comm.send(outgoing, grad_in)
 
     def backward_weight(self, action: Action) -> None:
         """W: the weight-gradient, accumulated into .grad; frees the micro-batch's graph."""
-        stash = self._stash.pop(action.mb)
-        self._backward_into_grad(stash.out, stash.grad_out, self.params)
+        stash = self._stash[action.mb]
+        self._backward(stash.out, stash.grad_out, self.params)
+        del self._stash[action.mb]
 
     def backward_fused(self, action: Action) -> None:
         """BW: input- and weight-gradient in one backward pass."""
         grad_out = self._output_grad(action)
-        stash = self._stash.pop(action.mb)  # after the receive: a failure there leaves the graph for a completion
+        # Dropped once the backward is done: a failure before (the receive; a TP collective inside the backward)
+        # leaves the graph for a completion.
+        stash = self._stash[action.mb]
         if self.is_first:
-            self._backward_into_grad(stash.out, grad_out, self.params)
+            self._backward(stash.out, grad_out, self.params)
+            del self._stash[action.mb]
             return
         assert stash.inp is not None  # every stage but the first receives its input
-        self._backward_into_grad(stash.out, grad_out, [stash.inp, *self.params])
+        self._backward(stash.out, grad_out, [stash.inp, *self.params])
+        del self._stash[action.mb]
         self.progress.weighed = True  # a failure in the send below: the weight-gradient is kept, the rest redone
         # stash.inp is this micro-batch's own leaf (a fresh receive buffer): its .grad is exactly the input-gradient.
         assert stash.inp.grad is not None
         outgoing = self._outgoing(action)
         assert outgoing is not None, f"{action} sends its input-gradient upstream"
-        self.comm.send(outgoing, stash.inp.grad)
         self._log_sent(Channel.GRADIENT, action.mb, stash.inp.grad)
+        self.progress.sending = True
+        self.comm.send(outgoing, stash.inp.grad)
 
     def optimizer_step(self, action: Action) -> None:
         """OPT: SUM all-reduce of the stage's gradients over its live replicas, optional clipping, AdamW step."""
@@ -570,6 +583,16 @@ class StageExecutor:
         if self.device.type == "cuda":
             torch.cuda.manual_seed(seed)  # the current device (worker_main sets it); CUDA is initialised there
 
+    def _backward(self, out: torch.Tensor, grad_out: torch.Tensor | None, inputs: Sequence[torch.Tensor]) -> None:
+        """The backward of a W or BW into the inputs' .grad: _backward_into_grad, or on a tensor-parallel stage
+        _backward_kept. Why: a TP stage's backward holds TP collectives, which a failure elsewhere can cut midway;
+        autograd.backward accumulates as it goes and frees the graph, so a cut one would leave part of the
+        micro-batch's gradient in .grad and its graph half freed, which a completion could not run again."""
+        if self.tp_allreduce is None:
+            self._backward_into_grad(out, grad_out, inputs)
+        else:
+            self._backward_kept(out, grad_out, inputs)
+
     @staticmethod
     def _backward_into_grad(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: Sequence[torch.Tensor]) -> None:
         """Accumulate d(out)/d(inputs) into the inputs' .grad, as loss.backward() would: autograd's AccumulateGrad
@@ -577,3 +600,12 @@ class StageExecutor:
         micro-batch order, as a Python clone-then-add_ loop over autograd.grad's results, without the copies and
         the per-parameter Python calls). Frees the graph. Inputs the graph does not reach keep their .grad."""
         torch.autograd.backward(out, grad_out, inputs=inputs)
+
+    @staticmethod
+    def _backward_kept(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: Sequence[torch.Tensor]) -> None:
+        """The same sums as _backward_into_grad, with the gradients taken whole first (the graph kept) and added to
+        .grad only after: a backward that raises leaves .grad and the graph as they were."""
+        grads = torch.autograd.grad(out, list(inputs), grad_out, retain_graph=True, allow_unused=True)
+        for tensor, grad in zip(inputs, grads):
+            if grad is not None:
+                tensor.grad = grad if tensor.grad is None else tensor.grad.add_(grad)

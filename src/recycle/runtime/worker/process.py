@@ -53,7 +53,8 @@ from recycle.runtime.worker.nccl_env import prepare_nccl
 from recycle.runtime.worker.outbox import Outbox, SilentOutbox
 from recycle.runtime.worker.stage import BuiltStage, build_stage, tied_stages
 from recycle.runtime.worker.tensor_parallel import (RankBeats, bind_mesh, check_worker_features, rank_beat_key,
-                                                    tp_degree, worker_mesh)
+                                                    ready_key, tp_degree, worker_mesh)
+from recycle.runtime.worker.tp_agreement import StopPoint, post_stop_point, tp_split
 from recycle.runtime.worker.title import set_process_title
 from recycle.runtime.worker.transport import Activity, GenerationCut, Transport, is_comm_error
 
@@ -532,20 +533,19 @@ class _Worker:
         """A replacement worker: say it is ready, wait to be admitted into a generation, take that generation's plan
         (and its checkpoint, when the run restores one); the stage's live state arrives after the groups form."""
         spec = self.spec
-        self.outbox.put(self.store, Channels.JOIN_READY, JoinReady(time.time(), os.getpid()), spec.rank, kind="join")
+        if spec.tp_rank > 0:  # up: its rank 0 says the worker is ready once every rank is
+            self.store.set(ready_key(spec.rank, spec.incarnation, spec.tp_rank), "up")
+        else:
+            peers = [ready_key(spec.rank, spec.incarnation, t) for t in range(1, spec.tp_degree)]
+            if peers:
+                self._wait_for_keys(peers)
+                for peer in peers:
+                    self.store.delete_key(peer)
+            self.outbox.put(self.store, Channels.JOIN_READY, JoinReady(time.time(), os.getpid()), spec.rank,
+                            kind="join")
         _joiner_dies_here(self.spec.joiner_dies_at, "ready")
         key = Keys.join_generation(spec.rank)
-        while True:
-            try:
-                self.store.wait([key], datetime.timedelta(seconds=5))
-                break
-            except dist.DistStoreError:
-                try:
-                    finished = self.jobs.is_set(Flags.FINISHED)
-                except StoreUnavailable:
-                    continue  # the coordinator is away: wait for it (its launcher gives up on it, not this worker)
-                if finished:
-                    raise _Fenced() from None  # the run ended before this worker was needed
+        self._wait_for_keys([key])
         self.outbox.forget(Keys.join_ready(spec.rank))
         self.generation = int(self.store.get(key))
         _joiner_dies_here(self.spec.joiner_dies_at, "admitted")
@@ -556,6 +556,20 @@ class _Worker:
             self._load_checkpoint(self.announcement.restore_step)
             self._holds_state = True
         return self.announcement.redo_step
+
+    def _wait_for_keys(self, keys: list[str]) -> None:
+        """A replacement waits for `keys` in the store, as long as the run goes on (if it ends first, it leaves)."""
+        while True:
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=5))
+                return
+            except dist.DistStoreError:
+                try:
+                    finished = self.jobs.is_set(Flags.FINISHED)
+                except StoreUnavailable:
+                    continue  # the coordinator is away: wait for it (its launcher gives up on it, not this worker)
+                if finished:
+                    raise _Fenced() from None  # the run ended before this worker was needed
 
     def _abort_generation(self, generation: int) -> None:
         """The watcher saw `generation` aborted: cut its communicators now (the main thread may be blocked on a
@@ -627,16 +641,14 @@ class _Worker:
         (restored when a stage was lost before any checkpoint completed), the checkpoint it resumed from or the
         seed's initial state."""
         spec = self.spec
-        if self.mesh is not None:
-            raise ConfigError(f"a stage lost every replica and the run restores the checkpoint of step {step}, which "
-                              f"[topology] gpus_per_worker = {spec.tp_degree} cannot load into its sharded stages yet; "
-                              f"resume from it with gpus_per_worker = 1 (--resume {spec.checkpoint.dir})")
         if step == spec.start_step and not checkpoint.step_dir(spec.checkpoint.dir, step).is_dir():
             if spec.checkpoint.resume_dir:
                 checkpoint.load_stage(spec.checkpoint.resume_dir, step, self.state)
                 return
             if step == 0:
                 built = self._build()
+                if self.mesh is not None:  # each rank slices its shards of the seed's weights, as at the start
+                    parallelize_stage(built.module.to(self.device), self.mesh)
                 self._install(self._stage_state(built.module.to(self.device)), built.layout)
                 self.position.restart(0)
                 return
@@ -862,17 +874,28 @@ class _Worker:
         if executor is not None:
             executor.drop_comm()
             progress, completed = executor.progress, executor.completed
-            current = (progress.index, progress.busy_s) if not progress.finished else (0, 0.0)
+            # A TP rank stopped in the send of an action whose results it holds counts the action done, as a peer
+            # rank whose own send went through does (worker.tp_agreement).
+            sent = self.mesh is not None and progress.sending and not progress.finished
+            current = (progress.index + int(sent), progress.busy_s) if not progress.finished else (0, 0.0)
             report = StoppedReport(spec.rank, self.generation, applied, progress.iteration, current[0], current[1],
                                    completed.index if applied >= spec.start_step else 0,
                                    completed.busy_s if applied >= spec.start_step else 0.0,
-                                   error, time.time(), weighed_current=progress.weighed and not progress.finished,
+                                   error, time.time(),
+                                   weighed_current=progress.weighed and not progress.finished and not sent,
                                    completing=progress.completing and not progress.finished,
                                    reducing=progress.reducing and not progress.finished)
         else:  # failed while forming its first generation: nothing done yet
             # Its state is the run's start, or (a replacement that loaded the restored checkpoint) that step.
             report = StoppedReport(spec.rank, self.generation, applied, applied + 1, 0, 0.0, 0, 0.0, error,
                                    time.time())
+        if self.mesh is not None:  # the worker's ranks may have stopped at different points (worker.tp_agreement)
+            point = StopPoint.of(report)
+            if spec.tp_rank > 0:
+                post_stop_point(self.store, self.generation, spec.rank, spec.tp_rank, point)
+            else:
+                report = replace(report, tp_split=tp_split(self.store, self.generation, spec.rank, spec.tp_degree,
+                                                           point, spec.recovery.timeout_s))
         self.phase = "stopped"
         self.outbox.put(self.store, Channels.STOPPED, report, self.generation, spec.rank, kind="stopped")
         # One key for the coordinator to poll.

@@ -18,7 +18,8 @@ import torch
 from recycle.config import Config
 from recycle.errors import ConfigError
 
-__all__ = ["tp_degree", "worker_mesh", "bind_mesh", "check_worker_features", "rank_beat_key", "RankBeats"]
+__all__ = ["tp_degree", "worker_mesh", "bind_mesh", "check_worker_features", "rank_beat_key", "ready_key",
+           "RankBeats"]
 
 
 def tp_degree(config: Config) -> int:
@@ -57,6 +58,13 @@ def check_worker_features(config: Config, model_factory: str, partition: bool) -
 def rank_beat_key(rank: int, tp_rank: int) -> str:
     """The store key where TP rank `tp_rank` (> 0) of worker `rank` counts its beats for its rank 0."""
     return f"tp_beat/{rank}/{tp_rank}"
+
+
+def ready_key(rank: int, incarnation: str, tp_rank: int) -> str:
+    """The store key where TP rank `tp_rank` (> 0) of a replacement for worker `rank` (its `incarnation`) says it is
+    up: its rank 0 tells the coordinator the worker is ready only once every rank is, or the generation that
+    admits it would wait for a rank still starting (a process takes ~20 s to start on a loaded 2-core machine)."""
+    return f"tp_ready/{rank}/{incarnation}/{tp_rank}"
 
 
 class RankBeats:
