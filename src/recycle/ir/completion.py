@@ -22,11 +22,13 @@ although the step is collective, ...) return the reason instead, and the caller 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import itertools
 import json
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from recycle.errors import PlanError
 from recycle.inputs import strict_json_loads
@@ -127,6 +129,19 @@ class Completion:
             raise PlanError(f"the completion of an interrupted iteration is malformed ({exc}); the coordinator and "
                             "the workers must run the same recycle version") from None
         return cls(counts[0], steps, applied, *counts[1:])
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic collector off while the completion allocates its cells and tasks (they hold no cycles): on a
+    coordinator holding many plans, its full passes took a third of a 16,384-rank completion, on the recovery's path."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class CompletionViews:
@@ -242,10 +257,11 @@ def complete_iteration(old: Plan, new: Plan, iteration: int, progress: Mapping[i
     if not any(stepped.values()) and not any(progress[r].finished for r in alive):
         return "no survivor had finished any work of the iteration"
 
-    cells = _cells(old, new, iteration, progress, stepped)
-    _settle(cells, S, total)
-    tasks = _tasks(old, cells, {r for r in alive if not stepped[old.worker(r)[1]]})
-    order = _list_schedule(tasks, old.num_workers)
+    with _collector_paused():
+        cells = _cells(old, new, iteration, progress, stepped)
+        _settle(cells, S, total)
+        tasks = _tasks(old, cells, {r for r in alive if not stepped[old.worker(r)[1]]})
+        order = _list_schedule(tasks, old.num_workers)
     if isinstance(order, str):
         return order
     dead = set(old.live_ranks()) - alive
