@@ -404,100 +404,98 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
     send_f, send_b = output_stage_table((Kind.F, Kind.B), S)
     while times:
         t = times[0]
-        # The ranks due at t in push order. A zero duration or message can add one while they decide: it is due
-        # at t too, after them (the deque is dropped only once empty).
         due = due_at[t]
-        while due:
-            rank = due.popleft()
-            if busy_until[rank] > t:
-                continue  # stale: the worker is busy; its completion event decides next
-            stage = rank % S
-            arr = arrivals[rank]
-            rf, rb, rw = ready_f[rank], ready_b[rank], ready_w[rank]
-            while arr and arr[0][0] <= t:
-                ready, _, code, mb = pop(arr)  # an F or a B (W's go straight to `rw`, see below)
-                push(rf if code == _F else rb, item(rank, stage, ready, mb))
-            can_forward = bool(rf) and live[rank] < limit[rank]
-            if rng is not None:
-                allowed = random_kinds[(4 if rb else 0) + (2 if can_forward else 0) + (1 if rw else 0)]
-                code = choice(allowed) if allowed else -1
-            elif rb and not (alternate and can_forward and last[rank] == _B) \
-                    and not (first_forward and stage == 0 and can_forward):
-                code = _B
-            elif can_forward and (forward_first or not rw):
-                code = _F
-            else:
-                code = _W if rw else -1
-            if wait and code == _F:
-                if strict and due and deferred[rank] != t:
-                    # Workers due at this same instant decide first: a B one of them starts now is on its way too.
-                    deferred[rank] = t
-                    due.append(rank)
-                    continue
-                soon = min((a[0] for a in arr if a[2] == _B), default=math.inf)
-                if soon < t + dur[stage][_F]:  # the F would delay a B on its way: a W that fits, or wait for the B
-                    code = _W if rw and t + dur[stage][_W] <= soon else -1
-            elif strict and code == _W:
-                soon = min((a[0] for a in arr if a[2] == _B), default=math.inf)
-                if soon < t + dur[stage][_W]:  # nor does a W: it can run later, the B's gradient is awaited upstream
-                    code = -1
-            if code < 0:
-                if arr:
-                    wake = arr[0][0]
-                    waiting_ranks = due_at.get(wake)
-                    if waiting_ranks is not None:
-                        waiting_ranks.append(rank)
-                    else:
-                        due_at[wake] = deque((rank,))
-                        push(times, wake)
+        rank = due.popleft()
+        if not due:
+            pop(times)
+            del due_at[t]
+        if busy_until[rank] > t:
+            continue  # stale: the worker is busy; its completion event decides next
+        stage = rank % S
+        arr = arrivals[rank]
+        rf, rb, rw = ready_f[rank], ready_b[rank], ready_w[rank]
+        while arr and arr[0][0] <= t:
+            ready, _, code, mb = pop(arr)  # an F or a B (W's go straight to `rw`, see below)
+            push(rf if code == _F else rb, item(rank, stage, ready, mb))
+        can_forward = bool(rf) and live[rank] < limit[rank]
+        if rng is not None:
+            allowed = random_kinds[(4 if rb else 0) + (2 if can_forward else 0) + (1 if rw else 0)]
+            code = choice(allowed) if allowed else -1
+        elif rb and not (alternate and can_forward and last[rank] == _B) \
+                and not (first_forward and stage == 0 and can_forward):
+            code = _B
+        elif can_forward and (forward_first or not rw):
+            code = _F
+        else:
+            code = _W if rw else -1
+        if wait and code == _F:
+            if strict and t in due_at and deferred[rank] != t:
+                # Workers due at this same instant decide first: a B one of them starts now is on its way too.
+                deferred[rank] = t
+                due_at[t].append(rank)
                 continue
-            if code == _W:
-                mb = pop(rw)[1]
-                live[rank] -= 1
-            else:
-                mb = pop(rb if code == _B else rf)[-1]
-                last[rank] = code
-            end = t + dur[stage][code]
-            entries[rank].append((code, mb, t, end))
-            busy_until[rank] = end
-            waiting_ranks = due_at.get(end)
-            if waiting_ranks is not None:
-                waiting_ranks.append(rank)
-            else:
-                due_at[end] = deque((rank,))
-                push(times, end)
-            seq += 1
-            if code == _F:
-                live[rank] += 1
-                nxt = send_f[stage]
-                if nxt >= 0:
-                    dest, ready, arrival_code = host[nxt][mb] * S + nxt, end + p2p[stage], _F  # boundary(stage, nxt)
-                else:
-                    dest, ready, arrival_code = rank, end, _B  # loss turn-around on the same worker (local_input)
-            elif code == _B:
-                if decoupled:
-                    # The W goes straight into the ready heap, not through the arrivals: the worker decides nothing
-                    # before `end` (its events until then are stale), and at `end` it would hold the same item.
-                    push(rw, (end, mb))
-                else:
-                    live[rank] -= 1
-                nxt = send_b[stage]
-                if nxt < 0:
-                    continue
-                dest, ready, arrival_code = host[nxt][mb] * S + nxt, end + p2p[nxt], _B  # boundary(stage, nxt)
-            else:
-                continue
-            push(arrivals[dest], (ready, seq, arrival_code, mb))
-            seq += 1
-            if dest != rank and ready >= busy_until[dest]:
-                waiting_ranks = due_at.get(ready)
+            soon = min((a[0] for a in arr if a[2] == _B), default=math.inf)
+            if soon < t + dur[stage][_F]:  # the F would delay a B on its way: a W that fits, or wait for the B
+                code = _W if rw and t + dur[stage][_W] <= soon else -1
+        elif strict and code == _W:
+            soon = min((a[0] for a in arr if a[2] == _B), default=math.inf)
+            if soon < t + dur[stage][_W]:  # nor does a W: it can run later, the B's gradient is awaited upstream
+                code = -1
+        if code < 0:
+            if arr:
+                wake = arr[0][0]
+                waiting_ranks = due_at.get(wake)
                 if waiting_ranks is not None:
-                    waiting_ranks.append(dest)
+                    waiting_ranks.append(rank)
                 else:
-                    due_at[ready] = deque((dest,))
-                    push(times, ready)
-        pop(times)
-        del due_at[t]
+                    due_at[wake] = deque((rank,))
+                    push(times, wake)
+            continue
+        if code == _W:
+            mb = pop(rw)[1]
+            live[rank] -= 1
+        else:
+            mb = pop(rb if code == _B else rf)[-1]
+            last[rank] = code
+        end = t + dur[stage][code]
+        entries[rank].append((code, mb, t, end))
+        busy_until[rank] = end
+        waiting_ranks = due_at.get(end)
+        if waiting_ranks is not None:
+            waiting_ranks.append(rank)
+        else:
+            due_at[end] = deque((rank,))
+            push(times, end)
+        seq += 1
+        if code == _F:
+            live[rank] += 1
+            nxt = send_f[stage]
+            if nxt >= 0:
+                dest, ready, arrival_code = host[nxt][mb] * S + nxt, end + p2p[stage], _F  # boundary(stage, nxt)
+            else:
+                dest, ready, arrival_code = rank, end, _B  # loss turn-around on the same worker (local_input)
+        elif code == _B:
+            if decoupled:
+                # The W goes straight into the ready heap, not through the arrivals: the worker decides nothing
+                # before `end` (its events until then are stale), and at `end` it would hold the same item.
+                push(rw, (end, mb))
+            else:
+                live[rank] -= 1
+            nxt = send_b[stage]
+            if nxt < 0:
+                continue
+            dest, ready, arrival_code = host[nxt][mb] * S + nxt, end + p2p[nxt], _B  # boundary(stage, nxt)
+        else:
+            continue
+        push(arrivals[dest], (ready, seq, arrival_code, mb))
+        seq += 1
+        if dest != rank and ready >= busy_until[dest]:
+            waiting_ranks = due_at.get(ready)
+            if waiting_ranks is not None:
+                waiting_ranks.append(dest)
+            else:
+                due_at[ready] = deque((dest,))
+                push(times, ready)
     return tuple(tuple(row) for row in entries)
 
 
