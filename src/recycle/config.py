@@ -305,8 +305,14 @@ class Config:
 
     def fingerprint(self) -> str:
         """A stable hash of the planning-relevant config; plan stores carry it."""
-        blob = json.dumps(self.planning_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        cached = self.__dict__.get("_fingerprint")
+        if cached is None:
+            # Computed once per instance: the planner asks for it several times per plan (a trace replay plans
+            # hundreds), and every field is immutable (frozen dataclasses of numbers, strings and tuples).
+            blob = json.dumps(self.planning_dict(), sort_keys=True, separators=(",", ":"))
+            cached = hashlib.sha256(blob.encode()).hexdigest()[:16]
+            object.__setattr__(self, "_fingerprint", cached)
+        return cached
 
     def one_chunk(self) -> "Config":
         """This config with one stage per worker (itself when it has one): the same workers, costs and memory."""

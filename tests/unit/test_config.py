@@ -129,3 +129,18 @@ def test_every_dataclass_field_is_a_toml_key_and_round_trips() -> None:
     assert all(v is not None for v in asdict(config.training).values())
     assert config.model.layers_per_stage == (1, 2, 1, 2) and config.training.betas == (0.8, 0.9)
     assert parse_config(config.to_dict(), source="all.toml") == config
+
+
+def test_fingerprint_is_computed_once_and_never_carried_to_a_changed_copy() -> None:
+    import copy
+    import pickle
+    from dataclasses import replace
+
+    config = load_config(GPT3)
+    first = config.fingerprint()
+    assert config.fingerprint() == first == load_config(GPT3).fingerprint()
+    assert pickle.loads(pickle.dumps(config)).fingerprint() == first == copy.deepcopy(config).fingerprint()
+    slower = replace(config, costs=replace(config.costs, forward=tuple(f * 2 for f in config.costs.forward)))
+    assert slower.fingerprint() != first
+    assert config.with_topology(num_replicas=3).fingerprint() != first
+    assert config == load_config(GPT3) and hash(config) == hash(load_config(GPT3))  # the cache is not a field

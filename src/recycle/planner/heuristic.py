@@ -358,10 +358,10 @@ def _item_maker(setting: _Setting, host: Sequence[Sequence[int]], rng: random.Ra
     return lambda rank, stage, ready, mb: (draw(), mb)
 
 
-def _random_kind(rb: list, can_forward: bool, rw: list, rng: random.Random) -> int:
-    """A random rule's kind: any of B, F, W that may run (-1: none)."""
-    allowed = [k for k, ok in ((_B, rb), (_F, can_forward), (_W, rw)) if ok]
-    return rng.choice(allowed) if allowed else -1
+# A random rule's choices: the kinds that may run, in (B, F, W) order, indexed by 4 * has_b + 2 * can_forward +
+# has_w (a table look-up instead of building the list per decision; rng.choice draws the same from equal lists).
+_RANDOM_KINDS: tuple[tuple[int, ...], ...] = tuple(
+    tuple(k for k, ok in ((_B, i & 4), (_F, i & 2), (_W, i & 1)) if ok) for i in range(8))
 
 
 def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable[[int, int, float, int], tuple],
@@ -399,6 +399,7 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
             seq += 1
         due_at[0.0].append(p * S)
     push, pop = heapq.heappush, heapq.heappop  # local names: this loop runs once per action and idle wake-up
+    random_kinds, choice = _RANDOM_KINDS, (rng.choice if rng is not None else None)
     # Where a finished F's and B's message goes (recycle.ir.dependencies), tabled per stage; -1: none.
     send_f, send_b = output_stage_table((Kind.F, Kind.B), S)
     while times:
@@ -418,7 +419,8 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
             push(rf if code == _F else rb, item(rank, stage, ready, mb))
         can_forward = bool(rf) and live[rank] < limit[rank]
         if rng is not None:
-            code = _random_kind(rb, can_forward, rw, rng)
+            allowed = random_kinds[(4 if rb else 0) + (2 if can_forward else 0) + (1 if rw else 0)]
+            code = choice(allowed) if allowed else -1
         elif rb and not (alternate and can_forward and last[rank] == _B) \
                 and not (first_forward and stage == 0 and can_forward):
             code = _B
@@ -442,8 +444,9 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
         if code < 0:
             if arr:
                 wake = arr[0][0]
-                if wake in due_at:
-                    due_at[wake].append(rank)
+                waiting_ranks = due_at.get(wake)
+                if waiting_ranks is not None:
+                    waiting_ranks.append(rank)
                 else:
                     due_at[wake] = deque((rank,))
                     push(times, wake)
@@ -457,8 +460,9 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
         end = t + dur[stage][code]
         entries[rank].append((code, mb, t, end))
         busy_until[rank] = end
-        if end in due_at:
-            due_at[end].append(rank)
+        waiting_ranks = due_at.get(end)
+        if waiting_ranks is not None:
+            waiting_ranks.append(rank)
         else:
             due_at[end] = deque((rank,))
             push(times, end)
@@ -486,8 +490,9 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
         push(arrivals[dest], (ready, seq, arrival_code, mb))
         seq += 1
         if dest != rank and ready >= busy_until[dest]:
-            if ready in due_at:
-                due_at[ready].append(dest)
+            waiting_ranks = due_at.get(ready)
+            if waiting_ranks is not None:
+                waiting_ranks.append(dest)
             else:
                 due_at[ready] = deque((dest,))
                 push(times, ready)
@@ -651,13 +656,14 @@ def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int,
     seen: set[int] = set()
 
     at_estimate_bound: list[_Candidate] = []  # period_only: the first schedules whose estimate is at the bound
+    simulated: dict[tuple[int, bool], tuple[tuple, Plan]] = {}  # period_only: the first one's simulations, reused
 
     def probed() -> Plan | None:
         """period_only: a plan with the full planner's period once the newest candidate settles it, else None."""
         if not (probe and len(at_estimate_bound) < simulate_top and ranked[-1].estimate <= bound * (1 + 1e-9)):
             return None
         at_estimate_bound.append(ranked[-1])
-        plan = _best_simulated(config, key, failed, options, caps, at_estimate_bound)
+        plan = _best_simulated(config, key, failed, options, caps, at_estimate_bound, simulated)
         assert plan.meta.predicted_period is not None
         if plan.meta.predicted_period <= bound or len(at_estimate_bound) == simulate_top:
             return plan  # at the bound; or the very candidates the full planner simulates: its own plan
@@ -741,20 +747,28 @@ def _build(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, in
 
 
 def _best_simulated(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, int]],
-                    options: PlannerOptions, caps: Sequence[int] | None, candidates: Sequence[_Candidate]) -> Plan:
+                    options: PlannerOptions, caps: Sequence[int] | None, candidates: Sequence[_Candidate],
+                    simulated: dict[tuple[int, bool], tuple[tuple, Plan]] | None = None) -> Plan:
     """The candidate plan (each with and, when decoupled, without B/W fusion) with the best simulated period, its
-    predicted period and makespan filled in."""
+    predicted period and makespan filled in. `simulated` (keyed by the candidate's id and the fusion flag) keeps
+    each scored plan for a later call on the same candidates, which then simulates only the new ones."""
     best: tuple[tuple, Plan] | None = None
     for candidate in candidates:
         for merge in ((True, False) if options.decoupled else (True,)):
-            plan = _build(config, key, failed, options, caps, candidate, merge)
-            result = simulate(plan, config)
-            # Ranked by the mean period over whole cycles (a plan whose iteration times alternate is not credited
-            # with a mean over part of a cycle), then settled plans first.
-            settled = settling(result)
-            score = (settled.period, settled.cycle != 1, max(result.peak_activations), candidate.order, not merge)
-            if best is None or score < best[0]:
-                best = (score, plan.with_meta(predicted_period=settled.period, predicted_makespan=result.makespan))
+            scored = simulated.get((id(candidate), merge)) if simulated is not None else None
+            if scored is None:
+                plan = _build(config, key, failed, options, caps, candidate, merge)
+                result = simulate(plan, config)
+                # Ranked by the mean period over whole cycles (a plan whose iteration times alternate is not
+                # credited with a mean over part of a cycle), then settled plans first.
+                settled = settling(result)
+                scored = ((settled.period, settled.cycle != 1, max(result.peak_activations), candidate.order,
+                           not merge),
+                          plan.with_meta(predicted_period=settled.period, predicted_makespan=result.makespan))
+                if simulated is not None:
+                    simulated[(id(candidate), merge)] = scored
+            if best is None or scored[0] < best[0]:
+                best = scored
     assert best is not None
     return best[1]
 
