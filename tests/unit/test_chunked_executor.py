@@ -14,7 +14,7 @@ from recycle.config import Config
 from recycle.ir import Plan
 from recycle.models.chunk_set import gpt_chunk_set
 from recycle.runtime.state.optim import make_optimizer
-from recycle.runtime.tools.fakes import MemoryFabric
+from recycle.runtime.tools.fakes import MemoryFabric, run_ranks_in_threads
 from recycle.runtime.tools.reference import reference_train
 from recycle.runtime.worker.chunked_executor import ChunkedStageExecutor
 from recycle.runtime.worker.data import data_source
@@ -49,35 +49,29 @@ def train_in_threads(config: Config, plans: list[Plan]) -> dict[int, torch.nn.Mo
     fabrics = [MemoryFabric.for_plan(plan) for plan in plans]
     first = plans[0]
     step_done = threading.Barrier(len(first.live_ranks()), timeout=60)
-    modules, errors = {}, []
+    modules = {}
     shape = (workload.microbatch_size, workload.seq_len, 32)
 
     def work(rank: int) -> None:
-        try:
-            module = gpt_chunk_set(config.model, first.num_stages, 2, first.chunk_layout, first.worker(rank)[1],
-                                   training.seed, training.dtype, workload.seq_len)
-            modules[rank] = module
-            executor = ChunkedStageExecutor(first, rank, module, make_optimizer(module, training),
-                                            fabrics[0].endpoint(rank), load, shape, shape, torch.float64)
-            for step, plan in enumerate(plans):
-                if step > 0:
-                    step_done.wait()
-                    if rank not in plan.live_ranks():
-                        return
-                    executor.set_plan(plan, fabrics[step].endpoint(rank))
-                executor.run_iteration(step)
-        except BaseException as exc:
-            errors.append((rank, exc))
-            for fabric in fabrics:
-                fabric.cut()
-            step_done.abort()
+        module = gpt_chunk_set(config.model, first.num_stages, 2, first.chunk_layout, first.worker(rank)[1],
+                               training.seed, training.dtype, workload.seq_len)
+        modules[rank] = module
+        executor = ChunkedStageExecutor(first, rank, module, make_optimizer(module, training),
+                                        fabrics[0].endpoint(rank), load, shape, shape, torch.float64)
+        for step, plan in enumerate(plans):
+            if step > 0:
+                step_done.wait()
+                if rank not in plan.live_ranks():
+                    return
+                executor.set_plan(plan, fabrics[step].endpoint(rank))
+            executor.run_iteration(step)
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in first.live_ranks()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    assert not errors, errors
+    def cut_all() -> None:  # the peers blocked on a failed worker raise at once
+        for fabric in fabrics:
+            fabric.cut()
+        step_done.abort()
+
+    run_ranks_in_threads(first.live_ranks(), work, cut_all, 90)
     return modules
 
 

@@ -4,8 +4,6 @@ weight changed and dropout off; and the [training] keys' errors."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -13,7 +11,7 @@ from recycle.errors import ConfigError
 from recycle.ir import Plan
 from recycle.models.gpt import build_stages, full_model
 from recycle.runtime.state.precision import weights_dtype
-from recycle.runtime.tools.fakes import MemoryFabric
+from recycle.runtime.tools.fakes import MemoryFabric, run_ranks_in_threads
 from recycle.runtime.tools.reference import reference_eval_loss
 from recycle.runtime.worker.data import check_data, data_source
 from recycle.runtime.worker.evaluation import evaluate
@@ -36,29 +34,19 @@ def evaluate_in_threads(config, plan: Plan, times: int = 1) -> tuple[dict[int, l
     fabric = MemoryFabric.for_plan(plan)
     losses: dict[int, list[float]] = {}
     unchanged: dict[int, bool] = {}
-    errors = []
 
     def work(rank: int) -> None:
-        try:
-            _, stage = plan.worker(rank)
-            module = build_stages(config.model, plan.num_stages, training.seed, weights_dtype(training.dtype),
-                                  workload.seq_len)[stage]
-            before = parameter_digest(module)
-            shape = module.boundary_shape(workload.microbatch_size, workload.seq_len)
-            losses[rank] = [evaluate(plan, rank, module, fabric.endpoint(rank), load, training.eval_batches, shape,
-                                     weights_dtype(training.dtype), torch.device("cpu"), training.dtype, None,
-                                     lambda: None) for _ in range(times)]
-            unchanged[rank] = parameter_digest(module) == before and module.training
-        except BaseException as exc:
-            errors.append((rank, exc))
-            fabric.cut()
+        _, stage = plan.worker(rank)
+        module = build_stages(config.model, plan.num_stages, training.seed, weights_dtype(training.dtype),
+                              workload.seq_len)[stage]
+        before = parameter_digest(module)
+        shape = module.boundary_shape(workload.microbatch_size, workload.seq_len)
+        losses[rank] = [evaluate(plan, rank, module, fabric.endpoint(rank), load, training.eval_batches, shape,
+                                 weights_dtype(training.dtype), torch.device("cpu"), training.dtype, None,
+                                 lambda: None) for _ in range(times)]
+        unchanged[rank] = parameter_digest(module) == before and module.training
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in plan.live_ranks()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    run_ranks_in_threads(plan.live_ranks(), work, fabric.cut, 60)
     return losses, unchanged
 
 
@@ -129,25 +117,15 @@ def test_a_chunked_pipelines_eval_is_the_reference_eval(tiny_config, layout: str
     load = data_source(config, "eval")
     fabric = MemoryFabric.for_plan(plan)
     losses: dict[int, float] = {}
-    errors = []
 
     def work(rank: int) -> None:
-        try:
-            module = gpt_chunk_set(config.model, 2, 2, layout, plan.worker(rank)[1], training.seed,
-                                   weights_dtype(training.dtype), workload.seq_len)
-            losses[rank] = evaluate(plan, rank, module, fabric.endpoint(rank), load, training.eval_batches,
-                                    (workload.microbatch_size, workload.seq_len, 32), weights_dtype(training.dtype),
-                                    torch.device("cpu"), training.dtype, None, lambda: None)
-        except BaseException as exc:
-            errors.append((rank, exc))
-            fabric.cut()
+        module = gpt_chunk_set(config.model, 2, 2, layout, plan.worker(rank)[1], training.seed,
+                               weights_dtype(training.dtype), workload.seq_len)
+        losses[rank] = evaluate(plan, rank, module, fabric.endpoint(rank), load, training.eval_batches,
+                                (workload.microbatch_size, workload.seq_len, 32), weights_dtype(training.dtype),
+                                torch.device("cpu"), training.dtype, None, lambda: None)
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in plan.live_ranks()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    run_ranks_in_threads(plan.live_ranks(), work, fabric.cut, 60)
     expected = reference(config)
     assert set(losses) == set(plan.live_ranks())
     assert all(abs(v - expected) <= 1e-9 * abs(expected) for v in losses.values()), (losses, expected)

@@ -15,7 +15,7 @@ from recycle.models.gpt import build_stages
 from recycle.runtime.protocol.messages import Message
 from recycle.runtime.state.optim import lr_factor, make_optimizer
 from recycle.runtime.state.precision import weights_dtype
-from recycle.runtime.tools.fakes import FaultyComm, LoneComm, MemoryFabric
+from recycle.runtime.tools.fakes import FaultyComm, LoneComm, MemoryFabric, run_ranks_in_threads
 from recycle.runtime.tools.reference import reference_train
 from recycle.runtime.worker.data import data_source
 from recycle.runtime.worker.executor import StageExecutor
@@ -38,34 +38,25 @@ def run_in_threads(config, plan: Plan, lrs: dict[int, list] | None = None) -> di
     training, workload = config.training, config.workload
     load = data_source(config)
     fabric = MemoryFabric.for_plan(plan)
-    modules, errors = {}, []
+    modules = {}
 
     def work(rank: int) -> None:
-        try:
-            _, stage = plan.worker(rank)
-            module = build_stages(config.model, plan.num_stages, training.seed, weights_dtype(training.dtype),
-                                  workload.seq_len)[stage]
-            modules[rank] = module
-            shape = module.boundary_shape(workload.microbatch_size, workload.seq_len)  # the same at every boundary
-            executor = StageExecutor(
-                plan, rank, module, make_optimizer(module, training), fabric.endpoint(rank),
-                load,
-                shape, shape, next(module.parameters()).dtype, grad_clip=training.grad_clip,
-                precision=training.dtype)
-            for step in range(training.steps):
-                result = executor.run_iteration(step)
-                if lrs is not None:
-                    lrs.setdefault(rank, []).append(result.lr)
-        except BaseException as exc:  # surface worker errors in the test thread
-            errors.append((rank, exc))
-            fabric.cut()  # the peers blocked on this worker raise at once
+        _, stage = plan.worker(rank)
+        module = build_stages(config.model, plan.num_stages, training.seed, weights_dtype(training.dtype),
+                              workload.seq_len)[stage]
+        modules[rank] = module
+        shape = module.boundary_shape(workload.microbatch_size, workload.seq_len)  # the same at every boundary
+        executor = StageExecutor(
+            plan, rank, module, make_optimizer(module, training), fabric.endpoint(rank),
+            load,
+            shape, shape, next(module.parameters()).dtype, grad_clip=training.grad_clip,
+            precision=training.dtype)
+        for step in range(training.steps):
+            result = executor.run_iteration(step)
+            if lrs is not None:
+                lrs.setdefault(rank, []).append(result.lr)
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in plan.live_ranks()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    run_ranks_in_threads(plan.live_ranks(), work, fabric.cut, 60)
     return modules
 
 

@@ -5,7 +5,6 @@ re-routed), with and without clipping, end at the tied model trained whole; with
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 
 from recycle.config import parse_config
 from recycle.runtime.state.optim import make_optimizer
-from recycle.runtime.tools.fakes import MemoryFabric
+from recycle.runtime.tools.fakes import MemoryFabric, run_ranks_in_threads
 from recycle.runtime.tools.reference import reference_train
 from recycle.runtime.worker.data import data_source
 from recycle.runtime.worker.executor import StageExecutor
@@ -54,27 +53,18 @@ def run_in_threads(config, plan, tied: tuple[int, ...]) -> dict[int, torch.nn.Mo
     load = data_source(config)
     # Built one after another: initialisation seeds the global generator per module (a worker is a process).
     built_stages = {rank: build_stage(config, plan.worker(rank)[1]) for rank in plan.live_ranks()}
-    modules, errors = {}, []
+    modules = {}
 
     def work(rank: int) -> None:
-        try:
-            built = built_stages[rank]
-            module = modules[rank] = built.module
-            executor = StageExecutor(plan, rank, module, make_optimizer(module, config.training),
-                                     fabric.endpoint(rank), load, built.input_shape, built.output_shape,
-                                     torch.float64, grad_clip=config.training.grad_clip, loss_fn=built.loss_fn)
-            for step in range(config.training.steps):
-                executor.run_iteration(step)
-        except BaseException as exc:  # surface worker errors in the test thread
-            errors.append((rank, exc))
-            fabric.cut()
+        built = built_stages[rank]
+        module = modules[rank] = built.module
+        executor = StageExecutor(plan, rank, module, make_optimizer(module, config.training),
+                                 fabric.endpoint(rank), load, built.input_shape, built.output_shape,
+                                 torch.float64, grad_clip=config.training.grad_clip, loss_fn=built.loss_fn)
+        for step in range(config.training.steps):
+            executor.run_iteration(step)
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in plan.live_ranks()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    run_ranks_in_threads(plan.live_ranks(), work, fabric.cut, 120)
     return modules
 
 

@@ -14,7 +14,30 @@ from recycle.ir import Plan
 from recycle.runtime.protocol.messages import Channel, Message
 from recycle.runtime.worker.transport import Activity, GenerationCut, PeerLost, tied_ranks
 
-__all__ = ["MemoryFabric", "MemoryComm", "MemoryNetwork", "FaultyComm", "LoneComm"]
+__all__ = ["MemoryFabric", "MemoryComm", "MemoryNetwork", "FaultyComm", "LoneComm", "run_ranks_in_threads"]
+
+
+def run_ranks_in_threads(ranks: Any, work: Callable[[int], Any], on_error: Callable[[], Any] = lambda: None,
+                         timeout_s: float = 60.0) -> None:
+    """work(rank) on a thread per rank, as the workers of one in-memory job. A rank's exception calls `on_error`
+    (e.g. cut the fabric, so that the peers blocked on it raise at once) and is raised here after every thread ended,
+    with the others'."""
+    errors: list[tuple[int, BaseException]] = []
+
+    def run(rank: int) -> None:
+        try:
+            work(rank)
+        except BaseException as exc:  # surfaced in the caller's thread
+            errors.append((rank, exc))
+            on_error()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+    if errors:
+        raise AssertionError(f"a worker thread failed: {errors}") from errors[0][1]
 
 
 class MemoryFabric:
