@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
+import torch
 
 from recycle.config import Config, parse_config
 
@@ -54,3 +55,14 @@ def cli_error(capsys: pytest.CaptureFixture[str]) -> Callable[[list[str]], str]:
 def _plan_cache_outside_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """`recycle simulate` keeps plans in the user's cache folder by default: tests keep theirs in a temporary one."""
     monkeypatch.setenv("RECYCLE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "plan-cache"))
+
+
+@pytest.fixture()
+def one_torch_thread() -> Iterator[None]:
+    """Every worker runs with one intra-op thread, as a worker process does (runtime.worker). Several worker threads
+    sharing the default pool oversubscribe a small machine: the same test then took 1 s or 20 s by the load. Files
+    that run workers on threads use it for every test (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

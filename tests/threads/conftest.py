@@ -5,8 +5,6 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 import pytest
-import torch
-
 from thread_cluster import Injector, Outcome, ThreadCluster, job
 
 from recycle.config import Config
@@ -15,13 +13,8 @@ _warm: list[bool] = []
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread_per_worker() -> Iterator[None]:
-    """One intra-op thread per worker, as a worker process has: several worker threads sharing the default pool
-    oversubscribe a small machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_torch_thread_per_worker(one_torch_thread: None) -> None:
+    """Every test here runs workers on threads (tests/conftest.py, one_torch_thread)."""
 
 
 @pytest.fixture()

@@ -19,13 +19,7 @@ from recycle.runtime.tools.reference import reference_train
 from recycle.runtime.worker.chunked_executor import ChunkedStageExecutor
 from recycle.runtime.worker.data import data_source
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread_per_worker():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def chunked(config: Config, layout: str, n_layer: int = 4) -> Config:

@@ -18,13 +18,7 @@ from recycle.runtime.worker.evaluation import evaluate
 from recycle.runtime.worker.process import parameter_digest
 from recycle.schedules.fault_free import build_schedule
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread_per_worker():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def evaluate_in_threads(config, plan: Plan, times: int = 1) -> tuple[dict[int, list[float]], dict[int, bool]]:

@@ -22,15 +22,7 @@ from recycle.runtime.worker.executor import StageExecutor
 from recycle.runtime.worker.process import parameter_digest
 from recycle.schedules.fault_free import build_schedule
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread_per_worker():
-    """Every worker runs with one intra-op thread, as a worker process does (runtime.worker). Several worker threads
-    sharing the default pool oversubscribe a small machine: the same test then took 1 s or 20 s by the load."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def run_in_threads(config, plan: Plan, lrs: dict[int, list] | None = None) -> dict[int, torch.nn.Module]:

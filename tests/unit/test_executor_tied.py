@@ -26,12 +26,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 HEAD, EMBEDDING = "model.lm_head.weight", "model.model.embed_tokens.weight"
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread_per_worker():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tied_config(tmp_path: Path, D: int, S: int, family: str = "llama", **training: object):
