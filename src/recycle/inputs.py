@@ -12,7 +12,7 @@ from typing import Any
 
 from recycle.errors import ConfigError, RecycleError
 
-__all__ = ["read_input_text", "strict_json_loads", "UnsafeJSON", "describe_kind", "MIB"]
+__all__ = ["read_input_text", "strict_json_loads", "UnsafeJSON", "describe_kind", "MIB", "json_list", "json_object"]
 
 MIB = 1024 * 1024
 
@@ -92,3 +92,17 @@ def strict_json_loads(text: str | bytes) -> Any:
             raise UnsafeJSON("it holds an integer of more than 4,300 digits (every count or size fits in 64 bits)") \
                 from None
         raise UnsafeJSON(str(exc)) from None
+
+
+def json_list(value: Any) -> list[Any]:
+    """`value` if it is a JSON array, else ValueError naming what it is (for readers that wrap it in their error)."""
+    if not isinstance(value, list):
+        raise ValueError(f"{str(value)[:40]!r} is not a list")
+    return value
+
+
+def json_object(value: Any) -> dict[str, Any]:
+    """`value` if it is a JSON object, else ValueError naming what it is."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{str(value)[:40]!r} is not an object")
+    return value

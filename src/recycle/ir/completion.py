@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 from recycle.errors import PlanError
-from recycle.inputs import strict_json_loads
+from recycle.inputs import json_list, strict_json_loads
 from recycle.ir.actions import Kind
 from recycle.ir.plan import Plan
+from recycle.ir.worker_view import view_json, view_rows
 
 __all__ = ["WorkerProgress", "Step", "Completion", "CompletionViews", "complete_iteration", "SEND_ACTIVATION",
            "SEND_GRADIENT"]
@@ -114,17 +115,11 @@ class Completion:
             if rank is None:
                 rows = raw["steps"]
             else:
-                if raw.get("view_of") != rank:
-                    raise ValueError(f"it is not worker {rank}'s view")
-                rows = [[] for _ in range(plan.num_workers)]
-                for key, row in _as_dict(raw["steps_of"]).items():
-                    if not (key.isdigit() and int(key) < plan.num_workers):
-                        raise ValueError(f"rank {key!r} is outside the plan's {plan.num_workers} workers")
-                    rows[int(key)] = row
+                rows = view_rows(raw, "steps_of", rank, plan.num_workers, [])
             if not isinstance(rows, list) or len(rows) != plan.num_workers:
                 raise ValueError(f"steps must list {plan.num_workers} ranks")
-            steps = tuple(tuple(_step(item, plan) for item in _as_list(row)) for row in rows)
-            applied = tuple(_whole(s, "applied_stages") for s in _as_list(raw["applied_stages"]))
+            steps = tuple(tuple(_step(item, plan) for item in json_list(row)) for row in rows)
+            applied = tuple(_whole(s, "applied_stages") for s in json_list(raw["applied_stages"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"the completion of an interrupted iteration is malformed ({exc}); the coordinator and "
                             "the workers must run the same recycle version") from None
@@ -170,21 +165,8 @@ class CompletionViews:
 
     def json_for(self, rank: int) -> str:
         """Worker `rank`'s view, for Completion.from_json(text, plan, rank)."""
-        ranks = sorted(self._senders.get(rank, set()) | {rank})
-        rows = ",".join(f'"{r}":{self._row(r)}' for r in ranks)
-        return f'{self._shared},"view_of":{rank},"steps_of":{{{rows}}}}}'
-
-
-def _as_dict(value: Any) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ValueError(f"{str(value)[:40]!r} is not an object")
-    return value
-
-
-def _as_list(value: Any) -> list[Any]:
-    if not isinstance(value, list):
-        raise ValueError(f"{str(value)[:40]!r} is not a list")
-    return value
+        return view_json(self._shared, rank, "steps_of",
+                         {r: self._row(r) for r in self._senders.get(rank, set()) | {rank}})
 
 
 def _whole(value: Any, where: str) -> int:
@@ -194,7 +176,7 @@ def _whole(value: Any, where: str) -> int:
 
 
 def _step(item: Any, plan: Plan) -> Step:
-    kind, stage, mb, src, dst = _as_list(item)
+    kind, stage, mb, src, dst = json_list(item)
     if kind not in _KINDS:
         raise ValueError(f"step kind {str(kind)[:20]!r} is not one of {', '.join(_KINDS)}")
     stage, mb, src, dst = (_whole(v, "step") for v in (stage, mb, src, dst))

@@ -9,11 +9,11 @@ from dataclasses import replace
 from typing import Any
 
 from recycle.errors import PlanError
-from recycle.inputs import strict_json_loads
+from recycle.inputs import json_list, json_object, strict_json_loads
 from recycle.ir.dependencies import input_stage
 from recycle.ir.plan import Plan
 
-__all__ = ["worker_view", "PlanViews", "read_worker_view"]
+__all__ = ["worker_view", "PlanViews", "read_worker_view", "view_json", "view_rows"]
 
 
 def _senders(plan: Plan, rank: int) -> set[int]:
@@ -56,8 +56,27 @@ class PlanViews:
 
     def json_for(self, rank: int) -> str:
         """Worker `rank`'s view, for read_worker_view."""
-        lists = ",".join(f'"{r}":{self._line(r)}' for r in sorted(_senders(self.plan, rank)))
-        return f'{self._shared},"view_of":{rank},"view_actions":{{{lists}}}}}'
+        return view_json(self._shared, rank, "view_actions", {r: self._line(r) for r in _senders(self.plan, rank)})
+
+
+def view_json(shared: str, rank: int, field: str, rows: dict[int, str]) -> str:
+    """A worker's view: `shared` (a JSON object's text without its closing brace, the same for every worker), then
+    whose view it is and its rows ({"RANK": row}, each row already JSON) under `field`."""
+    encoded = ",".join(f'"{r}":{rows[r]}' for r in sorted(rows))
+    return f'{shared},"view_of":{rank},"{field}":{{{encoded}}}}}'
+
+
+def view_rows(raw: dict[str, Any], field: str, rank: int, num_workers: int, empty: Any) -> list[Any]:
+    """The rows of the view view_json wrote, one per worker (`empty` for the ranks it leaves out), after checking
+    that it is worker `rank`'s and that every rank in it is one of the `num_workers`; ValueError otherwise."""
+    if raw.get("view_of") != rank:
+        raise ValueError(f"it is not worker {rank}'s view")
+    rows = [empty] * num_workers
+    for key, row in json_object(raw[field]).items():
+        if not (key.isdigit() and int(key) < num_workers):
+            raise ValueError(f"worker {key!r} is outside the plan's {num_workers} workers")
+        rows[int(key)] = row
+    return rows
 
 
 def read_worker_view(text: str | bytes, rank: int) -> Plan:
@@ -67,25 +86,19 @@ def read_worker_view(text: str | bytes, rank: int) -> Plan:
         raw = strict_json_loads(text)
         if not isinstance(raw, dict):
             raise ValueError("not a JSON object")
-        if raw.pop("view_of", None) != rank:
-            raise ValueError(f"it is not worker {rank}'s view")
-        lists, moved = raw.pop("view_actions"), raw.pop("host_moved")
+        moved = raw.pop("host_moved")
         D, S, M, chunks = (_whole(raw.get(k, 1 if k == "chunks" else None))
                            for k in ("num_replicas", "num_stages", "num_microbatches", "chunks"))
         if D * S * M * chunks > 1 << 26:
             raise ValueError(f"its shape {D} x {S} x {M} x {chunks} is too large")
         host = [[mb // M for mb in range(D * M)] for _ in range(S * chunks)]
-        for entry in _as_list(moved):
-            s, mb, replica = _as_list(entry)
+        for entry in json_list(moved):
+            s, mb, replica = json_list(entry)
             if not (_index(s, S * chunks) and _index(mb, D * M) and _index(replica, D)):
                 raise ValueError(f"routing entry {entry!r} is outside the plan's shape")
             host[s][mb] = replica
-        actions = [""] * (D * S)
-        for key, line in _as_dict(lists).items():
-            if not (key.isdigit() and int(key) < D * S):
-                raise ValueError(f"worker {key!r} is outside the plan's {D * S} workers")
-            actions[int(key)] = line
-        raw["host"], raw["actions"] = host, actions
+        raw["host"], raw["actions"] = host, view_rows(raw, "view_actions", rank, D * S, "")
+        del raw["view_of"], raw["view_actions"]
         return Plan.from_dict(raw)
     except PlanError:
         raise
@@ -102,15 +115,3 @@ def _whole(value: Any) -> int:
 
 def _index(value: Any, size: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < size
-
-
-def _as_list(value: Any) -> list[Any]:
-    if not isinstance(value, list):
-        raise ValueError(f"{str(value)[:40]!r} is not a list")
-    return value
-
-
-def _as_dict(value: Any) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ValueError(f"{str(value)[:40]!r} is not an object")
-    return value
