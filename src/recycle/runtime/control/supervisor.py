@@ -7,7 +7,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, NoReturn, TypeVar
+from typing import Any, Callable, Iterable, NoReturn, TypeVar
 
 from recycle.config import Config
 from recycle.errors import RuntimeFailure
@@ -133,7 +133,7 @@ class Supervisor:
                 self._fail("the restarted coordinator found workers down and has no plan provider for that state")
             self.plan = self.options.plan_provider(failed).plan
         if rebuilt.generation > 0:
-            self._publish_plan(rebuilt.generation, self.plan)
+            self._publish_views(rebuilt.generation, Keys.plan_view, PlanViews(self.plan), self.plan)
         self.start_step = rebuilt.next_step
         self.next_eval = self._first_eval(rebuilt.next_step)
         self.last_chaos_step = rebuilt.next_step
@@ -403,13 +403,10 @@ class Supervisor:
         self._execute(self.coordinator.on_plan_chosen(plan.live_ranks()))
         if facts.restore_step is not None:
             self._forget_steps_from(facts.restore_step, facts.generation)
-        self._publish_plan(facts.generation, plan)
+        self._publish_views(facts.generation, Keys.plan_view, PlanViews(plan), plan)
         facts, completion = self._completion(facts, plan)
         if completion is not None:
-            views = CompletionViews(completion)
-            ranks = plan.live_ranks()
-            self._publish(facts.generation, [Keys.completion_view(facts.generation, r) for r in ranks],
-                          [views.json_for(r) for r in ranks])
+            self._publish_views(facts.generation, Keys.completion_view, CompletionViews(completion), plan)
         self.jobs.put(Channels.ANNOUNCE, Announcement(
             facts.generation, tuple(sorted(command.live)), facts.redo_step, self.end_step,
             "; ".join(d.cause for d in facts.deaths), tuple(sorted(facts.joining)),
@@ -455,21 +452,18 @@ class Supervisor:
                        kept=f"kept the survivors' work ({completion.rerouted_actions} steps re-routed, "
                             f"{completion.resent} messages re-sent)"), completion
 
-    def _publish_plan(self, generation: int, plan: Plan) -> None:
-        """Each live worker's view of the generation's plan (not the whole plan: at 16,384 workers that is 2.75 MB
-        that every worker would read and take seconds to parse); the views of two generations back are deleted (a
-        worker still that far behind has been fenced or aborted, and the store stays bounded over many failures)."""
-        views = PlanViews(plan)
+    def _publish_views(self, generation: int, key: Callable[[int, int], str], views: PlanViews | CompletionViews,
+                       plan: Plan) -> None:
+        """Each live worker's view (of the generation's plan, or of the completion), under key(generation, rank):
+        not the whole, which at 16,384 workers is megabytes that every worker would read and take seconds to parse.
+        The views of two generations back are deleted: a worker still that far behind has been fenced or aborted,
+        and the store stays bounded over many failures."""
         ranks = plan.live_ranks()
-        self._publish(generation, [Keys.plan_view(generation, r) for r in ranks], [views.json_for(r) for r in ranks])
-
-    def _publish(self, generation: int, keys: list[str], values: list[str]) -> None:
-        """Write one key per worker for `generation` in one call, and delete those of two generations back."""
-        self.store.multi_set(keys, values)
-        self.published.setdefault(generation, []).extend(keys)
+        self.store.multi_set([key(generation, r) for r in ranks], [views.json_for(r) for r in ranks])
+        self.published.setdefault(generation, []).extend(key(generation, r) for r in ranks)
         for old in [g for g in self.published if g <= generation - 2]:
-            for key in self.published.pop(old):
-                self.store.delete_key(key)
+            for stale in self.published.pop(old):
+                self.store.delete_key(stale)
 
     def _forget_steps_from(self, step: int, generation: int) -> None:
         """A checkpoint restore: steps from `step` on run again, so their records and checkpoint keys are stale."""
