@@ -18,6 +18,7 @@ class StallClock:
     def __init__(self, tick_s: float = 0.25, clock: Callable[[], float] = time.monotonic,
                  keep: int = 64) -> None:
         self.tick_s, self._clock, self._keep = tick_s, clock, keep
+        self._noise_s = 4 * tick_s  # a gap up to this long is scheduling noise on a loaded machine, not a stall
         self._lock = threading.Lock()
         self._last = clock()
         self._gaps: list[tuple[float, float]] = []  # (ended at, seconds stalled), newest last, bounded
@@ -42,7 +43,7 @@ class StallClock:
         with self._lock:
             stalled = now - self._last - self.tick_s
             self._last = now
-            if stalled > 4 * self.tick_s:  # scheduling noise on a loaded machine is not a stall
+            if stalled > self._noise_s:
                 self._gaps.append((now, stalled))
                 del self._gaps[:-self._keep]
 
@@ -50,5 +51,5 @@ class StallClock:
         with self._lock:
             # A stall still going on (the clock thread has not ticked since the process woke) counts too.
             ongoing = max(0.0, self._clock() - self._last - self.tick_s)
-            return max([ongoing if ongoing > 4 * self.tick_s else 0.0]
+            return max([ongoing if ongoing > self._noise_s else 0.0]
                        + [stalled for ended, stalled in self._gaps if ended > mark])
