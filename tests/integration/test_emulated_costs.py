@@ -229,3 +229,27 @@ def test_a_send_that_fails_at_release_is_never_sent_on_a_later_transport() -> No
     comm.send(Message(Channel.ACTIVATION, 1, 0, 1), torch.ones(1))
     comm.release()
     assert [m.mb for _, m in fresh.sent] == [1]
+
+
+def test_a_resend_has_no_cost_and_its_message_leaves_at_once() -> None:
+    """A completion's re-send of a logged tensor (ir.completion SA/SG) is no paced action: held for the next paced
+    action, it reached its consumer only after this worker's next receive, which waited on that very consumer (every
+    paced recovery that re-sent a message sat out the collective timeout, 30 s, before this)."""
+    config = toy_config()
+    plan = build_schedule(config, "1f1b", staggered=True)
+    clock = FakeClock()
+    inner = RecordingComm(clock)
+    pacer = make_pacer(plan, 0, config, clock, inner)
+    pacer.run(Action(Kind.F, 0, 0), lambda a: None)
+    resent = Message(Channel.ACTIVATION, 1, 0, 1)
+    pacer.run_untimed(lambda: pacer.comm.send(resent, torch.ones(2)))
+    assert inner.sent == [(pytest.approx(1.0), resent)]  # out at once, no slot added to the clock
+    assert pacer.stats.actions == 1
+
+    def broken() -> None:
+        pacer.comm.send(Message(Channel.ACTIVATION, 2, 0, 1), torch.ones(2))
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(RuntimeError):
+        pacer.run_untimed(broken)
+    assert pacer.comm.held == []  # a failed re-send's message never reaches a later transport

@@ -39,6 +39,7 @@ def test_a_death_aborts_the_generation_and_waits_for_every_survivor() -> None:
     assert isinstance(announce, Announce)
     assert announce.live == ALL - {3}
     assert announce.facts.generation == 1 and announce.facts.failed == {(1, 1)} and announce.facts.redo_step == 5
+    assert announce.facts.lost_contact == ""  # a death explains it
     assert c.state.generation == 1 and not c.state.recovering
 
 
@@ -148,6 +149,8 @@ def test_recoveries_without_a_death_are_retried_then_fail() -> None:
         if attempt < 3:
             assert kinds(commands) == [AbortGeneration, Announce]
             assert commands[1].live == ALL and commands[1].facts.deaths == ()
+            # Why, for the report: the first stop's error (a recovery without a death costs the run its timeout)
+            assert commands[1].facts.lost_contact == "worker 0:0 stopped: Connection closed by peer"
         else:
             assert kinds(commands) == [AbortGeneration, FailRun]
             assert "without any worker failing" in commands[1].message

@@ -144,6 +144,9 @@ class RecoveryFacts:
     moved: tuple[tuple[int, int], ...] = ()  # (donor rank, rank it now runs as): the reshape of a lost stage
     lost_actions: int = 0  # the failed workers' actions of the interrupted iteration that may have finished (if kept)
     kept: str = ""  # whether the survivors kept the interrupted iteration's work, and why not (the launcher's word)
+    # Why the generation was formed again although no worker died and none joined (workers lost contact, e.g. a
+    # collective timed out): empty otherwise. Such a recovery is reported too: it costs the run its timeout.
+    lost_contact: str = ""
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,7 @@ class RunState:
     latest_checkpoint: int | None = None  # the newest complete checkpoint (steps done)
     moved: tuple[tuple[int, int], ...] = ()  # of the recovery under way: (donor rank, rank it now runs as)
     moving: frozenset[int] = frozenset()  # ranks of `moved` whose new process is not up yet (the restore waits)
+    stop_reason: str = ""  # why the recovery under way stopped the generation (its first sign)
 
 
 class Checkpoints:
@@ -564,7 +568,8 @@ class Coordinator:
         if self.state.aborted:
             return []
         started = self.state.recovery_started if self.state.recovering else now
-        self.state = replace(self.state, recovering=True, aborted=True, recovery_started=started)
+        self.state = replace(self.state, recovering=True, aborted=True, recovery_started=started,
+                             stop_reason=self.state.stop_reason or reason)
         return [AbortGeneration(self.state.generation, reason)]
 
     def _maybe_announce(self, now: float) -> list[Command]:
@@ -604,7 +609,7 @@ class Coordinator:
         facts = RecoveryFacts(generation, state.deaths, failed, redo, redone, redone_s, len(rolled),
                               state.recovery_started if state.recovery_started is not None else now, tuple(reports),
                               joining=joining, restore_step=redo if state.restore else None, steps_lost=steps_lost,
-                              moved=state.moved)
+                              moved=state.moved, lost_contact=state.stop_reason if retries else "")
         self.state = RunState(generation=generation, live=live, failed=failed, retries=retries,
                               joining=state.joining - joining, latest_checkpoint=state.latest_checkpoint)
         self.announced = facts

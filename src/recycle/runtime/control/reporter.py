@@ -328,6 +328,8 @@ def measure_recovery(facts: RecoveryFacts, records: GenerationRecords, worker: C
             cause += f" during {fault.where}"
             fault_times.append(fault.time)
         causes.append(cause)
+    if facts.lost_contact:
+        causes.append(f"no worker failed: {facts.lost_contact}; the live workers formed their groups again")
     failure_time = min(fault_times) if fault_times else facts.started
     end = max(records.resumed) if records.resumed else now
     joins = records.joins

@@ -513,7 +513,7 @@ class Supervisor:
         resumed = tuple(t.time for t in self._records(Channels.RESUMED, generation, live))
         self.resumed_in = {g: ranks for g, ranks in self.resumed_in.items() if g > generation}
         self.pending = None
-        if not facts.deaths and not facts.joining:
+        if not facts.deaths and not facts.joining and not facts.lost_contact:
             return  # a drain whose joiner never came in (the run ended first): nothing happened
         faults: dict[int, FaultRecord] = {}
         for death in facts.deaths:

@@ -171,6 +171,17 @@ class CostPacer:
         self.plan = plan
         self.cost_s = {a: action_cost(self.config, plan, a) * self.unit_s for a in plan.actions[self.rank]}
 
+    def run_untimed(self, work: Callable[[], None]) -> None:
+        """Run work that has no emulated cost (a completion's re-send of a logged tensor): its messages go out as
+        soon as it ends. Held until the next paced action instead, a re-send would reach its consumer only after
+        this worker's next receive, which may wait on that very consumer."""
+        try:
+            work()
+        except BaseException:
+            self.comm.held.clear()
+            raise
+        self.comm.release()
+
     def run(self, action: Action, work: Callable[[Action], None]) -> None:
         begin = self.clock()
         self.comm.start_action()

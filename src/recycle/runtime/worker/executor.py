@@ -44,6 +44,7 @@ class Pacing(Protocol):
     def wrap(self, comm: Comm) -> Comm: ...
     def set_plan(self, plan: Plan) -> None: ...
     def run(self, action: Action, work: Callable[[Action], None]) -> None: ...
+    def run_untimed(self, work: Callable[[], None]) -> None: ...
 
 
 @dataclass
@@ -325,7 +326,7 @@ class StageExecutor:
             self.before_action(action)
         t0 = time.perf_counter()
         if work is not None:
-            work()
+            work() if self.pacing is None else self.pacing.run_untimed(work)
         elif self.pacing is None:
             self.run_action(action)
         else:
