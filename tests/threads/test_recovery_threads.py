@@ -47,10 +47,14 @@ def test_a_stalled_main_thread_with_a_live_heartbeat_is_hung_fenced_and_recovere
 
 def test_a_lost_link_with_nobody_dead_is_retried_with_the_same_workers(tiny_config, run_cluster) -> None:
     """The transport's typed PeerLost at one op of 1:0's second iteration: every worker stops and reports, the
-    next generation keeps all four, and the run completes (a retry leaves no Recovery record: nobody was lost)."""
+    next generation keeps all four, and the run completes. The retry is a Recovery record of its own, with no
+    worker lost and the stop that caused it as its cause (it costs the run its pause: it must not hide in a step)."""
     outcome = run_cluster(tiny_config(steps=4), Injector().lose_link((1, 0), iteration=1, op=2))
     assert [m.step for m in outcome.steps] == [1, 2, 3, 4]
-    assert not outcome.recoveries and not outcome.failed
+    (retry,) = outcome.recoveries
+    assert retry.workers == () and retry.joined == () and not outcome.failed
+    assert retry.causes[0].startswith("no worker failed: worker 1:0 stopped: "), retry.causes
+    assert "formed their groups again" in retry.line()
     announcement = outcome.jobs.get(Channels.ANNOUNCE, 1)
     assert announcement.live == (0, 1, 2, 3) and announcement.redo_step == 1
     report = outcome.jobs.get(Channels.STOPPED, 0, 2)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from recycle.runtime.control.liveness import Liveness
 from recycle.runtime.protocol.channels import Channels, Flags, JobStore, Keys
 from recycle.runtime.protocol.records import Beat
@@ -54,6 +56,24 @@ def test_silent_and_hung_workers_and_silent_nodes() -> None:
         assert watch.silent_nodes(5.5) == [] and watch.fenced_nodes == set() and watch.beating_nodes(6.0) == {1}
         watch.admit(1, 6.0)
         assert watch.silent_workers(frozenset({1}), 7.0) == []  # timed from its admission
+    finally:
+        server.close()
+
+
+def test_a_frozen_worker_in_a_long_action_is_told_silent_not_hung() -> None:
+    """Worker 0 ran one action for 1.5 s under load, beating, then was SIGSTOPped: its beats stop too. At 3.0 s its
+    action is past the 2.5 s hang limit, but nothing of it goes on: it is not told hung ("its heartbeat goes on"),
+    it is told silent once the 2 s heartbeat timeout has passed (seen once in CI before this rule)."""
+    jobs, server = _jobs()
+    try:
+        watch = Liveness(jobs, nodes=range(0), heartbeat_s=0.5, timeout_s=2.0)
+        _beat(jobs, 0, 1, 5)
+        assert watch.silent_workers(frozenset({0}), 0.0) == []
+        _beat(jobs, 0, 2, 5)  # the same action, still beating; then frozen
+        assert watch.silent_workers(frozenset({0}), 1.5) == []
+        assert watch.silent_workers(frozenset({0}), 3.0) == []
+        assert watch.hung_workers(frozenset({0}), 3.0, limit_s=2.5) == []  # last beat 1.5 s ago: going silent
+        assert watch.silent_workers(frozenset({0}), 3.6) == [(0, pytest.approx(2.1))]
     finally:
         server.close()
 
