@@ -16,9 +16,10 @@ __all__ = ["OrderEvaluator", "improve_orders", "stage_extents"]
 _F, _B, _W = 0, 1, 2  # the list scheduler's action codes (_B is a fused BW when not decoupled)
 # The share of order moves drawn from the critical path's N5 moves (the rest: half on the bottleneck stage, half
 # anywhere). Random single-action moves rarely hit the one swap on another stage that lets a late gradient through
-# (issue 26, seed 1 case 283: one such swap took a rule schedule from 80 to the optimum 78). 0.15, 0.25, 0.35 and
-# 0.5 closed the same three misses of the F != B != W screens (seed 1 cases 6 and 179 or 283, seed 0 case 94);
-# 0.25 also took seed 1 case 283 from 81 to 80 and issue 10's screen case 87 from 31 to 30.
+# (issue 26, seed 1 case 283: one such swap took a rule schedule from 80 to the optimum 78). On the F != B != W
+# screens each of 0.15, 0.25, 0.35 and 0.5 closed seed 1 case 6 and seed 0 case 94; 0.15, 0.35 and 0.5 also seed 1
+# case 179 (57 -> 56); 0.25 instead took seed 1 case 283 from 81 to 80 (the largest gap left) and issue 10's
+# screen case 87 from 31 to 30 (docs/planner.md, "Bottleneck-forward rule and critical-path moves").
 CRITICAL_SHARE = 0.25
 
 
