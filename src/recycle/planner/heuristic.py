@@ -96,6 +96,9 @@ class Variant:
       optimum 31), where the plain rule started an F at the instant the downstream worker started the B.
     first_stage_forward: at the first stage, a ready F runs before a ready B (that B sends nothing: its input
       gradient has no consumer), so a first-stage worker feeds the pipeline as long as it may start an F.
+    bottleneck_forward: on the workers with the most work per iteration (load times F + B + W), a ready F runs
+      before a ready B: the bottleneck keeps a queue of returning B's, so it never idles once its last F is out,
+      and the B's it has left cover that F's round trip (issue 26's seed 1 case 212: 75 -> the bound 73).
     """
 
     name: str
@@ -110,6 +113,7 @@ class Variant:
     wait_for_backward: bool = False
     wait_strict: bool = False
     first_stage_forward: bool = False
+    bottleneck_forward: bool = False
 
 
 # The first variant is the one large instances use alone: best or tied-best in every option combination measured.
@@ -147,9 +151,12 @@ WAITING_VARIANTS: tuple[Variant, ...] = (
 # better). The first stage's B has no consumer (its input gradient goes nowhere), so there a ready F runs before
 # it: the worker feeds the pipeline while it can and its B's fill the time the last F's round trip takes. CP-SAT's
 # proved optimum of issue 26's seed 1 case 6 (non-nested, fused, coupled: 59) runs every busiest first-stage worker
-# that way; the other rules stop at 61-64 there, this one reaches 60 (+1.7 %).
+# that way; the other rules stop at 61-64 there, this one reaches 60 (+1.7 %). The second rule does the same on
+# the workers with the most work: seed 1 case 212 (staggered, the one live stage-1 worker hosts all 9 micro-batches)
+# goes from 75 to the proved 73, the bound, with every base rule given the flag.
 FIRST_STAGE_VARIANTS: tuple[Variant, ...] = (
     Variant("slot-order-alternate-first-stage-forward", alternate=True, slot_order=True, first_stage_forward=True),
+    Variant("slot-order-alternate-bottleneck-forward", alternate=True, slot_order=True, bottleneck_forward=True),
 )
 
 
@@ -214,6 +221,7 @@ class _Setting:
     wait_for_backward: bool = False
     wait_strict: bool = False
     first_stage_forward: bool = False
+    forward_ranks: tuple[bool, ...] = ()  # per rank: a ready F before a ready B (bottleneck_forward); () none
 
 
 def _setting(config: Config, host: Sequence[Sequence[int]], decoupled: bool, caps: Sequence[int] | None,
@@ -234,7 +242,19 @@ def _setting(config: Config, host: Sequence[Sequence[int]], decoupled: bool, cap
     return _Setting(D, S, M, dur, tuple(config.communication.p2p_time(s) for s in range(S)), tuple(limit),
                     tuple(tuple(row) for row in loads), order_of(variant), variant.forward_first, variant.alternate,
                     decoupled, variant.wait_for_backward or variant.wait_strict, variant.wait_strict,
-                    variant.first_stage_forward)
+                    variant.first_stage_forward, _forward_ranks(D, S, dur, loads, decoupled, variant))
+
+
+def _forward_ranks(D: int, S: int, dur: Sequence[tuple[float, float, float]], loads: Sequence[Sequence[int]],
+                   decoupled: bool, variant: Variant) -> tuple[bool, ...]:
+    """Per rank, whether a ready F runs before a ready B there (`bottleneck_forward`: the ranks with the most work
+    per iteration); () when no rank does."""
+    if not variant.bottleneck_forward:
+        return ()
+    work = [loads[s][p] * (dur[s][0] + dur[s][1] + (dur[s][2] if decoupled else 0.0))
+            for p in range(D) for s in range(S)]
+    top = max(work)
+    return tuple(w >= top - 1e-9 for w in work)
 
 
 def list_schedule(config: Config, key: Sequence[int], host: Sequence[Sequence[int]], decoupled: bool,
@@ -274,7 +294,7 @@ def _use_vector(setting: _Setting) -> bool:
     per_mb = 3 if setting.decoupled else 2
     actions = per_mb * setting.D * setting.M * setting.S
     if setting.order is Order.RANDOM or setting.wait_for_backward or setting.first_stage_forward \
-            or actions < VECTOR_MIN_ACTIONS:
+            or setting.forward_ranks or actions < VECTOR_MIN_ACTIONS:
         return False
     from recycle.planner.vector_schedule import vector_eligible
 
@@ -379,6 +399,7 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
     forward_first, alternate, wait = setting.forward_first, setting.alternate, setting.wait_for_backward
     strict = setting.wait_strict
     first_forward = setting.first_stage_forward
+    forward_ranks = setting.forward_ranks or (False,) * n_ranks  # bottleneck_forward's ranks
     arrivals: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n_ranks)]  # (ready, seq, F or B, mb)
     ready_f: list[list[tuple]] = [[] for _ in range(n_ranks)]  # heaps of item() tuples, the mb last
     ready_b: list[list[tuple]] = [[] for _ in range(n_ranks)]
@@ -422,7 +443,7 @@ def _event_loop(setting: _Setting, host: Sequence[Sequence[int]], item: Callable
             allowed = random_kinds[(4 if rb else 0) + (2 if can_forward else 0) + (1 if rw else 0)]
             code = choice(allowed) if allowed else -1
         elif rb and not (alternate and can_forward and last[rank] == _B) \
-                and not (first_forward and stage == 0 and can_forward):
+                and not ((first_forward and stage == 0 or forward_ranks[rank]) and can_forward):
             code = _B
         elif can_forward and (forward_first or not rw):
             code = _F

@@ -14,6 +14,13 @@ from recycle.planner.budget import WorkBudget
 __all__ = ["OrderEvaluator", "improve_orders", "stage_extents"]
 
 _F, _B, _W = 0, 1, 2  # the list scheduler's action codes (_B is a fused BW when not decoupled)
+# The share of order moves drawn from the critical path's N5 moves (the rest: half on the bottleneck stage, half
+# anywhere). Random single-action moves rarely hit the one swap on another stage that lets a late gradient through
+# (issue 26, seed 1 case 283: one such swap took a rule schedule from 80 to the optimum 78). On the F != B != W
+# screens each of 0.15, 0.25, 0.35 and 0.5 closed seed 1 case 6 and seed 0 case 94; 0.15, 0.35 and 0.5 also seed 1
+# case 179 (57 -> 56); 0.25 instead took seed 1 case 283 from 81 to 80 (the largest gap left) and issue 10's
+# screen case 87 from 31 to 30 (docs/planner.md, "Bottleneck-forward rule and critical-path moves").
+CRITICAL_SHARE = 0.25
 
 
 def stage_extents(timed: Sequence[Sequence[tuple[int, int, float, float]]], num_stages: int
@@ -121,6 +128,47 @@ class OrderEvaluator:
                     stack.append(host[dest][mb] * S + dest)
         return out if remaining == 0 else None
 
+    def critical_blocks(self, timed: Sequence[Sequence[tuple[int, int, float, float]]], rank: int
+                        ) -> list[tuple[int, int, int]]:
+        """The critical path that ends with `rank`'s last action, as (rank, first, last) position ranges of
+        consecutive actions that each started the instant the one before on the same worker ended."""
+        S, p2p = self.S, self.p2p
+        where: dict[tuple[int, int, int], tuple[int, int]] = {}
+        for r, row in enumerate(timed):
+            s = r % S
+            for i, (code, mb, _, _) in enumerate(row):
+                where[(code, s, mb)] = (r, i)
+        blocks: list[tuple[int, int, int]] = []
+        pos = len(timed[rank]) - 1
+        hi = pos
+        while pos >= 0:
+            row = timed[rank]
+            code, mb, start, _ = row[pos]
+            if pos > 0 and abs(row[pos - 1][3] - start) < 1e-9:
+                pos -= 1  # waited for its own worker: the block goes on
+                continue
+            if hi > pos:
+                blocks.append((rank, pos, hi))
+            stage = rank % S
+            if code == _F:
+                source = self.needs[_F][stage]
+                dep = (_F, source, mb) if source >= 0 else None
+                lag = p2p[source] if source >= 0 else 0.0
+            elif code == _B:
+                source = self.needs[_B][stage]
+                dep = (_B, source, mb) if source >= 0 else (_F, stage, mb)
+                lag = p2p[stage] if source >= 0 else 0.0
+            else:
+                dep, lag = (_B, stage, mb), 0.0
+            if dep is None or dep not in where:
+                break
+            r, i = where[dep]
+            if abs(timed[r][i][3] + lag - start) > 1e-9:
+                break  # started later than its message: nothing before it is critical
+            rank, pos = r, i
+            hi = pos
+        return blocks
+
     def score(self, timed: Sequence[Sequence[tuple[int, int, float, float]]]) -> tuple[float, float]:
         """(period estimate, sum of per-stage spans): the list scheduler's estimate, then a tie-breaker that rewards
         finishing earlier (it lets the search cross plateaus of equal estimate)."""
@@ -138,11 +186,13 @@ def improve_orders(evaluator: OrderEvaluator, entries: Sequence[Sequence[tuple[i
     """Hill-climb on per-worker orders from a list schedule's `entries`; return the best timed orders and score.
 
     A move takes one action of a worker and re-inserts it up to four places earlier or later in the same worker's
-    order (never past its own B/W partner). Moves that do not worsen the score (period estimate, then the sum of
-    stage spans) are kept. Workers on the bottleneck stage (the one whose span sets the estimate) are picked half
-    of the time. Each move's timing spends the plan's action count from `budget` (the starting orders' timing is
-    free); stops when the budget cannot pay for another move, after twice as many draws as it could pay for (draws that cross a partner are not timed), or when the
-    estimate reaches `target` (a lower bound). Seeded and counted in work, never seconds, so the result is
+    order (never past its own B/W partner), or, CRITICAL_SHARE of the time, swaps the first two or the last two
+    actions of a block of the critical path (`_critical_moves`). Moves that do not worsen the score (period
+    estimate, then the sum of stage spans) are kept. Of the other moves, workers on the bottleneck stage (the one
+    whose span sets the estimate) are picked half of the time. Each move's timing spends the plan's action count
+    from `budget` (the starting orders' timing is free); stops when the budget cannot pay for another move, after
+    twice as many draws as it could pay for (draws that cross a partner are not timed), or when the estimate
+    reaches `target` (a lower bound). Seeded and counted in work, never seconds, so the result is
     reproducible whatever the machine's load.
     """
     rng = random.Random(seed)
@@ -158,22 +208,32 @@ def improve_orders(evaluator: OrderEvaluator, entries: Sequence[Sequence[tuple[i
         return best_timed, best
     cost = max(1, sum(len(row) for row in orders))
     bottleneck: list[int] | None = None  # the bottleneck stage's movable ranks, until the best changes
+    critical: list[tuple[int, int, int]] | None = None  # the best's critical-path moves, until the best changes
     for _ in range(2 * (budget.left // cost)):
         if best[0] <= target + 1e-9:
             break
-        if rng.random() < 0.5:
-            if bottleneck is None:
-                stage = _bottleneck_stage(best_timed, evaluator)
-                bottleneck = [r for r in movable if r % S == stage] or movable
-            pool = bottleneck
+        draw = rng.random()
+        if draw < CRITICAL_SHARE:
+            if critical is None:
+                critical = _critical_moves(evaluator, best_timed)
+            if not critical:
+                continue
+            rank, i, j = rng.choice(critical)
+            row = orders[rank]
         else:
-            pool = movable
-        rank = rng.choice(pool)
-        row = orders[rank]
-        i = rng.randrange(len(row))
-        j = i + rng.choice((-4, -3, -2, -1, 1, 2, 3, 4))
-        if not 0 <= j < len(row):
-            continue
+            if draw < (1 + CRITICAL_SHARE) / 2:
+                if bottleneck is None:
+                    stage = _bottleneck_stage(best_timed, evaluator)
+                    bottleneck = [r for r in movable if r % S == stage] or movable
+                pool = bottleneck
+            else:
+                pool = movable
+            rank = rng.choice(pool)
+            row = orders[rank]
+            i = rng.randrange(len(row))
+            j = i + rng.choice((-4, -3, -2, -1, 1, 2, 3, 4))
+            if not 0 <= j < len(row):
+                continue
         item = row[i]
         lo, hi = min(i, j), max(i, j)
         if any(other[1] == item[1] for other in row[lo:hi + 1] if other is not item):
@@ -186,10 +246,24 @@ def improve_orders(evaluator: OrderEvaluator, entries: Sequence[Sequence[tuple[i
         timed = evaluator.time(orders)
         score = evaluator.score(timed) if timed is not None else (math.inf, math.inf)
         if score <= best:
-            best, best_timed, bottleneck = score, timed, None
+            best, best_timed, bottleneck, critical = score, timed, None, None
         else:
             orders[rank] = row
     return best_timed, best
+
+
+def _critical_moves(evaluator: OrderEvaluator, timed: Sequence[Sequence[tuple[int, int, float, float]]]
+                    ) -> list[tuple[int, int, int]]:
+    """(rank, from, to) moves that swap the first two or the last two actions of a block on the critical path
+    that ends the bottleneck stage's latest worker (the N5 neighbourhood of job-shop scheduling)."""
+    S = evaluator.S
+    stage = _bottleneck_stage(timed, evaluator)
+    rank = max((r for r, row in enumerate(timed) if row and r % S == stage), key=lambda r: timed[r][-1][3])
+    moves = set()
+    for r, lo, hi in evaluator.critical_blocks(timed, rank):
+        moves.add((r, lo, lo + 1))
+        moves.add((r, hi, hi - 1))
+    return sorted(moves)
 
 
 def _bottleneck_stage(timed: Sequence[Sequence[tuple[int, int, float, float]]], evaluator: OrderEvaluator) -> int:
