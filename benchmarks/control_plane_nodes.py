@@ -35,8 +35,8 @@ from recycle.runtime.protocol.records import (Announcement, Joined, JoinReady, S
 from recycle.runtime.protocol.store import StoreClient
 from recycle.runtime.protocol.store.wire import Op, Status, encode_frame, pack_fields, unpack_fields
 
-__all__ = ["NodesSpec", "PipelinedClient", "StandInNodes", "standin_main", "beat_json", "step_json", "NODE_POLL_S",
-           "EXIT_KILLED", "EXIT_LEFT_OUT"]
+__all__ = ["NodesSpec", "PipelinedClient", "StandInNodes", "standin_main", "beat_json", "step_json", "node_steps_json",
+           "NODE_POLL_S", "EXIT_KILLED", "EXIT_LEFT_OUT"]
 
 NODE_POLL_S = 0.1  # control/launcher.py _follow_loop: workers.wait(0.1) between two passes
 EXIT_KILLED = -9  # what a SIGKILLed worker's exit code reads as
@@ -117,6 +117,24 @@ def step_json(replica: int, stage: int, generation: int, start: float, end: floa
     return (f'{{"kind": "step", "replica": {replica}, "stage": {stage}, "generation": {generation}, '
             f'"start": {start!r}, "end": {end!r}, "cpu_s": 0.0, "loss_sum": {loss}, "stage_loss": {loss}, '
             f'"grad_norm": null, "grad_sq": 1.0, "digest": "", "timings": [], "lr": null}}').encode()
+
+
+def node_steps_json(node: int, step: int, workers: list[tuple[int, int]], generation: int, start: float, end: float,
+                    last_stage: int) -> bytes:
+    """to_json of a stand-in launcher's NodeSteps (its workers' StepRecords as step_json makes them, as columns),
+    byte for byte."""
+    def column(values: list[str]) -> str:
+        return "[" + ", ".join(values) + "]"
+
+    rows = len(workers)
+    losses = column(["1.0" if stage == last_stage else "null" for _, stage in workers])
+    return (f'{{"kind": "node_steps", "node": {node}, "step": {step}, "rows": {{"kind": "step_rows", '
+            f'"replica": {column([str(r) for r, _ in workers])}, "stage": {column([str(s) for _, s in workers])}, '
+            f'"generation": {column([str(generation)] * rows)}, "start": {column([repr(start)] * rows)}, '
+            f'"end": {column([repr(end)] * rows)}, "cpu_s": {column(["0.0"] * rows)}, "loss_sum": {losses}, '
+            f'"stage_loss": {losses}, "grad_norm": {column(["null"] * rows)}, "grad_sq": {column(["1.0"] * rows)}, '
+            f'"digest": {column([chr(34) * 2] * rows)}, "timings": {column(["[]"] * rows)}, '
+            f'"lr": {column(["null"] * rows)}}}}}').encode()
 
 
 class StandInNodes:
@@ -299,16 +317,13 @@ class StandInNodes:
         last = self.spec.num_stages - 1
         # The workers write their records to their node launcher's own store (no request here); each launcher hands
         # the coordinator one NodeSteps record of the step (control/node_steps.py StepForwarder).
-        by_node: dict[int, list[bytes]] = {}
+        by_node: dict[int, list[tuple[int, int]]] = {}
         for rank in sorted(self.members):
             if not self._running(rank):
                 continue
-            replica, stage = divmod(rank, self.spec.num_stages)
-            record = step_json(replica, stage, self.generation, ends - self.spec.step_s, ends, stage == last)
-            by_node.setdefault(self.node_of[rank], []).append(record)
-        for node, records in by_node.items():
-            batch = b'{"kind": "node_steps", "node": %d, "step": %d, "records": [%s]}' % (node, step,
-                                                                                         b", ".join(records))
+            by_node.setdefault(self.node_of[rank], []).append(divmod(rank, self.spec.num_stages))
+        for node, workers in by_node.items():
+            batch = node_steps_json(node, step, workers, self.generation, ends - self.spec.step_s, ends, last)
             self.node_seq[node] = self.node_seq.get(node, -1) + 1
             self.metrics.append(self._send("metrics", Op.SET, (_b(Keys.node_metrics(step, node, self.node_seq[node])),
                                                                batch)))

@@ -58,15 +58,19 @@ def test_a_tiny_run_announces_each_failure_admits_the_repaired_node_and_prints_t
 
 
 def test_the_stand_ins_records_are_the_workers_records_byte_for_byte(bench: ModuleType) -> None:
-    from control_plane_nodes import beat_json, step_json
+    from control_plane_nodes import beat_json, node_steps_json, step_json
 
-    from recycle.runtime.protocol.records import Beat, StepRecord, to_json
+    from recycle.runtime.protocol.records import Beat, NodeSteps, StepRecord, StepRows, to_json
 
     assert beat_json(7, "compute", "1f") == to_json(Beat(7, 7, "compute", "1f")).encode()
     assert step_json(3, 1, 2, 1.25, 3.5, False) == \
         to_json(StepRecord(3, 1, 2, 1.25, 3.5, 0.0, None, None, None, 1.0)).encode()
     assert step_json(0, 3, 0, 0.1, 0.30000000000000004, True) == \
         to_json(StepRecord(0, 3, 0, 0.1, 0.30000000000000004, 0.0, 1.0, 1.0, None, 1.0)).encode()
+    records = [StepRecord(r, s, 2, 1.25, 3.5, 0.0, *([1.0, 1.0] if s == 3 else [None, None]), None, 1.0)
+               for r, s in ((0, 2), (0, 3), (1, 0))]
+    assert node_steps_json(5, 7, [(0, 2), (0, 3), (1, 0)], 2, 1.25, 3.5, 3) == \
+        to_json(NodeSteps(5, 7, StepRows.of(records))).encode()
 
 
 def test_a_size_the_failures_do_not_fit_is_refused_with_one_line(bench: ModuleType) -> None:

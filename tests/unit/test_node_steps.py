@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from recycle.runtime.control.node_steps import KEPT_STEPS, HeldSteps, StepForwarder
 from recycle.runtime.protocol.channels import Channels, JobStore, Keys
-from recycle.runtime.protocol.records import NodeSteps, StepRecord
+from recycle.runtime.protocol.records import NodeSteps, StepRecord, StepRows
 from recycle.runtime.protocol.store import LocalStore
 from recycle.runtime.protocol.store.data import KeyValue
 
@@ -16,6 +16,10 @@ NUM_STAGES = 2
 def _record(rank: int, step: int, generation: int = 0) -> StepRecord:
     replica, stage = divmod(rank, NUM_STAGES)
     return StepRecord(replica, stage, generation, float(step), step + 0.5, 0.1, None, None, None, float(rank))
+
+
+def _batch(node: int, step: int, *records: StepRecord) -> NodeSteps:
+    return NodeSteps(node, step, StepRows.of(list(records)))
 
 
 def _rank(replica: int, stage: int) -> int:
@@ -91,16 +95,16 @@ def test_a_record_of_another_kind_on_the_nodes_store_is_dropped_not_handed_on() 
 
 def test_the_coordinator_holds_records_until_reported_and_leaves_out_stale_and_reported_steps() -> None:
     held = HeldSteps()
-    assert held.add(NodeSteps(0, 4, (_record(0, 4), _record(1, 4))), _rank, next_step=4) == [0, 1]
-    assert held.add(NodeSteps(1, 3, (_record(2, 3),)), _rank, next_step=4) == []  # step 3 is reported already
+    assert held.add(_batch(0, 4, _record(0, 4), _record(1, 4)), _rank, next_step=4) == [0, 1]
+    assert held.add(_batch(1, 3, _record(2, 3)), _rank, next_step=4) == []  # step 3 is reported already
     assert sorted(held.get(4)) == [0, 1]
     # A recovery in generation 2 runs steps 4 on again: what was held of them is stale, and so is a record of
     # generation 0 or 1 that a launcher hands on late.
     held.forget_from(4, 2)
     assert held.get(4) == {}
-    assert held.add(NodeSteps(0, 5, (_record(0, 5, generation=1),)), _rank, next_step=4) == []
-    assert held.add(NodeSteps(0, 5, (_record(0, 5, generation=2), _record(1, 5, generation=1))), _rank, 4) == [0]
-    assert held.add(NodeSteps(0, 3, (_record(0, 3, generation=1),)), _rank, next_step=3) == [0]  # before step 4
+    assert held.add(_batch(0, 5, _record(0, 5, generation=1)), _rank, next_step=4) == []
+    assert held.add(_batch(0, 5, _record(0, 5, generation=2), _record(1, 5, generation=1)), _rank, 4) == [0]
+    assert held.add(_batch(0, 3, _record(0, 3, generation=1)), _rank, next_step=3) == [0]  # before step 4
     # A later recovery from an earlier step replaces the floors from there on.
     held.forget_from(2, 3)
     assert held.fresh_generation(5) == 3 and held.fresh_generation(1) == 0

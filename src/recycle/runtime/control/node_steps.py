@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from recycle.runtime.protocol.channels import Channels, JobStore, Keys
-from recycle.runtime.protocol.records import NodeSteps, RecordError, StepRecord
+from recycle.runtime.protocol.records import NodeSteps, RecordError, StepRecord, StepRows
 from recycle.runtime.protocol.store.data import Feed
 from recycle.runtime.worker.outbox import KEPT
 
@@ -55,8 +55,8 @@ class StepForwarder:
         what was not written is written on a later call."""
         for step in sorted(self.unsent):
             held = self.held[step]
-            records = tuple(held[rank] for rank in sorted(self.unsent[step]))
-            jobs.put(Channels.NODE_METRICS, NodeSteps(self.node, step, records), step, self.node, self.sent)
+            rows = StepRows.of([held[rank] for rank in sorted(self.unsent[step])])
+            jobs.put(Channels.NODE_METRICS, NodeSteps(self.node, step, rows), step, self.node, self.sent)
             del self.unsent[step]
             self.sent += 1
 
@@ -75,7 +75,8 @@ class HeldSteps:
     launcher may hand one on after the recovery (it writes each step again with every record it holds)."""
 
     def __init__(self) -> None:
-        self.records: dict[int, dict[int, StepRecord]] = {}  # step -> rank -> record
+        # step -> rank -> its row in a batch's columns (a row is read only when its step is reported)
+        self.records: dict[int, dict[int, tuple[StepRows, int]]] = {}
         self.fresh_from: list[tuple[int, int]] = []  # (first step, generation) per recovery that runs steps again
 
     def add(self, batch: NodeSteps, rank_of: Callable[[int, int], int], next_step: int) -> list[int]:
@@ -83,13 +84,16 @@ class HeldSteps:
         the ranks whose record came in."""
         if batch.step < next_step:
             return []
-        floor = self.fresh_generation(batch.step)
+        rows, floor = batch.rows, self.fresh_generation(batch.step)
+        current = range(len(rows)) if min(rows.generation, default=floor) >= floor else \
+            [i for i, generation in enumerate(rows.generation) if generation >= floor]
+        held = self.records.setdefault(batch.step, {})
         ranks = []
-        for record in batch.records:
-            if record.generation >= floor:
-                rank = rank_of(record.replica, record.stage)
-                self.records.setdefault(batch.step, {})[rank] = record
-                ranks.append(rank)
+        replicas, stages = rows.replica, rows.stage
+        for i in current:
+            rank = rank_of(replicas[i], stages[i])
+            held[rank] = (rows, i)
+            ranks.append(rank)
         return ranks
 
     def fresh_generation(self, step: int) -> int:
@@ -101,7 +105,7 @@ class HeldSteps:
         self.records = {s: records for s, records in self.records.items() if s < step}
         self.fresh_from = [(first, g) for first, g in self.fresh_from if first < step] + [(step, generation)]
 
-    def get(self, step: int) -> dict[int, StepRecord]:
+    def get(self, step: int) -> dict[int, tuple[StepRows, int]]:
         return self.records.get(step, {})
 
     def pop(self, step: int) -> None:

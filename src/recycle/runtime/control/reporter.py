@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import operator
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -12,12 +13,13 @@ from typing import Any, Callable, Protocol
 from recycle.fileio import append_text
 from recycle.ir import PlanChoice, PlanSource
 from recycle.runtime.control.coordinator import RecoveryFacts
-from recycle.runtime.protocol.records import FaultRecord, Joined, MigrationRecord, StepRecord, TransferRecord
+from recycle.runtime.protocol.records import (FaultRecord, Joined, MigrationRecord, StepRecord, StepRows,
+                                              TransferRecord)
 from recycle.runtime.state import checkpoint
 
 __all__ = ["StepMetrics", "EvalMetrics", "Recovery", "ChaosEvent", "EventSink", "ProgressSink", "MetricsFile",
            "Reporter", "GenerationRecords", "measure_recovery", "grad_norm", "learning_rate", "replica_mismatch",
-           "REPORTS_KEPT", "last_reported_step"]
+           "REPORTS_KEPT", "last_reported_step", "worker_names"]
 
 # The newest steps (and evaluations, recoveries, chaos events) a run keeps for its result: a 10^6-step run must not
 # hold a million records in node 0's memory. The --metrics file and the other sinks get every one.
@@ -263,28 +265,33 @@ def last_reported_step(path: str) -> int | None:
     return None
 
 
-def grad_norm(records: list[StepRecord], num_stages: int) -> float | None:
+Records = StepRows | list[StepRecord]  # a step's records: as the coordinator holds them, or one by one (tests)
+
+
+def grad_norm(records: Records, num_stages: int) -> float | None:
     """The global gradient norm of a step from its workers' records: the clipping norm when clipping, else the root of
     the stages' squared norms (one replica each: after the all-reduce every replica of a stage holds the same)."""
-    norms = [r.grad_norm for r in records if r.grad_norm is not None]
-    if norms:
-        return norms[0]
+    rows = StepRows.of(records)
+    for norm in rows.grad_norm:
+        if norm is not None:
+            return norm
     squares: dict[int, float] = {}
-    for r in records:
-        if r.grad_sq is not None:
-            squares.setdefault(r.stage, r.grad_sq)
+    for stage, square in zip(rows.stage, rows.grad_sq):
+        if square is not None:
+            squares.setdefault(stage, square)
     if len(squares) < num_stages:
         return None  # a stage's record is missing (should not happen): no norm rather than a partial one
     return sum(squares[s] for s in range(num_stages)) ** 0.5
 
 
-def learning_rate(records: list[StepRecord], num_stages: int) -> tuple[float | None, tuple[float, ...]]:
+def learning_rate(records: Records, num_stages: int) -> tuple[float | None, tuple[float, ...]]:
     """(the step's learning rate, every stage's when they differ, else ()) from its workers' records. Each stage
     steps its own schedule (staggered optimizer); all stages follow the same [training] schedule, so they agree."""
+    rows = StepRows.of(records)
     by_stage: dict[int, float] = {}
-    for r in records:
-        if r.lr is not None:
-            by_stage.setdefault(r.stage, r.lr)
+    for stage, lr in zip(rows.stage, rows.lr):
+        if lr is not None:
+            by_stage.setdefault(stage, lr)
     if not by_stage:
         return None, ()
     first = by_stage[min(by_stage)]
@@ -293,11 +300,18 @@ def learning_rate(records: list[StepRecord], num_stages: int) -> tuple[float | N
     return first, tuple(by_stage.get(s, float("nan")) for s in range(num_stages))
 
 
-def replica_mismatch(step: int, records: list[StepRecord], num_stages: int) -> str | None:
+def worker_names(rows: StepRows) -> list[str]:
+    """Each row's worker as "replica:stage" (str(Worker))."""
+    return [f"{replica}:{stage}" for replica, stage in zip(rows.replica, rows.stage)]
+
+
+def replica_mismatch(step: int, records: Records, num_stages: int) -> str | None:
     """Why the run must stop when two live replicas of a stage hold different parameters after `step` (1-based)
     (verify_replicas); None when they all agree."""
+    rows = StepRows.of(records)
+    names = worker_names(rows)
     for stage in range(num_stages):
-        seen = {r.worker: r.digest for r in records if r.digest and r.stage == stage}
+        seen = {name: digest for name, s, digest in zip(names, rows.stage, rows.digest) if digest and s == stage}
         if len(set(seen.values())) > 1:
             return (f"after step {step} the replicas of stage {stage} differ "
                     f"({', '.join(f'{w}={d[:12]}' for w, d in seen.items())}); the data-parallel all-reduce or the "
@@ -376,26 +390,30 @@ class Reporter:
         self.steps_reported = 0  # all of them, kept or not
         self.previous_end: float | None = None
 
-    def step_metrics(self, step: int, records: list[StepRecord]) -> StepMetrics:
-        """The metrics of 0-based `step` from every member's record (the next step's period starts at its end)."""
-        first = min(r.start for r in records)
-        last = max(r.end for r in records)
+    def step_metrics(self, step: int, records: Records) -> StepMetrics:
+        """The metrics of 0-based `step` from every member's record (the next step's period starts at its end).
+        It works on the records' columns: at thousands of workers an object per record cost most of the
+        coordinator's CPU."""
+        rows = StepRows.of(records)
+        first = min(rows.start)
+        last = max(rows.end)
         # Steady-state period: time between the completions of consecutive iterations (the first step: its span).
         period = last - self.previous_end if self.previous_end is not None else last - first
         self.previous_end = last
-        losses = [r.stage_loss for r in records if r.stage_loss is not None]
-        lr, lr_by_stage = learning_rate(records, self.num_stages)
+        loss = next((loss for loss in rows.stage_loss if loss is not None), 0.0)
+        lr, lr_by_stage = learning_rate(rows, self.num_stages)
         tokens_per_s = self.tokens_per_step / period if period > 0 else 0.0
-        gpus = len({r.worker for r in records}) * self.gpus_per_worker  # the live workers that made the step
+        names = worker_names(rows)
+        gpus = len(set(names)) * self.gpus_per_worker  # the live workers that made the step
         return StepMetrics(
-            step=step + 1, loss=losses[0] if losses else 0.0, tokens_per_s=tokens_per_s,
+            step=step + 1, loss=loss, tokens_per_s=tokens_per_s,
             tokens_per_s_per_gpu=tokens_per_s / gpus if gpus else 0.0,
             period_s=period, step_time_s=last - first, elapsed_s=time.time() - self.wall0,
-            grad_norm=grad_norm(records, self.num_stages), lr=lr, lr_by_stage=lr_by_stage,
-            worker_time_s={r.worker: r.end - r.start for r in records},
-            digests={r.worker: r.digest for r in records if r.digest},
-            worker_cpu_s={r.worker: r.cpu_s for r in records},
-            generation=max(r.generation for r in records), end_time=last)
+            grad_norm=grad_norm(rows, self.num_stages), lr=lr, lr_by_stage=lr_by_stage,
+            worker_time_s=dict(zip(names, map(operator.sub, rows.end, rows.start))),
+            digests={name: digest for name, digest in zip(names, rows.digest) if digest},
+            worker_cpu_s=dict(zip(names, rows.cpu_s)),
+            generation=max(rows.generation), end_time=last)
 
     def restart(self) -> None:
         """A checkpoint restore: the steps run again, the first of them timed by its own span."""

@@ -28,7 +28,7 @@ from recycle.runtime.control.worker_table import WorkerRow, replacement_line
 from recycle.runtime.options import LaunchOptions
 from recycle.runtime.protocol.channels import (Channel, Channels, Flags, JobStore, Keys, launcher_fence_prefix,
                                                worker_fence_prefix)
-from recycle.runtime.protocol.records import Announcement, FaultRecord, RecordError
+from recycle.runtime.protocol.records import Announcement, FaultRecord, RecordError, StepRows
 from recycle.runtime.protocol.store import StoreServer
 from recycle.runtime.protocol.store.data import Feed
 from recycle.runtime.state import checkpoint
@@ -543,10 +543,11 @@ class Supervisor:
             if not members or not self.arrived.get(step, set()).issuperset(members):
                 return
             held = self.held.get(step)
-            found = (held.get(rank) or self.jobs.read(Channels.METRICS, step, rank) for rank in members)
-            records = [record for record in found if record is not None]
-            if len(records) < len(members):
+            found = (held.get(rank) or self._own_record(step, rank) for rank in members)
+            picks = [pick for pick in found if pick is not None]
+            if len(picks) < len(members):
                 return
+            records = StepRows.gather(picks)
             self.arrived.pop(step, None)
             self.held.pop(step)
             metrics = self.reporter.step_metrics(step, records)
@@ -563,6 +564,11 @@ class Supervisor:
                 # now on is a repaired node and brings its workers back as replacements.
                 self.jobs.raise_flag(Flags.RUNNING)
             self.coordinator.on_step_reported(step)
+
+    def _own_record(self, step: int, rank: int) -> tuple[StepRows, int] | None:
+        """The step record a worker wrote to the job's store itself (not through its node launcher), as a row."""
+        record = self.jobs.read(Channels.METRICS, step, rank)
+        return None if record is None else (StepRows.of([record]), 0)
 
     def _first_eval(self, after: int) -> int:
         """The first evaluation due after `after` done steps (past the run's end when there are none)."""

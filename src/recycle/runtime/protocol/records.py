@@ -3,7 +3,9 @@ with a JSON round-trip that names each record's kind, so both sides read and wri
 
 from __future__ import annotations
 
+import itertools
 import json
+import operator
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -14,7 +16,7 @@ if TYPE_CHECKING:  # typeshed's type of a dataclass (what fields() takes); it ex
 
 __all__ = ["RecordError", "StepRecord", "EvalRecord", "ErrorRecord", "FaultRecord", "JoinReady", "Timestamp",
            "TransferRecord", "MigrationRecord", "StoppedReport", "Announcement", "Joined", "Beat", "JobSettings",
-           "NodeHello", "WorkerResync", "NodeSteps", "to_json", "from_json"]
+           "NodeHello", "WorkerResync", "StepRows", "NodeSteps", "to_json", "from_json"]
 
 
 class RecordError(ValueError):
@@ -231,23 +233,146 @@ class WorkerResync:
     incarnation: str
 
 
+# StepRows' columns, in groups of the types their values may have (a float column takes an int: a writer may hand one
+# over). A group is checked in one pass (set(map(type, ...)): no Python frame per value).
+_NUMBER = frozenset({float, int})
+_COLUMN_GROUPS: tuple[tuple[frozenset[type], tuple[str, ...]], ...] = (
+    (frozenset({int}), ("replica", "stage", "generation")), (_NUMBER, ("start", "end", "cpu_s")),
+    (frozenset({float, int, type(None)}), ("loss_sum", "stage_loss", "grad_norm", "grad_sq", "lr")),
+    (frozenset({str}), ("digest",)), (frozenset({tuple}), ("timings",)))
+_COLUMNS = ("replica", "stage", "generation", "start", "end", "cpu_s", "loss_sum", "stage_loss", "grad_norm", "grad_sq",
+            "digest", "timings", "lr")  # StepRecord's fields, in its order
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """Several workers' StepRecords of one step as columns (row i of every column is one worker's record): the
+    coordinator reads thousands a second at scale, and one JSON array per field decodes and checks in a few C-level
+    passes where a dataclass per worker cost most of its CPU (docs/cluster.md, "Step records go through the node").
+    Every column is checked on construction: same length, each value of its field's type."""
+
+    replica: tuple[int, ...]
+    stage: tuple[int, ...]
+    generation: tuple[int, ...]
+    start: tuple[float, ...]
+    end: tuple[float, ...]
+    cpu_s: tuple[float, ...]
+    loss_sum: tuple[float | None, ...]
+    stage_loss: tuple[float | None, ...]
+    grad_norm: tuple[float | None, ...]
+    grad_sq: tuple[float | None, ...]
+    digest: tuple[str, ...]
+    timings: tuple[tuple[tuple[str, float, float], ...], ...]
+    lr: tuple[float | None, ...]
+
+    def __post_init__(self) -> None:
+        _check_columns(_ALL_COLUMNS(self))
+
+    def __len__(self) -> int:
+        return len(self.replica)
+
+    @classmethod
+    def of(cls, records: StepRows | list[StepRecord] | tuple[StepRecord, ...]) -> StepRows:
+        """`records` as rows (rows as they are)."""
+        if isinstance(records, StepRows):
+            return records
+        return cls(*(tuple(getattr(r, name) for r in records) for name in _COLUMNS))
+
+    @classmethod
+    def gather(cls, picks: list[tuple[StepRows, int]]) -> StepRows:
+        """The rows `picks` names ((rows, index) each), in that order. Consecutive rows of one batch are taken as
+        one slice per column: a step's picks, in rank order, are mostly each node's batch whole."""
+        runs: list[tuple[StepRows, int, int]] = []  # (rows, first, past the last)
+        for rows, i in picks:
+            if runs and runs[-1][0] is rows and runs[-1][2] == i:
+                runs[-1] = (rows, runs[-1][1], i + 1)
+            else:
+                runs.append((rows, i, i + 1))
+        if len(runs) == 1 and runs[0][1] == 0 and runs[0][2] == len(runs[0][0]):
+            return runs[0][0]
+        return cls(*(tuple(itertools.chain.from_iterable(getattr(rows, name)[first:past] for rows, first, past in runs))
+                     for name in _COLUMNS))
+
+    @classmethod
+    def from_data(cls, data: Any, where: str) -> StepRows:
+        """Rows from the JSON data to_json wrote (arrays back into tuples); anything else raises RecordError."""
+        if not isinstance(data, dict) or data.get("kind") != "step_rows":
+            raise RecordError(f"{where} holds {_shown(data)} where step rows (kind 'step_rows') were expected; every "
+                              "process of a run must be the same recycle version")
+        if set(map(type, map(data.get, _COLUMNS))) != {list}:  # one C-level pass over the 13 columns
+            missing = [name for name in _COLUMNS if type(data.get(name)) is not list]
+            raise RecordError(f"{where}: the step rows lack the column(s) {', '.join(missing)} (or hold no list "
+                              "there); every process of a run must be the same recycle version")
+        columns = [tuple(data[name]) for name in _COLUMNS]
+        timings = columns[_TIMINGS]
+        if any(timings) or not set(map(type, timings)) <= {list}:  # most records carry none: [] each
+            columns[_TIMINGS] = tuple(tuple(tuple(t) if type(t) is list else t for t in ts) if type(ts) is list
+                                      else ts for ts in timings)
+        else:
+            columns[_TIMINGS] = ((),) * len(timings)
+        return cls(*columns)
+
+    def record(self, index: int) -> StepRecord:
+        """Row `index` as the StepRecord it came from."""
+        return StepRecord(*(getattr(self, name)[index] for name in _COLUMNS))
+
+
+def _check_columns(columns: tuple[Any, ...]) -> None:
+    """Raise RecordError unless `columns` (StepRows' in _COLUMNS' order) are tuples of one length with values of the
+    types their fields hold. A few C-level passes over all values: the coordinator checks thousands a second."""
+    rows = len(columns[0]) if type(columns[0]) is tuple else -1
+    if set(map(type, columns)) != {tuple} or set(map(len, columns)) != {rows}:
+        name, column = next((name, column) for name, column in zip(_COLUMNS, columns)
+                            if type(column) is not tuple or len(column) != rows)
+        shown = f"{len(column)} values" if type(column) is tuple else _shown(column)
+        raise RecordError(f"step rows: column {name!r} holds {shown}, not a list of {max(rows, 0)} values like "
+                          "'replica'; every process of a run must be the same recycle version")
+    for allowed, names in _COLUMN_GROUPS:
+        group = [columns[_INDEX[name]] for name in names]
+        if not set(map(type, itertools.chain(*group))) <= allowed:
+            name, bad = next((name, value) for name, column in zip(names, group) for value in column
+                             if type(value) not in allowed)
+            raise RecordError(f"step rows: column {name!r} holds {_shown(bad)} ({type(bad).__name__}), not one of "
+                              f"{', '.join(sorted(t.__name__ for t in allowed))}; every process of a run must be the "
+                              "same recycle version")
+    for timings in columns[_INDEX["timings"]] if any(columns[_INDEX["timings"]]) else ():
+        for timing in timings:
+            if not (type(timing) is tuple and len(timing) == 3 and type(timing[0]) is str
+                    and type(timing[1]) in _NUMBER and type(timing[2]) in _NUMBER):
+                raise RecordError(f"step rows: a timing is {_shown(timing)}, not (action, start, end); every "
+                                  "process of a run must be the same recycle version")
+
+
+_INDEX = {name: i for i, name in enumerate(_COLUMNS)}
+_ALL_COLUMNS = operator.attrgetter(*_COLUMNS)  # a StepRows' columns as a tuple, in one C call
+_TIMINGS = _COLUMNS.index("timings")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 @dataclass(frozen=True)
 class NodeSteps:
     """A node launcher's step records of one step (key node_metrics/STEP/NODE/SEQ): its workers write theirs to the
     node's own store, and the launcher hands the coordinator the ones that came in since its last look, one record per
     step, so the coordinator's reads grow with the nodes, not the workers. SEQ counts the launcher's writes: each key
-    is written once, so its reader may delete it once read."""
+    is written once, so its reader may delete it once read. The records travel as columns (StepRows)."""
 
     node: int
     step: int
-    records: tuple[StepRecord, ...]
+    rows: StepRows
 
     def __post_init__(self) -> None:
-        # from_json hands nested records over as the dicts JSON holds: read each as the StepRecord it must be.
-        if any(not isinstance(r, StepRecord) for r in self.records):
-            object.__setattr__(self, "records", tuple(
-                r if isinstance(r, StepRecord) else _from_data(StepRecord, r, "a StepRecord in a NodeSteps record")
-                for r in self.records))
+        # from_json hands the nested rows over as the dict JSON holds: read it as the StepRows it must be.
+        if not isinstance(self.rows, StepRows):
+            object.__setattr__(self, "rows", StepRows.from_data(self.rows, "a NodeSteps record"))
+
+    @property
+    def records(self) -> tuple[StepRecord, ...]:
+        """Each row as a StepRecord (tests and tools; the coordinator reads the columns)."""
+        return tuple(self.rows.record(i) for i in range(len(self.rows)))
 
 
 _KINDS: dict[str, type[DataclassInstance]] = {
@@ -255,7 +380,7 @@ _KINDS: dict[str, type[DataclassInstance]] = {
     "fault": FaultRecord,
     "join_ready": JoinReady, "timestamp": Timestamp, "transfer": TransferRecord, "migration": MigrationRecord,
     "stopped": StoppedReport, "announce": Announcement, "node_hello": NodeHello, "worker_resync": WorkerResync,
-    "node_steps": NodeSteps}
+    "node_steps": NodeSteps, "step_rows": StepRows}
 _NAMES = {cls: kind for kind, cls in _KINDS.items()}
 _FIELD_NAMES = {kind: frozenset(f.name for f in fields(cls)) for kind, cls in _KINDS.items()}  # (read per record)
 # The fields that hold tuples: only their JSON arrays are turned back into tuples (the coordinator reads thousands of
