@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # numpy loads only when a large plan is scheduled (CLI start-
     from recycle.planner.vector_schedule import CompactSchedule
 
 __all__ = ["Variant", "VARIANTS", "Order", "order_of", "schedule_heuristic", "schedule_failed", "list_schedule",
-           "clear_schedules", "SIMULATE_ALL_LIMIT", "VECTOR_MIN_ACTIONS"]
+           "clear_schedules", "SIMULATE_ALL_LIMIT", "VECTOR_MIN_ACTIONS", "RANKING_ENDED"]
 
 # Up to this many actions per iteration the best candidates are simulated and the best simulated period wins; above
 # it the list schedule's own period estimate decides (simulating 100k actions costs ~0.6 s each).
@@ -65,6 +65,10 @@ ORDER_STARTS = 3  # order searches from this many distinct routings, sharing the
 # From this many actions per iteration, deterministic rules on whole-unit costs are stepped in numpy (see
 # recycle.planner.vector_schedule.vector_eligible); below it numpy's per-call cost outweighs what it saves.
 VECTOR_MIN_ACTIONS = 4_000
+
+# The note of a period_only plan that ended while the rules were ranked: made before the search would start, so
+# the same plan whatever options.search says (planner.api.period_plan_for_key serves it for both).
+RANKING_ENDED = "the rules after the first schedules estimated at the lower bound not tried (period_only)"
 
 _F, _B, _W = 0, 1, 2  # action codes inside the scheduler (_B is a fused BW when the plan is not decoupled)
 
@@ -710,8 +714,7 @@ def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int,
             if len(_RANKED) > _RANKED_LIMIT:
                 _RANKED.popitem(last=False)
     if at_bound is not None:
-        return validate_plan(at_bound.with_meta(notes=f"{at_bound.meta.notes}; the rules after the first schedules "
-                                                      "estimated at the lower bound not tried (period_only)"))
+        return validate_plan(at_bound.with_meta(notes=f"{at_bound.meta.notes}; {RANKING_ENDED}"))
     if not ranked:
         raise PlanError("schedule_heuristic needs at least one variant")
     ranked.sort(key=lambda c: (c.estimate, c.order))
