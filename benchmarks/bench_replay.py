@@ -79,9 +79,11 @@ def _goodputs(result) -> dict[str, float]:
 
 
 def _decisions(result) -> tuple:
-    """Every decision of ReCycle and ReCycle+: policy logs (rates to 0.01 samples/s) and the states ReCycle+ ran in."""
+    """Every decision of ReCycle and ReCycle+: the policy logs (ReCycle's with its rates to 0.01 samples/s; ReCycle+'s
+    time and policy of each entry: with the plan cache, a layer move made against the left layout's rate bound logs
+    the bound, the path without it the planned rate) and the states ReCycle+ ran in."""
     extra = result.extra
-    return (extra["recycle_policy"], extra["recycle_plus_policy"],
+    return (extra["recycle_policy"], [(e["time_s"], e["policy"]) for e in extra["recycle_plus_policy"]],
             [(s["key"], s["partition"]) for s in extra["recycle_plus_states"]])
 
 

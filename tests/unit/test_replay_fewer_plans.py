@@ -84,4 +84,3 @@ def test_recycle_plus_plans_fewer_layouts_and_decides_the_same(replicas, spec, t
     assert lazy[:3] == eager[:3]  # every system's series, samples and goodput; ReCycle+'s decisions and states
     assert lazy[3] < eager[3], (lazy[3], eager[3])  # fewer plans made
     clear_cache()
-
