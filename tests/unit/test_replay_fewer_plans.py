@@ -84,3 +84,34 @@ def test_recycle_plus_plans_fewer_layouts_and_decides_the_same(replicas, spec, t
     assert lazy[:3] == eager[:3]  # every system's series, samples and goodput; ReCycle+'s decisions and states
     assert lazy[3] < eager[3], (lazy[3], eager[3])  # fewer plans made
     clear_cache()
+
+
+def test_the_returned_plan_is_not_simulated_again_and_is_the_same(monkeypatch) -> None:
+    import recycle.sim.simulator as simulator
+
+    config = _config()
+    runs = {"reused": 0, "again": 0}
+    real = simulator.simulate
+
+    def plans(reuse: bool) -> list[dict]:
+        counted = "reused" if reuse else "again"
+
+        def spy(*args, **kwargs):
+            runs[counted] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(planner_api, "simulate", spy)
+        monkeypatch.setattr("recycle.planner.heuristic.simulate", spy)
+        if not reuse:
+            monkeypatch.setattr(planner_api, "simulated_timing", lambda plan: None)
+        made = []
+        for key in itertools.product(range(3), repeat=3):
+            for options in (PlannerOptions(), PlannerOptions(search=False), PlannerOptions(staggered=False)):
+                clear_cache()
+                made.append(period_plan_for_key(config, key, options).to_dict())
+        monkeypatch.undo()
+        return made
+
+    assert plans(True) == plans(False)  # byte for byte: period, makespan and notes as simulated again
+    assert runs["reused"] < runs["again"]
+    clear_cache()

@@ -13,7 +13,8 @@ from recycle.ir.compact import CompactActions
 from recycle.ir.plan import Plan
 from recycle.planner.bounds import period_lower_bound
 from recycle.planner.failures import canonical_failed, normalize
-from recycle.planner.heuristic import RANKING_ENDED, clear_schedules, schedule_failed, schedule_heuristic
+from recycle.planner.heuristic import (RANKING_ENDED, clear_schedules, schedule_failed, schedule_heuristic,
+                                      simulated_timing)
 from recycle.planner.memory_cap import memory_cap, resolve_memory_cap
 from recycle.planner.options import PlannerOptions
 from recycle.planner.routing import check_key, traffic
@@ -156,7 +157,8 @@ def period_plan_for_key(config: Config, key: Sequence[int], options: PlannerOpti
     if other is not None and RANKING_ENDED in other.meta.notes:
         return _remember(cache_key, other)
     plan = schedule_heuristic(config, key, options, period_only=True)
-    period, makespan, settling_note = _period_makespan(plan, config)
+    # The heuristic simulated the plan it returns (it ranks candidates by simulated period): not again.
+    period, makespan, settling_note = simulated_timing(plan) or _period_makespan(plan, config)
     plan = _key_meta(plan, config, key, options, "heuristic", period, makespan,
                      period_lower_bound(config, key, options), _with_note(plan.meta.notes, settling_note))
     _remember(cache_key, plan)
