@@ -247,8 +247,9 @@ class _CurrentPartition:
     def _unplanned(self, key: tuple[int, ...]) -> bool:
         """Whether the current (moved) layout's rate for `key` would need a plan of its own (never on the path
         without a plan cache, which keeps planning every weighed key: benchmarks/bench_replay.py's old column)."""
-        return self.model.cache is not None and self.partition != self.model.configured and not self.model.known(key, self.partition) \
-            and self.model.fits(self.partition)
+        model = self.model
+        return model.cache is not None and self.partition != model.configured \
+            and not model.known(key, self.partition) and model.fits(self.partition)
 
     def throughput_for_key(self, key: tuple[int, ...]) -> float:
         if self.best and any(key):
