@@ -1,6 +1,7 @@
 """Cold replays plan less (issue 27 item 4), the same decisions: a plan that ended while its rules were ranked serves
 the key with and without the search, and ReCycle+ does not plan the layout it leaves for a key whose move pays
-against that layout's rate bound (nor, in a reshape, where the chosen layout's rate is above that bound)."""
+against that layout's rate bound (nor, in a reshape, where the chosen layout's rate is above that bound), and
+period_plan_for_key does not simulate again the plan the heuristic simulated."""
 
 from __future__ import annotations
 
