@@ -4,6 +4,12 @@ side in one run, with the ratios and a check that every system's goodput is unch
 
 Run: nice -n 10 .venv/bin/python benchmarks/bench_replay.py [--config configs/gpt3-6.7b-a100.toml] [--traces NAME ...]
      [--no-old] [--no-before]
+     nice -n 10 .venv/bin/python benchmarks/bench_replay.py --compare-with COMMIT [--traces NAME ...]
+
+--compare-with COMMIT: cold replays only, the commit's src/ (from `git archive`) and this tree's, each in a child
+interpreter with a fresh plan cache folder, one after the other per trace: wall and CPU seconds, plans made (cache
+misses, and the heuristic plans behind them), and whether every system's goodput and every decision of ReCycle
+and ReCycle+ (time and policy of each log entry, the states ReCycle+ ran in) are identical.
 
 Job: the config sized to each trace (`--replicas auto`: D = most live nodes // S, at most 20 here), every default
 system (ReCycle+ included), the default costs. Columns, all measured in this process one after the other (wall
@@ -28,6 +34,7 @@ D = 20); the shipped traces come from ../shared/data/traces beside the checkout.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import subprocess
@@ -72,9 +79,11 @@ def _goodputs(result) -> dict[str, float]:
 
 
 def _decisions(result) -> tuple:
-    """Every decision of ReCycle and ReCycle+: policy logs (rates to 0.01 samples/s) and the states ReCycle+ ran in."""
+    """Every decision of ReCycle and ReCycle+: the policy logs (ReCycle's with its rates to 0.01 samples/s; ReCycle+'s
+    time and policy of each entry: with the plan cache, a layer move made against the left layout's rate bound logs
+    the bound, the path without it the planned rate) and the states ReCycle+ ran in."""
     extra = result.extra
-    return (extra["recycle_policy"], extra["recycle_plus_policy"],
+    return (extra["recycle_policy"], [(e["time_s"], e["policy"]) for e in extra["recycle_plus_policy"]],
             [(s["key"], s["partition"]) for s in extra["recycle_plus_states"]])
 
 
@@ -92,6 +101,67 @@ def _cli_seconds(config_path: str, trace_args: list[str], cache: Path, out: Path
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+# The --compare-with child: one cold replay with a fresh cache folder, printed as JSON (floats round-trip exactly).
+CHILD = r"""
+import json, sys, tempfile, time
+from pathlib import Path
+import recycle.planner.api as planner_api
+from recycle.config import load_config
+from recycle.traces.experiments import SYSTEM_NAMES, JobSetup, run_job
+from recycle.traces.generate import parse_generate_spec
+from recycle.traces.plan_cache import PlanCache
+from recycle.traces.reader import read_trace
+
+config_path, kind, value = sys.argv[1:4]
+trace = read_trace(value) if kind == "--trace" else parse_generate_spec(value)
+plans = []
+real = planner_api.schedule_heuristic
+planner_api.schedule_heuristic = lambda *a, **k: plans.append(1) or real(*a, **k)
+with tempfile.TemporaryDirectory(prefix="bench-replay-child-") as tmp:
+    start, cpu = time.perf_counter(), time.process_time()
+    result = run_job(load_config(config_path), trace, SYSTEM_NAMES, setup=JobSetup(replicas="auto"),
+                     plan_cache=PlanCache(Path(tmp) / "plans"))
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+extra = result.extra
+print(json.dumps({"wall_s": wall, "cpu_s": cpu, "misses": extra["plan_cache"]["misses"], "plans": len(plans),
+                  "D": extra["num_replicas"], "changes": len(result.timeline.times_s),
+                  "goodput": {name: run.goodput for name, run in result.runs.items()},
+                  "decisions": [[(e["time_s"], e["policy"]) for e in extra[log]]
+                                for log in ("recycle_policy", "recycle_plus_policy")],
+                  "states": [(s["key"], s["partition"], s["seconds"]) for s in extra["recycle_plus_states"]]}))
+"""
+
+
+def _cold_child(src: Path, config: str, trace_args: list[str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, config, *trace_args], check=True, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(src)})
+    return json.loads(out.stdout)
+
+
+def compare_with(commit: str, config: str, traces: list[tuple[str, object, list[str]]]) -> int:
+    """Cold replays of `commit` and this tree side by side (see the module docstring); 1 if any result differs."""
+    print(f"| trace | change points | D | {commit} cold s (CPU s) | this tree cold s (CPU s) | CPU ratio | "
+          "plans made (heuristic plans) | goodput same | decisions same |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    differs = False
+    with tempfile.TemporaryDirectory(prefix="bench-replay-") as tmp:
+        archive = subprocess.run(["git", "archive", commit, "src"], cwd=ROOT, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        for name, _, trace_args in traces:
+            old = _cold_child(Path(tmp) / "src", config, trace_args)
+            new = _cold_child(ROOT / "src", config, trace_args)
+            same_goodput = old["goodput"] == new["goodput"]
+            same_decisions = (old["decisions"], old["states"]) == (new["decisions"], new["states"])
+            differs |= not (same_goodput and same_decisions)
+            print(f"| {name} | {new['changes']} | {new['D']} | {old['wall_s']:.1f} ({old['cpu_s']:.1f}) | "
+                  f"{new['wall_s']:.1f} ({new['cpu_s']:.1f}) | {old['cpu_s'] / new['cpu_s']:.2f}x | "
+                  f"{old['misses']} ({old['plans']}) -> {new['misses']} ({new['plans']}) | "
+                  f"{'yes' if same_goodput else 'NO: ' + str((old['goodput'], new['goodput']))} | "
+                  f"{'yes' if same_decisions else 'NO'} |", flush=True)
+    return 1 if differs else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "gpt3-6.7b-a100.toml"))
@@ -100,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-before", action="store_true", help="skip the plan cache as it was before the cold work")
     parser.add_argument("--keep-cache", metavar="DIR", help="keep each trace's plan cache in DIR/<trace> (default: "
                         "a temporary folder, removed)")
+    parser.add_argument("--compare-with", metavar="COMMIT", help="cold replays of COMMIT and this tree side by side "
+                        "(child interpreters; nothing else is run)")
     args = parser.parse_args(argv)
     config = load_config(args.config)
     traces: list[tuple[str, object, list[str]]] = []
@@ -111,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     traces.append(("long-400", parse_generate_spec(LONG_SPEC), ["--generate", LONG_SPEC]))
     if args.traces:
         traces = [t for t in traces if t[0] in args.traces]
+    if args.compare_with:
+        return compare_with(args.compare_with, args.config, traces)
 
     print("| trace | change points | D | old s (CPU) | before s (CPU) | cold s (CPU) | warm s | CLI warm s (CPU) | "
           "old / cold | before / cold (CPU) | plans made cold | entries read warm | goodput same |")

@@ -35,11 +35,13 @@ __all__ = ["atomic_write_bytes", "atomic_write_text", "append_text", "check_outp
 
 
 # -- writing ------------------------------------------------------------------------------------------------------
-def atomic_write_bytes(path: str | Path, data: bytes, follow: bool = True) -> Path:
+def atomic_write_bytes(path: str | Path, data: bytes, follow: bool = True, durable: bool = True) -> Path:
     """Write `data` to `path` atomically, creating parent folders; return the path. Any OS failure (unwritable,
     disk full, not a directory) is an OutputError naming the directory; the previous file, if any, is kept. A
     user's output target is followed if a link and written into if a device or FIFO (module docstring); with
-    `follow=False` (recycle's own files inside its folders) the entry at `path` is replaced whatever it is."""
+    `follow=False` (recycle's own files inside its folders) the entry at `path` is replaced whatever it is.
+    `durable=False` skips the fsync before the rename: for files whose loss or truncation by a crash is detected
+    when read and costs only a rebuild (plan cache entries), where the fsync per file dominates the write."""
     path = Path(path)
     target = _write_target(path) if follow else path
     if target is None:
@@ -54,7 +56,8 @@ def atomic_write_bytes(path: str | Path, data: bytes, follow: bool = True) -> Pa
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; the result is an ordinary, readable output file
         os.replace(tmp, target)
     except BaseException as exc:
@@ -69,9 +72,9 @@ def atomic_write_bytes(path: str | Path, data: bytes, follow: bool = True) -> Pa
     return path
 
 
-def atomic_write_text(path: str | Path, text: str, follow: bool = True) -> Path:
+def atomic_write_text(path: str | Path, text: str, follow: bool = True, durable: bool = True) -> Path:
     """Write UTF-8 `text` to `path` atomically (atomic_write_bytes)."""
-    return atomic_write_bytes(path, text.encode("utf-8"), follow)
+    return atomic_write_bytes(path, text.encode("utf-8"), follow, durable)
 
 
 def append_text(path: str | Path, text: str) -> None:

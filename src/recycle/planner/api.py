@@ -13,7 +13,8 @@ from recycle.ir.compact import CompactActions
 from recycle.ir.plan import Plan
 from recycle.planner.bounds import period_lower_bound
 from recycle.planner.failures import canonical_failed, normalize
-from recycle.planner.heuristic import clear_schedules, schedule_failed, schedule_heuristic
+from recycle.planner.heuristic import (RANKING_ENDED, clear_schedules, schedule_failed, schedule_heuristic,
+                                      simulated_timing)
 from recycle.planner.memory_cap import memory_cap, resolve_memory_cap
 from recycle.planner.options import PlannerOptions
 from recycle.planner.routing import check_key, traffic
@@ -136,12 +137,6 @@ def _key_meta(plan: Plan, config: Config, key: tuple[int, ...], options: Planner
     )
 
 
-def _remember(cache_key: tuple, plan: Plan) -> None:
-    if len(_CACHE) >= _CACHE_LIMIT:
-        _CACHE.pop(next(iter(_CACHE)))  # oldest first
-    _CACHE[cache_key] = plan
-
-
 @_collector_paused()
 def period_plan_for_key(config: Config, key: Sequence[int], options: PlannerOptions = PlannerOptions()) -> Plan:
     """A heuristic plan for `key` with `plan_for_key(config, key, options)`'s simulated period, made at less cost
@@ -155,8 +150,15 @@ def period_plan_for_key(config: Config, key: Sequence[int], options: PlannerOpti
     cached = _CACHE.get(full_key) or _CACHE.get(cache_key)
     if cached is not None:
         return cached
+    # A plan that ended while its rules were ranked never reached the search: the same plan with or without it (a
+    # replay plans a key with the search for ReCycle, then without it for ReCycle+'s screen of the configured
+    # layout, and a screened partition again with it for the polish).
+    other = _CACHE.get((config.fingerprint(), key, replace(options, search=not options.search), "period-only"))
+    if other is not None and RANKING_ENDED in other.meta.notes:
+        return _remember(cache_key, other)
     plan = schedule_heuristic(config, key, options, period_only=True)
-    period, makespan, settling_note = _period_makespan(plan, config)
+    # The heuristic simulated the plan it returns (it ranks candidates by simulated period): not again.
+    period, makespan, settling_note = simulated_timing(plan) or _period_makespan(plan, config)
     plan = _key_meta(plan, config, key, options, "heuristic", period, makespan,
                      period_lower_bound(config, key, options), _with_note(plan.meta.notes, settling_note))
     _remember(cache_key, plan)

@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # numpy loads only when a large plan is scheduled (CLI start-
     from recycle.planner.vector_schedule import CompactSchedule
 
 __all__ = ["Variant", "VARIANTS", "Order", "order_of", "schedule_heuristic", "schedule_failed", "list_schedule",
-           "clear_schedules", "SIMULATE_ALL_LIMIT", "VECTOR_MIN_ACTIONS"]
+           "clear_schedules", "SIMULATE_ALL_LIMIT", "VECTOR_MIN_ACTIONS", "RANKING_ENDED",
+           "simulated_timing"]
 
 # Up to this many actions per iteration the best candidates are simulated and the best simulated period wins; above
 # it the list schedule's own period estimate decides (simulating 100k actions costs ~0.6 s each).
@@ -65,6 +66,10 @@ ORDER_STARTS = 3  # order searches from this many distinct routings, sharing the
 # From this many actions per iteration, deterministic rules on whole-unit costs are stepped in numpy (see
 # recycle.planner.vector_schedule.vector_eligible); below it numpy's per-call cost outweighs what it saves.
 VECTOR_MIN_ACTIONS = 4_000
+
+# The note of a period_only plan that ended while the rules were ranked: made before the search would start, so
+# the same plan whatever options.search says (planner.api.period_plan_for_key serves it for both).
+RANKING_ENDED = "the rules after the first schedules estimated at the lower bound not tried (period_only)"
 
 _F, _B, _W = 0, 1, 2  # action codes inside the scheduler (_B is a fused BW when the plan is not decoupled)
 
@@ -659,6 +664,7 @@ def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int,
               routings: Sequence[tuple[tuple[int, ...], ...]], options: PlannerOptions, variants: Sequence[Variant],
               period_only: bool = False) -> Plan:
     """schedule_heuristic's body for any failure set and routing candidates (see there)."""
+    _SIMULATED_TIMINGS.clear()  # only this call's plans (each holds its actions alive)
     D, S, M = config.num_replicas, config.num_stages, config.num_microbatches
     caps = memory_cap(config, options)
     per_iteration = (3 if options.decoupled else 2) * D * M * S
@@ -731,8 +737,7 @@ def _schedule(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int,
             if len(_RANKED) > _RANKED_LIMIT:
                 _RANKED.popitem(last=False)
     if at_bound is not None:
-        return validate_plan(at_bound.with_meta(notes=f"{at_bound.meta.notes}; the rules after the first schedules "
-                                                      "estimated at the lower bound not tried (period_only)"))
+        return validate_plan(at_bound.with_meta(notes=f"{at_bound.meta.notes}; {RANKING_ENDED}"))
     if not ranked:
         raise PlanError("schedule_heuristic needs at least one variant")
     ranked.sort(key=lambda c: (c.estimate, c.order))
@@ -786,6 +791,8 @@ def _best_simulated(config: Config, key: tuple[int, ...], failed: frozenset[tupl
                 scored = ((settled.period, settled.cycle != 1, max(result.peak_activations), candidate.order,
                            not merge),
                           plan.with_meta(predicted_period=settled.period, predicted_makespan=result.makespan))
+                _SIMULATED_TIMINGS[id(plan.actions)] = (plan.actions, settled.period, result.makespan,
+                                                        settled.note(result.period))
                 if simulated is not None:
                     simulated[(id(candidate), merge)] = scored
             if best is None or scored[0] < best[0]:
@@ -810,6 +817,21 @@ class _Candidate:
 # and with the search. A few entries cover one partition search; each holds ~50 schedules (a few MB at D=20).
 _RANKED: OrderedDict[tuple, tuple[tuple[_Candidate, ...], frozenset[int]]] = OrderedDict()
 _RANKED_LIMIT = 12
+
+
+# The simulated (period, makespan, settling note) of the plans _best_simulated scored in the current _schedule call,
+# by the identity of their action lists (kept alive here): `simulated_timing` gives them to planner.api, which would
+# otherwise simulate the returned plan once more (the same deterministic simulation).
+_SIMULATED_TIMINGS: dict[int, tuple[object, float, float, str]] = {}
+
+
+def simulated_timing(plan: Plan) -> tuple[float, float, str] | None:
+    """(period, makespan, settling note) of `plan` as the last schedule_heuristic call simulated it (the values
+    `simulate` and `settling` give for it), or None when it did not simulate these actions."""
+    found = _SIMULATED_TIMINGS.get(id(plan.actions))
+    if found is None or found[0] is not plan.actions:
+        return None
+    return found[1], found[2], found[3]
 
 
 def clear_schedules() -> None:

@@ -158,8 +158,10 @@ class PlanCache:
         text = json.dumps({"inputs": inputs, "value": value}, sort_keys=True, separators=(",", ":"),
                           allow_nan=False)
         # follow=False: whatever sits at the entry's path (a planted link) is replaced, never written through.
+        # durable=False: no fsync per entry (a cold replay writes hundreds); an entry a crash truncates is not
+        # JSON or not ours when read, so it is rejected and rebuilt like any other bad entry.
         try:
-            atomic_write_text(self.root / f"{name}.json", text, follow=False)
+            atomic_write_text(self.root / f"{name}.json", text, follow=False, durable=False)
         except OutputError as exc:  # a full or read-only disk costs the next run its plans, not this run's replay
             if not any(r.startswith("not written") for r in self.stats.reasons):
                 self.stats.reasons.append(f"not written: {exc}")

@@ -13,7 +13,7 @@ from recycle.planner.bounds import period_lower_bound
 from recycle.planner.options import PlannerOptions
 from recycle.planner.partition import (PARTITION_SEARCH_WORK, PartitionChoice, balanced_partition, best_partition,
                                        configured_partition, ideal_period, layer_costs, migration_bytes,
-                                       partition_bound, partition_config, partition_period)
+                                       partition_bound, partition_caps, partition_config, partition_period)
 from recycle.planner.policy import DurationEstimate, LayerDecision
 from recycle.traces.model import Decision, JobContext
 from recycle.traces.recycle_system import ReCycleSystem
@@ -87,6 +87,19 @@ class PartitionModel:
             value = max(value, self.base.period((0,) * self.config.num_stages))
             self._period[cache_key] = value
         return self._period[cache_key]
+
+    def known(self, key: tuple[int, ...], partition: tuple[int, ...]) -> bool:
+        """Whether period(key, partition) is known in this run without planning (the configured layout: the base
+        model's, planned for ReCycle)."""
+        return partition == self.configured or (tuple(key), tuple(partition)) in self._period
+
+    def fits(self, partition: tuple[int, ...]) -> bool:
+        """Whether `partition` fits in memory (else its period is inf and its rate 0, whatever the key)."""
+        try:
+            partition_caps(self.config, partition, self.costs, self.options.memory_cap)
+        except PlanError:
+            return False
+        return True
 
     def rate(self, key: tuple[int, ...], partition: tuple[int, ...]) -> float:
         period = self.period(key, partition)
@@ -222,15 +235,34 @@ class _CurrentPartition:
         self.partition = model.configured
         self.label = model.base.label
         self.best = False  # True while a reshape is weighed: each layout at the better of its two partitions
+        # True while ReCycle+ settles a re-joined worker (on_wake): the moved layout's rate for a key it has not
+        # planned is left to ReCyclePlusSystem._decide (`deferred` names the key), which plans it only when the
+        # layer move is not certain without it.
+        self.defer = False
+        self.deferred: tuple[int, ...] | None = None
 
     def key_for(self, failed: Iterable[tuple[int, int]]) -> tuple[int, ...]:
         return self.model.base.key_for(failed)
 
+    def _unplanned(self, key: tuple[int, ...]) -> bool:
+        """Whether the current (moved) layout's rate for `key` would need a plan of its own (never on the path
+        without a plan cache, which keeps planning every weighed key: benchmarks/bench_replay.py's old column)."""
+        model = self.model
+        return model.cache is not None and self.partition != model.configured \
+            and not model.known(key, self.partition) and model.fits(self.partition)
+
     def throughput_for_key(self, key: tuple[int, ...]) -> float:
-        rate = self.model.rate(key, self.partition)
         if self.best and any(key):
-            rate = max(rate, self.model.rate(key, self.model.choice(key)))
-        return rate
+            chosen = self.model.rate(key, self.model.choice(key))
+            # max(current, chosen) is `chosen` when the current layout's rate bound is no higher: the layout
+            # chosen for an earlier key is then not planned for this one (the same value, one plan fewer).
+            if self._unplanned(key) and self.model.rate_bound(key, self.partition) <= chosen:
+                return chosen
+            return max(self.model.rate(key, self.partition), chosen)
+        if self.defer and self._unplanned(key):
+            self.deferred = key
+            return math.nan  # never used: _decide replaces it (by the move's rate, or the planned one)
+        return self.model.rate(key, self.partition)
 
     def rate_bound(self, key: tuple[int, ...]) -> float:
         """An upper bound on throughput_for_key(key) that plans as little as it can (PartitionModel.rate_bound)."""
@@ -309,7 +341,14 @@ class ReCyclePlusSystem(ReCycleSystem):
         return self._consider(now, super().on_change(now, live, lost, joined))
 
     def on_wake(self, now: float) -> Decision:
-        return self._consider(now, super().on_wake(now))
+        # A re-joined worker changes no redo and no reshape: the moved layout's rate for the new key is planned
+        # only if the layer decision needs it (_decide).
+        self.current.defer = True
+        try:
+            decision = super().on_wake(now)
+        finally:
+            self.current.defer = False
+        return self._consider(now, decision)
 
     def _consider(self, now: float, decision: Decision) -> Decision:
         decision = self._decide(now, decision)
@@ -333,25 +372,43 @@ class ReCyclePlusSystem(ReCycleSystem):
                 for (k, p), v in sorted(spent.items(), key=lambda kv: -kv[1][0])]
 
     def _decide(self, now: float, decision: Decision) -> Decision:
-        if self.down or self.key is None or decision.rate <= 0:
-            return decision
+        deferred, self.current.deferred = self.current.deferred, None
+        if deferred is not None and deferred != self.key:  # cannot happen: on_wake's key is the one deferred
+            raise AssertionError(f"deferred rate of key {deferred} decided for key {self.key}")
+
+        def planned(decision: Decision) -> Decision:
+            """The decision with the current layout's rate planned when on_wake left it open."""
+            if deferred is None:
+                return decision
+            return replace(decision, rate=self.partitions.rate(deferred, self.current.partition))
+
+        if self.down or self.key is None or (deferred is None and decision.rate <= 0):
+            return planned(decision)
         key = self.key
         current = self.current.partition
         target = self.partitions.choice(key)
         if target == current:
-            return decision
-        r0 = self.partitions.rate(key, current)
+            return planned(decision)
         r1 = self.partitions.rate(key, target)
         moved = self.partitions.migration_bytes(current, target, key)
         # One plan switch per event: when this change already switches plan (a new key), the re-partitioned plan
         # is the one switched to, so only the migration is added; otherwise the move is a switch of its own.
         switching = any(cause in ("plan switch", "restart") for cause, _ in decision.pauses)
         pause = (0.0 if switching else self.ctx.costs.plan_switch_s) + self.ctx.transfer_s(moved)
+        # A deferred rate is first bounded (never below the planned rate): a move that pays against the bound pays
+        # against the rate, and the current layout is then not planned for this key (the log says "at most").
+        r0 = self.partitions.rate_bound(key, current) if deferred is not None else self.partitions.rate(key, current)
         layer_move = LayerDecision(key, current, target, r0, r1, pause, self.expected.expected_s)
+        bounded = deferred is not None and layer_move.move
+        if deferred is not None and not bounded:
+            decision = planned(decision)
+            r0 = decision.rate
+            layer_move = LayerDecision(key, current, target, r0, r1, pause, self.expected.expected_s)
         back = layer_move.back
         words = (f"key {key}: layers {'/'.join(map(str, current))} -> {'/'.join(map(str, target))}, rate "
-                 f"{r0:.2f} -> {r1:.2f} samples/s, pause {pause:.1f} s ({moved / 1e9:.1f} GB per worker at most), "
-                 f"expected state {layer_move.expected_s:.0f} s, predicted gain {layer_move.gain:+.0f} samples")
+                 f"{'at most ' if bounded else ''}{r0:.2f} -> {r1:.2f} samples/s, pause {pause:.1f} s "
+                 f"({moved / 1e9:.1f} GB per worker at most), expected state {layer_move.expected_s:.0f} s, "
+                 f"predicted gain {'at least ' if bounded else ''}{layer_move.gain:+.0f} samples")
         if not layer_move.move:
             if self._kept != (key, current):  # logged once per state, not again on every re-check
                 self._log(now, "re-route", f"{words}: re-routing alone")
