@@ -61,9 +61,10 @@ def test_silent_and_hung_workers_and_silent_nodes() -> None:
 
 
 def test_a_frozen_worker_in_a_long_action_is_told_silent_not_hung() -> None:
-    """Worker 0 ran one action for 1.5 s under load, beating, then was SIGSTOPped: its beats stop too. At 3.0 s its
-    action is past the 2.5 s hang limit, but nothing of it goes on: it is not told hung ("its heartbeat goes on"),
-    it is told silent once the 2 s heartbeat timeout has passed (seen once in CI before this rule)."""
+    """Worker 0's beats showed one action for 1.5 s (a slow first optimizer step under load); then it ran two short
+    steps between two beats, unseen, and was SIGSTOPped. At 3.0 s the action its beats last showed is past the 2.5 s
+    hang limit counted up to now, but its beats showed it for 1.5 s only: it is not told hung ("its heartbeat goes
+    on"), it is told silent once the 2 s heartbeat timeout has passed (CI saw the wrong word before this rule)."""
     jobs, server = _jobs()
     try:
         watch = Liveness(jobs, nodes=range(0), heartbeat_s=0.5, timeout_s=2.0)

@@ -58,13 +58,15 @@ class Liveness:
         return [(r, now - self.last_beat[r]) for r in stale_heartbeats(self.last_beat, live, now, self.timeout_s)]
 
     def hung_workers(self, ranks: frozenset[int], now: float, limit_s: float) -> list[tuple[int, float]]:
-        """Those of `ranks` computing one action past `limit_s` while their heartbeat goes on, with for how long
-        (each reported once). A worker whose last beat is older than half the heartbeat timeout is not told hung:
-        it is going silent (frozen, or its process stopped), which silent_workers says when the timeout passes.
-        Without that, a worker SIGSTOPped in an action that had run a while under load was called hung, "its
-        heartbeat goes on", when nothing of it went on."""
-        beating = frozenset(r for r in ranks if now - self.last_beat.get(r, now) <= self.timeout_s / 2)
-        return [(r, now - self.progress.pop(r).since) for r in hung_workers(self.progress, beating, now, limit_s)]
+        """Those of `ranks` whose beats show one action computing for longer than `limit_s`, with for how long (each
+        reported once). Judged up to the last beat, not up to now: a worker frozen (SIGSTOPped) just after a slow
+        action whose beats were last read at its start is not told hung, "its heartbeat goes on", when nothing of it
+        goes on; it is told silent once the heartbeat timeout passes. (The beats sample the main thread every
+        heartbeat interval: steps shorter than that can run between two beats unseen. CI saw it: a first optimizer
+        step of 2 s, two fast steps between beats, then the freeze.)"""
+        last = {r: self.last_beat[r] for r in ranks if r in self.last_beat}
+        stuck = [r for r in last if r in self.progress and hung_workers(self.progress, frozenset({r}), last[r], limit_s)]
+        return [(r, last[r] - self.progress.pop(r).since) for r in sorted(stuck)]
 
     def silent_nodes(self, now: float) -> list[tuple[int, float]]:
         """The node launchers silent past the timeout, with how long they have been; counted as fenced from now

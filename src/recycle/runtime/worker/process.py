@@ -728,8 +728,14 @@ class _Worker:
         self._fired.add(fault)
         self.outbox.put(self.store, Channels.FAULT, FaultRecord(time.time(), where, fault.mode), self.spec.rank)
         # The record may have queued behind a step record the writer thread is still sending: it must be in the
-        # store before the fault (a SIGKILL of this process) or the recovery cannot say where the fault hit.
-        self.outbox.flush()
+        # store before the fault (a SIGKILL of this process) or the recovery cannot say where the fault hit. That
+        # wait is on the store, not this action's compute: under load it took seconds, and a worker frozen right
+        # after it was told hung ("its heartbeat goes on") instead of silent.
+        phase, self.activity.phase = self.activity.phase, "comm"
+        try:
+            self.outbox.flush()
+        finally:
+            self.activity.phase = phase
         self.hooks.fire(fault, where)
 
     def _stop_for_drain(self, step: int) -> None:
