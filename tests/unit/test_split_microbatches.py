@@ -46,3 +46,100 @@ def test_gradients_of_the_pieces_sum_to_the_whole_microbatch(tiny_config, cuts: 
     # the pieces' own gradients differ from the whole one's: the sum is what makes them equal (the test can fail)
     single = _grads(model, model(tokens[:cuts[1]], targets[:cuts[1]]) * loss_weight(cuts[1], m, total))
     assert max(float((single[k] - whole[k]).abs().max()) for k in whole) > 1e-6
+
+
+# -- the IR: pieces in a plan ------------------------------------------------------------------------------------
+
+from recycle.errors import PlanError  # noqa: E402
+from recycle.ir import Action, Plan, validate_plan  # noqa: E402
+from recycle.ir.pieces import make_pieces  # noqa: E402
+from recycle.ir.worker_view import PlanViews, read_worker_view  # noqa: E402
+from recycle.runtime.worker.emulate import action_cost  # noqa: E402
+from recycle.runtime.worker.pieces import load_piece, piece_shape  # noqa: E402
+from recycle.sim.simulator import simulate  # noqa: E402
+
+
+def _one_worker_plan(pieces: tuple[Piece, ...] = (), size: int = 0) -> Plan:
+    """D = S = M = 1: micro-batch 0, whole or as pieces (ids 0 and 1)."""
+    ids = len(pieces) or 1
+    tokens = [f"0F{mb} 0BW{mb}" for mb in range(ids)]
+    return Plan.from_worker_lists(1, 1, 1, [[Action.parse(t) for t in " ".join(tokens + ["0OPT"]).split()]],
+                                  pieces=pieces, microbatch_size=size)
+
+
+def test_make_pieces_keeps_ids_and_appends_the_extra_pieces() -> None:
+    pieces = make_pieces(4, 6, {1: [2, 4], 3: [1, 2, 3]})
+    assert [p.to_list() for p in pieces] == [[0, 0, 6], [1, 0, 2], [2, 0, 6], [3, 0, 1], [1, 2, 6], [3, 1, 3],
+                                             [3, 3, 6]]
+
+
+def test_a_split_plan_round_trips_through_json_and_an_unsplit_one_has_no_new_fields() -> None:
+    whole = validate_plan(_one_worker_plan())
+    assert "pieces" not in whole.to_json() and "microbatch_size" not in whole.to_json()
+    assert Plan.from_json(whole.to_json()).to_json() == whole.to_json()
+    split = validate_plan(_one_worker_plan(make_pieces(1, 2, {0: [1, 1]}), 2))
+    text = split.to_json()
+    assert '"microbatch_size":2,"pieces":[[0,0,1],[0,1,2]]' in text
+    back = Plan.from_json(text)
+    assert back == split and back.to_json() == text
+    assert back.num_microbatch_ids == 2 and back.owner(1) == 0 and back.source(1) == 0
+    assert back.work_fraction(1) == 0.5 and back.loss_weight(1) == 0.5
+
+
+@pytest.mark.parametrize("pieces,size,words", [
+    ([[0, 0, 1], [0, 2, 2]], 2, "empty piece"),
+    ([[0, 0, 1], [0, 1, 1]], 2, "empty piece"),
+    ([[0, 0, 1]], 2, "end at sample 1, not 2"),
+    ([[0, 0, 2], [0, 1, 2]], 2, "overlaps"),
+    ([[0, 1, 2], [0, 1, 2]], 2, "leaves samples [0, 1) out"),
+    ([[0, 0, 1], [1, 1, 2]], 2, "outside [0, 1)"),
+    ([[0, 0, 1], [0, 1, 2]], 0, "microbatch_size"),
+    ([[0, 0, 1], [0, 1, 2]], 3, "end at sample 2, not 3"),
+    ([[0, 0, "1"]], 2, "[source, start, stop]"),
+])
+def test_bad_pieces_are_refused_with_the_rule(pieces, size, words: str) -> None:
+    d = _one_worker_plan(make_pieces(1, 2, {0: [1, 1]}), 2).to_dict()
+    d["pieces"], d["microbatch_size"] = pieces, size
+    with pytest.raises(PlanError, match=r"pieces|microbatch_size") as err:
+        Plan.from_dict(d)
+    assert words in str(err.value)
+
+
+def test_the_first_ids_must_be_their_own_microbatch() -> None:
+    with pytest.raises(PlanError, match="ids below 2 are"):
+        Plan.from_dict({**_one_worker_plan().to_dict(), "num_replicas": 2,
+                        "pieces": [[1, 0, 2], [0, 0, 2]], "microbatch_size": 2})
+
+
+def test_a_piece_costs_its_share_in_the_simulator_and_in_emulated_pacing(tiny_config) -> None:
+    config = tiny_config(D=1, S=1, M=1)
+    split = _one_worker_plan(make_pieces(1, 4, {0: [1, 3]}), 4)
+    timeline = simulate(split, config, iterations=1, record=True).timeline
+    durations = {token: end - start for _, _, token, start, end in timeline}
+    whole = {token: end - start for _, _, token, start, end in
+             simulate(_one_worker_plan(), config, iterations=1, record=True).timeline}
+    assert durations["0F0"] == 0.25 * whole["0F0"] and durations["0F1"] == 0.75 * whole["0F0"]
+    assert durations["0BW1"] == 0.75 * whole["0BW0"]
+    assert action_cost(config, split, Action.parse("0BW0")) == 0.25 * action_cost(config, _one_worker_plan(),
+                                                                                  Action.parse("0BW0"))
+
+
+def test_a_worker_view_keeps_the_pieces() -> None:
+    split = validate_plan(_one_worker_plan(make_pieces(1, 2, {0: [1, 1]}), 2))
+    view = read_worker_view(PlanViews(split).json_for(0), 0)
+    assert view == split
+
+
+def test_a_piece_loads_its_samples_and_receives_its_share_of_the_shape(tiny_config) -> None:
+    config = tiny_config(D=1, S=1, M=1)
+    config = replace(config, workload=replace(config.workload, microbatch_size=4))
+    load = data_source(config)
+    split = _one_worker_plan(make_pieces(1, 4, {0: [1, 3]}), 4)
+    tokens, targets = load(0, 0)
+    got, want = load_piece(load, split, 0, 1), (tokens[1:], targets[1:])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert piece_shape(split, 1, (4, 8, 16)) == (3, 8, 16) and piece_shape(split, 0, (4, 8, 16)) == (1, 8, 16)
+    with pytest.raises(RuntimeError, match="first dimension"):
+        piece_shape(split, 1, (8, 4))
+    with pytest.raises(RuntimeError, match="splits micro-batches of 4 samples"):
+        load_piece(lambda it, mb: (tokens[:2], targets[:2]), split, 0, 1)
