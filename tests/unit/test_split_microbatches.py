@@ -143,3 +143,75 @@ def test_a_piece_loads_its_samples_and_receives_its_share_of_the_shape(tiny_conf
         piece_shape(split, 1, (8, 4))
     with pytest.raises(RuntimeError, match="splits micro-batches of 4 samples"):
         load_piece(lambda it, mb: (tokens[:2], targets[:2]), split, 0, 1)
+
+
+# -- the planner chooses the split ---------------------------------------------------------------------------------
+
+from recycle.config import parse_config  # noqa: E402
+from recycle.planner.api import make_plan  # noqa: E402
+from recycle.planner.options import PlannerOptions  # noqa: E402
+from recycle.planner.split import plan_cuts  # noqa: E402
+
+SPLIT = PlannerOptions(split_microbatches=True)
+
+
+def _config(D: int, S: int, M: int, samples: int = 6, costs: tuple = (1, 1, 1)):
+    return parse_config({"topology": {"num_replicas": D, "num_stages": S},
+                         "workload": {"num_microbatches": M, "microbatch_size": samples, "seq_len": 8},
+                         "costs": {"forward": costs[0], "backward_input": costs[1], "backward_weight": costs[2],
+                                   "optimizer": 1},
+                         "model": {"preset": "tiny"}}, name="split")
+
+
+def _samples_per_survivor(plan: Plan, stage: int) -> dict[int, int]:
+    carried = {p: 0 for p in plan.live_replicas(stage)}
+    for mb, replica in enumerate(plan.host[stage]):
+        carried[replica] += plan.pieces[mb].samples if plan.pieces else plan.microbatch_size
+    return carried
+
+
+def test_the_planner_splits_where_whole_microbatches_cannot_be_shared_evenly_and_it_is_faster() -> None:
+    config = _config(4, 3, 4)  # 4 orphans over 3 survivors: 2 + 1 + 1 whole
+    whole = make_plan(config, {(0, 0)})
+    split = make_plan(config, {(0, 0)}, SPLIT)
+    assert not whole.pieces and split.pieces
+    assert split.meta.predicted_period < whole.meta.predicted_period
+    carried = _samples_per_survivor(split, 0)
+    assert max(carried.values()) - min(carried.values()) <= 1  # equal shares (to the sample) of 16 x 6 samples
+    assert sum(carried.values()) == 16 * 6
+    assert "split micro-batches: period" in split.meta.notes and split.meta.lower_bound is None
+    validate_plan(split)
+    assert Plan.from_json(split.to_json()) == split
+    # the simulator agrees with the meta: the split plan's own period
+    assert simulate(split, config).period <= split.meta.predicted_period + 1e-9
+
+
+@pytest.mark.parametrize("failed", [{(0, 1), (1, 0)}, {(1, 1)}, {(0, 2), (2, 2)}])
+def test_split_plans_of_other_failure_sets_are_valid_and_never_slower(failed) -> None:
+    config = _config(5, 3, 5, costs=(2, 3, 1))
+    whole = make_plan(config, failed)
+    split = make_plan(config, failed, SPLIT)
+    assert split.meta.predicted_period <= whole.meta.predicted_period
+    assert split.failed == frozenset(failed)
+    validate_plan(split)
+    assert "split micro-batches" in split.meta.notes
+
+
+def test_no_split_where_survivors_already_carry_equal_shares_or_a_microbatch_has_one_sample() -> None:
+    even = make_plan(_config(3, 4, 6), {(1, 2)}, SPLIT)  # 6 orphans over 2 survivors
+    assert not even.pieces and "already carry equal shares" in even.meta.notes
+    single = make_plan(_config(4, 3, 4, samples=1), {(0, 0)}, SPLIT)
+    assert not single.pieces and "holds 1 sample" in single.meta.notes
+    assert not make_plan(_config(4, 3, 4), {(0, 0)}).pieces  # off by default
+
+
+def test_cuts_give_each_survivor_its_equal_share() -> None:
+    config = _config(4, 4, 8)  # 8 orphans over 3 survivors: 3 + 3 + 2 whole, 8/3 each when cut
+    whole = make_plan(config, {(1, 2)})
+    cuts = plan_cuts(whole, 6)
+    assert len(cuts) == 2 and all(c.stage == 2 for c in cuts)
+    assert all(sum(n for _, n in c.shares) == 6 for c in cuts)
+    split = make_plan(config, {(1, 2)}, SPLIT)
+    assert split.pieces and split.meta.predicted_period < whole.meta.predicted_period
+    carried = _samples_per_survivor(split, 2)
+    assert max(carried.values()) - min(carried.values()) <= 1

@@ -62,6 +62,13 @@ def _period_makespan(plan: Plan, config: Config) -> tuple[float, float, str]:
     return settled.period, result.makespan, settled.note(result.period)
 
 
+def _split(plan: Plan, config: Config) -> Plan:
+    """The split plan (recycle.planner.split) when it is strictly faster than `plan`, else `plan` with a note."""
+    from recycle.planner.split import choose_split
+
+    return choose_split(plan, config, lambda candidate: _period_makespan(candidate, config))
+
+
 def _with_note(notes: str, note: str) -> str:
     return f"{notes}; {note}" if note else notes
 
@@ -98,6 +105,9 @@ def plan_for_key(config: Config, key: Sequence[int], options: PlannerOptions = P
     cached = _CACHE.get(cache_key)
     if cached is not None:
         return cached
+    if options.split_microbatches:
+        whole = plan_for_key(config, key, replace(options, split_microbatches=False), solver, time_limit_s)
+        return _remember(cache_key, _split(whole, config))
     if config.topology.chunks_per_worker > 1:
         return _remember(cache_key, _chunked(config, canonical_failed(key), options, solver))
 
@@ -240,6 +250,9 @@ def plan_for_failed(config: Config, failed: frozenset[tuple[int, int]],
     cached = _CACHE.get(cache_key)
     if cached is not None:
         return cached
+    if options.split_microbatches:
+        whole = plan_for_failed(config, failed, replace(options, split_microbatches=False))
+        return _remember(cache_key, _split(whole, config))
     if config.topology.chunks_per_worker > 1:  # the chunked list scheduler plans real ranks itself
         return _remember(cache_key, _chunked(config, frozenset(failed), options, "heuristic"))
     plan = schedule_failed(config, failed, options)
