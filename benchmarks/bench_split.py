@@ -67,14 +67,14 @@ def main() -> None:
     started = time.perf_counter()
     rows = screen(range(3, 5) if args.quick else range(3, 7))
     print(f"{'costs':<9}{'failures':>9}{'cases':>7}{'split kept':>12}{'mean gain':>11}{'mean gain kept':>16}"
-          f"{'max gain':>10}{'split s (max)':>15}")
+          f"{'max gain':>10}{'split time s (max)':>20}")
 
     def line(label: str, failures: str, group: list[dict]) -> None:
         kept = [r for r in group if r["pieces"]]
         gains = [r["gain"] for r in group]
         print(f"{label:<9}{failures:>9}{len(group):>7}{len(kept):>12}{100 * statistics.mean(gains):>10.2f}%"
               f"{100 * statistics.mean([r['gain'] for r in kept]) if kept else 0.0:>15.2f}%"
-              f"{100 * max(gains):>9.2f}%{max(r["seconds"] for r in group):>20.3f}")
+              f"{100 * max(gains):>9.2f}%{max(r['seconds'] for r in group):>20.3f}")
 
     for label in COSTS:
         for count in (1, 2):
