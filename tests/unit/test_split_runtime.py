@@ -119,3 +119,12 @@ def test_what_cannot_run_split_plans_refuses_them(tiny_config) -> None:
     tp = replace(config, topology=replace(config.topology, gpus_per_worker=2))
     with pytest.raises(ConfigError, match="tensor-parallel"):
         check_runtime_split(tp, plan)
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--repartition"], "--split-microbatches cannot run with --repartition"),
+    (["--set", "topology.chunks_per_worker=2"], "chunks_per_worker = 2: chunked plans run whole micro-batches"),
+])
+def test_recycle_train_refuses_split_microbatches_with_what_cannot_run_them(cli_error, extra, words: str) -> None:
+    line = cli_error(["train", "--config", "configs/tiny-gpt.toml", "--split-microbatches", *extra])
+    assert words in line
