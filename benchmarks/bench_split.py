@@ -6,7 +6,9 @@ middle stage) and 2 failures (that one plus worker 1 at stage 0: two stages lose
 (F = B = W = 1) and for F != B != W (F = 2, B = 3, W = 1); optimizer 1, no communication time, no memory cap. For
 each case: the planner's plan with whole micro-batches (`make_plan`, heuristic) and with
 PlannerOptions(split_microbatches=True), which keeps a split plan only when the simulator's period is strictly
-lower. Gain = whole period / split period - 1. Prints one row per (costs, failures) and the overall line.
+lower. Gain = whole period / split period - 1 (0 where the whole plan is kept). Columns: cases; uneven: cases where
+some stage's survivors carry unequal shares (a split is tried); split kept: the split plan was strictly faster; mean
+gain over all cases and over those kept; max gain; the most seconds the split option added to one make_plan.
 
     PYTHONPATH=src python benchmarks/bench_split.py            # the whole screen (~1-2 min on 2 busy cores)
     PYTHONPATH=src python benchmarks/bench_split.py --quick    # D = 3..4 only
@@ -56,6 +58,7 @@ def screen(replicas: range) -> list[dict]:
                         rows.append({"costs": label, "failures": count, "D": D, "S": S, "M": M, "whole": w,
                                      "split": s, "gain": w / s - 1,
                                      "pieces": len(split.pieces) - D * M if split.pieces else 0,
+                                     "uneven": "already carry equal shares" not in split.meta.notes,
                                      "seconds": seconds})
     return rows
 
@@ -66,13 +69,14 @@ def main() -> None:
     args = parser.parse_args()
     started = time.perf_counter()
     rows = screen(range(3, 5) if args.quick else range(3, 7))
-    print(f"{'costs':<9}{'failures':>9}{'cases':>7}{'split kept':>12}{'mean gain':>11}{'mean gain kept':>16}"
+    print(f"{'costs':<9}{'failures':>9}{'cases':>7}{'uneven':>8}{'split kept':>12}{'mean gain':>11}{'mean gain kept':>16}"
           f"{'max gain':>10}{'split time s (max)':>20}")
 
     def line(label: str, failures: str, group: list[dict]) -> None:
         kept = [r for r in group if r["pieces"]]
         gains = [r["gain"] for r in group]
-        print(f"{label:<9}{failures:>9}{len(group):>7}{len(kept):>12}{100 * statistics.mean(gains):>10.2f}%"
+        uneven = sum(r["uneven"] for r in group)
+        print(f"{label:<9}{failures:>9}{len(group):>7}{uneven:>8}{len(kept):>12}{100 * statistics.mean(gains):>10.2f}%"
               f"{100 * statistics.mean([r['gain'] for r in kept]) if kept else 0.0:>15.2f}%"
               f"{100 * max(gains):>9.2f}%{max(r['seconds'] for r in group):>20.3f}")
 

@@ -101,7 +101,8 @@ def plan_summary(plan: Plan, config: Config, result: SimResult, options: Planner
     """The numbers `recycle plan --json` prints: all timing from the simulator, bound and (with `compare`) the
     fault-free references; without `compare` those four fields are None."""
     S = plan.num_stages
-    moves = traffic(plan.host, plan.num_microbatches, plan.failed, plan.chunk_stages)
+    moves = traffic(plan.host, plan.num_microbatches, plan.failed, plan.chunk_stages,
+                    [plan.owner(mb) for mb in range(plan.num_microbatch_ids)])
     free = fault_free_period(config, options) if compare else None
     baseline = baseline_1f1b_period(config, options) if compare else None
     lb = plan.meta.lower_bound
@@ -159,7 +160,7 @@ def cross_node_messages(plan: Plan, config: Config) -> int:
     count = 0
     for s in range(plan.num_chunks - 1):  # consecutive stages, or chunks when chunked
         here, there = plan.host[s], plan.host[s + 1]
-        for mb in range(plan.total_microbatches):
+        for mb in range(plan.num_microbatch_ids):
             if node(plan.chunk_rank(here[mb], s)) != node(plan.chunk_rank(there[mb], s + 1)):
                 count += 2
     return count
