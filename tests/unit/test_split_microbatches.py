@@ -179,7 +179,10 @@ def test_the_planner_splits_where_whole_microbatches_cannot_be_shared_evenly_and
     carried = _samples_per_survivor(split, 0)
     assert max(carried.values()) - min(carried.values()) <= 1  # equal shares (to the sample) of 16 x 6 samples
     assert sum(carried.values()) == 16 * 6
-    assert "split micro-batches: period" in split.meta.notes and split.meta.lower_bound is None
+    assert "split micro-batches: period" in split.meta.notes
+    # the whole-micro-batch bound does not hold for the split plan; the bound for pieces does
+    assert split.meta.predicted_period < whole.meta.lower_bound
+    assert split.meta.lower_bound is not None and split.meta.lower_bound <= split.meta.predicted_period
     validate_plan(split)
     assert Plan.from_json(split.to_json()) == split
     # the simulator agrees with the meta: the split plan's own period
@@ -215,3 +218,43 @@ def test_cuts_give_each_survivor_its_equal_share() -> None:
     assert split.pieces and split.meta.predicted_period < whole.meta.predicted_period
     carried = _samples_per_survivor(split, 2)
     assert max(carried.values()) - min(carried.values()) <= 1
+
+
+# -- lower bounds for the finer unit ------------------------------------------------------------------------------
+
+from recycle.planner.bounds import period_lower_bound  # noqa: E402
+from recycle.planner.partition import partition_bound  # noqa: E402
+
+
+@pytest.mark.parametrize("D,S,M,failed,costs", [
+    (4, 3, 4, {(0, 0)}, (1, 1, 1)), (4, 2, 4, {(0, 1)}, (1, 1, 1)), (5, 3, 5, {(0, 1)}, (2, 3, 1)),
+    (4, 4, 8, {(1, 2)}, (2, 3, 1)), (6, 3, 4, {(0, 1), (1, 0)}, (1, 1, 1)), (3, 2, 3, {(0, 0)}, (2, 3, 1)),
+])
+def test_the_bound_for_pieces_holds_for_split_plans_and_is_no_higher_than_the_whole_bound(D, S, M, failed,
+                                                                                          costs) -> None:
+    config = _config(D, S, M, costs=costs)
+    whole = make_plan(config, failed)
+    split = make_plan(config, failed, SPLIT)
+    key = whole.meta.failure_key
+    bound = period_lower_bound(config, key, SPLIT)
+    assert bound <= period_lower_bound(config, key, PlannerOptions()) + 1e-9
+    assert simulate(split, config).period >= bound * (1 - 1e-9)
+    assert split.meta.lower_bound is None or split.meta.lower_bound <= split.meta.predicted_period
+
+
+def test_the_whole_bound_is_unchanged_bit_for_bit_without_the_option() -> None:
+    config = _config(4, 3, 4, samples=1)  # one sample per micro-batch: the finer unit is the micro-batch
+    for key in [(1, 0, 0), (0, 2, 0), (1, 1, 1)]:
+        assert period_lower_bound(config, key, SPLIT) == period_lower_bound(config, key, PlannerOptions())
+    six = _config(4, 3, 4, samples=6)
+    assert period_lower_bound(six, (1, 0, 0), SPLIT) < period_lower_bound(six, (1, 0, 0), PlannerOptions())
+
+
+def test_partition_bound_for_the_finer_unit_is_no_higher() -> None:
+    config = parse_config({"topology": {"num_replicas": 4, "num_stages": 2},
+                           "workload": {"num_microbatches": 4, "microbatch_size": 6, "seq_len": 8},
+                           "costs": {"forward": 2, "backward_input": 2, "backward_weight": 2, "optimizer": 1},
+                           "model": {"preset": "tiny", "n_layer": 4}}, name="split-partition")
+    whole = partition_bound(config, (1, 0))
+    split = partition_bound(config, (1, 0), SPLIT)
+    assert split.bound < whole.bound  # 4 x 4 micro-batches over 3 survivors: 6 whole on one, 5.33 each when cut

@@ -62,11 +62,14 @@ def _period_makespan(plan: Plan, config: Config) -> tuple[float, float, str]:
     return settled.period, result.makespan, settled.note(result.period)
 
 
-def _split(plan: Plan, config: Config) -> Plan:
-    """The split plan (recycle.planner.split) when it is strictly faster than `plan`, else `plan` with a note."""
+def _split(plan: Plan, config: Config, options: PlannerOptions) -> Plan:
+    """The split plan (recycle.planner.split) when it is strictly faster than `plan`, else `plan` with a note; a
+    split plan's lower bound is the bound for pieces down to one sample."""
     from recycle.planner.split import choose_split
 
-    return choose_split(plan, config, lambda candidate: _period_makespan(candidate, config))
+    key = plan.meta.failure_key or normalize(plan.failed, config.num_replicas, config.num_stages).key
+    return choose_split(plan, config, lambda candidate: _period_makespan(candidate, config),
+                        period_lower_bound(config, key, options))
 
 
 def _with_note(notes: str, note: str) -> str:
@@ -107,7 +110,7 @@ def plan_for_key(config: Config, key: Sequence[int], options: PlannerOptions = P
         return cached
     if options.split_microbatches:
         whole = plan_for_key(config, key, replace(options, split_microbatches=False), solver, time_limit_s)
-        return _remember(cache_key, _split(whole, config))
+        return _remember(cache_key, _split(whole, config, options))
     if config.topology.chunks_per_worker > 1:
         return _remember(cache_key, _chunked(config, canonical_failed(key), options, solver))
 
@@ -252,7 +255,7 @@ def plan_for_failed(config: Config, failed: frozenset[tuple[int, int]],
         return cached
     if options.split_microbatches:
         whole = plan_for_failed(config, failed, replace(options, split_microbatches=False))
-        return _remember(cache_key, _split(whole, config))
+        return _remember(cache_key, _split(whole, config, options))
     if config.topology.chunks_per_worker > 1:  # the chunked list scheduler plans real ranks itself
         return _remember(cache_key, _chunked(config, frozenset(failed), options, "heuristic"))
     plan = schedule_failed(config, failed, options)

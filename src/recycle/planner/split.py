@@ -139,9 +139,10 @@ def _within_cap(plan: Plan, config: Config) -> bool:
     return all(peaks[r] <= caps[plan.worker(r)[1]] for r in plan.live_ranks())
 
 
-def choose_split(plan: Plan, config: Config, period_of: PeriodOf) -> Plan:
+def choose_split(plan: Plan, config: Config, period_of: PeriodOf, split_bound: float | None = None) -> Plan:
     """`plan`, or the split plan when its simulated period is strictly lower; either way meta.notes says what the
-    split would have done. The split plan's lower bound is dropped (the planner's bound is for whole micro-batches)."""
+    split would have done. The split plan's lower bound is `split_bound` (the bound for pieces: the whole plan's is
+    for whole micro-batches and need not hold), or none."""
     whole = plan.meta.predicted_period
     if whole is None:
         whole = period_of(plan)[0]
@@ -183,5 +184,7 @@ def choose_split(plan: Plan, config: Config, period_of: PeriodOf) -> Plan:
         return keep(f"not faster (period {period:g} against {whole:g} whole)")
     note = (f"split micro-batches: period {period:g} against {whole:g} with whole micro-batches "
             f"({100 * (whole - period) / whole:.1f} % faster); {_note(cuts)}")
-    return candidate.with_meta(predicted_period=period, predicted_makespan=makespan, lower_bound=None,
+    if split_bound is not None and period < split_bound <= period * (1 + 1e-9):
+        split_bound = period  # the same sum added in another order: float noise, not a broken bound
+    return candidate.with_meta(predicted_period=period, predicted_makespan=makespan, lower_bound=split_bound,
                                notes=f"{plan.meta.notes}; {note}")
