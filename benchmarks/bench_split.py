@@ -69,8 +69,8 @@ def main() -> None:
     args = parser.parse_args()
     started = time.perf_counter()
     rows = screen(range(3, 5) if args.quick else range(3, 7))
-    print(f"{'costs':<9}{'failures':>9}{'cases':>7}{'uneven':>8}{'split kept':>12}{'mean gain':>11}{'mean gain kept':>16}"
-          f"{'max gain':>10}{'split time s (max)':>20}")
+    print(f"{'costs':<9}{'failures':>9}{'cases':>7}{'uneven':>8}{'split kept':>12}{'mean gain':>11}"
+          f"{'mean gain kept':>16}{'max gain':>10}{'split time s (max)':>20}")
 
     def line(label: str, failures: str, group: list[dict]) -> None:
         kept = [r for r in group if r["pieces"]]

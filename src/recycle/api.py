@@ -212,10 +212,14 @@ def check_runtime_split(config: Config, plan: Plan | None = None, *, split_micro
                                                 "micro-batches"),
         (repartition, "--repartition: re-partitioned plans run whole micro-batches"),
     ]
+    _refuse_unsupported(what, unsupported, "drop that option, or plan without --split-microbatches")
+
+
+def _refuse_unsupported(what: str, unsupported: Sequence[tuple[bool, str]], fix: str) -> None:
+    """ConfigError for the first (refused, why) that is refused: "`what` cannot run with `why`; `fix`"."""
     for refused, why in unsupported:
         if refused:
-            raise ConfigError(f"{what} cannot run with {why}; drop that option, or plan without "
-                              "--split-microbatches")
+            raise ConfigError(f"{what} cannot run with {why}; {fix}")
 
 
 def check_runtime_chunks(config: Config, plan: Plan | None = None, *, model_factory: str = "",
@@ -234,7 +238,7 @@ def check_runtime_chunks(config: Config, plan: Plan | None = None, *, model_fact
                           f"topology.chunks_per_worker={plan.chunks})")
     if chunks == 1:
         return
-    what = f"[topology] chunks_per_worker = {chunks}"
+    what = f"[topology] chunks_per_worker = {chunks} (several model chunks per worker)"
     unsupported = [
         (bool(model_factory), f"--model-factory {model_factory!r}: chunks are cut from the built-in GPT only"),
         (bool(config.model.hf_config), f"[model] hf_config = {config.model.hf_config!r}: chunks are cut from the "
@@ -244,10 +248,7 @@ def check_runtime_chunks(config: Config, plan: Plan | None = None, *, model_fact
         (repartition, "--repartition: layer migration moves whole stages"),
         (chaos, "--chaos: random hangs, kills and repairs are not tested with chunks"),
     ]
-    for refused, why in unsupported:
-        if refused:
-            raise ConfigError(f"{what} (several model chunks per worker) cannot run with {why}; drop that option, "
-                              "or set chunks_per_worker = 1 to train with it")
+    _refuse_unsupported(what, unsupported, "drop that option, or set chunks_per_worker = 1 to train with it")
     from recycle.models.chunk_set import chunk_layers
 
     chunk_layers(config.model, config.workload.seq_len, config.num_stages, chunks)  # every chunk has a layer

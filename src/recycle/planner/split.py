@@ -96,7 +96,7 @@ def split_plan(plan: Plan, config: Config, cuts: Sequence[Cut]) -> Plan:
     ids: dict[int, list[int]] = {}
     for mb, piece in enumerate(pieces):
         ids.setdefault(piece.source, []).append(mb)
-    cut_of = {c.source: c for c in cuts}
+    cut = {c.source for c in cuts}
     host = [[row[p.source] for p in pieces] for row in plan.host]
     for c in cuts:
         for mb, (replica, _) in zip(ids[c.source], c.shares):
@@ -109,16 +109,18 @@ def split_plan(plan: Plan, config: Config, cuts: Sequence[Cut]) -> Plan:
             if a.kind is Kind.OPT:
                 continue
             t = start[(rank, str(a))]
-            c = cut_of.get(a.mb)
-            if c is None:
+            if a.mb not in cut:
                 timed[rank].append((t, 0, seq, 0, a))
                 continue
             for i, mb in enumerate(ids[a.mb]):
                 dest = host[a.stage][mb]
                 piece_action = Action(a.kind, a.stage, mb)
                 timed[plan.rank(dest, a.stage)].append((t, 0 if dest == replica else 1, seq, i, piece_action))
-    actions = tuple(tuple(e[-1] for e in sorted(row, key=lambda e: e[:4])) + tuple(x for x in plan.actions[rank] if x.kind is Kind.OPT)
-                    for rank, row in enumerate(timed))
+    # By start time; the worker's own actions before moved-in pieces at equal times, then list order (a stable sort:
+    # the actions themselves are never compared).
+    ordered = [[e[-1] for e in sorted(row, key=lambda e: e[:4])] for row in timed]
+    actions = tuple(tuple(row) + tuple(a for a in plan.actions[rank] if a.kind is Kind.OPT)
+                    for rank, row in enumerate(ordered))
     split = Plan(plan.num_replicas, plan.num_stages, plan.num_microbatches, tuple(tuple(r) for r in host), actions,
                  plan.failed, plan.staggered, plan.meta, plan.partition, pieces=pieces, microbatch_size=m)
     return validate_plan(split)
@@ -127,7 +129,7 @@ def split_plan(plan: Plan, config: Config, cuts: Sequence[Cut]) -> Plan:
 def _note(cuts: Sequence[Cut]) -> str:
     parts = [f"mb {c.source} at stage {c.stage} as {'+'.join(str(n) for _, n in c.shares)} samples on replicas "
              f"{[p for p, _ in c.shares]}" for c in cuts]
-    return "; ".join(parts)
+    return ", ".join(parts)
 
 
 def _within_cap(plan: Plan, config: Config) -> bool:

@@ -1,6 +1,7 @@
 """Single-process reference training: the whole model, the same D*M micro-batches per step, each micro-batch's mean
-loss weighted by the global-token rule (recycle.ir.pieces.loss_weight: 1/(D*M) for whole micro-batches) and summed, optional global-norm clipping, the configured optimizer, LR schedule and precision (bf16 autocast), and
-the held-out evaluations of [training] eval_every. Pipeline runs must end with the same parameters and losses."""
+loss weighted by the global-token rule (recycle.ir.pieces.loss_weight: 1/(D*M) for whole micro-batches) and
+summed, optional global-norm clipping, the configured optimizer, LR schedule and precision (bf16 autocast), and the
+held-out evaluations of [training] eval_every. Pipeline runs must end with the same parameters and losses."""
 
 from __future__ import annotations
 
