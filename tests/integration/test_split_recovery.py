@@ -1,10 +1,11 @@
 """Split plans on real gloo processes: a fault-free run switched to a plan that cuts the dead worker's micro-batches
 into pieces after a SIGKILL, and a kill during a piece's own action, end with the single-process reference's
-parameters (float64, 1e-9); the recovery of a split plan redoes the whole iteration."""
+parameters (float64, 1e-9) and held-out losses; the recovery of a split plan redoes the whole iteration."""
 
 from __future__ import annotations
 
 import functools
+import json
 import multiprocessing as mp
 
 import pytest
@@ -34,21 +35,28 @@ def config():
         "workload": {"num_microbatches": 3, "microbatch_size": 6, "seq_len": 8},
         "costs": {"forward": 1, "backward_input": 1, "backward_weight": 1},
         "model": {"preset": "tiny"},
-        "training": {"steps": 2, "lr": 0.01, "weight_decay": 0.1, "dtype": "float64", "seed": 5},
+        "training": {"steps": 2, "lr": 0.01, "weight_decay": 0.1, "dtype": "float64", "seed": 5,
+                     "eval_every": 1, "eval_batches": 1, "eval_fraction": 0.2},
     }, name="split-recovery")
 
 
 def run(plan: Plan, faults: list[tuple[tuple[int, int], FaultInjection]], tmp_path) -> TrainResult:
     library = PlanLibrary.build(config(), SPLIT, max_failures=2)
     options = with_keywords(LaunchOptions(), dict(
-        save_path=str(tmp_path / "final.pt"), verify_replicas=True, timeout_s=30, progress=None,
+        save_path=str(tmp_path / "final.pt"), metrics_path=str(tmp_path / "metrics.jsonl"), verify_replicas=True, timeout_s=30, progress=None,
         start_method="forkserver", plan_provider=library.lookup, faults=tuple((plan.rank(*w), f) for w, f in faults)))
     return launch(config(), plan, options)
 
 
 def assert_exact(result: TrainResult, tmp_path) -> None:
     got = torch.load(tmp_path / "final.pt", weights_only=True)["model"]
-    ref = reference_train(config())[0]
+    evaluations: dict[int, float] = {}
+    ref = reference_train(config(), evaluations=evaluations)[0]
+    records = map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+    evals = {r["step"]: r["loss"] for r in records if r.get("event") == "eval"}
+    assert sorted(evals) == sorted(evaluations) == [1, 2]
+    for step, loss in evals.items():  # the held-out loss, forwarded along the split plans' routing
+        assert abs(loss - evaluations[step]) <= 1e-9 * abs(evaluations[step]), (step, loss)
     assert got.keys() == ref.keys()
     for key in ref:
         error = float((got[key] - ref[key]).abs().max() / ref[key].abs().max().clamp_min(1e-12))

@@ -128,3 +128,11 @@ def test_what_cannot_run_split_plans_refuses_them(tiny_config) -> None:
 def test_recycle_train_refuses_split_microbatches_with_what_cannot_run_them(cli_error, extra, words: str) -> None:
     line = cli_error(["train", "--config", "configs/tiny-gpt.toml", "--split-microbatches", *extra])
     assert words in line
+
+
+def test_select_plan_makes_the_split_start_plan_only_when_asked(tiny_config) -> None:
+    from recycle.api import select_plan
+
+    config = split_config(tiny_config)
+    assert select_plan(config, down=("0:0",), split_microbatches=True).pieces
+    assert not select_plan(config, down=("0:0",)).pieces
