@@ -258,3 +258,19 @@ def test_partition_bound_for_the_finer_unit_is_no_higher() -> None:
     whole = partition_bound(config, (1, 0))
     split = partition_bound(config, (1, 0), SPLIT)
     assert split.bound < whole.bound  # 4 x 4 micro-batches over 3 survivors: 6 whole on one, 5.33 each when cut
+
+
+def test_a_plan_store_keeps_split_plans_and_its_option(tmp_path) -> None:
+    from recycle.planner.store import PlanStore, build_store
+
+    config = _config(4, 3, 4)
+    build_store(config, 1, tmp_path / "store", SPLIT)
+    store = PlanStore.load(tmp_path / "store", config)
+    assert store.options.split_microbatches
+    plan = store.lookup({(2, 0)})
+    assert plan.pieces and plan.failed == frozenset({(2, 0)})
+    validate_plan(plan)
+    assert all(plan.owner(mb) != 2 or plan.host[0][mb] != 2 for mb in range(plan.num_microbatch_ids))
+    whole = tmp_path / "whole"
+    build_store(config, 1, whole, PlannerOptions())
+    assert "split_microbatches" not in (whole / "index.json").read_text()  # old stores' bytes unchanged
