@@ -143,12 +143,13 @@ def simulate_trace(config: Config, trace: str | Path | EventTrace, *, systems: S
                    gpus_per_node: int = 1, replicas: str = "keep", slot_seconds: float = 1.0,
                    period_model: str = "auto", reference: str = "1f1b", costs: JobCosts | None = None,
                    progress: Callable[[str], None] | None = None,
-                   plan_cache: str | Path | None = None) -> JobResult:
+                   plan_cache: str | Path | None = None, split_microbatches: bool = False) -> JobResult:
     """Replay a failure trace (a CSV path, or one from load_trace) over the job for ReCycle and the baseline models
     (fault-free, fault-scaled, checkpoint-restart, Oobleck-like, Bamboo-like, torchft-like); `costs` holds detection,
     restart and checkpoint times. The result's `.runs` hold each system's goodput and throughput timeline. Each plan
     is made once per call; `plan_cache` (a folder, e.g. `recycle.traces.plan_cache.default_cache_dir()`) also keeps
-    them across calls, validated when read."""
+    them across calls, validated when read. `split_microbatches`: ReCycle+ may cut a failed worker's micro-batches
+    into pieces (where strictly faster); ReCycle keeps whole ones."""
     from recycle.traces.experiments import SYSTEM_NAMES, JobSetup, run_job
     from recycle.traces.model import JobCosts
     from recycle.traces.plan_cache import PlanCache
@@ -159,7 +160,7 @@ def simulate_trace(config: Config, trace: str | Path | EventTrace, *, systems: S
                      period_model=period_model, reference=reference)
     return run_job(config, events, systems=tuple(systems) if systems else SYSTEM_NAMES,
                    costs=costs if costs is not None else JobCosts(), setup=setup, progress=progress,
-                   plan_cache=PlanCache(plan_cache, progress=progress))
+                   plan_cache=PlanCache(plan_cache, progress=progress), split_microbatches=split_microbatches)
 
 
 def select_plan(config: Config, schedule: str | None = None, plan_file: str | None = None,
@@ -195,12 +196,19 @@ def select_plan(config: Config, schedule: str | None = None, plan_file: str | No
 def check_runtime_split(config: Config, plan: Plan | None = None, *, split_microbatches: bool = False,
                         model_factory: str = "", repartition: bool = False) -> None:
     """What `recycle train` cannot run with micro-batches split into pieces (a split plan, or
-    --split-microbatches for the plans it switches to), refused before anything starts: models other than the
-    built-in GPT, tensor parallelism, several chunks per worker and layer re-partitioning. (A `--redo lost`
+    --split-microbatches for the plans it switches to), refused before anything starts: dropout (a piece draws its
+    own mask), models other than the built-in GPT, tensor parallelism, several chunks per worker and layer
+    re-partitioning. (A `--redo lost`
     recovery of a split plan redoes the whole iteration: completions track whole micro-batches.)"""
     if not (split_microbatches or (plan is not None and plan.pieces)):
         return
     what = "--split-microbatches" if split_microbatches else "a plan that splits micro-batches into pieces"
+    if config.model.dropout > 0:
+        # Dropout is seeded per (iteration, micro-batch id, stage): a piece's mask is drawn for its own id, so the
+        # pieces together would not apply the whole micro-batch's mask (not the reference's maths).
+        raise ConfigError(f"{what} cannot run with [model] dropout = {config.model.dropout:g}: a piece draws its own "
+                          "dropout mask, so a split micro-batch would not train as the whole one does; set [model] "
+                          "dropout = 0 or drop --split-microbatches")
     unsupported = [
         (bool(model_factory), f"--model-factory {model_factory!r}: pieces are cut for the built-in GPT only"),
         (bool(config.model.hf_config), f"[model] hf_config = {config.model.hf_config!r}: pieces are cut for the "

@@ -119,11 +119,18 @@ def test_what_cannot_run_split_plans_refuses_them(tiny_config) -> None:
     tp = replace(config, topology=replace(config.topology, gpus_per_worker=2))
     with pytest.raises(ConfigError, match="tensor-parallel"):
         check_runtime_split(tp, plan)
+    dropping = replace(config, model=replace(config.model, dropout=0.1))
+    with pytest.raises(ConfigError, match=r"a plan that splits .* \[model\] dropout = 0.1: a piece draws its own "
+                                          r"dropout mask.*set \[model\] dropout = 0"):
+        check_runtime_split(dropping, plan)
+    check_runtime_split(dropping, make_plan(config, {(0, 0)}))  # whole micro-batches: dropout is the reference's
 
 
 @pytest.mark.parametrize("extra,words", [
     (["--repartition"], "--split-microbatches cannot run with --repartition"),
     (["--set", "topology.chunks_per_worker=2"], "chunks_per_worker = 2: chunked plans run whole micro-batches"),
+    (["--set", "model.dropout=0.1"], "--split-microbatches cannot run with [model] dropout = 0.1: a piece draws its "
+                                     "own dropout mask"),
 ])
 def test_recycle_train_refuses_split_microbatches_with_what_cannot_run_them(cli_error, extra, words: str) -> None:
     line = cli_error(["train", "--config", "configs/tiny-gpt.toml", "--split-microbatches", *extra])

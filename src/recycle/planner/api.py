@@ -168,6 +168,9 @@ def period_plan_for_key(config: Config, key: Sequence[int], options: PlannerOpti
     cached = _CACHE.get(full_key) or _CACHE.get(cache_key)
     if cached is not None:
         return cached
+    if options.split_microbatches:  # the whole plan's period-only path, then the split as plan_for_key tries it
+        whole = period_plan_for_key(config, key, replace(options, split_microbatches=False))
+        return _remember(cache_key, _split(whole, config, options) if any(key) else whole)
     plan = schedule_heuristic(config, key, options, period_only=True)
     period, makespan, settling_note = _period_makespan(plan, config)
     plan = _key_meta(plan, config, key, options, "heuristic", period, makespan,

@@ -72,8 +72,10 @@ class CacheStats:
 
 
 def _options_dict(options: PlannerOptions) -> dict[str, Any]:
+    # split_microbatches only when set: every entry made without it keeps its name.
     return {"decoupled": options.decoupled, "staggered": options.staggered, "search": options.search,
-            "memory_cap": list(options.memory_cap) if options.memory_cap is not None else None}
+            "memory_cap": list(options.memory_cap) if options.memory_cap is not None else None,
+            **({"split_microbatches": True} if options.split_microbatches else {})}
 
 
 def _config_hash(config: Config) -> str:
@@ -224,7 +226,8 @@ class PlanCache:
             raise _Rejected(f"its plan is invalid: {exc}") from None
         if plan.failed != canonical_failed(key) or tuple(plan.meta.failure_key) != key:
             raise _Rejected(f"its plan is for failed workers {sorted(plan.failed)}, not key {key}")
-        if plan.staggered != options.staggered or (options.memory_cap or ()) != tuple(plan.meta.memory_cap):
+        if plan.staggered != options.staggered or (options.memory_cap or ()) != tuple(plan.meta.memory_cap) or \
+                (plan.pieces and not options.split_microbatches):
             raise _Rejected("its plan was made under other options")
         if plan.meta.config_fingerprint != config.fingerprint():
             raise _Rejected("its plan was made for another config")
