@@ -274,3 +274,27 @@ def test_a_plan_store_keeps_split_plans_and_its_option(tmp_path) -> None:
     whole = tmp_path / "whole"
     build_store(config, 1, whole, PlannerOptions())
     assert "split_microbatches" not in (whole / "index.json").read_text()  # old stores' bytes unchanged
+
+
+def test_a_piece_holds_its_share_of_an_activation_slot_in_the_cap_check() -> None:
+    from recycle.planner.split import held_samples_peaks, within_cap
+
+    config = _config(4, 3, 4)  # micro-batches of 6 samples
+    whole = make_plan(config, {(0, 0)})
+    split = make_plan(config, {(0, 0)}, SPLIT)
+    assert split.pieces
+    whole_sim, split_sim = simulate(whole, config), simulate(split, config)
+    # Whole micro-batches: the simulator's slot count, in samples (1 a micro-batch when no size is set).
+    assert held_samples_peaks(whole) == whole_sim.peak_activations
+    samples = held_samples_peaks(split)
+    # A piece counts its samples, never more than a whole slot: at most 6 x the simulator's count, below it where
+    # a worker holds a piece (the survivors that took pieces of the cut micro-batch).
+    assert all(n <= 6 * peak for n, peak in zip(samples, split_sim.peak_activations))
+    assert any(n < 6 * peak for n, peak in zip(samples, split_sim.peak_activations))
+    # The cap check takes micro-batches' worth: the busiest stage's ceil(samples / 6) passes, one less does not.
+    caps = [max(-(-samples[r] // 6) for r in split.live_ranks() if split.worker(r)[1] == s) for s in range(3)]
+    assert within_cap(split, caps)
+    busiest = max(split.live_ranks(), key=lambda r: samples[r])
+    tighter = list(caps)
+    tighter[split.worker(busiest)[1]] -= 1
+    assert not within_cap(split, tighter)

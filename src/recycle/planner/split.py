@@ -15,7 +15,8 @@ from recycle.ir.plan import Plan
 from recycle.ir.validate import validate_plan
 from recycle.sim.simulator import simulate
 
-__all__ = ["Cut", "plan_cuts", "split_plan", "choose_split", "SPLIT_ACTION_LIMIT", "PICKS"]
+__all__ = ["Cut", "plan_cuts", "split_plan", "choose_split", "held_samples_peaks", "within_cap", "SPLIT_ACTION_LIMIT",
+           "PICKS"]
 
 # Actions per iteration up to which a split is tried (the transform and its simulations are Python per action).
 SPLIT_ACTION_LIMIT = 20_000
@@ -132,13 +133,37 @@ def _note(cuts: Sequence[Cut]) -> str:
     return ", ".join(parts)
 
 
-def _within_cap(plan: Plan, config: Config) -> bool:
-    """The plan keeps the activation cap it was made under (a piece holds a whole slot: the simulator's count)."""
-    caps = plan.meta.memory_cap
+def held_samples_peaks(plan: Plan) -> tuple[int, ...]:
+    """Per worker, the most samples whose activations it holds at once, in its list's order as the simulator counts
+    slots (taken at F, freed at W or BW), each micro-batch id counting its piece's samples: activation memory grows
+    with the samples a micro-batch carries, so a piece of n of m samples holds n/m of a slot (the simulator's
+    `peak_activations` counts it whole). For a plan without pieces, microbatch_size x the simulator's peak."""
+    m = plan.microbatch_size or 1
+    peaks = []
+    for rank, acts in enumerate(plan.actions):
+        held = peak = 0
+        for a in acts:
+            if a.kind in (Kind.F, Kind.W, Kind.BW):
+                samples = plan.pieces[a.mb].samples if plan.pieces else m
+                held += samples if a.kind is Kind.F else -samples
+                peak = max(peak, held)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def within_cap(plan: Plan, caps: Sequence[int]) -> bool:
+    """Whether every live worker holds at most caps[stage] micro-batches' worth of activations (`held_samples_peaks`:
+    a piece counts its share of a slot; exact integers)."""
     if not caps:
         return True
-    peaks = simulate(plan, config).peak_activations
-    return all(peaks[r] <= caps[plan.worker(r)[1]] for r in plan.live_ranks())
+    m = plan.microbatch_size or 1
+    peaks = held_samples_peaks(plan)
+    return all(peaks[r] <= caps[plan.worker(r)[1]] * m for r in plan.live_ranks())
+
+
+def _within_cap(plan: Plan, config: Config) -> bool:
+    """The plan keeps the activation cap it was made under, a piece holding its share of a slot."""
+    return within_cap(plan, plan.meta.memory_cap)
 
 
 def choose_split(plan: Plan, config: Config, period_of: PeriodOf, split_bound: float | None = None) -> Plan:

@@ -238,8 +238,14 @@ class PlanCache:
         except RecycleError as exc:
             raise _Rejected(f"its plan does not simulate: {exc}") from None
         caps = options.memory_cap
-        if caps is not None and any(peak > caps[rank % config.num_stages]
-                                    for rank, peak in enumerate(result.peak_activations)):
+        if plan.pieces:  # a piece holds its share of a slot (the simulator's count takes it whole)
+            from recycle.planner.split import within_cap
+
+            over = caps is not None and not within_cap(plan, caps)
+        else:
+            over = caps is not None and any(peak > caps[rank % config.num_stages]
+                                            for rank, peak in enumerate(result.peak_activations))
+        if over:
             raise _Rejected("its plan holds more micro-batches than the memory cap allows")
         period = result.period
         if not (math.isfinite(period) and period > 0):
