@@ -31,7 +31,7 @@ RAW = {
     "model": {"layers_per_stage": [2, 2, 2]},
 }
 # Nine workers; n4 (replica 1, stage 1) is out from 10 to 60 minutes: one failure state, key (0, 1, 0).
-TRACE = "".join(f"0,add,n{i}\n" for i in range(9)) + "600000,remove,n4\n3600000,add,n4\n4200000,add,n0\n"
+TRACE = "".join(f"0,add,n{i}\n" for i in range(9)) + "600000,remove,n4\n3600000,add,n4\n"
 
 
 def _config():
@@ -136,3 +136,13 @@ def _toml(raw: dict) -> str:
         lines.append(f"[{table}]")
         lines += [f"{name} = {json.dumps(value)}" for name, value in values.items()]
     return "\n".join(lines) + "\n"
+
+
+def test_split_microbatches_with_the_closed_form_estimate_is_one_error_line(tmp_path: Path, cli_error) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text(_toml(RAW))
+    (tmp_path / "trace.csv").write_text(TRACE)
+    line = cli_error(["simulate", "--config", str(config), "--trace", str(tmp_path / "trace.csv"), "--out",
+                      str(tmp_path / "o"), "--period-model", "estimate", "--split-microbatches", "--no-plan-cache"])
+    assert "--split-microbatches needs the planner's periods, but the period source is 'closed-form estimate'" in line
+    assert "use --period-model planner" in line

@@ -140,7 +140,7 @@ def held_samples_peaks(plan: Plan) -> tuple[int, ...]:
     `peak_activations` counts it whole). For a plan without pieces, microbatch_size x the simulator's peak."""
     m = plan.microbatch_size or 1
     peaks = []
-    for rank, acts in enumerate(plan.actions):
+    for acts in plan.actions:
         held = peak = 0
         for a in acts:
             if a.kind in (Kind.F, Kind.W, Kind.BW):

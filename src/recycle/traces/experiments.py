@@ -200,7 +200,10 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
     throughput = ThroughputModel(config, period_fn, seconds_per_unit(config, setup.slot_seconds), period_label,
                                  floor_period=floor, period_bound=bound_for(options))
     plus_options, plus_throughput = options, throughput
-    if split_microbatches and given_period_fn is None and period_label.startswith("planner"):
+    if split_microbatches and (given_period_fn is not None or not period_label.startswith("planner")):
+        raise ConfigError(f"--split-microbatches needs the planner's periods, but the period source is "
+                          f"{period_label!r}; use --period-model planner (or auto), or drop --split-microbatches")
+    if split_microbatches:
         # ReCycle+ alone gets its own rates (the configured layout's periods included) from split plans.
         plus_options = replace(options, split_microbatches=True)
         plus_fn, _ = make_period_fn(config, setup.period_model, plus_options, setup.solver, plan_cache)
