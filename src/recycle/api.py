@@ -45,13 +45,15 @@ def _workers(config: Config, failed: Iterable[Worker | str]) -> list[Worker]:
 
 
 def planner_options(config: Config, *, decoupled: bool = True, staggered: bool = True,
-                    memory_cap: str | int | None = None, search: bool = True) -> PlannerOptions:
-    """Planner options; `memory_cap` is N live micro-batches per worker, '1f1b' or None (the config's budget)."""
+                    memory_cap: str | int | None = None, search: bool = True,
+                    split_microbatches: bool = False) -> PlannerOptions:
+    """Planner options; `memory_cap` is N live micro-batches per worker, '1f1b' or None (the config's budget);
+    `split_microbatches`: also try plans that cut micro-batches into pieces (recycle.planner.split)."""
     from recycle.planner.api import resolve_memory_cap
     from recycle.planner.options import PlannerOptions
 
     return PlannerOptions(decoupled=decoupled, staggered=staggered, memory_cap=resolve_memory_cap(config, memory_cap),
-                          search=search)
+                          search=search, split_microbatches=split_microbatches)
 
 
 def plan(config: Config, failed: Iterable[Worker | str] = (), *, options: PlannerOptions | None = None,
@@ -141,12 +143,13 @@ def simulate_trace(config: Config, trace: str | Path | EventTrace, *, systems: S
                    gpus_per_node: int = 1, replicas: str = "keep", slot_seconds: float = 1.0,
                    period_model: str = "auto", reference: str = "1f1b", costs: JobCosts | None = None,
                    progress: Callable[[str], None] | None = None,
-                   plan_cache: str | Path | None = None) -> JobResult:
+                   plan_cache: str | Path | None = None, split_microbatches: bool = False) -> JobResult:
     """Replay a failure trace (a CSV path, or one from load_trace) over the job for ReCycle and the baseline models
     (fault-free, fault-scaled, checkpoint-restart, Oobleck-like, Bamboo-like, torchft-like); `costs` holds detection,
     restart and checkpoint times. The result's `.runs` hold each system's goodput and throughput timeline. Each plan
     is made once per call; `plan_cache` (a folder, e.g. `recycle.traces.plan_cache.default_cache_dir()`) also keeps
-    them across calls, validated when read."""
+    them across calls, validated when read. `split_microbatches`: ReCycle+ may cut a failed worker's micro-batches
+    into pieces (where strictly faster); ReCycle keeps whole ones."""
     from recycle.traces.experiments import SYSTEM_NAMES, JobSetup, run_job
     from recycle.traces.model import JobCosts
     from recycle.traces.plan_cache import PlanCache
@@ -157,11 +160,12 @@ def simulate_trace(config: Config, trace: str | Path | EventTrace, *, systems: S
                      period_model=period_model, reference=reference)
     return run_job(config, events, systems=tuple(systems) if systems else SYSTEM_NAMES,
                    costs=costs if costs is not None else JobCosts(), setup=setup, progress=progress,
-                   plan_cache=PlanCache(plan_cache, progress=progress))
+                   plan_cache=PlanCache(plan_cache, progress=progress), split_microbatches=split_microbatches)
 
 
 def select_plan(config: Config, schedule: str | None = None, plan_file: str | None = None,
-                down: Iterable[Worker | str] = (), decoupled: bool = True, staggered: bool = True) -> Plan:
+                down: Iterable[Worker | str] = (), decoupled: bool = True, staggered: bool = True,
+                split_microbatches: bool = False) -> Plan:
     """The plan a training run starts on: a plan file, the adaptive plan for workers `down` from the start, or a
     fault-free schedule (default zb-h1, or 1f1b when not decoupled; with several chunks per worker the chunked
     planner's fault-free plan, e.g. the V-shape zero bubble)."""
@@ -181,11 +185,49 @@ def select_plan(config: Config, schedule: str | None = None, plan_file: str | No
         from recycle.planner.api import make_plan
         from recycle.planner.options import PlannerOptions
 
-        return make_plan(config, failed, options=PlannerOptions(decoupled=decoupled, staggered=staggered),
+        return make_plan(config, failed, options=PlannerOptions(decoupled=decoupled, staggered=staggered,
+                                                                split_microbatches=split_microbatches),
                          solver="heuristic")
     from recycle.schedules.fault_free import build_schedule
 
     return build_schedule(config, schedule or ("zb-h1" if decoupled else "1f1b"), staggered=staggered)
+
+
+def check_runtime_split(config: Config, plan: Plan | None = None, *, split_microbatches: bool = False,
+                        model_factory: str = "", repartition: bool = False) -> None:
+    """What `recycle train` cannot run with micro-batches split into pieces (a split plan, or
+    --split-microbatches for the plans it switches to), refused before anything starts: dropout (a piece draws its
+    own mask), models other than the built-in GPT, tensor parallelism, several chunks per worker and layer
+    re-partitioning. (A `--redo lost`
+    recovery of a split plan redoes the whole iteration: completions track whole micro-batches.)"""
+    if not (split_microbatches or (plan is not None and plan.pieces)):
+        return
+    what = "--split-microbatches" if split_microbatches else "a plan that splits micro-batches into pieces"
+    if config.model.dropout > 0:
+        # Dropout is seeded per (iteration, micro-batch id, stage): a piece's mask is drawn for its own id, so the
+        # pieces together would not apply the whole micro-batch's mask (not the reference's maths).
+        raise ConfigError(f"{what} cannot run with [model] dropout = {config.model.dropout:g}: a piece draws its own "
+                          "dropout mask, so a split micro-batch would not train as the whole one does; set [model] "
+                          "dropout = 0 or drop --split-microbatches")
+    unsupported = [
+        (bool(model_factory), f"--model-factory {model_factory!r}: pieces are cut for the built-in GPT only"),
+        (bool(config.model.hf_config), f"[model] hf_config = {config.model.hf_config!r}: pieces are cut for the "
+                                       "built-in GPT only"),
+        (config.topology.gpus_per_worker > 1, f"[topology] gpus_per_worker = {config.topology.gpus_per_worker}: "
+                                              "tensor-parallel workers run whole micro-batches"),
+        (config.topology.chunks_per_worker > 1, f"[topology] chunks_per_worker = "
+                                                f"{config.topology.chunks_per_worker}: chunked plans run whole "
+                                                "micro-batches"),
+        (repartition, "--repartition: re-partitioned plans run whole micro-batches"),
+    ]
+    _refuse_unsupported(what, unsupported, "drop that option, or plan without --split-microbatches")
+
+
+def _refuse_unsupported(what: str, unsupported: Sequence[tuple[bool, str]], fix: str) -> None:
+    """ConfigError for the first (refused, why) that is refused: "`what` cannot run with `why`; `fix`"."""
+    for refused, why in unsupported:
+        if refused:
+            raise ConfigError(f"{what} cannot run with {why}; {fix}")
 
 
 def check_runtime_chunks(config: Config, plan: Plan | None = None, *, model_factory: str = "",
@@ -204,7 +246,7 @@ def check_runtime_chunks(config: Config, plan: Plan | None = None, *, model_fact
                           f"topology.chunks_per_worker={plan.chunks})")
     if chunks == 1:
         return
-    what = f"[topology] chunks_per_worker = {chunks}"
+    what = f"[topology] chunks_per_worker = {chunks} (several model chunks per worker)"
     unsupported = [
         (bool(model_factory), f"--model-factory {model_factory!r}: chunks are cut from the built-in GPT only"),
         (bool(config.model.hf_config), f"[model] hf_config = {config.model.hf_config!r}: chunks are cut from the "
@@ -214,10 +256,7 @@ def check_runtime_chunks(config: Config, plan: Plan | None = None, *, model_fact
         (repartition, "--repartition: layer migration moves whole stages"),
         (chaos, "--chaos: random hangs, kills and repairs are not tested with chunks"),
     ]
-    for refused, why in unsupported:
-        if refused:
-            raise ConfigError(f"{what} (several model chunks per worker) cannot run with {why}; drop that option, "
-                              "or set chunks_per_worker = 1 to train with it")
+    _refuse_unsupported(what, unsupported, "drop that option, or set chunks_per_worker = 1 to train with it")
     from recycle.models.chunk_set import chunk_layers
 
     chunk_layers(config.model, config.workload.seq_len, config.num_stages, chunks)  # every chunk has a layer
@@ -227,7 +266,8 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
           decoupled: bool = True, staggered: bool = True, recover: bool = True, max_failures: int = 2,
           plan_store: str | Path = "", store_progress: IO[str] | None = None, repartition: bool = False,
           repartition_prior_s: float = 1800.0, launch_options: LaunchOptions | None = None,
-          data_source: str | Callable[..., Any] | None = None, **options: Any) -> TrainResult:
+          data_source: str | Callable[..., Any] | None = None, split_microbatches: bool = False,
+          **options: Any) -> TrainResult:
     """Train `config`'s model on D x S worker processes and return the TrainResult (per-step metrics, recoveries).
 
     The run starts on `plan`, or on `select_plan(config, schedule, down=down, ...)`. With `recover` (the default) a
@@ -241,7 +281,8 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
     stages (see recycle.models.split) defined at the top level of an importable module or of the script being run:
     every worker process imports it by name. `data_source` (the same as [training] data_source) may be such a
     function (config) -> source, or its 'module:function' name: source(iteration, mb) returns (inputs, targets) (see
-    recycle.data.DataSource).
+    recycle.data.DataSource). `split_microbatches`: the planner may cut a failed worker's micro-batches into pieces
+    where that is faster (recycle.planner.split), for the start plan and the plans the run switches to.
     """
     from dataclasses import replace
 
@@ -257,12 +298,14 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
     if callable(factory):
         options["model_factory"] = factory_name(factory)
     if plan is None:
-        plan = select_plan(config, schedule, None, down, decoupled, staggered)
+        plan = select_plan(config, schedule, None, down, decoupled, staggered, split_microbatches)
     elif schedule or tuple(down):
         raise ConfigError("train() takes a plan or schedule=/down=, not both; drop one")
     launch_opts = with_keywords(launch_options or LaunchOptions(), options)
     check_runtime_chunks(config, plan, model_factory=launch_opts.model_factory, repartition=repartition,
                          chaos=launch_opts.faults.chaos is not None)
+    check_runtime_split(config, plan, split_microbatches=split_microbatches, model_factory=launch_opts.model_factory,
+                        repartition=repartition)
     if repartition and (launch_opts.model_factory or config.model.hf_config):
         raise ConfigError("--repartition moves layers of the built-in GPT between stages; a --model-factory or --hf "
                           "model's split is fixed. Drop one of the two")
@@ -276,7 +319,7 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
         from recycle.planner.options import PlannerOptions  # the API may use the planner; the runtime may not
         from recycle.planner.provider import RepartitioningProvider
 
-        planner_opts = PlannerOptions(decoupled=decoupled, staggered=staggered)
+        planner_opts = PlannerOptions(decoupled=decoupled, staggered=staggered, split_microbatches=split_microbatches)
         provider: PlanProvider = _plan_library(config, planner_opts, max_failures, plan_store, store_progress).lookup
         if repartition:
             provider = RepartitioningProvider(config, planner_opts, provider, prior_s=repartition_prior_s,

@@ -59,6 +59,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--no-search", action="store_true",
                         help="priority rules only: skip the local search that small instances above the lower "
                              "bound get (a fixed work budget: up to ~0.1 s per plan)")
+    parser.add_argument("--split-microbatches", action="store_true",
+                        help="also try cutting a failed worker's micro-batches into pieces shared equally by its "
+                             "stage's survivors; kept when the simulated period is strictly lower (meta.notes says)")
     parser.add_argument("--routing", choices=ROUTINGS, default="traffic",
                         help="failure sets no pipeline relabelling covers: plan the real layout so only failed "
                              "workers' micro-batches move (traffic, default) or relabel the key's canonical plan per "
@@ -89,7 +92,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 def _options(args: argparse.Namespace, config: Config) -> PlannerOptions:
     return api.planner_options(config, decoupled=not args.no_decouple, staggered=not args.no_stagger,
-                               memory_cap=args.memory_cap, search=not args.no_search)
+                               memory_cap=args.memory_cap, search=not args.no_search,
+                               split_microbatches=args.split_microbatches)
 
 
 def plan_summary(plan: Plan, config: Config, result: SimResult, options: PlannerOptions,
@@ -97,7 +101,8 @@ def plan_summary(plan: Plan, config: Config, result: SimResult, options: Planner
     """The numbers `recycle plan --json` prints: all timing from the simulator, bound and (with `compare`) the
     fault-free references; without `compare` those four fields are None."""
     S = plan.num_stages
-    moves = traffic(plan.host, plan.num_microbatches, plan.failed, plan.chunk_stages)
+    moves = traffic(plan.host, plan.num_microbatches, plan.failed, plan.chunk_stages,
+                    [plan.owner(mb) for mb in range(plan.num_microbatch_ids)])
     free = fault_free_period(config, options) if compare else None
     baseline = baseline_1f1b_period(config, options) if compare else None
     lb = plan.meta.lower_bound
@@ -155,7 +160,7 @@ def cross_node_messages(plan: Plan, config: Config) -> int:
     count = 0
     for s in range(plan.num_chunks - 1):  # consecutive stages, or chunks when chunked
         here, there = plan.host[s], plan.host[s + 1]
-        for mb in range(plan.total_microbatches):
+        for mb in range(plan.num_microbatch_ids):
             if node(plan.chunk_rank(here[mb], s)) != node(plan.chunk_rank(there[mb], s + 1)):
                 count += 2
     return count

@@ -97,6 +97,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--no-reshape", action="store_true",
                    help="ReCycle never reshapes into D' = live // S pipelines; it only re-routes on the D x S grid "
                         "(and restores from the checkpoint when a stage is lost)")
+    p.add_argument("--split-microbatches", action="store_true",
+                   help="ReCycle+ may cut a failed worker's micro-batches into pieces so every survivor of its stage "
+                        "carries an equal share, where the plan is strictly faster (ReCycle keeps whole ones)")
     p.set_defaults(func=run)
     return p
 
@@ -137,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
         result = simulate_trace(config, trace, systems=args.systems, gpus_per_node=args.gpus_per_node,
                                 replicas=args.replicas, slot_seconds=args.slot_seconds,
                                 period_model=args.period_model, reference=args.reference, costs=costs,
-                                progress=report, plan_cache=plan_cache)
+                                progress=report, plan_cache=plan_cache,
+                                split_microbatches=args.split_microbatches)
     cache = result.extra.get("plan_cache")
     if cache and (cache["hits"] or cache["misses"]):
         where = f"plan cache {cache['folder']}" if cache["folder"] else "plans (no cache on disk)"

@@ -59,6 +59,9 @@ def add_job_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help="total number of steps (default: [training] steps)")
     p.add_argument("--no-stagger", action="store_true", help="coupled optimizer: all stages step together")
     p.add_argument("--no-decouple", action="store_true", help="fused backward (no B/W split)")
+    p.add_argument("--split-microbatches", action="store_true",
+                   help="let the planner cut a failed worker's micro-batches into pieces shared equally by its "
+                        "stage's survivors, where that is faster (built-in GPT only; docs/planner.md)")
     p.add_argument("--save", help="write the final parameters (one state dict of the whole model) here: a .pt file, "
                                   "or safetensors when PATH ends in .safetensors")
     p.add_argument("--export-hf", default="", metavar="DIR",
@@ -252,7 +255,7 @@ def run_job(args: argparse.Namespace, place: CoordinatorPlace) -> int:
 
         check_model(config, args.model_factory)
     plan = select_plan(config, args.schedule, args.plan, args.down, decoupled=not args.no_decouple,
-                       staggered=not args.no_stagger)
+                       staggered=not args.no_stagger, split_microbatches=args.split_microbatches)
     faults, rejoins = _scripted_faults(args.inject, config.topology)
     _check_emulation_flags(args)
     if plan.failed:
@@ -272,7 +275,8 @@ def run_job(args: argparse.Namespace, place: CoordinatorPlace) -> int:
         result = train(config, plan, decoupled=not args.no_decouple, staggered=not args.no_stagger,
                        recover=not args.no_recover, max_failures=args.max_failures, plan_store=args.plan_store,
                        store_progress=sys.stdout, repartition=args.repartition,
-                       repartition_prior_s=args.repartition_prior_s, launch_options=options)
+                       repartition_prior_s=args.repartition_prior_s, launch_options=options,
+                       split_microbatches=args.split_microbatches)
     finally:
         if sink is not None:
             sink.close()

@@ -212,6 +212,8 @@ def complete_iteration(old: Plan, new: Plan, iteration: int, progress: Mapping[i
         return "the new plan has another shape"
     if new.partition != old.partition:
         return "the new plan moves layers between stages"
+    if old.pieces or new.pieces:  # the cells below are whole micro-batches: a split plan redoes the iteration
+        return "a plan splits micro-batches into pieces"
     alive = set(progress)
     if not alive <= set(old.live_ranks()):
         return "a worker outside the broken generation reported"

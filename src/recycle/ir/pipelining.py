@@ -31,6 +31,8 @@ def replica_problem(plan: Plan, replica: int) -> str:
     down = sorted(s for p, s in plan.failed if p == replica)
     if down:
         return f"worker(s) {', '.join(f'{replica}:{s}' for s in down)} of replica {replica} are down"
+    if plan.pieces:
+        return "the plan splits micro-batches into pieces, which the format's whole micro-batches cannot express"
     M = plan.num_microbatches
     for s, row in enumerate(plan.host):  # one row per stage (per chunk when chunked)
         for mb, host in enumerate(row):

@@ -13,6 +13,7 @@ from recycle.errors import PlanError
 from recycle.inputs import MIB, UnsafeJSON, read_input_text, strict_json_loads
 from recycle.ir.actions import Action, Kind
 from recycle.ir.chunks import CHUNK_LAYOUTS, MAX_CHUNKS, chunk_workers
+from recycle.ir.pieces import Piece, check_pieces, loss_weight, read_pieces
 
 __all__ = ["PlanMeta", "Plan", "derive_host", "read_plan", "MAX_PLAN_FILE_BYTES"]
 
@@ -68,6 +69,8 @@ class Plan:
     partition: tuple[int, ...] = ()
     chunks: int = 1
     chunk_layout: str = "interleaved"
+    pieces: tuple[Piece, ...] = ()
+    microbatch_size: int = 0  # samples of a whole micro-batch; set only with pieces
 
     # -- topology helpers -------------------------------------------------------------------------------------
     @property
@@ -102,9 +105,28 @@ class Plan:
         """The rank of the worker of `replica` that holds `chunk`."""
         return replica * self.num_stages + self.chunk_stages[chunk]
 
+    @property
+    def num_microbatch_ids(self) -> int:
+        """Micro-batch ids the plan runs per stage: D x M, plus the extra pieces of a split plan."""
+        return len(self.pieces) if self.pieces else self.num_replicas * self.num_microbatches
+
+    def source(self, mb: int) -> int:
+        """The data micro-batch (0 .. D x M - 1) that micro-batch id `mb` is (a piece of)."""
+        return self.pieces[mb].source if self.pieces else mb
+
     def owner(self, mb: int) -> int:
-        """The replica whose data shard micro-batch `mb` belongs to."""
-        return mb // self.num_microbatches
+        """The replica whose data shard micro-batch id `mb` belongs to (a piece's: its source's)."""
+        return self.source(mb) // self.num_microbatches
+
+    def work_fraction(self, mb: int) -> float:
+        """The share of a whole micro-batch's F, B and W that id `mb` costs: its samples / microbatch_size."""
+        return self.pieces[mb].samples / self.microbatch_size if self.pieces else 1.0
+
+    def loss_weight(self, mb: int) -> float:
+        """The factor of id `mb`'s mean token loss under the global-token rule (recycle.ir.pieces.loss_weight)."""
+        if not self.pieces:
+            return 1.0 / self.total_microbatches
+        return loss_weight(self.pieces[mb].samples, self.microbatch_size, self.total_microbatches)
 
     def live_replicas(self, stage: int) -> list[int]:
         return [p for p in range(self.num_replicas) if (p, stage) not in self.failed]
@@ -149,6 +171,9 @@ class Plan:
         if self.chunks > 1:  # likewise
             out["chunks"] = self.chunks
             out["chunk_layout"] = self.chunk_layout
+        if self.pieces:  # likewise
+            out["microbatch_size"] = self.microbatch_size
+            out["pieces"] = [p.to_list() for p in self.pieces]
         return out
 
     def to_json(self) -> str:
@@ -168,6 +193,7 @@ class Plan:
             meta = _read_meta(d.get("meta", {}))
             partition = _read_partition(d.get("partition", []), S)
             chunks, layout = _read_chunks(d.get("chunks", 1), d.get("chunk_layout", "interleaved"))
+            pieces, size = read_pieces(d.get("pieces", []), d.get("microbatch_size", 0), D * M)
             host = tuple(_int_row(row, f"host[{s}]") for s, row in enumerate(_list(d, "host")))
             actions = tuple(tuple(Action.parse(t) for t in _text(line, f"actions[{r}]").split())
                             for r, line in enumerate(_list(d, "actions")))
@@ -177,7 +203,8 @@ class Plan:
                 raise PlanError(f"plan field \"staggered\" = {staggered!r} must be true or false (JSON booleans, "
                                 "not strings)")
             return cls(num_replicas=D, num_stages=S, num_microbatches=M, host=host, actions=actions, failed=failed,
-                       staggered=staggered, meta=meta, partition=partition, chunks=chunks, chunk_layout=layout)
+                       staggered=staggered, meta=meta, partition=partition, chunks=chunks, chunk_layout=layout,
+                       pieces=pieces, microbatch_size=size)
         except PlanError as exc:
             if "regenerate" in str(exc):
                 raise
@@ -199,12 +226,16 @@ class Plan:
     def from_worker_lists(cls, num_replicas: int, num_stages: int, num_microbatches: int,
                           actions: Sequence[Iterable[Action]], failed: Iterable[tuple[int, int]] = (),
                           staggered: bool = False, meta: PlanMeta | None = None, chunks: int = 1,
-                          chunk_layout: str = "interleaved") -> "Plan":
+                          chunk_layout: str = "interleaved", pieces: Sequence[Piece] = (),
+                          microbatch_size: int = 0) -> "Plan":
         """Build a plan whose routing is read off the lists (the worker that runs F of mb at stage s hosts it)."""
         acts = tuple(tuple(a) for a in actions)
-        host = derive_host(num_replicas, num_stages, num_microbatches, acts, chunks)
+        if pieces:
+            check_pieces(pieces, microbatch_size, num_replicas * num_microbatches)
+        host = derive_host(num_replicas, num_stages, num_microbatches, acts, chunks, len(pieces))
         return cls(num_replicas, num_stages, num_microbatches, host, acts, frozenset(failed), staggered,
-                   meta or PlanMeta(), chunks=chunks, chunk_layout=chunk_layout)
+                   meta or PlanMeta(), chunks=chunks, chunk_layout=chunk_layout, pieces=tuple(pieces),
+                   microbatch_size=microbatch_size if pieces else 0)
 
 
 def _is_int(value: Any) -> bool:
@@ -321,10 +352,11 @@ def read_plan(path: str | Path, flag: str = "--plan") -> Plan:
 
 
 def derive_host(num_replicas: int, num_stages: int, num_microbatches: int,
-                actions: Sequence[Sequence[Action]], chunks: int = 1) -> tuple[tuple[int, ...], ...]:
+                actions: Sequence[Sequence[Action]], chunks: int = 1,
+                num_ids: int = 0) -> tuple[tuple[int, ...], ...]:
     """host[stage][mb] (one row per chunk when chunked) from the position of each forward; unrouted micro-batches
-    get -1 (the validator flags it)."""
-    total = num_replicas * num_microbatches
+    get -1 (the validator flags it). `num_ids`: a split plan's micro-batch ids (0: D x M)."""
+    total = num_ids or num_replicas * num_microbatches
     rows = num_stages * chunks
     host = [[-1] * total for _ in range(rows)]
     for rank, acts in enumerate(actions):

@@ -8,6 +8,7 @@ from typing import Iterable
 from recycle.errors import PlanError
 from recycle.ir.actions import Action, Kind
 from recycle.ir.dependencies import boundary, input_stage, producer, producer_kind
+from recycle.ir.pieces import check_pieces
 from recycle.ir.plan import Plan
 
 __all__ = ["validate_plan", "check_plan_matches", "format_grid", "dependencies", "opt_group"]
@@ -94,9 +95,10 @@ def validate_plan(plan: Plan) -> Plan:
 def _check_shape(plan: Plan) -> None:
     """Sizes, the routing table's shape, failed workers inside the topology, a live replica in every stage."""
     D, S, M = plan.num_replicas, plan.num_stages, plan.num_microbatches
-    total = D * M
+    total = plan.num_microbatch_ids
     if D < 1 or S < 1 or M < 1:
         raise PlanError(f"plan has num_replicas={D}, num_stages={S}, num_microbatches={M}; all must be >= 1")
+    check_pieces(plan.pieces, plan.microbatch_size, D * M)
     if len(plan.actions) != D * S:
         raise PlanError(f"plan has {len(plan.actions)} worker lists but D*S = {D * S}; give one list per worker")
     rows = plan.num_chunks
@@ -121,7 +123,7 @@ def _check_worker(plan: Plan, rank: int, seen: dict[tuple[Kind, int, int], tuple
             raise _fail(plan, f"worker ({replica},{stage}) is failed but has {len(acts)} actions; a failed "
                               "worker's list must be empty", [(rank, 0)])
         return
-    total = plan.num_replicas * plan.num_microbatches
+    total = plan.num_microbatch_ids
     pos: dict[tuple[Kind, int, int], int] = {}  # (kind, stage or chunk, mb) -> index in the list
     opts = [i for i, a in enumerate(acts) if a.kind is Kind.OPT]
     if len(opts) != 1 or opts[0] != len(acts) - 1:
@@ -188,7 +190,7 @@ def _check_coverage(plan: Plan, seen: dict[tuple[Kind, int, int], tuple[int, int
     D = plan.num_replicas
     for s in range(plan.num_chunks):
         w = plan.chunk_stage(s)  # the worker's stage index (s itself unless chunked)
-        for mb in range(D * plan.num_microbatches):
+        for mb in range(plan.num_microbatch_ids):
             h = plan.host[s][mb]
             if h < 0 or h >= D:
                 raise _fail(plan, f"micro-batch {mb} has no forward at stage {s} (host[{s}][{mb}] = {h}); every "

@@ -91,10 +91,11 @@ def read_worker_view(text: str | bytes, rank: int) -> Plan:
                            for k in ("num_replicas", "num_stages", "num_microbatches", "chunks"))
         if D * S * M * chunks > 1 << 26:
             raise ValueError(f"its shape {D} x {S} x {M} x {chunks} is too large")
-        host = [[mb // M for mb in range(D * M)] for _ in range(S * chunks)]
+        owners = [source // M for source in _sources(raw.get("pieces", []), D * M)]
+        host = [list(owners) for _ in range(S * chunks)]
         for entry in json_list(moved):
             s, mb, replica = json_list(entry)
-            if not (_index(s, S * chunks) and _index(mb, D * M) and _index(replica, D)):
+            if not (_index(s, S * chunks) and _index(mb, len(owners)) and _index(replica, D)):
                 raise ValueError(f"routing entry {entry!r} is outside the plan's shape")
             host[s][mb] = replica
         raw["host"], raw["actions"] = host, view_rows(raw, "view_actions", rank, D * S, "")
@@ -105,6 +106,16 @@ def read_worker_view(text: str | bytes, rank: int) -> Plan:
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise PlanError(f"worker {rank}'s view of the plan is malformed ({type(exc).__name__}: {exc}); the "
                         "coordinator and the workers must run the same recycle version") from None
+
+
+def _sources(pieces: Any, total: int) -> list[int]:
+    """The data micro-batch of every micro-batch id (a split plan's pieces; Plan.from_dict checks them in full)."""
+    if not pieces:
+        return list(range(total))
+    sources = [json_list(p)[0] for p in json_list(pieces)]
+    if not all(_index(source, total) for source in sources):
+        raise ValueError(f"a piece's micro-batch is outside [0, {total})")
+    return sources
 
 
 def _whole(value: Any) -> int:

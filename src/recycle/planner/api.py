@@ -63,6 +63,16 @@ def _period_makespan(plan: Plan, config: Config) -> tuple[float, float, str]:
     return settled.period, result.makespan, settled.note(result.period)
 
 
+def _split(plan: Plan, config: Config, options: PlannerOptions) -> Plan:
+    """The split plan (recycle.planner.split) when it is strictly faster than `plan`, else `plan` with a note; a
+    split plan's lower bound is the bound for pieces down to one sample."""
+    from recycle.planner.split import choose_split
+
+    key = plan.meta.failure_key or normalize(plan.failed, config.num_replicas, config.num_stages).key
+    return choose_split(plan, config, lambda candidate: _period_makespan(candidate, config),
+                        period_lower_bound(config, key, options))
+
+
 def _with_note(notes: str, note: str) -> str:
     return f"{notes}; {note}" if note else notes
 
@@ -99,6 +109,9 @@ def plan_for_key(config: Config, key: Sequence[int], options: PlannerOptions = P
     cached = _CACHE.get(cache_key)
     if cached is not None:
         return cached
+    if options.split_microbatches:
+        whole = plan_for_key(config, key, replace(options, split_microbatches=False), solver, time_limit_s)
+        return _remember(cache_key, _split(whole, config, options))
     if config.topology.chunks_per_worker > 1:
         return _remember(cache_key, _chunked(config, canonical_failed(key), options, solver))
 
@@ -150,6 +163,9 @@ def period_plan_for_key(config: Config, key: Sequence[int], options: PlannerOpti
     cached = _CACHE.get(full_key) or _CACHE.get(cache_key)
     if cached is not None:
         return cached
+    if options.split_microbatches:  # the whole plan's period-only path, then the split as plan_for_key tries it
+        whole = period_plan_for_key(config, key, replace(options, split_microbatches=False))
+        return _remember(cache_key, _split(whole, config, options) if any(key) else whole)
     # A plan that ended while its rules were ranked never reached the search: the same plan with or without it (a
     # replay plans a key with the search for ReCycle, then without it for ReCycle+'s screen of the configured
     # layout, and a screened partition again with it for the polish).
@@ -242,6 +258,9 @@ def plan_for_failed(config: Config, failed: frozenset[tuple[int, int]],
     cached = _CACHE.get(cache_key)
     if cached is not None:
         return cached
+    if options.split_microbatches:
+        whole = plan_for_failed(config, failed, replace(options, split_microbatches=False))
+        return _remember(cache_key, _split(whole, config, options))
     if config.topology.chunks_per_worker > 1:  # the chunked list scheduler plans real ranks itself
         return _remember(cache_key, _chunked(config, frozenset(failed), options, "heuristic"))
     plan = schedule_failed(config, failed, options)

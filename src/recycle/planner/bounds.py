@@ -12,7 +12,12 @@ from recycle.ir.costs import action_duration
 from recycle.planner.options import PlannerOptions
 from recycle.planner.routing import check_key
 
-__all__ = ["BoundParts", "bound_parts", "period_lower_bound"]
+__all__ = ["BoundParts", "bound_parts", "period_lower_bound", "split_unit"]
+
+
+def split_unit(config: Config, options: PlannerOptions) -> int:
+    """The pieces a micro-batch may be cut into under `options`: its samples with split_microbatches, else 1."""
+    return max(1, config.workload.microbatch_size) if options.split_microbatches else 1
 
 
 @dataclass(frozen=True)
@@ -47,8 +52,13 @@ def bound_parts(config: Config, key: Sequence[int], options: PlannerOptions = Pl
     c = config.costs
     comm = config.communication
     live = [D - k for k in key]
-    # Some live worker of stage s hosts at least q_s micro-batches: every micro-batch runs wholly on one worker.
-    q = [math.ceil(D * M / n) for n in live]
+    # Some live worker of stage s hosts at least q_s micro-batches: every micro-batch runs wholly on one worker. With
+    # split micro-batches the unit is one sample of a micro-batch's m: q_s = ceil(D*M*m / live) / m micro-batches'
+    # worth, and a chain through the stages may be a piece of one sample, 1/m of a micro-batch's F and B (its
+    # messages are priced whole). unit = 1 gives the whole-micro-batch bound bit for bit (x * 1.0 is x).
+    unit = split_unit(config, options)
+    q = [math.ceil(D * M * unit / n) / unit for n in live]
+    piece = 1.0 / unit
     fwd_t = list(c.forward)
     if options.decoupled:  # each backward may be split (B then W) or fused (BW), whichever the plan picks
         back_t = [min(c.backward_input[s] + c.backward_weight[s], c.backward_fused[s]) for s in range(S)]
@@ -59,10 +69,12 @@ def bound_parts(config: Config, key: Sequence[int], options: PlannerOptions = Pl
     opt = [action_duration(config, Kind.OPT, s, live[s]) for s in range(S)]
     p2p = [comm.p2p_time(s) for s in range(S)]
 
-    reach = [sum(fwd_t[j] + p2p[j] for j in range(s)) for s in range(S)]  # earliest first forward at stage s
-    tail = [sum(chain_t[j] + p2p[j] for j in range(s)) for s in range(S)]  # input-gradient from s back to stage 0
+    one_f = [f * piece for f in fwd_t]  # the F and the sending backward of the smallest unit (a whole micro-batch
+    one_b = [b * piece for b in chain_t]  # unless split)
+    reach = [sum(one_f[j] + p2p[j] for j in range(s)) for s in range(S)]  # earliest first forward at stage s
+    tail = [sum(one_b[j] + p2p[j] for j in range(s)) for s in range(S)]  # input-gradient from s back to stage 0
     # From the end of a forward at stage s to the arrival of its input-gradient back at stage s.
-    round_trip = [sum(fwd_t[j] + chain_t[j] for j in range(s + 1, S)) + 2 * sum(p2p[j] for j in range(s, S - 1))
+    round_trip = [sum(one_f[j] + one_b[j] for j in range(s + 1, S)) + 2 * sum(p2p[j] for j in range(s, S - 1))
                   for s in range(S)]
 
     chain = span = cycle = steady = 0.0
@@ -73,8 +85,8 @@ def bound_parts(config: Config, key: Sequence[int], options: PlannerOptions = Pl
         forward_and_b = q[s] * (fwd_t[s] + chain_t[s])
         to_stage0 = max(
             reach[s] + forward_and_b + tail[s],
-            reach[s] + q[s] * fwd_t[s] + round_trip[s] + chain_t[s] + tail[s],
-            reach[s] + fwd_t[s] + round_trip[s] + q[s] * chain_t[s] + tail[s],
+            reach[s] + q[s] * fwd_t[s] + round_trip[s] + one_b[s] + tail[s],
+            reach[s] + one_f[s] + round_trip[s] + q[s] * chain_t[s] + tail[s],
         )
         work = q[s] * (fwd_t[s] + back_t[s])
         steady = max(steady, work + opt[s])
@@ -101,6 +113,7 @@ def period_lower_bound(config: Config, key: Sequence[int], options: PlannerOptio
     at stage 0's last input-gradient. Staggered: the next iteration starts when stage 0 has stepped, which needs
     stage 0's last input-gradient (the same chains), and the busiest workers' work bounds the period as explained
     in BoundParts.cycle; in the settled regime every worker also repeats its whole work and step once per period.
-    Memory caps only make plans slower, so the bound ignores them.
+    Memory caps only make plans slower, so the bound ignores them. With options.split_microbatches it bounds split
+    plans too (pieces down to one sample; see bound_parts), and is then no higher than the whole-micro-batch bound.
     """
     return bound_parts(config, key, options).value

@@ -13,9 +13,12 @@ class PlannerOptions:
     memory_cap: max live micro-batches per worker, one entry per stage (None = the config's memory capacity,
     which is unlimited when capacity_bytes = 0); search: let the heuristic improve small instances left above the
     lower bound by a local search bounded by a work budget (recycle.planner.budget; False: the priority rules
-    only, the fastest)."""
+    only, the fastest); split_microbatches: where a stage's survivors carry unequal numbers of whole micro-batches,
+    also try cutting micro-batches into pieces of equal shares and keep that plan when it is strictly faster
+    (recycle.planner.split; off by default: split plans need the built-in GPT's runtime path)."""
 
     decoupled: bool = True
     staggered: bool = True
     memory_cap: tuple[int, ...] | None = None
     search: bool = True
+    split_microbatches: bool = False

@@ -11,7 +11,7 @@ from recycle.config import Config, parse_config
 from recycle.errors import ConfigError, PlanError
 from recycle.ir.plan import Plan
 from recycle.planner.api import make_plan, plan_for_key
-from recycle.planner.bounds import period_lower_bound
+from recycle.planner.bounds import period_lower_bound, split_unit
 from recycle.planner.budget import LIST_SCHEDULE_COST, WorkBudget
 from recycle.planner.failures import normalize
 from recycle.planner.options import PlannerOptions
@@ -283,12 +283,14 @@ class PartitionChoice:
                 "complete": self.complete}
 
 
-def _floor(config: Config, costs: LayerCosts, stage: int, n: int, live: int, decoupled: bool) -> float:
+def _floor(config: Config, costs: LayerCosts, stage: int, n: int, live: int, decoupled: bool,
+           unit: int = 1) -> float:
     """A value no larger than `period_lower_bound` of any partition giving `stage` n layers: its busiest live
-    worker's forwards and backwards (ceil(D*M/live) whole micro-batches) plus its step and all-reduce (the bound's
-    `steady_state` term, a hair lower for the byte rounding of `partition_config`). Grows with n."""
+    worker's forwards and backwards (ceil(D*M/live) whole micro-batches; ceil(D*M*unit/live)/unit with micro-batches
+    split into `unit` pieces) plus its step and all-reduce (the bound's `steady_state` term, a hair lower for the
+    byte rounding of `partition_config`). Grows with n."""
     D, M = config.num_replicas, config.num_microbatches
-    q = math.ceil(D * M / live)
+    q = math.ceil(D * M * unit / live) / unit
     fused = costs.value("backward_fused", stage, n)
     back = min(costs.value("backward_input", stage, n) + costs.value("backward_weight", stage, n), fused) \
         if decoupled else fused
@@ -330,7 +332,8 @@ def _below(config: Config, key: tuple[int, ...], ceiling: float, options: Planne
         for n in options_n:
             if not budget.afford(1):
                 return False
-            if _floor(config, costs, s, n, live[s], options.decoupled) >= ceiling or not _fits(config, costs, s, n):
+            floor = _floor(config, costs, s, n, live[s], options.decoupled, split_unit(config, options))
+            if floor >= ceiling or not _fits(config, costs, s, n):
                 continue  # larger n only raise the floor, but memory may still fail for a smaller one: go on
             if s == S - 1:
                 if not budget.afford(bound_work):
@@ -351,8 +354,9 @@ def _below(config: Config, key: tuple[int, ...], ceiling: float, options: Planne
 @dataclass(frozen=True)
 class PartitionBound:
     """The smallest lower bound on the period of any plan for `key` over every layer partition that fits in memory
-    (whole layers, whole micro-batches: `period_lower_bound` of each partition's config): no re-partitioned plan of
-    this cost model beats it. `exact` is False when the search stopped at its node limit."""
+    (whole layers, whole micro-batches: `period_lower_bound` of each partition's config; with
+    options.split_microbatches, micro-batches cut into pieces down to one sample): no re-partitioned plan of this
+    cost model beats it. `exact` is False when the search stopped at its node limit."""
 
     key: tuple[int, ...]
     partition: tuple[int, ...]
@@ -362,7 +366,8 @@ class PartitionBound:
 
 def partition_bound(config: Config, key: Sequence[int], options: PlannerOptions = PlannerOptions(),
                     limit: int = 200_000) -> PartitionBound:
-    """The best achievable period for `key` with whole layers and whole micro-batches (see PartitionBound)."""
+    """The best achievable period for `key` with whole layers and whole micro-batches, or pieces of micro-batches
+    with options.split_microbatches (see PartitionBound)."""
     key = check_key(config, key)
     costs = layer_costs(config)
     start = balanced_partition(config, key, costs)

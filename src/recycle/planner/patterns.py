@@ -92,7 +92,8 @@ def rename_replicas(plan: Plan, perm: tuple[int, ...], failed: frozenset[tuple[i
     """The same plan with replica c renamed perm[c] everywhere, micro-batches renamed with their owner (mb of
     owner c becomes the same-index mb of owner perm[c]): a pure symmetry of the problem, same validity and timing."""
     D, S, M = plan.num_replicas, plan.num_stages, plan.num_microbatches
-    rename = [perm[mb // M] * M + mb % M for mb in range(D * M)]
+    # A split plan's extra pieces keep their ids (their source micro-batch is renamed below).
+    rename = [perm[mb // M] * M + mb % M for mb in range(D * M)] + list(range(D * M, plan.num_microbatch_ids))
     actions: list[tuple[Action, ...]] | CompactActions
     if isinstance(plan.actions, CompactActions):
         actions = _rename_compact(plan.actions, perm, S, M)  # a large plan: rename its arrays, build no Action
@@ -104,12 +105,15 @@ def rename_replicas(plan: Plan, perm: tuple[int, ...], failed: frozenset[tuple[i
                                                  for a in plan.actions[c * S + s])
     host_rows = []
     for row in plan.host:
-        real = [0] * (D * M)
+        real = [0] * len(rename)
         for mb, c in enumerate(row):
             real[rename[mb]] = perm[c]
         host_rows.append(tuple(real))
+    pieces = list(plan.pieces)
+    for mb, piece in enumerate(plan.pieces):
+        pieces[rename[mb]] = replace(piece, source=rename[piece.source])
     return replace(plan, host=tuple(host_rows), actions=actions if isinstance(actions, CompactActions)
-                   else tuple(actions), failed=failed)
+                   else tuple(actions), failed=failed, pieces=tuple(pieces))
 
 
 def _rename_compact(actions: CompactActions, perm: tuple[int, ...], S: int, M: int) -> CompactActions:

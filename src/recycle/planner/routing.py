@@ -101,24 +101,26 @@ def failed_routing(config: Config, failed: frozenset[tuple[int, int]], slot_majo
 
 
 def traffic(host: Sequence[Sequence[int]], num_microbatches: int,
-            failed: frozenset[tuple[int, int]] = frozenset(), stage_of: Sequence[int] | None = None
-            ) -> dict[str, int]:
+            failed: frozenset[tuple[int, int]] = frozenset(), stage_of: Sequence[int] | None = None,
+            owners: Sequence[int] | None = None) -> dict[str, int]:
     """Off-pipeline work and cross-pipeline messages of one iteration under a routing.
 
     moved_microbatches: (stage, mb) pairs run off their own pipeline; moved_healthy: those whose own worker is alive
     (work that did not have to move); cross_pipeline_messages: forward activations and input-gradients sent
     between different pipelines (two per stage boundary a micro-batch crosses between hosts). A chunked plan's
     rows are its chunks; `stage_of[row]` is then the stage of the worker holding the chunk (Plan.chunk_stages).
+    `owners[mb]`: each micro-batch id's owner replica (a split plan's pieces: Plan.owner; None: mb // M).
     """
     M = num_microbatches
     moved = healthy = cross = 0
     S = len(host)
+    owner = list(owners) if owners is not None else [mb // M for mb in range(len(host[0]) if host else 0)]
     for s, row in enumerate(host):
         nxt = host[s + 1] if s + 1 < S else None
         for mb, p in enumerate(row):
-            if p != mb // M:
+            if p != owner[mb]:
                 moved += 1
-                if (mb // M, s if stage_of is None else stage_of[s]) not in failed:
+                if (owner[mb], s if stage_of is None else stage_of[s]) not in failed:
                     healthy += 1
             if nxt is not None and nxt[mb] != p:
                 cross += 2

@@ -49,14 +49,16 @@ class StoreEntry:
 def _options_dict(options: PlannerOptions) -> dict[str, Any]:
     return {"decoupled": options.decoupled, "staggered": options.staggered,
             "memory_cap": list(options.memory_cap) if options.memory_cap is not None else None,
-            "search": options.search}
+            "search": options.search,
+            **({"split_microbatches": True} if options.split_microbatches else {})}  # absent: old stores' bytes
 
 
 def _options_from(d: dict[str, Any]) -> PlannerOptions:
     cap = d.get("memory_cap")
     return PlannerOptions(decoupled=bool(d["decoupled"]), staggered=bool(d["staggered"]),
                           memory_cap=tuple(int(x) for x in cap) if cap is not None else None,
-                          search=bool(d.get("search", True)))
+                          search=bool(d.get("search", True)),
+                          split_microbatches=bool(d.get("split_microbatches", False)))
 
 
 def _plan_job(job: tuple[Config, tuple[int, ...], PlannerOptions, str, float]) -> tuple[tuple[int, ...], str, float]:

@@ -168,6 +168,8 @@ def _flatten(plan: Plan, config: Config) -> _Flat:
     stage_of = list(map(_STAGE_OF, flat))
     mb_of = list(map(_MB_OF, flat))
     dur = [duration_of[c][st] for c, st in zip(code, stage_of)]
+    if plan.pieces:  # a piece of n of a micro-batch's m samples computes n/m of its F, B and W (messages: unscaled)
+        dur = [d if c == _OPT else d * plan.work_fraction(mb) for d, c, mb in zip(dur, code, mb_of)]
     return _Flat(first, stop, code, stage_of, mb_of, dur, [c == _OPT for c in code], [_HELD_DELTA[c] for c in code])
 
 
@@ -259,7 +261,7 @@ class _Run:
         p2p, inter = self._links()
         node = self.config.topology.node
         dep_arr, msg_arr = flat_dependencies(f.code, f.stage_of, f.mb_of, f.first, f.stop, plan.num_stages,
-                                             plan.total_microbatches, p2p, inter,
+                                             plan.num_microbatch_ids, p2p, inter,
                                              [node(r) for r in range(plan.num_workers)])
         timer = build_level_timer(plan.num_workers, f.first, f.stop, f.is_opt, dep_arr, msg_arr, f.dur, self.groups,
                                   plan.staggered)
@@ -285,7 +287,7 @@ class _Run:
         if not self.dep:
             p2p, inter = self._links()
             self.dep, self.msg = _dependencies(f.code, f.stage_of, f.mb_of, f.first, f.stop, plan.num_chunks,
-                                               plan.total_microbatches, p2p, inter, self.config.topology.node)
+                                               plan.num_microbatch_ids, p2p, inter, self.config.topology.node)
         tokens = [str(a) for acts in plan.actions for a in acts] if self.record else []
         heads = [f.first[r] for r in self.live]
         for it in range(iterations):

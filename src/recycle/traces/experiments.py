@@ -165,11 +165,15 @@ def check_systems(systems: Sequence[str]) -> None:
 def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_NAMES,
             costs: JobCosts = JobCosts(), setup: JobSetup = JobSetup(), period_fn: PeriodFn | None = None,
             period_label: str = "", options: PlannerOptions = PlannerOptions(),
-            progress: Callable[[str], None] | None = None, plan_cache: PlanCache | None = None) -> JobResult:
+            progress: Callable[[str], None] | None = None, plan_cache: PlanCache | None = None,
+            split_microbatches: bool = False) -> JobResult:
     """Map the trace onto the job, build every requested system and replay them all. With `plan_cache` every plan
     and partition choice is made once per run and kept (validated on reading) across runs, and a reshape that
     cannot pay is ruled out by a bound before its key is planned; without it the planner's own in-process caches
-    serve and every weighed key is planned (the path before the plan cache existed: benchmarks compare the two)."""
+    serve and every weighed key is planned (the path before the plan cache existed: benchmarks compare the two).
+    `split_microbatches`: ReCycle+ plans with `PlannerOptions.split_microbatches` (a failed worker's micro-batches
+    cut into pieces where that is strictly faster; issue 26's "beyond ReCycle"); ReCycle's line stays the paper's
+    whole micro-batches."""
     check_systems(systems)
     check_replay(trace, setup.gpus_per_node, config.topology.gpus_per_worker, costs)
     # The runtime's layout rules need a returning machine to be the same unit (it restarts a worker in its slot).
@@ -179,29 +183,43 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
     _check_placement_grid(trace, config, setup.gpus_per_node, timeline)
     if setup.reference not in ("1f1b", "planner"):
         raise ConfigError(f"reference {setup.reference!r} is unknown; use 1f1b (the paper's) or planner")
+    given_period_fn = period_fn
     if period_fn is None:
         period_fn, period_label = make_period_fn(config, setup.period_model, options, setup.solver, plan_cache)
     floor = reference_period(config) if setup.reference == "1f1b" else None
-    bound = None
-    if plan_cache is not None and period_label.startswith("planner"):
+
+    def bound_for(opts: PlannerOptions) -> Callable[[tuple[int, ...]], float] | None:
+        if plan_cache is None or not period_label.startswith("planner"):
+            return None
         from recycle.planner.bounds import period_lower_bound
 
         # Reshapes that cannot pay are ruled out by this bound without planning their key (a hair under it: the
         # planner clamps float noise of its own bound to the period).
-        bound = lambda key: period_lower_bound(config, key, options) * (1 - 1e-9)  # noqa: E731
+        return lambda key: period_lower_bound(config, key, opts) * (1 - 1e-9)
+
     throughput = ThroughputModel(config, period_fn, seconds_per_unit(config, setup.slot_seconds), period_label,
-                                 floor_period=floor, period_bound=bound)
+                                 floor_period=floor, period_bound=bound_for(options))
+    plus_options, plus_throughput = options, throughput
+    if split_microbatches and (given_period_fn is not None or not period_label.startswith("planner")):
+        raise ConfigError(f"--split-microbatches needs the planner's periods, but the period source is "
+                          f"{period_label!r}; use --period-model planner (or auto), or drop --split-microbatches")
+    if split_microbatches:
+        # ReCycle+ alone gets its own rates (the configured layout's periods included) from split plans.
+        plus_options = replace(options, split_microbatches=True)
+        plus_fn, _ = make_period_fn(config, setup.period_model, plus_options, setup.solver, plan_cache)
+        plus_throughput = ThroughputModel(config, plus_fn, throughput.seconds_per_unit, f"{period_label}, split",
+                                          floor_period=floor, period_bound=bound_for(plus_options))
     if progress:
         progress(f"planning the fault-free state of {config.name} (D={config.num_replicas}, S={config.num_stages})")
     ctx = JobContext(config, throughput.fault_free(), throughput.seconds_per_unit, costs)
     partitions: PartitionModel | None = None
     skipped: dict[str, str] = {}
     if "recycle-plus" in systems:
-        partitions, why = _partition_model(config, throughput, options, period_label, plan_cache)
+        partitions, why = _partition_model(config, plus_throughput, plus_options, period_label, plan_cache)
         if why:
             skipped["recycle-plus"] = f"cannot re-partition: {why}"
             systems = [s for s in systems if s != "recycle-plus"]
-    built = _build_systems(systems, ctx, throughput, partitions)
+    built = _build_systems(systems, ctx, throughput, partitions, plus_throughput)
     result = replay_all(built, timeline, ctx, progress)
     policy = next((list(b.policy_log) for b in built if type(b) is ReCycleSystem), [])
     plus = next((list(b.policy_log) for b in built if b.name == "recycle-plus"), [])
@@ -216,6 +234,8 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
         "period_model": period_label,
         "reference": setup.reference,
         "keys_planned": throughput.keys_planned,
+        # Whether ReCycle+ planned with micro-batches split into pieces (run_job's split_microbatches).
+        "split_microbatches": plus_throughput is not throughput,
         "costs": costs.__dict__,
         "recycle_policy": [{"time_s": t, "policy": name, "detail": detail} for t, name, detail in policy],
         "recycle_plus_policy": [{"time_s": t, "policy": name, "detail": detail} for t, name, detail in plus],
@@ -248,13 +268,15 @@ def _partition_model(config: Config, throughput: ThroughputModel, options: Plann
 
 
 def _build_systems(systems: Sequence[str], ctx: JobContext, throughput: ThroughputModel,
-                   partitions: PartitionModel | None) -> list[SystemModel]:
-    """One system model per name, in order (`partitions`: ReCycle+'s PartitionModel, when it is asked for)."""
+                   partitions: PartitionModel | None,
+                   plus_throughput: ThroughputModel | None = None) -> list[SystemModel]:
+    """One system model per name, in order (`partitions`: ReCycle+'s PartitionModel, when it is asked for;
+    `plus_throughput`: ReCycle+'s own rates, when they differ from ReCycle's)."""
 
     def recycle_plus() -> SystemModel:
         from recycle.traces.repartition import ReCyclePlusSystem
 
-        return ReCyclePlusSystem(ctx, throughput, partitions)
+        return ReCyclePlusSystem(ctx, plus_throughput or throughput, partitions)
 
     builders: dict[str, Callable[[], SystemModel]] = {
         "recycle": lambda: ReCycleSystem(ctx, throughput),

@@ -72,8 +72,10 @@ class CacheStats:
 
 
 def _options_dict(options: PlannerOptions) -> dict[str, Any]:
+    # split_microbatches only when set: every entry made without it keeps its name.
     return {"decoupled": options.decoupled, "staggered": options.staggered, "search": options.search,
-            "memory_cap": list(options.memory_cap) if options.memory_cap is not None else None}
+            "memory_cap": list(options.memory_cap) if options.memory_cap is not None else None,
+            **({"split_microbatches": True} if options.split_microbatches else {})}
 
 
 def _config_hash(config: Config) -> str:
@@ -226,7 +228,8 @@ class PlanCache:
             raise _Rejected(f"its plan is invalid: {exc}") from None
         if plan.failed != canonical_failed(key) or tuple(plan.meta.failure_key) != key:
             raise _Rejected(f"its plan is for failed workers {sorted(plan.failed)}, not key {key}")
-        if plan.staggered != options.staggered or (options.memory_cap or ()) != tuple(plan.meta.memory_cap):
+        if plan.staggered != options.staggered or (options.memory_cap or ()) != tuple(plan.meta.memory_cap) or \
+                (plan.pieces and not options.split_microbatches):
             raise _Rejected("its plan was made under other options")
         if plan.meta.config_fingerprint != config.fingerprint():
             raise _Rejected("its plan was made for another config")
@@ -237,8 +240,14 @@ class PlanCache:
         except RecycleError as exc:
             raise _Rejected(f"its plan does not simulate: {exc}") from None
         caps = options.memory_cap
-        if caps is not None and any(peak > caps[rank % config.num_stages]
-                                    for rank, peak in enumerate(result.peak_activations)):
+        if plan.pieces:  # a piece holds its share of a slot (the simulator's count takes it whole)
+            from recycle.planner.split import within_cap
+
+            over = caps is not None and not within_cap(plan, caps)
+        else:
+            over = caps is not None and any(peak > caps[rank % config.num_stages]
+                                            for rank, peak in enumerate(result.peak_activations))
+        if over:
             raise _Rejected("its plan holds more micro-batches than the memory cap allows")
         period = result.period
         if not (math.isfinite(period) and period > 0):

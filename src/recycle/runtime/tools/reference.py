@@ -1,6 +1,7 @@
-"""Single-process reference training: the whole model, the same D*M micro-batches per step, loss scaled 1/(D*M)
-and summed, optional global-norm clipping, the configured optimizer, LR schedule and precision (bf16 autocast), and
-the held-out evaluations of [training] eval_every. Pipeline runs must end with the same parameters and losses."""
+"""Single-process reference training: the whole model, the same D*M micro-batches per step, each micro-batch's mean
+loss weighted by the global-token rule (recycle.ir.pieces.loss_weight: 1/(D*M) for whole micro-batches) and
+summed, optional global-norm clipping, the configured optimizer, LR schedule and precision (bf16 autocast), and the
+held-out evaluations of [training] eval_every. Pipeline runs must end with the same parameters and losses."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from recycle.config import Config
 from recycle.errors import ConfigError
+from recycle.ir.pieces import loss_weight
 from recycle.models.gpt import full_model
 from recycle.runtime.state.optim import make_optimizer
 from recycle.runtime.state.precision import autocast, weights_dtype
@@ -71,13 +73,14 @@ def reference_train(config: Config, steps: int | None = None, evaluations: dict[
     optimizer = make_optimizer(module, training)
     load = data_source(config)
     total = config.num_replicas * config.num_microbatches
+    weight = loss_weight(workload.microbatch_size, workload.microbatch_size, total)
     losses = []
     for step in range(steps):
         step_loss = 0.0
         for mb in range(total):
             tokens, targets = load(step, mb)
             with autocast(training.dtype):
-                loss = model(tokens, targets) * (1.0 / total)
+                loss = model(tokens, targets) * weight
             loss.backward()
             step_loss += float(loss.detach())
         if training.grad_clip > 0:

@@ -40,6 +40,9 @@ class ChunkedStageExecutor(StageExecutor):
     def set_plan(self, plan: Plan, comm: Comm | None = None) -> None:
         if plan.chunks < 2:
             raise ValueError(f"a chunked executor runs chunked plans; this one has {plan.chunks} chunk per worker")
+        if plan.pieces:
+            raise ValueError("a chunked plan cannot split micro-batches into pieces yet; plan without "
+                             "--split-microbatches")
         super().set_plan(plan, comm)
         held = set(self.chunk_set.chunk_ids)
         planned = {a.stage for a in self.actions if a.stage >= 0 and a.mb >= 0}
@@ -85,7 +88,7 @@ class ChunkedStageExecutor(StageExecutor):
         with autocast(self.precision, self.device):
             if last:
                 assert targets is not None
-                out = module(x, targets.to(self.device)) * self.scale
+                out = module(x, targets.to(self.device)) * self.plan.loss_weight(mb)
             else:
                 out = module(x)
         if last:

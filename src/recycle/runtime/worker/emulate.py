@@ -57,11 +57,14 @@ def pacing_seconds_per_unit(config: Config, emulation: Emulation) -> float:
 def action_cost(config: Config, plan: Plan, action: Action) -> float:
     """Duration of `action` in config units (recycle.ir.costs, the simulator's model). With a coupled optimizer every
     worker leaves the joint step when the slowest stage's OPT ends, so a coupled OPT lasts as long as the longest.
-    A chunked plan's F, B and W take 1/C of their worker's stage costs (the simulator's rule); OPT is the worker's."""
-    if action.kind is not Kind.OPT and plan.chunks > 1:
+    A chunked plan's F, B and W take 1/C of their worker's stage costs (the simulator's rule); OPT is the worker's.
+    A split plan's piece of n of a micro-batch's m samples takes n/m of its F, B and W (the simulator's rule)."""
+    if action.kind is not Kind.OPT:
+        fraction = plan.work_fraction(action.mb)  # 1.0 for whole micro-batches: x * 1.0 is x
         stage = plan.chunk_stage(action.stage)
-        return action_duration(config, action.kind, stage, len(plan.live_replicas(stage))) / plan.chunks
-    if action.kind is not Kind.OPT or plan.staggered:
+        whole = action_duration(config, action.kind, stage, len(plan.live_replicas(stage)))
+        return (whole / plan.chunks if plan.chunks > 1 else whole) * fraction
+    if plan.staggered:
         return action_duration(config, action.kind, action.stage, len(plan.live_replicas(action.stage)))
     return max(opt_duration(config, s, len(plan.live_replicas(s)))
                for s in range(plan.num_stages) if plan.live_replicas(s))

@@ -21,6 +21,7 @@ from recycle.runtime.state.optim import StageOptimizer, allreduce_grads, fill_mi
 from recycle.runtime.state.precision import autocast
 from recycle.runtime.state.rollback import StageSnapshot
 from recycle.runtime.state.stage_state import IterationPosition, StageState
+from recycle.runtime.worker.pieces import load_piece, piece_shape
 
 __all__ = ["StageExecutor", "IterationProgress", "IterationResult", "Comm", "Pacing", "ActionTiming", "dropout_seed"]
 
@@ -187,7 +188,6 @@ class StageExecutor:
         if self.pacing is not None:
             self.pacing.set_plan(plan)
         self.replica, self.stage = replica, stage
-        self.scale = 1.0 / plan.total_microbatches
         self.is_first = stage == 0
         self.is_last = stage == plan.num_stages - 1
         self.actions = plan.actions[self.rank]
@@ -362,8 +362,8 @@ class StageExecutor:
     # -- compute, one method per kind (easy to time or pad) -------------------------------------------------------
     def forward(self, action: Action) -> None:
         mb = action.mb
-        tokens, targets = self.load_microbatch(self.progress.iteration, mb) if (self.is_first or self.is_last) \
-            else (None, None)
+        tokens, targets = load_piece(self.load_microbatch, self.plan, self.progress.iteration, mb) \
+            if (self.is_first or self.is_last) else (None, None)
         if self.is_first:
             assert tokens is not None
             inp = None
@@ -377,7 +377,7 @@ class StageExecutor:
                 assert targets is not None
                 targets = targets.to(self.device)
                 loss = self.loss_fn(self.module(x), targets) if self.loss_fn else self.module(x, targets)
-                out = loss * self.scale
+                out = loss * self.plan.loss_weight(mb)  # the global-token rule (recycle.ir.pieces)
             else:
                 out = self.module(x)
         if self.is_last:
@@ -568,7 +568,7 @@ class StageExecutor:
             if shape is None:
                 raise RuntimeError(f"worker {self.replica}:{self.stage} has no {message.channel.name} shape to "
                                    f"receive {message}")
-            tensor = self.comm.recv(message, shape, self.dtype)
+            tensor = self.comm.recv(message, piece_shape(self.plan, message.mb, shape), self.dtype)
             if message == wanted:
                 return tensor
             self._parked[message] = tensor
