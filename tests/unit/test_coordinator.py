@@ -401,9 +401,11 @@ def test_only_a_worker_stuck_computing_is_hung() -> None:
                 1: Progress(5, "comm", 0.0),  # waiting on a peer for 20 s: the peer is the one to blame
                 2: Progress(9, "compute", 15.0),  # slow but moving
                 3: Progress(1, "idle", 0.0)}  # between steps (saving, waiting for an announcement)
-    assert hung_workers(progress, frozenset({0, 1, 2, 3}), now=20.0, limit_s=10.0) == [0]
-    assert hung_workers(progress, frozenset({1, 2, 3}), now=20.0, limit_s=10.0) == []
-    assert hung_workers(progress, frozenset({0}), now=20.0, limit_s=25.0) == []
+    seen = dict.fromkeys(progress, 20.0)  # each one's last beat read at 20 s
+    assert hung_workers(progress, seen, limit_s=10.0) == [0]
+    assert hung_workers(progress, {r: seen[r] for r in (1, 2, 3)}, limit_s=10.0) == []
+    assert hung_workers(progress, {0: 20.0}, limit_s=25.0) == []
+    assert hung_workers(progress, {0: 8.0}, limit_s=10.0) == []  # its last beat showed 8 s of that action
 
 
 def test_the_hang_limit_follows_the_run_speed_with_a_floor() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Union
+from typing import Iterable, Mapping, Union
 
 from recycle.ir.worker import Worker, workers_text
 from recycle.runtime.protocol.records import StoppedReport
@@ -48,11 +48,13 @@ def track_progress(previous: Progress | None, actions: int, phase: str, now: flo
     return Progress(actions, phase, now)
 
 
-def hung_workers(progress: dict[int, Progress], ranks: frozenset[int], now: float, limit_s: float) -> list[int]:
-    """The ranks whose main thread has been computing one action for longer than `limit_s` while their heartbeat
-    goes on. A worker waiting on a peer ("comm") is not hung (the peer may be); a slow worker still starts actions."""
-    return sorted(r for r in ranks if r in progress and progress[r].phase == "compute"
-                  and now - progress[r].since > limit_s)
+def hung_workers(progress: dict[int, Progress], seen: Mapping[int, float], limit_s: float) -> list[int]:
+    """The ranks whose main thread was seen computing one action for longer than `limit_s` while their heartbeat
+    went on: `seen[rank]` is when its last beat was read, and the action counts up to that beat, not up to now (a
+    worker frozen after its last beat is silent, not hung). A worker waiting on a peer ("comm") is not hung (the
+    peer may be); a slow worker still starts actions."""
+    return sorted(r for r, last in seen.items() if r in progress and progress[r].phase == "compute"
+                  and last - progress[r].since > limit_s)
 
 
 HANG_FLOOR_S = 10.0  # no automatic hang limit is shorter: a first action (allocation, warm-up) can take seconds

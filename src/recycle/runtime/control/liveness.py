@@ -65,8 +65,7 @@ class Liveness:
         heartbeat interval: steps shorter than that can run between two beats unseen. CI saw it: a first optimizer
         step of 2 s, two fast steps between beats, then the freeze.)"""
         last = {r: self.last_beat[r] for r in ranks if r in self.last_beat}
-        stuck = [r for r in last if r in self.progress and hung_workers(self.progress, frozenset({r}), last[r], limit_s)]
-        return [(r, last[r] - self.progress.pop(r).since) for r in sorted(stuck)]
+        return [(r, last[r] - self.progress.pop(r).since) for r in hung_workers(self.progress, last, limit_s)]
 
     def silent_nodes(self, now: float) -> list[tuple[int, float]]:
         """The node launchers silent past the timeout, with how long they have been; counted as fenced from now
