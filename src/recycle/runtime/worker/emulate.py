@@ -178,21 +178,22 @@ class CostPacer:
         """Run work that has no emulated cost (a completion's re-send of a logged tensor): its messages go out as
         soon as it ends. Held until the next paced action instead, a re-send would reach its consumer only after
         this worker's next receive, which may wait on that very consumer."""
+        self._held_unless_raised(work)
+        self.comm.release()
+
+    def _held_unless_raised(self, work: Callable[[], None]) -> None:
+        """Run `work`; if it raises, drop the messages it held: a failed action's messages must never reach a later
+        (recovered) transport."""
         try:
             work()
         except BaseException:
             self.comm.held.clear()
             raise
-        self.comm.release()
 
     def run(self, action: Action, work: Callable[[Action], None]) -> None:
         begin = self.clock()
         self.comm.start_action()
-        try:
-            work(action)
-        except BaseException:
-            self.comm.held.clear()  # a failed action's messages must never reach a later (recovered) transport
-            raise
+        self._held_unless_raised(lambda: work(action))
         done = self.clock()
         start = begin if self.emulated_end is None else min(begin, self.emulated_end)
         if self.comm.last_arrival is not None:
