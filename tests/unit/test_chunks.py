@@ -17,7 +17,7 @@ from recycle.ir.pipelining import pipelining_csv
 from recycle.ir.plan import Plan
 from recycle.ir.validate import validate_plan
 from recycle.planner.api import baseline_1f1b_period, make_plan, plan_for_key
-from recycle.planner.chunked import chunked_routing, schedule_chunked
+from recycle.planner.chunked import canonical_chunked_routing, chunked_routing, schedule_chunked
 from recycle.planner.options import PlannerOptions
 from recycle.sim.simulator import simulate
 
@@ -165,17 +165,24 @@ def test_a_dead_workers_chunks_go_to_the_same_chunks_on_its_peers(failed, layout
     assert plan.failed == frozenset(failed)
     for p, s in failed:
         assert plan.worker_actions(p, s) == ()
-        for v in worker_chunks(s, 4, 2, layout):
-            orphans = range(p * 4, (p + 1) * 4)
-            hosts = {plan.host[v][mb] for mb in orphans}
-            assert all((h, s) not in plan.failed for h in hosts)
-            assert len(hosts) == 3 - sum(1 for q, t in failed if t == s)  # dealt over every live peer
-    # only the failed workers' micro-batches move
-    for v, row in enumerate(plan.host):
-        s = plan.chunk_stage(v)
-        for mb, h in enumerate(row):
-            if (mb // 4, s) not in plan.failed:
-                assert h == mb // 4
+    if plan.meta.routing_fallback:
+        # A non-nested set whose canonical routing is faster (tests/unit/test_chunks_after_failures.py): it moves
+        # healthy micro-batches and says so.
+        assert plan.host == canonical_chunked_routing(config, frozenset(failed))
+        assert plan.meta.routing_fallback.startswith("canonical routing: period ")
+    else:
+        for p, s in failed:
+            for v in worker_chunks(s, 4, 2, layout):
+                orphans = range(p * 4, (p + 1) * 4)
+                hosts = {plan.host[v][mb] for mb in orphans}
+                assert all((h, s) not in plan.failed for h in hosts)
+                assert len(hosts) == 3 - sum(1 for q, t in failed if t == s)  # dealt over every live peer
+        # only the failed workers' micro-batches move
+        for v, row in enumerate(plan.host):
+            s = plan.chunk_stage(v)
+            for mb, h in enumerate(row):
+                if (mb // 4, s) not in plan.failed:
+                    assert h == mb // 4
     result = simulate(plan, config)
     assert max(result.peak_activations) <= 12
     assert plan.meta.predicted_period == result.period

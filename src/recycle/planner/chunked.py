@@ -16,11 +16,12 @@ from recycle.ir.plan import Plan, PlanMeta
 from recycle.ir.validate import validate_plan
 from recycle.planner.memory_cap import memory_cap
 from recycle.planner.options import PlannerOptions
-from recycle.planner.routing import failed_routing
+from recycle.planner.failures import normalize
+from recycle.planner.routing import balanced_routing, failed_routing, traffic
 from recycle.sim.simulator import SimResult, simulate
 
 __all__ = ["ChunkVariant", "CHUNK_VARIANTS", "FAILURE_VARIANTS", "ALL_CHUNK_VARIANTS", "chunk_caps", "chunked_routing",
-           "list_schedule_chunked", "schedule_chunked", "chunked_lower_bound"]
+           "canonical_chunked_routing", "list_schedule_chunked", "schedule_chunked", "chunked_lower_bound"]
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,14 @@ class ChunkVariant:
     # When a forward and a backward are both ready, run the kind the worker did not run last (a steady F, B, W
     # rhythm per worker instead of bursts of backwards that starve the next chunk's forwards).
     alternate: bool = False
+    # Greedy rules (no reserve) keep `guard` of the cap for later chunks: a forward that opens a micro-batch on a
+    # worker (its first chunk there) starts only while the worker holds fewer than cap - guard activations.
+    guard: int = 0
 
     @property
     def name(self) -> str:
         return (f"f-{self.forward_order}/b-{self.backward_order}" + (f"/w{self.w_first_at}" if self.w_first_at else "")
-                + ("/alternate" if self.alternate else "") + ("/reserve" if self.reserve else ""))
+                + ("/alternate" if self.alternate else "") + ("/reserve" if self.reserve else "") + (f"/guard{self.guard}" if self.guard else ""))
 
 
 # Every combination (160 rules, 320 with reserve); the sweeps that chose the sets below tried the ones they name.
@@ -94,6 +98,18 @@ FAILURE_VARIANTS = (
     ChunkVariant("ready", "ready", w_first_at=1 << 20),
     ChunkVariant("deep", "ready", w_first_at=2, reserve=True),
     ChunkVariant("mb", "mb", reserve=True),
+    # Greedy rules that keep one chunk activation of the cap for later chunks (`guard`): a greedy cover of the 120
+    # guard-1 rules (every forward and backward order, W threshold 0-2, alternating or not; no reserve) over a
+    # sweep held out from benchmarks/bench_chunks.py (D x S x M in 4x4x8, 3x5x5, 4x6x6, 2x4x8, 3x4x8, 4x5x10; one
+    # and two random failures, seed 7; unit and F=2 B=3 W=1 costs; V layout, coupled, a cap of S full-stage
+    # activations), in the order picked, each gaining at least one time unit over the sweep (the sum of the 24
+    # periods 1,460.5 -> 1,424.5; every rule here, all 3 routings and the canonical one: 1,423). Where reserve
+    # holds a micro-batch's deep chunks' room from its admission on, the guard holds one slot for all of them.
+    ChunkVariant("deep", "deep", alternate=True, guard=1),
+    ChunkVariant("deep", "round", alternate=True, guard=1),
+    ChunkVariant("ready", "round", w_first_at=1, guard=1),
+    ChunkVariant("deep", "mb", w_first_at=1, alternate=True, guard=1),
+    ChunkVariant("ready", "deep", alternate=True, guard=1),
 )
 
 
@@ -127,6 +143,20 @@ def chunked_routing(config: Config, failed: frozenset[tuple[int, int]], slot_maj
         rows.append(tuple(h if (mb // M, w) not in failed else live[(live.index(h) + shift) % len(live)]
                           for mb, h in enumerate(per_stage[w])))
     return tuple(rows)
+
+
+def canonical_chunked_routing(config: Config, failed: frozenset[tuple[int, int]]) -> tuple[tuple[int, ...], ...]:
+    """host[chunk][mb]: the one-chunk planner's canonical routing of the failure set's key (`balanced_routing`),
+    relabelled onto the real ranks per stage like `FailureState.to_real`, every chunk taking its worker's row.
+
+    For a nested failure set this is `chunked_routing`'s deal renamed; otherwise it also moves healthy micro-batches
+    through other pipelines' workers of the same stage (what `make_plan` falls back to for one chunk when faster).
+    """
+    t = config.topology
+    state = normalize(failed, t.num_replicas, t.num_stages)
+    canonical = balanced_routing(config.one_chunk(), state.key)
+    real = [tuple(state.perm[s][c] for c in row) for s, row in enumerate(canonical)]
+    return tuple(real[w] for w in chunk_workers(t.num_stages, t.chunks_per_worker, t.chunk_layout))
 
 
 def list_schedule_chunked(config: Config, failed: frozenset[tuple[int, int]], host: Sequence[Sequence[int]],
@@ -194,8 +224,16 @@ def list_schedule_chunked(config: Config, failed: frozenset[tuple[int, int]], ho
     reserved = [0] * n
     entries = sorted({rank(0, mb) for mb in range(total)})  # the workers that run chunk 0
 
+    opening = {}  # (rank, mb) -> the micro-batch's first chunk on that worker
+    if variant.guard:
+        for v in range(V - 1, -1, -1):
+            for mb in range(total):
+                opening[(rank(v, mb), mb)] = v
+
     def admissible(r: int, item: tuple[float, Kind, int, int]) -> bool:
         if not variant.reserve:
+            if variant.guard and opening[(r, item[3])] == item[2]:
+                return held[r] < limit[r] - variant.guard
             return held[r] < limit[r]
         if item[2] > 0:
             return True  # reserved when the micro-batch was admitted
@@ -319,32 +357,35 @@ def schedule_chunked(config: Config, failed: Iterable[tuple[int, int]] = (),
                      variants: Sequence[ChunkVariant] | None = None) -> Plan:
     """The best plan over the variants (default: CHUNK_VARIANTS, with FAILURE_VARIANTS too when workers failed) and
     three routings (chunked_routing: orphans in id order, in slot order, and in id order rotated per chunk), by
-    simulated period, then the lower peak. `caps` (chunk activations per stage) overrides the options' cap (chunk_caps);
-    the plan is validated and its meta carries the simulator's period and makespan."""
+    simulated period, then the lower peak. A non-nested failure set also tries the key's canonical routing
+    relabelled per stage (canonical_chunked_routing), taken only when its period is strictly lower; it moves healthy
+    micro-batches, and the plan's meta.routing_fallback says so (as make_plan's one-chunk fall-back does). `caps`
+    (chunk activations per stage) overrides the options' cap (chunk_caps); the plan is validated and its meta
+    carries the simulator's period and makespan."""
     failed_set = frozenset(failed)
     if variants is None:
         variants = CHUNK_VARIANTS + FAILURE_VARIANTS if failed_set else CHUNK_VARIANTS
     if caps is None:
         caps = chunk_caps(config, options)
     routings = [chunked_routing(config, failed_set)]
+    canonical: tuple[tuple[int, ...], ...] | None = None
     if failed_set:
         for other in (chunked_routing(config, failed_set, slot_major=True),
                       chunked_routing(config, failed_set, rotate=True)):
             if other not in routings:
                 routings.append(other)
-    best: tuple[tuple[float, int], Plan, SimResult] | None = None
-    errors = []
-    for host in routings:
-        for variant in variants:
-            try:
-                plan = list_schedule_chunked(config, failed_set, host, options.decoupled, options.staggered, caps,
-                                             variant)
-            except PlanError as exc:
-                errors.append(str(exc))
-                continue
-            result = simulate(plan, config)
-            if best is None or _rank_key(result) < best[0]:
-                best = (_rank_key(result), plan, result)
+        if not normalize(failed_set, config.num_replicas, config.num_stages).symmetric:
+            canonical = canonical_chunked_routing(config, failed_set)
+            canonical = canonical if canonical not in routings else None
+    errors: list[str] = []
+    best = _best_schedule(config, failed_set, options, caps, variants, routings, errors)
+    fallback = ""
+    if canonical is not None:
+        other = _best_schedule(config, failed_set, options, caps, variants, [canonical], errors)
+        if other is not None and (best is None or other[2].period < best[2].period - 1e-9):
+            fallback = (_fallback_reason(config, other, best, failed_set) if best is not None else
+                        "canonical routing: no rule fits the cap on the traffic-aware routings")
+            best = other
     if best is None:
         raise PlanError(f"no chunked schedule fits the memory cap: {errors[0]}")
     _, plan, result = best
@@ -352,8 +393,43 @@ def schedule_chunked(config: Config, failed: Iterable[tuple[int, int]] = (),
     key = tuple(sum(1 for p in range(config.num_replicas) if (p, s) in failed_set)
                 for s in range(config.num_stages))
     cap_full = memory_cap(config, options)
+    notes = (f"chunked list schedule, {config.topology.chunks_per_worker} chunks per worker "
+             f"({config.topology.chunk_layout} layout), rule {plan.meta.notes}")
     return plan.with_meta(failure_key=key, predicted_period=result.period, predicted_makespan=result.makespan,
                           lower_bound=chunked_lower_bound(config, failed_set, options), status="FEASIBLE",
                           memory_cap=cap_full or (), config_fingerprint=config.fingerprint(),
-                          notes=f"chunked list schedule, {config.topology.chunks_per_worker} chunks per worker "
-                                f"({config.topology.chunk_layout} layout), rule {plan.meta.notes}")
+                          routing_fallback=fallback,
+                          notes=notes + ("; canonical routing: faster than traffic-aware" if fallback else ""))
+
+
+_Scored = tuple[tuple[float, int], Plan, SimResult]
+
+
+def _best_schedule(config: Config, failed: frozenset[tuple[int, int]], options: PlannerOptions,
+                   caps: Sequence[int] | None, variants: Sequence[ChunkVariant],
+                   routings: Sequence[Sequence[Sequence[int]]], errors: list[str]) -> _Scored | None:
+    """The best (rank key, plan, simulation) over every rule and routing; rules that stall add to `errors`."""
+    best: _Scored | None = None
+    for host in routings:
+        for variant in variants:
+            try:
+                plan = list_schedule_chunked(config, failed, host, options.decoupled, options.staggered, caps,
+                                             variant)
+            except PlanError as exc:
+                errors.append(str(exc))
+                continue
+            result = simulate(plan, config)
+            if best is None or _rank_key(result) < best[0]:
+                best = (_rank_key(result), plan, result)
+    return best
+
+
+def _fallback_reason(config: Config, chosen: _Scored, traffic_best: _Scored, failed: frozenset[tuple[int, int]]
+                     ) -> str:
+    """Why the canonical routing was taken, in make_plan's words: both periods and the healthy work it moves."""
+    plan = chosen[1]
+    faster, period = chosen[2].period, traffic_best[2].period
+    moved = traffic(plan.host, config.num_microbatches, failed, stage_of=plan.chunk_stages)["moved_healthy"]
+    return (f"canonical routing: period {faster:g} beats the traffic-aware plan's {period:g} "
+            f"({100 * (period - faster) / faster:.1f} % slower), at the price of moving {moved} healthy "
+            "(chunk, micro-batch) pairs off their pipeline")
