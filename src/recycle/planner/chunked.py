@@ -14,9 +14,9 @@ from recycle.ir.chunks import chunk_workers
 from recycle.ir.costs import action_duration
 from recycle.ir.plan import Plan, PlanMeta
 from recycle.ir.validate import validate_plan
+from recycle.planner.failures import normalize
 from recycle.planner.memory_cap import memory_cap
 from recycle.planner.options import PlannerOptions
-from recycle.planner.failures import normalize
 from recycle.planner.routing import balanced_routing, failed_routing, traffic
 from recycle.sim.simulator import SimResult, simulate
 
@@ -55,7 +55,8 @@ class ChunkVariant:
     @property
     def name(self) -> str:
         return (f"f-{self.forward_order}/b-{self.backward_order}" + (f"/w{self.w_first_at}" if self.w_first_at else "")
-                + ("/alternate" if self.alternate else "") + ("/reserve" if self.reserve else "") + (f"/guard{self.guard}" if self.guard else ""))
+                + ("/alternate" if self.alternate else "") + ("/reserve" if self.reserve else "")
+                + (f"/guard{self.guard}" if self.guard else ""))
 
 
 # Every combination (160 rules, 320 with reserve); the sweeps that chose the sets below tried the ones they name.
@@ -100,11 +101,12 @@ FAILURE_VARIANTS = (
     ChunkVariant("mb", "mb", reserve=True),
     # Greedy rules that keep one chunk activation of the cap for later chunks (`guard`): a greedy cover of the 120
     # guard-1 rules (every forward and backward order, W threshold 0-2, alternating or not; no reserve) over a
-    # sweep held out from benchmarks/bench_chunks.py (D x S x M in 4x4x8, 3x5x5, 4x6x6, 2x4x8, 3x4x8, 4x5x10; one
-    # and two random failures, seed 7; unit and F=2 B=3 W=1 costs; V layout, coupled, a cap of S full-stage
-    # activations), in the order picked, each gaining at least one time unit over the sweep (the sum of the 24
-    # periods 1,460.5 -> 1,424.5; every rule here, all 3 routings and the canonical one: 1,423). Where reserve
-    # holds a micro-batch's deep chunks' room from its admission on, the guard holds one slot for all of them.
+    # sweep held out from benchmarks/bench_chunks.py (benchmarks/chunk_guard_sweep.py: D x S x M in 4x4x8, 3x5x5,
+    # 4x6x6, 2x4x8, 3x4x8, 4x5x10; one and two random failures, seed 7; unit and F=2 B=3 W=1 costs; V layout,
+    # coupled, a cap of S full-stage activations; the guard rules on the id-order routing and the canonical one),
+    # in the order picked, each gaining at least one time unit over the sweep (the sum of the 24 best periods:
+    # 1,460.5 without guard rules, 1,424.5 with these five, 1,423 with all 120). Where reserve holds a
+    # micro-batch's deep chunks' room from its admission on, the guard holds one slot for all of them.
     ChunkVariant("deep", "deep", alternate=True, guard=1),
     ChunkVariant("deep", "round", alternate=True, guard=1),
     ChunkVariant("ready", "round", w_first_at=1, guard=1),
@@ -149,8 +151,9 @@ def canonical_chunked_routing(config: Config, failed: frozenset[tuple[int, int]]
     """host[chunk][mb]: the one-chunk planner's canonical routing of the failure set's key (`balanced_routing`),
     relabelled onto the real ranks per stage like `FailureState.to_real`, every chunk taking its worker's row.
 
-    For a nested failure set this is `chunked_routing`'s deal renamed; otherwise it also moves healthy micro-batches
-    through other pipelines' workers of the same stage (what `make_plan` falls back to for one chunk when faster).
+    Micro-batch ids keep their owners, so this also moves healthy micro-batches through other pipelines' workers of
+    the same stage (what `make_plan` falls back to for one chunk when that is faster); `schedule_chunked` tries it
+    for non-nested failure sets only.
     """
     t = config.topology
     state = normalize(failed, t.num_replicas, t.num_stages)
@@ -224,7 +227,7 @@ def list_schedule_chunked(config: Config, failed: frozenset[tuple[int, int]], ho
     reserved = [0] * n
     entries = sorted({rank(0, mb) for mb in range(total)})  # the workers that run chunk 0
 
-    opening = {}  # (rank, mb) -> the micro-batch's first chunk on that worker
+    opening: dict[tuple[int, int], int] = {}  # (rank, mb) -> the micro-batch's first chunk on that worker
     if variant.guard:
         for v in range(V - 1, -1, -1):
             for mb in range(total):
