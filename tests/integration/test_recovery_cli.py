@@ -34,17 +34,28 @@ def free_port() -> int:
 
 
 def worker_pids(launcher_pid: int) -> list[int]:
-    """The launcher's worker processes (spawned interpreters), in start order (= rank order)."""
-    found = []
+    """The launcher's worker processes, in rank order: its descendants (children under spawn, grandchildren under
+    forkserver) named 'recycle R:S', sorted by (R, S)."""
+    parent, name = {}, {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes()
+            text = stat.read_text()
         except OSError:
             continue
-        if int(fields[1]) == launcher_pid and b"spawn_main" in cmdline:
-            found.append(int(stat.parent.name))
-    return sorted(found)
+        pid = int(stat.parent.name)
+        parent[pid] = int(text.rsplit(")", 1)[1].split()[1])
+        name[pid] = text[text.index("(") + 1:text.rindex(")")]
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parent.get(pid, 0)
+            if pid == launcher_pid:
+                return True
+        return False
+
+    workers = {pid: tuple(map(int, title.split()[1].split(":"))) for pid, title in name.items()
+               if title.startswith("recycle ") and descends(pid)}
+    return sorted(workers, key=workers.__getitem__)
 
 
 def wait_for_line(process: subprocess.Popen, prefix: str, lines: list[str]) -> None:
@@ -79,7 +90,7 @@ def test_an_outside_kill_9_is_survived(tmp_path: Path, tiny_config_file) -> None
     config_file = tiny_config_file(steps=8)
     save = tmp_path / "final.pt"
     launcher = subprocess.Popen([sys.executable, "-m", "recycle", "train", "--config", str(config_file),
-                                 "--save", str(save), *PACED], cwd=ROOT, stdout=subprocess.PIPE,
+                                 "--save", str(save), "--start-method", "spawn", *PACED], cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     try:

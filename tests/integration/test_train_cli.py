@@ -28,7 +28,7 @@ def test_train_checkpoint_and_exact_resume(config_file: Path, tmp_path: Path) ->
     ck, full, resumed, metrics = tmp_path / "ck", tmp_path / "full.pt", tmp_path / "resumed.pt", tmp_path / "m.jsonl"
     run = subprocess.run([sys.executable, "-m", "recycle", "train", "--config", str(config_file),
                           "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--save", str(full),
-                          "--metrics", str(metrics)], cwd=ROOT, capture_output=True, text=True, timeout=150)
+                          "--metrics", str(metrics), "--start-method", "spawn"], cwd=ROOT, capture_output=True, text=True, timeout=150)
     assert run.returncode == 0, run.stderr
     assert "step 3/3 loss" in run.stdout
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -232,3 +232,17 @@ def test_the_coordinator_place_and_the_coordinator_command_refuse_bad_input(cli_
     for flag in (["--inject", "kill:1:1@3"], ["--chaos", "1,0.1"], ["--respawn-after", "1"], ["--emulate-costs"]):
         line = cli_error(["coordinator", "--config", config, *flag])
         assert f"{flag[0]} acts on a node's own workers, and `recycle coordinator` runs none" in line, line
+
+
+def test_the_start_method_comes_from_the_flag_then_the_environment_and_a_bad_one_is_one_error_line(
+        cli_error, monkeypatch) -> None:
+    import argparse
+
+    from recycle.commands.train import start_method
+
+    assert start_method(argparse.Namespace(start_method=None), {}) == "spawn"
+    assert start_method(argparse.Namespace(start_method=None), {"RECYCLE_START_METHOD": "forkserver"}) == "forkserver"
+    assert start_method(argparse.Namespace(start_method="spawn"), {"RECYCLE_START_METHOD": "forkserver"}) == "spawn"
+    monkeypatch.setenv("RECYCLE_START_METHOD", "fork")
+    line = cli_error(["train", "--config", "configs/tiny-gpt.toml"])
+    assert "RECYCLE_START_METHOD='fork' is not a start method" in line and "spawn, forkserver" in line, line

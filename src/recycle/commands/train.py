@@ -17,7 +17,7 @@ from recycle.ir.worker import workers_text
 from recycle.runtime.control.cluster_env import NodeRole, resolve_role
 from recycle.runtime.options import (REDO_POLICIES, STAGE_LOSS_POLICIES, START_METHODS, CheckpointOptions, ClusterOptions,
                                      CoordinatorPlace, DebugOptions, FaultOptions, LaunchOptions, OutputOptions,
-                                     RecoveryOptions, hosts_coordinator)
+                                     RecoveryOptions, StartMethod, hosts_coordinator)
 from recycle.runtime.tools.chaos import parse_chaos
 from recycle.runtime.tools.faults import FaultInjection, parse_fault, parse_rejoin
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 # The launcher and the emulation pull in torch: they are imported in run(), so `recycle train --help` starts fast.
 
-__all__ = ["register", "run", "run_job", "select_plan", "node_role", "coordinator_place",
+__all__ = ["register", "run", "run_job", "select_plan", "node_role", "coordinator_place", "start_method",
            "DEFAULT_CHECKPOINT_EVERY"]  # select_plan: recycle.api's
 
 DEFAULT_CHECKPOINT_EVERY = 10  # steps; a restore loses at most this many
@@ -172,9 +172,10 @@ def add_cluster_options(p: argparse.ArgumentParser, coordinator: bool = False) -
                               "separate = in a `recycle coordinator` process at --master-addr:--master-port, so that "
                               "node 0 is an ordinary training node whose loss the run survives (env: "
                               "RECYCLE_COORDINATOR)")
-    p.add_argument("--start-method", choices=START_METHODS, default="spawn",
-                   help="how workers start: spawn (fresh interpreter each) or forkserver (torch imported once per "
-                        "launcher process; faster for repeated launches)")
+    p.add_argument("--start-method", choices=START_METHODS, default=None,
+                   help="how workers start: spawn (fresh interpreter each; default) or forkserver (torch imported "
+                        "once per launcher process: workers and replacements start in a fraction of the time; env: "
+                        "RECYCLE_START_METHOD)")
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -225,6 +226,15 @@ def coordinator_place(args: argparse.Namespace, env: Mapping[str, str]) -> Coord
         raise ConfigError(f"RECYCLE_COORDINATOR={place!r} is not a coordinator place; use node0 (node 0's launcher "
                           "runs it) or separate (a `recycle coordinator` process does)")
     return place  # type: ignore[return-value]  # checked just above
+
+
+def start_method(args: argparse.Namespace, env: Mapping[str, str]) -> StartMethod:
+    """--start-method, else RECYCLE_START_METHOD, else spawn."""
+    method = args.start_method or env.get("RECYCLE_START_METHOD", "") or "spawn"
+    if method not in START_METHODS:
+        raise ConfigError(f"RECYCLE_START_METHOD={method!r} is not a start method; use one of "
+                          f"{', '.join(START_METHODS)} (or unset it for spawn)")
+    return method  # type: ignore[return-value]  # checked just above
 
 
 def run(args: argparse.Namespace) -> int:
@@ -317,7 +327,7 @@ def _launch_options(args: argparse.Namespace, role: NodeRole, faults: list[tuple
                                  coordinator_grace_s=args.coordinator_grace, redo=args.redo),
         cluster=ClusterOptions(master_addr=role.master_addr, master_port=role.master_port, nnodes=role.nnodes,
                                node_rank=role.node_rank, token=read_token(_checked_token_file(args.token_file)),
-                               start_method=args.start_method, coordinator=place),
+                               start_method=start_method(args, os.environ), coordinator=place),
         faults=FaultOptions(injections=tuple(faults), rejoins=tuple(rejoins), respawn_after_s=args.respawn_after,
                             chaos=parse_chaos(args.chaos) if args.chaos else None),
         debug=DebugOptions(emulation=Emulation(DEFAULT_SLOT_MS if args.slot_ms is None else args.slot_ms,
