@@ -268,7 +268,7 @@ class _Cluster:
                                    coordinator="self"))
         self.workers = _NoLocalWorkers(JobStore(self.store))
         self.supervisor = Supervisor(config, self.base, options, self.store, self.workers, 0, END_STEP, time.time(),
-                                     self.server, feed=self.server.data.subscribe(Supervisor.FEED_PREFIXES))
+                                     self.server, feed=Supervisor.subscribe(self.server.data))
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._supervise, daemon=True, name="coordinator")
         live = self.base.live_ranks()

@@ -17,7 +17,7 @@ from recycle.ir.worker import Worker
 from recycle.ir.worker_view import PlanViews
 from recycle.runtime.control.coordinator import (AbortGeneration, Announce, Command, Coordinator, Drain, FailRun, Fence,
                                                  MarkLatest, Move, RecoveryFacts, Respawn, describe_exit, hang_limit_s)
-from recycle.runtime.control.liveness import Liveness
+from recycle.runtime.control.liveness import NODE_BEATS, Liveness, node_beats_from
 from recycle.runtime.control.node_steps import HeldSteps
 from recycle.runtime.control.processes import WorkerProcesses, node_ranks
 from recycle.runtime.control.reporter import (ChaosEvent, EvalMetrics, EventSink, GenerationRecords, MetricsFile,
@@ -30,7 +30,7 @@ from recycle.runtime.protocol.channels import (Channel, Channels, Flags, JobStor
                                                worker_fence_prefix)
 from recycle.runtime.protocol.records import Announcement, FaultRecord, RecordError, StepRows
 from recycle.runtime.protocol.store import StoreServer
-from recycle.runtime.protocol.store.data import Feed
+from recycle.runtime.protocol.store.data import Feed, KeyValue
 from recycle.runtime.state import checkpoint
 from recycle.runtime.tools.chaos import ChaosMonkey
 from recycle.runtime.worker.process import EXIT_FENCED
@@ -61,6 +61,12 @@ class Supervisor:
     # The keys whose writes the loop learns from the store's feed rather than by polling each worker's key.
     FEED_PREFIXES = (b"metrics/", b"node_metrics/", b"stopped/", b"resumed/", b"exit/", b"silent/", b"join/", b"ckpt/",
                      b"eval/")
+
+    @classmethod
+    def subscribe(cls, data: KeyValue) -> Feed:
+        """The feed the loop needs from the store it serves (the node launchers' heartbeats noted without waking
+        it: Liveness looks at them at its own pace); subscribe before any node can write."""
+        return data.subscribe(cls.FEED_PREFIXES, quiet=(NODE_BEATS,))
 
     def __init__(self, config: Config, plan: Plan, options: LaunchOptions, store: Any, workers: WorkerProcesses,
                  start_step: int, end_step: int, wall0: float, server: StoreServer | None = None,
@@ -99,7 +105,7 @@ class Supervisor:
         self.exited: set[int] = set()
         self.pids: dict[int, int | None] = {r: workers.pid(r) for r in workers.ranks}
         self.liveness = Liveness(self.jobs, options.cluster.watched_nodes, options.recovery.heartbeat_s,
-                                 options.recovery.heartbeat_timeout_s)
+                                 options.recovery.heartbeat_timeout_s, node_beats_from(feed))
         # Tests only: ranks whose process the launcher must not kill (as if its node could not be reached).
         self.unfenceable = {int(r) for r in os.environ.get("RECYCLE_TEST_UNFENCEABLE", "").split(",") if r.strip()}
         self.pending: _PendingRecovery | None = None  # the recovery being completed
@@ -141,8 +147,7 @@ class Supervisor:
         self.remote = sorted((set(self.remote) | rebuilt.live) - self.local)
         for rank in rebuilt.live:
             self.liveness.admit(rank, now)  # silence counts from the restart
-        for node in self.options.cluster.watched_nodes:
-            self.liveness.node_last_beat[node] = now
+        self.liveness.nodes_seen(now)
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> tuple[list[StepMetrics], list[Recovery], frozenset[tuple[int, int]]]:
