@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import multiprocessing as mp
@@ -196,7 +197,7 @@ class _NoLocalWorkers(WorkerProcesses):
         self.ticks += 1
         self.busy_cpu_s += time.thread_time() - self.tick_started_cpu
         if self.profile_wanted and self.profiler is None:
-            self.profiler = cProfile.Profile()
+            self.profiler = cProfile.Profile(time.thread_time)  # CPU time: wall time under load is the others'
             self.profiler.enable()
         elif not self.profile_wanted and self.profiler is not None:
             self.profiler.disable()
@@ -205,6 +206,29 @@ class _NoLocalWorkers(WorkerProcesses):
         else:
             time.sleep(timeout_s)
         self.tick_started_cpu = time.thread_time()
+
+
+class GcClock:
+    """CPU time this process spends in Python's cyclic garbage collector, by generation (in whichever thread an
+    allocation set it off: the supervisor's, or the store server's)."""
+
+    def __init__(self) -> None:
+        self.cpu_s = [0.0, 0.0, 0.0]
+        self.collections = [0, 0, 0]
+        self._started: dict[int, float] = {}
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        ident = threading.get_ident()
+        if phase == "start":
+            self._started[ident] = time.thread_time()
+        elif ident in self._started:
+            generation = info["generation"]
+            self.cpu_s[generation] += time.thread_time() - self._started.pop(ident)
+            self.collections[generation] += 1
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
 
 
 def _thread_cpu_s(thread: threading.Thread) -> float:
@@ -384,9 +408,13 @@ def _steady(cluster: _Cluster, seconds: float) -> dict[str, Any]:
     steps0 = cluster.supervisor.reporter.steps_reported
     assert server._thread is not None
     cpu0, server_cpu0, wall0 = _thread_cpu_s(cluster.thread), _thread_cpu_s(server._thread), time.perf_counter()
+    process0 = time.process_time()  # this thread only sleeps meanwhile: the rest is the coordinator's process
+    collector = GcClock()
     time.sleep(seconds)
+    collector.close()
     wall = time.perf_counter() - wall0
     cpu, server_cpu = _thread_cpu_s(cluster.thread) - cpu0, _thread_cpu_s(server._thread) - server_cpu0
+    process = time.process_time() - process0
     ticks = workers.ticks - ticks0
     remote, local = server.requests - requests0, cluster.store.calls - calls0
     served = remote + local
@@ -408,6 +436,8 @@ def _steady(cluster: _Cluster, seconds: float) -> dict[str, Any]:
         "window_s": wall, "store_ops_per_s": served / wall, "offered_store_ops_per_s": offered,
         "coordinator_store_ops_per_s": local / wall,
         "coordinator_cpu_fraction": cpu / wall, "store_server_cpu_fraction": server_cpu / wall,
+        "coordinator_process_cpu_fraction": process / wall if cluster.settings.standins else None,
+        "gc_cpu_fraction": sum(collector.cpu_s) / wall, "gc_collections": collector.collections,
         "coordinator_ticks_per_s": ticks / wall,
         # The server thread's CPU per request it served, and so the cores the protocol's requests would take it.
         "store_server_us_per_request": 1e6 * server_cpu / remote if remote else None,
@@ -433,7 +463,7 @@ def _profile(cluster: _Cluster, seconds: float, top: int = 22) -> str:
     stats.sort_stats("cumulative").print_stats(r"recycle|json", top)
     stats.sort_stats("tottime").print_stats(8)
     workers.profiler = None
-    return (f"cProfile of the supervisor thread over {seconds:g} s ({ticks} ticks; divide ncalls and cumtime by it "
+    return (f"cProfile (thread CPU time) of the supervisor thread over {seconds:g} s ({ticks} ticks; divide ncalls and cumtime by it "
             "for one tick), the recycle calls by cumulative time, then every call by own time:\n" + out.getvalue())
 
 
@@ -618,6 +648,8 @@ ROWS = [
     ("steady: stand-ins behind their schedule", "stand_in_lag", ""),
     ("steady: coordinator's own store calls/s", "coordinator_store_ops_per_s", ""),
     ("steady: coordinator CPU (fraction of a core)", "coordinator_cpu_fraction", ""),
+    ("steady: its process (+ store server, GC) CPU", "coordinator_process_cpu_fraction", ""),
+    ("steady: of which the garbage collector", "gc_cpu_fraction", ""),
     ("steady: coordinator CPU per tick", "coordinator_cpu_ms_per_tick", " ms"),
     ("steady: coordinator ticks/s", "coordinator_ticks_per_s", ""),
     ("steady: store server thread CPU (fraction)", "store_server_cpu_fraction", ""),

@@ -3,6 +3,7 @@ and hands steps and recoveries to the reporter."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -28,7 +29,7 @@ from recycle.runtime.control.worker_table import WorkerRow, replacement_line
 from recycle.runtime.options import LaunchOptions
 from recycle.runtime.protocol.channels import (Channel, Channels, Flags, JobStore, Keys, launcher_fence_prefix,
                                                worker_fence_prefix)
-from recycle.runtime.protocol.records import Announcement, FaultRecord, RecordError, StepRows
+from recycle.runtime.protocol.records import Announcement, FaultRecord, NodeSteps, RecordError, StepRows
 from recycle.runtime.protocol.store import StoreServer
 from recycle.runtime.protocol.store.data import Feed, KeyValue
 from recycle.runtime.state import checkpoint
@@ -42,6 +43,16 @@ R = TypeVar("R")
 
 
 TICK_MIN_S = 0.01  # the supervisor's loop, while nothing fails: what it adds at most to noticing a failure
+
+
+def _freeze_long_lived(collect: bool = False) -> None:
+    """Move every object alive now (the plan and its views' sources: at 16,384 workers millions) out of the cyclic
+    collector's reach. The loop allocates a node's step records per step and node, thousands a second at scale, and
+    each full collection would walk the plan again. What is frozen is still freed by reference counting (plans and
+    records hold no cycles); `collect` first (at the start, not on a recovery's path)."""
+    if collect:
+        gc.collect()
+    gc.freeze()
 
 
 @dataclass(frozen=True)
@@ -153,6 +164,7 @@ class Supervisor:
     def run(self) -> tuple[list[StepMetrics], list[Recovery], frozenset[tuple[int, int]]]:
         # Woken by the feed (a record or flag written), a local worker's exit, or else at the liveness checks' pace.
         idle_s = min(0.25, max(0.02, self.options.recovery.heartbeat_s / 2))
+        _freeze_long_lived(collect=True)
         while True:
             tick = time.monotonic()
             self._take_feed()
@@ -200,11 +212,14 @@ class Supervisor:
 
     def _take_node_steps(self, step: int, node: int, seq: int) -> None:
         """A node launcher's records of `step` that came in since its previous look (each key is written once)."""
+        key = Keys.node_metrics(step, node, seq)
+        raw = self.store.try_get(key)
         try:
-            batch = self.jobs.read(Channels.NODE_METRICS, step, node, seq)
+            # Its values are checked when the step is gathered, once for all of its nodes (_drain).
+            batch = NodeSteps.read_unchecked(raw) if raw is not None else None
         except RecordError:
             batch = None  # only the job's processes can write; a record of another version is no report
-        self.store.delete_key(Keys.node_metrics(step, node, seq))  # read once, like the workers' own records
+        self.store.delete_key(key)  # read once, like the workers' own records
         ranks = self.held.add(batch, self.plan.rank, self.coordinator.next_step) if batch is not None else []
         if ranks:
             self.arrived.setdefault(step, set()).update(ranks)
@@ -424,6 +439,7 @@ class Supervisor:
         # A step redone in the new generation is recorded again.
         self._forget_arrivals_from(facts.redo_step, facts.generation)
         self.pending = _PendingRecovery(facts, choice, time.time(), command.live)
+        _freeze_long_lived()
 
     def _completion(self, facts: RecoveryFacts, plan: Plan) -> tuple[RecoveryFacts, Completion | None]:
         """With --redo lost: how the survivors finish the interrupted iteration keeping their work (ir.completion),
@@ -548,11 +564,19 @@ class Supervisor:
             if not members or not self.arrived.get(step, set()).issuperset(members):
                 return
             held = self.held.get(step)
-            found = (held.get(rank) or self._own_record(step, rank) for rank in members)
+            found = list(map(held.get, members))  # (one C pass: at scale every record came through its node)
+            if None in found:
+                found = [pick or self._own_record(step, rank) for rank, pick in zip(members, found)]
             picks = [pick for pick in found if pick is not None]
             if len(picks) < len(members):
                 return
-            records = StepRows.gather(picks)
+            try:
+                records = StepRows.gather(picks)
+            except RecordError:
+                # A node's batch holds a value of another version: left out like any such record, so the step
+                # waits for its ranks as if that batch had never come.
+                self.arrived[step].difference_update(self.held.drop_unreadable(step))
+                return
             self.arrived.pop(step, None)
             self.held.pop(step)
             metrics = self.reporter.step_metrics(step, records)
