@@ -9,7 +9,14 @@ Run: .venv/bin/python benchmarks/bench_control_plane.py --ranks 1024 [--ranks 40
 Measured per size, on one coordinator process (store server thread + supervisor thread) and --standins processes:
 - detect_to_announce_s: a worker's exit flag raised by its node launcher (the launcher sees a SIGKILL at once) ->
   the coordinator's announcement of the next generation is in the store; median over --failures. Broken down into
-  flag -> abort, abort -> last stopped report, plan provider, plan to JSON + store, announcement.
+  flag -> abort, abort -> last stopped report, plan provider, plan to JSON + store, announcement. End to end: it
+  includes the stand-ins seeing the abort and writing every survivor's stop report, which on this machine compete
+  with the coordinator for the same cores (a real survivor writes one report from its own process).
+- coordinator_announce_s: the coordinator's own part of it, timed on what landed in the store (LandedClock): the
+  exit flag in the store -> the abort written, plus the last survivor's stop report in the store -> the
+  announcement (reading the reports, the plan provider, each worker's plan view, the announcement). The store
+  server's work to take in the reports is left out of it (it is in the end-to-end figure, and in
+  store_server_cpu_fraction's per-request cost); coordinator_announce_without_plan_s leaves out the plan provider.
 - silent_detect_to_announce_s: a worker frozen (its heartbeat stops) -> announcement, minus the heartbeat timeout
   (the part the control plane adds to the timeout); node_detect_to_announce_s: a whole node silent, the same.
 - join_s: the repaired node's replacements say they are ready -> the announcement that admits them (it waits for
@@ -19,8 +26,11 @@ Measured per size, on one coordinator process (store server thread + supervisor 
   when the stand-ins cannot keep up on this machine, the first is below the second (`stand_in_lag`).
 - coordinator_cpu_fraction: the supervisor thread's CPU time over the same window (pthread CPU clock), as a
   fraction of one core, and per tick; store_server_cpu_fraction likewise for the store's network thread, its CPU
-  per request served and so the cores the protocol's requests would take it (store_server_cores_asked).
-- --profile: cProfile of the supervisor thread over a second steady window (which calls dominate a tick).
+  per request served and so the cores the protocol's requests would take it (store_server_cores_asked);
+  coordinator_process_cpu_fraction, the whole coordinator process (supervisor, store server, garbage collector;
+  the benchmark's own thread sleeps meanwhile), and gc_cpu_fraction, the collector's share of it.
+- --profile: cProfile (thread CPU time) of the supervisor thread over a second steady window (which calls dominate
+  a tick).
 The plan provider re-routes a failed worker's micro-batches to its stage's survivors straight in the IR (no search):
 its time is reported apart (plan_s) and is not the control plane's.
 The last line is one JSON object {"runs": [...]}, one entry per --ranks value.
@@ -54,7 +64,7 @@ from recycle.ir.actions import Action, Kind  # noqa: E402
 from recycle.runtime.control.processes import WorkerProcesses, node_ranks  # noqa: E402
 from recycle.runtime.control.supervisor import Supervisor  # noqa: E402
 from recycle.runtime.options import ClusterOptions, LaunchOptions, RecoveryOptions  # noqa: E402
-from recycle.runtime.protocol.channels import JobStore, Keys, host_store, new_token  # noqa: E402
+from recycle.runtime.protocol.channels import Flags, JobStore, Keys, host_store, new_token  # noqa: E402
 from recycle.runtime.protocol.records import Announcement, from_json  # noqa: E402
 from recycle.runtime.protocol.store import LocalStore, StoreServer  # noqa: E402
 from recycle.runtime.protocol.store.data import KeyValue  # noqa: E402
@@ -231,6 +241,41 @@ class GcClock:
         gc.callbacks.remove(self._on_gc)
 
 
+class LandedClock:
+    """When each exit flag, silence flag and stop report landed in the store (the store's own feed, read by a
+    thread of this process that does nothing else): what the coordinator could see, and from when. The thread wakes
+    on the first key of a burst, so a time can be late by a switch of Python's GIL (5 ms at most)."""
+
+    PREFIXES = (b"exit/", b"silent/", b"stopped/")
+
+    def __init__(self, server: StoreServer) -> None:
+        self.feed = server.data.subscribe(self.PREFIXES)
+        self.landed: dict[bytes, float] = {}
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="landed-clock")
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            mp_connection.wait([self.feed], timeout=0.2)
+            keys = self.feed.drain()
+            now = time.time()
+            for key in keys:
+                self.landed.setdefault(key, now)
+
+    def first(self, key: str) -> float | None:
+        return self.landed.get(key.encode())
+
+    def last_under(self, prefix: str) -> float | None:
+        start = prefix.encode()
+        return max((t for key, t in list(self.landed.items()) if key.startswith(start)), default=None)
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(2.0)
+        self.feed.close()
+
+
 def _thread_cpu_s(thread: threading.Thread) -> float:
     assert thread.ident is not None
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
@@ -293,6 +338,7 @@ class _Cluster:
         self.workers = _NoLocalWorkers(JobStore(self.store))
         self.supervisor = Supervisor(config, self.base, options, self.store, self.workers, 0, END_STEP, time.time(),
                                      self.server, feed=Supervisor.subscribe(self.server.data))
+        self.landed = LandedClock(self.server)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._supervise, daemon=True, name="coordinator")
         live = self.base.live_ranks()
@@ -393,6 +439,7 @@ class _Cluster:
             process.join(10.0)
         self.store.stopping.set()
         self.thread.join(10.0)
+        self.landed.close()
         self.server.close()
 
 
@@ -509,7 +556,11 @@ def _failure(cluster: _Cluster, rank: int, command: str) -> dict[str, Any]:
     _, _, events = cluster.stats()
     noticed = [e["time"] for e in events if e["kind"] == "stopped" and e["generation"] == generation]
     sent = [e["time"] for e in events if e["kind"] == "reports_sent" and e["generation"] == generation]
+    flag = cluster.landed.first(Keys.exited(rank) if command == "kill" else Flags.SILENT.name(rank))
+    reports = cluster.landed.last_under(Keys.stopped(generation, 0).rsplit("/", 1)[0] + "/")
     return {"rank": rank, "failed_at": reply.get("time", reply.get("last_beat")), "announced": when,
+            "flag_landed": flag if flag is not None else abort,
+            "last_report_landed": reports if reports is not None else abort,
             "generation": announced, "abort": abort, "noticed": max(noticed, default=abort),
             "reports_sent": max(sent, default=abort), "plan_start": plan_start, "plan_end": plan_end,
             "plan_stored": max((t for k, t in written.items() if k.startswith(f"gen{announced}/plan/")), default=when)}
@@ -572,12 +623,26 @@ def _phases(row: dict[str, Any]) -> str:
             f"{row['plan_start'] - sent:.3f} s later)")
 
 
+def _coordinator_part(row: dict[str, Any]) -> float:
+    return (row["abort"] - row["flag_landed"]) + (row["announced"] - row["last_report_landed"])
+
+
 def _failure_summary(exits: list[dict[str, Any]], silent: list[dict[str, Any]], timeout_s: float) -> dict[str, Any]:
     def med(key: Callable[[dict[str, Any]], float], rows: list[dict[str, Any]]) -> float | None:
         return _median([key(r) for r in rows])
 
     return {
         "detect_to_announce_s": med(lambda r: r["announced"] - r["failed_at"], exits),
+        # The coordinator's own part: from the exit flag in the store to its abort, plus from the last stop report
+        # in the store to the announcement (reading the reports, the plan provider, the views, the announcement).
+        # Left out: the survivors seeing the abort and writing their reports (stand-ins on this machine's cores).
+        "coordinator_announce_s": med(_coordinator_part, exits),
+        "coordinator_announce_max_s": max(map(_coordinator_part, exits), default=None),
+        "coordinator_announce_without_plan_s": med(
+            lambda r: _coordinator_part(r) - (r["plan_end"] - r["plan_start"]), exits),
+        "flag_landed_to_abort_s": med(lambda r: r["abort"] - r["flag_landed"], exits),
+        "abort_to_last_report_landed_s": med(lambda r: r["last_report_landed"] - r["abort"], exits),
+        "last_report_landed_to_announce_s": med(lambda r: r["announced"] - r["last_report_landed"], exits),
         "detect_to_announce_max_s": max((r["announced"] - r["failed_at"] for r in exits), default=None),
         "failures": len(exits),
         "flag_to_abort_s": med(lambda r: r["abort"] - r["failed_at"], exits),
@@ -631,6 +696,12 @@ def _fmt(value: Any, unit: str = "") -> str:
 ROWS = [
     ("failure (exit flag) -> announce, median", "detect_to_announce_s", " s"),
     ("  ... max", "detect_to_announce_max_s", " s"),
+    ("coordinator's own part (flag in store -> abort", "coordinator_announce_s", " s"),
+    ("  + last report in store -> announce), median", "coordinator_announce_max_s", " s max"),
+    ("  ... of which not the plan provider", "coordinator_announce_without_plan_s", " s"),
+    ("  flag in the store -> abort written", "flag_landed_to_abort_s", " s"),
+    ("  abort -> the last stop report in the store", "abort_to_last_report_landed_s", " s"),
+    ("  last stop report in the store -> announced", "last_report_landed_to_announce_s", " s"),
     ("  flag -> abort written (detection)", "flag_to_abort_s", " s"),
     ("  abort -> plan asked (every stopped report read)", "abort_to_plan_s", " s"),
     ("    abort -> the last stand-in sees it", "abort_seen_s", " s"),
