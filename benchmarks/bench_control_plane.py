@@ -696,8 +696,8 @@ def _fmt(value: Any, unit: str = "") -> str:
 ROWS = [
     ("failure (exit flag) -> announce, median", "detect_to_announce_s", " s"),
     ("  ... max", "detect_to_announce_max_s", " s"),
-    ("coordinator's own part (flag in store -> abort", "coordinator_announce_s", " s"),
-    ("  + last report in store -> announce), median", "coordinator_announce_max_s", " s max"),
+    ("the coordinator's own part of it, median", "coordinator_announce_s", " s"),
+    ("  ... max", "coordinator_announce_max_s", " s"),
     ("  ... of which not the plan provider", "coordinator_announce_without_plan_s", " s"),
     ("  flag in the store -> abort written", "flag_landed_to_abort_s", " s"),
     ("  abort -> the last stop report in the store", "abort_to_last_report_landed_s", " s"),

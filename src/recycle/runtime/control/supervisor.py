@@ -87,6 +87,7 @@ class Supervisor:
         self.server = server
         self.plan_at_start = plan
         self.published: dict[int, list[str]] = {}  # generation -> its per-worker keys (plan and completion views)
+        self.views: PlanViews | None = None  # the last generation's plan views
         self.workers = workers
         self.end_step, self.wall0 = end_step, wall0
         self.local = frozenset(workers.ranks)  # ranks this node starts (and restarts)
@@ -150,7 +151,8 @@ class Supervisor:
                 self._fail("the restarted coordinator found workers down and has no plan provider for that state")
             self.plan = self.options.plan_provider(failed).plan
         if rebuilt.generation > 0:
-            self._publish_views(rebuilt.generation, Keys.plan_view, PlanViews(self.plan), self.plan)
+            self.views = PlanViews(self.plan)
+            self._publish_views(rebuilt.generation, Keys.plan_view, self.views, self.plan)
         self.start_step = rebuilt.next_step
         self.next_eval = self._first_eval(rebuilt.next_step)
         self.last_chaos_step = rebuilt.next_step
@@ -164,6 +166,8 @@ class Supervisor:
     def run(self) -> tuple[list[StepMetrics], list[Recovery], frozenset[tuple[int, int]]]:
         # Woken by the feed (a record or flag written), a local worker's exit, or else at the liveness checks' pace.
         idle_s = min(0.25, max(0.02, self.options.recovery.heartbeat_s / 2))
+        if self.views is None:
+            self.views = PlanViews(self.plan).prepare()  # off a recovery's path: its views reuse these tokens
         _freeze_long_lived(collect=True)
         while True:
             tick = time.monotonic()
@@ -423,7 +427,8 @@ class Supervisor:
         self._execute(self.coordinator.on_plan_chosen(plan.live_ranks()))
         if facts.restore_step is not None:
             self._forget_steps_from(facts.restore_step, facts.generation)
-        self._publish_views(facts.generation, Keys.plan_view, PlanViews(plan), plan)
+        self.views = PlanViews(plan, self.views)  # (the tokens of every worker whose list is unchanged: reused)
+        self._publish_views(facts.generation, Keys.plan_view, self.views, plan)
         facts, completion = self._completion(facts, plan)
         if completion is not None:
             self._publish_views(facts.generation, Keys.completion_view, CompletionViews(completion), plan)
