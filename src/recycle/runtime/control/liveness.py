@@ -105,7 +105,7 @@ class Liveness:
         seen.update(dict.fromkeys(beaten, now))
         due, timeout, silent = self._node_due, self.timeout_s, []
         while due and now - due[0][0] > timeout:
-            pushed, node = heapq.heappop(due)
+            _, node = heapq.heappop(due)
             if now - seen[node] > timeout:
                 silent.append(node)
             else:
