@@ -43,8 +43,9 @@ class PlanViews:
         # Without host and actions: to_dict would encode every action token of the plan, half the cost, to drop it.
         whole = replace(plan, host=(), actions=()).to_dict()
         del whole["host"], whole["actions"]
-        moved = [[s, mb, replica] for s, row in enumerate(plan.host) for mb, replica in enumerate(row)
-                 if replica != plan.owner(mb)]
+        owners = [plan.owner(mb) for mb in range(len(plan.host[0]))] if plan.host else []  # (once, not per stage)
+        moved = [[s, mb, replica] for s, row in enumerate(plan.host) for mb, (replica, owner) in
+                 enumerate(zip(row, owners)) if replica != owner]
         self._shared = json.dumps(whole, separators=(",", ":"))[:-1] + ',"host_moved":' \
             + json.dumps(moved, separators=(",", ":"))
         self._lines: dict[int, str] = {}
