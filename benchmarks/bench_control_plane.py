@@ -12,7 +12,8 @@ Measured per size, on one coordinator process (store server thread + supervisor 
   flag -> abort, abort -> last stopped report, plan provider, plan to JSON + store, announcement. End to end: it
   includes the stand-ins seeing the abort and writing every survivor's stop report, which on this machine compete
   with the coordinator for the same cores (a real survivor writes one report from its own process).
-- coordinator_announce_s: the coordinator's own part of it, timed on what landed in the store (LandedClock): the
+- coordinator_announce_s: the coordinator's own part of it, timed on when the keys landed in the store (LandedClock,
+  stamped by the store as it applies each write): the
   exit flag in the store -> the abort written, plus the last survivor's stop report in the store -> the
   announcement (reading the reports, the plan provider, each worker's plan view, the announcement). The store
   server's work to take in the reports is left out of it (it is in the end-to-end figure, and in
@@ -67,7 +68,7 @@ from recycle.runtime.options import ClusterOptions, LaunchOptions, RecoveryOptio
 from recycle.runtime.protocol.channels import Flags, JobStore, Keys, host_store, new_token  # noqa: E402
 from recycle.runtime.protocol.records import Announcement, from_json  # noqa: E402
 from recycle.runtime.protocol.store import LocalStore, StoreServer  # noqa: E402
-from recycle.runtime.protocol.store.data import KeyValue  # noqa: E402
+from recycle.runtime.protocol.store.data import Feed, KeyValue  # noqa: E402
 from recycle.schedules.fault_free import build_schedule  # noqa: E402
 
 END_STEP = 10**6  # the run never ends by itself (the benchmark stops it; Checkpoints lists the steps up to it)
@@ -241,27 +242,19 @@ class GcClock:
         gc.callbacks.remove(self._on_gc)
 
 
-class LandedClock:
-    """When each exit flag, silence flag and stop report landed in the store (the store's own feed, read by a
-    thread of this process that does nothing else): what the coordinator could see, and from when. The thread wakes
-    on the first key of a burst, so a time can be late by a switch of Python's GIL (5 ms at most)."""
-
-    PREFIXES = (b"exit/", b"silent/", b"stopped/")
+class LandedClock(Feed):
+    """When each exit flag, silence flag and stop report landed in the store: the store hands the clock every key as
+    it applies the write (in its network thread, under its lock), so this is when the coordinator could first see
+    it. It wakes nobody and queues nothing."""
 
     def __init__(self, server: StoreServer) -> None:
-        self.feed = server.data.subscribe(self.PREFIXES)
+        super().__init__((b"exit/", b"silent/", b"stopped/"))
         self.landed: dict[bytes, float] = {}
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True, name="landed-clock")
-        self.thread.start()
+        server.data.attach(self)
 
-    def _run(self) -> None:
-        while not self.stopping.is_set():
-            mp_connection.wait([self.feed], timeout=0.2)
-            keys = self.feed.drain()
-            now = time.time()
-            for key in keys:
-                self.landed.setdefault(key, now)
+    def publish(self, key: bytes) -> None:
+        if key.startswith(self.prefixes):
+            self.landed.setdefault(key, time.time())
 
     def first(self, key: str) -> float | None:
         return self.landed.get(key.encode())
@@ -269,11 +262,6 @@ class LandedClock:
     def last_under(self, prefix: str) -> float | None:
         start = prefix.encode()
         return max((t for key, t in list(self.landed.items()) if key.startswith(start)), default=None)
-
-    def close(self) -> None:
-        self.stopping.set()
-        self.thread.join(2.0)
-        self.feed.close()
 
 
 def _thread_cpu_s(thread: threading.Thread) -> float:
@@ -439,7 +427,7 @@ class _Cluster:
             process.join(10.0)
         self.store.stopping.set()
         self.thread.join(10.0)
-        self.landed.close()
+        self.landed.close()  # (its socket pair: nothing was queued on it)
         self.server.close()
 
 

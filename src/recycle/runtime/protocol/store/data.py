@@ -7,9 +7,11 @@ import socket
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, TypeVar
 
 __all__ = ["Waiter", "KeyValue", "Feed"]
+
+F = TypeVar("F", bound="Feed")
 
 
 @dataclass(eq=False)
@@ -102,7 +104,10 @@ class KeyValue:
 
     def subscribe(self, prefixes: tuple[bytes, ...], quiet: tuple[bytes, ...] = ()) -> Feed:
         """A feed of the keys written from now on under `prefixes` (and, noted without a wake-up, under `quiet`)."""
-        feed = Feed(prefixes, quiet)
+        return self.attach(Feed(prefixes, quiet))
+
+    def attach(self, feed: F) -> F:
+        """Hand `feed.publish` every key written from now on, under the store's lock, as it is written."""
         with self.lock:
             self._feeds.append(feed)
         return feed
