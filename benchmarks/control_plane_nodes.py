@@ -122,8 +122,8 @@ def step_json(replica: int, stage: int, generation: int, start: float, end: floa
 
 def stopped_json(rank: int, generation: int, applied: int, iteration: int, error: str, when: float) -> bytes:
     """to_json of a stand-in worker's StoppedReport (no work of the iteration done), byte for byte, formatted
-    instead of built through dataclasses.asdict: at 16,384 ranks a recovery's 16,384 reports cost the stand-ins
-    seconds that way on these 2 cores, time a real worker (one report of its own) never spends."""
+    instead of built through dataclasses.asdict: a stand-in writes thousands of reports per recovery on cores it
+    shares with the coordinator, where a real worker writes one of its own."""
     return (f'{{"kind": "stopped", "rank": {rank}, "generation": {generation}, "applied": {applied}, '
             f'"iteration": {iteration}, "current_actions": 0, "current_s": 0.0, "previous_actions": 0, '
             f'"previous_s": 0.0, "error": {json.dumps(error)}, "time": {when!r}, "weighed_current": false, '
