@@ -9,7 +9,15 @@ Run: .venv/bin/python benchmarks/bench_control_plane.py --ranks 1024 [--ranks 40
 Measured per size, on one coordinator process (store server thread + supervisor thread) and --standins processes:
 - detect_to_announce_s: a worker's exit flag raised by its node launcher (the launcher sees a SIGKILL at once) ->
   the coordinator's announcement of the next generation is in the store; median over --failures. Broken down into
-  flag -> abort, abort -> last stopped report, plan provider, plan to JSON + store, announcement.
+  flag -> abort, abort -> last stopped report, plan provider, plan to JSON + store, announcement. End to end: it
+  includes the stand-ins seeing the abort and writing every survivor's stop report, which on this machine compete
+  with the coordinator for the same cores (a real survivor writes one report from its own process).
+- coordinator_announce_s: the coordinator's own part of it, timed on when the keys landed in the store (LandedClock,
+  stamped by the store as it applies each write): the
+  exit flag in the store -> the abort written, plus the last survivor's stop report in the store -> the
+  announcement (reading the reports, the plan provider, each worker's plan view, the announcement). The store
+  server's work to take in the reports is left out of it (it is in the end-to-end figure, and in
+  store_server_cpu_fraction's per-request cost); coordinator_announce_without_plan_s leaves out the plan provider.
 - silent_detect_to_announce_s: a worker frozen (its heartbeat stops) -> announcement, minus the heartbeat timeout
   (the part the control plane adds to the timeout); node_detect_to_announce_s: a whole node silent, the same.
 - join_s: the repaired node's replacements say they are ready -> the announcement that admits them (it waits for
@@ -19,8 +27,11 @@ Measured per size, on one coordinator process (store server thread + supervisor 
   when the stand-ins cannot keep up on this machine, the first is below the second (`stand_in_lag`).
 - coordinator_cpu_fraction: the supervisor thread's CPU time over the same window (pthread CPU clock), as a
   fraction of one core, and per tick; store_server_cpu_fraction likewise for the store's network thread, its CPU
-  per request served and so the cores the protocol's requests would take it (store_server_cores_asked).
-- --profile: cProfile of the supervisor thread over a second steady window (which calls dominate a tick).
+  per request served and so the cores the protocol's requests would take it (store_server_cores_asked);
+  coordinator_process_cpu_fraction, the whole coordinator process (supervisor, store server, garbage collector;
+  the benchmark's own thread sleeps meanwhile), and gc_cpu_fraction, the collector's share of it.
+- --profile: cProfile (thread CPU time) of the supervisor thread over a second steady window (which calls dominate
+  a tick).
 The plan provider re-routes a failed worker's micro-batches to its stage's survivors straight in the IR (no search):
 its time is reported apart (plan_s) and is not the control plane's.
 The last line is one JSON object {"runs": [...]}, one entry per --ranks value.
@@ -30,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import multiprocessing as mp
@@ -53,10 +65,10 @@ from recycle.ir.actions import Action, Kind  # noqa: E402
 from recycle.runtime.control.processes import WorkerProcesses, node_ranks  # noqa: E402
 from recycle.runtime.control.supervisor import Supervisor  # noqa: E402
 from recycle.runtime.options import ClusterOptions, LaunchOptions, RecoveryOptions  # noqa: E402
-from recycle.runtime.protocol.channels import JobStore, Keys, host_store, new_token  # noqa: E402
+from recycle.runtime.protocol.channels import Flags, JobStore, Keys, host_store, new_token  # noqa: E402
 from recycle.runtime.protocol.records import Announcement, from_json  # noqa: E402
 from recycle.runtime.protocol.store import LocalStore, StoreServer  # noqa: E402
-from recycle.runtime.protocol.store.data import KeyValue  # noqa: E402
+from recycle.runtime.protocol.store.data import Feed, KeyValue  # noqa: E402
 from recycle.schedules.fault_free import build_schedule  # noqa: E402
 
 END_STEP = 10**6  # the run never ends by itself (the benchmark stops it; Checkpoints lists the steps up to it)
@@ -196,7 +208,7 @@ class _NoLocalWorkers(WorkerProcesses):
         self.ticks += 1
         self.busy_cpu_s += time.thread_time() - self.tick_started_cpu
         if self.profile_wanted and self.profiler is None:
-            self.profiler = cProfile.Profile()
+            self.profiler = cProfile.Profile(time.thread_time)  # CPU time: wall time under load is the others'
             self.profiler.enable()
         elif not self.profile_wanted and self.profiler is not None:
             self.profiler.disable()
@@ -205,6 +217,51 @@ class _NoLocalWorkers(WorkerProcesses):
         else:
             time.sleep(timeout_s)
         self.tick_started_cpu = time.thread_time()
+
+
+class GcClock:
+    """CPU time this process spends in Python's cyclic garbage collector, by generation (in whichever thread an
+    allocation set it off: the supervisor's, or the store server's)."""
+
+    def __init__(self) -> None:
+        self.cpu_s = [0.0, 0.0, 0.0]
+        self.collections = [0, 0, 0]
+        self._started: dict[int, float] = {}
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        ident = threading.get_ident()
+        if phase == "start":
+            self._started[ident] = time.thread_time()
+        elif ident in self._started:
+            generation = info["generation"]
+            self.cpu_s[generation] += time.thread_time() - self._started.pop(ident)
+            self.collections[generation] += 1
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+
+class LandedClock(Feed):
+    """When each exit flag, silence flag and stop report landed in the store: the store hands the clock every key as
+    it applies the write (in its network thread, under its lock), so this is when the coordinator could first see
+    it. It wakes nobody and queues nothing."""
+
+    def __init__(self, server: StoreServer) -> None:
+        super().__init__((b"exit/", b"silent/", b"stopped/"))
+        self.landed: dict[bytes, float] = {}
+        server.data.attach(self)
+
+    def publish(self, key: bytes) -> None:
+        if key.startswith(self.prefixes):
+            self.landed.setdefault(key, time.time())
+
+    def first(self, key: str) -> float | None:
+        return self.landed.get(key.encode())
+
+    def last_under(self, prefix: str) -> float | None:
+        start = prefix.encode()
+        return max((t for key, t in list(self.landed.items()) if key.startswith(start)), default=None)
 
 
 def _thread_cpu_s(thread: threading.Thread) -> float:
@@ -268,7 +325,8 @@ class _Cluster:
                                    coordinator="self"))
         self.workers = _NoLocalWorkers(JobStore(self.store))
         self.supervisor = Supervisor(config, self.base, options, self.store, self.workers, 0, END_STEP, time.time(),
-                                     self.server, feed=self.server.data.subscribe(Supervisor.FEED_PREFIXES))
+                                     self.server, feed=Supervisor.subscribe(self.server.data))
+        self.landed = LandedClock(self.server)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._supervise, daemon=True, name="coordinator")
         live = self.base.live_ranks()
@@ -369,6 +427,7 @@ class _Cluster:
             process.join(10.0)
         self.store.stopping.set()
         self.thread.join(10.0)
+        self.landed.close()  # (its socket pair: nothing was queued on it)
         self.server.close()
 
 
@@ -384,9 +443,13 @@ def _steady(cluster: _Cluster, seconds: float) -> dict[str, Any]:
     steps0 = cluster.supervisor.reporter.steps_reported
     assert server._thread is not None
     cpu0, server_cpu0, wall0 = _thread_cpu_s(cluster.thread), _thread_cpu_s(server._thread), time.perf_counter()
+    process0 = time.process_time()  # this thread only sleeps meanwhile: the rest is the coordinator's process
+    collector = GcClock()
     time.sleep(seconds)
+    collector.close()
     wall = time.perf_counter() - wall0
     cpu, server_cpu = _thread_cpu_s(cluster.thread) - cpu0, _thread_cpu_s(server._thread) - server_cpu0
+    process = time.process_time() - process0
     ticks = workers.ticks - ticks0
     remote, local = server.requests - requests0, cluster.store.calls - calls0
     served = remote + local
@@ -408,6 +471,8 @@ def _steady(cluster: _Cluster, seconds: float) -> dict[str, Any]:
         "window_s": wall, "store_ops_per_s": served / wall, "offered_store_ops_per_s": offered,
         "coordinator_store_ops_per_s": local / wall,
         "coordinator_cpu_fraction": cpu / wall, "store_server_cpu_fraction": server_cpu / wall,
+        "coordinator_process_cpu_fraction": process / wall if cluster.settings.standins else None,
+        "gc_cpu_fraction": sum(collector.cpu_s) / wall, "gc_collections": collector.collections,
         "coordinator_ticks_per_s": ticks / wall,
         # The server thread's CPU per request it served, and so the cores the protocol's requests would take it.
         "store_server_us_per_request": 1e6 * server_cpu / remote if remote else None,
@@ -433,7 +498,7 @@ def _profile(cluster: _Cluster, seconds: float, top: int = 22) -> str:
     stats.sort_stats("cumulative").print_stats(r"recycle|json", top)
     stats.sort_stats("tottime").print_stats(8)
     workers.profiler = None
-    return (f"cProfile of the supervisor thread over {seconds:g} s ({ticks} ticks; divide ncalls and cumtime by it "
+    return (f"cProfile (thread CPU time) of the supervisor thread over {seconds:g} s ({ticks} ticks; divide ncalls and cumtime by it "
             "for one tick), the recycle calls by cumulative time, then every call by own time:\n" + out.getvalue())
 
 
@@ -479,7 +544,11 @@ def _failure(cluster: _Cluster, rank: int, command: str) -> dict[str, Any]:
     _, _, events = cluster.stats()
     noticed = [e["time"] for e in events if e["kind"] == "stopped" and e["generation"] == generation]
     sent = [e["time"] for e in events if e["kind"] == "reports_sent" and e["generation"] == generation]
+    flag = cluster.landed.first(Keys.exited(rank) if command == "kill" else Flags.SILENT.name(rank))
+    reports = cluster.landed.last_under(Keys.stopped(generation, 0).rsplit("/", 1)[0] + "/")
     return {"rank": rank, "failed_at": reply.get("time", reply.get("last_beat")), "announced": when,
+            "flag_landed": flag if flag is not None else abort,
+            "last_report_landed": reports if reports is not None else abort,
             "generation": announced, "abort": abort, "noticed": max(noticed, default=abort),
             "reports_sent": max(sent, default=abort), "plan_start": plan_start, "plan_end": plan_end,
             "plan_stored": max((t for k, t in written.items() if k.startswith(f"gen{announced}/plan/")), default=when)}
@@ -542,12 +611,26 @@ def _phases(row: dict[str, Any]) -> str:
             f"{row['plan_start'] - sent:.3f} s later)")
 
 
+def _coordinator_part(row: dict[str, Any]) -> float:
+    return (row["abort"] - row["flag_landed"]) + (row["announced"] - row["last_report_landed"])
+
+
 def _failure_summary(exits: list[dict[str, Any]], silent: list[dict[str, Any]], timeout_s: float) -> dict[str, Any]:
     def med(key: Callable[[dict[str, Any]], float], rows: list[dict[str, Any]]) -> float | None:
         return _median([key(r) for r in rows])
 
     return {
         "detect_to_announce_s": med(lambda r: r["announced"] - r["failed_at"], exits),
+        # The coordinator's own part: from the exit flag in the store to its abort, plus from the last stop report
+        # in the store to the announcement (reading the reports, the plan provider, the views, the announcement).
+        # Left out: the survivors seeing the abort and writing their reports (stand-ins on this machine's cores).
+        "coordinator_announce_s": med(_coordinator_part, exits),
+        "coordinator_announce_max_s": max(map(_coordinator_part, exits), default=None),
+        "coordinator_announce_without_plan_s": med(
+            lambda r: _coordinator_part(r) - (r["plan_end"] - r["plan_start"]), exits),
+        "flag_landed_to_abort_s": med(lambda r: r["abort"] - r["flag_landed"], exits),
+        "abort_to_last_report_landed_s": med(lambda r: r["last_report_landed"] - r["abort"], exits),
+        "last_report_landed_to_announce_s": med(lambda r: r["announced"] - r["last_report_landed"], exits),
         "detect_to_announce_max_s": max((r["announced"] - r["failed_at"] for r in exits), default=None),
         "failures": len(exits),
         "flag_to_abort_s": med(lambda r: r["abort"] - r["failed_at"], exits),
@@ -601,6 +684,12 @@ def _fmt(value: Any, unit: str = "") -> str:
 ROWS = [
     ("failure (exit flag) -> announce, median", "detect_to_announce_s", " s"),
     ("  ... max", "detect_to_announce_max_s", " s"),
+    ("the coordinator's own part of it, median", "coordinator_announce_s", " s"),
+    ("  ... max", "coordinator_announce_max_s", " s"),
+    ("  ... of which not the plan provider", "coordinator_announce_without_plan_s", " s"),
+    ("  flag in the store -> abort written", "flag_landed_to_abort_s", " s"),
+    ("  abort -> the last stop report in the store", "abort_to_last_report_landed_s", " s"),
+    ("  last stop report in the store -> announced", "last_report_landed_to_announce_s", " s"),
     ("  flag -> abort written (detection)", "flag_to_abort_s", " s"),
     ("  abort -> plan asked (every stopped report read)", "abort_to_plan_s", " s"),
     ("    abort -> the last stand-in sees it", "abort_seen_s", " s"),
@@ -618,6 +707,8 @@ ROWS = [
     ("steady: stand-ins behind their schedule", "stand_in_lag", ""),
     ("steady: coordinator's own store calls/s", "coordinator_store_ops_per_s", ""),
     ("steady: coordinator CPU (fraction of a core)", "coordinator_cpu_fraction", ""),
+    ("steady: its process (+ store server, GC) CPU", "coordinator_process_cpu_fraction", ""),
+    ("steady: of which the garbage collector", "gc_cpu_fraction", ""),
     ("steady: coordinator CPU per tick", "coordinator_cpu_ms_per_tick", " ms"),
     ("steady: coordinator ticks/s", "coordinator_ticks_per_s", ""),
     ("steady: store server thread CPU (fraction)", "store_server_cpu_fraction", ""),

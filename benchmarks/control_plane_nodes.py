@@ -23,6 +23,7 @@ What each simulated process does (and where in the runtime it comes from):
 from __future__ import annotations
 
 import collections
+import json
 import os
 import threading
 import time
@@ -30,12 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from recycle.runtime.protocol.channels import Flags, Keys
-from recycle.runtime.protocol.records import (Announcement, Joined, JoinReady, StoppedReport, Timestamp, from_json,
-                                              to_json)
+from recycle.runtime.protocol.records import Announcement, Joined, JoinReady, Timestamp, from_json, to_json
 from recycle.runtime.protocol.store import StoreClient
 from recycle.runtime.protocol.store.wire import Op, Status, encode_frame, pack_fields, unpack_fields
 
 __all__ = ["NodesSpec", "PipelinedClient", "StandInNodes", "standin_main", "beat_json", "step_json", "node_steps_json",
+           "stopped_json",
            "NODE_POLL_S", "EXIT_KILLED", "EXIT_LEFT_OUT"]
 
 NODE_POLL_S = 0.1  # control/launcher.py _follow_loop: workers.wait(0.1) between two passes
@@ -117,6 +118,16 @@ def step_json(replica: int, stage: int, generation: int, start: float, end: floa
     return (f'{{"kind": "step", "replica": {replica}, "stage": {stage}, "generation": {generation}, '
             f'"start": {start!r}, "end": {end!r}, "cpu_s": 0.0, "loss_sum": {loss}, "stage_loss": {loss}, '
             f'"grad_norm": null, "grad_sq": 1.0, "digest": "", "timings": [], "lr": null}}').encode()
+
+
+def stopped_json(rank: int, generation: int, applied: int, iteration: int, error: str, when: float) -> bytes:
+    """to_json of a stand-in worker's StoppedReport (no work of the iteration done), byte for byte, formatted
+    instead of built through dataclasses.asdict: a stand-in writes thousands of reports per recovery on cores it
+    shares with the coordinator, where a real worker writes one of its own."""
+    return (f'{{"kind": "stopped", "rank": {rank}, "generation": {generation}, "applied": {applied}, '
+            f'"iteration": {iteration}, "current_actions": 0, "current_s": 0.0, "previous_actions": 0, '
+            f'"previous_s": 0.0, "error": {json.dumps(error)}, "time": {when!r}, "weighed_current": false, '
+            f'"completing": false, "reducing": false, "tp_split": ""}}').encode()
 
 
 def node_steps_json(node: int, step: int, workers: list[tuple[int, int]], generation: int, start: float, end: float,
@@ -342,10 +353,8 @@ class StandInNodes:
             for rank in sorted(self.members):
                 if not self._running(rank):
                     continue
-                report = StoppedReport(rank, self.generation, self.next_step - 1, self.next_step, 0, 0.0, 0, 0.0,
-                                       error, now)
-                requests.append(self._send("stopped", Op.SET, (_b(Keys.stopped(self.generation, rank)),
-                                                               _b(to_json(report)))))
+                report = stopped_json(rank, self.generation, self.next_step - 1, self.next_step, error, now)
+                requests.append(self._send("stopped", Op.SET, (_b(Keys.stopped(self.generation, rank)), report)))
             self.events.append({"kind": "stopped", "generation": self.generation, "time": time.time()})
             reported = self.generation
         if self.announced is not None and self.announced > self.generation:
@@ -370,11 +379,10 @@ class StandInNodes:
         self.members = {r for r in (self.members | self.joiners) & live if self._running(r)}
         self.joiners -= live
         now = time.time()
+        joined, resumed = _b(to_json(Joined(now, 0.0, "init"))), _b(to_json(Timestamp(now)))  # (the same for all)
         for rank in sorted(self.members):
-            requests.append(self._send("joined", Op.SET, (_b(Keys.joined(self.generation, rank)),
-                                                          _b(to_json(Joined(now, 0.0, "init"))))))
-            requests.append(self._send("resumed", Op.SET, (_b(Keys.resumed(self.generation, rank)),
-                                                           _b(to_json(Timestamp(now))))))
+            requests.append(self._send("joined", Op.SET, (_b(Keys.joined(self.generation, rank)), joined)))
+            requests.append(self._send("resumed", Op.SET, (_b(Keys.resumed(self.generation, rank)), resumed)))
         self.stopped = False
         self.first_step = self.next_step = announcement.redo_step
         self.step_origin = now

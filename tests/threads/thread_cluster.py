@@ -221,7 +221,7 @@ class ThreadCluster:
         self.token = new_token()
         self.server = host_store("127.0.0.1", 0, self.token)
         self.store = LocalStore(self.server.data, 30.0)
-        self.feed = self.server.data.subscribe(Supervisor.FEED_PREFIXES)  # as the launcher does
+        self.feed = Supervisor.subscribe(self.server.data)  # as the launcher does
         self.end_step = config.training.steps
         self.rejoined = {self.rank(worker): (step, threading.Event()) for worker, step in injector.rejoins}
         cluster = replace(options.cluster, master_port=self.server.port, token=self.token)

@@ -51,6 +51,9 @@ def test_a_tiny_run_announces_each_failure_admits_the_repaired_node_and_prints_t
         assert run[key] is not None, key
     assert run["ranks"] == 32 and run["failures"] == 2
     assert 0 < run["detect_to_announce_s"] < 5.0  # a failure was announced, well before any heartbeat timeout
+    # The coordinator's own part is a part: the survivors' reports are left out of it, nothing else.
+    assert 0 < run["coordinator_announce_s"] <= run["detect_to_announce_s"] + 1e-6
+    assert run["coordinator_announce_without_plan_s"] < run["coordinator_announce_s"]
     assert 0 < run["join_s"] < 30.0
     assert run["store_ops_per_s"] > 0 and 0 < run["coordinator_cpu_fraction"] < 1.5
     assert run["recoveries"] == 4  # two kills, the node's loss, its join
@@ -58,9 +61,9 @@ def test_a_tiny_run_announces_each_failure_admits_the_repaired_node_and_prints_t
 
 
 def test_the_stand_ins_records_are_the_workers_records_byte_for_byte(bench: ModuleType) -> None:
-    from control_plane_nodes import beat_json, node_steps_json, step_json
+    from control_plane_nodes import beat_json, node_steps_json, step_json, stopped_json
 
-    from recycle.runtime.protocol.records import Beat, NodeSteps, StepRecord, StepRows, to_json
+    from recycle.runtime.protocol.records import Beat, NodeSteps, StepRecord, StepRows, StoppedReport, to_json
 
     assert beat_json(7, "compute", "1f") == to_json(Beat(7, 7, "compute", "1f")).encode()
     assert step_json(3, 1, 2, 1.25, 3.5, False) == \
@@ -71,6 +74,9 @@ def test_the_stand_ins_records_are_the_workers_records_byte_for_byte(bench: Modu
                for r, s in ((0, 2), (0, 3), (1, 0))]
     assert node_steps_json(5, 7, [(0, 2), (0, 3), (1, 0)], 2, 1.25, 3.5, 3) == \
         to_json(NodeSteps(5, 7, StepRows.of(records))).encode()
+    error = 'generation 3 was aborted by the coordinator "quoted" \u00e9'
+    assert stopped_json(17, 3, 4, 5, error, 1700000000.123) == \
+        to_json(StoppedReport(17, 3, 4, 5, 0, 0.0, 0, 0.0, error, 1700000000.123)).encode()
 
 
 def test_a_size_the_failures_do_not_fit_is_refused_with_one_line(bench: ModuleType) -> None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import random
+import select
+
 import pytest
 
-from recycle.runtime.control.liveness import Liveness
+from recycle.runtime.control.liveness import NODE_BEATS, Liveness, node_beats_from
 from recycle.runtime.protocol.channels import Channels, Flags, JobStore, Keys
 from recycle.runtime.protocol.records import Beat
 from recycle.runtime.protocol.store import LocalStore, StoreServer
+from recycle.runtime.protocol.store.data import KeyValue
 
 TOKEN = "ab" * 24
 
@@ -15,6 +19,12 @@ TOKEN = "ab" * 24
 def _jobs() -> tuple[JobStore, StoreServer]:
     server = StoreServer("127.0.0.1", 0, TOKEN).start()
     return JobStore(LocalStore(server.data, 5.0)), server
+
+
+def _liveness(server: StoreServer, jobs: JobStore, nodes: range, heartbeat_s: float, timeout_s: float) -> Liveness:
+    """A Liveness that learns the node beats from the store's feed, as the supervisor's does."""
+    feed = server.data.subscribe((), quiet=(NODE_BEATS,))
+    return Liveness(jobs, nodes, heartbeat_s, timeout_s, node_beats_from(feed))
 
 
 def test_a_flag_is_raised_tested_read_and_lowered_under_its_key() -> None:
@@ -40,7 +50,7 @@ def _beat(jobs: JobStore, rank: int, beats: int, actions: int, phase: str = "com
 def test_silent_and_hung_workers_and_silent_nodes() -> None:
     jobs, server = _jobs()
     try:
-        watch = Liveness(jobs, nodes=range(1, 2), heartbeat_s=0.5, timeout_s=2.0)
+        watch = _liveness(server, jobs, nodes=range(1, 2), heartbeat_s=0.5, timeout_s=2.0)
         assert watch.due(0.0) and not watch.due(0.1) and watch.due(0.25)
         _beat(jobs, 0, 1, 5)
         _beat(jobs, 1, 1, 5)
@@ -84,7 +94,7 @@ def test_a_watcher_that_was_frozen_itself_does_not_blame_its_peers_for_the_gap()
     silence was its own; they are judged from the gap's end, and one that stays silent is still caught."""
     jobs, server = _jobs()
     try:
-        watch = Liveness(jobs, nodes=range(1, 2), heartbeat_s=0.5, timeout_s=2.0)
+        watch = _liveness(server, jobs, nodes=range(1, 2), heartbeat_s=0.5, timeout_s=2.0)
         assert watch.due(0.0)
         _beat(jobs, 0, 1, 5)
         jobs.raw.add(Keys.node_heartbeat(1), 1)
@@ -98,3 +108,80 @@ def test_a_watcher_that_was_frozen_itself_does_not_blame_its_peers_for_the_gap()
         assert [n for n, _ in watch.silent_nodes(32.0)] == [1]
     finally:
         server.close()
+
+
+def _scanned_silent_nodes(last: dict[int, float], fenced: set[int], beaten: set[int], now: float,
+                          timeout_s: float) -> list[int]:
+    """The node check as a scan of every node (the rule before the heap): the reference the heap must match."""
+    for node in beaten:
+        last[node] = now
+        fenced.discard(node)
+    silent = sorted(n for n in last if n not in fenced and now - last[n] > timeout_s)
+    fenced.update(silent)
+    return silent
+
+
+def test_the_node_check_from_the_heap_decides_as_a_scan_of_every_node() -> None:
+    """Random beats of 40 nodes (some stop, some come back as new launchers, the watcher itself is sometimes frozen
+    for longer than half the timeout): the heap's decisions equal the scan's at every look."""
+    rng = random.Random(7)
+    timeout_s = 2.0
+    beaten: set[int] = set()
+    watch = Liveness(JobStore(LocalStore(KeyValue(), 1.0)), range(1, 41), 0.5, timeout_s, lambda: beaten)
+    last: dict[int, float] = {}
+    fenced: set[int] = set()
+    previous: float | None = None
+    now = 0.0
+    stopped: set[int] = set()
+    decided = 0
+    for _ in range(3000):
+        now += rng.choice([0.25, 0.25, 0.25, 0.3, 0.6, 1.7])
+        if rng.random() < 0.02:
+            stopped ^= {rng.randrange(1, 41)}  # a node goes quiet, or (a new launcher) beats again
+        beaten = {n for n in range(0, 41) if n not in stopped and rng.random() < 0.6}  # 0: not a watched node
+        if not watch.due(now):
+            continue
+        if previous is not None and now - previous > timeout_s / 2:  # the watcher's own gap is forgiven
+            for node in last:
+                last[node] += now - previous - 0.25
+        previous = now
+        expected = _scanned_silent_nodes(last, fenced, beaten & set(range(1, 41)), now, timeout_s)
+        got = watch.silent_nodes(now)
+        assert [n for n, _ in got] == expected, now
+        assert all(silent == pytest.approx(now - last[n]) for n, silent in got)
+        assert watch.fenced_nodes == fenced
+        decided += len(got)
+    assert decided > 20  # the walk did declare nodes silent
+
+
+def test_the_node_check_reads_no_key_and_looks_only_at_the_nodes_due() -> None:
+    """2,048 nodes that all beat: a look reads nothing from the store, and pops the heap only when one falls due."""
+
+    class CountingStore(LocalStore):
+        reads = 0
+
+        def try_get(self, key: str) -> bytes | None:
+            CountingStore.reads += 1
+            return super().try_get(key)
+
+    nodes = range(2048)
+    watch = Liveness(JobStore(CountingStore(KeyValue(), 1.0)), nodes, 0.5, 5.0, lambda: nodes)
+    for tick in range(100):
+        assert watch.silent_nodes(0.25 * tick) == []
+    assert CountingStore.reads == 0 and len(watch._node_due) == 2048
+
+
+def test_a_quiet_feed_notes_each_key_once_and_wakes_nobody() -> None:
+    data = KeyValue()
+    feed = data.subscribe((b"exit/",), quiet=(NODE_BEATS,))
+    try:
+        for _ in range(3):
+            data.add(Keys.node_heartbeat(4).encode(), 1)
+        data.add(Keys.node_heartbeat(9).encode(), 1)
+        assert not select.select([feed], [], [], 0)[0]  # no wake-up for a beat
+        assert feed.touched() == {b"node_hb/4", b"node_hb/9"} and feed.touched() == set()
+        assert node_beats_from(feed)() == []
+        data.set(b"exit/3", b"-9")
+        assert select.select([feed], [], [], 1.0)[0] and feed.drain() == [b"exit/3"]
+    finally:
+        feed.close()

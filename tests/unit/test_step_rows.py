@@ -86,7 +86,7 @@ def test_a_node_batch_round_trips_exactly() -> None:
     assert json.loads(to_json(batch))["rows"]["start"] == [r.start for r in records]  # one array per field
 
 
-@pytest.mark.parametrize("change, message", [
+BAD_COLUMNS = [
     (lambda rows: rows.pop("cpu_s"), r"lack the column\(s\) cpu_s"),
     (lambda rows: rows.update(digest="ab"), r"lack the column\(s\) digest \(or hold no list there\)"),
     (lambda rows: rows["end"].pop(), r"column 'end' holds 5 values, not a list of 6 values like 'replica'"),
@@ -98,13 +98,58 @@ def test_a_node_batch_round_trips_exactly() -> None:
     (lambda rows: rows["timings"].__setitem__(1, [["F0", 1.0]]), r"a timing is \('F0', 1.0\), not \(action, start"),
     (lambda rows: rows["timings"].__setitem__(0, 0), r"column 'timings' holds 0 \(int\), not one of tuple"),
     (lambda rows: rows.update(kind="step"), r"a NodeSteps record holds .* where step rows \(kind 'step_rows'\)"),
-])
+]
+
+
+@pytest.mark.parametrize("change, message", BAD_COLUMNS)
 def test_bad_columns_are_clear_errors(change, message) -> None:
     data = json.loads(to_json(NodeSteps(0, 1, StepRows.of(_records(2)))))
     change(data["rows"])
     with pytest.raises(RecordError, match=message) as caught:
         from_json(NodeSteps, json.dumps(data))
     assert str(caught.value).endswith("every process of a run must be the same recycle version")
+
+
+@pytest.mark.parametrize("change, message", BAD_COLUMNS)
+def test_a_batch_read_unchecked_is_refused_with_the_same_error_when_its_step_is_gathered(change, message) -> None:
+    """The coordinator reads a batch checking only its shape and its replica, stage and generation columns; the
+    other values are checked when the step is gathered: every bad batch is still refused, with the same words."""
+    data = json.loads(to_json(NodeSteps(0, 1, StepRows.of(_records(2)))))
+    change(data["rows"])
+    with pytest.raises(RecordError, match=message):
+        batch = NodeSteps.read_unchecked(json.dumps(data))
+        StepRows.gather([(batch.rows, i) for i in range(len(batch.rows))])
+
+
+def test_a_batch_read_unchecked_gathers_to_what_from_json_reads() -> None:
+    records = _records(3)
+    text = to_json(NodeSteps(2, 7, StepRows.of(records)))
+    batch = NodeSteps.read_unchecked(text)
+    assert (batch.node, batch.step) == (2, 7)
+    assert StepRows.gather([(batch.rows, i) for i in range(len(records))]) == from_json(NodeSteps, text).rows
+    with pytest.raises(RecordError, match=r"the key holds a StepRecord \(kind 'step'\)"):
+        NodeSteps.read_unchecked(to_json(records[0]))
+    with pytest.raises(RecordError, match="is not JSON"):
+        NodeSteps.read_unchecked(b"{")
+
+
+def test_a_held_batch_with_a_bad_value_is_left_out_when_its_step_is_gathered() -> None:
+    """Node 1's batch has a start time of another version: the step's gather refuses it, drop_unreadable leaves out
+    exactly its ranks, and the rest gathers."""
+    records = _records(2)
+    held = HeldSteps()
+    good = to_json(NodeSteps(0, 3, StepRows.of(records[:3])))
+    bad = json.loads(to_json(NodeSteps(1, 3, StepRows.of(records[3:]))))
+    bad["rows"]["start"][1] = "soon"
+    rank_of = lambda replica, stage: replica * NUM_STAGES + stage  # noqa: E731
+    assert held.add(NodeSteps.read_unchecked(good), rank_of, 0) == [0, 1, 2]
+    assert held.add(NodeSteps.read_unchecked(json.dumps(bad)), rank_of, 0) == [3, 4, 5]
+    got = held.get(3)
+    with pytest.raises(RecordError, match="column 'start' holds 'soon'"):
+        StepRows.gather([got[rank] for rank in sorted(got)])
+    assert held.drop_unreadable(3) == [3, 4, 5]
+    got = held.get(3)
+    assert StepRows.gather([got[rank] for rank in sorted(got)]) == StepRows.of(records[:3])
 
 
 def test_rows_that_are_not_a_mapping_and_rows_built_wrong_in_code_are_refused() -> None:
@@ -118,7 +163,7 @@ def test_rows_that_are_not_a_mapping_and_rows_built_wrong_in_code_are_refused() 
 def test_gather_takes_picks_in_order_and_a_whole_batch_as_it_is() -> None:
     records = _records(3)
     first, second = StepRows.of(records[:4]), StepRows.of(records[4:])
-    assert StepRows.gather([(first, i) for i in range(4)]) is first
+    assert StepRows.gather([(first, i) for i in range(4)]) == first
     picked = StepRows.gather([(second, 1), (first, 0), (first, 1), (second, 0), (first, 3)])
     assert [picked.record(i) for i in range(len(picked))] == [records[5], records[0], records[1], records[4],
                                                               records[3]]

@@ -48,6 +48,19 @@ def test_a_view_holds_what_its_worker_runs_and_receives(index: int) -> None:
         assert len(others) < plan.num_workers - 1 or plan.num_workers <= 2  # it is a part, not the whole
 
 
+def test_views_made_from_the_last_generations_are_the_views_made_afresh() -> None:
+    """A recovery's views reuse the last generation's action tokens where a worker's list is unchanged: the JSON of
+    every view is byte for byte the one made without them, chunked plans included."""
+    plans = _plans() + [make_plan(_config(2, 2, 4, chunks=2), []), make_plan(_config(2, 2, 4, chunks=2), [(1, 0)])]
+    for before, after in zip(plans, plans[1:]):
+        previous = PlanViews(before).prepare()
+        reused, fresh = PlanViews(after, previous), PlanViews(after)
+        for rank in after.live_ranks():
+            assert reused.json_for(rank) == fresh.json_for(rank)
+            assert json.loads(fresh.json_for(rank))["view_actions"][str(rank)] == \
+                " ".join(str(a) for a in after.actions[rank])  # the tokens as Action's str writes them
+
+
 def test_a_chunked_plans_view_round_trips() -> None:
     plan = make_plan(_config(2, 2, 4, chunks=2), [(1, 0)])
     views = PlanViews(plan)

@@ -35,18 +35,31 @@ def worker_view(plan: Plan, rank: int) -> Plan:
 
 class PlanViews:
     """Every live worker's view of one plan as JSON, with what they share (the routing's exceptions, the metadata,
-    each worker's action tokens) encoded once."""
+    each worker's action tokens) encoded once. Given the `previous` generation's views, a worker's action tokens
+    whose list did not change are taken from them (a recovery changes a few workers' lists of thousands)."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, previous: PlanViews | None = None) -> None:
         self.plan = plan
         # Without host and actions: to_dict would encode every action token of the plan, half the cost, to drop it.
         whole = replace(plan, host=(), actions=()).to_dict()
         del whole["host"], whole["actions"]
-        moved = [[s, mb, replica] for s, row in enumerate(plan.host) for mb, replica in enumerate(row)
-                 if replica != plan.owner(mb)]
+        owners = [plan.owner(mb) for mb in range(len(plan.host[0]))] if plan.host else []  # (once, not per stage)
+        moved = [[s, mb, replica] for s, row in enumerate(plan.host) for mb, (replica, owner) in
+                 enumerate(zip(row, owners)) if replica != owner]
         self._shared = json.dumps(whole, separators=(",", ":"))[:-1] + ',"host_moved":' \
             + json.dumps(moved, separators=(",", ":"))
         self._lines: dict[int, str] = {}
+        if previous is not None and len(previous.plan.actions) == len(plan.actions):
+            before = previous.plan.actions
+            # (a tuple comparison in C, element identity first: a plan made from the last one shares its Actions)
+            self._lines = {rank: line for rank, line in previous._lines.items()
+                           if before[rank] == plan.actions[rank]}
+
+    def prepare(self) -> PlanViews:
+        """Encode every worker's action tokens now (before a failure: the next generation's views reuse them)."""
+        for rank in range(len(self.plan.actions)):
+            self._line(rank)
+        return self
 
     def _line(self, rank: int) -> str:
         line = self._lines.get(rank)

@@ -92,7 +92,7 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
                             connections_needed(plan.num_workers * config.topology.gpus_per_worker, cluster.nnodes))
         store, store_port = LocalStore(server.data, store_timeout_s), server.port
         # Before any node can write: the coordinator learns of records and flags from the feed, not by polling.
-        feed = server.data.subscribe(Supervisor.FEED_PREFIXES)
+        feed = Supervisor.subscribe(server.data)
     else:
         store = connect_store(cluster.master_addr, cluster.master_port, token,
                               launcher_identity(cluster.node_rank, new_incarnation()), store_timeout_s,

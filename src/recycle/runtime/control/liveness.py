@@ -3,25 +3,49 @@ is stuck in one action while their heartbeat goes on."""
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import replace
+from typing import Callable, Collection
 
 from recycle.runtime.control.coordinator import Progress, hung_workers, stale_heartbeats, track_progress
 from recycle.runtime.protocol.channels import Channels, JobStore, Keys
 from recycle.runtime.protocol.records import Beat, RecordError
+from recycle.runtime.protocol.store.data import Feed
 
-__all__ = ["Liveness"]
+__all__ = ["Liveness", "NODE_BEATS", "node_beats_from"]
+
+NODE_BEATS = Keys.NODE_HEARTBEATS.encode()  # the prefix of the node launchers' beat keys
+
+
+def _no_node_beats() -> Collection[int]:
+    return ()
+
+
+def node_beats_from(feed: Feed) -> Callable[[], list[int]]:
+    """Liveness's `node_beats` from a store feed that notes the NODE_BEATS keys (quietly: see Feed)."""
+    start = len(NODE_BEATS)
+    return lambda: [int(key[start:]) for key in feed.touched()]
 
 
 class Liveness:
-    """The beats seen so far, by worker and by node launcher, and when each last changed."""
+    """The beats seen so far, by worker and by node launcher, and when each last changed.
 
-    def __init__(self, jobs: JobStore, nodes: range, heartbeat_s: float, timeout_s: float) -> None:
+    The node launchers' beats are not read key by key: `node_beats()` says which nodes beat since its last call (the
+    store's feed notes their keys), and a node is looked at again only when its silence could have passed the timeout
+    (a heap of the times each node was last seen beating), so a check costs the nodes that beat or fell due, not a
+    read per node (docs/cluster.md, "How the control plane scales with nodes")."""
+
+    def __init__(self, jobs: JobStore, nodes: range, heartbeat_s: float, timeout_s: float,
+                 node_beats: Callable[[], Collection[int]] = _no_node_beats) -> None:
         self.jobs, self.nodes, self.heartbeat_s, self.timeout_s = jobs, nodes, heartbeat_s, timeout_s
+        self.node_beats = node_beats
         self.beats: dict[int, tuple[str, int]] = {}  # rank -> (incarnation, beats) of its last beat seen
         self.last_beat: dict[int, float] = {}
         self.progress: dict[int, Progress] = {}  # rank -> its main thread's progress (hang detection)
-        self.node_beats: dict[int, int] = {}
-        self.node_last_beat: dict[int, float] = {}
+        self.node_last_beat: dict[int, float] = {}  # node -> when its beat was last seen (a look's time)
+        # (node_last_beat when pushed, node): one entry per node seen and not fenced; an entry older than the node's
+        # newest beat is pushed again with it when it falls due.
+        self._node_due: list[tuple[float, int]] = []
         self.fenced_nodes: set[int] = set()
         self.next_check = 0.0
         self.last_check: float | None = None
@@ -45,6 +69,7 @@ class Liveness:
             self.last_beat[rank] += gap
         for node in self.node_last_beat:
             self.node_last_beat[node] += gap
+        self._node_due = [(seen + gap, node) for seen, node in self._node_due]  # (one shift keeps the heap order)
         self.progress = {r: replace(p, since=p.since + gap) for r, p in self.progress.items()}
 
     def silent_workers(self, live: frozenset[int], now: float) -> list[tuple[int, float]]:
@@ -70,16 +95,30 @@ class Liveness:
     def silent_nodes(self, now: float) -> list[tuple[int, float]]:
         """The node launchers silent past the timeout, with how long they have been; counted as fenced from now
         on, until a new launcher of that node beats."""
-        for node in self.nodes:
-            raw = self.jobs.raw.try_get(Keys.node_heartbeat(node))
-            if raw is not None and raw.isdigit() and int(raw) != self.node_beats.get(node):
-                self.node_beats[node] = int(raw)
-                self.node_last_beat[node] = now
-                self.fenced_nodes.discard(node)  # a fenced launcher cannot beat: this is its node's new launcher
-        nodes = frozenset(n for n in self.nodes if n not in self.fenced_nodes)
-        silent = stale_heartbeats(self.node_last_beat, nodes, now, self.timeout_s)
+        beaten = [node for node in self.node_beats() if node in self.nodes]
+        seen = self.node_last_beat
+        for node in beaten:
+            if node not in seen or node in self.fenced_nodes:
+                # First seen, or a fenced launcher's node beats (a fenced one cannot: this is its new launcher).
+                self.fenced_nodes.discard(node)
+                heapq.heappush(self._node_due, (now, node))
+        seen.update(dict.fromkeys(beaten, now))
+        due, timeout, silent = self._node_due, self.timeout_s, []
+        while due and now - due[0][0] > timeout:
+            _, node = heapq.heappop(due)
+            if now - seen[node] > timeout:
+                silent.append(node)
+            else:
+                heapq.heappush(due, (seen[node], node))  # it beat since: due again one timeout after that
         self.fenced_nodes.update(silent)
-        return [(node, now - self.node_last_beat[node]) for node in silent]
+        return [(node, now - seen[node]) for node in sorted(silent)]
+
+    def nodes_seen(self, now: float) -> None:
+        """Every node counts as seen beating now (a restarted coordinator: silence counts from the restart)."""
+        for node in self.nodes:
+            if node not in self.node_last_beat and node not in self.fenced_nodes:
+                heapq.heappush(self._node_due, (now, node))
+            self.node_last_beat[node] = now
 
     def beating_nodes(self, now: float) -> set[int]:
         return {n for n, t in self.node_last_beat.items() if now - t <= self.timeout_s}

@@ -4,6 +4,7 @@ traffic grow with the nodes, not the workers. It keeps the newest steps for a re
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 from recycle.runtime.protocol.channels import Channels, JobStore, Keys
@@ -88,13 +89,24 @@ class HeldSteps:
         current = range(len(rows)) if min(rows.generation, default=floor) >= floor else \
             [i for i, generation in enumerate(rows.generation) if generation >= floor]
         held = self.records.setdefault(batch.step, {})
-        ranks = []
-        replicas, stages = rows.replica, rows.stage
-        for i in current:
-            rank = rank_of(replicas[i], stages[i])
-            held[rank] = (rows, i)
-            ranks.append(rank)
+        ranks = list(map(rank_of, map(rows.replica.__getitem__, current), map(rows.stage.__getitem__, current)))
+        held.update(zip(ranks, zip(itertools.repeat(rows), current)))
         return ranks
+
+    def drop_unreadable(self, step: int) -> list[int]:
+        """Leave out the batches of `step` with a value not of its field's type (a batch read unchecked, whose
+        values StepRows.gather checks), like any record of another version; the ranks whose rows they held."""
+        held = self.records.get(step, {})
+        bad: set[int] = set()
+        for rows in {id(rows): rows for rows, _ in held.values()}.values():
+            try:
+                StepRows.gather([(rows, i) for i in range(len(rows))])
+            except RecordError:
+                bad.add(id(rows))
+        dropped = sorted(rank for rank, (rows, _) in held.items() if id(rows) in bad)
+        for rank in dropped:
+            del held[rank]
+        return dropped
 
     def fresh_generation(self, step: int) -> int:
         """The oldest generation whose record of `step` is current."""

@@ -3,6 +3,7 @@ and hands steps and recoveries to the reporter."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -17,7 +18,7 @@ from recycle.ir.worker import Worker
 from recycle.ir.worker_view import PlanViews
 from recycle.runtime.control.coordinator import (AbortGeneration, Announce, Command, Coordinator, Drain, FailRun, Fence,
                                                  MarkLatest, Move, RecoveryFacts, Respawn, describe_exit, hang_limit_s)
-from recycle.runtime.control.liveness import Liveness
+from recycle.runtime.control.liveness import NODE_BEATS, Liveness, node_beats_from
 from recycle.runtime.control.node_steps import HeldSteps
 from recycle.runtime.control.processes import WorkerProcesses, node_ranks
 from recycle.runtime.control.reporter import (ChaosEvent, EvalMetrics, EventSink, GenerationRecords, MetricsFile,
@@ -28,9 +29,9 @@ from recycle.runtime.control.worker_table import WorkerRow, replacement_line
 from recycle.runtime.options import LaunchOptions
 from recycle.runtime.protocol.channels import (Channel, Channels, Flags, JobStore, Keys, launcher_fence_prefix,
                                                worker_fence_prefix)
-from recycle.runtime.protocol.records import Announcement, FaultRecord, RecordError, StepRows
+from recycle.runtime.protocol.records import Announcement, FaultRecord, NodeSteps, RecordError, StepRows
 from recycle.runtime.protocol.store import StoreServer
-from recycle.runtime.protocol.store.data import Feed
+from recycle.runtime.protocol.store.data import Feed, KeyValue
 from recycle.runtime.state import checkpoint
 from recycle.runtime.tools.chaos import ChaosMonkey
 from recycle.runtime.worker.process import EXIT_FENCED
@@ -42,6 +43,16 @@ R = TypeVar("R")
 
 
 TICK_MIN_S = 0.01  # the supervisor's loop, while nothing fails: what it adds at most to noticing a failure
+
+
+def _freeze_long_lived(collect: bool = False) -> None:
+    """Move every object alive now (the plan and its views' sources: at 16,384 workers millions) out of the cyclic
+    collector's reach. The loop allocates a node's step records per step and node, thousands a second at scale, and
+    each full collection would walk the plan again. What is frozen is still freed by reference counting (plans and
+    records hold no cycles); `collect` first (at the start, not on a recovery's path)."""
+    if collect:
+        gc.collect()
+    gc.freeze()
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,12 @@ class Supervisor:
     FEED_PREFIXES = (b"metrics/", b"node_metrics/", b"stopped/", b"resumed/", b"exit/", b"silent/", b"join/", b"ckpt/",
                      b"eval/")
 
+    @classmethod
+    def subscribe(cls, data: KeyValue) -> Feed:
+        """The feed the loop needs from the store it serves (the node launchers' heartbeats noted without waking
+        it: Liveness looks at them at its own pace); subscribe before any node can write."""
+        return data.subscribe(cls.FEED_PREFIXES, quiet=(NODE_BEATS,))
+
     def __init__(self, config: Config, plan: Plan, options: LaunchOptions, store: Any, workers: WorkerProcesses,
                  start_step: int, end_step: int, wall0: float, server: StoreServer | None = None,
                  rebuilt: Rebuilt | None = None, *, feed: Feed) -> None:
@@ -70,6 +87,7 @@ class Supervisor:
         self.server = server
         self.plan_at_start = plan
         self.published: dict[int, list[str]] = {}  # generation -> its per-worker keys (plan and completion views)
+        self.views: PlanViews | None = None  # the last generation's plan views
         self.workers = workers
         self.end_step, self.wall0 = end_step, wall0
         self.local = frozenset(workers.ranks)  # ranks this node starts (and restarts)
@@ -99,7 +117,7 @@ class Supervisor:
         self.exited: set[int] = set()
         self.pids: dict[int, int | None] = {r: workers.pid(r) for r in workers.ranks}
         self.liveness = Liveness(self.jobs, options.cluster.watched_nodes, options.recovery.heartbeat_s,
-                                 options.recovery.heartbeat_timeout_s)
+                                 options.recovery.heartbeat_timeout_s, node_beats_from(feed))
         # Tests only: ranks whose process the launcher must not kill (as if its node could not be reached).
         self.unfenceable = {int(r) for r in os.environ.get("RECYCLE_TEST_UNFENCEABLE", "").split(",") if r.strip()}
         self.pending: _PendingRecovery | None = None  # the recovery being completed
@@ -133,7 +151,8 @@ class Supervisor:
                 self._fail("the restarted coordinator found workers down and has no plan provider for that state")
             self.plan = self.options.plan_provider(failed).plan
         if rebuilt.generation > 0:
-            self._publish_views(rebuilt.generation, Keys.plan_view, PlanViews(self.plan), self.plan)
+            self.views = PlanViews(self.plan)
+            self._publish_views(rebuilt.generation, Keys.plan_view, self.views, self.plan)
         self.start_step = rebuilt.next_step
         self.next_eval = self._first_eval(rebuilt.next_step)
         self.last_chaos_step = rebuilt.next_step
@@ -141,13 +160,15 @@ class Supervisor:
         self.remote = sorted((set(self.remote) | rebuilt.live) - self.local)
         for rank in rebuilt.live:
             self.liveness.admit(rank, now)  # silence counts from the restart
-        for node in self.options.cluster.watched_nodes:
-            self.liveness.node_last_beat[node] = now
+        self.liveness.nodes_seen(now)
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> tuple[list[StepMetrics], list[Recovery], frozenset[tuple[int, int]]]:
         # Woken by the feed (a record or flag written), a local worker's exit, or else at the liveness checks' pace.
         idle_s = min(0.25, max(0.02, self.options.recovery.heartbeat_s / 2))
+        if self.views is None:
+            self.views = PlanViews(self.plan).prepare()  # off a recovery's path: its views reuse these tokens
+        _freeze_long_lived(collect=True)
         while True:
             tick = time.monotonic()
             self._take_feed()
@@ -195,11 +216,14 @@ class Supervisor:
 
     def _take_node_steps(self, step: int, node: int, seq: int) -> None:
         """A node launcher's records of `step` that came in since its previous look (each key is written once)."""
+        key = Keys.node_metrics(step, node, seq)
+        raw = self.store.try_get(key)
         try:
-            batch = self.jobs.read(Channels.NODE_METRICS, step, node, seq)
+            # Its values are checked when the step is gathered, once for all of its nodes (_drain).
+            batch = NodeSteps.read_unchecked(raw) if raw is not None else None
         except RecordError:
             batch = None  # only the job's processes can write; a record of another version is no report
-        self.store.delete_key(Keys.node_metrics(step, node, seq))  # read once, like the workers' own records
+        self.store.delete_key(key)  # read once, like the workers' own records
         ranks = self.held.add(batch, self.plan.rank, self.coordinator.next_step) if batch is not None else []
         if ranks:
             self.arrived.setdefault(step, set()).update(ranks)
@@ -403,7 +427,8 @@ class Supervisor:
         self._execute(self.coordinator.on_plan_chosen(plan.live_ranks()))
         if facts.restore_step is not None:
             self._forget_steps_from(facts.restore_step, facts.generation)
-        self._publish_views(facts.generation, Keys.plan_view, PlanViews(plan), plan)
+        self.views = PlanViews(plan, self.views)  # (the tokens of every worker whose list is unchanged: reused)
+        self._publish_views(facts.generation, Keys.plan_view, self.views, plan)
         facts, completion = self._completion(facts, plan)
         if completion is not None:
             self._publish_views(facts.generation, Keys.completion_view, CompletionViews(completion), plan)
@@ -419,6 +444,7 @@ class Supervisor:
         # A step redone in the new generation is recorded again.
         self._forget_arrivals_from(facts.redo_step, facts.generation)
         self.pending = _PendingRecovery(facts, choice, time.time(), command.live)
+        _freeze_long_lived()
 
     def _completion(self, facts: RecoveryFacts, plan: Plan) -> tuple[RecoveryFacts, Completion | None]:
         """With --redo lost: how the survivors finish the interrupted iteration keeping their work (ir.completion),
@@ -543,11 +569,19 @@ class Supervisor:
             if not members or not self.arrived.get(step, set()).issuperset(members):
                 return
             held = self.held.get(step)
-            found = (held.get(rank) or self._own_record(step, rank) for rank in members)
+            found = list(map(held.get, members))  # (one C pass: at scale every record came through its node)
+            if None in found:
+                found = [pick or self._own_record(step, rank) for rank, pick in zip(members, found)]
             picks = [pick for pick in found if pick is not None]
             if len(picks) < len(members):
                 return
-            records = StepRows.gather(picks)
+            try:
+                records = StepRows.gather(picks)
+            except RecordError:
+                # A node's batch holds a value of another version: left out like any such record, so the step
+                # waits for its ranks as if that batch had never come.
+                self.arrived[step].difference_update(self.held.drop_unreadable(step))
+                return
             self.arrived.pop(step, None)
             self.held.pop(step)
             metrics = self.reporter.step_metrics(step, records)

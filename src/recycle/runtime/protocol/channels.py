@@ -100,6 +100,8 @@ def launcher_fence_prefix(node: int) -> str:
 class Keys:
     """Key names in the job store."""
 
+    NODE_HEARTBEATS = "node_hb/"  # the prefix of every node launcher's beat count
+
     @staticmethod
     def heartbeat(rank: int) -> str:
         """A worker's Beat record (runtime.records): its beat count and how far its main thread has got."""
@@ -108,7 +110,7 @@ class Keys:
     @staticmethod
     def node_heartbeat(node: int) -> str:
         """A node launcher's beat count: a node whose launcher stops beating is frozen or cut off."""
-        return f"node_hb/{node}"
+        return f"{Keys.NODE_HEARTBEATS}{node}"
 
     @staticmethod
     def announce(generation: int) -> str:

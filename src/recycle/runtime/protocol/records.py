@@ -280,18 +280,46 @@ class StepRows:
 
     @classmethod
     def gather(cls, picks: list[tuple[StepRows, int]]) -> StepRows:
-        """The rows `picks` names ((rows, index) each), in that order. Consecutive rows of one batch are taken as
-        one slice per column: a step's picks, in rank order, are mostly each node's batch whole."""
+        """The rows `picks` names ((rows, index) each), in that order, checked (a batch read by `unchecked` is
+        checked here, once for the whole step: RecordError if a value is not of its field's type). Consecutive rows
+        of one batch are taken as one slice per column: a step's picks, in rank order, are mostly each node's batch
+        whole."""
         runs: list[tuple[StepRows, int, int]] = []  # (rows, first, past the last)
+        last: StepRows | None = None
+        first = past = -1
         for rows, i in picks:
-            if runs and runs[-1][0] is rows and runs[-1][2] == i:
-                runs[-1] = (rows, runs[-1][1], i + 1)
-            else:
-                runs.append((rows, i, i + 1))
-        if len(runs) == 1 and runs[0][1] == 0 and runs[0][2] == len(runs[0][0]):
-            return runs[0][0]
-        return cls(*(tuple(itertools.chain.from_iterable(getattr(rows, name)[first:past] for rows, first, past in runs))
-                     for name in _COLUMNS))
+            if rows is last and i == past:
+                past += 1
+                continue
+            if last is not None:
+                runs.append((last, first, past))
+            last, first, past = rows, i, i + 1
+        if last is not None:
+            runs.append((last, first, past))
+        batches, firsts, pasts = zip(*runs) if runs else ((), (), ())
+        slices = list(map(slice, firsts, pasts))
+        columns = [tuple(itertools.chain.from_iterable(map(operator.getitem, map(attribute, batches), slices)))
+                   for attribute in _ATTRIBUTES]
+        columns[_TIMINGS] = _timings_as_tuples(columns[_TIMINGS])
+        return cls(*columns)
+
+    @classmethod
+    def unchecked(cls, data: Any, where: str) -> StepRows:
+        """Rows from the JSON data to_json wrote, with only what the coordinator acts on at once checked: 13
+        columns of one length, and int replica, stage and generation (anything else raises RecordError). The other
+        values are checked when the step is gathered (`gather`), in one pass over all of the step's rows instead of
+        one per node: the coordinator reads a node's batch per step and node, thousands a second at scale. Until
+        then the columns are the JSON's lists."""
+        if not isinstance(data, dict) or data.get("kind") != "step_rows":
+            raise RecordError(f"{where} holds {_shown(data)} where step rows (kind 'step_rows') were expected; every "
+                              "process of a run must be the same recycle version")
+        columns: list[Any] = list(map(data.get, _COLUMNS))
+        if set(map(type, columns)) != {list} or len(set(map(len, columns))) != 1 or \
+                not set(map(type, itertools.chain(*columns[:3]))) <= {int}:
+            cls.from_data(data, where)  # the full check names what is wrong
+        rows = object.__new__(cls)
+        rows.__dict__.update(zip(_COLUMNS, columns))  # (a frozen dataclass: no __init__, whose check comes later)
+        return rows
 
     @classmethod
     def from_data(cls, data: Any, where: str) -> StepRows:
@@ -304,17 +332,20 @@ class StepRows:
             raise RecordError(f"{where}: the step rows lack the column(s) {', '.join(missing)} (or hold no list "
                               "there); every process of a run must be the same recycle version")
         columns = [tuple(data[name]) for name in _COLUMNS]
-        timings = columns[_TIMINGS]
-        if any(timings) or not set(map(type, timings)) <= {list}:  # most records carry none: [] each
-            columns[_TIMINGS] = tuple(tuple(tuple(t) if type(t) is list else t for t in ts) if type(ts) is list
-                                      else ts for ts in timings)
-        else:
-            columns[_TIMINGS] = ((),) * len(timings)
+        columns[_TIMINGS] = _timings_as_tuples(columns[_TIMINGS])
         return cls(*columns)
 
     def record(self, index: int) -> StepRecord:
         """Row `index` as the StepRecord it came from."""
         return StepRecord(*(getattr(self, name)[index] for name in _COLUMNS))
+
+
+def _timings_as_tuples(timings: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A timings column from JSON (lists) as the tuples StepRecord holds; anything else is left for the check."""
+    if any(timings) or not set(map(type, timings)) <= {list, tuple}:  # most records carry none: [] each
+        return tuple(tuple(tuple(t) if type(t) is list else t for t in ts) if type(ts) in (list, tuple) else ts
+                     for ts in timings)
+    return ((),) * len(timings)
 
 
 def _check_columns(columns: tuple[Any, ...]) -> None:
@@ -345,6 +376,7 @@ def _check_columns(columns: tuple[Any, ...]) -> None:
 
 _INDEX = {name: i for i, name in enumerate(_COLUMNS)}
 _ALL_COLUMNS = operator.attrgetter(*_COLUMNS)  # a StepRows' columns as a tuple, in one C call
+_ATTRIBUTES = tuple(map(operator.attrgetter, _COLUMNS))
 _TIMINGS = _COLUMNS.index("timings")
 
 
@@ -369,11 +401,25 @@ class NodeSteps:
         if not isinstance(self.rows, StepRows):
             object.__setattr__(self, "rows", StepRows.from_data(self.rows, "a NodeSteps record"))
 
+    @classmethod
+    def read_unchecked(cls, text: bytes | str) -> NodeSteps:
+        """The coordinator's read of a batch: from_json's, with the rows read by `StepRows.unchecked` (their values
+        are checked when their step is gathered, for all of the step's nodes at once)."""
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            data = None
+        if not isinstance(data, dict) or data.get("kind") != "node_steps" or not _NODE_STEPS_FIELDS <= data.keys():
+            return from_json(cls, text)  # which names what is wrong
+        return cls(data["node"], data["step"], StepRows.unchecked(data["rows"], "a NodeSteps record"))
+
     @property
     def records(self) -> tuple[StepRecord, ...]:
         """Each row as a StepRecord (tests and tools; the coordinator reads the columns)."""
         return tuple(self.rows.record(i) for i in range(len(self.rows)))
 
+
+_NODE_STEPS_FIELDS = frozenset({"node", "step", "rows"})
 
 _KINDS: dict[str, type[DataclassInstance]] = {
     "job": JobSettings, "beat": Beat, "joined": Joined, "step": StepRecord, "eval": EvalRecord, "error": ErrorRecord,

@@ -7,9 +7,11 @@ import socket
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, TypeVar
 
 __all__ = ["Waiter", "KeyValue", "Feed"]
+
+F = TypeVar("F", bound="Feed")
 
 
 @dataclass(eq=False)
@@ -31,11 +33,16 @@ class Waiter:
 class Feed:
     """The keys written under some prefixes, in order, for a reader in the store's own process (the coordinator):
     it learns what changed instead of polling one key per worker. `fileno()` turns readable when a key is queued, so
-    the reader can sleep on it beside other events (multiprocessing.connection.wait)."""
+    the reader can sleep on it beside other events (multiprocessing.connection.wait).
 
-    def __init__(self, prefixes: tuple[bytes, ...]) -> None:
+    Keys under the `quiet` prefixes are only noted, once each until taken (`touched`), and wake nobody: the node
+    launchers' heartbeats, thousands a second at scale, which the reader looks at on its own schedule."""
+
+    def __init__(self, prefixes: tuple[bytes, ...], quiet: tuple[bytes, ...] = ()) -> None:
         self.prefixes = prefixes
+        self.quiet = quiet
         self._keys: deque[bytes] = deque()
+        self._touched: set[bytes] = set()
         self._reader, self._writer = socket.socketpair()
         self._reader.setblocking(False)
         self._writer.setblocking(False)
@@ -47,6 +54,9 @@ class Feed:
 
     def publish(self, key: bytes) -> None:
         if not key.startswith(self.prefixes):
+            if key.startswith(self.quiet):
+                with self._lock:
+                    self._touched.add(key)
             return
         with self._lock:
             self._keys.append(key)
@@ -71,6 +81,12 @@ class Feed:
                     pass
         return keys
 
+    def touched(self) -> set[bytes]:
+        """The keys under the quiet prefixes written since the last call (each once)."""
+        with self._lock:
+            keys, self._touched = self._touched, set()
+        return keys
+
     def close(self) -> None:
         self._reader.close()
         self._writer.close()
@@ -86,9 +102,12 @@ class KeyValue:
         self._waiters: dict[bytes, set[Waiter]] = {}
         self._feeds: list[Feed] = []
 
-    def subscribe(self, prefixes: tuple[bytes, ...]) -> Feed:
-        """A feed of the keys written from now on under `prefixes`."""
-        feed = Feed(prefixes)
+    def subscribe(self, prefixes: tuple[bytes, ...], quiet: tuple[bytes, ...] = ()) -> Feed:
+        """A feed of the keys written from now on under `prefixes` (and, noted without a wake-up, under `quiet`)."""
+        return self.attach(Feed(prefixes, quiet))
+
+    def attach(self, feed: F) -> F:
+        """Hand `feed.publish` every key written from now on, under the store's lock, as it is written."""
         with self.lock:
             self._feeds.append(feed)
         return feed
