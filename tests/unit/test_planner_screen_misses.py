@@ -185,8 +185,8 @@ OPEN_MISSES = [
     # case 283: fused, coupled, 80 against 78 (+2.6 %; 81 before the critical-path moves); no rule goes below 80,
     # although CP-SAT proves 78 on the planner's own routing too (the orders, not the routing, miss). 78 needs each
     # busiest stage-0 worker's first micro-batch back with no wait anywhere, i.e. stage-0 orders permuted together
-    # with the downstream ones; moves of one worker's order at a time do not get there (docs/planner.md, "Why case
-    # 283 stays at 80")
+    # with the downstream ones; moves of one worker's order at a time do not get there, nor do moves of one
+    # micro-batch on every stage at once (docs/planner.md, "Why case 283 stays at 80", "Chain moves tried on case 283")
     ((6, 4, 7, 2, 4, 1, 0), [(0, 0), (1, 0), (1, 1)], PlannerOptions(decoupled=False, staggered=False), 78.0, 80.0),
     # (case 212, 75 against the bound 73, is closed by the bottleneck-forward rule: see the test below)
 ]
