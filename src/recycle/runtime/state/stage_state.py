@@ -38,6 +38,10 @@ class IterationPosition:
         self.snapshot = None
 
 
+# The tensor types torch's foreach ops take as they are (a subclass such as DTensor is copied on its own).
+_PLAIN = frozenset({torch.Tensor, nn.Parameter})
+
+
 def copy_state(state: Mapping[str, Any], into: dict[str, Any] | None = None) -> dict[str, Any]:
     """A copy of a flat state whose tensors are detached clones; with `into` (an earlier copy), its tensors of the
     same shape, dtype and device are overwritten in place instead (a per-step copy without allocation)."""
@@ -52,7 +56,7 @@ def copy_state(state: Mapping[str, Any], into: dict[str, Any] | None = None) -> 
             old = into.get(key)
             if isinstance(old, torch.Tensor) and old.shape == value.shape and old.dtype == value.dtype \
                     and old.device == value.device:
-                if _plain(old) and _plain(value):
+                if type(old) in _PLAIN and type(value) in _PLAIN:
                     targets, sources = fused.setdefault(value.device, ([], []))
                     targets.append(old)
                     sources.append(value)
@@ -67,11 +71,6 @@ def copy_state(state: Mapping[str, Any], into: dict[str, Any] | None = None) -> 
         for targets, sources in fused.values():
             torch._foreach_copy_(targets, sources)
     return copied
-
-
-def _plain(tensor: torch.Tensor) -> bool:
-    """A tensor torch's foreach ops take as is (not a tensor subclass such as DTensor; a Parameter is plain)."""
-    return type(tensor) in (torch.Tensor, nn.Parameter)
 
 
 class StageState:
