@@ -57,11 +57,13 @@ def periods(ends_per_step: list[float], warmup: int) -> list[float]:
 
 
 # -- ours ---------------------------------------------------------------------------------------------------------
-def run_ours(config: Config, steps: int, warmup: int) -> tuple[list[float], list[float]]:
+def run_ours(config: Config, steps: int, warmup: int,
+             hang_timeout_s: float | None = None) -> tuple[list[float], list[float]]:
     """(step periods, CPU seconds per step summed over workers) after the warm-up steps."""
     plan = build_schedule(config, "1f1b", staggered=True)
+    recovery = RecoveryOptions(timeout_s=120, hang_timeout_s=hang_timeout_s)
     result = launch(config, plan, LaunchOptions(steps=steps, cluster=ClusterOptions(start_method="forkserver"),
-                                                recovery=RecoveryOptions(timeout_s=120), progress=None))
+                                                recovery=recovery, progress=None))
     # period_s of step k = last end of step k - last end of step k-1 (step 1: its own span; dropped as warm-up)
     kept = result.steps[warmup:]
     return [s.period_s for s in kept], [sum(s.worker_cpu_s.values()) for s in kept]
@@ -80,8 +82,9 @@ def run_tree(tree: str, args: argparse.Namespace) -> tuple[list[float], list[flo
 
 
 def _shape_args(args: argparse.Namespace) -> list[str]:
-    return [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in
-            ("replicas", "stages", "microbatches", "microbatch_size", "seq_len", "preset", "steps", "warmup")]
+    shape = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in
+             ("replicas", "stages", "microbatches", "microbatch_size", "seq_len", "preset", "steps", "warmup")]
+    return shape + ([f"--hang-timeout={args.hang_timeout}"] if args.hang_timeout is not None else [])
 
 
 # -- theirs: torch.distributed.pipelining -------------------------------------------------------------------------
@@ -200,6 +203,9 @@ def main() -> int:
                         help="also run our runtime from source tree TREE (a checkout or `git archive` of an older "
                              "commit, with src/) as a third side, 'before', in the same alternating rounds; both of "
                              "our sides then run in a process of their own")
+    parser.add_argument("--hang-timeout", type=float, default=None, metavar="S",
+                        help="our runtime's limit on one action's compute (default: automatic); e.g. 300 for "
+                             "benchmarks/step_profile's torch profiler, which writes its profile inside an OPT")
     parser.add_argument("--emit-ours", action="store_true", help=argparse.SUPPRESS)  # run_tree's child
     args = parser.parse_args()
     if args.microbatches < args.stages:
@@ -210,11 +216,11 @@ def main() -> int:
         return 2
     config = bench_config(args)
     if args.emit_ours:
-        samples, cpu_samples = run_ours(config, args.steps, args.warmup)
+        samples, cpu_samples = run_ours(config, args.steps, args.warmup, args.hang_timeout)
         print(json.dumps({"periods": samples, "cpu": cpu_samples}))
         return 0
     sides: dict[str, Callable[[], tuple[list[float], list[float]]]] = {
-        "ours": lambda: run_ours(config, args.steps, args.warmup),
+        "ours": lambda: run_ours(config, args.steps, args.warmup, args.hang_timeout),
         "theirs": lambda: run_theirs(config, args.steps, args.warmup)}
     if args.compare_with:
         if not os.path.isdir(os.path.join(args.compare_with, "src", "recycle")):
