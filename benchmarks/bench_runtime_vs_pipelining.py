@@ -8,9 +8,11 @@ cross-stage barrier), which is the work their loop does. Runs alternate (ours, t
 noise, after a warm-up round that is not counted (the process's first run is often its slowest); each run drops its
 warm-up steps; the period of a step is the last worker's end of that step minus the last worker's end of the
 previous one (what our launcher reports). Prints per-run medians, the overall medians and the ratio ours / theirs
-(goal <= 1.0).
+(goal <= 1.0). `--compare-with TREE` adds our runtime from another source tree (e.g. the commit before a change)
+as a third side in the same rounds.
 
-    .venv/bin/python benchmarks/bench_runtime_vs_pipelining.py [--replicas 2 --stages 2 --microbatches 4 ...]
+    .venv/bin/python benchmarks/bench_runtime_vs_pipelining.py [--replicas 2 --stages 2 --microbatches 4 ...] \
+        [--compare-with TREE]
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import time
-
 from typing import Callable
 
 import torch
