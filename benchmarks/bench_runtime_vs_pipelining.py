@@ -8,20 +8,25 @@ cross-stage barrier), which is the work their loop does. Runs alternate (ours, t
 noise, after a warm-up round that is not counted (the process's first run is often its slowest); each run drops its
 warm-up steps; the period of a step is the last worker's end of that step minus the last worker's end of the
 previous one (what our launcher reports). Prints per-run medians, the overall medians and the ratio ours / theirs
-(goal <= 1.0).
+(goal <= 1.0). `--compare-with TREE` adds our runtime from another source tree (e.g. the commit before a change)
+as a third side in the same rounds.
 
-    .venv/bin/python benchmarks/bench_runtime_vs_pipelining.py [--replicas 2 --stages 2 --microbatches 4 ...]
+    .venv/bin/python benchmarks/bench_runtime_vs_pipelining.py [--replicas 2 --stages 2 --microbatches 4 ...] \
+        [--compare-with TREE]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -53,14 +58,34 @@ def periods(ends_per_step: list[float], warmup: int) -> list[float]:
 
 
 # -- ours ---------------------------------------------------------------------------------------------------------
-def run_ours(config: Config, steps: int, warmup: int) -> tuple[list[float], list[float]]:
+def run_ours(config: Config, steps: int, warmup: int,
+             hang_timeout_s: float | None = None) -> tuple[list[float], list[float]]:
     """(step periods, CPU seconds per step summed over workers) after the warm-up steps."""
     plan = build_schedule(config, "1f1b", staggered=True)
+    recovery = RecoveryOptions(timeout_s=120, hang_timeout_s=hang_timeout_s)
     result = launch(config, plan, LaunchOptions(steps=steps, cluster=ClusterOptions(start_method="forkserver"),
-                                                recovery=RecoveryOptions(timeout_s=120), progress=None))
+                                                recovery=recovery, progress=None))
     # period_s of step k = last end of step k - last end of step k-1 (step 1: its own span; dropped as warm-up)
     kept = result.steps[warmup:]
     return [s.period_s for s in kept], [sum(s.worker_cpu_s.values()) for s in kept]
+
+
+def run_tree(tree: str, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """run_ours with the recycle package of source tree `tree` (e.g. an older commit's, for a before/after), in a
+    process of its own that runs this file with `--emit-ours`: (step periods, CPU seconds per step)."""
+    command = [sys.executable, os.path.abspath(__file__), "--emit-ours", *_shape_args(args)]
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.abspath(tree), "src")}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"our runtime from {tree} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return result["periods"], result["cpu"]
+
+
+def _shape_args(args: argparse.Namespace) -> list[str]:
+    shape = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in
+             ("replicas", "stages", "microbatches", "microbatch_size", "seq_len", "preset", "steps", "warmup")]
+    return shape + ([f"--hang-timeout={args.hang_timeout}"] if args.hang_timeout is not None else [])
 
 
 # -- theirs: torch.distributed.pipelining -------------------------------------------------------------------------
@@ -109,9 +134,10 @@ def _their_worker(rank: int, config: Config, port: int, steps: int, results: mp.
     ends, cpu = [], []
     for step in range(steps):
         cpu0 = time.process_time()
-        batches = [load(step, replica * M + j) for j in range(M)]
-        tokens = torch.cat([b[0] for b in batches])
-        targets = torch.cat([b[1] for b in batches])
+        if is_first or is_last:  # only these use the data, as in our runtime (a middle stage loads nothing)
+            batches = [load(step, replica * M + j) for j in range(M)]
+            tokens = torch.cat([b[0] for b in batches])
+            targets = torch.cat([b[1] for b in batches])
         if is_first:
             schedule.step(tokens)
         elif is_last:
@@ -174,6 +200,14 @@ def main() -> int:
     parser.add_argument("--warmup-rounds", type=int, default=1,
                         help="rounds of (ours, theirs) run first and not counted (the process's first run, always "
                              "ours, was ours' slowest in three of five runs)")
+    parser.add_argument("--compare-with", metavar="TREE",
+                        help="also run our runtime from source tree TREE (a checkout or `git archive` of an older "
+                             "commit, with src/) as a third side, 'before', in the same alternating rounds; both of "
+                             "our sides then run in a process of their own")
+    parser.add_argument("--hang-timeout", type=float, default=None, metavar="S",
+                        help="our runtime's limit on one action's compute (default: automatic); e.g. 300 for "
+                             "benchmarks/step_profile's torch profiler, which writes its profile inside an OPT")
+    parser.add_argument("--emit-ours", action="store_true", help=argparse.SUPPRESS)  # run_tree's child
     args = parser.parse_args()
     if args.microbatches < args.stages:
         # Schedule1F1B refuses it in every worker, and the parent would wait out its timeout for their results.
@@ -182,41 +216,58 @@ def main() -> int:
               file=sys.stderr)
         return 2
     config = bench_config(args)
+    if args.emit_ours:
+        samples, cpu_samples = run_ours(config, args.steps, args.warmup, args.hang_timeout)
+        print(json.dumps({"periods": samples, "cpu": cpu_samples}))
+        return 0
+    sides: dict[str, Callable[[], tuple[list[float], list[float]]]] = {
+        "ours": lambda: run_ours(config, args.steps, args.warmup, args.hang_timeout),
+        "theirs": lambda: run_theirs(config, args.steps, args.warmup)}
+    if args.compare_with:
+        if not os.path.isdir(os.path.join(args.compare_with, "src", "recycle")):
+            print(f"error: --compare-with {args.compare_with} has no src/recycle; pass a source tree of this "
+                  "project, e.g. `git archive COMMIT src | tar -x -C DIR`", file=sys.stderr)
+            return 2
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        sides = {"ours": lambda: run_tree(here, args), "before": lambda: run_tree(args.compare_with, args),
+                 "theirs": sides["theirs"]}
+    names = list(sides)
     print(f"D={args.replicas} S={args.stages} M={args.microbatches} micro-batch {args.microbatch_size}x"
           f"{args.seq_len} preset {args.preset}; {args.steps} steps per run, {args.warmup} warm-up dropped, "
-          f"{args.rounds} alternating rounds; gloo CPU, 1 thread per worker, {os.cpu_count()} CPUs")
-    wall: dict[str, list[float]] = {"ours": [], "theirs": []}
-    cpu: dict[str, list[float]] = {"ours": [], "theirs": []}
-    pair_ratios: list[float] = []
-    round_medians: dict[str, list[float]] = {"ours": [], "theirs": []}
+          f"{args.rounds} alternating rounds of {', '.join(names)}"
+          f"{f' (before: {args.compare_with})' if args.compare_with else ''}; gloo CPU, 1 thread per worker, "
+          f"{os.cpu_count()} CPUs")
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    round_medians: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(args.warmup_rounds):
-        untimed = {name: statistics.median((run_ours if name == "ours" else run_theirs)(config, args.steps,
-                                                                                         args.warmup)[0])
-                   for name in ("ours", "theirs")}
-        print(f"warm-up round (not counted): ours {untimed['ours'] * 1e3:.1f} ms, theirs "
-              f"{untimed['theirs'] * 1e3:.1f} ms", flush=True)
+        untimed = {name: statistics.median(sides[name]()[0]) for name in names}
+        print("warm-up round (not counted): " + ", ".join(f"{name} {untimed[name] * 1e3:.1f} ms" for name in names),
+              flush=True)
     for r in range(args.rounds):
-        order = ("ours", "theirs") if r % 2 == 0 else ("theirs", "ours")
-        medians: dict[str, float] = {}
+        # Every side takes every place in the order in turn (two sides: ours first, then theirs first, ...).
+        order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            samples, cpu_samples = (run_ours if name == "ours" else run_theirs)(config, args.steps, args.warmup)
+            samples, cpu_samples = sides[name]()
             wall[name].extend(samples)
             cpu[name].extend(cpu_samples)
-            medians[name] = statistics.median(samples)
-            print(f"round {r + 1} {name:6s}: median step {medians[name] * 1e3:8.1f} ms, CPU "
+            round_medians[name].append(statistics.median(samples))
+            print(f"round {r + 1} {name:6s}: median step {round_medians[name][-1] * 1e3:8.1f} ms, CPU "
                   f"{statistics.median(cpu_samples) * 1e3:8.1f} ms per step over all workers "
                   f"({len(samples)} steps)", flush=True)
-        pair_ratios.append(medians["ours"] / medians["theirs"])
-        round_medians["ours"].append(medians["ours"])
-        round_medians["theirs"].append(medians["theirs"])
-    ours, theirs = statistics.median(wall["ours"]), statistics.median(wall["theirs"])
-    ours_cpu, theirs_cpu = statistics.median(cpu["ours"]), statistics.median(cpu["theirs"])
-    print(f"ours   (recycle 1F1B)     median step {ours * 1e3:8.1f} ms   CPU per step {ours_cpu * 1e3:8.1f} ms")
-    print(f"theirs (pipelining 1F1B)  median step {theirs * 1e3:8.1f} ms   CPU per step {theirs_cpu * 1e3:8.1f} ms")
-    best = min(round_medians["ours"]) / min(round_medians["theirs"])
-    print(f"ratio ours/theirs: step time {ours / theirs:.3f} (goal <= 1.0), median of per-round ratios "
-          f"{statistics.median(pair_ratios):.3f} (range {min(pair_ratios):.3f}-{max(pair_ratios):.3f}), best round "
-          f"{best:.3f}, CPU per step {ours_cpu / theirs_cpu:.3f}")
+    labels = {"ours": "ours   (recycle 1F1B)   ", "before": "before (recycle 1F1B)   ", "theirs": "theirs (pipelining 1F1B)"}
+    for name in names:
+        print(f"{labels[name]}  median step {statistics.median(wall[name]) * 1e3:8.1f} ms   CPU per step "
+              f"{statistics.median(cpu[name]) * 1e3:8.1f} ms")
+    for ours, theirs in [(n, "theirs") for n in names if n != "theirs"] + ([("ours", "before")] if "before" in names
+                                                                          else []):
+        ratios = [a / b for a, b in zip(round_medians[ours], round_medians[theirs])]
+        best = min(round_medians[ours]) / min(round_medians[theirs])
+        goal = " (goal <= 1.0)" if theirs == "theirs" else ""
+        print(f"ratio {ours}/{theirs}: step time {statistics.median(wall[ours]) / statistics.median(wall[theirs]):.3f}"
+              f"{goal}, median of per-round ratios {statistics.median(ratios):.3f} (range {min(ratios):.3f}-"
+              f"{max(ratios):.3f}), best round {best:.3f}, CPU per step "
+              f"{statistics.median(cpu[ours]) / statistics.median(cpu[theirs]):.3f}")
     # On a shared machine other jobs' bursts hit single runs: the best-round and per-round ratios are the robust
     # ones. CPU per step is not a pure measure of work there: the same forward cost about 45 % more CPU in runs whose
     # workers overlapped more (docs/runtime-performance.md), so a side that runs in parallel more pays more per op.

@@ -78,6 +78,27 @@ def test_copy_state_writes_into_an_earlier_copy_in_place() -> None:
     assert second["b"] is not first["b"] and second["b"].shape == (4,)
 
 
+def test_copy_state_into_an_earlier_copy_is_exact_and_records_no_autograd_history() -> None:
+    """The in-place copies (one _foreach_copy_ per device) of parameters, optimizer moments of several dtypes and the
+    generator state: equal bit for bit, and the copies stay plain tensors outside autograd."""
+    state = _stage(0, 2)
+    for p in state.module.parameters():
+        p.grad = torch.randn_like(p)
+    state.optimizer.step()
+    first = copy_state(state.state_dict())
+    with torch.no_grad():
+        for p in state.module.parameters():
+            p.add_(torch.randn_like(p))
+    state.optimizer.step()
+    live = state.state_dict()
+    second = copy_state(live, first)
+    for key, value in live.items():
+        if isinstance(value, torch.Tensor):
+            assert second[key] is first[key], key  # written in place
+            assert second[key].dtype == value.dtype and torch.equal(second[key], value), key
+            assert not second[key].requires_grad and second[key].grad_fn is None, key
+
+
 def test_a_state_goes_over_the_wire_exactly_with_its_plain_values() -> None:
     state = {**_stage(0, 2).state_dict(), "optimizer.state.stage1.0.weight.unset": None, "optimizer.lr": 0.5}
     wire: deque[torch.Tensor] = deque()

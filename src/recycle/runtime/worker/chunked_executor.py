@@ -12,8 +12,7 @@ from recycle.ir import Action, Plan
 from recycle.ir.completion import Completion
 from recycle.models.chunk_set import ChunkSet
 from recycle.runtime.protocol.messages import Message
-from recycle.runtime.state.precision import autocast
-from recycle.runtime.worker.executor import Comm, IterationResult, StageExecutor, _Stash, dropout_seed
+from recycle.runtime.worker.executor import Comm, IterationResult, StageExecutor
 
 __all__ = ["ChunkedStageExecutor"]
 
@@ -73,34 +72,16 @@ class ChunkedStageExecutor(StageExecutor):
 
     # -- compute, one method per kind ------------------------------------------------------------------------------
     def forward(self, action: Action) -> None:
-        chunk, mb = action.stage, action.mb
-        first, last = chunk == 0, chunk == self.last_chunk
-        module = self.chunk_set.chunk(chunk)
-        tokens, targets = self.load_microbatch(self.progress.iteration, mb) if first or last else (None, None)
-        inp: torch.Tensor | None = None
-        if first:
-            assert tokens is not None
-            x = tokens.to(self.device)
-        else:
-            inp = self._receive(self._incoming(action)).requires_grad_()
-            x = inp
-        self._seed_dropout(dropout_seed(self.seed, self.progress.iteration, mb, chunk))
-        with autocast(self.precision, self.device):
-            if last:
-                assert targets is not None
-                out = module(x, targets.to(self.device)) * self.plan.loss_weight(mb)
-            else:
-                out = module(x)
-        if last:
-            self._losses_in.add(mb)
-            self._loss_sum += float(out.detach())
-        else:
-            if out.dtype != self.dtype:  # a chunk whose output autocast left in bf16: the boundary is float32
-                out = out.to(self.dtype)
-            message = self._outgoing(action)
-            assert message is not None, f"{action} sends its activation downstream"
-            self._deliver(message, out)
-        self._stash[self._key(action)] = _Stash(inp, out)
+        chunk = action.stage
+        self._forward(action, self.chunk_set.chunk(chunk), chunk, self._key(action), chunk == 0,
+                      chunk == self.last_chunk)
+
+    def _send_activation(self, action: Action, out: torch.Tensor) -> None:
+        """Send the chunk's output to the next chunk's worker, or hand it to this worker's own next chunk (no
+        completions run on a chunked plan: nothing is logged for re-sends)."""
+        message = self._outgoing(action)
+        assert message is not None, f"{action} sends its activation downstream"
+        self._deliver(message, out)
 
     def backward_input(self, action: Action) -> None:
         """B: the input-gradient only (sent upstream, or handed to the previous chunk here); the graph is kept."""

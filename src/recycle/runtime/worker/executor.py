@@ -85,6 +85,11 @@ class IterationResult:
     lr: float | None = None  # the learning rate this stage's optimizer step applied
 
 
+# The method that runs each kind of action (looked up by name, so a subclass's or a test's override is the one run).
+_HANDLERS = {Kind.F: "forward", Kind.B: "backward_input", Kind.W: "backward_weight", Kind.BW: "backward_fused",
+             Kind.OPT: "optimizer_step"}
+
+
 def _step_channel(kind: str) -> Channel:
     """What a completion's step (ir.completion) carries: a forward or its re-send activations, the rest gradients."""
     return Channel.ACTIVATION if kind in ("F", SEND_ACTIVATION) else Channel.GRADIENT
@@ -253,7 +258,7 @@ class StageExecutor:
         timings: list[ActionTiming] = []
         start = time.time()
         for index, action in enumerate(self.actions):
-            self._run_one(index, action, str(action), timings)
+            self._run_one(index, action, None, timings)
         self.comm.flush()
         self.progress.index = len(self.actions)
         self.progress.finished = True
@@ -316,10 +321,11 @@ class StageExecutor:
                                            grad_sq=self._grad_sq, lr=self._lr)
         return self.last_result
 
-    def _run_one(self, index: int, action: Action, label: str, timings: list[ActionTiming],
+    def _run_one(self, index: int, action: Action, label: str | None, timings: list[ActionTiming],
                  work: Callable[[], None] | None = None) -> None:
         """Run `action` (or, for a completion's re-send, `work`, announced to the hooks as `action`) with what goes
-        around every action: the progress, before_action, the pacing, its busy time and timing record."""
+        around every action: the progress, before_action, the pacing, its busy time and timing record (labelled
+        `label`, or `action` when None: formatted only when timings are recorded)."""
         self.progress.index = index
         self.progress.weighed = self.progress.reducing = self.progress.sending = False
         if self.before_action is not None:
@@ -334,7 +340,7 @@ class StageExecutor:
         t1 = time.perf_counter()
         self.progress.busy_s += t1 - t0
         if self.record_timings:
-            timings.append(ActionTiming(label, t0, t1))
+            timings.append(ActionTiming(str(action) if label is None else label, t0, t1))
 
     @staticmethod
     def _sent_by(src: int, step: Step) -> Message | None:
@@ -355,46 +361,55 @@ class StageExecutor:
         log[(channel, mb)] = tensor.detach()
 
     def run_action(self, action: Action) -> None:
-        handler = {Kind.F: self.forward, Kind.B: self.backward_input, Kind.W: self.backward_weight,
-                   Kind.BW: self.backward_fused, Kind.OPT: self.optimizer_step}[action.kind]
-        handler(action)
+        getattr(self, _HANDLERS[action.kind])(action)
 
     # -- compute, one method per kind (easy to time or pad) -------------------------------------------------------
     def forward(self, action: Action) -> None:
+        self._forward(action, self.module, self.stage, action.mb, self.is_first, self.is_last)
+
+    def _forward(self, action: Action, module: nn.Module, stage: int, key: int, first: bool, last: bool) -> None:
+        """F of `action` on `module`, which holds stage (or, on a chunked worker, chunk) `stage` of the model: the
+        input received (or, where `first`, the token ids loaded), dropout seeded by (iteration, mb, stage), the
+        forward under the run's autocast, on the `last` the weighted loss (counted once per micro-batch); the output
+        cast to the boundary dtype, stashed under `key` and sent (_send_activation)."""
         mb = action.mb
         tokens, targets = load_piece(self.load_microbatch, self.plan, self.progress.iteration, mb) \
-            if (self.is_first or self.is_last) else (None, None)
-        if self.is_first:
+            if (first or last) else (None, None)
+        inp: torch.Tensor | None = None
+        if first:
             assert tokens is not None
-            inp = None
             x = tokens.to(self.device)
         else:
             inp = self._receive(self._incoming(action)).requires_grad_()
             x = inp
-        self._seed_dropout(dropout_seed(self.seed, self.progress.iteration, mb, self.stage))
+        self._seed_dropout(dropout_seed(self.seed, self.progress.iteration, mb, stage))
         with autocast(self.precision, self.device):
-            if self.is_last:
+            if last:
                 assert targets is not None
                 targets = targets.to(self.device)
-                loss = self.loss_fn(self.module(x), targets) if self.loss_fn else self.module(x, targets)
+                loss = self.loss_fn(module(x), targets) if self.loss_fn else module(x, targets)
                 out = loss * self.plan.loss_weight(mb)  # the global-token rule (recycle.ir.pieces)
             else:
-                out = self.module(x)
-        if self.is_last:
+                out = module(x)
+        if last:
             if mb not in self._losses_in:  # a completion may run a forward again only to send its gradient on
                 self._losses_in.add(mb)
                 self._loss_sum += float(out.detach())
-        else:
-            if out.dtype != self.dtype:  # a stage whose output autocast left in bf16: the boundary is float32
-                out = out.to(self.dtype)
-            outgoing = self._outgoing(action)
-            if outgoing is not None:
-                self._stash[mb] = _Stash(inp, out)
-                self._log_sent(Channel.ACTIVATION, mb, out)
-                self.progress.sending = True
-                self.comm.send(outgoing, out)
-                return
-        self._stash[mb] = _Stash(inp, out)
+            self._stash[key] = _Stash(inp, out)
+            return
+        if out.dtype != self.dtype:  # a stage whose output autocast left in bf16: the boundary is float32
+            out = out.to(self.dtype)
+        self._stash[key] = _Stash(inp, out)
+        self._send_activation(action, out)
+
+    def _send_activation(self, action: Action, out: torch.Tensor) -> None:
+        """Send a forward's output downstream (logged for re-sends); a completion's forward may send nothing."""
+        outgoing = self._outgoing(action)
+        if outgoing is None:
+            return
+        self._log_sent(Channel.ACTIVATION, action.mb, out)
+        self.progress.sending = True
+        self.comm.send(outgoing, out)
 
     def backward_input(self, action: Action) -> None:
         """B: the input-gradient only (sent upstream at once); the graph is kept for W."""
@@ -519,13 +534,17 @@ class StageExecutor:
         counted = self.params if self.is_first else self.stage_params
         sharded, whole = 0.0, 0.0
         for p in counted:
-            if p.grad is not None:
+            grad = p.grad
+            if grad is not None:
+                # A DTensor is this rank's shard (a plain tensor is whole: the test by type skips two calls per
+                # parameter on the per-step path).
+                shard = type(grad) is not torch.Tensor and is_sharded(grad)
                 # Squared in place in a float64 copy (always a copy: .double() of a float64 gradient is the gradient
                 # itself): the same products as pow(2), which is x * x, without a second buffer. Half the time of this
                 # per-step metric, and the clip coefficient needs it exact.
-                square = local_tensor(p.grad).detach().to(torch.float64, copy=True)
+                square = local_tensor(grad).detach().to(torch.float64, copy=True)
                 value = float(square.mul_(square).sum())
-                if is_sharded(p.grad):
+                if shard:
                     sharded += value
                 else:
                     whole += value

@@ -99,9 +99,10 @@ class Activity:
 
 
 @contextlib.contextmanager
-def _peer_op(activity: Activity, what: str) -> Iterator[None]:
+def _peer_op(activity: Activity, what: str, message: Message | None = None) -> Iterator[None]:
     """A p2p op, collective or formation: its wait is on a peer ("comm"), and a peer's failure comes out as PeerLost
-    (naming the op; torch's own text after it)."""
+    (naming the op, and `message` after it if given; torch's own text after that). The message is formatted only
+    when the op fails: a send or receive is on every action's path, a dataclass repr is not free."""
     previous = activity.phase
     activity.phase = "comm"
     try:
@@ -109,7 +110,8 @@ def _peer_op(activity: Activity, what: str) -> Iterator[None]:
     except Exception as exc:
         if not _is_peer_error(exc):
             raise
-        raise PeerLost(f"{what}: {(str(exc).splitlines() or [type(exc).__name__])[0][:300]}") from None
+        named = what if message is None else f"{what} {message}"
+        raise PeerLost(f"{named}: {(str(exc).splitlines() or [type(exc).__name__])[0][:300]}") from None
     finally:
         activity.phase = previous
 
@@ -196,14 +198,14 @@ class Transport:
     # -- p2p ----------------------------------------------------------------------------------------------------
     def send(self, message: Message, tensor: torch.Tensor) -> None:
         buffer = tensor.detach().contiguous()
-        with _peer_op(self.activity, f"send {message}"):
+        with _peer_op(self.activity, "send", message):
             work = dist.isend(buffer, self.groups.group_rank(message.dst), tag=self._tag(message))
         assert work is not None  # None only for a rank outside the default group, which is this generation's world
         self._pending.append((work, buffer))
 
     def recv(self, message: Message, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        with _peer_op(self.activity, f"receive {message}"):
+        with _peer_op(self.activity, "receive", message):
             dist.recv(buffer, self.groups.group_rank(message.src), tag=self._tag(message))
         return buffer
 
