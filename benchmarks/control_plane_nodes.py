@@ -13,7 +13,8 @@ What each simulated process does (and where in the runtime it comes from):
   it and the plan, writes Joined and, at its first action, Resumed; a worker left out of the generation exits
   (code 4);
 - replacement worker (_admit): JoinReady, then admitted by the announcement that names it;
-- node launcher (_follow_once, every 0.1 s): its node heartbeat add, its workers' step records of the pass as one
+- node launcher (_follow_once, every 0.1 s): its node heartbeat add (once per min(heartbeat_s, heartbeat timeout /
+  4)), its workers' step records of the pass as one
   NodeSteps record per step, the EXITED flag of a worker that ended (once),
   then one wait on the keys of the coordinator's word (ABORT_RUN, FINISHED, FENCE per running worker, RESPAWN per
   ended one); every heartbeat_s / 2 its
@@ -392,11 +393,12 @@ class StandInNodes:
 
     # -- the node launchers' follow loops ------------------------------------------------------------------------
     def _node_heartbeats(self, elapsed: float, now: float) -> list[Request]:
-        """Each node launcher's heartbeat add, at its loop's rate (at most one round per pass)."""
+        """Each node launcher's heartbeat add, at its rate (once per min(heartbeat_s, heartbeat timeout / 4), as
+        _follow_once beats; at most one round per pass)."""
         up = [n for n in self.nodes if n not in self.down_nodes]
         if not up:
             return []
-        rate = len(up) / NODE_POLL_S
+        rate = len(up) / max(NODE_POLL_S, min(self.spec.heartbeat_s, self.spec.heartbeat_timeout_s / 4))
         self.counters.due["node"] += elapsed * rate
         self.node_credit = min(self.node_credit + elapsed * rate, float(len(up)))
         requests = []
