@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -50,15 +49,6 @@ def cli_error(capsys: pytest.CaptureFixture[str]) -> Callable[[list[str]], str]:
         return lines[0]
 
     return run
-
-
-@pytest.fixture(autouse=True)
-def _workers_fork_from_a_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`recycle train` run as a subprocess starts its workers from a forkserver (torch imported once per launcher,
-    not once per worker: 2.7x less CPU in test_recovery_cli.py). The CLI's default, spawn, keeps its own tests: they
-    pass --start-method spawn."""
-    if "RECYCLE_START_METHOD" not in os.environ:
-        monkeypatch.setenv("RECYCLE_START_METHOD", "forkserver")
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,7 @@ import torch
 from recycle.api import select_plan
 from recycle.cli import main
 from recycle.config import Config, load_config
+from recycle.ir.plan import Plan
 from recycle.runtime.control.launcher import launch
 from recycle.runtime.options import (ClusterOptions, DebugOptions, LaunchOptions, OutputOptions, RecoveryOptions,
                                      with_keywords)
@@ -36,6 +37,12 @@ def train_and_check(config: Config, down: tuple[str, ...], tmp_path: Path, decou
     plan = select_plan(config, down=down, decoupled=decoupled, staggered=staggered)
     assert plan.chunks == 2 and plan.failed == {tuple(int(x) for x in w.split(":")) for w in down}
     assert bool(plan.decoupled_pairs) == decoupled and plan.staggered == staggered
+    runs_exactly(config, plan, tmp_path)
+
+
+def runs_exactly(config: Config, plan: Plan, tmp_path: Path) -> None:
+    """`plan` trained by the runtime ends at the single-process reference's parameters (1e-9) and losses, with the
+    live replicas of each worker position bit-identical after every step."""
     save = tmp_path / "final.pt"
     result = launch(config, plan, LaunchOptions(outputs=OutputOptions(save_path=str(save)),
                                                 debug=DebugOptions(verify_replicas=True),

@@ -8,14 +8,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
+from test_train_chunks import runs_exactly
 
 from recycle.planner import chunked
 from recycle.planner.options import PlannerOptions
 from recycle.planner.routing import traffic
-from recycle.runtime.control.launcher import launch
-from recycle.runtime.options import ClusterOptions, DebugOptions, LaunchOptions, OutputOptions, RecoveryOptions
-from recycle.runtime.tools.reference import reference_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -32,13 +29,4 @@ def test_a_canonical_routed_chunked_plan_matches_the_reference(tiny_config, tmp_
     plan = chunked.schedule_chunked(config, failed, PlannerOptions())
     assert plan.host == canonical
     assert traffic(plan.host, 2, failed, stage_of=plan.chunk_stages)["moved_healthy"] > 0
-    save = tmp_path / "final.pt"
-    result = launch(config, plan, LaunchOptions(outputs=OutputOptions(save_path=str(save)),
-                                                debug=DebugOptions(verify_replicas=True),
-                                                recovery=RecoveryOptions(timeout_s=30),
-                                                cluster=ClusterOptions(start_method="forkserver"), progress=None))
-    ref, ref_losses = reference_train(config)
-    got = torch.load(save, weights_only=True)["model"]
-    assert got.keys() == ref.keys()
-    assert max(float((got[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-12)) for k in ref) < 1e-9
-    assert [round(s.loss, 9) for s in result.steps] == [round(x, 9) for x in ref_losses]
+    runs_exactly(config, plan, tmp_path)
