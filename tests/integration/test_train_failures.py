@@ -60,17 +60,21 @@ def test_a_frozen_worker_without_a_plan_provider_is_caught_by_its_heartbeat_and_
     assert not mp.active_children()
 
 
-def _children(pid: int) -> list[int]:
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`: its children, and theirs (workers forked by a forkserver are grandchildren)."""
     from pathlib import Path
 
-    found = []
+    parent = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except OSError:
             continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
+    found, frontier = [], [pid]
+    while frontier:
+        below = [child for child, up in parent.items() if up in frontier]
+        found += below
+        frontier = below
     return found
 
 
@@ -99,7 +103,7 @@ def test_workers_exit_when_the_launcher_is_killed(tmp_path) -> None:
         while line and not line.startswith("step "):
             line = launcher.stdout.readline()  # the first progress line: every worker is up and training
         assert line.startswith("step 1/"), line
-        workers = _children(launcher.pid)
+        workers = _descendants(launcher.pid)  # 4 workers, a forkserver under RECYCLE_START_METHOD=forkserver
         assert len(workers) >= 4
     finally:
         launcher.send_signal(signal.SIGKILL)
@@ -109,4 +113,4 @@ def test_workers_exit_when_the_launcher_is_killed(tmp_path) -> None:
     while alive and time.monotonic() < deadline:
         time.sleep(0.2)
         alive = [p for p in alive if _running(p)]
-    assert not alive, f"workers {alive} outlived the launcher"
+    assert not alive, f"processes {alive} outlived the launcher"
