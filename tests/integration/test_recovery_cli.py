@@ -71,9 +71,7 @@ def two_node_command(config_file: Path, save: Path) -> tuple[list[str], dict[str
     """The `recycle train` command both launchers run (without --node-rank) and their shared environment."""
     command = [sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--nnodes", "2",
                "--master-port", str(free_port()), "--save", str(save), "--heartbeat-timeout", "2", *PACED]
-    # The two-node runs start their workers from a forkserver, picked by the environment (the others: spawn, the
-    # default), so both ways of starting workers meet kills, lost nodes and re-joins.
-    return command, {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24), "RECYCLE_START_METHOD": "forkserver"}
+    return command, {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
 
 
 def start_node(command: list[str], env: dict[str, str], rank: int, **streams) -> subprocess.Popen:
