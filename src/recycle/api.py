@@ -151,7 +151,7 @@ def simulate_trace(config: Config, trace: str | Path | EventTrace, *, systems: S
     is made once per call; `plan_cache` (a folder, e.g. `recycle.traces.plan_cache.default_cache_dir()`) also keeps
     them across calls, validated when read. `split_microbatches`: ReCycle+ may cut a failed worker's micro-batches
     into pieces (where strictly faster); ReCycle keeps whole ones. `exact_screens`: ReCycle+ screens partitions
-    with every priority rule (slower; by default the first rule only: docs/traces.md, "Quick partition screens")."""
+    with every priority rule (slower; by default the first two rules: docs/traces.md, "Quick partition screens")."""
     from recycle.traces.experiments import SYSTEM_NAMES, JobSetup, run_job
     from recycle.traces.model import JobCosts
     from recycle.traces.plan_cache import PlanCache

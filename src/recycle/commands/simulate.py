@@ -102,7 +102,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "carries an equal share, where the plan is strictly faster (ReCycle keeps whole ones)")
     p.add_argument("--exact-screens", action="store_true",
                    help="ReCycle+ screens each candidate layer partition with every priority rule (slower) instead "
-                        "of the first one; the partition it polishes, and so its goodput, may differ slightly")
+                        "of the first two; the partition it polishes, and so its goodput, may differ slightly")
     p.set_defaults(func=run)
     return p
 
