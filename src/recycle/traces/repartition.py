@@ -42,8 +42,8 @@ def partition_support(config: Config) -> str:
 _CHOICES: dict[tuple, PartitionChoice] = {}  # in-process cache of planner partition searches
 
 # The priority rules a trace replay's partition screen list-schedules by default (`recycle simulate`; the first two
-# of heuristic.VARIANTS: the first alone moved ReCycle+'s goodput by up to -0.097 % on the shipped traces, two kept
-# it within ... ): a screen only ranks the partitions, and the one polished is then planned in full, so its period
+# of heuristic.VARIANTS: the first alone moved ReCycle+'s goodput by up to -0.097 % on the shipped traces, two by
+# -0.053 % at most): a screen only ranks the partitions, and the one polished is then planned in full, so its period
 # and every rate the replay uses are the full planner's. A change of plan: the partition polished may differ from
 # the exact screen's (every rule), measured by benchmarks/bench_replay.py --screens (docs/traces.md, "Quick
 # partition screens"); --exact-screens turns it off.
