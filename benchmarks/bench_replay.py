@@ -10,7 +10,9 @@ Run: nice -n 10 .venv/bin/python benchmarks/bench_replay.py [--config configs/gp
 --compare-with COMMIT: cold replays only, the commit's src/ (from `git archive`) and this tree's, each in a child
 interpreter with a fresh plan cache folder, one after the other per trace: wall and CPU seconds, plans made (cache
 misses, and the heuristic plans behind them), and whether every system's goodput and every decision of ReCycle
-and ReCycle+ (time and policy of each log entry, the states ReCycle+ ran in) are identical.
+and ReCycle+ (time and policy of each log entry, the states ReCycle+ ran in) are identical. Against a commit
+from before quick partition screens (below), ReCycle+'s goodput and decisions may differ: that is the change of
+plan `--screens` measures.
 
 --screens: cold replays of this tree only, in child interpreters, with ReCycle+'s exact partition screens (every
 priority rule: `run_job(..., exact_screens=True)`, `recycle simulate --exact-screens`) and then with the default

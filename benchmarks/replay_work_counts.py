@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.screens.isdigit() or int(args.screens) < 1:
             print(f"error: --screens {args.screens!r} must be exact or a whole number >= 1", file=sys.stderr)
             return 2
-        repartition.QUICK_SCREEN_RULES = int(args.screens)  # type: ignore[attr-defined]
+        repartition.QUICK_SCREEN_RULES = int(args.screens)  # read by run_job when it builds ReCycle+
     folder = find_traces_dir(ROOT)
     if folder is None:
         print("error: no ../shared/data/traces beside the checkout", file=sys.stderr)

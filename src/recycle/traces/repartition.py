@@ -58,7 +58,8 @@ class PartitionModel:
     layouts: the heuristic's local search and CP-SAT polish included) or, with the closed-form period model,
     `estimate_period` on that config (the balanced partition is then taken without a planner screen). The
     partition per key comes from `best_partition`'s branch and bound (candidates screened with the priority rules
-    only, the `polish` best planned in full), shared across runs in this process. The configured partition's
+    only, the first `screen_rules` of them when set, the `polish` best planned in full), shared across runs in this
+    process. The configured partition's
     periods are the base model's own, so ReCycle and ReCycle+ agree exactly where ReCycle+ keeps the layers where
     they are. With a `cache` (recycle.traces.plan_cache) every plan and every partition choice is made once per
     run and kept on disk across runs."""
