@@ -127,17 +127,9 @@ def test_a_replay_screens_quickly_unless_asked_for_exact_screens(tmp_path: Path,
 def test_simulate_cli_exact_screens_flag_reaches_the_replay(tmp_path: Path, monkeypatch) -> None:
     import recycle.traces.experiments as experiments
     from recycle.cli import main
-    from test_plan_cache import TRACE
+    from test_plan_cache import write_job
 
-    config = tmp_path / "job.toml"
-    lines = ['name = "cache-toy"', 'time_unit = "slot"']
-    for section, values in RAW.items():
-        if isinstance(values, dict):
-            lines.append(f"[{section}]")
-            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
-    config.write_text("\n".join(lines) + "\n")
-    trace = tmp_path / "trace.csv"
-    trace.write_text(TRACE)
+    config, trace = write_job(tmp_path)
     asked: list[bool] = []
     real = experiments.run_job
     monkeypatch.setattr(experiments, "run_job", lambda *a, **k: asked.append(k["exact_screens"]) or real(*a, **k))
