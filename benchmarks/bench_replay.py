@@ -5,11 +5,19 @@ side in one run, with the ratios and a check that every system's goodput is unch
 Run: nice -n 10 .venv/bin/python benchmarks/bench_replay.py [--config configs/gpt3-6.7b-a100.toml] [--traces NAME ...]
      [--no-old] [--no-before]
      nice -n 10 .venv/bin/python benchmarks/bench_replay.py --compare-with COMMIT [--traces NAME ...]
+     nice -n 10 .venv/bin/python benchmarks/bench_replay.py --screens [--traces NAME ...]
 
 --compare-with COMMIT: cold replays only, the commit's src/ (from `git archive`) and this tree's, each in a child
 interpreter with a fresh plan cache folder, one after the other per trace: wall and CPU seconds, plans made (cache
 misses, and the heuristic plans behind them), and whether every system's goodput and every decision of ReCycle
-and ReCycle+ (time and policy of each log entry, the states ReCycle+ ran in) are identical.
+and ReCycle+ (time and policy of each log entry, the states ReCycle+ ran in) are identical. Against a commit
+from before quick partition screens (below), ReCycle+'s goodput and decisions may differ: that is the change of
+plan `--screens` measures.
+
+--screens: cold replays of this tree only, in child interpreters, with ReCycle+'s exact partition screens (every
+priority rule: `run_job(..., exact_screens=True)`, `recycle simulate --exact-screens`) and then with the default
+quick ones (the first QUICK_SCREEN_RULES rules): CPU seconds and every system's goodput in both, with its relative
+change (quick screens are a change of plan: the partition polished may differ).
 
 Job: the config sized to each trace (`--replicas auto`: D = most live nodes // S, at most 20 here), every default
 system (ReCycle+ included), the default costs. Columns, all measured in this process one after the other (wall
@@ -113,6 +121,7 @@ from recycle.traces.plan_cache import PlanCache
 from recycle.traces.reader import read_trace
 
 config_path, kind, value = sys.argv[1:4]
+screens = {"exact_screens": sys.argv[4] == "exact"} if len(sys.argv) > 4 else {}  # older trees: their default
 trace = read_trace(value) if kind == "--trace" else parse_generate_spec(value)
 plans = []
 real = planner_api.schedule_heuristic
@@ -120,7 +129,7 @@ planner_api.schedule_heuristic = lambda *a, **k: plans.append(1) or real(*a, **k
 with tempfile.TemporaryDirectory(prefix="bench-replay-child-") as tmp:
     start, cpu = time.perf_counter(), time.process_time()
     result = run_job(load_config(config_path), trace, SYSTEM_NAMES, setup=JobSetup(replicas="auto"),
-                     plan_cache=PlanCache(Path(tmp) / "plans"))
+                     plan_cache=PlanCache(Path(tmp) / "plans"), **screens)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
 extra = result.extra
 print(json.dumps({"wall_s": wall, "cpu_s": cpu, "misses": extra["plan_cache"]["misses"], "plans": len(plans),
@@ -132,8 +141,9 @@ print(json.dumps({"wall_s": wall, "cpu_s": cpu, "misses": extra["plan_cache"]["m
 """
 
 
-def _cold_child(src: Path, config: str, trace_args: list[str]) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, config, *trace_args], check=True, capture_output=True,
+def _cold_child(src: Path, config: str, trace_args: list[str], screens: str | None = None) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, config, *trace_args, *([screens] if screens else [])],
+                         check=True, capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(src)})
     return json.loads(out.stdout)
 
@@ -162,6 +172,28 @@ def compare_with(commit: str, config: str, traces: list[tuple[str, object, list[
     return 1 if differs else 0
 
 
+def compare_screens(config: str, traces: list[tuple[str, object, list[str]]]) -> int:
+    """Cold replays of this tree with exact partition screens (every rule) and quick ones (the default), one after
+    the other per trace: CPU seconds and every system's goodput, old and new (a change of plan, measured as one)."""
+    print("| trace | change points | D | exact screens s (CPU s) | quick screens s (CPU s) | CPU ratio | "
+          "plans made (heuristic plans) | goodput exact -> quick per system (relative change) | decisions same |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, _, trace_args in traces:
+        old = _cold_child(ROOT / "src", config, trace_args, "exact")
+        new = _cold_child(ROOT / "src", config, trace_args, "quick")
+        goodput = "; ".join(
+            f"{system} {old['goodput'][system]:.6f} -> {value:.6f}"
+            f" ({(value - old['goodput'][system]) / old['goodput'][system]:+.2e})"
+            if old["goodput"][system] else f"{system} {old['goodput'][system]:.6f} -> {value:.6f}"
+            for system, value in new["goodput"].items())
+        same_decisions = (old["decisions"], old["states"]) == (new["decisions"], new["states"])
+        print(f"| {name} | {new['changes']} | {new['D']} | {old['wall_s']:.1f} ({old['cpu_s']:.1f}) | "
+              f"{new['wall_s']:.1f} ({new['cpu_s']:.1f}) | {old['cpu_s'] / new['cpu_s']:.2f}x | "
+              f"{old['misses']} ({old['plans']}) -> {new['misses']} ({new['plans']}) | {goodput} | "
+              f"{'yes' if same_decisions else 'NO'} |", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "gpt3-6.7b-a100.toml"))
@@ -172,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                         "a temporary folder, removed)")
     parser.add_argument("--compare-with", metavar="COMMIT", help="cold replays of COMMIT and this tree side by side "
                         "(child interpreters; nothing else is run)")
+    parser.add_argument("--screens", action="store_true", help="cold replays of this tree with exact and with "
+                        "quick partition screens side by side, every system's goodput in each (nothing else is run)")
     args = parser.parse_args(argv)
     config = load_config(args.config)
     traces: list[tuple[str, object, list[str]]] = []
@@ -185,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         traces = [t for t in traces if t[0] in args.traces]
     if args.compare_with:
         return compare_with(args.compare_with, args.config, traces)
+    if args.screens:
+        return compare_screens(args.config, traces)
 
     print("| trace | change points | D | old s (CPU) | before s (CPU) | cold s (CPU) | warm s | CLI warm s (CPU) | "
           "old / cold | before / cold (CPU) | plans made cold | entries read warm | goodput same |")

@@ -143,13 +143,15 @@ def simulate_trace(config: Config, trace: str | Path | EventTrace, *, systems: S
                    gpus_per_node: int = 1, replicas: str = "keep", slot_seconds: float = 1.0,
                    period_model: str = "auto", reference: str = "1f1b", costs: JobCosts | None = None,
                    progress: Callable[[str], None] | None = None,
-                   plan_cache: str | Path | None = None, split_microbatches: bool = False) -> JobResult:
+                   plan_cache: str | Path | None = None, split_microbatches: bool = False,
+                   exact_screens: bool = False) -> JobResult:
     """Replay a failure trace (a CSV path, or one from load_trace) over the job for ReCycle and the baseline models
     (fault-free, fault-scaled, checkpoint-restart, Oobleck-like, Bamboo-like, torchft-like); `costs` holds detection,
     restart and checkpoint times. The result's `.runs` hold each system's goodput and throughput timeline. Each plan
     is made once per call; `plan_cache` (a folder, e.g. `recycle.traces.plan_cache.default_cache_dir()`) also keeps
     them across calls, validated when read. `split_microbatches`: ReCycle+ may cut a failed worker's micro-batches
-    into pieces (where strictly faster); ReCycle keeps whole ones."""
+    into pieces (where strictly faster); ReCycle keeps whole ones. `exact_screens`: ReCycle+ screens partitions
+    with every priority rule (slower; by default the first two rules: docs/traces.md, "Quick partition screens")."""
     from recycle.traces.experiments import SYSTEM_NAMES, JobSetup, run_job
     from recycle.traces.model import JobCosts
     from recycle.traces.plan_cache import PlanCache
@@ -160,7 +162,8 @@ def simulate_trace(config: Config, trace: str | Path | EventTrace, *, systems: S
                      period_model=period_model, reference=reference)
     return run_job(config, events, systems=tuple(systems) if systems else SYSTEM_NAMES,
                    costs=costs if costs is not None else JobCosts(), setup=setup, progress=progress,
-                   plan_cache=PlanCache(plan_cache, progress=progress), split_microbatches=split_microbatches)
+                   plan_cache=PlanCache(plan_cache, progress=progress), split_microbatches=split_microbatches,
+                   exact_screens=exact_screens)
 
 
 def select_plan(config: Config, schedule: str | None = None, plan_file: str | None = None,

@@ -250,9 +250,8 @@ def test_rate_bounds_never_undercut_the_rate(tmp_path: Path) -> None:
         assert bound >= partitions.rate(key, partitions.choice(key)) * (1 - 1e-12)
 
 
-def test_simulate_cli_stdout_is_the_summary_and_the_cache_is_reported(tmp_path: Path, capsys) -> None:
-    from recycle.cli import main
-
+def write_job(tmp_path: Path) -> tuple[Path, Path]:
+    """RAW as a TOML config file and TRACE as a CSV file in `tmp_path`, for the CLI."""
     config = tmp_path / "job.toml"
     lines = ['name = "cache-toy"', 'time_unit = "slot"']
     for section, values in RAW.items():
@@ -262,6 +261,13 @@ def test_simulate_cli_stdout_is_the_summary_and_the_cache_is_reported(tmp_path: 
     config.write_text("\n".join(lines) + "\n")
     trace = tmp_path / "trace.csv"
     trace.write_text(TRACE)
+    return config, trace
+
+
+def test_simulate_cli_stdout_is_the_summary_and_the_cache_is_reported(tmp_path: Path, capsys) -> None:
+    from recycle.cli import main
+
+    config, trace = write_job(tmp_path)
     argv = ["simulate", "--config", str(config), "--trace", str(trace), "--out", str(tmp_path / "o"),
             "--slot-seconds", "0.01", "--plan-cache", str(tmp_path / "cache")]
     _forget_in_process_plans()

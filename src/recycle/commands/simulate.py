@@ -100,6 +100,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--split-microbatches", action="store_true",
                    help="ReCycle+ may cut a failed worker's micro-batches into pieces so every survivor of its stage "
                         "carries an equal share, where the plan is strictly faster (ReCycle keeps whole ones)")
+    p.add_argument("--exact-screens", action="store_true",
+                   help="ReCycle+ screens each candidate layer partition with every priority rule (slower) instead "
+                        "of the first two; the partition it polishes, and so its goodput, may differ slightly")
     p.set_defaults(func=run)
     return p
 
@@ -141,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
                                 replicas=args.replicas, slot_seconds=args.slot_seconds,
                                 period_model=args.period_model, reference=args.reference, costs=costs,
                                 progress=report, plan_cache=plan_cache,
-                                split_microbatches=args.split_microbatches)
+                                split_microbatches=args.split_microbatches, exact_screens=args.exact_screens)
     cache = result.extra.get("plan_cache")
     if cache and (cache["hits"] or cache["misses"]):
         where = f"plan cache {cache['folder']}" if cache["folder"] else "plans (no cache on disk)"

@@ -638,6 +638,8 @@ def schedule_heuristic(config: Config, key: Sequence[int], options: PlannerOptio
     """
     key = check_key(config, key)
     failed = canonical_failed(key)
+    if options.rules is not None and variants is VARIANTS:
+        variants = VARIANTS[:options.rules]  # a screen: these rules alone (no restarts, first-stage or waiting rules)
     small = (3 if options.decoupled else 2) * config.num_replicas * config.num_microbatches * config.num_stages \
         <= _RANDOM_RESTART_LIMIT
     routings = routing_candidates(config, key) if small else (balanced_routing(config, key),)

@@ -381,7 +381,7 @@ def partition_bound(config: Config, key: Sequence[int], options: PlannerOptions 
 def best_partition(config: Config, key: Sequence[int], options: PlannerOptions = PlannerOptions(),
                    solver: str = "heuristic", max_evaluations: int = 24,
                    time_limit_s: float = 10.0, polish: int = 2, work: int = PARTITION_SEARCH_WORK,
-                   source: PeriodSource | None = None) -> PartitionChoice:
+                   source: PeriodSource | None = None, screen_rules: int | None = None) -> PartitionChoice:
     """The partition with the best planned period for `key`, by branch and bound over partitions.
 
     Screen: the configured and the balanced partition are planned with the priority rules only (`search=False`:
@@ -395,11 +395,14 @@ def best_partition(config: Config, key: Sequence[int], options: PlannerOptions =
 
     The walk and the screen share one deterministic budget of `work` units (PARTITION_SEARCH_WORK): when it runs
     out the search goes on with what it found and the choice says `complete=False`. `source` supplies planned
-    periods (default: `planned_period`; a replay passes its plan cache)."""
+    periods (default: `planned_period`; a replay passes its plan cache). `screen_rules` N: every screen (the
+    configured and balanced partitions' too) list-schedules only the first N priority rules (PlannerOptions.rules):
+    cheaper screens whose periods may sit above the full rules', so the partition polished may differ (a change of
+    plan; None, the default: every rule, the exact screen)."""
     key = check_key(config, key)
     costs = layer_costs(config)
     configured = costs.layers
-    screen = replace(options, search=False)
+    screen = replace(options, search=False, rules=screen_rules)
     periods: dict[tuple[int, ...], float] = {}
     budget = WorkBudget(work)
     screen_work = LIST_SCHEDULE_COST * (3 if options.decoupled else 2) * config.num_replicas * \

@@ -166,14 +166,16 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
             costs: JobCosts = JobCosts(), setup: JobSetup = JobSetup(), period_fn: PeriodFn | None = None,
             period_label: str = "", options: PlannerOptions = PlannerOptions(),
             progress: Callable[[str], None] | None = None, plan_cache: PlanCache | None = None,
-            split_microbatches: bool = False) -> JobResult:
+            split_microbatches: bool = False, exact_screens: bool = False) -> JobResult:
     """Map the trace onto the job, build every requested system and replay them all. With `plan_cache` every plan
     and partition choice is made once per run and kept (validated on reading) across runs, and a reshape that
     cannot pay is ruled out by a bound before its key is planned; without it the planner's own in-process caches
     serve and every weighed key is planned (the path before the plan cache existed: benchmarks compare the two).
     `split_microbatches`: ReCycle+ plans with `PlannerOptions.split_microbatches` (a failed worker's micro-batches
     cut into pieces where that is strictly faster; issue 26's "beyond ReCycle"); ReCycle's line stays the paper's
-    whole micro-batches."""
+    whole micro-batches. `exact_screens`: ReCycle+'s partition screens try every priority rule instead of the
+    first QUICK_SCREEN_RULES (slower; the partition polished may differ: docs/traces.md, "Quick partition
+    screens")."""
     check_systems(systems)
     check_replay(trace, setup.gpus_per_node, config.topology.gpus_per_worker, costs)
     # The runtime's layout rules need a returning machine to be the same unit (it restarts a worker in its slot).
@@ -215,7 +217,8 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
     partitions: PartitionModel | None = None
     skipped: dict[str, str] = {}
     if "recycle-plus" in systems:
-        partitions, why = _partition_model(config, plus_throughput, plus_options, period_label, plan_cache)
+        partitions, why = _partition_model(config, plus_throughput, plus_options, period_label, plan_cache,
+                                           exact_screens)
         if why:
             skipped["recycle-plus"] = f"cannot re-partition: {why}"
             systems = [s for s in systems if s != "recycle-plus"]
@@ -255,16 +258,18 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
 
 
 def _partition_model(config: Config, throughput: ThroughputModel, options: PlannerOptions,
-                     period_label: str, cache: PlanCache | None = None) -> tuple[PartitionModel | None, str]:
+                     period_label: str, cache: PlanCache | None = None,
+                     exact_screens: bool = False) -> tuple[PartitionModel | None, str]:
     """(ReCycle+'s PartitionModel, "") or (None, why this job cannot re-partition)."""
-    from recycle.traces.repartition import PartitionModel, partition_support
+    from recycle.traces.repartition import QUICK_SCREEN_RULES, PartitionModel, partition_support
 
     why = partition_support(config)
     if not why and not period_label.startswith(("planner", "closed-form")):
         why = f"the period source {period_label!r} knows the configured layout only"
     if why:
         return None, why
-    return PartitionModel(throughput, options, planner=not period_label.startswith("closed-form"), cache=cache), ""
+    return PartitionModel(throughput, options, planner=not period_label.startswith("closed-form"), cache=cache,
+                          screen_rules=None if exact_screens else QUICK_SCREEN_RULES), ""
 
 
 def _build_systems(systems: Sequence[str], ctx: JobContext, throughput: ThroughputModel,

@@ -72,10 +72,11 @@ class CacheStats:
 
 
 def _options_dict(options: PlannerOptions) -> dict[str, Any]:
-    # split_microbatches only when set: every entry made without it keeps its name.
+    # split_microbatches and rules only when set: every entry made without them keeps its name.
     return {"decoupled": options.decoupled, "staggered": options.staggered, "search": options.search,
             "memory_cap": list(options.memory_cap) if options.memory_cap is not None else None,
-            **({"split_microbatches": True} if options.split_microbatches else {})}
+            **({"split_microbatches": True} if options.split_microbatches else {}),
+            **({"rules": options.rules} if options.rules is not None else {})}
 
 
 def _config_hash(config: Config) -> str:

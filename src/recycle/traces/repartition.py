@@ -22,7 +22,7 @@ from recycle.traces.throughput import ThroughputModel, estimate_period
 if TYPE_CHECKING:
     from recycle.traces.plan_cache import PlanCache
 
-__all__ = ["PartitionModel", "ReCyclePlusSystem", "partition_support"]
+__all__ = ["PartitionModel", "ReCyclePlusSystem", "partition_support", "QUICK_SCREEN_RULES"]
 
 
 def partition_support(config: Config) -> str:
@@ -41,6 +41,14 @@ def partition_support(config: Config) -> str:
 
 _CHOICES: dict[tuple, PartitionChoice] = {}  # in-process cache of planner partition searches
 
+# The priority rules a trace replay's partition screen list-schedules by default (`recycle simulate`; the first two
+# of heuristic.VARIANTS: the first alone moved ReCycle+'s goodput by up to -0.097 % on the shipped traces, two by
+# -0.053 % at most): a screen only ranks the partitions, and the one polished is then planned in full, so its period
+# and every rate the replay uses are the full planner's. A change of plan: the partition polished may differ from
+# the exact screen's (every rule), measured by benchmarks/bench_replay.py --screens (docs/traces.md, "Quick
+# partition screens"); --exact-screens turns it off.
+QUICK_SCREEN_RULES = 2
+
 
 class PartitionModel:
     """ReCycle's rate for (failure key, layer partition), the partition chosen per key, and migration times.
@@ -50,13 +58,15 @@ class PartitionModel:
     layouts: the heuristic's local search and CP-SAT polish included) or, with the closed-form period model,
     `estimate_period` on that config (the balanced partition is then taken without a planner screen). The
     partition per key comes from `best_partition`'s branch and bound (candidates screened with the priority rules
-    only, the `polish` best planned in full), shared across runs in this process. The configured partition's
+    only, the first `screen_rules` of them when set, the `polish` best planned in full), shared across runs in this
+    process. The configured partition's
     periods are the base model's own, so ReCycle and ReCycle+ agree exactly where ReCycle+ keeps the layers where
     they are. With a `cache` (recycle.traces.plan_cache) every plan and every partition choice is made once per
     run and kept on disk across runs."""
 
     def __init__(self, base: ThroughputModel, options: PlannerOptions = PlannerOptions(), planner: bool = True,
-                 max_evaluations: int = 8, polish: int = 1, cache: PlanCache | None = None) -> None:
+                 max_evaluations: int = 8, polish: int = 1, cache: PlanCache | None = None,
+                 screen_rules: int | None = None) -> None:
         self.base = base
         self.cache = cache
         self.config = base.config
@@ -64,6 +74,7 @@ class PartitionModel:
         self.planner = planner
         self.max_evaluations = max_evaluations
         self.polish = polish
+        self.screen_rules = screen_rules
         self.costs = layer_costs(self.config)
         self.configured = self.costs.layers
         self._period: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
@@ -128,22 +139,25 @@ class PartitionModel:
 
     def _shared_choice(self, key: tuple[int, ...]) -> PartitionChoice:
         """The search without a plan cache, shared in this process (it does not depend on the reference)."""
-        shared = (self.config.fingerprint(), self.configured, key, self.options, self.max_evaluations, self.polish)
+        shared = (self.config.fingerprint(), self.configured, key, self.options, self.max_evaluations, self.polish,
+                  self.screen_rules)
         if shared not in _CHOICES:
             _CHOICES[shared] = best_partition(self.config, key, self.options, "heuristic", self.max_evaluations,
-                                              polish=self.polish)
+                                              polish=self.polish, screen_rules=self.screen_rules)
         return _CHOICES[shared]
 
     def _search(self) -> dict[str, int]:
         """The search's settings, part of a cached choice's inputs."""
-        return {"max_evaluations": self.max_evaluations, "polish": self.polish, "work": PARTITION_SEARCH_WORK}
+        # screen_rules only when set: choices made with exact screens keep their entries' names.
+        return {"max_evaluations": self.max_evaluations, "polish": self.polish, "work": PARTITION_SEARCH_WORK,
+                **({"screen_rules": self.screen_rules} if self.screen_rules is not None else {})}
 
     def _cached_choice(self, key: tuple[int, ...], cache: PlanCache) -> PartitionChoice:
         search = self._search()
 
         def make() -> PartitionChoice:
             return best_partition(self.config, key, self.options, "heuristic", self.max_evaluations,
-                                  polish=self.polish, source=cache.period)
+                                  polish=self.polish, source=cache.period, screen_rules=self.screen_rules)
 
         return cache.choice(self.config, key, self.configured, self.options, "heuristic", search, make,
                             lambda stored: self._stored_choice(key, stored, cache))
