@@ -240,3 +240,34 @@ def test_job_settings_name_each_flag_that_differs() -> None:
         "--checkpoint-dir: '' here, 'ck' at the coordinator",
         "--checkpoint-every: 0 here, 5 at the coordinator",
         "--export-hf: '' here, 'hf-out' at the coordinator"]
+
+
+def test_job_settings_grad_norm_is_adopted_from_the_coordinator_not_agreed() -> None:
+    """The coordinator's launch holds the reports' sinks: a node without --metrics follows its choice of metric."""
+    from recycle.runtime.protocol.records import JobSettings, from_json, to_json
+
+    coordinator = JobSettings("c1", "p1", "", 10, "", "", 0, "", grad_norm=True)
+    node = JobSettings("c1", "p1", "", 10, "", "", 0, "", grad_norm=False)
+    assert node.differences(coordinator) == []
+    assert from_json(JobSettings, to_json(coordinator)).grad_norm is True
+
+
+
+def test_a_node_launcher_tells_its_workers_the_coordinators_grad_norm_choice() -> None:
+    from dataclasses import replace
+
+    from recycle.runtime.control.launcher import _agree_on_settings
+    from recycle.runtime.options import ClusterOptions
+    from recycle.runtime.protocol.channels import JobStore
+    from recycle.runtime.protocol.records import JobSettings
+    from recycle.runtime.protocol.store.client import LocalStore
+
+    server = host_store("127.0.0.1", 0, new_token())
+    try:
+        jobs = JobStore(LocalStore(server.data))
+        coordinator = JobSettings("c1", "p1", "", 10, "", "", 0, "", grad_norm=True)
+        assert _agree_on_settings(jobs, coordinator, ClusterOptions()) == coordinator  # node 0 hosts it
+        node = ClusterOptions(nnodes=2, node_rank=1, master_port=server.port, token="t")
+        assert _agree_on_settings(jobs, replace(coordinator, grad_norm=False), node).grad_norm is True
+    finally:
+        server.close()
