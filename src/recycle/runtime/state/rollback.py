@@ -30,9 +30,9 @@ class _Reuse:
     @staticmethod
     def of(live: dict[str, Any], saved: dict[str, Any]) -> _Reuse:
         fused = tuple(key for key, value in live.items() if type(value) in _PLAIN)
+        others = tuple(key for key, value in live.items() if type(value) not in _PLAIN)
         targets = [saved[key] for key in fused]
-        return _Reuse(tuple(live), fused, targets, [(t.shape, t.dtype, t.device) for t in targets],
-                      tuple(key for key in live if key not in set(fused)))
+        return _Reuse(tuple(live), fused, targets, [(t.shape, t.dtype, t.device) for t in targets], others)
 
     def sources(self, live: dict[str, Any]) -> list[torch.Tensor]:
         return [live[key] for key in self.fused]
@@ -62,9 +62,9 @@ class StageSnapshot:
         live = self.state.state_dict()
         reuse, saved = self._reuse, self._saved
         if saved is not None and reuse is not None and reuse.fits(live):
-            # The same layout as the last take (every step but the first and those after a load): the in-place
-            # copies in one call, without copy_state's checks per key (a third of the snapshot's time; README,
-            # runtime parity). The values are the same.
+            # The same layout as the last take (every step but the first and the one after the optimizer's state
+            # appears): the in-place copies in one call, without copy_state's checks per key (1.24 -> 1.08 ms on a
+            # stage of the small preset; docs/runtime-performance.md). The values are the same.
             with torch.no_grad():  # the sources are parameters: a copy must not be recorded by autograd
                 torch._foreach_copy_(reuse.targets, reuse.sources(live))
             saved.update(copy_state({key: live[key] for key in reuse.others}, saved))

@@ -11,7 +11,8 @@ from torch import nn
 from recycle.models.tensor_parallel import local_tensor, shard_of_whole, sharded_like
 from recycle.runtime.state.optim import StageOptimizer
 
-__all__ = ["IterationPosition", "StageState", "copy_state", "PLAIN_TENSORS", "OPTIMIZER_PREFIX", "STEP_KEY", "RNG_PREFIX"]
+__all__ = ["IterationPosition", "StageState", "copy_state", "PLAIN_TENSORS", "OPTIMIZER_PREFIX", "STEP_KEY",
+           "RNG_PREFIX"]
 
 # The keys checkpoints are written with (runtime.checkpoint's FORMAT): they must not change.
 OPTIMIZER_PREFIX = "optimizer.state."
