@@ -277,8 +277,9 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
     worker failure switches to the plan for the new failure state: from `plan_store` (a folder from plan_store())
     or from a store built now for up to `max_failures` failures (heuristic beyond). `options` are the launch options
     by their flat names, runtime.options.KEYWORDS (steps, save_path, metrics_path, model_factory, checkpoint_dir,
-    timeout_s, ...), set on top of `launch_options` (a whole runtime.options.LaunchOptions). `repartition`: failure
-    states may also move whole layers between stages when the planner finds a faster layer partition that repays its
+    timeout_s, ...), set on top of `launch_options` (a whole runtime.options.LaunchOptions). The steps' grad_norm
+    is computed when clipping, with metrics_path or a sink, or with grad_norm=True (else it is None). `repartition`:
+    failure states may also move whole layers between stages when the planner finds a faster layer partition that repays its
     migration over the state's expected duration (`repartition_prior_s` before any change has been seen; built-in
     GPT only; see planner.provider.RepartitioningProvider). `model_factory` may be a function (config, num_stages) ->
     stages (see recycle.models.split) defined at the top level of an importable module or of the script being run:

@@ -3,6 +3,7 @@ same parameters as the single-process reference."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import socket
@@ -47,6 +48,30 @@ def test_two_launchers_train_like_the_reference(tmp_path: Path, tiny_config_file
     ref, _ = reference_train(load_config(config_file))
     for key in ref:
         assert float((got[key] - ref[key]).abs().max() / ref[key].abs().max().clamp_min(1e-12)) < 1e-9, key
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_node_without_metrics_computes_the_grad_norm_node_0_reports(tmp_path: Path, tiny_config_file) -> None:
+    """D=1 x S=2 on two nodes: stage 1 runs only on node 1, started without --metrics; its worker follows the job's
+    choice (node 0's --metrics wants the norm), so every step's norm is in node 0's file."""
+    config_file = tiny_config_file(steps=2)
+    metrics = tmp_path / "metrics.jsonl"
+    port = str(free_port())
+    common = [sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--set",
+              "topology.num_replicas=1", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+              "--timeout", "20"]
+    env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
+    node0 = subprocess.Popen([*common, "--node-rank", "0", "--metrics", str(metrics)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    node1 = subprocess.Popen([*common, "--node-rank", "1"], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    _, err1 = node1.communicate(timeout=150)
+    _, err0 = node0.communicate(timeout=150)
+    assert node0.returncode == 0, err0
+    assert node1.returncode == 0, err1
+    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "event" not in r]
+    assert len(steps) == 2 and all(r["grad_norm"] is not None and r["grad_norm"] > 0 for r in steps), steps
 
 
 def test_a_node_without_the_job_secret_is_refused(tmp_path: Path, tiny_config_file) -> None:

@@ -144,6 +144,42 @@ def test_snapshot_restores_parameters_and_optimizer_state_exactly() -> None:
 
 
 @pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
+def test_every_take_holds_the_state_before_its_step_whatever_the_layout_did(optimizer: str) -> None:
+    """The first take (no optimizer state yet), the next (the state appeared: another layout), the later ones (the
+    same layout: copied into the held tensors in one call) and those after a restore (the optimizer holds the
+    loaded copies) each restore exactly the state taken."""
+    from recycle.runtime.state.stage_state import copy_state
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).double()
+    training = Training(lr=0.1, weight_decay=0.01, optimizer=optimizer, momentum=0.9 if optimizer == "SGD" else None)
+    optimizer_ = make_optimizer(module, training)
+    position = IterationPosition()
+    state = StageState(module, optimizer_, 0, position)
+    snapshot = StageSnapshot(state)
+
+    def step() -> None:
+        module(torch.randn(5, 4, dtype=torch.float64)).sum().backward()
+        optimizer_.step()
+        optimizer_.zero_grad()
+
+    for iteration in range(6):
+        snapshot.take(iteration)
+        expected = copy_state(state.state_dict())
+        step()
+        position.applied = iteration
+        if iteration in (2, 4):  # roll back, then step the iteration again
+            snapshot.restore(iteration)
+            live = state.state_dict()
+            assert [k for k in live if k != state.rng_key] == [k for k in expected if k != state.rng_key]
+            assert all(torch.equal(live[k], v) for k, v in expected.items() if isinstance(v, torch.Tensor)
+                       and k != state.rng_key)
+            snapshot.take(iteration)
+            step()
+            position.applied = iteration
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
 def test_state_transfer_copies_parameters_moments_and_step_count(optimizer: str) -> None:
     """The joiner's optimizer has no state yet (torch.optim creates it lazily): it arrives with its layout."""
     from recycle.runtime.state.state_transfer import transfer_stage_state
@@ -240,3 +276,34 @@ def test_job_settings_name_each_flag_that_differs() -> None:
         "--checkpoint-dir: '' here, 'ck' at the coordinator",
         "--checkpoint-every: 0 here, 5 at the coordinator",
         "--export-hf: '' here, 'hf-out' at the coordinator"]
+
+
+def test_job_settings_grad_norm_is_adopted_from_the_coordinator_not_agreed() -> None:
+    """The coordinator's launch holds the reports' sinks: a node without --metrics follows its choice of metric."""
+    from recycle.runtime.protocol.records import JobSettings, from_json, to_json
+
+    coordinator = JobSettings("c1", "p1", "", 10, "", "", 0, "", grad_norm=True)
+    node = JobSettings("c1", "p1", "", 10, "", "", 0, "", grad_norm=False)
+    assert node.differences(coordinator) == []
+    assert from_json(JobSettings, to_json(coordinator)).grad_norm is True
+
+
+
+def test_a_node_launcher_tells_its_workers_the_coordinators_grad_norm_choice() -> None:
+    from dataclasses import replace
+
+    from recycle.runtime.control.launcher import _agree_on_settings
+    from recycle.runtime.options import ClusterOptions
+    from recycle.runtime.protocol.channels import JobStore
+    from recycle.runtime.protocol.records import JobSettings
+    from recycle.runtime.protocol.store.client import LocalStore
+
+    server = host_store("127.0.0.1", 0, new_token())
+    try:
+        jobs = JobStore(LocalStore(server.data))
+        coordinator = JobSettings("c1", "p1", "", 10, "", "", 0, "", grad_norm=True)
+        assert _agree_on_settings(jobs, coordinator, ClusterOptions()) == coordinator  # node 0 hosts it
+        node = ClusterOptions(nnodes=2, node_rank=1, master_port=server.port, token="t")
+        assert _agree_on_settings(jobs, replace(coordinator, grad_norm=False), node).grad_norm is True
+    finally:
+        server.close()

@@ -89,3 +89,19 @@ def test_flat_keywords_land_in_their_sub_configs_checked_together() -> None:
     assert options.debug == DebugOptions(record_timings=True, verify_replicas=True)  # the base's other values stay
     with pytest.raises(ConfigError, match="--checkpoint-every 2 needs --checkpoint-dir"):
         with_keywords(LaunchOptions(), {"checkpoint_every": 2})
+
+
+def test_the_grad_norm_metric_is_on_when_a_report_wants_it() -> None:
+    """Auto (None): on with --metrics or a sink (--tensorboard), off otherwise; True or False decides alone."""
+    class Sink:
+        def on_step(self, metrics: object) -> None: ...
+        def on_eval(self, evaluation: object) -> None: ...
+        def on_recovery(self, recovery: object) -> None: ...
+        def on_chaos(self, event: object) -> None: ...
+
+    assert LaunchOptions().wants_grad_norm is False
+    assert LaunchOptions(outputs=OutputOptions(metrics_path="m.jsonl")).wants_grad_norm is True
+    assert LaunchOptions(sink=Sink()).wants_grad_norm is True
+    assert with_keywords(LaunchOptions(), {"grad_norm": True}).wants_grad_norm is True
+    assert with_keywords(LaunchOptions(sink=Sink()), {"grad_norm": False, "metrics_path": "m.jsonl"}) \
+        .wants_grad_norm is False

@@ -62,3 +62,49 @@ def test_the_squared_norm_is_the_sum_of_every_float64_square_to_rounding(tiny_co
     exact = math.fsum(float(x) ** 2 for p in module.parameters() for x in p.grad.detach().double().reshape(-1))
     assert executor._squared_norm() == pytest.approx(exact, rel=1e-14, abs=0.0)
     assert all(torch.equal(p.grad, g) for p, g in zip(module.parameters(), grads))  # the gradients are left alone
+
+
+def _stepped_executor(config, grad_norm_metric: bool) -> tuple[StageExecutor, list[float]]:
+    """A one-stage executor after iteration 0, and the exact sum of squares of the gradients its step applied."""
+    plan = build_schedule(config, "1f1b", staggered=True)
+    module = build_stages(config.model, 1, config.training.seed, torch.float64, config.workload.seq_len)[0]
+    optimizer = make_optimizer(module, config.training)
+    applied: list[float] = []
+    step = optimizer.step
+
+    def spied_step() -> None:
+        applied.append(math.fsum(float(x) ** 2 for p in module.parameters() if p.grad is not None
+                                 for x in p.grad.detach().reshape(-1)))
+        step()
+
+    optimizer.step = spied_step  # type: ignore[method-assign]
+    executor = StageExecutor(plan, 0, module, optimizer, LoneComm(), data_source(config), None, None, torch.float64,
+                             grad_clip=config.training.grad_clip, grad_norm_metric=grad_norm_metric)
+    executor.run_iteration(0)
+    return executor, applied
+
+
+def test_the_grad_norm_metric_off_computes_no_norm_and_trains_the_same(tiny_config, monkeypatch) -> None:
+    """Off (no report wants it): no squared norm is computed and grad_sq is None; on: grad_sq is the sum of the squares
+    of the gradients the step applied (to rounding); the weights are the same either way."""
+    config = tiny_config(D=1, S=1, M=2, steps=1)
+    on, applied = _stepped_executor(config, grad_norm_metric=True)
+    assert on.last_result is not None and len(applied) == 1
+    assert on.last_result.grad_sq == pytest.approx(applied[0], rel=1e-12, abs=0.0) and applied[0] > 0
+
+    def refused(self: StageExecutor) -> float:
+        raise AssertionError("the squared norm was computed with the metric off")
+
+    monkeypatch.setattr(StageExecutor, "_squared_norm", refused)
+    monkeypatch.setattr(StageExecutor, "_squared_norms", refused)
+    off, _ = _stepped_executor(config, grad_norm_metric=False)
+    assert off.last_result is not None and off.last_result.grad_sq is None and off.last_result.grad_norm is None
+    assert all(torch.equal(a, b) for a, b in zip(on.module.state_dict().values(), off.module.state_dict().values()))
+
+
+def test_clipping_computes_the_norm_with_the_metric_off(tiny_config) -> None:
+    """The clipping path needs the norm: it reports it whatever the metric option says."""
+    config = tiny_config(D=1, S=1, M=2, steps=1, grad_clip=1e9)
+    off, applied = _stepped_executor(config, grad_norm_metric=False)
+    assert off.last_result is not None and off.last_result.grad_norm is not None
+    assert off.last_result.grad_norm ** 2 == pytest.approx(applied[0], rel=1e-12)

@@ -110,7 +110,7 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     else:
         # The first word to the coordinator: it tells a fresh start from its own restart by these.
         jobs.put(Channels.HELLO, NodeHello("fresh"), cluster.node_rank)
-    _agree_on_settings(jobs, _job_settings(config, plan, options, end_step), cluster)
+    settings = _agree_on_settings(jobs, _job_settings(config, plan, options, end_step), cluster)
     # A node started again while its job runs (a repaired node) brings its workers back as replacements.
     rejoining = not cluster.hosts_coordinator and jobs.is_set(Flags.RUNNING)
     # A node launcher that does not host the coordinator hosts its node's own store: its workers beat there and it
@@ -121,7 +121,7 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     forwarder = StepForwarder(cluster.node_rank, LocalStore(node_server.data),
                               node_server.data.subscribe((b"metrics/",))) if node_server is not None else None
     spec_for = _spec_maker(config, plan, options, resolved, start_step, end_step, mine,
-                           node_server.port if node_server is not None else 0)
+                           node_server.port if node_server is not None else 0, settings.grad_norm)
     spawner = Spawner(start_context(cluster.start_method), spec_for, plan.worker)
     workers = WorkerProcesses(jobs, spawner)
     finished = False
@@ -244,25 +244,30 @@ def _job_settings(config: Config, plan: Plan, options: LaunchOptions, end_step: 
 
     return JobSettings(digest(json.dumps(config.to_dict(), sort_keys=True)), digest(plan.to_json()),
                        options.model_factory, end_step, options.outputs.save_path, options.checkpoint.dir,
-                       options.checkpoint.every, options.checkpoint.resume_dir, options.outputs.export_hf)
+                       options.checkpoint.every, options.checkpoint.resume_dir, options.outputs.export_hf,
+                       options.wants_grad_norm)
 
 
-def _agree_on_settings(jobs: JobStore, mine: JobSettings, cluster: ClusterOptions) -> None:
+def _agree_on_settings(jobs: JobStore, mine: JobSettings, cluster: ClusterOptions) -> JobSettings:
     """The coordinator publishes the run's settings; every node launcher checks its own against them before it
-    starts a worker, so that a node started with other flags is refused at once, saying what differs."""
+    starts a worker, so that a node started with other flags is refused at once, saying what differs. Returns the
+    job's settings (the coordinator's), whose adopted ones the node's workers follow."""
     if cluster.hosts_coordinator:
         jobs.put(Channels.JOB, mine)
-        return
-    differences = mine.differences(jobs.get(Channels.JOB))
+        return mine
+    job = jobs.get(Channels.JOB)
+    differences = mine.differences(job)
     if differences:
         raise ConfigError(f"node {cluster.node_rank} was started with other settings than the job's coordinator "
                           f"({'; '.join(differences)}); start every node, and the coordinator, with the same flags")
+    return job
 
 
 def _spec_maker(config: Config, plan: Plan, options: LaunchOptions, cluster: ClusterOptions, start_step: int,
-                end_step: int, mine: list[int], node_store_port: int = 0) -> Callable[[int, bool], WorkerSpec]:
+                end_step: int, mine: list[int], node_store_port: int = 0,
+                grad_norm: bool = True) -> Callable[[int, bool], WorkerSpec]:
     """What a worker process of this launcher is told: its rank, the run, and whether it joins a running job
-    (a replacement: no resume, no scripted faults)."""
+    (a replacement: no resume, no scripted faults); `grad_norm`: the job's (the coordinator's) choice of metric."""
     plan_json = plan.to_json()
 
     def spec_for(rank: int, joining: bool) -> WorkerSpec:
@@ -272,7 +277,7 @@ def _spec_maker(config: Config, plan: Plan, options: LaunchOptions, cluster: Clu
             recovery=options.recovery, debug=options.debug, faults=() if joining else options.faults.of(rank),
             device_index=(mine.index(rank) if rank in mine else rank) % max(torch.cuda.device_count(), 1),
             joining=joining, incarnation=new_incarnation(), node_store_port=node_store_port,
-            joiner_dies_at=os.environ.get("RECYCLE_TEST_JOINER_DIES", "") if joining else "")
+            joiner_dies_at=os.environ.get("RECYCLE_TEST_JOINER_DIES", "") if joining else "", grad_norm=grad_norm)
 
     return spec_for
 

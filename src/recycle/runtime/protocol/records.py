@@ -187,6 +187,9 @@ class JobSettings:
     checkpoint_every: int
     resume_dir: str
     export_hf: str = ""
+    # Not agreed but adopted: the coordinator's launch decides (it holds the reports' sinks), and every node tells
+    # its workers (runtime.options.LaunchOptions.wants_grad_norm).
+    grad_norm: bool = True
 
     FLAGS: ClassVar[dict[str, str]] = {
         "config": "--config (or --set/--hf/--data-source)", "plan": "--schedule/--plan/--down (the starting plan)",
@@ -198,6 +201,8 @@ class JobSettings:
         """'FLAG: MINE here, THEIRS at the coordinator' for every setting that differs."""
         out = []
         for f in fields(self):
+            if f.name not in self.FLAGS:
+                continue  # adopted from the coordinator, not agreed
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if mine != theirs:
                 shown = ("a different one", "another") if f.name in ("config", "plan") else (repr(mine), repr(theirs))

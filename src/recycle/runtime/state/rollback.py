@@ -5,13 +5,44 @@ stage still has."""
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 
+from recycle.runtime.state.stage_state import PLAIN_TENSORS as _PLAIN
 from recycle.runtime.state.stage_state import StageState, copy_state
 
 __all__ = ["StageSnapshot"]
+
+
+@dataclass(frozen=True)
+class _Reuse:
+    """The layout of a take whose plain tensors all went to saved tensors of their shape, dtype and device: the keys in
+    order, those of the plain tensors (`fused`) with their targets and (shape, dtype, device), and the rest."""
+
+    keys: tuple[str, ...]
+    fused: tuple[str, ...]
+    targets: list[torch.Tensor]
+    layout: list[tuple[torch.Size, torch.dtype, torch.device]]
+    others: tuple[str, ...]
+
+    @staticmethod
+    def of(live: dict[str, Any], saved: dict[str, Any]) -> _Reuse:
+        fused = tuple(key for key, value in live.items() if type(value) in _PLAIN)
+        others = tuple(key for key, value in live.items() if type(value) not in _PLAIN)
+        targets = [saved[key] for key in fused]
+        return _Reuse(tuple(live), fused, targets, [(t.shape, t.dtype, t.device) for t in targets], others)
+
+    def sources(self, live: dict[str, Any]) -> list[torch.Tensor]:
+        return [live[key] for key in self.fused]
+
+    def fits(self, live: dict[str, Any]) -> bool:
+        """The same keys in the same order, and each plain tensor of the same type, shape, dtype and device."""
+        if tuple(live) != self.keys:
+            return False
+        sources = self.sources(live)
+        return set(map(type, sources)) <= _PLAIN and [(t.shape, t.dtype, t.device) for t in sources] == self.layout
 
 
 class StageSnapshot:
@@ -25,9 +56,21 @@ class StageSnapshot:
     def __init__(self, state: StageState) -> None:
         self.state = state
         self._saved: dict[str, Any] | None = None  # its tensors are reused by the next take
+        self._reuse: _Reuse | None = None
 
     def take(self, iteration: int) -> None:
-        self._saved = copy_state(self.state.state_dict(), self._saved)
+        live = self.state.state_dict()
+        reuse, saved = self._reuse, self._saved
+        if saved is not None and reuse is not None and reuse.fits(live):
+            # The same layout as the last take (every step but the first and the one after the optimizer's state
+            # appears): the in-place copies in one call, without copy_state's checks per key (1.24 -> 1.08 ms on a
+            # stage of the small preset; docs/runtime-performance.md). The values are the same.
+            with torch.no_grad():  # the sources are parameters: a copy must not be recorded by autograd
+                torch._foreach_copy_(reuse.targets, reuse.sources(live))
+            saved.update(copy_state({key: live[key] for key in reuse.others}, saved))
+        else:
+            saved = self._saved = copy_state(live, saved)
+            self._reuse = _Reuse.of(live, saved)
         self.state.position.snapshot = iteration
 
     def restore(self, iteration: int) -> None:

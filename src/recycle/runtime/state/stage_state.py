@@ -11,7 +11,8 @@ from torch import nn
 from recycle.models.tensor_parallel import local_tensor, shard_of_whole, sharded_like
 from recycle.runtime.state.optim import StageOptimizer
 
-__all__ = ["IterationPosition", "StageState", "copy_state", "OPTIMIZER_PREFIX", "STEP_KEY", "RNG_PREFIX"]
+__all__ = ["IterationPosition", "StageState", "copy_state", "PLAIN_TENSORS", "OPTIMIZER_PREFIX", "STEP_KEY",
+           "RNG_PREFIX"]
 
 # The keys checkpoints are written with (runtime.checkpoint's FORMAT): they must not change.
 OPTIMIZER_PREFIX = "optimizer.state."
@@ -39,7 +40,7 @@ class IterationPosition:
 
 
 # The tensor types torch's foreach ops take as they are (a subclass such as DTensor is copied on its own).
-_PLAIN = frozenset({torch.Tensor, nn.Parameter})
+PLAIN_TENSORS = _PLAIN = frozenset({torch.Tensor, nn.Parameter})
 
 
 def copy_state(state: Mapping[str, Any], into: dict[str, Any] | None = None) -> dict[str, Any]:

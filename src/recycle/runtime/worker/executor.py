@@ -127,7 +127,7 @@ class StageExecutor:
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  precision: str = "", pacing: Pacing | None = None,
                  position: IterationPosition | None = None, tp_rank: int = 0,
-                 tp_allreduce: Callable[[torch.Tensor], None] | None = None) -> None:
+                 tp_allreduce: Callable[[torch.Tensor], None] | None = None, grad_norm_metric: bool = True) -> None:
         self.rank = rank
         self.module = module
         self.loss_fn = loss_fn  # last stage: loss_fn(module(x), targets); None: module(x, targets) is the loss
@@ -148,6 +148,8 @@ class StageExecutor:
         self.dtype = dtype  # of the weights and of every tensor sent between stages
         self.precision = precision  # [training] dtype: "bfloat16" runs the forward under bf16 autocast
         self.grad_clip = grad_clip
+        # Without clipping, whether to compute the stage's squared gradient norm for the metric (grad_sq) at all.
+        self.grad_norm_metric = grad_norm_metric
         # Tensor parallelism inside the worker: this process's rank, and the SUM over the worker's ranks (None: one
         # rank). Only gradient norms need it; the stage module's own collectives go through its DeviceMesh.
         self.tp_rank = tp_rank
@@ -477,7 +479,7 @@ class StageExecutor:
             self._stage_loss = float(loss[0])
         if self.grad_clip > 0:
             self._clip_global_norm()
-        else:
+        elif self.grad_norm_metric:
             # For the grad-norm metric: the launcher sums the stages' squares, so no cross-stage collective is needed.
             self._grad_sq = self._squared_norm()
         self.snapshot.take(self.progress.iteration)

@@ -87,6 +87,7 @@ class WorkerSpec:
     node_store_port: int = 0
     joiner_dies_at: str = ""  # tests only: RECYCLE_TEST_JOINER_DIES as the launcher saw it (see _joiner_dies_here)
     tp_rank: int = 0  # this process among its worker's [topology] gpus_per_worker tensor-parallel ranks
+    grad_norm: bool = True  # compute the stage's squared gradient norm for the metric (the job's wants_grad_norm)
 
     @property
     def tp_degree(self) -> int:
@@ -703,7 +704,8 @@ class _Worker:
                         record_timings=self.spec.debug.record_timings, before_action=self._before_action,
                         precision=config.training.dtype, loss_fn=built.loss_fn, pacing=pacing,
                         position=self.position, tp_rank=self.spec.tp_rank,
-                        tp_allreduce=(lambda t: self._transport().tp_allreduce_sum(t)) if self.mesh else None)
+                        tp_allreduce=(lambda t: self._transport().tp_allreduce_sum(t)) if self.mesh else None,
+                        grad_norm_metric=self.spec.grad_norm)
 
     def _starting_work(self) -> None:
         """Before each action and each evaluation forward: count it for the heartbeat, stop if the generation was
