@@ -120,12 +120,14 @@ class ReroutingProvider:
 
     base: Plan
     calls: list[tuple[float, float]] = field(default_factory=list)  # (start, end) wall clock
+    ended_cpu: list[float] = field(default_factory=list)  # the calling thread's CPU clock at each call's end
 
     def __call__(self, failed: frozenset[tuple[int, int]]) -> PlanChoice:
         start = time.time()
         plan = rerouted_plan(self.base, failed)
         end = time.time()
         self.calls.append((start, end))
+        self.ended_cpu.append(time.thread_time())  # the supervisor's thread: it calls the provider
         return PlanChoice(plan, "heuristic", end - start, "benchmark: re-routed in the IR")
 
 
@@ -143,6 +145,7 @@ class CoordinatorStore(LocalStore):
         self.calls = 0
         self.written: dict[str, float] = {}  # key -> wall clock of its first write
         self.announcements: dict[int, tuple[float, Announcement]] = {}
+        self.announced_cpu: dict[int, float] = {}  # generation -> the writing thread's CPU clock (the supervisor's)
         self.stopping = threading.Event()
 
     def _count(self) -> None:
@@ -165,6 +168,7 @@ class CoordinatorStore(LocalStore):
             self.written.setdefault(key, now)
             if key.endswith("/announce"):
                 record = from_json(Announcement, value)
+                self.announced_cpu[record.generation] = time.thread_time()
                 self.announcements[record.generation] = (now, record)
 
     def try_get(self, key: str) -> bytes | None:
@@ -540,6 +544,10 @@ def _failure(cluster: _Cluster, rank: int, command: str) -> dict[str, Any]:
     written = cluster.store.written
     plan_start, plan_end = cluster.provider.calls[calls_before] if len(cluster.provider.calls) > calls_before \
         else (when, when)
+    # The supervisor thread's CPU time from the plan's choice to the announcement (its wall time, less what the
+    # thread waited for a core or the GIL: the store server thread of its process, the stand-ins).
+    plan_cpu = cluster.provider.ended_cpu[calls_before] if len(cluster.provider.ended_cpu) > calls_before else None
+    announced_cpu = cluster.store.announced_cpu.get(announced)
     abort = written.get(Keys.abort(generation), when)
     _, _, events = cluster.stats()
     noticed = [e["time"] for e in events if e["kind"] == "stopped" and e["generation"] == generation]
@@ -551,7 +559,9 @@ def _failure(cluster: _Cluster, rank: int, command: str) -> dict[str, Any]:
             "last_report_landed": reports if reports is not None else abort,
             "generation": announced, "abort": abort, "noticed": max(noticed, default=abort),
             "reports_sent": max(sent, default=abort), "plan_start": plan_start, "plan_end": plan_end,
-            "plan_stored": max((t for k, t in written.items() if k.startswith(f"gen{announced}/plan/")), default=when)}
+            "plan_stored": max((t for k, t in written.items() if k.startswith(f"gen{announced}/plan/")), default=when),
+            "plan_to_announce_cpu": announced_cpu - plan_cpu if plan_cpu is not None and announced_cpu is not None
+            else None}
 
 
 def run_size(settings: Settings, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -640,6 +650,8 @@ def _failure_summary(exits: list[dict[str, Any]], silent: list[dict[str, Any]], 
         "reports_read_s": med(lambda r: r["plan_start"] - r["reports_sent"], exits),
         "plan_s": med(lambda r: r["plan_end"] - r["plan_start"], exits),
         "plan_to_announce_s": med(lambda r: r["announced"] - r["plan_end"], exits),
+        "plan_to_announce_cpu_s": _median([r["plan_to_announce_cpu"] for r in exits
+                                           if r["plan_to_announce_cpu"] is not None]),
         "control_plane_s": med(lambda r: r["announced"] - r["failed_at"] - (r["plan_end"] - r["plan_start"]), exits),
         "silent_detect_to_announce_s": med(lambda r: r["announced"] - r["failed_at"], silent),
         "silent_beyond_timeout_s": med(lambda r: r["announced"] - r["failed_at"] - timeout_s, silent),
@@ -697,6 +709,7 @@ ROWS = [
     ("    -> the coordinator has read them all", "reports_read_s", " s"),
     ("  plan provider (not the control plane)", "plan_s", " s"),
     ("  plan chosen -> announced (plan JSON + store)", "plan_to_announce_s", " s"),
+    ("    ... its CPU time (the supervisor thread)", "plan_to_announce_cpu_s", " s"),
     ("  control plane alone (without plan_s)", "control_plane_s", " s"),
     ("frozen worker: announce after the heartbeat timeout", "silent_beyond_timeout_s", " s"),
     ("  its abort after the heartbeat timeout (detection)", "silent_abort_beyond_timeout_s", " s"),

@@ -436,6 +436,7 @@ class Supervisor:
             facts.generation, tuple(sorted(command.live)), facts.redo_step, self.end_step,
             "; ".join(d.cause for d in facts.deaths), tuple(sorted(facts.joining)),
             -1 if facts.restore_step is None else facts.restore_step, completion is not None), facts.generation)
+        self._delete_old_views(facts.generation)
         for rank in facts.joining:
             self.liveness.admit(rank, time.time())
             self.store.delete_key(Keys.join_ready(rank))
@@ -481,12 +482,15 @@ class Supervisor:
     def _publish_views(self, generation: int, key: Callable[[int, int], str], views: PlanViews | CompletionViews,
                        plan: Plan) -> None:
         """Each live worker's view (of the generation's plan, or of the completion), under key(generation, rank):
-        not the whole, which at 16,384 workers is megabytes that every worker would read and take seconds to parse.
-        The views of two generations back are deleted: a worker still that far behind has been fenced or aborted,
-        and the store stays bounded over many failures."""
+        not the whole, which at 16,384 workers is megabytes that every worker would read and take seconds to parse."""
         ranks = plan.live_ranks()
-        self.store.multi_set([key(generation, r) for r in ranks], [views.json_for(r) for r in ranks])
-        self.published.setdefault(generation, []).extend(key(generation, r) for r in ranks)
+        keys = [key(generation, r) for r in ranks]
+        self.store.multi_set(keys, [views.json_for(r) for r in ranks])
+        self.published.setdefault(generation, []).extend(keys)
+
+    def _delete_old_views(self, generation: int) -> None:
+        """The views of two generations back: a worker still that far behind has been fenced or aborted, and the
+        store stays bounded over many failures. After the announcement, not on its path (16,384 deletes)."""
         for old in [g for g in self.published if g <= generation - 2]:
             for stale in self.published.pop(old):
                 self.store.delete_key(stale)
