@@ -252,7 +252,7 @@ class LandedClock(Feed):
     it. It wakes nobody and queues nothing."""
 
     def __init__(self, server: StoreServer) -> None:
-        super().__init__((b"exit/", b"silent/", b"stopped/"))
+        super().__init__((b"exit/", b"silent/", b"stopped/", b"node_stopped/"))
         self.landed: dict[bytes, float] = {}
         server.data.attach(self)
 
@@ -553,7 +553,8 @@ def _failure(cluster: _Cluster, rank: int, command: str) -> dict[str, Any]:
     noticed = [e["time"] for e in events if e["kind"] == "stopped" and e["generation"] == generation]
     sent = [e["time"] for e in events if e["kind"] == "reports_sent" and e["generation"] == generation]
     flag = cluster.landed.first(Keys.exited(rank) if command == "kill" else Flags.SILENT.name(rank))
-    reports = cluster.landed.last_under(Keys.stopped(generation, 0).rsplit("/", 1)[0] + "/")
+    reports = max((t for t in (cluster.landed.last_under(f"stopped/{generation}/"),
+                               cluster.landed.last_under(f"node_stopped/{generation}/")) if t is not None), default=None)
     return {"rank": rank, "failed_at": reply.get("time", reply.get("last_beat")), "announced": when,
             "flag_landed": flag if flag is not None else abort,
             "last_report_landed": reports if reports is not None else abort,
