@@ -9,15 +9,17 @@ Run: .venv/bin/python benchmarks/bench_control_plane.py --ranks 1024 [--ranks 40
 Measured per size, on one coordinator process (store server thread + supervisor thread) and --standins processes:
 - detect_to_announce_s: a worker's exit flag raised by its node launcher (the launcher sees a SIGKILL at once) ->
   the coordinator's announcement of the next generation is in the store; median over --failures. Broken down into
-  flag -> abort, abort -> last stopped report, plan provider, plan to JSON + store, announcement. End to end: it
-  includes the stand-ins seeing the abort and writing every survivor's stop report, which on this machine compete
-  with the coordinator for the same cores (a real survivor writes one report from its own process).
+  flag -> abort, abort -> last stop report (each node's launcher writes one digest of its workers' reports),
+  plan provider, plan to JSON + store, announcement. End to end: it includes the stand-ins seeing the abort and
+  writing every node's digest, which on this machine compete with the coordinator for the same cores (a real
+  node's launcher writes one from its own machine).
 - coordinator_announce_s: the coordinator's own part of it, timed on when the keys landed in the store (LandedClock,
   stamped by the store as it applies each write): the
-  exit flag in the store -> the abort written, plus the last survivor's stop report in the store -> the
+  exit flag in the store -> the abort written, plus the last stop report (digest) in the store -> the
   announcement (reading the reports, the plan provider, each worker's plan view, the announcement). The store
   server's work to take in the reports is left out of it (it is in the end-to-end figure, and in
-  store_server_cpu_fraction's per-request cost); coordinator_announce_without_plan_s leaves out the plan provider.
+  store_server_cpu_fraction's per-request cost); coordinator_announce_without_plan_s leaves out the plan provider,
+  and plan_to_announce_cpu_s is the supervisor thread's CPU time from the plan chosen to the announcement.
 - silent_detect_to_announce_s: a worker frozen (its heartbeat stops) -> announcement, minus the heartbeat timeout
   (the part the control plane adds to the timeout); node_detect_to_announce_s: a whole node silent, the same.
 - join_s: the repaired node's replacements say they are ready -> the announcement that admits them (it waits for
