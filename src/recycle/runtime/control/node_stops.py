@@ -11,8 +11,9 @@ import time
 from multiprocessing import connection as mp_connection
 from typing import Any
 
-from recycle.runtime.protocol.channels import Channels, JobStore, Keys
-from recycle.runtime.protocol.records import NodeStops, RecordError, StoppedReport
+from recycle.runtime.control.node_steps import take_once
+from recycle.runtime.protocol.channels import Channels, JobStore
+from recycle.runtime.protocol.records import NodeStops, StoppedReport
 from recycle.runtime.protocol.store import StoreUnavailable
 from recycle.runtime.protocol.store.data import Feed
 
@@ -47,16 +48,7 @@ class StopForwarder:
 
     def take(self, now: float) -> None:
         """Move the reports written since the last look from the node's store into `held`."""
-        for key in self.feed.drain():
-            _, generation_text, rank_text = key.decode().split("/")
-            generation, rank = int(generation_text), int(rank_text)
-            try:
-                report = self.local.read(Channels.STOPPED, generation, rank)
-            except RecordError:
-                report = None  # only this job's workers can write here; a record of another version is no report
-            self.local.raw.delete_key(Keys.stopped(generation, rank))
-            if report is None:
-                continue
+        for generation, rank, report in take_once(self.feed, self.local, Channels.STOPPED):
             with self._lock:
                 self.held.setdefault(generation, {})[rank] = report
                 self.unsent.setdefault(generation, set()).add(rank)
