@@ -85,7 +85,7 @@ def test_a_frozen_worker_holds_the_digest_back_for_the_hold_only_and_a_late_repo
     assert node.forwarder.next_due() == pytest.approx(HOLD_S)
     node.forward(HOLD_S)  # worker 9 (frozen: running, silent) is not waited for longer
     assert node.digests() == [NodeStops(3, 1, (_report(8), _report(10)))]
-    node.report(9)  # it reports after all: a digest of its own, after its own hold (the others are in)
+    node.report(9)  # it reports after all: a digest of its own (every running worker is in now: at once)
     node.forward(HOLD_S + 0.001)
     assert node.digests() == [NodeStops(3, 1, (_report(9),))]
 

@@ -61,7 +61,7 @@ class StopForwarder:
     def due(self, now: float) -> list[int]:
         """The generations whose unsent reports go now."""
         with self._lock:
-            return sorted(g for g, ranks in self.unsent.items()
+            return sorted(g for g in self.unsent
                           if self.running <= self.held[g].keys() or now >= self.since[g] + self.hold_s)
 
     def next_due(self) -> float:
@@ -84,7 +84,7 @@ class StopForwarder:
                 self.sent = max(self.sent, seq + 1)
                 left = self.unsent.get(generation, set()) - set(ranks)
                 if left:
-                    self.unsent[generation] = left  # came in meanwhile: the next digest, after its own hold
+                    self.unsent[generation] = left  # came in meanwhile: they go in the next digest
                     self.since[generation] = now
                 else:
                     self.unsent.pop(generation, None)
