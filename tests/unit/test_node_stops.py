@@ -13,7 +13,7 @@ import pytest
 from recycle.runtime.control.node_stops import KEPT_GENERATIONS, StopForwarder
 from recycle.runtime.protocol.channels import Channels, JobStore, Keys
 from recycle.runtime.protocol.records import NodeStops, RecordError, StoppedReport, from_json, to_json
-from recycle.runtime.protocol.store import LocalStore, StoreUnavailable
+from recycle.runtime.protocol.store import LocalStore, StoreFenced, StoreUnavailable
 from recycle.runtime.protocol.store.data import KeyValue
 
 HOLD_S = 0.05
@@ -153,5 +153,26 @@ def test_the_thread_writes_a_digest_as_reports_come_in_and_after_the_coordinator
             time.sleep(0.005)
         assert node.digests() == [NodeStops(3, 2, (_report(8, 2), _report(9, 2)))]
         assert node.forwarder.error is None
+    finally:
+        node.forwarder.stop()
+
+
+class _FencedStore(LocalStore):
+    """A coordinator's store that has fenced this launcher."""
+
+    def set(self, key: str, value: object) -> None:
+        raise StoreFenced("this process was fenced by the job's coordinator")
+
+
+@pytest.mark.timeout(30)
+def test_a_fenced_launchers_thread_ends_and_hands_the_fence_to_the_follow_loop() -> None:
+    node = _Node(running=(8,))
+    node.forwarder.start(JobStore(_FencedStore(node.job_data)))
+    try:
+        node.report(8)
+        deadline = time.monotonic() + 10.0
+        while node.forwarder.error is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert isinstance(node.forwarder.error, StoreFenced)
     finally:
         node.forwarder.stop()

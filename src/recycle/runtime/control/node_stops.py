@@ -104,24 +104,27 @@ class StopForwarder:
         self._thread.start()
 
     def stop(self) -> None:
+        """End the thread (within one wait of at most 0.5 s, or 2 s if a store call holds it: then it ends quietly
+        by itself, the launcher's stores closed under it)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(2.0)
 
     def _run(self, jobs: JobStore) -> None:
         retry_at = 0.0
-        while not self._stop.is_set():
-            now = time.monotonic()
-            wait_s = min(0.5, max(0.0, max(self.next_due(), retry_at) - now))
-            mp_connection.wait([self.feed.fileno()], timeout=wait_s)
-            now = time.monotonic()
-            self.take(now)
-            if now < retry_at:
-                continue
-            try:
-                self.send(jobs, now)
-            except StoreUnavailable:
-                retry_at = now + 0.1  # the coordinator is away: written once it answers (resend, if it restarted)
-            except BaseException as exc:  # the store fenced this launcher: the follow loop raises it
-                self.error = exc
-                return
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                wait_s = min(0.5, max(0.0, max(self.next_due(), retry_at) - now))
+                mp_connection.wait([self.feed.fileno()], timeout=wait_s)
+                now = time.monotonic()
+                self.take(now)
+                if now < retry_at:
+                    continue
+                try:
+                    self.send(jobs, now)
+                except StoreUnavailable:
+                    retry_at = now + 0.1  # the coordinator is away: written once it answers (resend, if it restarted)
+        except BaseException as exc:
+            if not self._stop.is_set():
+                self.error = exc  # the store fenced this launcher: the follow loop raises it
