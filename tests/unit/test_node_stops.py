@@ -60,6 +60,8 @@ def test_a_digest_round_trips_with_every_field_of_its_reports() -> None:
     assert from_json(NodeStops, to_json(digest)) == digest
     with pytest.raises(RecordError, match="StoppedReport in a NodeStops record"):
         from_json(NodeStops, '{"kind": "node_stops", "node": 3, "generation": 1, "reports": [{"kind": "beat"}]}')
+    with pytest.raises(RecordError, match="reports are int, not a list"):
+        from_json(NodeStops, '{"kind": "node_stops", "node": 3, "generation": 1, "reports": 7}')
 
 
 def test_one_digest_goes_as_soon_as_every_running_worker_reported() -> None:

@@ -435,6 +435,9 @@ class NodeStops:
 
     def __post_init__(self) -> None:
         # from_json hands the nested reports over as the dicts JSON holds: read each as the StoppedReport it must be.
+        if not isinstance(self.reports, tuple):
+            raise RecordError(f"a NodeStops record's reports are {type(self.reports).__name__}, not a list of "
+                              "StoppedReport records; every process of a run must be the same recycle version")
         if any(not isinstance(report, StoppedReport) for report in self.reports):
             object.__setattr__(self, "reports", tuple(
                 report if isinstance(report, StoppedReport) else
