@@ -9,15 +9,17 @@ Run: .venv/bin/python benchmarks/bench_control_plane.py --ranks 1024 [--ranks 40
 Measured per size, on one coordinator process (store server thread + supervisor thread) and --standins processes:
 - detect_to_announce_s: a worker's exit flag raised by its node launcher (the launcher sees a SIGKILL at once) ->
   the coordinator's announcement of the next generation is in the store; median over --failures. Broken down into
-  flag -> abort, abort -> last stopped report, plan provider, plan to JSON + store, announcement. End to end: it
-  includes the stand-ins seeing the abort and writing every survivor's stop report, which on this machine compete
-  with the coordinator for the same cores (a real survivor writes one report from its own process).
+  flag -> abort, abort -> last stop report (each node's launcher writes one digest of its workers' reports),
+  plan provider, plan to JSON + store, announcement. End to end: it includes the stand-ins seeing the abort and
+  writing every node's digest, which on this machine compete with the coordinator for the same cores (a real
+  node's launcher writes one from its own machine).
 - coordinator_announce_s: the coordinator's own part of it, timed on when the keys landed in the store (LandedClock,
   stamped by the store as it applies each write): the
-  exit flag in the store -> the abort written, plus the last survivor's stop report in the store -> the
+  exit flag in the store -> the abort written, plus the last stop report (digest) in the store -> the
   announcement (reading the reports, the plan provider, each worker's plan view, the announcement). The store
   server's work to take in the reports is left out of it (it is in the end-to-end figure, and in
-  store_server_cpu_fraction's per-request cost); coordinator_announce_without_plan_s leaves out the plan provider.
+  store_server_cpu_fraction's per-request cost); coordinator_announce_without_plan_s leaves out the plan provider,
+  and plan_to_announce_cpu_s is the supervisor thread's CPU time from the plan chosen to the announcement.
 - silent_detect_to_announce_s: a worker frozen (its heartbeat stops) -> announcement, minus the heartbeat timeout
   (the part the control plane adds to the timeout); node_detect_to_announce_s: a whole node silent, the same.
 - join_s: the repaired node's replacements say they are ready -> the announcement that admits them (it waits for
@@ -120,12 +122,14 @@ class ReroutingProvider:
 
     base: Plan
     calls: list[tuple[float, float]] = field(default_factory=list)  # (start, end) wall clock
+    ended_cpu: list[float] = field(default_factory=list)  # the calling thread's CPU clock at each call's end
 
     def __call__(self, failed: frozenset[tuple[int, int]]) -> PlanChoice:
         start = time.time()
         plan = rerouted_plan(self.base, failed)
         end = time.time()
         self.calls.append((start, end))
+        self.ended_cpu.append(time.thread_time())  # the supervisor's thread: it calls the provider
         return PlanChoice(plan, "heuristic", end - start, "benchmark: re-routed in the IR")
 
 
@@ -143,6 +147,7 @@ class CoordinatorStore(LocalStore):
         self.calls = 0
         self.written: dict[str, float] = {}  # key -> wall clock of its first write
         self.announcements: dict[int, tuple[float, Announcement]] = {}
+        self.announced_cpu: dict[int, float] = {}  # generation -> the writing thread's CPU clock (the supervisor's)
         self.stopping = threading.Event()
 
     def _count(self) -> None:
@@ -165,6 +170,7 @@ class CoordinatorStore(LocalStore):
             self.written.setdefault(key, now)
             if key.endswith("/announce"):
                 record = from_json(Announcement, value)
+                self.announced_cpu[record.generation] = time.thread_time()
                 self.announcements[record.generation] = (now, record)
 
     def try_get(self, key: str) -> bytes | None:
@@ -248,7 +254,7 @@ class LandedClock(Feed):
     it. It wakes nobody and queues nothing."""
 
     def __init__(self, server: StoreServer) -> None:
-        super().__init__((b"exit/", b"silent/", b"stopped/"))
+        super().__init__((b"exit/", b"silent/", b"stopped/", b"node_stopped/"))
         self.landed: dict[bytes, float] = {}
         server.data.attach(self)
 
@@ -540,18 +546,25 @@ def _failure(cluster: _Cluster, rank: int, command: str) -> dict[str, Any]:
     written = cluster.store.written
     plan_start, plan_end = cluster.provider.calls[calls_before] if len(cluster.provider.calls) > calls_before \
         else (when, when)
+    # The supervisor thread's CPU time from the plan's choice to the announcement (its wall time, less what the
+    # thread waited for a core or the GIL: the store server thread of its process, the stand-ins).
+    plan_cpu = cluster.provider.ended_cpu[calls_before] if len(cluster.provider.ended_cpu) > calls_before else None
+    announced_cpu = cluster.store.announced_cpu.get(announced)
     abort = written.get(Keys.abort(generation), when)
     _, _, events = cluster.stats()
     noticed = [e["time"] for e in events if e["kind"] == "stopped" and e["generation"] == generation]
     sent = [e["time"] for e in events if e["kind"] == "reports_sent" and e["generation"] == generation]
     flag = cluster.landed.first(Keys.exited(rank) if command == "kill" else Flags.SILENT.name(rank))
-    reports = cluster.landed.last_under(Keys.stopped(generation, 0).rsplit("/", 1)[0] + "/")
+    reports = max((t for t in (cluster.landed.last_under(f"stopped/{generation}/"),
+                               cluster.landed.last_under(f"node_stopped/{generation}/")) if t is not None), default=None)
     return {"rank": rank, "failed_at": reply.get("time", reply.get("last_beat")), "announced": when,
             "flag_landed": flag if flag is not None else abort,
             "last_report_landed": reports if reports is not None else abort,
             "generation": announced, "abort": abort, "noticed": max(noticed, default=abort),
             "reports_sent": max(sent, default=abort), "plan_start": plan_start, "plan_end": plan_end,
-            "plan_stored": max((t for k, t in written.items() if k.startswith(f"gen{announced}/plan/")), default=when)}
+            "plan_stored": max((t for k, t in written.items() if k.startswith(f"gen{announced}/plan/")), default=when),
+            "plan_to_announce_cpu": announced_cpu - plan_cpu if plan_cpu is not None and announced_cpu is not None
+            else None}
 
 
 def run_size(settings: Settings, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -640,6 +653,8 @@ def _failure_summary(exits: list[dict[str, Any]], silent: list[dict[str, Any]], 
         "reports_read_s": med(lambda r: r["plan_start"] - r["reports_sent"], exits),
         "plan_s": med(lambda r: r["plan_end"] - r["plan_start"], exits),
         "plan_to_announce_s": med(lambda r: r["announced"] - r["plan_end"], exits),
+        "plan_to_announce_cpu_s": _median([r["plan_to_announce_cpu"] for r in exits
+                                           if r["plan_to_announce_cpu"] is not None]),
         "control_plane_s": med(lambda r: r["announced"] - r["failed_at"] - (r["plan_end"] - r["plan_start"]), exits),
         "silent_detect_to_announce_s": med(lambda r: r["announced"] - r["failed_at"], silent),
         "silent_beyond_timeout_s": med(lambda r: r["announced"] - r["failed_at"] - timeout_s, silent),
@@ -697,6 +712,7 @@ ROWS = [
     ("    -> the coordinator has read them all", "reports_read_s", " s"),
     ("  plan provider (not the control plane)", "plan_s", " s"),
     ("  plan chosen -> announced (plan JSON + store)", "plan_to_announce_s", " s"),
+    ("    ... its CPU time (the supervisor thread)", "plan_to_announce_cpu_s", " s"),
     ("  control plane alone (without plan_s)", "control_plane_s", " s"),
     ("frozen worker: announce after the heartbeat timeout", "silent_beyond_timeout_s", " s"),
     ("  its abort after the heartbeat timeout (detection)", "silent_abort_beyond_timeout_s", " s"),

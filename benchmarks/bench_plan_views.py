@@ -6,6 +6,7 @@ time to compute it.
 
     .venv/bin/python benchmarks/bench_plan_views.py [--ranks 1024 --ranks 16384] [--stages 8 --microbatches 8]
     PYTHONPATH=OTHER_TREE/src .venv/bin/python benchmarks/bench_plan_views.py --completion-only --ranks 1024
+    PYTHONPATH=OTHER_TREE/src .venv/bin/python benchmarks/bench_plan_views.py --views-only --ranks 16384
 """
 
 from __future__ import annotations
@@ -44,6 +45,25 @@ def completion_only(ranks: int, stages: int, microbatches: int) -> None:
     text = completion if isinstance(completion, str) else completion.to_json()
     print(f"{ranks:,} ranks: complete_iteration {took:.2f} s, sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}",
           flush=True)
+
+
+def views_only(ranks: int, stages: int, microbatches: int, rounds: int = 3) -> None:
+    """A recovery's views as the coordinator encodes them on the path to its announcement: from the last
+    generation's views (their action tokens prepared beforehand), every live worker's JSON, CPU time (best of
+    `rounds`) and the texts' SHA-256 (the same on every tree that makes the same views)."""
+    from recycle.ir.worker_view import PlanViews
+
+    base = build_schedule(bench_config(ranks // stages, stages, microbatches), "gpipe")
+    previous = PlanViews(base).prepare()
+    plan = rerouted_plan(base, frozenset({(1, stages // 2)}))
+    best, digest = float("inf"), ""
+    for _ in range(rounds):
+        started = time.process_time()
+        views = PlanViews(plan, previous)
+        texts = [views.json_for(rank) for rank in plan.live_ranks()]
+        best = min(best, time.process_time() - started)
+        digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:16]
+    print(f"{ranks:,} ranks: every view's JSON {best:.3f} s of CPU (best of {rounds}), sha256 {digest}", flush=True)
 
 
 def measure(ranks: int, stages: int, microbatches: int) -> dict[str, float]:
@@ -98,6 +118,8 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--completion-only", action="store_true",
                         help="only time complete_iteration and print its SHA-256 (also runs on trees before the views)")
+    parser.add_argument("--views-only", action="store_true",
+                        help="only time a recovery's plan views (from the last generation's) and print their SHA-256")
     args = parser.parse_args()
     sizes = args.ranks or [1024, 4096, 16384]
     for ranks in sizes:
@@ -106,6 +128,10 @@ def main() -> None:
     if args.completion_only:
         for ranks in sizes:
             completion_only(ranks, args.stages, args.microbatches)
+        return
+    if args.views_only:
+        for ranks in sizes:
+            views_only(ranks, args.stages, args.microbatches)
         return
     rows = []
     print("| ranks | coordinator encodes: whole plan / every view | bytes one worker reads: whole / its view | "

@@ -9,7 +9,9 @@ What each simulated process does (and where in the runtime it comes from):
   (one wait per stand-in object here, not one per worker);
 - worker main thread: a StepRecord per step, to its node launcher's own store (no request here: the launcher hands
   the coordinator one NodeSteps record per step, on Channels.NODE_METRICS); on an abort (or a drain at its step) a
-  StoppedReport on Channels.STOPPED; on the announcement of the next generation it reads
+  StoppedReport, to its node launcher's own store too (no request here: the launcher's thread hands the coordinator
+  one NodeStops digest of its workers' reports, on Channels.NODE_STOPPED); on the announcement of the next generation
+  it reads
   it and the plan, writes Joined and, at its first action, Resumed; a worker left out of the generation exits
   (code 4);
 - replacement worker (_admit): JoinReady, then admitted by the announcement that names it;
@@ -37,7 +39,7 @@ from recycle.runtime.protocol.store import StoreClient
 from recycle.runtime.protocol.store.wire import Op, Status, encode_frame, pack_fields, unpack_fields
 
 __all__ = ["NodesSpec", "PipelinedClient", "StandInNodes", "standin_main", "beat_json", "step_json", "node_steps_json",
-           "stopped_json",
+           "stopped_json", "node_stops_json",
            "NODE_POLL_S", "EXIT_KILLED", "EXIT_LEFT_OUT"]
 
 NODE_POLL_S = 0.1  # control/launcher.py _follow_loop: workers.wait(0.1) between two passes
@@ -131,6 +133,12 @@ def stopped_json(rank: int, generation: int, applied: int, iteration: int, error
             f'"completing": false, "reducing": false, "tp_split": ""}}').encode()
 
 
+def node_stops_json(node: int, generation: int, reports: list[bytes]) -> bytes:
+    """to_json of a stand-in launcher's NodeStops (its workers' reports as stopped_json makes them), byte for byte."""
+    return (f'{{"kind": "node_stops", "node": {node}, "generation": {generation}, "reports": ['.encode()
+            + b", ".join(reports) + b"]}")
+
+
 def node_steps_json(node: int, step: int, workers: list[tuple[int, int]], generation: int, start: float, end: float,
                     last_stage: int) -> bytes:
     """to_json of a stand-in launcher's NodeSteps (its workers' StepRecords as step_json makes them, as columns),
@@ -196,6 +204,7 @@ class StandInNodes:
         self.poll_cursor = 0
         self.metrics: collections.deque[Request] = collections.deque()  # step records not sent yet
         self.node_seq: dict[int, int] = {}  # node -> its launcher's last NodeSteps write number
+        self.stops_seq: dict[int, int] = {}  # node -> its launcher's last NodeStops write number
         self.last_tick = time.time()
         self.stop = threading.Event()
 
@@ -351,11 +360,18 @@ class StandInNodes:
             self.stopped = True
             error = (f"generation {self.generation} was aborted by the coordinator" if self.aborted >= self.generation
                      else f"generation {self.generation} drains before step {drain[1] + 1 if drain else 0}")
+            # Each worker hands its report to its node's store (no request here); each launcher's thread writes
+            # the coordinator one digest of them (control/node_stops.py StopForwarder).
+            by_node: dict[int, list[bytes]] = {}
             for rank in sorted(self.members):
                 if not self._running(rank):
                     continue
                 report = stopped_json(rank, self.generation, self.next_step - 1, self.next_step, error, now)
-                requests.append(self._send("stopped", Op.SET, (_b(Keys.stopped(self.generation, rank)), report)))
+                by_node.setdefault(self.node_of[rank], []).append(report)
+            for node, reports in by_node.items():
+                self.stops_seq[node] = seq = self.stops_seq.get(node, -1) + 1
+                requests.append(self._send("stopped", Op.SET, (_b(Keys.node_stopped(self.generation, node, seq)),
+                                                               node_stops_json(node, self.generation, reports))))
             self.events.append({"kind": "stopped", "generation": self.generation, "time": time.time()})
             reported = self.generation
         if self.announced is not None and self.announced > self.generation:

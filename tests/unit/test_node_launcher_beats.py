@@ -22,6 +22,11 @@ class _Workers:
 
 
 class _Quiet:
+    """The node watch, the step forwarder and the stop forwarder, doing nothing."""
+
+    error = None
+    running: frozenset[int] = frozenset()
+
     def check(self, *args: object) -> None: ...
 
     def forward(self, *args: object) -> None: ...
@@ -39,16 +44,16 @@ def test_a_following_launcher_beats_once_per_heartbeat_interval_and_at_once_for_
         following.killed[rank] = None
     passes = [0.125 * i for i in range(17)]  # 2 s of a loop's passes (binary fractions: exact sums)
     for now in passes:
-        assert not _follow_once(jobs, _Workers(), options, None, following, quiet, quiet, now)  # type: ignore[arg-type]
+        assert not _follow_once(jobs, _Workers(), options, None, following, quiet, quiet, quiet, now)  # type: ignore[arg-type]
     assert _beats(jobs) == 5  # at 0, 0.5, 1.0, 1.5 and 2.0 s: not 17
     following.forget()  # a restarted coordinator's store is empty: the next pass beats whatever the interval
-    assert not _follow_once(jobs, _Workers(), options, None, following, quiet, quiet, 2.125)  # type: ignore[arg-type]
+    assert not _follow_once(jobs, _Workers(), options, None, following, quiet, quiet, quiet, 2.125)  # type: ignore[arg-type]
     assert _beats(jobs) == 6
     # A short timeout beats at least 4 times in it, whatever the interval.
     jobs2 = JobStore(LocalStore(KeyValue()))
     short = with_keywords(LaunchOptions(), dict(heartbeat_s=0.5, heartbeat_timeout_s=1.0))
     following2 = _Following(killed={rank: None for rank in _Workers.ranks})
     for now in passes[:9]:
-        _follow_once(jobs2, _Workers(), short, None, following2, quiet, quiet, now)  # type: ignore[arg-type]
+        _follow_once(jobs2, _Workers(), short, None, following2, quiet, quiet, quiet, now)  # type: ignore[arg-type]
     assert _beats(jobs2) == 5  # every 0.25 s over 1 s
     assert not jobs.is_set(Flags.EXITED, 2)

@@ -15,7 +15,7 @@ from recycle.runtime.protocol.store.capacity import connection_limit, connection
 
 
 def test_the_need_grows_with_the_processes_and_the_limit_never_falls_below_the_default() -> None:
-    assert connections_needed(16384, 2048) == 3 * 16384 + 2048 + capacity.SPARE_CONNECTIONS
+    assert connections_needed(16384, 2048) == 3 * 16384 + 2 * 2048 + capacity.SPARE_CONNECTIONS
     assert connection_limit(connections_needed(8, 2)) == capacity.DEFAULT_MAX_CONNECTIONS
     assert connection_limit(connections_needed(16384, 2048)) == connections_needed(16384, 2048)
 

@@ -11,7 +11,8 @@ import pytest
 from recycle.config import parse_config
 from recycle.errors import PlanError
 from recycle.ir.plan import Plan
-from recycle.ir.worker_view import PlanViews, read_worker_view, worker_view
+from recycle.ir.dependencies import input_stage
+from recycle.ir.worker_view import PlanViews, _senders, read_worker_view, worker_view
 from recycle.planner.api import make_plan
 from recycle.runtime.protocol.messages import incoming, send_order
 from recycle.schedules.fault_free import build_schedule
@@ -59,6 +60,19 @@ def test_views_made_from_the_last_generations_are_the_views_made_afresh() -> Non
             assert reused.json_for(rank) == fresh.json_for(rank)
             assert json.loads(fresh.json_for(rank))["view_actions"][str(rank)] == \
                 " ".join(str(a) for a in after.actions[rank])  # the tokens as Action's str writes them
+
+
+def test_a_views_senders_follow_the_dependency_rule() -> None:
+    """_senders (tables inlined for speed at 16,384 workers) names exactly the workers that input_stage and
+    chunk_rank say each action waits for: plain, re-routed, zero-bubble and chunked (V layout) plans."""
+    plans = _plans() + [make_plan(_config(2, 2, 4, chunks=2), []), make_plan(_config(2, 2, 4, chunks=2), [(1, 0)]),
+                        make_plan(_config(3, 4, 6), [(1, 3)]), build_schedule(_config(2, 3, 4), "zb-h1")]
+    assert any(plan.chunks == 2 for plan in plans) and any(plan.failed for plan in plans)
+    for plan in plans:
+        for rank in plan.live_ranks():
+            expected = {rank} | {plan.chunk_rank(plan.host[src][a.mb], src) for a in plan.actions[rank]
+                                 if (src := input_stage(a.kind, a.stage, plan.num_chunks)) is not None}
+            assert _senders(plan, rank) == expected
 
 
 def test_a_chunked_plans_view_round_trips() -> None:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from functools import lru_cache
 from typing import Any
 
 from recycle.errors import PlanError
 from recycle.inputs import json_list, json_object, strict_json_loads
-from recycle.ir.dependencies import input_stage
+from recycle.ir.actions import Kind
+from recycle.ir.dependencies import input_stage_table
 from recycle.ir.plan import Plan
 
 __all__ = ["worker_view", "PlanViews", "read_worker_view", "view_json", "view_rows"]
@@ -18,12 +20,21 @@ __all__ = ["worker_view", "PlanViews", "read_worker_view", "view_json", "view_ro
 
 def _senders(plan: Plan, rank: int) -> set[int]:
     """`rank` and every worker whose message one of `rank`'s actions waits for."""
-    keep = {rank}
-    for action in plan.actions[rank]:
-        src = input_stage(action.kind, action.stage, plan.num_chunks)
-        if src is not None:
-            keep.add(plan.chunk_rank(plan.host[src][action.mb], src))
+    # input_stage and chunk_rank inlined through tables: a recovery at 16,384 workers walks 280,000 actions here, on
+    # the path to its announcement (every view's JSON: 0.21 s of CPU with the calls, 0.09 s without).
+    source = _input_stages(plan.num_chunks)
+    host, chunk_stages, num_stages = plan.host, plan.chunk_stages, plan.num_stages
+    keep = {host[src][action.mb] * num_stages + chunk_stages[src] for action in plan.actions[rank]
+            if (src := source[action.kind][action.stage]) >= 0}
+    keep.add(rank)
     return keep
+
+
+@lru_cache(maxsize=16)
+def _input_stages(num_chunks: int) -> dict[Kind, tuple[int, ...]]:
+    """input_stage of every (kind, chunk), -1 for none."""
+    kinds = tuple(Kind)
+    return dict(zip(kinds, input_stage_table(kinds, num_chunks)))
 
 
 def worker_view(plan: Plan, rank: int) -> Plan:

@@ -26,6 +26,7 @@ from recycle.runtime.control import preflight
 from recycle.runtime.control.coordinator import hang_limit_s
 from recycle.runtime.control.liveness import Liveness
 from recycle.runtime.control.node_steps import StepForwarder
+from recycle.runtime.control.node_stops import StopForwarder
 from recycle.runtime.control.processes import Spawner, WorkerProcesses, node_ranks, start_context
 from recycle.runtime.control.reporter import Recovery, StepMetrics, last_reported_step
 from recycle.runtime.control.resync import Rebuilt, collect_hellos, collect_resyncs, is_restart, rebuild
@@ -95,8 +96,9 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
         # Before any node can write: the coordinator learns of records and flags from the feed, not by polling.
         feed = Supervisor.subscribe(server.data)
     else:
+        incarnation = new_incarnation()
         store = connect_store(cluster.master_addr, cluster.master_port, token,
-                              launcher_identity(cluster.node_rank, new_incarnation()), store_timeout_s,
+                              launcher_identity(cluster.node_rank, incarnation), store_timeout_s,
                               connect_timeout_s=store_timeout_s)
         store_port = cluster.master_port
     # What the workers are told: the store's real port, the job secret and the backend, all settled.
@@ -120,6 +122,14 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     # Its workers' step records come to it there too (before any can write): one record per step to the coordinator.
     forwarder = StepForwarder(cluster.node_rank, LocalStore(node_server.data),
                               node_server.data.subscribe((b"metrics/",))) if node_server is not None else None
+    # And their stop reports, which a thread of its own writes on as one digest per generation as soon as they are in
+    # (on a connection of its own: the follow loop's waits on the coordinator's word hold its connection).
+    stops = StopForwarder(cluster.node_rank, LocalStore(node_server.data),
+                          node_server.data.subscribe((b"stopped/",))) if node_server is not None else None
+    if stops is not None:
+        stops.start(JobStore(connect_store(cluster.master_addr, cluster.master_port, token,
+                                           launcher_identity(cluster.node_rank, incarnation), store_timeout_s,
+                                           connect_timeout_s=store_timeout_s)))
     spec_for = _spec_maker(config, plan, options, resolved, start_step, end_step, mine,
                            node_server.port if node_server is not None else 0, settings.grad_norm)
     spawner = Spawner(start_context(cluster.start_method), spec_for, plan.worker)
@@ -152,8 +162,8 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
             steps, recoveries, failed = run.run()
             chaos_events = [event.record() for event in run.reporter.chaos_events]
         else:
-            assert node_server is not None and forwarder is not None
-            _follow(jobs, workers, options, plan, NodeWatch(node_server, options), forwarder)
+            assert node_server is not None and forwarder is not None and stops is not None
+            _follow(jobs, workers, options, plan, NodeWatch(node_server, options), forwarder, stops)
             steps, recoveries, failed, chaos_events = [], [], plan.failed, []
         finished = True
     finally:
@@ -165,6 +175,9 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
             feed.close()
         if forwarder is not None:
             forwarder.feed.close()
+        if stops is not None:
+            stops.stop()
+            stops.feed.close()
         if node_server is not None:
             node_server.close()
         if not finished and options.checkpoint.dir:  # a shard being written when the run failed
@@ -323,12 +336,12 @@ class NodeWatch:
 
 
 def _follow(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan, watch: NodeWatch,
-            forwarder: StepForwarder) -> None:
+            forwarder: StepForwarder, stops: StopForwarder) -> None:
     """A node whose coordinator runs elsewhere (node 0's launcher or `recycle coordinator`): hand on its workers'
     step records, report their exits, carry out fences and respawns, stop when the run ends."""
     stalls = StallClock().start()
     try:
-        _follow_loop(jobs, workers, options, plan, watch, forwarder, stalls)
+        _follow_loop(jobs, workers, options, plan, watch, forwarder, stops, stalls)
     except StoreFenced:
         workers.stop()
         raise RuntimeFailure(f"node {options.cluster.node_rank} was declared dead by the job's coordinator while it "
@@ -347,7 +360,7 @@ def _follow(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, pl
 
 
 def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan,
-                 watch: NodeWatch, forwarder: StepForwarder, stalls: StallClock) -> None:
+                 watch: NodeWatch, forwarder: StepForwarder, stops: StopForwarder, stalls: StallClock) -> None:
     """Carry out the coordinator's word for this node's workers. A separate coordinator may die and come back: the
     workers train on meanwhile, and once its store answers again (a new one: it restarted) this launcher says where
     its workers stand and reports their exits again."""
@@ -369,6 +382,7 @@ def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
                     following.forget()
                     watch.told.clear()
                     forwarder.resend()
+                    stops.resend()
                     codes = workers.exitcodes()
                     jobs.put(Channels.HELLO, NodeHello("running", tuple(r for r in workers.ranks if r not in codes),
                                                        tuple(sorted(codes.items()))), node)
@@ -378,7 +392,7 @@ def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
                                      + (" (restarted)" if restarted else ""))
                 away_since = None
             started = time.monotonic()
-            if _follow_once(jobs, workers, options, plan, following, watch, forwarder, started):
+            if _follow_once(jobs, workers, options, plan, following, watch, forwarder, stops, started):
                 return
             # Only as fresh as the pass's start: a process frozen mid-call reads, when it wakes, the reply that the
             # store sent before it went away.
@@ -433,7 +447,8 @@ class _Following:
 
 
 def _follow_once(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan,
-                 following: _Following, watch: NodeWatch, forwarder: StepForwarder, now: float) -> bool:
+                 following: _Following, watch: NodeWatch, forwarder: StepForwarder, stops: StopForwarder,
+                 now: float) -> bool:
     """One pass over this node's workers, then a wait for the coordinator's word; True when the run is over for this
     node. The word is waited for in the store on its keys (this node's FENCE and RESPAWN flags, the run's end or
     failure): one request per pass, not a poll of every worker's flags."""
@@ -446,6 +461,10 @@ def _follow_once(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
     # Before the exits: a worker that finished wrote its last record before it exited, and the coordinator must not
     # see the exit of a member whose last step it has no record of yet.
     forwarder.forward(jobs)
+    if stops.error is not None:
+        raise stops.error
+    # The workers whose reports a digest waits for (HOLD_S at most: a frozen one never reports).
+    stops.running = frozenset(r for r in workers.ranks if workers.exitcode(r) is None)
     for rank in workers.ranks:
         code = workers.exitcode(rank)
         if code is not None and following.reported.get(rank) != workers.pid(rank):

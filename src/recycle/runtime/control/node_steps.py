@@ -5,19 +5,37 @@ traffic grow with the nodes, not the workers. It keeps the newest steps for a re
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, TypeVar
 
-from recycle.runtime.protocol.channels import Channels, JobStore, Keys
+from recycle.runtime.protocol.channels import Channel, Channels, JobStore
 from recycle.runtime.protocol.records import NodeSteps, RecordError, StepRecord, StepRows
 from recycle.runtime.protocol.store.data import Feed
 from recycle.runtime.worker.outbox import KEPT
 
-__all__ = ["StepForwarder", "HeldSteps", "KEPT_STEPS"]
+__all__ = ["StepForwarder", "HeldSteps", "KEPT_STEPS", "take_once"]
+
+R = TypeVar("R")
 
 # Steps whose records a launcher keeps to write again to a restarted coordinator. A worker tells that coordinator the
 # oldest step it wrote a record of among its newest KEPT["metrics"] (WorkerResync.oldest_record); its node's other
 # workers may be a step or two ahead of it, so the launcher keeps a few more steps than that.
 KEPT_STEPS = KEPT["metrics"] + 8
+
+
+def take_once(feed: Feed, local: JobStore, channel: Channel[R]) -> Iterator[tuple[int, int, R]]:
+    """The records of `channel` (keyed by two numbers: step and rank, or generation and rank) that the node's workers
+    wrote since the feed's last drain, each read once and deleted from the node's store; a key written twice yields
+    its record once."""
+    for key in feed.drain():
+        _, first_text, rank_text = key.decode().split("/")
+        first, rank = int(first_text), int(rank_text)
+        try:
+            record = local.read(channel, first, rank)
+        except RecordError:
+            record = None  # only this job's workers can write here; a record of another version is no record
+        local.raw.delete_key(channel.key(first, rank))
+        if record is not None:
+            yield first, rank, record
 
 
 class StepForwarder:
@@ -34,16 +52,7 @@ class StepForwarder:
 
     def take(self) -> None:
         """Move the records written since the last look from the node's store into `held`."""
-        for key in self.feed.drain():
-            _, step_text, rank_text = key.decode().split("/")
-            step, rank = int(step_text), int(rank_text)
-            try:
-                record = self.local.read(Channels.METRICS, step, rank)
-            except RecordError:
-                record = None  # only this job's workers can write here; a record of another version is no record
-            self.local.raw.delete_key(Keys.metrics(step, rank))
-            if record is None:
-                continue  # written twice: taken at the first key
+        for step, rank, record in take_once(self.feed, self.local, Channels.METRICS):
             self.held.setdefault(step, {})[rank] = record
             self.unsent.setdefault(step, set()).add(rank)
         for step in sorted(self.held)[:max(0, len(self.held) - KEPT_STEPS)]:

@@ -29,7 +29,8 @@ from recycle.runtime.control.worker_table import WorkerRow, replacement_line
 from recycle.runtime.options import LaunchOptions
 from recycle.runtime.protocol.channels import (Channel, Channels, Flags, JobStore, Keys, launcher_fence_prefix,
                                                worker_fence_prefix)
-from recycle.runtime.protocol.records import Announcement, FaultRecord, NodeSteps, RecordError, StepRows
+from recycle.runtime.protocol.records import (Announcement, FaultRecord, NodeSteps, RecordError, StepRows,
+                                              StoppedReport)
 from recycle.runtime.protocol.store import StoreServer
 from recycle.runtime.protocol.store.data import Feed, KeyValue
 from recycle.runtime.state import checkpoint
@@ -70,8 +71,8 @@ class Supervisor:
     report steps and recoveries."""
 
     # The keys whose writes the loop learns from the store's feed rather than by polling each worker's key.
-    FEED_PREFIXES = (b"metrics/", b"node_metrics/", b"stopped/", b"resumed/", b"exit/", b"silent/", b"join/", b"ckpt/",
-                     b"eval/")
+    FEED_PREFIXES = (b"metrics/", b"node_metrics/", b"stopped/", b"node_stopped/", b"resumed/", b"exit/", b"silent/",
+                     b"join/", b"ckpt/", b"eval/")
 
     @classmethod
     def subscribe(cls, data: KeyValue) -> Feed:
@@ -137,6 +138,8 @@ class Supervisor:
         # Per generation, the ranks whose stop report (not read yet) and whose "resumed" record were written.
         self.stopped_in: dict[int, set[int]] = {}
         self.resumed_in: dict[int, set[int]] = {}
+        # Per generation, the stop reports that came in node launchers' digests (NodeStops), by rank.
+        self.digested: dict[int, dict[int, StoppedReport]] = {}
         if rebuilt is not None:
             self._adopt(rebuilt)
 
@@ -207,6 +210,8 @@ class Supervisor:
                 self.arrived.setdefault(int(step), set()).add(int(rank))
             elif kind == "node_metrics":
                 self._take_node_steps(*(int(part) for part in rest.split("/")))
+            elif kind == "node_stopped":
+                self._take_node_stops(*(int(part) for part in rest.split("/")))
             elif kind in ("exit", "silent"):
                 self.flagged.add(int(rest))
             elif kind in ("stopped", "resumed"):
@@ -227,6 +232,18 @@ class Supervisor:
         ranks = self.held.add(batch, self.plan.rank, self.coordinator.next_step) if batch is not None else []
         if ranks:
             self.arrived.setdefault(step, set()).update(ranks)
+
+    def _take_node_stops(self, generation: int, node: int, seq: int) -> None:
+        """A node launcher's digest of its workers' stop reports of `generation` (each key is written once)."""
+        key = Keys.node_stopped(generation, node, seq)
+        try:
+            digest = self.jobs.read(Channels.NODE_STOPPED, generation, node, seq)
+        except RecordError:
+            digest = None  # only the job's processes can write; a record of another version is no report
+        self.store.delete_key(key)  # read once, like the workers' own reports
+        if digest is not None and generation >= self.coordinator.state.generation:
+            into = self.digested.setdefault(generation, {})
+            into.update((report.rank, report) for report in digest.reports if report.generation == generation)
 
     def _all_local_exited(self) -> bool:
         """Every local member of the run has exited (replacements never admitted are stopped afterwards)."""
@@ -324,15 +341,20 @@ class Supervisor:
         return commands
 
     def _stopped_reports(self, now: float) -> list[Command]:
-        """The stop reports written since the last look (the feed says whose): one read per report."""
+        """The stop reports written since the last look (the feed says whose): one read per report a worker wrote
+        itself (no node store: the coordinator's own node), and those that came in node launchers' digests."""
         state = self.coordinator.state
         self.stopped_in = {g: ranks for g, ranks in self.stopped_in.items() if g >= state.generation}
+        self.digested = {g: reports for g, reports in self.digested.items() if g >= state.generation}
         written = self.stopped_in.pop(state.generation, set())
-        if not written:
+        digested = self.digested.pop(state.generation, {})
+        if not written and not digested:
             return []  # (not a set difference over every live rank on every tick)
-        found = (self.jobs.read(Channels.STOPPED, state.generation, rank)
-                 for rank in sorted(written & (state.live - set(state.reports) - state.done)))
-        return self.coordinator.on_stopped_all([report for report in found if report is not None], now)
+        wanted = state.live - set(state.reports) - state.done
+        found = [report for report in (self.jobs.read(Channels.STOPPED, state.generation, rank)
+                                       for rank in sorted(written & wanted)) if report is not None]
+        found += [digested[rank] for rank in sorted(digested.keys() & (wanted - written))]
+        return self.coordinator.on_stopped_all(sorted(found, key=lambda report: report.rank), now)
 
     def _written_shards(self) -> list[tuple[int, int]]:
         return [(done, stage) for done, stage in self.coordinator.awaited_shards()
@@ -436,6 +458,7 @@ class Supervisor:
             facts.generation, tuple(sorted(command.live)), facts.redo_step, self.end_step,
             "; ".join(d.cause for d in facts.deaths), tuple(sorted(facts.joining)),
             -1 if facts.restore_step is None else facts.restore_step, completion is not None), facts.generation)
+        self._delete_old_views(facts.generation)
         for rank in facts.joining:
             self.liveness.admit(rank, time.time())
             self.store.delete_key(Keys.join_ready(rank))
@@ -481,12 +504,15 @@ class Supervisor:
     def _publish_views(self, generation: int, key: Callable[[int, int], str], views: PlanViews | CompletionViews,
                        plan: Plan) -> None:
         """Each live worker's view (of the generation's plan, or of the completion), under key(generation, rank):
-        not the whole, which at 16,384 workers is megabytes that every worker would read and take seconds to parse.
-        The views of two generations back are deleted: a worker still that far behind has been fenced or aborted,
-        and the store stays bounded over many failures."""
+        not the whole, which at 16,384 workers is megabytes that every worker would read and take seconds to parse."""
         ranks = plan.live_ranks()
-        self.store.multi_set([key(generation, r) for r in ranks], [views.json_for(r) for r in ranks])
-        self.published.setdefault(generation, []).extend(key(generation, r) for r in ranks)
+        keys = [key(generation, r) for r in ranks]
+        self.store.multi_set(keys, [views.json_for(r) for r in ranks])
+        self.published.setdefault(generation, []).extend(keys)
+
+    def _delete_old_views(self, generation: int) -> None:
+        """The views of two generations back: a worker still that far behind has been fenced or aborted, and the
+        store stays bounded over many failures. After the announcement, not on its path (16,384 deletes)."""
         for old in [g for g in self.published if g <= generation - 2]:
             for stale in self.published.pop(old):
                 self.store.delete_key(stale)

@@ -12,9 +12,9 @@ from typing import Any, Callable, Generic, TypeVar
 
 from recycle.errors import ConfigError
 from recycle.runtime.protocol.records import (Announcement, Beat, ErrorRecord, EvalRecord, FaultRecord, JobSettings,
-                                              Joined, JoinReady, MigrationRecord, NodeHello, NodeSteps, StepRecord,
-                                              StoppedReport, Timestamp, TransferRecord, WorkerResync, from_json,
-                                              to_json)
+                                              Joined, JoinReady, MigrationRecord, NodeHello, NodeSteps, NodeStops,
+                                              StepRecord, StoppedReport, Timestamp, TransferRecord, WorkerResync,
+                                              from_json, to_json)
 from recycle.runtime.protocol.store import StoreClient, StoreServer
 from recycle.runtime.protocol.store.capacity import connection_limit, ensure_descriptors
 from recycle.runtime.protocol.store.server import StoreLimits
@@ -183,6 +183,12 @@ class Keys:
         return f"node_metrics/{step}/{node}/{seq}"
 
     @staticmethod
+    def node_stopped(generation: int, node: int, seq: int) -> str:
+        """A node launcher's digest of its workers' stop reports of `generation`, its write number `seq`
+        (records.NodeStops). Not under gen{G}/: the coordinator learns of these from its store's feed, by prefix."""
+        return f"node_stopped/{generation}/{node}/{seq}"
+
+    @staticmethod
     def evaluation(done_steps: int) -> str:
         return f"eval/{done_steps}"
 
@@ -260,6 +266,7 @@ class Channels:
     MIGRATION = Channel(Keys.migration, MigrationRecord)  # (generation, rank)
     METRICS = Channel(Keys.metrics, StepRecord)  # (step, rank): on the job's store, or on the node's (NodeSteps)
     NODE_METRICS = Channel(Keys.node_metrics, NodeSteps)  # (step, node, seq)
+    NODE_STOPPED = Channel(Keys.node_stopped, NodeStops)  # (generation, node, seq)
     EVAL = Channel(Keys.evaluation, EvalRecord)  # (done steps)
     ERROR = Channel(Keys.error, ErrorRecord)  # (rank)
     FAULT = Channel(Keys.fault, FaultRecord)  # (rank)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # typeshed's type of a dataclass (what fields() takes); it ex
 
 __all__ = ["RecordError", "StepRecord", "EvalRecord", "ErrorRecord", "FaultRecord", "JoinReady", "Timestamp",
            "TransferRecord", "MigrationRecord", "StoppedReport", "Announcement", "Joined", "Beat", "JobSettings",
-           "NodeHello", "WorkerResync", "StepRows", "NodeSteps", "to_json", "from_json"]
+           "NodeHello", "WorkerResync", "StepRows", "NodeSteps", "NodeStops", "to_json", "from_json"]
 
 
 class RecordError(ValueError):
@@ -426,12 +426,34 @@ class NodeSteps:
 
 _NODE_STEPS_FIELDS = frozenset({"node", "step", "rows"})
 
+
+@dataclass(frozen=True)
+class NodeStops:
+    """A node launcher's digest of its workers' stop reports of one generation (key node_stopped/GENERATION/NODE/SEQ):
+    its workers hand their reports to the node's own store, and the launcher writes the coordinator one record with
+    all that came in, so a recovery's reports cost the coordinator's store one request per node, not per worker. A
+    report that comes late goes in a later digest (SEQ counts the launcher's writes: each key is written once)."""
+
+    node: int
+    generation: int
+    reports: tuple[StoppedReport, ...]
+
+    def __post_init__(self) -> None:
+        # from_json hands the nested reports over as the dicts JSON holds: read each as the StoppedReport it must be.
+        if not isinstance(self.reports, tuple):
+            raise RecordError(f"a NodeStops record's reports are {type(self.reports).__name__}, not a list of "
+                              "StoppedReport records; every process of a run must be the same recycle version")
+        if any(not isinstance(report, StoppedReport) for report in self.reports):
+            object.__setattr__(self, "reports", tuple(
+                report if isinstance(report, StoppedReport) else
+                _from_data(StoppedReport, report, "a StoppedReport in a NodeStops record") for report in self.reports))
+
 _KINDS: dict[str, type[DataclassInstance]] = {
     "job": JobSettings, "beat": Beat, "joined": Joined, "step": StepRecord, "eval": EvalRecord, "error": ErrorRecord,
     "fault": FaultRecord,
     "join_ready": JoinReady, "timestamp": Timestamp, "transfer": TransferRecord, "migration": MigrationRecord,
     "stopped": StoppedReport, "announce": Announcement, "node_hello": NodeHello, "worker_resync": WorkerResync,
-    "node_steps": NodeSteps, "step_rows": StepRows}
+    "node_steps": NodeSteps, "step_rows": StepRows, "node_stops": NodeStops}
 _NAMES = {cls: kind for kind, cls in _KINDS.items()}
 _FIELD_NAMES = {kind: frozenset(f.name for f in fields(cls)) for kind, cls in _KINDS.items()}  # (read per record)
 # The fields that hold tuples: only their JSON arrays are turned back into tuples (the coordinator reads thousands of

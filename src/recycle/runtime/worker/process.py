@@ -905,7 +905,10 @@ class _Worker:
                 report = replace(report, tp_split=tp_split(self.store, self.generation, spec.rank, spec.tp_degree,
                                                            point, spec.recovery.timeout_s))
         self.phase = "stopped"
-        self.outbox.put(self.store, Channels.STOPPED, report, self.generation, spec.rank, kind="stopped")
+        # With a node store, through it: the node's launcher writes the coordinator one digest of its workers' reports
+        # (control.node_stops), and writes them again to a restarted coordinator.
+        self.outbox.put(self.store, Channels.STOPPED, report, self.generation, spec.rank, kind="stopped",
+                        background=bool(spec.node_store_port))
         # One key for the coordinator to poll.
         announcement = self._await_announcement(self.generation + 1)
         if spec.rank not in announcement.live:

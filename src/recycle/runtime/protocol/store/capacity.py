@@ -1,6 +1,6 @@
 """How many connections the job's store must hold at once, and the file descriptors that takes: every worker process
 keeps three open to it (its calls, its watcher's wait on the abort key, its outbox's writer) and every node launcher
-one, so a job of 1,400 workers already passes the server's default limit, and most machines' default `ulimit -n`."""
+two (its calls, its stop-report digests' thread), so a job of 1,400 workers already passes the server's default limit, and most machines' default `ulimit -n`."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import resource
 
 from recycle.errors import ConfigError
 
-__all__ = ["CONNECTIONS_PER_PROCESS", "connections_needed", "connection_limit", "ensure_descriptors"]
+__all__ = ["CONNECTIONS_PER_PROCESS", "CONNECTIONS_PER_LAUNCHER", "connections_needed", "connection_limit", "ensure_descriptors"]
 
-CONNECTIONS_PER_PROCESS = 3  # measured: `ss -tnp` of a running job shows three per worker process, one per launcher
+CONNECTIONS_PER_PROCESS = 3  # measured: `ss -tnp` of a running job shows three per worker process
+CONNECTIONS_PER_LAUNCHER = 2  # its follow loop's, and its stop-report digests' thread's (control.node_stops)
 SPARE_CONNECTIONS = 256  # replacements starting while the dying process's sockets close, tools, the listener itself
 DEFAULT_MAX_CONNECTIONS = 4096  # the store's limit for a small job (StoreLimits)
 
@@ -18,7 +19,7 @@ DEFAULT_MAX_CONNECTIONS = 4096  # the store's limit for a small job (StoreLimits
 def connections_needed(worker_processes: int, nodes: int) -> int:
     """The connections a job store that serves `worker_processes` (every rank of every worker, live or not: a failed
     one may be respawned) and `nodes` launchers must be able to hold at once."""
-    return CONNECTIONS_PER_PROCESS * worker_processes + nodes + SPARE_CONNECTIONS
+    return CONNECTIONS_PER_PROCESS * worker_processes + CONNECTIONS_PER_LAUNCHER * nodes + SPARE_CONNECTIONS
 
 
 def connection_limit(needed: int) -> int:
