@@ -14,7 +14,7 @@ from recycle.config import ModelSpec
 from recycle.errors import ConfigError
 from recycle.models.gpt import resolve_shape
 from recycle.models.tensor_parallel import check_tensor_parallel, qkv_order
-from recycle.runtime.control.processes import WorkerGroup
+from recycle.runtime.control.processes import WorkerGroup, WorkerProcesses
 from recycle.runtime.tools.faults import parse_fault
 from recycle.runtime.worker.stage import check_model
 
@@ -85,7 +85,7 @@ def test_chaos_hits_one_process_of_a_tp_worker_and_draws_t1_events_as_before() -
 
 
 class _FakeProcess:
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int | None) -> None:
         self.pid, self.exitcode, self.sentinel, self.killed = pid, None, pid, False
 
     def terminate(self) -> None:
@@ -115,6 +115,20 @@ def test_a_clean_end_waits_for_every_rank_and_kills_none() -> None:
     assert group.exitcode is None and not follower.killed and group.running_sentinels() == [11]
     follower.exitcode = 0
     assert group.exitcode == 0
+
+
+def test_stop_also_ends_an_earlier_life_of_a_rank_that_was_not_reaped_yet() -> None:
+    """A fenced TP member whose reaping timed out (a loaded machine) is no longer the rank's process once the rank is
+    started again; stop() must still end it, or it outlives the launcher."""
+    lost, kept, replacement = _FakeProcess(None), _FakeProcess(None), _FakeProcess(None)  # no pid: no real signal
+    started = iter([WorkerGroup([kept, lost]), replacement])
+    workers = WorkerProcesses(jobs=None, spawn=lambda rank, joining: next(started))  # type: ignore[arg-type]
+    workers.start(3, joining=False)
+    kept.exitcode = -9  # the group fenced the other member, which is not reaped yet
+    lost.killed, lost.exitcode = False, None
+    workers.start(3, joining=False)
+    workers.stop()
+    assert replacement.killed and lost.killed
 
 
 def test_rank_beats_call_a_rank_frozen_once_its_count_stops_moving() -> None:

@@ -154,6 +154,9 @@ class WorkerProcesses:
     def __init__(self, jobs: JobStore, spawn: Callable[[int, bool], WorkerProcess]) -> None:
         self.jobs, self.spawn = jobs, spawn
         self._processes: dict[int, WorkerProcess] = {}
+        # Processes of earlier lives of a rank not yet reaped when it was started again (a fenced TP member whose
+        # reaping timed out on a loaded machine): stop() kills and reaps them too.
+        self._retired: list[WorkerProcess] = []
 
     @property
     def ranks(self) -> list[int]:
@@ -165,6 +168,10 @@ class WorkerProcesses:
         if joining:
             for key in (Keys.join_ready(rank), Keys.join_generation(rank), Keys.exited(rank), Keys.error(rank)):
                 self.jobs.raw.delete_key(key)  # left by an earlier life of this rank
+        earlier = self._processes.get(rank)
+        if earlier is not None:
+            self._retired = [p for p in self._retired if p.exitcode is None]
+            self._retired += [m for m in _members(earlier) if m.exitcode is None]
         process = self.spawn(rank, joining)
         self._processes[rank] = process
         return process.pid
@@ -219,7 +226,7 @@ class WorkerProcesses:
 
     def stop(self) -> None:
         """Terminate every still-running worker (SIGTERM, then SIGKILL) and reap it."""
-        processes = [m for p in self._processes.values() for m in _members(p)]
+        processes = [m for p in self._processes.values() for m in _members(p)] + self._retired
         for p in processes:
             if p.exitcode is None:
                 p.terminate()
