@@ -26,6 +26,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _two_nodes_end_cleanly(common: list[str], node0_flags: tuple[str, ...] = ()) -> str:
+    """Run `common` as node 0 (with `node0_flags`) and node 1 under one fresh job secret; both must exit 0. Node 0's
+    stdout."""
+    env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
+    node0 = subprocess.Popen([*common, "--node-rank", "0", *node0_flags], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    node1 = subprocess.Popen([*common, "--node-rank", "1"], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    _, err1 = node1.communicate(timeout=150)
+    out0, err0 = node0.communicate(timeout=150)
+    assert node0.returncode == 0, err0
+    assert node1.returncode == 0, err1
+    return out0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_launchers_train_like_the_reference(tmp_path: Path, tiny_config_file) -> None:
@@ -34,15 +49,7 @@ def test_two_launchers_train_like_the_reference(tmp_path: Path, tiny_config_file
     port = str(free_port())
     common = [sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--nnodes", "2",
               "--master-addr", "127.0.0.1", "--master-port", port, "--save", str(save), "--timeout", "20"]
-    env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
-    node0 = subprocess.Popen([*common, "--node-rank", "0"], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env)
-    node1 = subprocess.Popen([*common, "--node-rank", "1"], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env)
-    out1, err1 = node1.communicate(timeout=150)
-    out0, err0 = node0.communicate(timeout=150)
-    assert node0.returncode == 0, err0
-    assert node1.returncode == 0, err1
+    out0 = _two_nodes_end_cleanly(common)
     assert "step 2/2" in out0
     got = torch.load(save, weights_only=True)["model"]
     ref, _ = reference_train(load_config(config_file))
@@ -61,15 +68,7 @@ def test_a_node_without_metrics_computes_the_grad_norm_node_0_reports(tmp_path: 
     common = [sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--set",
               "topology.num_replicas=1", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
               "--timeout", "20"]
-    env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
-    node0 = subprocess.Popen([*common, "--node-rank", "0", "--metrics", str(metrics)], cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    node1 = subprocess.Popen([*common, "--node-rank", "1"], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env)
-    _, err1 = node1.communicate(timeout=150)
-    _, err0 = node0.communicate(timeout=150)
-    assert node0.returncode == 0, err0
-    assert node1.returncode == 0, err1
+    _two_nodes_end_cleanly(common, node0_flags=("--metrics", str(metrics)))
     steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "event" not in r]
     assert len(steps) == 2 and all(r["grad_norm"] is not None and r["grad_norm"] > 0 for r in steps), steps
 
