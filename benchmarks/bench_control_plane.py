@@ -555,8 +555,9 @@ def _failure(cluster: _Cluster, rank: int, command: str) -> dict[str, Any]:
     noticed = [e["time"] for e in events if e["kind"] == "stopped" and e["generation"] == generation]
     sent = [e["time"] for e in events if e["kind"] == "reports_sent" and e["generation"] == generation]
     flag = cluster.landed.first(Keys.exited(rank) if command == "kill" else Flags.SILENT.name(rank))
-    reports = max((t for t in (cluster.landed.last_under(f"stopped/{generation}/"),
-                               cluster.landed.last_under(f"node_stopped/{generation}/")) if t is not None), default=None)
+    landed = (cluster.landed.last_under(f"stopped/{generation}/"),
+              cluster.landed.last_under(f"node_stopped/{generation}/"))
+    reports = max((t for t in landed if t is not None), default=None)
     return {"rank": rank, "failed_at": reply.get("time", reply.get("last_beat")), "announced": when,
             "flag_landed": flag if flag is not None else abort,
             "last_report_landed": reports if reports is not None else abort,

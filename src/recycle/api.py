@@ -274,19 +274,20 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
     """Train `config`'s model on D x S worker processes and return the TrainResult (per-step metrics, recoveries).
 
     The run starts on `plan`, or on `select_plan(config, schedule, down=down, ...)`. With `recover` (the default) a
-    worker failure switches to the plan for the new failure state: from `plan_store` (a folder from plan_store())
-    or from a store built now for up to `max_failures` failures (heuristic beyond). `options` are the launch options
-    by their flat names, runtime.options.KEYWORDS (steps, save_path, metrics_path, model_factory, checkpoint_dir,
-    timeout_s, ...), set on top of `launch_options` (a whole runtime.options.LaunchOptions). The steps' grad_norm
-    is computed when clipping, with metrics_path or a sink, or with grad_norm=True (else it is None). `repartition`:
-    failure states may also move whole layers between stages when the planner finds a faster layer partition that repays its
-    migration over the state's expected duration (`repartition_prior_s` before any change has been seen; built-in
-    GPT only; see planner.provider.RepartitioningProvider). `model_factory` may be a function (config, num_stages) ->
-    stages (see recycle.models.split) defined at the top level of an importable module or of the script being run:
-    every worker process imports it by name. `data_source` (the same as [training] data_source) may be such a
-    function (config) -> source, or its 'module:function' name: source(iteration, mb) returns (inputs, targets) (see
-    recycle.data.DataSource). `split_microbatches`: the planner may cut a failed worker's micro-batches into pieces
-    where that is faster (recycle.planner.split), for the start plan and the plans the run switches to.
+    worker failure switches to the plan for the new failure state: from `plan_store` (a folder from plan_store()) or
+    from a store built now for up to `max_failures` failures (heuristic beyond). `options` are the launch options by
+    their flat names, runtime.options.KEYWORDS (steps, save_path, metrics_path, model_factory, checkpoint_dir,
+    timeout_s, ...), set on top of `launch_options` (a whole runtime.options.LaunchOptions). The steps' grad_norm is
+    computed when clipping, with metrics_path or a sink, or with grad_norm=True (else it is None). `repartition`:
+    failure states may also move whole layers between stages when the planner finds a faster layer partition that
+    repays its migration over the state's expected duration (`repartition_prior_s` before any change has been seen;
+    built-in GPT only; see planner.provider.RepartitioningProvider). `model_factory` may be a function (config,
+    num_stages) -> stages (see recycle.models.split) defined at the top level of an importable module or of the
+    script being run: every worker process imports it by name. `data_source` (the same as [training] data_source)
+    may be such a function (config) -> source, or its 'module:function' name: source(iteration, mb) returns (inputs,
+    targets) (see recycle.data.DataSource). `split_microbatches`: the planner may cut a failed worker's
+    micro-batches into pieces where that is faster (recycle.planner.split), for the start plan and the plans the run
+    switches to.
     """
     from dataclasses import replace
 

@@ -79,7 +79,8 @@ def test_the_stand_ins_records_are_the_workers_records_byte_for_byte(bench: Modu
     assert stopped_json(17, 3, 4, 5, error, 1700000000.123) == \
         to_json(StoppedReport(17, 3, 4, 5, 0, 0.0, 0, 0.0, error, 1700000000.123)).encode()
     assert node_stops_json(2, 3, [stopped_json(r, 3, 4, 5, error, 1.5) for r in (16, 17)]) == \
-        to_json(NodeStops(2, 3, tuple(StoppedReport(r, 3, 4, 5, 0, 0.0, 0, 0.0, error, 1.5) for r in (16, 17)))).encode()
+        to_json(NodeStops(2, 3, tuple(StoppedReport(r, 3, 4, 5, 0, 0.0, 0, 0.0, error, 1.5)
+                                      for r in (16, 17)))).encode()
 
 
 def test_a_size_the_failures_do_not_fit_is_refused_with_one_line(bench: ModuleType) -> None:

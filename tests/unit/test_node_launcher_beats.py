@@ -44,10 +44,12 @@ def test_a_following_launcher_beats_once_per_heartbeat_interval_and_at_once_for_
         following.killed[rank] = None
     passes = [0.125 * i for i in range(17)]  # 2 s of a loop's passes (binary fractions: exact sums)
     for now in passes:
-        assert not _follow_once(jobs, _Workers(), options, None, following, quiet, quiet, quiet, now)  # type: ignore[arg-type]
+        assert not _follow_once(jobs, _Workers(), options, None,  # type: ignore[arg-type]
+                                following, quiet, quiet, quiet, now)
     assert _beats(jobs) == 5  # at 0, 0.5, 1.0, 1.5 and 2.0 s: not 17
     following.forget()  # a restarted coordinator's store is empty: the next pass beats whatever the interval
-    assert not _follow_once(jobs, _Workers(), options, None, following, quiet, quiet, quiet, 2.125)  # type: ignore[arg-type]
+    assert not _follow_once(jobs, _Workers(), options, None,  # type: ignore[arg-type]
+                            following, quiet, quiet, quiet, 2.125)
     assert _beats(jobs) == 6
     # A short timeout beats at least 4 times in it, whatever the interval.
     jobs2 = JobStore(LocalStore(KeyValue()))

@@ -5,6 +5,7 @@ the plan for the new failure state and announces the next generation; it also ga
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -96,10 +97,12 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
         # Before any node can write: the coordinator learns of records and flags from the feed, not by polling.
         feed = Supervisor.subscribe(server.data)
     else:
-        incarnation = new_incarnation()
-        store = connect_store(cluster.master_addr, cluster.master_port, token,
-                              launcher_identity(cluster.node_rank, incarnation), store_timeout_s,
-                              connect_timeout_s=store_timeout_s)
+        # This launcher's connections to the job's store, all under one identity (the follow loop's, the stop
+        # digests' thread's).
+        connect = functools.partial(connect_store, cluster.master_addr, cluster.master_port, token,
+                                    launcher_identity(cluster.node_rank, new_incarnation()), store_timeout_s,
+                                    connect_timeout_s=store_timeout_s)
+        store = connect()
         store_port = cluster.master_port
     # What the workers are told: the store's real port, the job secret and the backend, all settled.
     resolved = replace(cluster, master_port=store_port, token=token, backend=cluster.backend or default_backend())
@@ -127,9 +130,7 @@ def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions())
     stops = StopForwarder(cluster.node_rank, LocalStore(node_server.data),
                           node_server.data.subscribe((b"stopped/",))) if node_server is not None else None
     if stops is not None:
-        stops.start(JobStore(connect_store(cluster.master_addr, cluster.master_port, token,
-                                           launcher_identity(cluster.node_rank, incarnation), store_timeout_s,
-                                           connect_timeout_s=store_timeout_s)))
+        stops.start(JobStore(connect()))
     spec_for = _spec_maker(config, plan, options, resolved, start_step, end_step, mine,
                            node_server.port if node_server is not None else 0, settings.grad_norm)
     spawner = Spawner(start_context(cluster.start_method), spec_for, plan.worker)

@@ -1,6 +1,7 @@
 """How many connections the job's store must hold at once, and the file descriptors that takes: every worker process
 keeps three open to it (its calls, its watcher's wait on the abort key, its outbox's writer) and every node launcher
-two (its calls, its stop-report digests' thread), so a job of 1,400 workers already passes the server's default limit, and most machines' default `ulimit -n`."""
+two (its calls, its stop-report digests' thread), so a job of 1,400 workers already passes the server's default
+limit, and most machines' default `ulimit -n`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import resource
 
 from recycle.errors import ConfigError
 
-__all__ = ["CONNECTIONS_PER_PROCESS", "CONNECTIONS_PER_LAUNCHER", "connections_needed", "connection_limit", "ensure_descriptors"]
+__all__ = ["CONNECTIONS_PER_PROCESS", "CONNECTIONS_PER_LAUNCHER", "connections_needed", "connection_limit",
+           "ensure_descriptors"]
 
 CONNECTIONS_PER_PROCESS = 3  # measured: `ss -tnp` of a running job shows three per worker process
 CONNECTIONS_PER_LAUNCHER = 2  # its follow loop's, and its stop-report digests' thread's (control.node_stops)
