@@ -27,6 +27,7 @@ def test_launch_option_errors(tiny_config, tmp_path) -> None:
 
 @pytest.mark.parametrize("make,needle", [
     (lambda: CheckpointOptions(every=2), "--checkpoint-every 2 needs --checkpoint-dir DIR"),
+    (lambda: OutputOptions(grad_norm="no"), r"grad_norm 'no' must be True \(always\), False \(never\) or None"),
     (lambda: CheckpointOptions(dir="ck", every=-1), "--checkpoint-every -1 needs"),
     (lambda: CheckpointOptions(dir="ck"), "would never write a checkpoint"),
     (lambda: CheckpointOptions(dir="ck", every=1, keep=0), "--keep-checkpoints 0 must be an integer >= 1"),

@@ -56,6 +56,11 @@ class OutputOptions:
     # Off, no worker computes its stage's squared norm (about 2 % of a worker's step CPU; README, runtime parity).
     grad_norm: bool | None = None
 
+    def __post_init__(self) -> None:
+        if self.grad_norm is not None and type(self.grad_norm) is not bool:  # "no" would otherwise count as on
+            raise ConfigError(f"grad_norm {self.grad_norm!r} must be True (always), False (never) or None (when "
+                              "--metrics or a sink such as --tensorboard reports it)")
+
     @property
     def parts_path(self) -> str:
         """What the stages' final parts are written beside (state.checkpoint.part_file): --save, else the export."""
