@@ -19,11 +19,11 @@ demo: $(VENV_STAMP)
 # Both type-check runtime/ and ir/ first ([tool.mypy] in pyproject.toml): a mypy error fails the target.
 test: $(VENV_STAMP)
 	$(PY) -m mypy
-	$(PY) -m pytest -q -n 2 --dist worksteal --durations=15
+	$(PY) -m pytest -q --durations=15
 
 test-fast: $(VENV_STAMP)
 	$(PY) -m mypy
-	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
+	$(PY) -m pytest -q -m "not slow"
 
 bench: $(VENV_STAMP)
 	@for script in benchmarks/bench_*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
