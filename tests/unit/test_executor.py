@@ -297,6 +297,33 @@ def test_a_wait_on_a_silent_peer_ends_in_peer_lost_after_the_timeout_or_at_once_
     assert len(blocked) == 1 and isinstance(blocked[0], PeerLost) and "cut" in str(blocked[0])
 
 
+@pytest.mark.timeout(10)
+def test_a_first_send_racing_the_first_receive_on_a_wire_is_not_lost() -> None:
+    """The receiver's first look at a wire and the sender's first put meet while the wire's queue is being made
+    (here made slow; in the executor tests a garbage collection in the allocation did it): the message arrives."""
+    import time
+    from collections import defaultdict, deque
+
+    from recycle.runtime.protocol.messages import Channel
+
+    fabric = _two_workers()
+
+    def slow_queue() -> deque:
+        time.sleep(0.05)  # gives up the GIL, as a finaliser run by a collection in the allocation can
+        return deque()
+
+    fabric._queues = defaultdict(slow_queue)
+    message = Message(Channel.ACTIVATION, 0, 0, 1)
+    got: list[object] = []
+    receiver = threading.Thread(target=lambda: _record(got, lambda: got.append(
+        fabric.endpoint(1).recv(message, (1,), torch.float32))))
+    receiver.start()
+    time.sleep(0.01)
+    fabric.endpoint(0).send(message, torch.ones(1))
+    receiver.join(5)
+    assert len(got) == 1 and isinstance(got[0], torch.Tensor), got
+
+
 def _record(into: list[BaseException], op) -> None:
     try:
         op()

@@ -84,8 +84,10 @@ class MemoryFabric:
             self._cond.notify_all()
 
     def take(self, wire: Hashable, src: int, dst: int, what: str) -> tuple[Any, torch.Tensor]:
-        queue = self._queues[(wire, src, dst)]
         with self._cond:
+            # Looked up under the lock: a defaultdict inserts on a miss, and a sender's first put racing this
+            # lookup would otherwise leave the receiver waiting on a deque nobody fills.
+            queue = self._queues[(wire, src, dst)]
             self._wait(lambda: bool(queue), what)
             return queue.popleft()
 
