@@ -67,10 +67,11 @@ def wait_for_line(process: subprocess.Popen, prefix: str, lines: list[str]) -> N
             return
 
 
-def two_node_command(config_file: Path, save: Path) -> tuple[list[str], dict[str, str]]:
+def two_node_command(config_file: Path, save: Path, slot_ms: int = 25) -> tuple[list[str], dict[str, str]]:
     """The `recycle train` command both launchers run (without --node-rank) and their shared environment."""
     command = [sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--nnodes", "2",
-               "--master-port", str(free_port()), "--save", str(save), "--heartbeat-timeout", "2", *PACED]
+               "--master-port", str(free_port()), "--save", str(save), "--heartbeat-timeout", "2", "--emulate-costs",
+               "--slot-ms", str(slot_ms)]
     return command, {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
 
 
@@ -144,9 +145,12 @@ def test_a_killed_launcher_node_is_survived(tmp_path: Path, tiny_config_file) ->
 def test_a_repaired_node_started_again_rejoins_the_running_job(tmp_path: Path, tiny_config_file) -> None:
     """Node 1's launcher dies with its workers; starting the same command again on node 1 brings pipeline 1 back:
     its workers re-join with live state and the job ends with every worker up and the fault-free parameters."""
-    config_file = tiny_config_file(steps=40)  # long enough for a restart on 2 busy cores
+    config_file = tiny_config_file(steps=40)
     save = tmp_path / "final.pt"
-    common, env = two_node_command(config_file, save)
+    # Slow paced steps (~0.7 s): the ~25 s left after node 1's loss is handled leave room for the repaired node to
+    # import torch, start its workers and re-join while another pytest process loads the 2 cores (with 25 ms slots
+    # the run once ended first under `pytest -n 2`); the compute, and so the load, stays that of 40 steps.
+    common, env = two_node_command(config_file, save, slot_ms=60)
     node0 = start_node(common, env, 0, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     node1 = start_node(common, env, 1, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     repaired = None

@@ -97,3 +97,37 @@ def test_losing_node_0_with_a_separate_coordinator_is_an_ordinary_node_failure(t
     assert "the coordinator reports" in out1
     assert "Traceback" not in err_c + err1
     _close_to_reference(save, config_file)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_node_whose_job_store_goes_away_while_it_starts_says_so_in_one_line(tiny_config_file) -> None:
+    """A repaired node started just as the run ends: the job's store answers its first word, then closes (the
+    coordinator finished) before the node has started its workers. The launcher ends with one `error:` line naming
+    the store, not a traceback, and leaves no worker behind."""
+    from recycle.runtime.protocol.channels import Keys, host_store
+
+    token = secrets.token_hex(24)
+    server = host_store("127.0.0.1", 0, token)
+    node = subprocess.Popen([sys.executable, "-m", "recycle", "train", "--config", str(tiny_config_file(steps=4)),
+                             "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port",
+                             str(server.port), "--coordinator", "separate", "--timeout", "20"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RECYCLE_JOB_TOKEN": token})
+    try:
+        deadline = time.monotonic() + 60
+        while server.data.get(Keys.node_hello(1).encode()) is None:  # it said hello; it now waits for the settings
+            assert node.poll() is None and time.monotonic() < deadline, node.communicate()
+            time.sleep(0.05)
+        server.close()
+        out, err = node.communicate(timeout=60)
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+        server.close()
+    assert node.returncode == 2, (out, err)
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "node 1 lost contact with the job's store on the coordinator" in errors[0], err
+    assert f"127.0.0.1:{server.port}" in errors[0]

@@ -1,14 +1,16 @@
 """The launcher's own-stall clock: a gap between its ticks is a stall only when much longer than a tick, and a
-stall counts for the marks it ended after (or is still going on)."""
+stall counts for the marks it ended after (or is still going on); what a node launcher says when its store is lost."""
 
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
 
 from recycle.errors import RuntimeFailure
-from recycle.runtime.control.launcher import _check_not_stalled
+from recycle.runtime.control.launcher import _check_not_stalled, _store_contact
 from recycle.runtime.control.stall import StallClock
-from recycle.runtime.options import LaunchOptions, RecoveryOptions
+from recycle.runtime.options import LaunchOptions, RecoveryOptions, with_keywords
+from recycle.runtime.protocol.store import StoreFenced, StoreUnavailable
 
 
 class _Clock:
@@ -76,3 +78,28 @@ def test_a_launcher_stalled_past_the_node_timeout_stops_its_workers_and_says_why
     with pytest.raises(RuntimeFailure, match=r"did not run for 7\.0 s .* longer than the 5 s .* re-join"):
         _check_not_stalled(7.0, workers, options)  # type: ignore[arg-type]
     assert workers.stopped
+
+
+@pytest.mark.parametrize("coordinator,raised,says", [
+    ("separate", StoreUnavailable("cannot reach the job store at 10.0.0.1:29500 within 60 s (refused); check that "
+                                  "the job's first node (or its coordinator) runs"),
+     "node 1: cannot reach the job store at 10.0.0.1:29500 within 60 s"),
+    ("separate", StoreUnavailable("lost the connection to the job store at 10.0.0.1:29500 (closed)"),
+     "node 1 lost contact with the job's store on the coordinator (10.0.0.1:29500): the run has ended or the "
+     "coordinator is gone"),
+    ("node0", dist.DistStoreError("timed out after 60 s waiting for key 'job'"),
+     "node 1 lost contact with the job's store on node 0 (10.0.0.1:29500)"),
+    ("node0", StoreFenced("this process (launcher/1/ab) was fenced by the job's coordinator"),
+     "node 1 was declared dead by the job's coordinator"),
+])
+def test_a_node_launchers_lost_or_refused_store_is_one_error_naming_the_node_and_the_store(
+        coordinator: str, raised: Exception, says: str) -> None:
+    """From its first connection to its last call (start-up included), what a node launcher's store contact can
+    raise ends as a RuntimeFailure (the CLI's one `error:` line), never as the store client's own exception."""
+    options = with_keywords(LaunchOptions(), {"nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1",
+                                              "master_port": 29500, "coordinator": coordinator, "token": "ab" * 24})
+    with pytest.raises(RuntimeFailure) as failure:
+        with _store_contact(options):
+            raise raised
+    assert says in str(failure.value)
+    assert failure.value.__cause__ is None and failure.value.__suppress_context__

@@ -5,6 +5,7 @@ the plan for the new failure state and announces the next generation; it also ga
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -14,7 +15,7 @@ import signal
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -82,6 +83,11 @@ def _check_options(config: Config, plan: Plan, options: LaunchOptions) -> tuple[
 def launch(config: Config, plan: Plan, options: LaunchOptions = LaunchOptions()) -> TrainResult:
     """Train `config`'s model with `plan` for the requested steps, surviving worker failures when a plan provider
     is given; raise RuntimeFailure when the run cannot continue."""
+    with contextlib.nullcontext() if options.cluster.hosts_coordinator else _store_contact(options):
+        return _launch(config, plan, options)
+
+
+def _launch(config: Config, plan: Plan, options: LaunchOptions) -> TrainResult:
     start_step, end_step = _check_options(config, plan, options)
     cluster = options.cluster
     token = cluster.token or new_token()
@@ -343,21 +349,35 @@ def _follow(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, pl
     stalls = StallClock().start()
     try:
         _follow_loop(jobs, workers, options, plan, watch, forwarder, stops, stalls)
-    except StoreFenced:
-        workers.stop()
-        raise RuntimeFailure(f"node {options.cluster.node_rank} was declared dead by the job's coordinator while it "
-                             "did not respond (frozen or cut off), and the run went on without it; its workers have "
-                             "been stopped. Start this node's launcher again (the same command) to re-join the run as a "
-                             "repaired node") from None
-    except dist.DistError:
-        workers.stop()
-        where = "node 0" if options.cluster.coordinator == "node0" else "the coordinator"
-        raise RuntimeFailure(f"node {options.cluster.node_rank} lost contact with the job's store on {where} "
-                             f"({options.cluster.master_addr}:{options.cluster.master_port}): the run has ended or "
-                             f"{where} is gone") \
-            from None
     finally:
         stalls.stop()
+
+
+@contextlib.contextmanager
+def _store_contact(options: LaunchOptions) -> Iterator[None]:
+    """Around everything a node launcher does with the job's store, from its first connection on (start-up
+    included: a repaired node can start while the run ends): a fence or a lost store ends the launch with one line
+    that says what happened and what to do. The launch's own clean-up stops the node's workers."""
+    node, cluster = options.cluster.node_rank, options.cluster
+    where = "node 0" if cluster.coordinator == "node0" else "the coordinator"
+    try:
+        yield
+    except StoreFenced:
+        raise RuntimeFailure(f"node {node} was declared dead by the job's coordinator while it did not respond "
+                             "(frozen or cut off), and the run went on without it; its workers have been stopped. "
+                             "Start this node's launcher again (the same command) to re-join the run as a repaired "
+                             "node") from None
+    except StoreUnavailable as exc:
+        if str(exc).startswith("cannot reach"):  # its first connection: nothing was ever there
+            raise RuntimeFailure(f"node {node}: {exc}") from None
+        raise _lost(node, where, cluster) from None
+    except dist.DistError:
+        raise _lost(node, where, cluster) from None
+
+
+def _lost(node: int, where: str, cluster: ClusterOptions) -> RuntimeFailure:
+    return RuntimeFailure(f"node {node} lost contact with the job's store on {where} ({cluster.master_addr}:"
+                          f"{cluster.master_port}): the run has ended or {where} is gone")
 
 
 def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan,
