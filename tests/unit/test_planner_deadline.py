@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from recycle.config import Config, parse_config
+from recycle.planner import deadline
 from recycle.planner.budget import LIST_SCHEDULE_COST, WorkBudget
 from recycle.planner.deadline import deadline_orders, improve_sequences, latest_starts, spread_sequences
 from recycle.planner.heuristic import _opt_durations
@@ -34,9 +37,7 @@ def test_latest_starts_pack_each_stage_zero_sequence_against_the_target() -> Non
 def test_spread_sequences_send_the_first_micro_batches_over_disjoint_workers() -> None:
     # Two pipelines of two stages: in slot order both stage-0 workers start with a micro-batch for stage-1 worker
     # 0 (micro-batches 0 and 2), so one would wait there for the other's forward and backward.
-    host = ((0, 0, 1, 1), (0, 1, 0, 1))
-    sequences = spread_sequences(host, 2, 2, 2)
-    assert sequences == {0: [0, 1], 1: [3, 2]}
+    assert spread_sequences(((0, 0, 1, 1), (0, 1, 0, 1)), 2, 2, 2) == {0: [0, 1], 1: [3, 2]}
     # Seed 1 case 283's key: every micro-batch in its stage-0 worker's sequence, once.
     config = _config(6, 4, 7, 2, 3, 1)
     for host in routing_candidates(config, (2, 1, 0, 0)):
@@ -77,3 +78,21 @@ def test_improve_sequences_is_paid_from_its_budget_and_deterministic() -> None:
     assert result is not None and budget.spent <= 20 * cost and budget.spent % cost == 0
     assert result[1] <= only_start[1]  # moves are kept only when they do not worsen
     assert result == improve_sequences(evaluator, host, 7, 78.0, WorkBudget(20 * cost))
+
+
+def test_an_incomplete_deadline_schedule_is_never_returned(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A schedule that left an action out (a stall) would time without it; improve_sequences must not take it.
+    config = _config(3, 3, 4, 2, 3, 1)
+    key = (1, 0, 0)
+    host = routing_candidates(config, key)[0]
+    evaluator = OrderEvaluator(config, key, host, True, False, None, _opt_durations(config, key))
+    complete = deadline.deadline_orders
+
+    def dropping(*args: object) -> list[list[tuple[int, int]]]:
+        orders = complete(*args)  # type: ignore[arg-type]
+        orders[-1] = orders[-1][:-1]  # the last worker's last W
+        return orders
+
+    assert improve_sequences(evaluator, host, 4, 30.0, WorkBudget(3 * (LIST_SCHEDULE_COST + 1) * 108)) is not None
+    monkeypatch.setattr(deadline, "deadline_orders", dropping)
+    assert improve_sequences(evaluator, host, 4, 30.0, WorkBudget(3 * (LIST_SCHEDULE_COST + 1) * 108)) is None

@@ -167,14 +167,16 @@ def improve_sequences(evaluator: OrderEvaluator, host: Sequence[Sequence[int]], 
     schedule and timing) is paid from `budget`; stops at `target`. The best timed orders and their
     (estimate, spans), or None when the budget cannot pay for one schedule."""
     D, S, M = evaluator.D, evaluator.S, num_microbatches
-    actions = 3 if evaluator.decoupled else 2
-    cost = max(1, (LIST_SCHEDULE_COST + 1) * actions * sum(1 for s in range(S) for _ in host[s]))
+    total = (3 if evaluator.decoupled else 2) * S * len(host[0])  # actions per iteration
+    cost = max(1, (LIST_SCHEDULE_COST + 1) * total)  # a list schedule and its timing
 
     def evaluate(sequences: Sequences) -> tuple[tuple, list[list[tuple[int, int, float, float]]] | None]:
         latest = latest_starts(S, evaluator.dur, evaluator.p2p, evaluator.decoupled, target, sequences)
-        timed = evaluator.time(deadline_orders(D, S, M, host, evaluator.dur, evaluator.p2p, evaluator.decoupled,
-                                               evaluator.caps, latest))
-        if timed is None:  # over a cap
+        orders = deadline_orders(D, S, M, host, evaluator.dur, evaluator.p2p, evaluator.decoupled, evaluator.caps,
+                                 latest)
+        # Every action once (a stalled schedule would leave some out, and the timing only sees what is there).
+        timed = evaluator.time(orders) if sum(map(len, orders)) == total else None
+        if timed is None:  # over a cap, or incomplete
             return (math.inf,), None
         period, spans = evaluator.score(timed)
         return (period, tuple(sorted((row[-1][3] for row in timed if row), reverse=True)), spans), timed
