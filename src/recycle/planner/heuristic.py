@@ -21,12 +21,12 @@ from recycle.ir.plan import Plan, PlanMeta
 from recycle.ir.validate import validate_plan
 from recycle.planner.bounds import period_lower_bound
 from recycle.planner.budget import LIST_SCHEDULE_COST, WorkBudget, search_work
+from recycle.planner.deadline import improve_sequences
 from recycle.planner.failures import canonical_failed
 from recycle.planner.local_search import OrderEvaluator, improve_orders, stage_extents
 from recycle.planner.memory_cap import memory_cap
 from recycle.planner.options import PlannerOptions
-from recycle.planner.routing import (balanced_routing, check_key, failed_routing, routing_candidates,
-                                    worker_loads)
+from recycle.planner.routing import balanced_routing, check_key, failed_routing, routing_candidates, worker_loads
 from recycle.planner.settling import settling
 from recycle.sim.simulator import simulate
 
@@ -62,6 +62,10 @@ ROUTING_SHARE = 0.5
 _SEARCH_RULES = 3  # rules per orphan swap; tiny instances try more while a swap's share of the budget allows
 _ROUTING_SWAPS = 60  # the swaps the rule count is planned for
 ORDER_STARTS = 3  # order searches from this many distinct routings, sharing the order moves' budget
+# The order start (0-based) whose share goes to deadline list schedules (recycle.planner.deadline) instead of order
+# moves: the third, a rule schedule's routing (issue 26, seed 1 case 283: 80 -> 79, the proved optimum 78; on the
+# first or second start they took the budget case 6's order moves need, 59 -> 60).
+DEADLINE_START = 2
 
 # From this many actions per iteration, deterministic rules on whole-unit costs are stepped in numpy (see
 # recycle.planner.vector_schedule.vector_eligible); below it numpy's per-call cost outweighs what it saves.
@@ -855,7 +859,9 @@ def _search(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, i
        ORDER_STARTS distinct routings one after another (step 1's best, the routings of the same estimate it
        passed through, newest first, then the rule schedules'), each with an equal share of what is left: the
        rules often give every balanced routing the same estimate, and the order moves then end at different
-       periods on them (issue 26's screen: 28 from step 1's best routing, the optimum 26 from the third).
+       periods on them (issue 26's screen: 28 from step 1's best routing, the optimum 26 from the third). The
+       start DEADLINE_START gets deadline list schedules (`recycle.planner.deadline.improve_sequences`) instead,
+       which move stage-0 orders together with the downstream ones.
     Both stop at the analytic lower bound. Step 1 may spend ROUTING_SHARE of the budget, step 2 the rest.
     """
     routing_budget = budget.share(ROUTING_SHARE)
@@ -872,7 +878,8 @@ def _search(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, i
                 starts.append(candidate)
         for n, start in enumerate(starts):
             share = budget.share(1 / (len(starts) - n))
-            moved = _search_orders(config, key, options, caps, start, bound, share)
+            search_start = _search_deadlines if n == DEADLINE_START else _search_orders
+            moved = search_start(config, key, options, caps, start, bound, share)
             budget.give_back(share)
             if moved is not None:
                 found.append(moved)
@@ -968,3 +975,17 @@ def _search_orders(config: Config, key: tuple[int, ...], options: PlannerOptions
         return None
     timed = _Timed(tuple(tuple(row) for row in entries), score[0])
     return _Candidate(score[0], -1, f"{best.name} + order moves", best.host, timed)
+
+
+def _search_deadlines(config: Config, key: tuple[int, ...], options: PlannerOptions, caps: Sequence[int] | None,
+                      start: _Candidate, bound: float, budget: WorkBudget) -> _Candidate | None:
+    """Deadline list schedules on `start`'s routing (`recycle.planner.deadline.improve_sequences`, target the lower
+    bound) within `budget`; the result if it beats `start`."""
+    evaluator = OrderEvaluator(config, key, start.host, options.decoupled, options.staggered, caps,
+                               _opt_durations(config, key))
+    result = improve_sequences(evaluator, start.host, config.num_microbatches, bound, budget)
+    if result is None or result[1][0] >= start.estimate:
+        return None
+    entries, score = result
+    timed = _Timed(tuple(tuple(row) for row in entries), score[0])
+    return _Candidate(score[0], -1, f"{start.name} + deadline schedules", start.host, timed)
