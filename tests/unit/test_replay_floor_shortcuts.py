@@ -1,6 +1,6 @@
-"""Replay shortcuts at the reference floor (issue 27 item 4): ReCycle+ skips the layer-partition search of a key whose
-configured layout is already at the floor every moved layout is held to, and the choice, its rates and every
-decision of a replay are the ones the full search gives."""
+"""Replay speed (issue 27 item 4): ReCycle+ skips the layer-partition search of a key whose configured layout is
+already at the floor every moved layout is held to, and the choice, its rates and every decision of a replay are
+the ones the full search gives; the garbage collector is paused while the systems replay and restored after."""
 
 from __future__ import annotations
 
@@ -99,3 +99,33 @@ def test_a_replay_decides_the_same_with_and_without_the_shortcut(tmp_path: Path,
         assert taken[0] > 0  # the toy job has keys at the 1F1B floor: the shortcut was taken and changed nothing
     clear_cache()
     repartition._CHOICES.clear()
+
+
+def test_the_garbage_collector_is_off_while_systems_replay_and_restored_after(tmp_path: Path, monkeypatch) -> None:
+    import gc
+
+    import recycle.traces.experiments as experiments
+
+    config = _config()
+    trace = _trace(tmp_path, config)
+    states: list[bool] = []
+    real = experiments.replay_all
+    monkeypatch.setattr(experiments, "replay_all", lambda *a, **k: states.append(gc.isenabled()) or real(*a, **k))
+    assert gc.isenabled()
+    run_job(config, trace, ("recycle",), setup=JobSetup(period_model="planner"), plan_cache=PlanCache(None))
+    assert states == [False] and gc.isenabled()
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("replay failed")
+
+    monkeypatch.setattr(experiments, "replay_all", failing)
+    with pytest.raises(RuntimeError, match="replay failed"):
+        run_job(config, trace, ("recycle",), setup=JobSetup(period_model="planner"), plan_cache=PlanCache(None))
+    assert gc.isenabled()
+    gc.disable()
+    try:  # a caller that turned it off keeps it off
+        monkeypatch.setattr(experiments, "replay_all", real)
+        run_job(config, trace, ("recycle",), setup=JobSetup(period_model="planner"), plan_cache=PlanCache(None))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
