@@ -269,7 +269,7 @@ class PartitionChoice:
     configured_period: float  # re-routing alone: the configured partition's period
     balanced: tuple[int, ...]  # the water-filling start of the search
     ideal_period: float
-    evaluated: int  # partitions planned
+    evaluated: int  # partitions planned (0: no search, the configured layout was already at the floor)
     complete: bool = True  # False when the search's work budget ran out (the choice is then the best found)
 
     @property
