@@ -163,6 +163,10 @@ class CompletionViews:
                                                  for s in self.completion.steps[rank]], separators=(",", ":"))
         return row
 
+    def encoded(self, rank: int) -> bytes:
+        """Worker `rank`'s view as the store holds it."""
+        return self.json_for(rank).encode()
+
     def json_for(self, rank: int) -> str:
         """Worker `rank`'s view, for Completion.from_json(text, plan, rank)."""
         return view_json(self._shared, rank, "steps_of",

@@ -29,8 +29,7 @@ from recycle.runtime.control.worker_table import WorkerRow, replacement_line
 from recycle.runtime.options import LaunchOptions
 from recycle.runtime.protocol.channels import (Channel, Channels, Flags, JobStore, Keys, launcher_fence_prefix,
                                                worker_fence_prefix)
-from recycle.runtime.protocol.records import (Announcement, FaultRecord, NodeSteps, RecordError, StepRows,
-                                              StoppedReport)
+from recycle.runtime.protocol.records import Announcement, FaultRecord, NodeSteps, RecordError, StepRows, StoppedReport
 from recycle.runtime.protocol.store import StoreServer
 from recycle.runtime.protocol.store.data import Feed, KeyValue
 from recycle.runtime.state import checkpoint
@@ -170,7 +169,8 @@ class Supervisor:
         # Woken by the feed (a record or flag written), a local worker's exit, or else at the liveness checks' pace.
         idle_s = min(0.25, max(0.02, self.options.recovery.heartbeat_s / 2))
         if self.views is None:
-            self.views = PlanViews(self.plan).prepare()  # off a recovery's path: its views reuse these tokens
+            self.views = PlanViews(self.plan)
+        self.views.prepare()  # off a recovery's path: its views are made from these
         _freeze_long_lived(collect=True)
         while True:
             tick = time.monotonic()
@@ -449,7 +449,7 @@ class Supervisor:
         self._execute(self.coordinator.on_plan_chosen(plan.live_ranks()))
         if facts.restore_step is not None:
             self._forget_steps_from(facts.restore_step, facts.generation)
-        self.views = PlanViews(plan, self.views)  # (the tokens of every worker whose list is unchanged: reused)
+        self.views = PlanViews(plan, self.views)  # (only the views that changed are encoded again)
         self._publish_views(facts.generation, Keys.plan_view, self.views, plan)
         facts, completion = self._completion(facts, plan)
         if completion is not None:
@@ -507,7 +507,7 @@ class Supervisor:
         not the whole, which at 16,384 workers is megabytes that every worker would read and take seconds to parse."""
         ranks = plan.live_ranks()
         keys = [key(generation, r) for r in ranks]
-        self.store.multi_set(keys, [views.json_for(r) for r in ranks])
+        self.store.multi_set(keys, [views.encoded(r) for r in ranks])
         self.published.setdefault(generation, []).extend(keys)
 
     def _delete_old_views(self, generation: int) -> None:
