@@ -61,7 +61,7 @@ def test_a_tiny_run_announces_each_failure_admits_the_repaired_node_and_prints_t
 
 
 def test_the_stand_ins_records_are_the_workers_records_byte_for_byte(bench: ModuleType) -> None:
-    from control_plane_nodes import beat_json, node_steps_json, node_stops_json, step_json, stopped_json
+    from control_plane_nodes import beat_json, node_steps_json, node_stops_json, step_json, stopped_json, stopped_jsons
 
     from recycle.runtime.protocol.records import (Beat, NodeSteps, NodeStops, StepRecord, StepRows, StoppedReport,
                                                   to_json)
@@ -78,7 +78,8 @@ def test_the_stand_ins_records_are_the_workers_records_byte_for_byte(bench: Modu
     error = 'generation 3 was aborted by the coordinator "quoted" \u00e9'
     assert stopped_json(17, 3, 4, 5, error, 1700000000.123) == \
         to_json(StoppedReport(17, 3, 4, 5, 0, 0.0, 0, 0.0, error, 1700000000.123)).encode()
-    assert node_stops_json(2, 3, [stopped_json(r, 3, 4, 5, error, 1.5) for r in (16, 17)]) == \
+    assert stopped_jsons([16, 17], 3, 4, 5, error, 1.5) == [stopped_json(r, 3, 4, 5, error, 1.5) for r in (16, 17)]
+    assert node_stops_json(2, 3, stopped_jsons([16, 17], 3, 4, 5, error, 1.5)) == \
         to_json(NodeStops(2, 3, tuple(StoppedReport(r, 3, 4, 5, 0, 0.0, 0, 0.0, error, 1.5)
                                       for r in (16, 17)))).encode()
 
