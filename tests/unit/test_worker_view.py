@@ -104,6 +104,8 @@ def test_views_carried_from_generation_to_generation_are_the_views_made_afresh(s
         fresh = PlanViews(plan)
         for rank in range(plan.num_workers):
             assert views.encoded(rank) == fresh.encoded(rank) == fresh.json_for(rank).encode()
+        live = plan.live_ranks()
+        assert views.encoded_views(live) == [fresh.encoded(rank) for rank in live]
         if rng.random() < 0.3:
             views.prepare()  # (a prepared generation carries as well as an unprepared one's: both are walked)
 

@@ -507,7 +507,7 @@ class Supervisor:
         not the whole, which at 16,384 workers is megabytes that every worker would read and take seconds to parse."""
         ranks = plan.live_ranks()
         keys = [key(generation, r) for r in ranks]
-        self.store.multi_set(keys, [views.encoded(r) for r in ranks])
+        self.store.multi_set(keys, views.encoded_views(ranks))
         self.published.setdefault(generation, []).extend(keys)
 
     def _delete_old_views(self, generation: int) -> None:
