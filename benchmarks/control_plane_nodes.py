@@ -39,7 +39,7 @@ from recycle.runtime.protocol.store import StoreClient
 from recycle.runtime.protocol.store.wire import Op, Status, encode_frame, pack_fields, unpack_fields
 
 __all__ = ["NodesSpec", "PipelinedClient", "StandInNodes", "standin_main", "beat_json", "step_json", "node_steps_json",
-           "stopped_json", "node_stops_json",
+           "stopped_json", "stopped_jsons", "node_stops_json",
            "NODE_POLL_S", "EXIT_KILLED", "EXIT_LEFT_OUT"]
 
 NODE_POLL_S = 0.1  # control/launcher.py _follow_loop: workers.wait(0.1) between two passes
@@ -101,7 +101,8 @@ class _Counters:
     due: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
-Request = tuple[Op, tuple[bytes, ...], Callable[[Status, list[bytes]], None] | None]
+OnReply = Callable[[Status, list[bytes]], None]
+Request = tuple[Op, tuple[bytes, ...], OnReply | None]
 
 
 def _b(text: str) -> bytes:
@@ -124,13 +125,20 @@ def step_json(replica: int, stage: int, generation: int, start: float, end: floa
 
 
 def stopped_json(rank: int, generation: int, applied: int, iteration: int, error: str, when: float) -> bytes:
-    """to_json of a stand-in worker's StoppedReport (no work of the iteration done), byte for byte, formatted
-    instead of built through dataclasses.asdict: a stand-in writes thousands of reports per recovery on cores it
-    shares with the coordinator, where a real worker writes one of its own."""
-    return (f'{{"kind": "stopped", "rank": {rank}, "generation": {generation}, "applied": {applied}, '
+    """to_json of a stand-in worker's StoppedReport (no work of the iteration done), byte for byte."""
+    return stopped_jsons([rank], generation, applied, iteration, error, when)[0]
+
+
+def stopped_jsons(ranks: list[int], generation: int, applied: int, iteration: int, error: str,
+                  when: float) -> list[bytes]:
+    """stopped_json of each of `ranks` (the rest of their reports alike), formatted once instead of built through
+    dataclasses.asdict per rank: a stand-in writes thousands of reports per recovery on cores it shares with the
+    coordinator, where a real worker writes one of its own."""
+    rest = (f', "generation": {generation}, "applied": {applied}, '
             f'"iteration": {iteration}, "current_actions": 0, "current_s": 0.0, "previous_actions": 0, '
             f'"previous_s": 0.0, "error": {json.dumps(error)}, "time": {when!r}, "weighed_current": false, '
             f'"completing": false, "reducing": false, "tp_split": ""}}').encode()
+    return [b'{"kind": "stopped", "rank": %d' % rank + rest for rank in ranks]
 
 
 def node_stops_json(node: int, generation: int, reports: list[bytes]) -> bytes:
@@ -205,6 +213,8 @@ class StandInNodes:
         self.metrics: collections.deque[Request] = collections.deque()  # step records not sent yet
         self.node_seq: dict[int, int] = {}  # node -> its launcher's last NodeSteps write number
         self.stops_seq: dict[int, int] = {}  # node -> its launcher's last NodeStops write number
+        # node -> (its ended ranks, the fields of its wait on the coordinator's word, the reply's handler)
+        self.order_keys: dict[int, tuple[tuple[int, ...], tuple[bytes, ...], OnReply]] = {}
         self.last_tick = time.time()
         self.stop = threading.Event()
 
@@ -271,9 +281,8 @@ class StandInNodes:
         """The workers beat to their node's own store (free here); each node's NodeWatch, every heartbeat_s / 2,
         reads the hang limit and tells the job's store about a worker silent past the timeout, once."""
         requests: list[Request] = []
-        for rank in self.ranks:
-            if self._running(rank):
-                self.last_beat[rank] = now
+        # (a running worker beats all the time: only a frozen one's last beat matters, noted when it froze by
+        # _last_signs; not a pass over every rank each time round, which at 16,384 ranks was this loop's own cost)
         if now < self.next_watch:
             return requests
         self.next_watch = now + self.spec.heartbeat_s / 2
@@ -363,10 +372,9 @@ class StandInNodes:
             # Each worker hands its report to its node's store (no request here); each launcher's thread writes
             # the coordinator one digest of them (control/node_stops.py StopForwarder).
             by_node: dict[int, list[bytes]] = {}
-            for rank in sorted(self.members):
-                if not self._running(rank):
-                    continue
-                report = stopped_json(rank, self.generation, self.next_step - 1, self.next_step, error, now)
+            stopping = [rank for rank in sorted(self.members) if self._running(rank)]
+            reports = stopped_jsons(stopping, self.generation, self.next_step - 1, self.next_step, error, now)
+            for rank, report in zip(stopping, reports):
                 by_node.setdefault(self.node_of[rank], []).append(report)
             for node, reports in by_node.items():
                 self.stops_seq[node] = seq = self.stops_seq.get(node, -1) + 1
@@ -447,18 +455,19 @@ class StandInNodes:
         run's failure and end, a FENCE flag per running worker, a RESPAWN flag per ended one); here with no wait (a
         real launcher waits up to 0.1 s in the store, which costs the store no more than this)."""
         requests: list[Request] = []
-        keys = [_b(Flags.ABORT_RUN.name()), _b(Flags.FINISHED.name())]
-        fenced: list[int | None] = [None, None]
-        for rank in self.nodes[node]:
-            if rank in self.exit_code:
-                if rank not in self.exit_reported:
-                    requests += self._report_exit(rank)
-                keys.append(_b(Flags.RESPAWN.name(rank)))
-                fenced.append(None)
-            else:
-                keys.append(_b(Flags.FENCE.name(rank)))
-                fenced.append(rank)
-        requests.append(self._send("node", Op.WAIT_ANY, (b"0", *keys), self._order_reply(fenced)))
+        ended = tuple(rank for rank in self.nodes[node] if rank in self.exit_code)
+        for rank in ended:
+            if rank not in self.exit_reported:
+                requests += self._report_exit(rank)
+        cached = self.order_keys.get(node)
+        if cached is None or cached[0] != ended:  # (the keys change only when one of its workers ends or restarts)
+            keys = [b"0", _b(Flags.ABORT_RUN.name()), _b(Flags.FINISHED.name())]
+            fenced: list[int | None] = [None, None]
+            for rank in self.nodes[node]:
+                keys.append(_b(Flags.RESPAWN.name(rank) if rank in ended else Flags.FENCE.name(rank)))
+                fenced.append(None if rank in ended else rank)
+            cached = self.order_keys[node] = (ended, tuple(keys), self._order_reply(fenced))
+        requests.append(self._send("node", Op.WAIT_ANY, cached[1], cached[2]))
         return requests
 
     def _order_reply(self, fenced: list[int | None]) -> Callable[[Status, list[bytes]], None]:

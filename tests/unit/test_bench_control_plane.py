@@ -4,6 +4,7 @@ benchmark cannot rot unnoticed. Also: the benchmark's plan provider makes valid 
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import sys
@@ -60,8 +61,29 @@ def test_a_tiny_run_announces_each_failure_admits_the_repaired_node_and_prints_t
     assert any("failure (exit flag) -> announce" in line for line in lines)
 
 
+def test_a_recoverys_views_are_written_with_the_collector_paused_and_it_is_on_again_after(
+        bench: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Supervisor._announce pauses Python's cyclic collector from the plan to the announcement (its views' tens of
+    thousands of young objects at scale), and turns it on again."""
+    seen: list[bool] = []
+    real = bench.CoordinatorStore.multi_set
+
+    def multi_set(self, keys: list[str], values: list) -> None:
+        if keys and "/plan/" in keys[0]:
+            seen.append(gc.isenabled())
+        real(self, keys, values)
+
+    monkeypatch.setattr(bench.CoordinatorStore, "multi_set", multi_set)
+    assert gc.isenabled()
+    code = bench.main(["--ranks", "32", "--stages", "4", "--microbatches", "2", "--failures", "1",
+                       "--silent-failures", "0", "--no-join", "--standins", "0", "--steady-s", "0.3",
+                       "--step-s", "0.2", "--heartbeat-s", "0.1", "--heartbeat-timeout-s", "0.5"])
+    capsys.readouterr()
+    assert code == 0 and seen and not any(seen) and gc.isenabled()
+
+
 def test_the_stand_ins_records_are_the_workers_records_byte_for_byte(bench: ModuleType) -> None:
-    from control_plane_nodes import beat_json, node_steps_json, node_stops_json, step_json, stopped_json
+    from control_plane_nodes import beat_json, node_steps_json, node_stops_json, step_json, stopped_json, stopped_jsons
 
     from recycle.runtime.protocol.records import (Beat, NodeSteps, NodeStops, StepRecord, StepRows, StoppedReport,
                                                   to_json)
@@ -78,7 +100,8 @@ def test_the_stand_ins_records_are_the_workers_records_byte_for_byte(bench: Modu
     error = 'generation 3 was aborted by the coordinator "quoted" \u00e9'
     assert stopped_json(17, 3, 4, 5, error, 1700000000.123) == \
         to_json(StoppedReport(17, 3, 4, 5, 0, 0.0, 0, 0.0, error, 1700000000.123)).encode()
-    assert node_stops_json(2, 3, [stopped_json(r, 3, 4, 5, error, 1.5) for r in (16, 17)]) == \
+    assert stopped_jsons([16, 17], 3, 4, 5, error, 1.5) == [stopped_json(r, 3, 4, 5, error, 1.5) for r in (16, 17)]
+    assert node_stops_json(2, 3, stopped_jsons([16, 17], 3, 4, 5, error, 1.5)) == \
         to_json(NodeStops(2, 3, tuple(StoppedReport(r, 3, 4, 5, 0, 0.0, 0, 0.0, error, 1.5)
                                       for r in (16, 17)))).encode()
 

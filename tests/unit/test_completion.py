@@ -302,7 +302,9 @@ def test_each_workers_view_of_a_completion_holds_its_steps_and_its_senders() -> 
     assert not isinstance(completion, str), completion
     views = CompletionViews(completion)
     with_senders = 0
-    for rank in new_plan.live_ranks():
+    live = new_plan.live_ranks()
+    assert views.encoded_views(live) == [views.json_for(rank).encode() for rank in live]  # (what the store gets)
+    for rank in live:
         text = views.json_for(rank)
         view = Completion.from_json(text, new_plan, rank)
         assert view.steps[rank] == completion.steps[rank]

@@ -11,7 +11,7 @@ from recycle.runtime.control.liveness import NODE_BEATS, Liveness, node_beats_fr
 from recycle.runtime.protocol.channels import Channels, Flags, JobStore, Keys
 from recycle.runtime.protocol.records import Beat
 from recycle.runtime.protocol.store import LocalStore, StoreServer
-from recycle.runtime.protocol.store.data import KeyValue
+from recycle.runtime.protocol.store.data import KeyValue, Waiter
 
 TOKEN = "ab" * 24
 
@@ -185,3 +185,30 @@ def test_a_quiet_feed_notes_each_key_once_and_wakes_nobody() -> None:
         assert select.select([feed], [], [], 1.0)[0] and feed.drain() == [b"exit/3"]
     finally:
         feed.close()
+
+
+@pytest.mark.parametrize("keys", [
+    [b"gen3/plan/0", b"gen3/plan/1", b"gen3/plan/2"],  # under no prefix of the feed's (the common prefix says so)
+    [b"exit/1", b"gen3/plan/0", b"node_hb/2", b"exit/1", b"node_hb/2", b"silent/4"],  # mixed
+    [b"e", b"exit/7", b"exi"],  # the common prefix is shorter than a watched one
+])
+def test_a_multi_set_tells_each_feed_its_keys_as_sets_one_by_one_would(keys: list[bytes]) -> None:
+    """KeyValue.multi_set hands its keys to the feeds in one call (Feed.publish_many): each feed drains and notes
+    the same keys in the same order as after a set per key, and the waits on them are answered."""
+    one_by_one, at_once = KeyValue(), KeyValue()
+    feeds = [data.subscribe((b"exit/", b"silent/"), quiet=(NODE_BEATS,)) for data in (one_by_one, at_once)]
+    fired: list[int] = []
+    waiter = Waiter(tuple(keys[-1:]), True, fired.append)
+    try:
+        assert not at_once.register(waiter)
+        for key in keys:
+            one_by_one.set(key, b"1")
+        at_once.multi_set([(key, b"1") for key in keys])
+        watched = [k for k in keys if k.startswith((b"exit/", b"silent/"))]
+        assert bool(select.select([feeds[1]], [], [], 0)[0]) == bool(watched)  # woken by a watched key only
+        assert feeds[1].drain() == feeds[0].drain() == watched
+        assert feeds[1].touched() == feeds[0].touched() == {k for k in keys if k.startswith(NODE_BEATS)}
+        assert fired == [0] and at_once.check(keys)
+    finally:
+        for feed in feeds:
+            feed.close()

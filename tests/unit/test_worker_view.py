@@ -5,13 +5,16 @@ views are refused with a clear error."""
 from __future__ import annotations
 
 import json
+import random
+from dataclasses import replace
 
 import pytest
 
 from recycle.config import parse_config
 from recycle.errors import PlanError
-from recycle.ir.plan import Plan
+from recycle.ir import worker_view as worker_view_module
 from recycle.ir.dependencies import input_stage
+from recycle.ir.plan import Plan
 from recycle.ir.worker_view import PlanViews, _senders, read_worker_view, worker_view
 from recycle.planner.api import make_plan
 from recycle.runtime.protocol.messages import incoming, send_order
@@ -60,6 +63,67 @@ def test_views_made_from_the_last_generations_are_the_views_made_afresh() -> Non
             assert reused.json_for(rank) == fresh.json_for(rank)
             assert json.loads(fresh.json_for(rank))["view_actions"][str(rank)] == \
                 " ".join(str(a) for a in after.actions[rank])  # the tokens as Action's str writes them
+
+
+def _moved(plan: Plan, moves: list[tuple[int, int, int]]) -> Plan:
+    """`plan` with each (row, mb, replica) of `moves`: micro-batch mb's actions at that stage (chunk) handed from its
+    host to `replica` (appended to its list), as a provider that re-routes a few micro-batches changes a few lists
+    (not a plan that runs: the views only copy what it says)."""
+    host = [list(row) for row in plan.host]
+    actions = [list(acts) for acts in plan.actions]
+    for stage, mb, replica in moves:
+        old, new = plan.chunk_rank(host[stage][mb], stage), plan.chunk_rank(replica, stage)
+        if old != new:
+            actions[new] += [a for a in actions[old] if (a.stage, a.mb) == (stage, mb)]
+            actions[old] = [a for a in actions[old] if (a.stage, a.mb) != (stage, mb)]
+            host[stage][mb] = replica
+    return replace(plan, host=tuple(map(tuple, host)), actions=tuple(map(tuple, actions)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_views_carried_from_generation_to_generation_are_the_views_made_afresh(seed: int) -> None:
+    """A random walk of failures, joins and re-routed micro-batches (planned plans of any shape in between, chunked
+    and zero-bubble ones included): each generation's views, made from the last generation's only where they
+    changed, are byte for byte the views made afresh, generation after generation."""
+    rng = random.Random(seed)
+    config = [_config(4, 3, 4), _config(2, 2, 4, chunks=2), _config(3, 4, 6)][seed % 3]
+    base = make_plan(config, []) if seed != 3 else build_schedule(config, "zb-h1")
+    workers = [(p, s) for p in range(base.num_replicas) for s in range(base.num_stages)]
+    plan, views = base, PlanViews(base).prepare()
+    for _ in range(12):
+        step = rng.random()
+        if step < 0.3:  # a planned plan for a random failure set
+            failed = rng.sample(workers, rng.randint(0, 1)) + ([] if rng.random() < 0.5 else [(0, 0)])
+            plan = make_plan(config, sorted(set(failed))) if seed != 3 else base
+        elif step < 0.8:  # a few micro-batches move (to any replica, a dead one's list included)
+            plan = _moved(plan, [(rng.randrange(len(plan.host)), rng.randrange(len(plan.host[0])),
+                                  rng.randrange(plan.num_replicas)) for _ in range(rng.randint(1, 3))])
+        else:
+            plan = base  # everyone back
+        views = PlanViews(plan, views)
+        fresh = PlanViews(plan)
+        for rank in range(plan.num_workers):
+            assert views.encoded(rank) == fresh.encoded(rank) == fresh.json_for(rank).encode()
+        live = plan.live_ranks()
+        assert views.encoded_views(live) == [fresh.encoded(rank) for rank in live]
+        if rng.random() < 0.3:
+            views.prepare()  # (a prepared generation carries as well as an unprepared one's: both are walked)
+
+
+def test_a_recovery_encodes_again_only_the_views_that_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One micro-batch re-routed at a stage of a 32 x 4 plan: the lists of its old and new host change, and with
+    them the views of the workers they send to and of those whose sender moved, a few of 128."""
+    plan = build_schedule(_config(32, 4, 4), "1f1b", staggered=True)
+    previous = PlanViews(plan).prepare()
+    encoded: list[int] = []
+    real = worker_view_module.view_tail
+    monkeypatch.setattr(worker_view_module, "view_tail", lambda rank, *a: encoded.append(rank) or real(rank, *a))
+    after = _moved(plan, [(2, 5, 7)])  # micro-batch 5 (replica 1's) runs on replica 7 at stage 2
+    views = PlanViews(after, previous)
+    for rank in after.live_ranks():
+        assert views.encoded(rank) == PlanViews(after).encoded(rank)
+        encoded.remove(rank)  # (the fresh views' own encodings)
+    assert sorted(encoded) == sorted({after.rank(r, s) for r in (1, 7) for s in (1, 2, 3)})
 
 
 def test_a_views_senders_follow_the_dependency_rule() -> None:

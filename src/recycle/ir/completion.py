@@ -163,6 +163,10 @@ class CompletionViews:
                                                  for s in self.completion.steps[rank]], separators=(",", ":"))
         return row
 
+    def encoded_views(self, ranks: list[int]) -> list[bytes]:
+        """The views of `ranks` as the store holds them."""
+        return [self.json_for(rank).encode() for rank in ranks]
+
     def json_for(self, rank: int) -> str:
         """Worker `rank`'s view, for Completion.from_json(text, plan, rank)."""
         return view_json(self._shared, rank, "steps_of",

@@ -132,7 +132,9 @@ class Plan:
         return [p for p in range(self.num_replicas) if (p, stage) not in self.failed]
 
     def live_ranks(self) -> list[int]:
-        return [r for r in range(self.num_workers) if self.worker(r) not in self.failed]
+        # (no call per rank: 16,384 of them)
+        failed = {self.rank(replica, stage) for replica, stage in self.failed if 0 <= stage < self.num_stages}
+        return [r for r in range(self.num_workers) if r not in failed]
 
     def worker_actions(self, replica: int, stage: int) -> tuple[Action, ...]:
         return self.actions[self.rank(replica, stage)]

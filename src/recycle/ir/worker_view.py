@@ -15,7 +15,7 @@ from recycle.ir.actions import Kind
 from recycle.ir.dependencies import input_stage_table
 from recycle.ir.plan import Plan
 
-__all__ = ["worker_view", "PlanViews", "read_worker_view", "view_json", "view_rows"]
+__all__ = ["worker_view", "PlanViews", "read_worker_view", "view_json", "view_tail", "view_rows"]
 
 
 def _senders(plan: Plan, rank: int) -> set[int]:
@@ -46,31 +46,102 @@ def worker_view(plan: Plan, rank: int) -> Plan:
 
 class PlanViews:
     """Every live worker's view of one plan as JSON, with what they share (the routing's exceptions, the metadata,
-    each worker's action tokens) encoded once. Given the `previous` generation's views, a worker's action tokens
-    whose list did not change are taken from them (a recovery changes a few workers' lists of thousands)."""
+    each worker's action tokens) encoded once. Made from the `previous` generation's views (prepared), it encodes
+    again only the views that changed: a recovery changes a few workers' lists of thousands, and with them the
+    views of the workers they send to and of those whose senders moved; every other view's text after the shared
+    part is taken as it was (the same bytes as made afresh: tested on random sequences of failures and joins)."""
 
     def __init__(self, plan: Plan, previous: PlanViews | None = None) -> None:
         self.plan = plan
+        prior = previous if previous is not None and _same_shape(previous.plan, plan) else None
         # Without host and actions: to_dict would encode every action token of the plan, half the cost, to drop it.
         whole = replace(plan, host=(), actions=()).to_dict()
         del whole["host"], whole["actions"]
-        owners = [plan.owner(mb) for mb in range(len(plan.host[0]))] if plan.host else []  # (once, not per stage)
-        moved = [[s, mb, replica] for s, row in enumerate(plan.host) for mb, (replica, owner) in
-                 enumerate(zip(row, owners)) if replica != owner]
-        self._shared = json.dumps(whole, separators=(",", ":"))[:-1] + ',"host_moved":' \
-            + json.dumps(moved, separators=(",", ":"))
-        self._lines: dict[int, str] = {}
-        if previous is not None and len(previous.plan.actions) == len(plan.actions):
-            before = previous.plan.actions
-            # (a tuple comparison in C, element identity first: a plan made from the last one shares its Actions)
-            self._lines = {rank: line for rank, line in previous._lines.items()
-                           if before[rank] == plan.actions[rank]}
+        owned_alike = prior is not None and prior.plan.pieces == plan.pieces
+        self._owners: list[int]
+        if prior is not None and owned_alike:
+            self._owners = prior._owners
+        else:  # (once, not per stage)
+            self._owners = [plan.owner(mb) for mb in range(len(plan.host[0]))] if plan.host else []
+        # The routing's exceptions row by row; a row the previous plan routed alike is taken from its views.
+        self._moved: list[list[list[int]]] = [
+            prior._moved[s] if prior is not None and owned_alike and prior.plan.host[s] == row
+            else _moved_in(s, row, self._owners) for s, row in enumerate(plan.host)]
+        moved = [entry for row in self._moved for entry in row]
+        self._shared = (json.dumps(whole, separators=(",", ":"))[:-1] + ',"host_moved":'
+                        + json.dumps(moved, separators=(",", ":"))).encode()
+        self._lines: dict[int, str] = {}  # rank -> its action tokens as a JSON string
+        self._tails: dict[int, bytes] = {}  # rank -> its view after the shared part
+        # Kept from prepare() on, for the next generation's views: each rank's senders, the ranks each rank sends
+        # to (itself included), and the ranks with an action on each micro-batch that waits for a message.
+        self._senders: list[frozenset[int]] | None = None
+        self._receivers: list[frozenset[int]] = []
+        self._acting: list[tuple[int, ...]] = []
+        if prior is not None and prior._senders is not None:
+            self._carry(prior)
+        elif prior is not None:  # (not prepared: only the tokens are reused)
+            before = prior.plan.actions
+            self._lines = {r: line for r, line in prior._lines.items() if before[r] == plan.actions[r]}
 
     def prepare(self) -> PlanViews:
-        """Encode every worker's action tokens now (before a failure: the next generation's views reuse them)."""
-        for rank in range(len(self.plan.actions)):
-            self._line(rank)
+        """Encode every worker's action tokens and view now, and note who sends to whom (off a recovery's path:
+        the next generation's views are made from these)."""
+        plan = self.plan
+        if self._senders is None:
+            self._senders = [frozenset(_senders(plan, r)) for r in range(plan.num_workers)]
+            receivers: list[set[int]] = [set() for _ in range(plan.num_workers)]
+            for rank, senders in enumerate(self._senders):
+                for sender in senders:
+                    receivers[sender].add(rank)
+            self._receivers = [frozenset(r) for r in receivers]
+            acting: list[list[int]] = [[] for _ in range(len(self._owners))]
+            for rank in range(plan.num_workers):
+                for mb in _waiting_mbs(plan, rank):
+                    acting[mb].append(rank)
+            self._acting = [tuple(ranks) for ranks in acting]
+        for rank in plan.live_ranks():
+            self._tail(rank)
         return self
+
+    def _carry(self, previous: PlanViews) -> None:
+        """Take over `previous`'s prepared views (of a plan of the same shape) where nothing they hold changed."""
+        plan, before = self.plan, previous.plan
+        assert previous._senders is not None
+        # (a tuple comparison in C, element identity first: a plan made from the last one shares its Actions)
+        changed = [r for r, (old, new) in enumerate(zip(before.actions, plan.actions)) if old != new]
+        acting = list(previous._acting)
+        for rank in changed:
+            old_mbs, new_mbs = _waiting_mbs(before, rank), _waiting_mbs(plan, rank)
+            for mb in old_mbs - new_mbs:
+                acting[mb] = tuple(r for r in acting[mb] if r != rank)
+            for mb in new_mbs - old_mbs:
+                acting[mb] = acting[mb] + (rank,)
+        rerouted: set[int] = set()  # micro-batches whose host changed at some stage
+        for old_row, new_row in zip(before.host, plan.host):
+            if old_row != new_row:
+                rerouted.update(mb for mb, (a, b) in enumerate(zip(old_row, new_row)) if a != b)
+        # Whose senders may have changed: the changed lists, and every rank with an action on a re-routed micro-batch.
+        again = set(changed).union(*(acting[mb] for mb in rerouted))
+        senders, receivers = list(previous._senders), list(previous._receivers)
+        dirty = set(changed)
+        for rank in again:
+            new = frozenset(_senders(plan, rank))
+            old = senders[rank]
+            if new != old:
+                senders[rank] = new
+                dirty.add(rank)
+                for sender in old - new:
+                    receivers[sender] = receivers[sender] - {rank}
+                for sender in new - old:
+                    receivers[sender] = receivers[sender] | {rank}
+        for rank in changed:  # a changed list is in the view of every rank it sends to
+            dirty.update(receivers[rank])
+        self._senders, self._receivers, self._acting = senders, receivers, acting
+        self._lines, self._tails = dict(previous._lines), dict(previous._tails)
+        for rank in changed:
+            self._lines.pop(rank, None)
+        for rank in dirty:
+            self._tails.pop(rank, None)
 
     def _line(self, rank: int) -> str:
         line = self._lines.get(rank)
@@ -78,16 +149,38 @@ class PlanViews:
             line = self._lines[rank] = json.dumps(" ".join(str(a) for a in self.plan.actions[rank]))
         return line
 
+    def _tail(self, rank: int) -> bytes:
+        tail = self._tails.get(rank)
+        if tail is None:
+            senders = self._senders[rank] if self._senders is not None else _senders(self.plan, rank)
+            tail = self._tails[rank] = view_tail(rank, "view_actions", {r: self._line(r) for r in senders}).encode()
+        return tail
+
+    def encoded(self, rank: int) -> bytes:
+        """Worker `rank`'s view as the store holds it (json_for's text, encoded)."""
+        return self._shared + self._tail(rank)
+
+    def encoded_views(self, ranks: list[int]) -> list[bytes]:
+        """encoded(rank) of each of `ranks` (one pass: at 16,384 workers a call per view is a cost of its own)."""
+        shared, tails, tail = self._shared, self._tails, self._tail
+        return [shared + (tails.get(rank) or tail(rank)) for rank in ranks]
+
     def json_for(self, rank: int) -> str:
         """Worker `rank`'s view, for read_worker_view."""
-        return view_json(self._shared, rank, "view_actions", {r: self._line(r) for r in _senders(self.plan, rank)})
+        return self.encoded(rank).decode()
 
 
 def view_json(shared: str, rank: int, field: str, rows: dict[int, str]) -> str:
     """A worker's view: `shared` (a JSON object's text without its closing brace, the same for every worker), then
-    whose view it is and its rows ({"RANK": row}, each row already JSON) under `field`."""
+    view_tail."""
+    return shared + view_tail(rank, field, rows)
+
+
+def view_tail(rank: int, field: str, rows: dict[int, str]) -> str:
+    """What follows the shared part of worker `rank`'s view: whose view it is and its rows ({"RANK": row}, each row
+    already JSON) under `field`, and the closing brace."""
     encoded = ",".join(f'"{r}":{rows[r]}' for r in sorted(rows))
-    return f'{shared},"view_of":{rank},"{field}":{{{encoded}}}}}'
+    return f',"view_of":{rank},"{field}":{{{encoded}}}}}'
 
 
 def view_rows(raw: dict[str, Any], field: str, rank: int, num_workers: int, empty: Any) -> list[Any]:
@@ -130,6 +223,24 @@ def read_worker_view(text: str | bytes, rank: int) -> Plan:
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise PlanError(f"worker {rank}'s view of the plan is malformed ({type(exc).__name__}: {exc}); the "
                         "coordinator and the workers must run the same recycle version") from None
+
+
+def _same_shape(before: Plan, plan: Plan) -> bool:
+    """Whether views of `before` can be carried to `plan`: the same workers, stages, chunks and routing table."""
+    return (before.num_workers == plan.num_workers and before.num_stages == plan.num_stages
+            and before.chunks == plan.chunks and before.chunk_stages == plan.chunk_stages
+            and len(before.host) == len(plan.host) and all(len(a) == len(b) for a, b in zip(before.host, plan.host)))
+
+
+def _moved_in(row_index: int, row: tuple[int, ...], owners: list[int]) -> list[list[int]]:
+    """The routing's exceptions in one row of host: [row, mb, replica] where the replica is not the owner."""
+    return [[row_index, mb, replica] for mb, (replica, owner) in enumerate(zip(row, owners)) if replica != owner]
+
+
+def _waiting_mbs(plan: Plan, rank: int) -> set[int]:
+    """The micro-batches of `rank`'s actions that wait for a message (whose sender follows host)."""
+    source = _input_stages(plan.num_chunks)
+    return {action.mb for action in plan.actions[rank] if source[action.kind][action.stage] >= 0}
 
 
 def _sources(pieces: Any, total: int) -> list[int]:
