@@ -22,14 +22,13 @@ although the step is collective, ...) return the reason instead, and the caller 
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import heapq
 import itertools
 import json
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
+from recycle.collector import collector_paused
 from recycle.errors import PlanError
 from recycle.inputs import json_list, strict_json_loads
 from recycle.ir.actions import Kind
@@ -124,19 +123,6 @@ class Completion:
             raise PlanError(f"the completion of an interrupted iteration is malformed ({exc}); the coordinator and "
                             "the workers must run the same recycle version") from None
         return cls(counts[0], steps, applied, *counts[1:])
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic collector off while the completion allocates its cells and tasks (they hold no cycles): on a
-    coordinator holding many plans, its full passes took a third of a 16,384-rank completion, on the recovery's path."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 class CompletionViews:
@@ -245,7 +231,9 @@ def complete_iteration(old: Plan, new: Plan, iteration: int, progress: Mapping[i
     if not any(stepped.values()) and not any(progress[r].finished for r in alive):
         return "no survivor had finished any work of the iteration"
 
-    with _collector_paused():
+    # Cells and tasks hold no cycles: on a coordinator holding many plans, full collections took a third of a
+    # 16,384-rank completion, on the recovery's path.
+    with collector_paused():
         cells = _cells(old, new, iteration, progress, stepped)
         _settle(cells, S, total)
         tasks = _tasks(old, cells, {r for r in alive if not stepped[old.worker(r)[1]]})

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import gc
-from contextlib import contextmanager
 from dataclasses import replace
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
+from recycle.collector import collector_paused
 from recycle.config import Config
 from recycle.errors import PlanError
 from recycle.ir.compact import CompactActions
@@ -14,7 +13,7 @@ from recycle.ir.plan import Plan
 from recycle.planner.bounds import period_lower_bound
 from recycle.planner.failures import canonical_failed, normalize
 from recycle.planner.heuristic import (RANKING_ENDED, clear_schedules, schedule_failed, schedule_heuristic,
-                                      simulated_timing)
+                                       simulated_timing)
 from recycle.planner.memory_cap import memory_cap, resolve_memory_cap
 from recycle.planner.options import PlannerOptions
 from recycle.planner.routing import check_key, traffic
@@ -32,19 +31,6 @@ _CACHE_LIMIT = 512  # plans kept in-process; a D=6, S=4, f=3 store is 35
 def resolve_options(config: Config, options: PlannerOptions) -> PlannerOptions:
     """The options with the memory cap made explicit (the config's budget when the options leave it open)."""
     return replace(options, memory_cap=memory_cap(config, options))
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while a plan is made: a 1,024-worker plan allocates millions of small
-    tuples and actions, none of them cyclic garbage, and the collector's repeated passes over them cost ~15 %."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _period_makespan(plan: Plan, config: Config) -> tuple[float, float, str]:
@@ -91,7 +77,7 @@ def _schedule_exact(config: Config, key: tuple[int, ...], options: PlannerOption
     return schedule_exact(config, key, options, time_limit_s, hint=hint)
 
 
-@_collector_paused()
+@collector_paused()  # a 1,024-worker plan: millions of small tuples and actions, no cycles: ~15 % in collections
 def plan_for_key(config: Config, key: Sequence[int], options: PlannerOptions = PlannerOptions(),
                  solver: str = "heuristic", time_limit_s: float = 10.0) -> Plan:
     """The canonical-layout plan for `key`, its meta filled with the simulator's numbers and the lower bound.
@@ -150,7 +136,7 @@ def _key_meta(plan: Plan, config: Config, key: tuple[int, ...], options: Planner
     )
 
 
-@_collector_paused()
+@collector_paused()
 def period_plan_for_key(config: Config, key: Sequence[int], options: PlannerOptions = PlannerOptions()) -> Plan:
     """A heuristic plan for `key` with `plan_for_key(config, key, options)`'s simulated period, made at less cost
     where it can be: `schedule_heuristic(..., period_only=True)` ends as soon as a schedule it is sure to pick
@@ -248,7 +234,7 @@ def make_plan(config: Config, failed: Iterable[tuple[int, int]] = (), options: P
                                notes=f"{canonical.meta.notes}; canonical routing: faster than traffic-aware")
 
 
-@_collector_paused()
+@collector_paused()
 def plan_for_failed(config: Config, failed: frozenset[tuple[int, int]],
                     options: PlannerOptions = PlannerOptions()) -> Plan:
     """The traffic-aware heuristic plan on the real ranks of `failed`, meta filled like plan_for_key's (cached)."""

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import gc
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
+from recycle.collector import collector_paused
 from recycle.config import Config
 from recycle.errors import ConfigError
 from recycle.planner.options import PlannerOptions
@@ -225,6 +224,8 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
             skipped["recycle-plus"] = f"cannot re-partition: {why}"
             systems = [s for s in systems if s != "recycle-plus"]
     built = _build_systems(systems, ctx, throughput, partitions, plus_throughput)
+    # A cold replay keeps every plan and rule schedule it makes (millions of tuples, no cyclic garbage); the
+    # collector's passes over them took ~6 % of its CPU (1.6 of 26 CPU s of oobleck-scaled-p3, gc.callbacks).
     with collector_paused():
         result = replay_all(built, timeline, ctx, progress)
     policy = next((list(b.policy_log) for b in built if type(b) is ReCycleSystem), [])
@@ -258,22 +259,6 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
         "torchft_groups": [{"time_s": t, "active_groups": n} for t, n in torchft.group_log] if torchft else [],
     }
     return replace(result, extra=extra)
-
-
-@contextmanager
-def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while the systems replay (restored after): a cold replay keeps every
-    plan and rule schedule it makes (millions of tuples, none of them cyclic garbage), and the collector's passes
-    over them, each time the planner turned it back on after a plan, took ~6 % of a cold replay's CPU time
-    (1.6 of 26 CPU s of oobleck-scaled-p3, timed with gc.callbacks). A whole replay leaves a few hundred cyclic
-    objects (407 on oobleck-synthetic-30m), collected once the collector is back on. No value depends on it."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _partition_model(config: Config, throughput: ThroughputModel, options: PlannerOptions,

@@ -7,10 +7,10 @@ import gc
 import os
 import signal
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Iterator, NoReturn, TypeVar
+from typing import Any, Callable, Iterable, NoReturn, TypeVar
 
+from recycle.collector import collector_paused
 from recycle.config import Config
 from recycle.errors import RuntimeFailure
 from recycle.ir import Plan, PlanChoice
@@ -54,20 +54,6 @@ def _freeze_long_lived(collect: bool = False) -> None:
     if collect:
         gc.collect()
     gc.freeze()
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic collector off from a recovery's plan to its announcement: the views and their keys are tens
-    of thousands of young objects (no cycles) at 16,384 workers, and the collections they set off walked the new plan
-    (a fifth of that path's CPU)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -461,7 +447,9 @@ class Supervisor:
             self._complete_recovery(final=True)  # a failure during a recovery: report the first one as it ended
         choice = self.options.plan_provider(facts.failed)
         plan = choice.plan
-        with _collector_paused():
+        # The views and their keys are tens of thousands of young objects at 16,384 workers, and the collections they
+        # set off walked the new plan (a fifth of this path's CPU).
+        with collector_paused():
             self._execute(self.coordinator.on_plan_chosen(plan.live_ranks()))
             if facts.restore_step is not None:
                 self._forget_steps_from(facts.restore_step, facts.generation)
