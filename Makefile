@@ -17,13 +17,14 @@ demo: $(VENV_STAMP)
 	$(PY) -m recycle demo --out out/demo
 
 # Both type-check runtime/ and ir/ first ([tool.mypy] in pyproject.toml): a mypy error fails the target.
+# Two pytest processes (pytest-xdist; worksteal: with plain load one process was left the integration tests alone).
 test: $(VENV_STAMP)
 	$(PY) -m mypy
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=15
 
 test-fast: $(VENV_STAMP)
 	$(PY) -m mypy
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
 
 bench: $(VENV_STAMP)
 	@for script in benchmarks/bench_*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
