@@ -104,6 +104,10 @@ class StageState:
         owner, _, entry = key[len(OPTIMIZER_PREFIX):].rpartition(".")
         return self._index.get(owner) if entry else None
 
+    def optimizer_head(self, index: int) -> str:
+        """The key prefix of the optimizer entries of the parameter at `index` in the optimizer's order."""
+        return self._heads[index]
+
     def module_entries(self) -> dict[str, torch.Tensor]:
         """The module's parameters and buffers, live."""
         return {self.prefix + name: t for name, t in self.module.state_dict().items()}

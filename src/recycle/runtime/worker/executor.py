@@ -200,10 +200,16 @@ class StageExecutor:
         self.actions = plan.actions[self.rank]
         # Expected arrival order from each peer (its send order), for the in-order receive.
         self._expected: dict[int, list[Message]] = {}
-        for action in self.actions:
-            message = incoming(plan, self.rank, action)
+        received = [incoming(plan, self.rank, action) for action in self.actions]
+        for message in received:
             if message is not None and message.src not in self._expected:
                 self._expected[message.src] = send_order(plan, message.src, self.rank)
+        # Each action's (message received, message sent), found once per plan rather than per action run; a received
+        # one is the very object of its sender's order, so the receive matches it by identity.
+        same = {m: m for order in self._expected.values() for m in order}
+        self._messages: dict[Action, tuple[Message | None, Message | None]] = {
+            action: (same.get(message, message) if message is not None else None,
+                     outgoing(plan, self.rank, action)) for action, message in zip(self.actions, received)}
 
     def drop_comm(self) -> None:
         """Let go of a broken generation's transport (set_plan gives the next one)."""
@@ -554,8 +560,11 @@ class StageExecutor:
         return self._receive(self._incoming(action))
 
     def _incoming(self, action: Action) -> Message:
-        message = self._routes[(action.kind, action.mb)][0] if self._routes is not None else \
-            incoming(self.plan, self.rank, action)
+        if self._routes is not None:
+            message = self._routes[(action.kind, action.mb)][0]
+        else:
+            planned = self._messages.get(action)
+            message = planned[0] if planned is not None else incoming(self.plan, self.rank, action)
         if message is None:
             raise RuntimeError(f"worker {self.replica}:{self.stage}: {action} receives nothing in its plan")
         return message
@@ -564,31 +573,36 @@ class StageExecutor:
         """The message `action` sends: the plan's, or in a completion the step's (None: nobody needs it)."""
         if self._routes is not None:
             return self._routes[(action.kind, action.mb)][1]
-        message = outgoing(self.plan, self.rank, action)
+        planned = self._messages.get(action)
+        message = planned[1] if planned is not None else outgoing(self.plan, self.rank, action)
         if message is None:
             raise RuntimeError(f"worker {self.replica}:{self.stage}: {action} sends nothing in its plan")
         return message
 
     def _receive(self, wanted: Message) -> torch.Tensor:
         """Take messages from `wanted.src` in its send order until `wanted` arrives; park the earlier ones."""
-        if wanted in self._parked:
-            return self._parked.pop(wanted)
-        order = self._expected[wanted.src]
+        parked = self._parked
+        if parked and wanted in parked:  # (a Message's hash is a Python call: none when nothing is parked)
+            return parked.pop(wanted)
+        src = wanted.src
+        order = self._expected[src]
         while True:
-            position = self._next_from[wanted.src]
+            position = self._next_from[src]
             if position >= len(order):
                 raise RuntimeError(f"worker {self.replica}:{self.stage} expected {wanted} but its sender has no "
                                    "such message in its plan")
             message = order[position]
-            self._next_from[wanted.src] = position + 1
+            self._next_from[src] = position + 1
             shape = self.receive_shapes[message.channel]
             if shape is None:
                 raise RuntimeError(f"worker {self.replica}:{self.stage} has no {message.channel.name} shape to "
                                    f"receive {message}")
-            tensor = self.comm.recv(message, piece_shape(self.plan, message.mb, shape), self.dtype)
-            if message == wanted:
+            if self.plan.pieces:
+                shape = piece_shape(self.plan, message.mb, shape)
+            tensor = self.comm.recv(message, shape, self.dtype)
+            if message is wanted or message == wanted:
                 return tensor
-            self._parked[message] = tensor
+            parked[message] = tensor
 
     def _seed_dropout(self, seed: int) -> None:
         """Seed the generators this stage's dropout draws from: the CPU one, and the device's on CUDA.

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from recycle.runtime.options import Backend
 from recycle.runtime.protocol.channels import Keys
-from recycle.runtime.protocol.messages import Channel, Message, message_tag
+from recycle.runtime.protocol.messages import Message, message_tag
 from recycle.runtime.worker.group_sockets import SocketSet, cut
 from recycle.runtime.worker.nccl_env import init_kwargs
 
@@ -102,7 +102,8 @@ class Activity:
 def _peer_op(activity: Activity, what: str, message: Message | None = None) -> Iterator[None]:
     """A p2p op, collective or formation: its wait is on a peer ("comm"), and a peer's failure comes out as PeerLost
     (naming the op, and `message` after it if given; torch's own text after that). The message is formatted only
-    when the op fails: a send or receive is on every action's path, a dataclass repr is not free."""
+    when the op fails: a send or receive is on every action's path, a dataclass repr is not free. (Transport.send
+    and recv do the same inline: a generator context manager costs more than the rest of their Python.)"""
     previous = activity.phase
     activity.phase = "comm"
     try:
@@ -110,10 +111,14 @@ def _peer_op(activity: Activity, what: str, message: Message | None = None) -> I
     except Exception as exc:
         if not _is_peer_error(exc):
             raise
-        named = what if message is None else f"{what} {message}"
-        raise PeerLost(f"{named}: {(str(exc).splitlines() or [type(exc).__name__])[0][:300]}") from None
+        raise _peer_lost(exc, what, message) from None
     finally:
         activity.phase = previous
+
+
+def _peer_lost(exc: BaseException, what: str, message: Message | None) -> PeerLost:
+    named = what if message is None else f"{what} {message}"
+    return PeerLost(f"{named}: {(str(exc).splitlines() or [type(exc).__name__])[0][:300]}")
 
 
 class Transport:
@@ -148,6 +153,8 @@ class Transport:
         self._closed = False
         self._forming = False
         self._sockets: SocketSet | None = None
+        self._world: dist.ProcessGroup | None = None  # the default group, once used (close() lets go of it)
+        self._group_ranks: dict[int, int] = {}
 
     def form(self) -> None:
         """Create the generation's groups (collective over its live workers); abort() cuts it short."""
@@ -196,18 +203,55 @@ class Transport:
                     groups.tp_group = group
 
     # -- p2p ----------------------------------------------------------------------------------------------------
+    # send and recv are on every F and B: they call the world group's send/recv themselves, which is what dist.isend
+    # and dist.recv come down to for a real tensor in the default group, without their wrappers' checks per call,
+    # and _peer_op's work inline (a peer's failure raises PeerLost, the phase is "comm" meanwhile).
     def send(self, message: Message, tensor: torch.Tensor) -> None:
         buffer = tensor.detach().contiguous()
-        with _peer_op(self.activity, "send", message):
-            work = dist.isend(buffer, self.groups.group_rank(message.dst), tag=self._tag(message))
+        activity = self.activity
+        previous, activity.phase = activity.phase, "comm"
+        try:
+            work = self._world_group().send([buffer], self._group_rank(message.dst), self._tag(message)) \
+                if not buffer.is_complex() else dist.isend(buffer, self._group_rank(message.dst), tag=self._tag(message))
+        except Exception as exc:
+            if not _is_peer_error(exc):
+                raise
+            raise _peer_lost(exc, "send", message) from None
+        finally:
+            activity.phase = previous
         assert work is not None  # None only for a rank outside the default group, which is this generation's world
         self._pending.append((work, buffer))
 
     def recv(self, message: Message, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        with _peer_op(self.activity, "receive", message):
-            dist.recv(buffer, self.groups.group_rank(message.src), tag=self._tag(message))
+        activity = self.activity
+        previous, activity.phase = activity.phase, "comm"
+        try:
+            if not buffer.is_complex():
+                self._world_group().recv([buffer], self._group_rank(message.src), self._tag(message)).wait()
+            else:
+                dist.recv(buffer, self._group_rank(message.src), tag=self._tag(message))
+        except Exception as exc:
+            if not _is_peer_error(exc):
+                raise
+            raise _peer_lost(exc, "receive", message) from None
+        finally:
+            activity.phase = previous
         return buffer
+
+    def _world_group(self) -> dist.ProcessGroup:
+        """This generation's world (the default group), looked up once."""
+        world = self._world
+        if world is None:
+            world = self._world = dist.distributed_c10d._get_default_group()
+        return world
+
+    def _group_rank(self, topology_rank: int) -> int:
+        """groups.group_rank, looked up once per peer."""
+        rank = self._group_ranks.get(topology_rank)
+        if rank is None:
+            rank = self._group_ranks[topology_rank] = self.groups.group_rank(topology_rank)
+        return rank
 
     def send_to(self, tensor: torch.Tensor, rank: int) -> None:
         """A blocking send to topology rank `rank` (state moved between workers outside the plan's messages)."""
@@ -223,7 +267,7 @@ class Transport:
             dist.broadcast(tensor, src=self.groups.group_rank(src_rank), group=self.groups.stage_groups[stage])
 
     def _tag(self, message: Message) -> int:
-        return message_tag(Channel(message.channel), message.mb, message.boundary) if self.backend == "gloo" else 0
+        return message_tag(message.channel, message.mb, message.boundary) if self.backend == "gloo" else 0
 
     def flush(self) -> None:
         """Wait for every send of this iteration."""
@@ -288,6 +332,7 @@ class Transport:
         never destroyed without an abort: NCCL would wait on the dead peer, gloo on a silent one), which is also how
         every peer still blocked on this worker learns at once that the generation is over."""
         self._pending.clear()
+        self._world = None  # the last reference to the group must go for gloo to close its sockets (below)
         if abort:
             self.abort()
         with self._lock:
