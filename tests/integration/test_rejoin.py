@@ -115,7 +115,13 @@ def test_lost_stage_is_restored_from_the_latest_checkpoint(tmp_path, policy: str
                  checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, stage_loss=policy)
     assert_exact(result, tmp_path, 2, 2)
     restore = next(r for r in result.recoveries if r.restored_step is not None)
-    assert restore.restored_step == 4 and restore.steps_lost == 1 and restore.step == 5
+    # The newest complete checkpoint when the second replica died: step 4's, unless its write (after the step, off
+    # the training path) or the records saying so had not come in yet on a loaded machine: then step 2's (seen once
+    # in CI under two pytest processes), and the run redoes more steps to the same parameters.
+    if restore.restored_step == 4:
+        assert restore.steps_lost == 1 and restore.step == 5, restore
+    else:
+        assert restore.restored_step == 2 and restore.steps_lost >= 1, restore
     if policy == "reshape":
         assert restore.moved == (((1, 0), (1, 1)),) and restore.joined == ("1:1",)
         assert "worker 1:0 moved to stage 1 as 1:1 (reshape)" in restore.line()

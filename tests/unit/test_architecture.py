@@ -23,9 +23,9 @@ def _imports(folder: Path) -> dict[str, set[str]]:
 
 
 # What the runtime may build on (docs/runtime.md): the plan IR (with the plan-provider protocol), the config, errors,
-# file I/O, the models and the data sources. The planner reaches it only through a PlanProvider handed in by the command layer.
+# file I/O, the garbage collector's pause, the models and the data sources. The planner reaches it only through a PlanProvider handed in by the command layer.
 RUNTIME_MAY_IMPORT = ("recycle.runtime", "recycle.ir", "recycle.config", "recycle.errors", "recycle.fileio",
-                      "recycle.models", "recycle.data")
+                      "recycle.collector", "recycle.models", "recycle.data")
 # The data sources sit beside the models: they read the config's values and nothing that runs.
 DATA_MAY_IMPORT = ("recycle.data", "recycle.config", "recycle.errors", "recycle.fileio")
 
