@@ -99,6 +99,9 @@ def deadline_orders(num_replicas: int, num_stages: int, num_microbatches: int, h
         seq += 1
     send_f, send_b = output_stage_table((Kind.F, Kind.B), S)
     push, pop = heapq.heappush, heapq.heappop
+    # The event loop and the hand-on of a finished F or B to its next worker are heuristic.py's list scheduler's,
+    # written out again (not called): it is the inner loop of the search, paid per action; only the choice of the
+    # ready action (by latest start) differs.
     while events:
         t, _, rank = pop(events)
         if busy[rank] > t:
