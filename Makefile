@@ -17,10 +17,11 @@ demo: $(VENV_STAMP)
 	$(PY) -m recycle demo --out out/demo
 
 # Both type-check runtime/ and ir/ first ([tool.mypy] in pyproject.toml): a mypy error fails the target.
-# Two pytest processes (pytest-xdist; worksteal: with plain load one process was left the integration tests alone).
+# One pytest process: the multi-process tests fill both cores, so two pytest processes (-n 2) took as long here
+# (17:35 against 17:16) and slowed re-joins past the end of short runs. make test-fast's unit tests gain from two.
 test: $(VENV_STAMP)
 	$(PY) -m mypy
-	$(PY) -m pytest -q -n 2 --dist worksteal --durations=15
+	$(PY) -m pytest -q --durations=15
 
 test-fast: $(VENV_STAMP)
 	$(PY) -m mypy
