@@ -86,12 +86,3 @@ def one_torch_thread() -> Iterator[None]:
     yield
     torch.set_num_threads(threads)
 
-
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marks
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every multi-process test (tests/integration and the slow tests elsewhere) `processes`: `make test`
-    (tests/run_suite.py) runs them one after the other in one pytest process and the in-process tests in another
-    beside them."""
-    for item in items:
-        if item.get_closest_marker("slow") is not None or "integration" in item.path.parts:
-            item.add_marker(pytest.mark.processes)
