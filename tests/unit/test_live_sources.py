@@ -63,6 +63,24 @@ def test_a_take_with_the_same_tensors_reads_no_state_dict_and_restores_exactly(o
     assert all(torch.equal(after[k], v) for k, v in before.items() if k != state.rng_key)
 
 
+def test_a_watched_take_copies_each_dtype_in_one_op_not_one_per_tensor() -> None:
+    """The watched tensors go to the snapshot in one torch.cat per dtype (the parameters and moments, the moments'
+    step counters), the steps done and the generator's state in one _foreach_copy_: no copy_ per tensor."""
+    from torch.profiler import ProfilerActivity, profile
+
+    module, opt, state, snapshot = _stage()
+    for iteration in range(3):
+        _take_and_check(snapshot, state, iteration)
+        _step(module, opt, state)
+    tensors = sum(isinstance(v, torch.Tensor) for v in state.state_dict().values())
+    assert tensors == 18  # 4 parameters, their 8 moments and 4 step counters, the steps done, the generator
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        snapshot.take(3)
+    names = [event.name for event in prof.events()]
+    assert names.count("aten::cat") == 2 and names.count("aten::copy_") == 2, names
+    _take_and_check(snapshot, state, 3)
+
+
 def _replace_parameter(module: torch.nn.Module, opt: Any) -> None:
     module[0].bias = torch.nn.Parameter(module[0].bias.detach().clone() + 1)  # the optimizer keeps the old one
 
@@ -124,10 +142,11 @@ def test_every_take_holds_the_state_dict_after_a_change_to_the_state(
 
 
 def test_a_change_is_seen_by_the_check() -> None:
-    """Each change above is found by intact() itself, not only by the values it leads to."""
+    """Each change above is found by intact() itself, not only by the values it leads to (new data of the same shape
+    and dtype too: the packs' aliases would be stale)."""
     for change in (_replace_parameter, _parameter_data_of_another_dtype, _parameter_data_of_another_shape,
-                   _submodule_replaced, _buffer_added, _buffer_made_non_persistent, _optimizer_state_loaded,
-                   _optimizer_tensor_replaced, _state_dict_hook):
+                   _parameter_data_replaced, _submodule_replaced, _buffer_added, _buffer_made_non_persistent,
+                   _optimizer_state_loaded, _optimizer_tensor_replaced, _state_dict_hook):
         module, opt, state, snapshot = _stage()
         for iteration in range(3):
             snapshot.take(iteration)

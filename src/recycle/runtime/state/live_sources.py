@@ -132,11 +132,56 @@ class _Watch:
 
 
 @dataclass(frozen=True)
+class _Pack:
+    """Watched plain tensors of one dtype and device, each contiguous, copied by one torch.cat into one buffer whose
+    views are the snapshot's tensors: one op where _foreach_copy_ runs one copy_ per tensor on a CPU (~25 % of the
+    copy's time at ~100 tensors; docs/runtime-performance.md). Their 1-D aliases are made once, so `intact()` checks
+    that each source still has the memory they alias and is contiguous (a `.data =` of the same shape moves it)."""
+
+    sources: list[torch.Tensor]
+    flat: list[torch.Tensor]
+    pointers: list[int]
+    buffer: torch.Tensor
+
+    @staticmethod
+    def of(keys: list[str], entries: dict[str, Any], saved: dict[str, Any]) -> _Pack:
+        """The pack of `keys` (watched, contiguous, of one dtype and device), whose buffer takes over the snapshot's
+        values from `saved`, and `saved` its views in their place."""
+        sources = [entries[key] for key in keys]
+        flat = [source.detach().view(-1) for source in sources]
+        buffer = torch.empty(sum(map(torch.Tensor.numel, flat)), dtype=flat[0].dtype, device=flat[0].device)
+        torch.cat([saved[key].reshape(-1) for key in keys], out=buffer)
+        offset = 0
+        for key, source in zip(keys, flat):
+            saved[key] = buffer[offset:offset + source.numel()].view(saved[key].shape)
+            offset += source.numel()
+        return _Pack(sources, flat, list(map(torch.Tensor.data_ptr, sources)), buffer)
+
+    def intact(self) -> bool:
+        return list(map(torch.Tensor.data_ptr, self.sources)) == self.pointers and \
+            all(map(torch.Tensor.is_contiguous, self.sources))
+
+    def copy(self) -> None:
+        torch.cat(self.flat, out=self.buffer)
+
+
+def _packs(watch: _Watch, fused: tuple[str, ...], saved: dict[str, Any]) -> tuple[_Pack, ...]:
+    """The watched plain contiguous tensors among `fused`, packed by dtype and device (two or more to a pack)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
+    for key in fused:
+        entry: Any = watch.entries.get(key)
+        if type(entry) in PLAIN_TENSORS and entry.is_contiguous():
+            groups.setdefault((entry.dtype, entry.device), []).append(key)
+    return tuple(_Pack.of(keys, watch.entries, saved) for keys in groups.values() if len(keys) > 1)
+
+
+@dataclass(frozen=True)
 class LiveSources:
     """The snapshot's copy for one layout of the state dict: its keys in order; the plain tensors' keys (`fused`),
     copied in one _foreach_copy_ into `targets` (the snapshot's tensors of the same shape, dtype and device); the
     other entries (a tensor-parallel stage's DTensors, None, numbers), copied as copy_state copies them; and where it
-    can be told, the watch that finds the same values without walking the state dict."""
+    can be told, the watch that finds the same values without walking the state dict, with its plain tensors packed
+    (`packs`) and the rest (`rest`: the steps done, the generator's state, any other) copied one by one."""
 
     state: StageState
     keys: tuple[str, ...]
@@ -145,22 +190,32 @@ class LiveSources:
     layout: list[tuple[type, torch.Size, torch.dtype, torch.device]]
     others: tuple[str, ...]
     watch: _Watch | None
+    packs: tuple[_Pack, ...] = ()
+    rest_sources: tuple[Any, ...] = ()  # watched, ending with the step's and the generator's places (None)
+    rest_targets: tuple[torch.Tensor, ...] = ()
 
     @staticmethod
     def of(state: StageState, live: dict[str, Any], saved: dict[str, Any], watch: bool = True) -> LiveSources | None:
         """The copy of `live` (state.state_dict(), just taken) into `saved` (its snapshot, which holds every key of
         `live`), with a watch unless `watch` is False; None where a plain tensor's target is not one of its shape,
-        dtype and device (copy_state must copy it)."""
+        dtype and device (copy_state must copy it). A watch's packs put their views into `saved`."""
         fused = tuple(key for key, value in live.items() if type(value) in PLAIN_TENSORS)
         others = tuple(key for key, value in live.items() if type(value) not in PLAIN_TENSORS)
         layout = [(type(t), t.shape, t.dtype, t.device) for t in map(live.__getitem__, fused)]
-        targets = [saved[key] for key in fused]
         if any(type(t) not in PLAIN_TENSORS or (t.shape, t.dtype, t.device) != shown[1:]
-               for t, shown in zip(targets, layout)):
+               for t, shown in zip(map(saved.__getitem__, fused), layout)):
             return None
-        return LiveSources(state, tuple(live), fused, targets, layout, others,
-                           _Watch.of(state, live) if watch else None)
-
+        watched = _Watch.of(state, live) if watch else None
+        if watched is None:
+            return LiveSources(state, tuple(live), fused, [saved[key] for key in fused], layout, others, None)
+        packs = _packs(watched, fused, saved)
+        packed = {ident for pack in packs for ident in map(id, pack.sources)}
+        rest = [key for key in fused if key in (STEP_KEY, state.rng_key) or id(watched.entries[key]) not in packed]
+        if rest[-2:] != [STEP_KEY, state.rng_key]:
+            raise RuntimeError(f"the state dict's last entries are not {STEP_KEY!r}, {state.rng_key!r}: {rest[-2:]}")
+        return LiveSources(state, tuple(live), fused, [saved[key] for key in fused], layout, others, watched, packs,
+                           (*map(watched.entries.__getitem__, rest[:-2]), None, None),
+                           tuple(map(saved.__getitem__, rest)))
     def fits(self, live: dict[str, Any]) -> bool:
         """Whether `live` (a walk's) has this layout: the same keys in the same order, and each plain tensor of the
         same type, shape, dtype and device."""
@@ -168,20 +223,26 @@ class LiveSources:
             [(type(t), t.shape, t.dtype, t.device) for t in map(live.__getitem__, self.fused)] == self.layout
 
     def intact(self) -> bool:
-        """Whether copy() may run: the watch says the state dict would still hold exactly its entries."""
-        return self.watch is not None and self.watch.intact()
+        """Whether copy() may run: the watch says the state dict would still hold exactly its entries, and each pack
+        that its tensors are where it found them."""
+        return self.watch is not None and self.watch.intact() and all(pack.intact() for pack in self.packs)
 
     def copy(self, saved: dict[str, Any]) -> None:
         """Copy the state into `saved` without walking the state dict (only while intact()): the watched entries,
         the steps done and the CPU generator's state, the values state_dict() would give."""
         assert self.watch is not None
         rng = torch.get_rng_state()
-        if rng.shape != saved[self.state.rng_key].shape:  # never for one generator; a mismatch would broadcast
+        if rng.shape != self.rest_targets[-1].shape:  # never for one generator; a mismatch would broadcast silently
             raise RuntimeError(f"the CPU generator's state changed size: {tuple(rng.shape)}, the snapshot holds "
-                               f"{tuple(saved[self.state.rng_key].shape)}")
-        entries = {**self.watch.entries, STEP_KEY: torch.tensor(self.state.position.done, dtype=torch.int64),
-                   self.state.rng_key: rng}
-        self.copy_from(entries, saved)
+                               f"{tuple(self.rest_targets[-1].shape)}")
+        step = torch.tensor(self.state.position.done, dtype=torch.int64)
+        with torch.no_grad():  # the sources are parameters: a copy must not be recorded by autograd
+            for pack in self.packs:
+                pack.copy()
+            torch._foreach_copy_(self.rest_targets, [*self.rest_sources[:-2], step, rng])
+        if self.others:
+            entries = self.watch.entries
+            saved.update(copy_state({key: entries[key] for key in self.others}, saved))
 
     def copy_from(self, live: dict[str, Any], saved: dict[str, Any]) -> None:
         """Copy `live` (a walk's, of this layout, or the watch's entries) into `saved`: the plain tensors in one call,
