@@ -3,11 +3,16 @@ checks per input cannot change anything: what torch.autograd.backward(out, grad_
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
-from torch.autograd.graph import _engine_run_backward
+
+_engine_run_backward: Callable[..., Any] | None
+try:  # private to torch (there since 2.3, in the pinned 2.13): without it every backward takes torch's own path
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:
+    _engine_run_backward = None
 
 __all__ = ["backward_into_grad"]
 
@@ -21,8 +26,8 @@ def backward_into_grad(out: torch.Tensor, grad_out: torch.Tensor | None, inputs:
     change the call it makes, so it is made directly: ~330 Python calls less per worker and step of a 4-stage small
     GPT, ~100 us per backward of 28 leaves (docs/runtime-performance.md). Anything else goes through torch's."""
     inputs = tuple(inputs)
-    if type(out) is torch.Tensor and set(map(type, inputs)) <= _PLAIN and inputs and \
-            not torch._C._are_functorch_transforms_active():
+    if _engine_run_backward is not None and type(out) is torch.Tensor and set(map(type, inputs)) <= _PLAIN \
+            and inputs and not torch._C._are_functorch_transforms_active():
         if grad_out is None and out.numel() == 1:
             grad = torch.ones_like(out, memory_format=torch.preserve_format)  # what torch's _make_grads makes
         elif type(grad_out) is torch.Tensor and grad_out.shape == out.shape and grad_out.dtype == out.dtype \
