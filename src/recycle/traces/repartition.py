@@ -131,9 +131,7 @@ class PartitionModel:
         its planned period and with the bound alike, and `choice` floors the winner's period either way."""
         assert self.cache is not None
         if self.polish == 1 and self.options.search and not self.settled_at_floor(key):
-            bound = self._at_floor_bound(config, key, options, solver)
-            if bound is not None:
-                return bound
+            return self._floor_source(config, key, options, solver, time_limit_s)
         return self.cache.period(config, key, options, solver, time_limit_s)
 
     def known(self, key: tuple[int, ...], partition: tuple[int, ...]) -> bool:

@@ -216,6 +216,7 @@ class LiveSources:
         return LiveSources(state, tuple(live), fused, [saved[key] for key in fused], layout, others, watched, packs,
                            (*map(watched.entries.__getitem__, rest[:-2]), None, None),
                            tuple(map(saved.__getitem__, rest)))
+
     def fits(self, live: dict[str, Any]) -> bool:
         """Whether `live` (a walk's) has this layout: the same keys in the same order, and each plain tensor of the
         same type, shape, dtype and device."""
