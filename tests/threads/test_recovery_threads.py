@@ -4,7 +4,7 @@ coordination loop on the job's real store, with scripted deaths, freezes, stalls
 from __future__ import annotations
 
 import pytest
-from thread_cluster import Injector
+from thread_cluster import Injector, job
 
 from recycle.errors import RuntimeFailure
 from recycle.runtime.protocol.channels import Channels
@@ -108,3 +108,18 @@ def test_a_long_run_keeps_no_per_step_record_in_the_store_or_in_memory(tiny_conf
     left = [(step, rank) for step in range(12) for rank in range(4)
             if outcome.jobs.raw.check([Keys.metrics(step, rank)])]
     assert not left, f"metrics records left in the store: {left}"
+
+
+def test_a_killed_workers_threads_unwind_silently_at_the_end(tiny_config, monkeypatch, capfd) -> None:
+    """At the end, a killed worker's parked main thread is refused by the store as a fenced process is: it ends
+    fenced without a traceback (one used to reach the suite's output whenever it unwound after pytest's capture)."""
+    config = tiny_config(steps=2)
+    monkeypatch.setenv("RECYCLE_TEST_UNFENCEABLE", ",".join(str(r) for r in range(4)))
+    cluster = job(config, Injector().kill((1, 1), step=1, action=3))
+    try:
+        cluster.run()
+    finally:
+        cluster.close()
+    killed = cluster.processes[cluster.rank((1, 1))]
+    assert not killed.thread.is_alive()
+    assert "Traceback" not in capfd.readouterr().err

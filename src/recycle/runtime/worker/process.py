@@ -323,7 +323,8 @@ def run_worker(spec: WorkerSpec, store: StoreClient, hooks: WorkerHooks = Worker
         sys.stdout.flush()
         sys.stderr.flush()
         return 0
-    except _Fenced:
+    except (_Fenced, StoreFenced):
+        # The store refuses a fenced process (its on_fenced callback normally ends it first): nothing to report.
         return EXIT_FENCED
     except BaseException as exc:  # report every failure, including a KeyboardInterrupt/SystemExit, then exit 1
         record = ErrorRecord(type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", is_comm_error(exc),
