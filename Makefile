@@ -17,9 +17,10 @@ demo: $(VENV_STAMP)
 	$(PY) -m recycle demo --out out/demo
 
 # Both type-check runtime/ and ir/ first ([tool.mypy] in pyproject.toml): a mypy error fails the target.
-# make test: two pytest processes side by side (tests/run_suite.py): the tests marked `timing` (heartbeat timeouts,
-# paced re-joins) one after the other in one, every other test in the other. (pytest -n 2 ran two timing tests at
-# once, which slowed re-joins past the end of short runs.) make test-fast: the tests not marked slow, -n 2.
+# make test: two pytest runs side by side (tests/run_suite.py): the tests marked `timing` (heartbeat timeouts, paced
+# re-joins) one after the other in one, every other test in the other on two xdist workers at nice 10. (pytest -n 2
+# over everything ran two timing tests at once, which slowed re-joins past the end of short runs.) make test-fast:
+# the tests not marked slow, -n 2.
 test: $(VENV_STAMP)
 	$(PY) -m mypy
 	$(PY) tests/run_suite.py
