@@ -9,7 +9,9 @@ from thread_cluster import Injector, job
 from recycle.errors import RuntimeFailure
 from recycle.runtime.protocol.channels import Channels
 
-pytestmark = pytest.mark.timeout(10)  # each takes well under a second; a hang fails fast
+# Each takes well under a second; a hang fails fast. Real 2 s heartbeat timeouts: one at a time, in make test's
+# timing run, at full CPU priority.
+pytestmark = [pytest.mark.timeout(10), pytest.mark.timing]
 
 
 def test_a_fault_free_run_finishes_every_step_without_a_recovery(tiny_config, run_cluster) -> None:
