@@ -1,7 +1,7 @@
-"""`make test`: the whole suite as two pytest runs side by side: the tests marked `timing` (multi-process runs whose
-outcome depends on real time: heartbeat timeouts, paced runs a re-joining worker must catch) one after the other in one,
-every other test in the other, on two xdist workers at a lower CPU priority (nice), so that a timing test gets a core
-when it needs one; exits non-zero if either fails. Extra arguments go to both."""
+"""`make test`: the whole suite as two pytest runs side by side: the tests marked `timing` (their outcome depends on
+real time: heartbeat timeouts, paced runs a re-joining worker must catch) one after the other in one, every other test
+in the other, on two xdist workers at a lower CPU priority (nice), so that a timing test gets a core when it needs
+one; exits non-zero if either fails. Extra arguments go to both."""
 
 from __future__ import annotations
 
