@@ -91,10 +91,10 @@ class OrderEvaluator:
             # later): its start and end are the same under both orders.
             cutoff = base[moved_rank][moved_from - 1][3]
             freed = _W if self.decoupled else _B  # the code that releases a live micro-batch
-            for rank, row in enumerate(base):
+            for rank, kept in enumerate(base):
                 stage = rank % S
                 k = 0
-                for code, mb, start, finish in row:
+                for code, mb, start, finish in kept:
                     if start >= cutoff:
                         break
                     end[(code * S + stage) * total + mb] = finish
@@ -104,9 +104,9 @@ class OrderEvaluator:
                         live[rank] -= 1
                     k += 1
                 if k:
-                    out[rank] = list(row[:k])
+                    out[rank] = list(kept[:k])
                     pos[rank] = k
-                    free[rank] = row[k - 1][3]
+                    free[rank] = kept[k - 1][3]
                     remaining -= k
         while stack:
             rank = stack.pop()
