@@ -25,10 +25,11 @@ seconds; CPU seconds of this process beside the cold ones, since the machine is 
 * old: `run_job(..., plan_cache=None)`: the planner's in-process caches only, every weighed key planned by
   `plan_for_key` (the path before the plan cache), rule schedules not shared between plans;
 * before: the plan cache in a fresh folder as it was before the cold-replay work: every key planned in full by
-  `plan_for_key` (`PlanCache(period_only=False)`), rule schedules not shared (`heuristic._RANKED_LIMIT = 0`);
+  `plan_for_key` (`PlanCache(period_only=False)`), rule schedules not shared (`heuristic._RANKED_LIMIT = 0`, and no
+  list schedule or simulation kept);
 * cold: the plan cache in a fresh folder now: `period_plan_for_key` (a plan ends at the first schedule the planner
   is sure to pick once it reaches the lower bound) and a key planned without and then with the search reuses its
-  rule schedules;
+  rule schedules, and any list schedule or candidate simulation asked for again is reused;
 * warm: the same folder again, in-process caches emptied: every plan read from disk and validated;
 * CLI warm: the whole `recycle simulate` command (new process: imports, trace, report and plot) on the warm cache.
 The planner's caches are emptied before each column. "goodput same": every system's goodput identical in all columns
@@ -72,14 +73,15 @@ def _cold_process() -> None:
 def _timed(config, trace, cache: PlanCache | None, share_schedules: bool = True):
     """(wall s, CPU s, result) of one replay with every in-process planner cache emptied first."""
     _cold_process()
-    limit = heuristic._RANKED_LIMIT
-    heuristic._RANKED_LIMIT = limit if share_schedules else 0
+    limits = heuristic._RANKED_LIMIT, heuristic._SCHEDULES_LIMIT, heuristic._SCORED_LIMIT
+    if not share_schedules:
+        heuristic._RANKED_LIMIT = heuristic._SCHEDULES_LIMIT = heuristic._SCORED_LIMIT = 0
     try:
         start, cpu = time.perf_counter(), time.process_time()
         result = run_job(config, trace, SYSTEM_NAMES, setup=JobSetup(replicas="auto"), plan_cache=cache)
         return time.perf_counter() - start, time.process_time() - cpu, result
     finally:
-        heuristic._RANKED_LIMIT = limit
+        heuristic._RANKED_LIMIT, heuristic._SCHEDULES_LIMIT, heuristic._SCORED_LIMIT = limits
 
 
 def _goodputs(result) -> dict[str, float]:

@@ -65,9 +65,9 @@ def test_order_moves_stop_when_the_budget_is_spent(monkeypatch: pytest.MonkeyPat
     timings = []
     real_time = local_search.OrderEvaluator.time
 
-    def counted(self, orders):  # type: ignore[no-untyped-def]
+    def counted(self, orders, *moved):  # type: ignore[no-untyped-def]
         timings.append(sum(len(row) for row in orders))
-        return real_time(self, orders)
+        return real_time(self, orders, *moved)
 
     monkeypatch.setattr(local_search.OrderEvaluator, "time", counted)
     plan = heuristic.schedule_heuristic(config, key, PlannerOptions(search=False))

@@ -275,13 +275,24 @@ def list_schedule(config: Config, key: Sequence[int], host: Sequence[Sequence[in
     exactly as the simulator counts them, and an F is only started below the worker's cap. Large instances with
     whole-unit costs are stepped in numpy (`recycle.planner.vector_schedule`: the same schedule, tested equal).
     """
+    inputs = (config.fingerprint(), tuple(key), tuple(map(tuple, host)), decoupled, staggered,
+              tuple(caps) if caps is not None else None, variant)
+    kept = _SCHEDULES.get(inputs)
+    if kept is not None:
+        _SCHEDULES.move_to_end(inputs)
+        return kept
     setting = _setting(config, host, decoupled, caps, variant)
     compact = _vector_schedule(setting, host) if _use_vector(setting) else None
     if compact is None:
         rng = random.Random(variant.seed) if setting.order is Order.RANDOM else None
         rows = _event_loop(setting, host, _item_maker(setting, host, rng), rng)
         _check_complete(setting, [len(row) for row in rows], variant, caps)
-        return _Timed(rows, _estimate(config, key, rows, staggered))
+        timed = _Timed(rows, _estimate(config, key, rows, staggered))
+        if _SCHEDULES_LIMIT > 0:  # only Python schedules: immutable tuples (a numpy one's arrays are not)
+            _SCHEDULES[inputs] = timed
+            if len(_SCHEDULES) > _SCHEDULES_LIMIT:
+                _SCHEDULES.popitem(last=False)
+        return timed
     _check_complete(setting, compact.counts(), variant, caps)
     return _Timed(None, _estimate_compact(config, key, compact, staggered), compact)
 
@@ -789,16 +800,28 @@ def _best_simulated(config: Config, key: tuple[int, ...], failed: frozenset[tupl
         for merge in ((True, False) if options.decoupled else (True,)):
             scored = simulated.get((id(candidate), merge)) if simulated is not None else None
             if scored is None:
-                plan = _build(config, key, failed, options, caps, candidate, merge)
-                result = simulate(plan, config)
-                # Ranked by the mean period over whole cycles (a plan whose iteration times alternate is not
-                # credited with a mean over part of a cycle), then settled plans first.
-                settled = settling(result)
-                scored = ((settled.period, settled.cycle != 1, max(result.peak_activations), candidate.order,
-                           not merge),
-                          plan.with_meta(predicted_period=settled.period, predicted_makespan=result.makespan))
-                _SIMULATED_TIMINGS[id(plan.actions)] = (plan.actions, settled.period, result.makespan,
-                                                        settled.note(result.period))
+                inputs = (config.fingerprint(), key, failed, options.decoupled, options.staggered,
+                          tuple(caps) if caps is not None else None, candidate.name, candidate.host,
+                          candidate.timed.entries, merge)
+                kept = _SCORED.get(inputs)
+                if kept is None:
+                    plan = _build(config, key, failed, options, caps, candidate, merge)
+                    result = simulate(plan, config)
+                    # Ranked by the mean period over whole cycles (a plan whose iteration times alternate is not
+                    # credited with a mean over part of a cycle), then settled plans first.
+                    settled = settling(result)
+                    kept = (settled.period, settled.cycle != 1, max(result.peak_activations),
+                            plan.with_meta(predicted_period=settled.period, predicted_makespan=result.makespan),
+                            result.makespan, settled.note(result.period))
+                    if _SCORED_LIMIT > 0:
+                        _SCORED[inputs] = kept
+                        if len(_SCORED) > _SCORED_LIMIT:
+                            _SCORED.popitem(last=False)
+                else:
+                    _SCORED.move_to_end(inputs)
+                period, unsettled, peak, plan, makespan, note = kept
+                scored = ((period, unsettled, peak, candidate.order, not merge), plan)
+                _SIMULATED_TIMINGS[id(plan.actions)] = (plan.actions, period, makespan, note)
                 if simulated is not None:
                     simulated[(id(candidate), merge)] = scored
             if best is None or scored[0] < best[0]:
@@ -824,6 +847,21 @@ class _Candidate:
 _RANKED: OrderedDict[tuple, tuple[tuple[_Candidate, ...], frozenset[int]]] = OrderedDict()
 _RANKED_LIMIT = 12
 
+# Every Python list schedule of the last _SCHEDULES_LIMIT distinct inputs (config, key, routing, options' flags, caps,
+# rule), reused as it is: a list schedule is a deterministic function of them (a random rule seeds its own stream).
+# A replay asks for the same schedule in several plans: a partition screen's two rules and then the polish of the
+# same layout, the upper bound's first rule and then the key's plan, an orphan swap's routing seen before (399 of
+# the 7,835 list schedules of a cold bamboo-ec2-p3 replay). ~100 kB each at D=8, S=4, M=8.
+_SCHEDULES: OrderedDict[tuple, _Timed] = OrderedDict()
+_SCHEDULES_LIMIT = 256
+
+# The scored simulations of the last _SCORED_LIMIT candidates _best_simulated built (keyed by everything its plan is
+# built from and simulated with): (simulated period, not cycle-settled, peak activations, plan, makespan, settling
+# note). A screen and the plan of the same key often simulate the same candidates (246 of 1,484 simulations of the
+# same replay). The candidate's rank order is not part of it: it is added per call.
+_SCORED: OrderedDict[tuple, tuple[float, bool, int, Plan, float, str]] = OrderedDict()
+_SCORED_LIMIT = 64
+
 
 # The simulated (period, makespan, settling note) of the plans _best_simulated scored in the current _schedule call,
 # by the identity of their action lists (kept alive here): `simulated_timing` gives them to planner.api, which would
@@ -841,8 +879,11 @@ def simulated_timing(plan: Plan) -> tuple[float, float, str] | None:
 
 
 def clear_schedules() -> None:
-    """Forget the rule schedules kept for reuse (planner.api.clear_cache: cold planning in tests and benchmarks)."""
+    """Forget the rule schedules and simulations kept for reuse (planner.api.clear_cache: cold planning in tests and
+    benchmarks)."""
     _RANKED.clear()
+    _SCHEDULES.clear()
+    _SCORED.clear()
 
 
 def _search(config: Config, key: tuple[int, ...], failed: frozenset[tuple[int, int]], options: PlannerOptions,

@@ -67,8 +67,14 @@ class OrderEvaluator:
     def _id(self, code: int, stage: int, mb: int) -> int:
         return (code * self.S + stage) * self.total + mb
 
-    def time(self, orders: Sequence[Sequence[tuple[int, int]]]) -> list[list[tuple[int, int, float, float]]] | None:
-        """Per rank the (code, mb, start, end) entries of `orders` timed as soon as possible; None on deadlock."""
+    def time(self, orders: Sequence[Sequence[tuple[int, int]]],
+             base: Sequence[Sequence[tuple[int, int, float, float]]] | None = None, moved_rank: int = -1,
+             moved_from: int = 0) -> list[list[tuple[int, int, float, float]]] | None:
+        """Per rank the (code, mb, start, end) entries of `orders` timed as soon as possible; None on deadlock.
+
+        `base`: the timing of orders that differ from `orders` only on `moved_rank` from position `moved_from` on
+        (one move); its actions that start before that rank's free time at `moved_from` are taken as they are and
+        only the rest is timed (the same timing: docs/planner.md, "Order moves re-time only what they can move")."""
         S, total, host, p2p, dur = self.S, self.total, self.host, self.p2p, self.dur
         needs_f, needs_b = self.needs[_F], self.needs[_B]
         sends = self.sends
@@ -79,6 +85,29 @@ class OrderEvaluator:
         live = [0] * len(orders)
         stack = [r for r in range(len(orders)) if orders[r]]
         remaining = sum(len(o) for o in orders)
+        if base is not None and moved_from > 0:
+            # Every action that started before `cutoff` depends (through its worker and its inputs) only on actions
+            # that started before it too, and none of them is at or after the move (those start at `cutoff` or
+            # later): its start and end are the same under both orders.
+            cutoff = base[moved_rank][moved_from - 1][3]
+            freed = _W if self.decoupled else _B  # the code that releases a live micro-batch
+            for rank, kept in enumerate(base):
+                stage = rank % S
+                k = 0
+                for code, mb, start, finish in kept:
+                    if start >= cutoff:
+                        break
+                    end[(code * S + stage) * total + mb] = finish
+                    if code == _F:
+                        live[rank] += 1
+                    elif code == freed:
+                        live[rank] -= 1
+                    k += 1
+                if k:
+                    out[rank] = list(kept[:k])
+                    pos[rank] = k
+                    free[rank] = kept[k - 1][3]
+                    remaining -= k
         while stack:
             rank = stack.pop()
             row = orders[rank]
@@ -243,7 +272,7 @@ def improve_orders(evaluator: OrderEvaluator, entries: Sequence[Sequence[tuple[i
         candidate = row[:i] + row[i + 1:]
         candidate.insert(j, item)
         orders[rank] = candidate
-        timed = evaluator.time(orders)
+        timed = evaluator.time(orders, best_timed, rank, lo)  # best_timed: the timing of the orders before the move
         score = evaluator.score(timed) if timed is not None else (math.inf, math.inf)
         if score <= best:
             best, best_timed, bottleneck, critical = score, timed, None, None

@@ -321,6 +321,12 @@ def _below(config: Config, key: tuple[int, ...], ceiling: float, options: Planne
     total = sum(costs.layers)
     live = [config.num_replicas - k for k in key]
     found: list[tuple[float, tuple[int, ...]]] = []
+    # A node's floor and memory check depend on its stage and layer count alone: tabled once per walk (the walk
+    # visits tens of thousands of nodes over S * layers (stage, count) pairs; the same values, computed once).
+    unit = split_unit(config, options)
+    pruned = [[True] + [_floor(config, costs, s, n, live[s], options.decoupled, unit) >= ceiling or
+                        not _fits(config, costs, s, n) for n in range(1, total - S + 2)] for s in range(S)]
+    order = [sorted(range(1, total - S + 2), key=lambda n: (abs(n - near[s]), n)) for s in range(S)]
 
     def walk(prefix: list[int], left: int) -> bool:
         s = len(prefix)
@@ -328,12 +334,11 @@ def _below(config: Config, key: tuple[int, ...], ceiling: float, options: Planne
             options_n = [left]
         else:
             top = left - (S - 1 - s)  # every later stage keeps at least one layer
-            options_n = sorted(range(1, top + 1), key=lambda n: (abs(n - near[s]), n))
+            options_n = [n for n in order[s] if n <= top]
         for n in options_n:
             if not budget.afford(1):
                 return False
-            floor = _floor(config, costs, s, n, live[s], options.decoupled, split_unit(config, options))
-            if floor >= ceiling or not _fits(config, costs, s, n):
+            if pruned[s][n]:
                 continue  # larger n only raise the floor, but memory may still fail for a smaller one: go on
             if s == S - 1:
                 if not budget.afford(bound_work):
