@@ -134,10 +134,11 @@ class Transport:
     """p2p and collectives among the live workers of one generation.
 
     Sends are asynchronous; their handles and buffers are kept until `flush()` (called at the end of every
-    iteration), so a buffer is never reused while in flight. Receives block at the point of need. Collectives
-    and groups all carry the generation's timeout. `abort()` may be called from any thread, while forming or while an
-    op is blocked: it cuts every communicator of the generation (gloo: its sockets; NCCL: ncclCommAbort), so the
-    blocked op raises at once whether or not the peer it waits for will ever answer.
+    iteration), so a buffer is never reused while in flight. Receives block at the point of need (`recv`), or on gloo
+    are posted ahead and taken there (`post_recv`, `take`). Collectives and groups all carry the generation's
+    timeout. `abort()` may be called from any thread, while forming or while an op is blocked: it cuts every
+    communicator of the generation (gloo: its sockets; NCCL: ncclCommAbort), so the blocked op raises at once whether
+    or not the peer it waits for will ever answer.
     """
 
     def __init__(self, store: dist.Store, generation: int, rank: int, live_ranks: list[int],
