@@ -1,5 +1,6 @@
 """Compare the per-step profiles sitecustomize.py here wrote for two sides: per worker and step, the main thread's
-CPU and Python calls (cProfile .prof files) or torch ops (.ops.tsv), and the functions or ops that differ most.
+CPU and Python calls (cProfile .prof files) or torch ops (.ops.tsv), and the functions or ops that differ most; or
+(.threads.tsv) each thread's user and system CPU and the process's page faults and context switches.
 
     python benchmarks/step_profile/compare.py DIR [--steps 10] [--top 30] [--a ours --b theirs]
 """
@@ -21,6 +22,7 @@ def _load(directory: str, side: str) -> tuple[dict[str, Mapping[str, float]], in
     time_ms: collections.defaultdict[str, float] = collections.defaultdict(float)
     profiles = glob.glob(os.path.join(directory, f"{side}-*.prof"))
     ops = glob.glob(os.path.join(directory, f"{side}-*.ops.tsv"))
+    threads = glob.glob(os.path.join(directory, f"{side}-*.threads.tsv"))
     for path in profiles:
         for (filename, _, name), (_, count, own, _, _) in pstats.Stats(path).stats.items():  # type: ignore[attr-defined]
             key = f"{os.path.basename(filename)}:{name}"
@@ -32,7 +34,14 @@ def _load(directory: str, side: str) -> tuple[dict[str, Mapping[str, float]], in
                 key, count, self_us = line.rstrip("\n").split("\t")
                 calls[key] += int(count)
                 time_ms[key] += float(self_us) / 1e3
-    return {"calls": calls, "time_ms": time_ms}, len(profiles) + len(ops), "ops" if ops else "Python calls"
+    for path in threads:  # "thread NAME", user ms, system ms; or a getrusage count, its value, 0
+        with open(path) as lines:
+            for line in lines:
+                key, user_or_count, system_ms = line.rstrip("\n").split("\t")
+                calls[key] += float(user_or_count)  # type: ignore[assignment]
+                time_ms[key] += float(system_ms)
+    kind = "ops" if ops else "threads (user ms)" if threads else "Python calls"
+    return {"calls": calls, "time_ms": time_ms}, len(profiles) + len(ops) + len(threads), kind
 
 
 def main() -> int:
@@ -56,7 +65,8 @@ def main() -> int:
     keys = set(a["calls"]) | set(b["calls"])
     a = {name: collections.defaultdict(float, values) for name, values in a.items()}  # 0 for a key one side lacks
     b = {name: collections.defaultdict(float, values) for name, values in b.items()}
-    print(f"{'':60s} {'calls ' + args.a:>12s} {args.b:>8s} {'ms ' + args.a:>10s} {args.b:>8s}")
+    first, second = ("user ms ", "sys ms ") if kind.startswith("threads") else ("calls ", "ms ")
+    print(f"{'':60s} {first + args.a:>12s} {args.b:>8s} {second + args.a:>10s} {args.b:>8s}")
     for key in sorted(keys, key=lambda k: -abs(a["calls"][k] / per_a - b["calls"][k] / per_b))[:args.top]:
         print(f"{key[:60]:60s} {a['calls'][key] / per_a:12.1f} {b['calls'][key] / per_b:8.1f} "
               f"{a['time_ms'][key] / per_a:10.3f} {b['time_ms'][key] / per_b:8.3f}")

@@ -7,7 +7,7 @@ import functools
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -28,7 +28,9 @@ __all__ = ["StageExecutor", "IterationProgress", "IterationResult", "Comm", "Pac
 
 
 class Comm(Protocol):
-    """What the executor needs from a transport (see runtime.transport.Transport)."""
+    """What the executor needs from a transport (see runtime.transport.Transport). A transport that also offers
+    `post_recv(message, shape, dtype)` (a handle, or None where it cannot) and `take(handle)` has each peer's next
+    message posted ahead of its need."""
 
     def send(self, message: Message, tensor: torch.Tensor) -> None: ...
     def recv(self, message: Message, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
@@ -169,6 +171,10 @@ class StageExecutor:
         self._stage_loss: float | None = None
         self._next_from: dict[int, int] = defaultdict(int)
         self._parked: dict[Message, torch.Tensor] = {}
+        # Per peer, the receive posted ahead for its next message in its send order (_post_next); only inside a
+        # plan's iteration, on a transport that offers it.
+        self._posted: dict[int, Any] = {}
+        self._posts = False
         self._stash: dict[int, _Stash] = {}
         # The tensors sent in the two newest iterations, by (channel, micro-batch): after a failure a survivor
         # re-sends from here what a re-routed micro-batch needs instead of anyone recomputing it (ir.completion).
@@ -193,6 +199,8 @@ class StageExecutor:
         self.plan = plan
         if comm is not None:
             self._comm = self.pacing.wrap(comm) if self.pacing is not None else comm
+        self._posted.clear()
+        self._posts = self._comm is not None and hasattr(self._comm, "post_recv")
         if self.pacing is not None:
             self.pacing.set_plan(plan)
         self.replica, self.stage = replica, stage
@@ -215,6 +223,7 @@ class StageExecutor:
     def drop_comm(self) -> None:
         """Let go of a broken generation's transport (set_plan gives the next one)."""
         self._comm = None
+        self._posted.clear()
 
     @property
     def comm(self) -> Comm:
@@ -229,6 +238,7 @@ class StageExecutor:
         before this worker's OPT of the iteration ran: after it, the weights already moved on."""
         self._stash.clear()
         self._parked.clear()
+        self._posted.clear()  # receives of the broken generation's transport: never taken
         self._next_from.clear()
         self._routes = None
         self.optimizer.zero_grad(set_to_none=True)
@@ -241,6 +251,7 @@ class StageExecutor:
         stopped inside its OPT drops its gradients (the all-reduce may have summed them in part): the completion
         computes its micro-batches' weight-gradients again."""
         self._parked.clear()  # messages of the broken generation: the completion has them sent again if needed
+        self._posted.clear()
         self._next_from.clear()
         self._routes = None
         past = self.progress.iteration > iteration
@@ -266,13 +277,17 @@ class StageExecutor:
         self._sent[iteration] = {}
         timings: list[ActionTiming] = []
         start = time.time()
+        if self._posts:
+            self._posted.clear()
+            for src in self._expected:
+                self._post_next(src)
         for index, action in enumerate(self.actions):
             self._run_one(index, action, None, timings)
         self.comm.flush()
         self.progress.index = len(self.actions)
         self.progress.finished = True
         self.completed = self.progress
-        if self._stash or self._parked:
+        if self._stash or self._parked or self._posted:
             raise RuntimeError(f"worker {self.replica}:{self.stage} ended iteration {iteration} with unfinished "
                                f"micro-batches {sorted(self._stash)} or unread messages; the plan is inconsistent")
         self.last_result = IterationResult(iteration, start, time.time(), self._loss_sum if self.is_last else None,
@@ -288,6 +303,7 @@ class StageExecutor:
         steps = completion.steps[self.rank]
         stepped = self.stage in completion.applied_stages
         self.progress = IterationProgress(iteration, 0, completing=True)
+        self._posted.clear()  # a completion receives at the point of need (its routes are not the plan's order)
         if not stepped:
             self._grad_norm = self._grad_sq = self._lr = self._stage_loss = None
         self._routes = {}
@@ -594,16 +610,40 @@ class StageExecutor:
                                    "such message in its plan")
             message = order[position]
             self._next_from[src] = position + 1
-            shape = self.receive_shapes[message.channel]
-            if shape is None:
-                raise RuntimeError(f"worker {self.replica}:{self.stage} has no {message.channel.name} shape to "
-                                   f"receive {message}")
-            if self.plan.pieces:
-                shape = piece_shape(self.plan, message.mb, shape)
-            tensor = self.comm.recv(message, shape, self.dtype)
+            posted = self._posted.pop(src, None)
+            if posted is not None:
+                if posted.message is not message:
+                    raise RuntimeError(f"worker {self.replica}:{self.stage} posted a receive of {posted.message} "
+                                       f"but takes {message} next from rank {src}")
+                tensor = self.comm.take(posted)  # type: ignore[attr-defined]
+                self._post_next(src)
+            else:
+                tensor = self.comm.recv(message, self._receive_shape(message), self.dtype)
             if message is wanted or message == wanted:
                 return tensor
             parked[message] = tensor
+
+    def _post_next(self, src: int) -> None:
+        """Post the receive of rank `src`'s next message of this iteration (Transport.post_recv says why), if any:
+        every receive posted is taken before the iteration ends. Not for messages a worker hands itself (a chunked
+        worker's own next chunk)."""
+        order = self._expected[src]
+        position = self._next_from[src]
+        if src == self.rank or position >= len(order) or self._routes is not None:
+            return
+        message = order[position]
+        posted = self.comm.post_recv(message, self._receive_shape(message), self.dtype)  # type: ignore[attr-defined]
+        if posted is None:
+            self._posts = False  # the transport receives at the point of need only (e.g. NCCL)
+        else:
+            self._posted[src] = posted
+
+    def _receive_shape(self, message: Message) -> tuple[int, ...]:
+        shape = self.receive_shapes[message.channel]
+        if shape is None:
+            raise RuntimeError(f"worker {self.replica}:{self.stage} has no {message.channel.name} shape to "
+                               f"receive {message}")
+        return piece_shape(self.plan, message.mb, shape) if self.plan.pieces else shape
 
     def _seed_dropout(self, seed: int) -> None:
         """Seed the generators this stage's dropout draws from: the CPU one, and the device's on CUDA.

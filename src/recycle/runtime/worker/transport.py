@@ -24,7 +24,7 @@ from recycle.runtime.worker.nccl_env import init_kwargs
 # cut their own groups, to measure that path side by side.
 _NO_CUT = os.environ.get("RECYCLE_TEST_NO_CUT") == "1"
 
-__all__ = ["Transport", "GenerationGroups", "GenerationCut", "PeerLost", "Activity", "is_comm_error",
+__all__ = ["Transport", "PostedRecv", "GenerationGroups", "GenerationCut", "PeerLost", "Activity", "is_comm_error",
            "default_backend", "tied_ranks"]
 
 
@@ -121,14 +121,24 @@ def _peer_lost(exc: BaseException, what: str, message: Message | None) -> PeerLo
     return PeerLost(f"{named}: {(str(exc).splitlines() or [type(exc).__name__])[0][:300]}")
 
 
+@dataclass(frozen=True)
+class PostedRecv:
+    """A receive posted ahead of its need (Transport.post_recv): the message, gloo's work and the buffer it fills."""
+
+    message: Message
+    work: dist.Work
+    buffer: torch.Tensor
+
+
 class Transport:
     """p2p and collectives among the live workers of one generation.
 
     Sends are asynchronous; their handles and buffers are kept until `flush()` (called at the end of every
-    iteration), so a buffer is never reused while in flight. Receives block at the point of need. Collectives
-    and groups all carry the generation's timeout. `abort()` may be called from any thread, while forming or while an
-    op is blocked: it cuts every communicator of the generation (gloo: its sockets; NCCL: ncclCommAbort), so the
-    blocked op raises at once whether or not the peer it waits for will ever answer.
+    iteration), so a buffer is never reused while in flight. Receives block at the point of need (`recv`), or on gloo
+    are posted ahead and taken there (`post_recv`, `take`). Collectives and groups all carry the generation's
+    timeout. `abort()` may be called from any thread, while forming or while an op is blocked: it cuts every
+    communicator of the generation (gloo: its sockets; NCCL: ncclCommAbort), so the blocked op raises at once whether
+    or not the peer it waits for will ever answer.
     """
 
     def __init__(self, store: dist.Store, generation: int, rank: int, live_ranks: list[int],
@@ -238,6 +248,43 @@ class Transport:
         finally:
             activity.phase = previous
         return buffer
+
+    def post_recv(self, message: Message, shape: tuple[int, ...], dtype: torch.dtype) -> PostedRecv | None:
+        """Post the receive of `message` now, to be taken later with `take`; None where only `recv` is offered (NCCL:
+        a receive posted on the world communicator ahead of a collective there would order the two differently on
+        the two ranks; a complex tensor).
+
+        Why: gloo sends a message's payload only once the receiver has posted its receive (the sender announces it,
+        the receiver answers when it posts, then the sender's gloo thread writes it). A receive posted at the point
+        of need therefore waits for that round trip, and on a machine whose cores are all busy, for the sender's
+        gloo thread to be scheduled. Posted ahead, the payload flows as it is sent and is usually there when needed.
+        """
+        if self.backend != "gloo":
+            return None
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        if buffer.is_complex():
+            return None
+        try:
+            work = self._world_group().recv([buffer], self._group_rank(message.src), self._tag(message))
+        except Exception as exc:
+            if not _is_peer_error(exc):
+                raise
+            raise _peer_lost(exc, "receive", message) from None
+        return PostedRecv(message, work, buffer)
+
+    def take(self, posted: PostedRecv) -> torch.Tensor:
+        """The tensor of a receive `post_recv` posted, once it has arrived (a peer's failure raises PeerLost)."""
+        activity = self.activity
+        previous, activity.phase = activity.phase, "comm"
+        try:
+            posted.work.wait()
+        except Exception as exc:
+            if not _is_peer_error(exc):
+                raise
+            raise _peer_lost(exc, "receive", posted.message) from None
+        finally:
+            activity.phase = previous
+        return posted.buffer
 
     def _world_group(self) -> dist.ProcessGroup:
         """This generation's world (the default group), looked up once."""
