@@ -36,10 +36,10 @@ from typing import Any, Callable
 from recycle.runtime.protocol.channels import Flags, Keys
 from recycle.runtime.protocol.records import Announcement, Joined, JoinReady, Timestamp, from_json, to_json
 from recycle.runtime.protocol.store import StoreClient
-from recycle.runtime.protocol.store.wire import Op, Status, encode_frame, pack_fields, unpack_fields
+from recycle.runtime.protocol.store.wire import Op, Status, pack_fields, unpack_fields
 
 __all__ = ["NodesSpec", "PipelinedClient", "StandInNodes", "standin_main", "beat_json", "step_json", "node_steps_json",
-           "stopped_json", "stopped_jsons", "node_stops_json",
+           "stopped_json", "node_stops_json",
            "NODE_POLL_S", "EXIT_KILLED", "EXIT_LEFT_OUT"]
 
 NODE_POLL_S = 0.1  # control/launcher.py _follow_loop: workers.wait(0.1) between two passes
@@ -47,6 +47,7 @@ EXIT_KILLED = -9  # what a SIGKILLed worker's exit code reads as
 EXIT_LEFT_OUT = 4  # worker/process.py EXIT_FENCED: not in the new generation
 BATCH = 256  # requests sent before the first reply is read
 BUDGET = 2048  # step records and flag polls sent per pass at most (beats and node heartbeats are not limited)
+HANG_LIMIT_GET = pack_fields(Op.GET, (Keys.HANG_LIMIT.encode(), b"0"))  # a NodeWatch's read of the hang limit
 
 
 class PipelinedClient(StoreClient):
@@ -54,8 +55,10 @@ class PipelinedClient(StoreClient):
     carries the traffic of many simulated processes. The server sees every request as it would from them: each is
     framed, MAC-checked, served and answered on its own."""
 
-    def pipeline(self, requests: list[tuple[Op, tuple[bytes, ...]]]) -> list[tuple[Status, list[bytes]]]:
-        if not requests:
+    def pipeline(self, payloads: list[bytes]) -> list[tuple[Status, list[bytes]]]:
+        """Send the requests (each packed: pack_fields(op, fields), or the same bytes kept from an earlier pass) and
+        read their replies, in order."""
+        if not payloads:
             return []
         with self._lock:
             if self._sock is None:
@@ -63,10 +66,10 @@ class PipelinedClient(StoreClient):
             assert self._sock is not None and self._session is not None
             session, sock = self._session, self._sock
             sock.settimeout(120.0)
-            sock.sendall(b"".join(encode_frame(session.seal(pack_fields(op, fields))) for op, fields in requests))
+            sock.sendall(session.seal_frames(payloads))
             replies: list[tuple[Status, list[bytes]]] = []
             frames: collections.deque[bytes] = collections.deque()
-            while len(replies) < len(requests):
+            while len(replies) < len(payloads):
                 if not frames:
                     data = sock.recv(1 << 20)
                     if not data:
@@ -74,7 +77,7 @@ class PipelinedClient(StoreClient):
                     frames.extend(self._reader.feed(data))
                     continue
                 status, values = unpack_fields(session.open(frames.popleft()))
-                replies.append((Status(status), values))
+                replies.append((status, values))  # (the status as its int: Status(...) per reply is a cost here)
             return replies
 
 
@@ -91,6 +94,7 @@ class NodesSpec:
     step_s: float
     niceness: int = 0  # a separate process lowers its priority: the coordinator's process is served first
     heartbeat_timeout_s: float = 5.0
+    profile_path: str = ""  # cProfile the stand-in process (CPU time) and write its stats here when it stops
 
 
 @dataclass
@@ -102,7 +106,7 @@ class _Counters:
 
 
 OnReply = Callable[[Status, list[bytes]], None]
-Request = tuple[Op, tuple[bytes, ...], OnReply | None]
+Request = tuple[bytes, OnReply | None]  # (the request packed: pack_fields(op, fields), what to do with its reply)
 
 
 def _b(text: str) -> bytes:
@@ -126,28 +130,42 @@ def step_json(replica: int, stage: int, generation: int, start: float, end: floa
 
 def stopped_json(rank: int, generation: int, applied: int, iteration: int, error: str, when: float) -> bytes:
     """to_json of a stand-in worker's StoppedReport (no work of the iteration done), byte for byte."""
-    return stopped_jsons([rank], generation, applied, iteration, error, when)[0]
-
-
-def stopped_jsons(ranks: list[int], generation: int, applied: int, iteration: int, error: str,
-                  when: float) -> list[bytes]:
-    """stopped_json of each of `ranks` (the rest of their reports alike), formatted once instead of built through
-    dataclasses.asdict per rank: a stand-in writes thousands of reports per recovery on cores it shares with the
-    coordinator, where a real worker writes one of its own."""
-    rest = (f', "generation": {generation}, "applied": {applied}, '
+    return (f'{{"kind": "stopped", "rank": {rank}, "generation": {generation}, "applied": {applied}, '
             f'"iteration": {iteration}, "current_actions": 0, "current_s": 0.0, "previous_actions": 0, '
             f'"previous_s": 0.0, "error": {json.dumps(error)}, "time": {when!r}, "weighed_current": false, '
             f'"completing": false, "reducing": false, "tp_split": ""}}').encode()
-    return [b'{"kind": "stopped", "rank": %d' % rank + rest for rank in ranks]
 
 
-def node_stops_json(node: int, generation: int, reports: list[bytes]) -> bytes:
-    """to_json of a stand-in launcher's NodeStops (its workers' reports as stopped_json makes them), byte for byte."""
-    return (f'{{"kind": "node_stops", "node": {node}, "generation": {generation}, "reports": ['.encode()
-            + b", ".join(reports) + b"]}")
+def node_stops_json(node: int, generation: int, ranks: list[int], applied: int, iteration: int, error: str,
+                    when: float) -> bytes:
+    """to_json of a stand-in launcher's NodeStops: its workers `ranks` each reported as stopped_json says (the
+    reports travel as columns), byte for byte, formatted at once: a stand-in writes a digest for each of its
+    hundreds of nodes per recovery, on cores it shares with the coordinator, where a real launcher writes one."""
+    def column(value: str) -> str:
+        return "[" + ", ".join([value] * len(ranks)) + "]"
+
+    return (f'{{"kind": "node_stops", "node": {node}, "generation": {generation}, "reports": {{"kind": "stop_rows", '
+            f'"rank": [{", ".join(map(str, ranks))}], "generation": {column(str(generation))}, '
+            f'"applied": {column(str(applied))}, "iteration": {column(str(iteration))}, '
+            f'"current_actions": {column("0")}, "current_s": {column("0.0")}, "previous_actions": {column("0")}, '
+            f'"previous_s": {column("0.0")}, "error": {column(json.dumps(error))}, "time": {column(repr(when))}, '
+            f'"weighed_current": {column("false")}, "completing": {column("false")}, "reducing": {column("false")}, '
+            f'"tp_split": {column(chr(34) * 2)}}}}}').encode()
 
 
-def node_steps_json(node: int, step: int, workers: list[tuple[int, int]], generation: int, start: float, end: float,
+class _Mark:
+    """Where node_steps_json puts a value: a %-format field, for a node's template filled in per step."""
+
+    def __init__(self, name: str) -> None:
+        self.text = f"%({name})s"
+
+    def __repr__(self) -> str:
+        return self.text
+
+    __str__ = __repr__
+
+
+def node_steps_json(node: int, step: Any, workers: list[tuple[int, int]], generation: int, start: Any, end: Any,
                     last_stage: int) -> bytes:
     """to_json of a stand-in launcher's NodeSteps (its workers' StepRecords as step_json makes them, as columns),
     byte for byte."""
@@ -213,8 +231,10 @@ class StandInNodes:
         self.metrics: collections.deque[Request] = collections.deque()  # step records not sent yet
         self.node_seq: dict[int, int] = {}  # node -> its launcher's last NodeSteps write number
         self.stops_seq: dict[int, int] = {}  # node -> its launcher's last NodeStops write number
-        # node -> (its ended ranks, the fields of its wait on the coordinator's word, the reply's handler)
-        self.order_keys: dict[int, tuple[tuple[int, ...], tuple[bytes, ...], OnReply]] = {}
+        # node -> (its ended ranks, its wait on the coordinator's word, packed, the reply's handler)
+        self.order_keys: dict[int, tuple[tuple[int, ...], bytes, OnReply]] = {}
+        self.node_beat: dict[int, bytes] = {}  # node -> its heartbeat's request, packed
+        self.steps_template: dict[tuple[int, tuple[tuple[int, int], ...], int], str] = {}  # node_steps_json, to fill
         self.last_tick = time.time()
         self.stop = threading.Event()
 
@@ -261,8 +281,8 @@ class StandInNodes:
         whose stop reports are among them (timed for the benchmark)."""
         for start in range(0, len(requests), BATCH):
             chunk = requests[start:start + BATCH]
-            replies = client.pipeline([(op, fields) for op, fields, _ in chunk])
-            for (_, _, on_reply), (status, values) in zip(chunk, replies):
+            replies = client.pipeline([payload for payload, _ in chunk])
+            for (_, on_reply), (status, values) in zip(chunk, replies):
                 if on_reply is not None:
                     on_reply(status, values)
         if reported is not None:
@@ -274,7 +294,13 @@ class StandInNodes:
     def _send(self, kind: str, op: Op, fields: tuple[bytes, ...],
               on_reply: Callable[[Status, list[bytes]], None] | None = None) -> Request:
         self.counters.sent[kind] += 1
-        return op, fields, on_reply
+        return pack_fields(op, fields), on_reply
+
+    def _send_packed(self, kind: str, payload: bytes, on_reply: OnReply | None = None) -> Request:
+        """_send of a request packed once and sent every pass (a node's heartbeat, its wait, the hang limit's read):
+        the same bytes each time, as a real launcher's would be."""
+        self.counters.sent[kind] += 1
+        return payload, on_reply
 
     # -- the workers' watcher threads: beats (round-robin at the protocol's rate) --------------------------------
     def _beats(self, elapsed: float, now: float) -> list[Request]:
@@ -290,7 +316,7 @@ class StandInNodes:
             if node in self.down_nodes:
                 continue
             self.counters.due["watch"] += 1
-            requests.append(self._send("watch", Op.GET, (_b(Keys.HANG_LIMIT), b"0")))
+            requests.append(self._send_packed("watch", HANG_LIMIT_GET))
             for rank in ranks:
                 silent = now - self.last_beat.get(rank, now)
                 if rank in self.frozen and rank not in self.silence_told and silent > self.spec.heartbeat_timeout_s:
@@ -352,8 +378,16 @@ class StandInNodes:
             if not self._running(rank):
                 continue
             by_node.setdefault(self.node_of[rank], []).append(divmod(rank, self.spec.num_stages))
+        values = {"step": step, "start": repr(ends - self.spec.step_s), "end": repr(ends)}
         for node, workers in by_node.items():
-            batch = node_steps_json(node, step, workers, self.generation, ends - self.spec.step_s, ends, last)
+            # (formatted once per node, workers and generation: each step fills in its number and times)
+            shape = (node, tuple(workers), self.generation)
+            template = self.steps_template.get(shape)
+            if template is None:
+                self.steps_template = {k: v for k, v in self.steps_template.items() if k[2] == self.generation}
+                template = self.steps_template[shape] = node_steps_json(
+                    node, _Mark("step"), workers, self.generation, _Mark("start"), _Mark("end"), last).decode()
+            batch = (template % values).encode()
             self.node_seq[node] = self.node_seq.get(node, -1) + 1
             self.metrics.append(self._send("metrics", Op.SET, (_b(Keys.node_metrics(step, node, self.node_seq[node])),
                                                                batch)))
@@ -371,15 +405,15 @@ class StandInNodes:
                      else f"generation {self.generation} drains before step {drain[1] + 1 if drain else 0}")
             # Each worker hands its report to its node's store (no request here); each launcher's thread writes
             # the coordinator one digest of them (control/node_stops.py StopForwarder).
-            by_node: dict[int, list[bytes]] = {}
-            stopping = [rank for rank in sorted(self.members) if self._running(rank)]
-            reports = stopped_jsons(stopping, self.generation, self.next_step - 1, self.next_step, error, now)
-            for rank, report in zip(stopping, reports):
-                by_node.setdefault(self.node_of[rank], []).append(report)
-            for node, reports in by_node.items():
+            by_node: dict[int, list[int]] = {}
+            for rank in sorted(self.members):
+                if self._running(rank):
+                    by_node.setdefault(self.node_of[rank], []).append(rank)
+            for node, ranks in by_node.items():
                 self.stops_seq[node] = seq = self.stops_seq.get(node, -1) + 1
+                digest = node_stops_json(node, self.generation, ranks, self.next_step - 1, self.next_step, error, now)
                 requests.append(self._send("stopped", Op.SET, (_b(Keys.node_stopped(self.generation, node, seq)),
-                                                               node_stops_json(node, self.generation, reports))))
+                                                               digest)))
             self.events.append({"kind": "stopped", "generation": self.generation, "time": time.time()})
             reported = self.generation
         if self.announced is not None and self.announced > self.generation:
@@ -394,7 +428,7 @@ class StandInNodes:
         announcement = from_json(Announcement, raw)
         live = set(announcement.live)
         readers = sorted((self.members | self.joiners) & live)
-        views = client.pipeline([(Op.GET, (_b(Keys.plan_view(generation, rank)), b"0")) for rank in readers])
+        views = client.pipeline([pack_fields(Op.GET, (_b(Keys.plan_view(generation, rank)), b"0")) for rank in readers])
         assert all(status == Status.OK and values for status, values in views), "every live rank has a plan view"
         for rank in self.members | self.joiners:
             if rank not in live and self._running(rank):
@@ -431,7 +465,10 @@ class StandInNodes:
             node = up[self.node_cursor % len(up)]
             self.node_cursor += 1
             self.last_node_beat[node] = now
-            requests.append(self._send("node", Op.ADD, (_b(Keys.node_heartbeat(node)), b"1")))
+            beat = self.node_beat.get(node)
+            if beat is None:
+                beat = self.node_beat[node] = pack_fields(Op.ADD, (_b(Keys.node_heartbeat(node)), b"1"))
+            requests.append(self._send_packed("node", beat))
         return requests
 
     def _node_polls(self, elapsed: float, budget: int) -> list[Request]:
@@ -466,8 +503,8 @@ class StandInNodes:
             for rank in self.nodes[node]:
                 keys.append(_b(Flags.RESPAWN.name(rank) if rank in ended else Flags.FENCE.name(rank)))
                 fenced.append(None if rank in ended else rank)
-            cached = self.order_keys[node] = (ended, tuple(keys), self._order_reply(fenced))
-        requests.append(self._send("node", Op.WAIT_ANY, cached[1], cached[2]))
+            cached = self.order_keys[node] = (ended, pack_fields(Op.WAIT_ANY, keys), self._order_reply(fenced))
+        requests.append(self._send_packed("node", cached[1], cached[2]))
         return requests
 
     def _order_reply(self, fenced: list[int | None]) -> Callable[[Status, list[bytes]], None]:
@@ -502,7 +539,7 @@ class StandInNodes:
                 (rank,) = args
                 self.exit_code[rank] = EXIT_KILLED
                 reply["time"] = time.time()
-                self.client.pipeline([(op, fields) for op, fields, _ in self._report_exit(rank)])
+                self.client.pipeline([payload for payload, _ in self._report_exit(rank)])
             elif what == "freeze":  # SIGSTOP, right after a beat: only its silence tells, from then on
                 (rank,) = args
                 reply["last_beat"] = self._last_signs([rank], None)
@@ -528,11 +565,11 @@ class StandInNodes:
         if node is not None:
             requests.append(self._send("node", Op.ADD, (_b(Keys.node_heartbeat(node)), b"1")))
         if requests:
-            self.client.pipeline([(op, fields) for op, fields, _ in requests])
+            self.client.pipeline([payload for payload, _ in requests])
         return time.time()
 
     def _repair(self, node: int) -> dict[str, Any]:
-        requests: list[tuple[Op, tuple[bytes, ...]]] = []
+        requests: list[bytes] = []
         self.down_nodes.discard(node)
         for rank in self.nodes[node]:
             self.exit_code.pop(rank, None)
@@ -545,13 +582,13 @@ class StandInNodes:
             # control/processes.WorkerProcesses.start(joining=True), then _follow_loop's first pass lowers FENCE.
             for key in (Keys.join_ready(rank), Keys.join_generation(rank), Keys.exited(rank), Keys.error(rank),
                         Keys.fence(rank)):
-                requests.append((Op.DELETE, (_b(key),)))
+                requests.append(pack_fields(Op.DELETE, (_b(key),)))
             self.counters.sent["join"] += 5
         self.client.pipeline(requests)
         ready = []
         now = time.time()
         for rank in self.nodes[node]:
-            ready.append((Op.SET, (_b(Keys.join_ready(rank)), _b(to_json(JoinReady(now, 0))))))
+            ready.append(pack_fields(Op.SET, (_b(Keys.join_ready(rank)), _b(to_json(JoinReady(now, 0))))))
             self.joiners.add(rank)
             self.counters.sent["join"] += 1
         self.client.pipeline(ready)
@@ -562,4 +599,15 @@ def standin_main(spec: NodesSpec, commands: Any) -> None:
     """A stand-in process's entry point."""
     if spec.niceness:
         os.nice(spec.niceness)
-    StandInNodes(spec).run(commands)
+    if not spec.profile_path:
+        StandInNodes(spec).run(commands)
+        return
+    import cProfile
+
+    profiler = cProfile.Profile(time.process_time)  # (its watcher thread's calls are not seen: the loop's are)
+    profiler.enable()
+    try:
+        StandInNodes(spec).run(commands)
+    finally:
+        profiler.disable()
+        profiler.dump_stats(spec.profile_path)

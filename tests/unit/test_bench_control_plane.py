@@ -83,7 +83,7 @@ def test_a_recoverys_views_are_written_with_the_collector_paused_and_it_is_on_ag
 
 
 def test_the_stand_ins_records_are_the_workers_records_byte_for_byte(bench: ModuleType) -> None:
-    from control_plane_nodes import beat_json, node_steps_json, node_stops_json, step_json, stopped_json, stopped_jsons
+    from control_plane_nodes import beat_json, node_steps_json, node_stops_json, step_json, stopped_json
 
     from recycle.runtime.protocol.records import (Beat, NodeSteps, NodeStops, StepRecord, StepRows, StoppedReport,
                                                   to_json)
@@ -100,8 +100,7 @@ def test_the_stand_ins_records_are_the_workers_records_byte_for_byte(bench: Modu
     error = 'generation 3 was aborted by the coordinator "quoted" \u00e9'
     assert stopped_json(17, 3, 4, 5, error, 1700000000.123) == \
         to_json(StoppedReport(17, 3, 4, 5, 0, 0.0, 0, 0.0, error, 1700000000.123)).encode()
-    assert stopped_jsons([16, 17], 3, 4, 5, error, 1.5) == [stopped_json(r, 3, 4, 5, error, 1.5) for r in (16, 17)]
-    assert node_stops_json(2, 3, stopped_jsons([16, 17], 3, 4, 5, error, 1.5)) == \
+    assert node_stops_json(2, 3, [16, 17], 4, 5, error, 1.5) == \
         to_json(NodeStops(2, 3, tuple(StoppedReport(r, 3, 4, 5, 0, 0.0, 0, 0.0, error, 1.5)
                                       for r in (16, 17)))).encode()
 
@@ -111,3 +110,13 @@ def test_a_size_the_failures_do_not_fit_is_refused_with_one_line(bench: ModuleTy
         bench.main(["--ranks", "32", "--failures", "5"])
     with pytest.raises(SystemExit, match=r"^error: --ranks-per-node 0 must be at least 1"):
         bench.main(["--ranks", "32", "--ranks-per-node", "0"])
+
+
+def test_a_stand_in_nodes_step_records_from_its_template_are_the_records_byte_for_byte(bench: ModuleType) -> None:
+    from control_plane_nodes import _Mark, node_steps_json
+
+    workers = [(0, 2), (0, 3), (1, 0)]
+    template = node_steps_json(5, _Mark("step"), workers, 2, _Mark("start"), _Mark("end"), 3).decode()
+    for step, start, end in ((7, 1.25, 3.5), (8, 0.1, 0.30000000000000004)):
+        filled = (template % {"step": step, "start": repr(start), "end": repr(end)}).encode()
+        assert filled == node_steps_json(5, step, workers, 2, start, end, 3)
