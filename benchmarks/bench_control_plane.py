@@ -18,8 +18,10 @@ Measured per size, on one coordinator process (store server thread + supervisor 
   exit flag in the store -> the abort written, plus the last stop report (digest) in the store -> the
   announcement (reading the reports, the plan provider, each worker's plan view, the announcement). The store
   server's work to take in the reports is left out of it (it is in the end-to-end figure, and in
-  store_server_cpu_fraction's per-request cost); coordinator_announce_without_plan_s leaves out the plan provider,
-  and plan_to_announce_cpu_s is the supervisor thread's CPU time from the plan chosen to the announcement.
+  store_server_cpu_fraction's per-request cost); coordinator_announce_without_plan_s leaves out the plan provider's
+  call where it was on the path (plan_on_path_s: its part after the last report landed; the coordinator asks a
+  repeatable provider at the abort), and plan_to_announce_cpu_s is the supervisor thread's CPU time from the plan in
+  hand (or the start of the announcement's work, if later) to the announcement.
 - silent_detect_to_announce_s: a worker frozen (its heartbeat stops) -> announcement, minus the heartbeat timeout
   (the part the control plane adds to the timeout); node_detect_to_announce_s: a whole node silent, the same.
 - join_s: the repaired node's replacements say they are ready -> the announcement that admits them (it waits for
@@ -156,9 +158,11 @@ def bench_library(base: Plan, states: list[frozenset[tuple[int, int]]]) -> PlanL
 
 @dataclass
 class LibraryProvider:
-    """A PlanProvider: the library's lookup (PlanLibrary.lookup, as a user's coordinator calls it), timed per call."""
+    """A PlanProvider: the library's lookup (PlanLibrary.lookup, as a user's coordinator calls it), timed per call;
+    repeatable like the library (ir.provider), so the coordinator asks at the abort, as it asks a user's library."""
 
     library: PlanLibrary
+    repeatable: bool = True
     calls: list[tuple[float, float]] = field(default_factory=list)  # (start, end) wall clock
     ended_cpu: list[float] = field(default_factory=list)  # the calling thread's CPU clock at each call's end
 
@@ -275,14 +279,16 @@ class SupervisorTrace:
     load on the cores does not count)."""
 
     ACTIVITIES = ("_take_node_steps", "_take_node_stops", "_stopped_reports", "_complete_recovery", "_drain",
-                  "_announce")
+                  "_prepare_next", "_announce")
 
     def __init__(self, supervisor: Supervisor) -> None:
         self.cpu = dict.fromkeys(self.ACTIVITIES, 0.0)
         self.snaps: dict[str, tuple[float, dict[str, float]]] = {}
         self.depth = 0
+        self.announce_started: list[float] = []  # the thread's CPU clock as each _announce began
         for name in self.ACTIVITIES:
-            setattr(supervisor, name, self._timed(name, getattr(supervisor, name)))
+            if hasattr(supervisor, name):  # (_prepare_next: not in the tree before it)
+                setattr(supervisor, name, self._timed(name, getattr(supervisor, name)))
 
     def _timed(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -290,6 +296,8 @@ class SupervisorTrace:
                 return method(*args, **kwargs)
             self.depth += 1
             started = time.thread_time()
+            if name == "_announce":
+                self.announce_started.append(started)
             try:
                 return method(*args, **kwargs)
             finally:
@@ -664,12 +672,20 @@ def _failure(cluster: _Cluster, rank: int, command: str) -> dict[str, Any]:
     when, announced = _wait_announced(cluster, generation, lambda a: rank not in a.live)
     cluster.wait_for("the recovery to complete", cluster.settled(reported))
     written = cluster.store.written
-    plan_start, plan_end = cluster.provider.calls[calls_before] if len(cluster.provider.calls) > calls_before \
-        else (when, when)
-    # The supervisor thread's CPU time from the plan's choice to the announcement (its wall time, less what the
-    # thread waited for a core or the GIL: the store server thread of its process, the stand-ins).
-    plan_cpu = cluster.provider.ended_cpu[calls_before] if len(cluster.provider.ended_cpu) > calls_before else None
+    # The provider's call whose plan was announced: the last one (the coordinator asks a repeatable provider at the
+    # abort, while the reports come in, and again only if the failed set changed by the announcement).
+    asked = len(cluster.provider.calls) > calls_before
+    plan_start, plan_end = cluster.provider.calls[-1] if asked else (when, when)
+    # The supervisor thread's CPU time from the plan in hand (or, when it was asked for before, from the start of
+    # the announcement's work: Supervisor._announce) to the announcement (its wall time, less what the thread waited
+    # for a core or the GIL: the store server thread of its process, the stand-ins).
+    plan_cpu = cluster.provider.ended_cpu[-1] if asked else None
     announced_cpu = cluster.store.announced_cpu.get(announced)
+    trace = cluster.store.trace
+    if trace is not None and announced_cpu is not None:
+        started = max((cpu for cpu in trace.announce_started if cpu <= announced_cpu), default=None)
+        if started is not None and (plan_cpu is None or plan_cpu < started):
+            plan_cpu = started  # the plan was in hand when the announcement's work began
     abort = written.get(Keys.abort(generation), when)
     _, _, events = cluster.stats()
     noticed = [e["time"] for e in events if e["kind"] == "stopped" and e["generation"] == generation]
@@ -749,13 +765,19 @@ def _phases(row: dict[str, Any]) -> str:
     """One failure's recovery, phase by phase, for the log."""
     failed, abort, noticed, sent = row["failed_at"], row["abort"], row["noticed"], row["reports_sent"]
     return (f"announced after {row['announced'] - failed:.3f} s (abort {abort - failed:.3f} s, last stand-in saw it "
-            f"{noticed - abort:.3f} s later, its reports sent {sent - noticed:.3f} s later, plan asked "
-            f"{row['plan_start'] - sent:.3f} s later; the coordinator thread's CPU from the abort to the "
+            f"{noticed - abort:.3f} s later, its reports sent {sent - noticed:.3f} s later and in the store "
+            f"{row['last_report_landed'] - sent:.3f} s later; plan asked {row['plan_start'] - abort:.3f} s after the "
+            f"abort, for {row['plan_end'] - row['plan_start']:.3f} s; the coordinator thread's CPU from the abort to the "
             f"announcement, ms: {_cpu_text(row.get('abort_to_announce_cpu_ms'))})")
 
 
 def _cpu_text(spent: dict[str, float] | None) -> str:
     return "-" if not spent else ", ".join(f"{name.strip('_')} {ms:.0f}" for name, ms in spent.items())
+
+
+def _plan_on_path(row: dict[str, Any]) -> float:
+    """The part of the provider's call after the last stop report landed (asked at the abort, it is mostly before)."""
+    return max(0.0, row["plan_end"] - max(row["plan_start"], row["last_report_landed"]))
 
 
 def _coordinator_part(row: dict[str, Any]) -> float:
@@ -773,8 +795,7 @@ def _failure_summary(exits: list[dict[str, Any]], silent: list[dict[str, Any]], 
         # Left out: the survivors seeing the abort and writing their reports (stand-ins on this machine's cores).
         "coordinator_announce_s": med(_coordinator_part, exits),
         "coordinator_announce_max_s": max(map(_coordinator_part, exits), default=None),
-        "coordinator_announce_without_plan_s": med(
-            lambda r: _coordinator_part(r) - (r["plan_end"] - r["plan_start"]), exits),
+        "coordinator_announce_without_plan_s": med(lambda r: _coordinator_part(r) - _plan_on_path(r), exits),
         "flag_landed_to_abort_s": med(lambda r: r["abort"] - r["flag_landed"], exits),
         "abort_to_last_report_landed_s": med(lambda r: r["last_report_landed"] - r["abort"], exits),
         "last_report_landed_to_announce_s": med(lambda r: r["announced"] - r["last_report_landed"], exits),
@@ -782,14 +803,15 @@ def _failure_summary(exits: list[dict[str, Any]], silent: list[dict[str, Any]], 
         "failures": len(exits),
         "flag_to_abort_s": med(lambda r: r["abort"] - r["failed_at"], exits),
         "abort_to_plan_s": med(lambda r: r["plan_start"] - r["abort"], exits),
+        "plan_on_path_s": med(_plan_on_path, exits),
         "abort_seen_s": med(lambda r: r["noticed"] - r["abort"], exits),
         "reports_sent_s": med(lambda r: r["reports_sent"] - r["noticed"], exits),
         "reports_read_s": med(lambda r: r["plan_start"] - r["reports_sent"], exits),
         "plan_s": med(lambda r: r["plan_end"] - r["plan_start"], exits),
-        "plan_to_announce_s": med(lambda r: r["announced"] - r["plan_end"], exits),
+        "plan_to_announce_s": med(lambda r: r["announced"] - max(r["plan_end"], r["last_report_landed"]), exits),
         "plan_to_announce_cpu_s": _median([r["plan_to_announce_cpu"] for r in exits
                                            if r["plan_to_announce_cpu"] is not None]),
-        "control_plane_s": med(lambda r: r["announced"] - r["failed_at"] - (r["plan_end"] - r["plan_start"]), exits),
+        "control_plane_s": med(lambda r: r["announced"] - r["failed_at"] - _plan_on_path(r), exits),
         # The supervisor thread's CPU from the abort to the announcement, by activity (SupervisorTrace), median.
         "abort_to_announce_cpu_ms": {name: _median([r["abort_to_announce_cpu_ms"].get(name, 0.0) for r in exits
                                                     if r.get("abort_to_announce_cpu_ms")])
@@ -843,14 +865,15 @@ ROWS = [
     ("  abort -> the last stop report in the store", "abort_to_last_report_landed_s", " s"),
     ("  last stop report in the store -> announced", "last_report_landed_to_announce_s", " s"),
     ("  flag -> abort written (detection)", "flag_to_abort_s", " s"),
-    ("  abort -> plan asked (every stopped report read)", "abort_to_plan_s", " s"),
+    ("  abort -> plan asked", "abort_to_plan_s", " s"),
     ("    abort -> the last stand-in sees it", "abort_seen_s", " s"),
     ("    -> its stopped reports are all sent", "reports_sent_s", " s"),
     ("    -> the coordinator has read them all", "reports_read_s", " s"),
-    ("  plan provider (not the control plane)", "plan_s", " s"),
-    ("  plan chosen -> announced (plan JSON + store)", "plan_to_announce_s", " s"),
-    ("    ... its CPU time (the supervisor thread)", "plan_to_announce_cpu_s", " s"),
-    ("  control plane alone (without plan_s)", "control_plane_s", " s"),
+    ("  plan provider's call", "plan_s", " s"),
+    ("    ... of it after the last stop report landed", "plan_on_path_s", " s"),
+    ("  plan and last report in -> announced (views + store)", "plan_to_announce_s", " s"),
+    ("    ... CPU of the announcement's work (supervisor)", "plan_to_announce_cpu_s", " s"),
+    ("  control plane alone (without the plan on the path)", "control_plane_s", " s"),
     ("frozen worker: announce after the heartbeat timeout", "silent_beyond_timeout_s", " s"),
     ("  its abort after the heartbeat timeout (detection)", "silent_abort_beyond_timeout_s", " s"),
     ("silent node: announce after the heartbeat timeout", "node_beyond_timeout_s", " s"),

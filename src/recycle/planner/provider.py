@@ -44,7 +44,11 @@ def _check_states(config: Config, max_failures: int) -> None:
 
 
 class PlanLibrary:
-    """A plan store in memory; `lookup(failed)` maps a real failure set to a plan on the real ranks."""
+    """A plan store in memory; `lookup(failed)` maps a real failure set to a plan on the real ranks. The library is
+    a repeatable PlanProvider itself (ir.provider): the same failed set gives the same plan, and a lookup changes
+    nothing."""
+
+    repeatable = True
 
     def __init__(self, store: PlanStore, patterns: dict[tuple, Plan] | None = None) -> None:
         self.store = store
@@ -93,6 +97,9 @@ class PlanLibrary:
     @classmethod
     def load(cls, directory: str | Path, config: Config) -> "PlanLibrary":
         return cls(PlanStore.load(directory, config))
+
+    def __call__(self, failed: frozenset[tuple[int, int]]) -> PlanChoice:
+        return self.lookup(failed)
 
     def lookup(self, failed: frozenset[tuple[int, int]]) -> PlanChoice:
         """The plan for `failed` (a PlanProvider: pass `library.lookup` to the launcher)."""
