@@ -429,7 +429,10 @@ class StandInNodes:
         announcement = from_json(Announcement, raw)
         live = set(announcement.live)
         readers = sorted((self.members | self.joiners) & live)
-        views = client.pipeline([pack_fields(Op.GET, (_b(Keys.plan_view(generation, rank)), b"0")) for rank in readers])
+        asks = [pack_fields(Op.GET, (_b(Keys.plan_view(generation, rank)), b"0")) for rank in readers]
+        # (BATCH at a time, as the other traffic: a real worker reads its own view, 2 KB; 8,192 in one pipelined
+        # burst kept 16 MB of replies queued on the store)
+        views = [reply for start in range(0, len(asks), BATCH) for reply in client.pipeline(asks[start:start + BATCH])]
         assert all(status == Status.OK and values for status, values in views), "every live rank has a plan view"
         for rank in self.members | self.joiners:
             if rank not in live and self._running(rank):

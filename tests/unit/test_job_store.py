@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from recycle.runtime.protocol.store import (LocalStore, StoreAuthError, StoreClient, StoreFenced, StoreInterrupted,
                                             StoreLimits, StoreServer)
-from recycle.runtime.protocol.store.wire import (MAGIC, NONCE_BYTES, FrameReader, Session, WireError, encode_frame,
-                                                 token_key)
+from recycle.runtime.protocol.store.wire import (MAGIC, NONCE_BYTES, FrameReader, Op, Session, Status, WireError,
+                                                 encode_frame, pack_fields, token_key, unpack_fields)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,6 +64,31 @@ def test_a_wait_is_answered_the_moment_its_key_appears(server) -> None:
     threading.Timer(0.2, lambda: local.set("other", "2")).start()  # the coordinator's in-process writes wake too
     assert waiter.wait_any(["never", "other"], 5.0) == 1
     assert waiter.wait_any(["never"], 0.1) is None
+
+
+def test_replies_queued_for_a_client_that_has_not_read_them_stall_no_one(server) -> None:
+    """A client that pipelines many requests before it reads (a node's batch) gets its replies as its socket takes
+    them; they are not copied whole on every new reply, which made the store's thread quadratic in the backlog and
+    stalled every other connection (300 reads of 256 KB: 75 MB queued)."""
+    big = os.urandom(256 << 10)
+    client(server, "worker/1/a").set("big", big)
+    greedy = client(server, "worker/2/a")
+    assert greedy.get("big") == big  # (connected)
+    sock, session = greedy._sock, greedy._session
+    assert sock is not None and session is not None
+    sock.sendall(session.seal_frames([pack_fields(Op.GET, (b"big", b"0"))] * 300))
+    time.sleep(0.2)  # the store has read the requests and queued their replies
+    started = time.monotonic()
+    other = client(server, "worker/3/a")
+    other.set("quick", "1")
+    assert other.get("quick") == b"1"
+    assert time.monotonic() - started < 2.0
+    replies: list[bytes] = []
+    while len(replies) < 300:  # and the greedy client gets every reply, in order
+        for frame in greedy._reader.feed(sock.recv(1 << 20)):
+            status, values = unpack_fields(session.open(frame))
+            replies.append(values[0] if status == Status.OK else b"")
+    assert all(reply == big for reply in replies)
 
 
 def test_a_wrong_token_is_refused_at_once_with_a_clear_message(server) -> None:

@@ -25,6 +25,7 @@ from recycle.runtime.protocol.store.wire import (AUTH_FAILED, MAGIC, MAX_FRAME_B
 __all__ = ["StoreServer", "StoreLimits"]
 
 _log = logging.getLogger(__name__)
+SEND_CHUNK = 1 << 20  # bytes a flush hands the socket at most (the rest when it is writable again)
 
 
 @dataclass(frozen=True)
@@ -374,18 +375,25 @@ class StoreServer:
     def _queue(self, conn: _Conn, frame: bytes) -> None:
         mine = threading.current_thread() is self._thread
         with self._lock:
+            backlog = bool(conn.out)
             conn.out += frame
             if not mine:
                 self._ready.append(conn)
         if mine:
-            self._flush(conn)
+            # With replies already waiting, the socket took no more: the selector flushes them all when it can (its
+            # write event is on). A flush per reply copied the whole backlog each time: a client that pipelines
+            # thousands of requests before reading (a node reading its workers' views) made that quadratic and
+            # stalled every connection of the store.
+            if not backlog:
+                self._flush(conn)
         else:
             self._wake()
 
     def _flush(self, conn: _Conn) -> None:
-        """Send what is queued (network thread only; never under a lock: a failed send drops the connection)."""
+        """Send what is queued (network thread only; never under a lock: a failed send drops the connection), at most
+        SEND_CHUNK bytes a call: the rest when the socket can take more."""
         with self._lock:
-            pending = bytes(conn.out)
+            pending = bytes(conn.out[:SEND_CHUNK])
         sent = 0
         try:
             while sent < len(pending):
