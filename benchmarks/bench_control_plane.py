@@ -384,6 +384,7 @@ class Settings:
     standins: int = 2  # 0: stand-ins as threads of this process (tests)
     profile: bool = False
     event_timeout_s: float = 120.0
+    prepare: bool = True  # the provider is repeatable (a plan library): the coordinator asks it at the abort
 
     def check(self) -> None:
         for name, value in (("--ranks", self.ranks), ("--ranks-per-node", self.ranks_per_node),
@@ -433,7 +434,7 @@ class _Cluster:
             lost = {self.base.worker(r) for r in node_ranks(live, self.nnodes, self.lost_node)}
             states.append((states[-1] if states else frozenset()) | lost)
         started = time.perf_counter()
-        self.provider = LibraryProvider(bench_library(self.base, states))
+        self.provider = LibraryProvider(bench_library(self.base, states), repeatable=s.prepare)
         self.setup_library_s = time.perf_counter() - started
         token = new_token()
         self.server: StoreServer = host_store("127.0.0.1", 0, token)
@@ -918,13 +919,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--standins", type=int, default=2, help="stand-in processes (0: threads of this process)")
     parser.add_argument("--profile", action="store_true", help="cProfile the supervisor over a second window")
     parser.add_argument("--event-timeout-s", type=float, default=120.0, help="give up on a phase after this long")
+    parser.add_argument("--no-prepare", action="store_true", help="ask the plan provider at the announcement only "
+                        "(as a provider that is not repeatable), not at the abort")
     args = parser.parse_args(argv)
     runs = []
     for ranks in args.ranks or [1024]:
         settings = Settings(ranks, args.ranks_per_node, args.stages, args.microbatches, args.failures,
                             args.silent_failures, not args.no_join, args.steady_s, args.step_s, args.heartbeat_s,
                             args.heartbeat_timeout_s, standins=args.standins, profile=args.profile,
-                            event_timeout_s=args.event_timeout_s)
+                            event_timeout_s=args.event_timeout_s, prepare=not args.no_prepare)
         started = time.perf_counter()
         run = run_size(settings, log=lambda line: print(line, flush=True))
         run["wall_s"] = time.perf_counter() - started
