@@ -137,7 +137,8 @@ def bench_library(base: Plan, states: list[frozenset[tuple[int, int]]]) -> PlanL
     run will meet) and of no failure: per key (states one relabelling of pipelines maps: PlanStore) or per failure
     pattern across pipelines (PlanLibrary.patterns), each made by rerouted_plan on the state's canonical layout
     rather than by the planner, whose seconds per state at 16,384 ranks are no part of a failure's path. A failure
-    then costs the coordinator what it costs a user's: PlanLibrary.lookup (normalize, a renaming onto the real ranks)."""
+    then costs the coordinator what it costs a user's: PlanLibrary.lookup (normalize, a renaming onto the real
+    ranks)."""
     D, S = base.num_replicas, base.num_stages
     config = bench_config(D, S, base.num_microbatches)
     plans: dict[tuple[int, ...], Plan] = {(0,) * S: base}
@@ -768,7 +769,8 @@ def _phases(row: dict[str, Any]) -> str:
     return (f"announced after {row['announced'] - failed:.3f} s (abort {abort - failed:.3f} s, last stand-in saw it "
             f"{noticed - abort:.3f} s later, its reports sent {sent - noticed:.3f} s later and in the store "
             f"{row['last_report_landed'] - sent:.3f} s later; plan asked {row['plan_start'] - abort:.3f} s after the "
-            f"abort, for {row['plan_end'] - row['plan_start']:.3f} s; the coordinator thread's CPU from the abort to the "
+            f"abort, for {row['plan_end'] - row['plan_start']:.3f} s; the coordinator thread's CPU from the abort to "
+            "the "
             f"announcement, ms: {_cpu_text(row.get('abort_to_announce_cpu_ms'))})")
 
 

@@ -13,8 +13,8 @@ from recycle.ir.actions import Action, Kind
 from recycle.ir.compact import CompactActions
 from recycle.ir.plan import Plan
 
-__all__ = ["FailurePattern", "pattern_of", "enumerate_patterns", "rename_replicas", "row_classes", "with_shared_actions",
-           "shared_action"]
+__all__ = ["FailurePattern", "pattern_of", "enumerate_patterns", "rename_replicas", "row_classes",
+           "with_shared_actions", "shared_action"]
 
 StageSet = tuple[int, ...]
 
