@@ -266,22 +266,27 @@ class StandInNodes:
         # What keeps the nodes alive in the coordinator's eyes goes first; the rest within a budget per pass, so
         # that an overloaded stand-in (this machine, not a real node) falls behind on flag polls, not on beats.
         with self.lock:
-            requests, reported = self._recovery(now, self.client)
+            recovery, reported = self._recovery(now, self.client)
             self._steps(now)
-        requests += self._beats(elapsed, now)
+        if recovery:  # (as one burst, as the nodes' launchers send them: each node's at once)
+            self._flush(self.client, recovery, reported, len(recovery))
+        requests = self._beats(elapsed, now)
         requests += self._node_heartbeats(elapsed, now)
         budget = len(requests) + BUDGET
         while self.metrics and len(requests) < budget:
             requests.append(self.metrics.popleft())
         requests += self._node_polls(elapsed, budget - len(requests))
-        self._flush(self.client, requests, reported)
-        return bool(requests)
+        self._flush(self.client, requests, None)
+        return bool(requests or recovery)
 
-    def _flush(self, client: PipelinedClient, requests: list[Request], reported: int | None) -> None:
+    def _flush(self, client: PipelinedClient, requests: list[Request], reported: int | None,
+               batch: int = BATCH) -> None:
         """Send `requests` in pipelined batches and hand each reply to its callback; `reported`: the generation
-        whose stop reports are among them (timed for the benchmark)."""
-        for start in range(0, len(requests), BATCH):
-            chunk = requests[start:start + BATCH]
+        whose stop reports are among them (timed for the benchmark). A recovery's requests (every node's stop digest,
+        or its workers' records of the next generation) go in one batch: 2,048 launchers send theirs at once, not
+        in rounds of BATCH that each wait for the last one's replies."""
+        for start in range(0, len(requests), max(1, batch)):
+            chunk = requests[start:start + max(1, batch)]
             replies = client.pipeline([payload for payload, _ in chunk])
             for (_, on_reply), (status, values) in zip(chunk, replies):
                 if on_reply is not None:
@@ -359,7 +364,7 @@ class StandInNodes:
                     self.announced = g
             with self.lock:
                 requests, reported = self._recovery(time.time(), self.watch_client)
-            self._flush(self.watch_client, requests, reported)
+            self._flush(self.watch_client, requests, reported, len(requests))
 
     # -- the workers' main threads: steps, stop reports, the next generation ---------------------------------------
     def _steps(self, now: float) -> None:
