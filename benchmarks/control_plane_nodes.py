@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -608,9 +607,6 @@ def standin_main(spec: NodesSpec, commands: Any) -> None:
     """A stand-in process's entry point."""
     if spec.niceness:
         os.nice(spec.niceness)
-    # One process plays hundreds of nodes: its watcher thread (an abort seen, the nodes' stop digests sent) would wait
-    # up to 5 ms for the loop thread to hand over the GIL at each step, where a real node's launcher has its own.
-    sys.setswitchinterval(0.0005)
     if not spec.profile_path:
         StandInNodes(spec).run(commands)
         return
