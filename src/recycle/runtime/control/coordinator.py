@@ -576,7 +576,10 @@ class Coordinator:
 
     def _maybe_announce(self, now: float) -> list[Command]:
         state = self.state
-        if not state.recovering or state.finished or not state.live <= set(state.reports) | state.done:
+        if not state.recovering or state.finished:
+            return []
+        # (counted first: the set test below walks every live rank, and runs on each look at new reports)
+        if len(state.reports) + len(state.done) < len(state.live) or not state.live <= set(state.reports) | state.done:
             return []
         if state.restore and (state.moving or not self._every_stage_held()):
             return []  # wait for every moved worker and a replacement in every lost stage (on_tick: timeout)

@@ -385,11 +385,17 @@ class Supervisor:
         written = self.stopped_in.pop(state.generation, set())
         digested = self.digested.pop(state.generation, {})
         if not written and not digested:
-            return []  # (not a set difference over every live rank on every tick)
-        wanted = state.live - set(state.reports) - state.done
+            return []
+        # Per new report, not a set difference over every live rank: at 16,384 workers the digests trickle in over
+        # a hundred ticks, and a pass over every rank on each cost the recovery 1.5 s of CPU.
+        live, reported, done = state.live, state.reports, state.done
+
+        def wanted(rank: int) -> bool:
+            return rank in live and rank not in reported and rank not in done
+
         found = [report for report in (self.jobs.read(Channels.STOPPED, state.generation, rank)
-                                       for rank in sorted(written & wanted)) if report is not None]
-        found += [digested[rank] for rank in sorted(digested.keys() & (wanted - written))]
+                                       for rank in sorted(filter(wanted, written))) if report is not None]
+        found += [digested[rank] for rank in sorted(digested) if rank not in written and wanted(rank)]
         return self.coordinator.on_stopped_all(sorted(found, key=lambda report: report.rank), now)
 
     def _written_shards(self) -> list[tuple[int, int]]:
