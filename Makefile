@@ -17,11 +17,12 @@ demo: $(VENV_STAMP)
 	$(PY) -m recycle demo --out out/demo
 
 # Both type-check runtime/ and ir/ first ([tool.mypy] in pyproject.toml): a mypy error fails the target.
-# One pytest process: the multi-process tests fill both cores, so two pytest processes (-n 2) took as long here
-# (17:35 against 17:16) and slowed re-joins past the end of short runs. make test-fast's unit tests gain from two.
+# make test: two pytest processes side by side (tests/run_suite.py): the tests marked `timing` (heartbeat timeouts,
+# paced re-joins) one after the other in one, every other test in the other. (pytest -n 2 ran two timing tests at
+# once, which slowed re-joins past the end of short runs.) make test-fast: the tests not marked slow, -n 2.
 test: $(VENV_STAMP)
 	$(PY) -m mypy
-	$(PY) -m pytest -q --durations=15
+	$(PY) tests/run_suite.py
 
 test-fast: $(VENV_STAMP)
 	$(PY) -m mypy

@@ -1,7 +1,8 @@
 """How much of a cold replay the 1F1B floor decides, counted (the same on a loaded machine): ReCycle's planned keys
-whose period is at or below the floor, ReCycle+'s partition searches skipped there (`settled_at_floor`), and, for a
-change of plan not made, how many keys' first-rule estimate is under the floor and whether any of those is planned
-above it (the keys that change would move).
+whose period is at or below the floor, ReCycle+'s partition searches skipped there (`settled_at_floor`), how many
+keys' first-rule estimate is under the floor (the keys a replay now settles without a plan:
+`ThroughputModel.period_cap`, docs/planner.md "An upper bound from the first rule schedule") and whether any of
+those is planned above it (the proof there says never; this counts it on a real trace).
 
 Run: nice -n 10 .venv/bin/python benchmarks/replay_floor_counts.py [--trace long-400|NAME|SPEC]
 
@@ -82,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ReCycle's planned keys: {len(keys)}, planned period at or below the 1F1B floor: "
           f"{sum(k[1] <= k[3] for k in keys)}")
     print(f"ReCycle+'s partition choices: {searches['asked']}, settled at the floor (no search): {searches['settled']}")
-    print(f"first rule's estimate at or below the floor: {len(under)} keys, of them planned above it (a first-rule "
-          f"shortcut would move their rate): {sum(k[1] > k[3] for k in under)}")
+    print(f"first rule's estimate at or below the floor: {len(under)} keys, of them planned above it (a "
+          f"counter-example to the upper bound): {sum(k[1] > k[3] for k in under)}")
     if keys:
         print(f"largest planned period / first-rule estimate: {max(k[1] / k[2] for k in keys)!r}")
     return 0

@@ -6,7 +6,17 @@ import os
 from typing import Any, Callable, Iterator
 
 import pytest
-import torch
+
+# One intra-op thread in the suite and in every process it starts (they inherit OMP_NUM_THREADS), as a worker runs
+# (runtime.worker): ops on tiny tensors gain nothing from a second thread, and on a busy 2-core machine its spinning
+# cost 8-14x the CPU of one thread (the single-process reference of a 28-step tiny run: 7.7-13.7 s of CPU against
+# 0.75-0.95 s, 9-37 s wall against 2-4.5 s, at a load of 5). A value the caller sets wins.
+_THREADS = os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402  (after OMP_NUM_THREADS: torch reads it once, at import)
+
+if _THREADS.isdigit() and int(_THREADS) > 0:  # (in case something imported torch before this file)
+    torch.set_num_threads(int(_THREADS))
 
 from recycle.config import Config, parse_config
 
@@ -76,3 +86,4 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from recycle.planner.store import PlanStore
     from recycle.runtime.control.launcher import TrainResult
     from recycle.runtime.options import LaunchOptions
-    from recycle.runtime.worker.emulate import Emulation
+    from recycle.runtime.worker.emulation import Emulation
     from recycle.sim.simulator import SimResult
     from recycle.traces.jobsim import JobResult
     from recycle.traces.model import JobCosts
@@ -348,7 +348,7 @@ def _plan_library(config: Config, options: PlannerOptions, max_failures: int, pl
 def _seconds_per_unit(config: Config, emulation: Emulation | None) -> float | None:
     """Seconds per config time unit of a run: as paced (--emulate-costs), else microseconds as given; None for
     abstract slots that nothing paces."""
-    from recycle.runtime.worker.emulate import pacing_seconds_per_unit
+    from recycle.runtime.worker.emulation import pacing_seconds_per_unit
 
     if emulation is not None:
         return pacing_seconds_per_unit(config, emulation)

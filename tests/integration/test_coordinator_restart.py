@@ -18,6 +18,7 @@ from reference_check import LONG_RUN_TOLERANCE
 from test_separate_coordinator import _close_to_reference, _wait_for
 from test_train_multinode import free_port
 
+pytestmark = [pytest.mark.timing]
 ROOT = Path(__file__).resolve().parents[2]
 
 

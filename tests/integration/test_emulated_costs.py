@@ -17,6 +17,7 @@ from recycle.runtime.worker.emulate import CostPacer, Emulation, PacedComm, acti
 from recycle.schedules.fault_free import build_schedule
 from recycle.sim.simulator import simulate
 
+pytestmark = [pytest.mark.timing]
 TOY = "configs/toy.toml"
 
 

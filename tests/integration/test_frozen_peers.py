@@ -25,7 +25,7 @@ from recycle.runtime.tools.faults import FaultInjection
 from recycle.runtime.tools.reference import reference_train
 from recycle.schedules.fault_free import build_schedule
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 ROOT = Path(__file__).resolve().parents[2]
 OP_TIMEOUT_S = 30  # what a survivor blocked on a silent peer would wait without the abort (run() sets it too)

@@ -21,7 +21,7 @@ from recycle.runtime.tools.reference import reference_train
 from recycle.runtime.worker.emulate import Emulation
 from recycle.schedules.fault_free import build_schedule
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150), pytest.mark.timing]
 
 STEPS = 10
 

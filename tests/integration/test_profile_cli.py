@@ -11,6 +11,7 @@ from recycle.cli import main
 from recycle.config import load_config
 from recycle.models.split import StageModel, causal_lm_loss
 
+pytestmark = [pytest.mark.timing]
 TINY = "configs/tiny-gpt.toml"
 
 

@@ -22,7 +22,7 @@ from recycle.runtime.tools.faults import FaultInjection
 from recycle.runtime.tools.reference import reference_train
 from recycle.schedules.fault_free import build_schedule
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.timing]
 
 KILL_STEP = 1  # 0-based: the kill lands in the second of three steps
 

@@ -19,7 +19,7 @@ from reference_check import LONG_RUN_TOLERANCE
 from recycle.config import load_config
 from recycle.runtime.tools.reference import reference_train
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180), pytest.mark.timing]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,7 +23,7 @@ from recycle.runtime.tools.reference import reference_train
 from recycle.runtime.worker.emulate import Emulation
 from recycle.schedules.fault_free import build_schedule
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150), pytest.mark.timing]
 
 STEPS = 10
 PACING = Emulation(20.0, 1.0)  # 20 ms per slot: a step lasts ~0.3 s, so a replacement is up before the run ends

@@ -19,6 +19,7 @@ from test_train_multinode import free_port
 from recycle.config import load_config
 from recycle.runtime.tools.reference import reference_train
 
+pytestmark = [pytest.mark.timing]
 ROOT = Path(__file__).resolve().parents[2]
 
 

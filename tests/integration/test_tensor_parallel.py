@@ -23,7 +23,7 @@ from recycle.runtime.tools.reference import reference_train
 from recycle.runtime.worker.emulate import Emulation
 from recycle.schedules.fault_free import build_schedule
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.timing]
 CHAOS_SEED = 4
 
 

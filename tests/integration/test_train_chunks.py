@@ -20,7 +20,7 @@ from recycle.runtime.options import (ClusterOptions, DebugOptions, LaunchOptions
                                      with_keywords)
 from recycle.runtime.tools.reference import reference_train
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.timing]
 
 
 def chunked(config: Config, layout: str) -> Config:

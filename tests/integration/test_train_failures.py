@@ -15,7 +15,7 @@ from recycle.runtime.options import ClusterOptions, FaultOptions, LaunchOptions,
 from recycle.runtime.worker.process import FaultInjection
 from recycle.schedules.fault_free import build_schedule
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.timing]
 
 
 def tiny_config():

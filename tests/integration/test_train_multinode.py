@@ -18,6 +18,7 @@ import torch
 from recycle.config import load_config
 from recycle.runtime.tools.reference import reference_train
 
+pytestmark = [pytest.mark.timing]
 ROOT = Path(__file__).resolve().parents[2]
 
 def free_port() -> int:

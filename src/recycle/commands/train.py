@@ -15,15 +15,16 @@ from recycle.config import Config, Topology, load_config
 from recycle.errors import ConfigError
 from recycle.ir.worker import workers_text
 from recycle.runtime.control.cluster_env import NodeRole, resolve_role
-from recycle.runtime.options import (REDO_POLICIES, STAGE_LOSS_POLICIES, START_METHODS, CheckpointOptions, ClusterOptions,
-                                     CoordinatorPlace, DebugOptions, FaultOptions, LaunchOptions, OutputOptions,
-                                     RecoveryOptions, StartMethod, hosts_coordinator)
+from recycle.runtime.control.worker_start import warm_start
+from recycle.runtime.options import (REDO_POLICIES, STAGE_LOSS_POLICIES, START_METHODS, CheckpointOptions,
+                                     ClusterOptions, CoordinatorPlace, DebugOptions, FaultOptions, LaunchOptions,
+                                     OutputOptions, RecoveryOptions, StartMethod, hosts_coordinator)
 from recycle.runtime.tools.chaos import parse_chaos
 from recycle.runtime.tools.faults import FaultInjection, parse_fault, parse_rejoin
 
 if TYPE_CHECKING:
     from recycle.runtime.control.launcher import TrainResult
-    from recycle.runtime.worker.emulate import Emulation
+    from recycle.runtime.worker.emulation import Emulation
 
 # The launcher and the emulation pull in torch: they are imported in run(), so `recycle train --help` starts fast.
 
@@ -281,6 +282,8 @@ def run_job(args: argparse.Namespace, place: CoordinatorPlace) -> int:
 
         sink = TensorBoardSink(tensorboard)
         options = replace(options, sink=sink)
+    if place != "self":  # the coordinator process starts no worker
+        warm_start(options.cluster.start_method)
     try:
         result = train(config, plan, decoupled=not args.no_decouple, staggered=not args.no_stagger,
                        recover=not args.no_recover, max_failures=args.max_failures, plan_store=args.plan_store,
@@ -311,8 +314,8 @@ def _scripted_faults(specs: list[str],
 def _launch_options(args: argparse.Namespace, role: NodeRole, faults: list[tuple[int, FaultInjection]],
                     rejoins: list[tuple[int, int]], place: CoordinatorPlace = "node0") -> LaunchOptions:
     """The launcher's options from the command line (each part checks its flags' values as it is made)."""
-    from recycle.runtime.protocol.channels import read_token
-    from recycle.runtime.worker.emulate import DEFAULT_SLOT_MS, Emulation
+    from recycle.runtime.protocol.token import read_token
+    from recycle.runtime.worker.emulation import DEFAULT_SLOT_MS, Emulation
 
     checkpoint_every = args.checkpoint_every
     if checkpoint_every is None:
@@ -350,7 +353,7 @@ def check_emulation(config: Config, emulation: Emulation | None, timeout_s: floa
     """The longest action padded to its cost must end within --timeout, or its peers count it as stuck."""
     if emulation is None:
         return
-    from recycle.runtime.worker.emulate import pacing_seconds_per_unit
+    from recycle.runtime.worker.emulation import pacing_seconds_per_unit
 
     c = config.costs
     longest = max(max(c.forward), max(c.backward_fused), max(c.backward_input), max(c.backward_weight),

@@ -10,10 +10,10 @@ from recycle.errors import ConfigError
 from recycle.ir.provider import PlanProvider
 from recycle.runtime.tools.chaos import ChaosSpec
 from recycle.runtime.tools.faults import FaultInjection
+from recycle.runtime.worker.emulation import Emulation
 
 if TYPE_CHECKING:
     from recycle.runtime.control.reporter import EventSink
-    from recycle.runtime.worker.emulate import Emulation  # imports torch; `recycle train --help` does not need it
 
 __all__ = ["StageLossPolicy", "StartMethod", "Backend", "STAGE_LOSS_POLICIES", "START_METHODS", "BACKENDS",
            "MIN_TIMEOUT_S", "OutputOptions", "CheckpointOptions", "RecoveryOptions", "ClusterOptions", "FaultOptions",

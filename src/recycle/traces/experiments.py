@@ -200,8 +200,17 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
         # planner clamps float noise of its own bound to the period).
         return lambda key: period_lower_bound(config, key, opts) * (1 - 1e-9)
 
+    def cap_for(opts: PlannerOptions) -> Callable[[tuple[int, ...]], float] | None:
+        if plan_cache is None or not period_label.startswith("planner") or setup.solver != "heuristic":
+            return None
+        from recycle.planner.upper_bound import period_upper_bound
+
+        # A key whose first rule schedule proves its plan at or under the 1F1B floor gets the floor unplanned: the
+        # same rate as planned (docs/planner.md, "An upper bound from the first rule schedule").
+        return lambda key: _or_inf(period_upper_bound(config, key, opts))
+
     throughput = ThroughputModel(config, period_fn, seconds_per_unit(config, setup.slot_seconds), period_label,
-                                 floor_period=floor, period_bound=bound_for(options))
+                                 floor_period=floor, period_bound=bound_for(options), period_cap=cap_for(options))
     plus_options, plus_throughput = options, throughput
     if split_microbatches and (given_period_fn is not None or not period_label.startswith("planner")):
         raise ConfigError(f"--split-microbatches needs the planner's periods, but the period source is "
@@ -211,7 +220,8 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
         plus_options = replace(options, split_microbatches=True)
         plus_fn, _ = make_period_fn(config, setup.period_model, plus_options, setup.solver, plan_cache)
         plus_throughput = ThroughputModel(config, plus_fn, throughput.seconds_per_unit, f"{period_label}, split",
-                                          floor_period=floor, period_bound=bound_for(plus_options))
+                                          floor_period=floor, period_bound=bound_for(plus_options),
+                                          period_cap=cap_for(plus_options))
     if progress:
         progress(f"planning the fault-free state of {config.name} (D={config.num_replicas}, S={config.num_stages})")
     ctx = JobContext(config, throughput.fault_free(), throughput.seconds_per_unit, costs)
@@ -241,6 +251,8 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
         "period_model": period_label,
         "reference": setup.reference,
         "keys_planned": throughput.keys_planned,
+        # Of them, the keys whose first rule schedule proved them at the 1F1B floor: their rate without a plan.
+        "keys_at_floor_unplanned": throughput.keys_at_floor,
         # Whether ReCycle+ planned with micro-batches split into pieces (run_job's split_microbatches).
         "split_microbatches": plus_throughput is not throughput,
         "costs": costs.__dict__,
@@ -259,6 +271,10 @@ def run_job(config: Config, trace: EventTrace, systems: Sequence[str] = SYSTEM_N
         "torchft_groups": [{"time_s": t, "active_groups": n} for t, n in torchft.group_log] if torchft else [],
     }
     return replace(result, extra=extra)
+
+
+def _or_inf(value: float | None) -> float:
+    return math.inf if value is None else value
 
 
 def _partition_model(config: Config, throughput: ThroughputModel, options: PlannerOptions,

@@ -15,6 +15,7 @@ from recycle.planner.partition import (PARTITION_SEARCH_WORK, PartitionChoice, b
                                        configured_partition, ideal_period, layer_costs, migration_bytes,
                                        partition_bound, partition_caps, partition_config, partition_period)
 from recycle.planner.policy import DurationEstimate, LayerDecision
+from recycle.planner.upper_bound import period_upper_bound
 from recycle.traces.model import Decision, JobContext
 from recycle.traces.recycle_system import ReCycleSystem
 from recycle.traces.throughput import ThroughputModel, estimate_period
@@ -87,7 +88,7 @@ class PartitionModel:
         if cache_key not in self._period:
             if self.planner:
                 value = partition_period(self.config, key, partition, self.options, "heuristic", self.costs,
-                                         source=self.cache.period if self.cache else None)
+                                         source=self._floor_source if self.cache else None)
             else:
                 derived = partition_config(self.config, partition, self.costs)
                 value = estimate_period(derived, tuple(key), self.base.period((0,) * self.config.num_stages))
@@ -98,6 +99,40 @@ class PartitionModel:
             value = max(value, self.base.period((0,) * self.config.num_stages))
             self._period[cache_key] = value
         return self._period[cache_key]
+
+    def _at_floor_bound(self, config: Config, key: tuple[int, ...], options: PlannerOptions,
+                        solver: str) -> float | None:
+        """An upper bound on a moved layout's full plan period (`config`: the partition's, `options`: this model's
+        with its caps) when it proves that period at or under `moved_floor()`, else None: `period` floors a moved
+        layout there, so its planned period decides nothing (recycle.planner.upper_bound: one rule schedule)."""
+        if solver != "heuristic" or config.fingerprint() == self.config.fingerprint() or \
+                replace(options, memory_cap=self.options.memory_cap) != self.options:
+            return None
+        floor = self.moved_floor()
+        if period_lower_bound(config, key, options) > floor:
+            return None
+        bound = period_upper_bound(config, key, options)
+        return bound if bound is not None and bound <= floor else None
+
+    def _floor_source(self, config: Config, key: tuple[int, ...], options: PlannerOptions, solver: str,
+                      time_limit_s: float) -> float:
+        """The plan cache's period, or a bound at or under the moved layouts' floor (_at_floor_bound): `period`
+        floors either to the same value."""
+        assert self.cache is not None
+        bound = self._at_floor_bound(config, key, options, solver)
+        return bound if bound is not None else self.cache.period(config, key, options, solver, time_limit_s)
+
+    def _search_source(self, config: Config, key: tuple[int, ...], options: PlannerOptions, solver: str,
+                       time_limit_s: float) -> float:
+        """The partition search's periods: the plan cache's, except the polish of a moved layout proved at or
+        under the floor (_at_floor_bound), which gets that bound. Exact for one polished partition with the
+        search on (a screen's options differ from the polish's, so a screen is never bounded): the configured
+        layout's period is then above the floor (else `settled_at_floor`), so the polished partition beats it with
+        its planned period and with the bound alike, and `choice` floors the winner's period either way."""
+        assert self.cache is not None
+        if self.polish == 1 and self.options.search and not self.settled_at_floor(key):
+            return self._floor_source(config, key, options, solver, time_limit_s)
+        return self.cache.period(config, key, options, solver, time_limit_s)
 
     def known(self, key: tuple[int, ...], partition: tuple[int, ...]) -> bool:
         """Whether period(key, partition) is known in this run without planning (the configured layout: the base
@@ -168,18 +203,20 @@ class PartitionModel:
                                               polish=self.polish, screen_rules=self.screen_rules)
         return _CHOICES[shared]
 
-    def _search(self) -> dict[str, int]:
+    def _search(self) -> dict[str, float]:
         """The search's settings, part of a cached choice's inputs."""
         # screen_rules only when set: choices made with exact screens keep their entries' names.
+        # floor: a polished partition proved at or under it is kept with that bound as its period (_search_source).
         return {"max_evaluations": self.max_evaluations, "polish": self.polish, "work": PARTITION_SEARCH_WORK,
-                **({"screen_rules": self.screen_rules} if self.screen_rules is not None else {})}
+                **({"screen_rules": self.screen_rules} if self.screen_rules is not None else {}),
+                "floor": self.moved_floor()}
 
     def _cached_choice(self, key: tuple[int, ...], cache: PlanCache) -> PartitionChoice:
         search = self._search()
 
         def make() -> PartitionChoice:
             return best_partition(self.config, key, self.options, "heuristic", self.max_evaluations,
-                                  polish=self.polish, source=cache.period, screen_rules=self.screen_rules)
+                                  polish=self.polish, source=self._search_source, screen_rules=self.screen_rules)
 
         return cache.choice(self.config, key, self.configured, self.options, "heuristic", search, make,
                             lambda stored: self._stored_choice(key, stored, cache))
@@ -194,7 +231,7 @@ class PartitionModel:
                 type(complete) is not bool:
             raise ValueError(f"evaluated {evaluated!r} / complete {complete!r} are not a search's counts")
         period = partition_period(self.config, key, partition, self.options, "heuristic", self.costs,
-                                  source=cache.period)
+                                  source=self._search_source)
         base = partition_period(self.config, key, self.configured, self.options, "heuristic", self.costs,
                                 source=cache.period)
         if partition != self.configured and not period < base:

@@ -130,9 +130,13 @@ class ThroughputModel:
     # A lower bound on period_fn(key) that costs no planning (the planner's analytic bound), or None: rate_bound is
     # then the rate itself.
     period_bound: PeriodFn | None = None
+    # An upper bound on period_fn(key) that costs one rule schedule (recycle.planner.upper_bound; inf where none is
+    # known), or None: a key it proves at or under floor_period gets the floor without planning (issue 27 item 4).
+    period_cap: PeriodFn | None = None
 
     def __post_init__(self) -> None:
         self._cache: dict[tuple[int, ...], float] = {}
+        self.keys_at_floor = 0  # keys period_cap settled at the floor, unplanned
 
     @property
     def samples_per_iteration(self) -> int:
@@ -141,6 +145,11 @@ class ThroughputModel:
     def period(self, key: tuple[int, ...]) -> float:
         key = tuple(key)
         if key not in self._cache:
+            if self._at_floor(key):
+                assert self.floor_period is not None
+                self._cache[key] = self.floor_period  # max(period_fn(key), floor): the floor, whatever the plan
+                self.keys_at_floor += 1
+                return self.floor_period
             value = float(self.period_fn(key))
             if not value > 0:
                 raise RecycleError(f"period {value} for key {key} must be > 0")
@@ -148,6 +157,15 @@ class ThroughputModel:
                 value = max(value, self.floor_period)
             self._cache[key] = value
         return self._cache[key]
+
+    def _at_floor(self, key: tuple[int, ...]) -> bool:
+        """Whether period_cap proves period_fn(key) <= floor_period (the analytic lower bound first rules it out
+        where the plan cannot reach the floor, so no rule schedule is made there)."""
+        if self.floor_period is None or self.period_cap is None:
+            return False
+        if self.period_bound is not None and self.period_bound(key) > self.floor_period:
+            return False
+        return self.period_cap(key) <= self.floor_period
 
     def key_for(self, failed: Iterable[tuple[int, int]]) -> tuple[int, ...]:
         return normalize(failed, self.config.num_replicas, self.config.num_stages).key

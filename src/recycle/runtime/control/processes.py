@@ -3,7 +3,6 @@ A tensor-parallel worker is T processes on the node, started, watched and killed
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -14,7 +13,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from recycle.ir.worker import Worker
-from recycle.runtime.options import StartMethod
+from recycle.runtime.control.worker_start import start_context
 from recycle.runtime.protocol.channels import JobStore, Keys
 from recycle.runtime.worker.process import WorkerSpec, worker_main
 
@@ -26,17 +25,6 @@ def node_ranks(live: list[int], nnodes: int, node_rank: int) -> list[int]:
     base, extra = divmod(len(live), nnodes)
     start = node_rank * base + min(node_rank, extra)
     return live[start:start + base + (1 if node_rank < extra else 0)]
-
-
-def start_context(start_method: StartMethod) -> Any:
-    """The multiprocessing context the workers start from (typeshed's BaseContext lacks Process: hence Any)."""
-    context = mp.get_context(start_method)
-    if start_method == "forkserver":
-        # torch._dynamo: every worker's first optimizer step imports it (~0.5 s of CPU each, measured with AdamW);
-        # torch.distributed.tensor.parallel: every tensor-parallel worker's first step (~0.5 s more); once here.
-        context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
-                                        "torch.distributed.tensor.parallel", "recycle.runtime.worker.process"])
-    return context
 
 
 class WorkerProcess(Protocol):

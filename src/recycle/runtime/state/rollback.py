@@ -5,45 +5,14 @@ stage still has."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 
 from recycle.runtime.state.live_sources import LiveSources
-from recycle.runtime.state.stage_state import PLAIN_TENSORS as _PLAIN
 from recycle.runtime.state.stage_state import StageState, copy_state
 
 __all__ = ["StageSnapshot"]
-
-
-@dataclass(frozen=True)
-class _Reuse:
-    """The layout of a take whose plain tensors all went to saved tensors of their shape, dtype and device: the keys in
-    order, those of the plain tensors (`fused`) with their targets and (shape, dtype, device), and the rest."""
-
-    keys: tuple[str, ...]
-    fused: tuple[str, ...]
-    targets: list[torch.Tensor]
-    layout: list[tuple[torch.Size, torch.dtype, torch.device]]
-    others: tuple[str, ...]
-
-    @staticmethod
-    def of(live: dict[str, Any], saved: dict[str, Any]) -> _Reuse:
-        fused = tuple(key for key, value in live.items() if type(value) in _PLAIN)
-        others = tuple(key for key, value in live.items() if type(value) not in _PLAIN)
-        targets = [saved[key] for key in fused]
-        return _Reuse(tuple(live), fused, targets, [(t.shape, t.dtype, t.device) for t in targets], others)
-
-    def sources(self, live: dict[str, Any]) -> list[torch.Tensor]:
-        return [live[key] for key in self.fused]
-
-    def fits(self, live: dict[str, Any]) -> bool:
-        """The same keys in the same order, and each plain tensor of the same type, shape, dtype and device."""
-        if tuple(live) != self.keys:
-            return False
-        sources = self.sources(live)
-        return set(map(type, sources)) <= _PLAIN and [(t.shape, t.dtype, t.device) for t in sources] == self.layout
 
 
 class StageSnapshot:
@@ -57,30 +26,27 @@ class StageSnapshot:
     def __init__(self, state: StageState) -> None:
         self.state = state
         self._saved: dict[str, Any] | None = None  # its tensors are reused by the next take
-        self._reuse: _Reuse | None = None
-        self._sources: LiveSources | None = None  # the state's tensors as the last walk found them
+        self._copy: LiveSources | None = None  # how the last take copied the state, for a state of its layout
 
     def take(self, iteration: int) -> None:
-        sources, saved = self._sources, self._saved
-        if saved is not None and sources is not None and sources.intact():
-            # The state holds the same tensors as at the last take (every step but the first two and the one after
-            # a restore or a load): copied from them in one call, without walking the state dict (~0.3 ms of a
-            # small-preset stage's step; docs/runtime-performance.md). The values are the same.
-            sources.copy()
-            self.state.position.snapshot = iteration
-            return
-        live = self.state.state_dict()
-        reuse = self._reuse
-        if saved is not None and reuse is not None and reuse.fits(live):
-            # The same layout as the last take: the in-place copies in one call, without copy_state's checks per
-            # key. The values are the same.
-            with torch.no_grad():  # the sources are parameters: a copy must not be recorded by autograd
-                torch._foreach_copy_(reuse.targets, reuse.sources(live))
-            saved.update(copy_state({key: live[key] for key in reuse.others}, saved))
+        copy, saved = self._copy, self._saved
+        if saved is not None and copy is not None and copy.intact():
+            # The state holds the same entries as at the last walk (every step but the first two and the one after
+            # a restore or a load): copied from them without walking the state dict (~0.3 ms of a small-preset
+            # stage's step; docs/runtime-performance.md). The values are the same.
+            copy.copy(saved)
         else:
-            saved = self._saved = copy_state(live, saved)
-            self._reuse = _Reuse.of(live, saved)
-        self._sources = LiveSources.of(self.state, live, saved)
+            live = self.state.state_dict()
+            if saved is not None and copy is not None and copy.fits(live):
+                # The layout of the last walk: copied without copy_state's checks per key. Each step where no watch
+                # can tell (an optimizer that is not a TrainingOptimizer, a state dict hook), or the first after a
+                # restore or a load (the optimizer adopted other tensors: watched from now on).
+                copy.copy_from(live, saved)
+                if copy.watch is not None:
+                    self._copy = LiveSources.of(self.state, live, saved)
+            else:
+                saved = self._saved = copy_state(live, saved)
+                self._copy = LiveSources.of(self.state, live, saved)
         self.state.position.snapshot = iteration
 
     def restore(self, iteration: int) -> None:

@@ -21,6 +21,7 @@ from recycle.runtime.state.optim import StageOptimizer, allreduce_grads, fill_mi
 from recycle.runtime.state.precision import autocast
 from recycle.runtime.state.rollback import StageSnapshot
 from recycle.runtime.state.stage_state import IterationPosition, StageState
+from recycle.runtime.worker.backward import backward_into_grad
 from recycle.runtime.worker.pieces import load_piece, piece_shape
 
 __all__ = ["StageExecutor", "IterationProgress", "IterationResult", "Comm", "Pacing", "ActionTiming", "dropout_seed"]
@@ -631,7 +632,7 @@ class StageExecutor:
         adopts the first micro-batch's gradient and adds the later ones in place, in C++ (the same sums, in the same
         micro-batch order, as a Python clone-then-add_ loop over autograd.grad's results, without the copies and
         the per-parameter Python calls). Frees the graph. Inputs the graph does not reach keep their .grad."""
-        torch.autograd.backward(out, grad_out, inputs=inputs)
+        backward_into_grad(out, grad_out, inputs)
 
     @staticmethod
     def _backward_kept(out: torch.Tensor, grad_out: torch.Tensor | None, inputs: Sequence[torch.Tensor]) -> None:
