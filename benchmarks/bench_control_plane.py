@@ -36,6 +36,10 @@ Measured per size, on one coordinator process (store server thread + supervisor 
   the benchmark's own thread sleeps meanwhile), and gc_cpu_fraction, the collector's share of it.
 - --profile: cProfile (thread CPU time) of the supervisor thread over a second steady window (which calls dominate
   a tick).
+- coordinator_peak_rss_mb: this process's peak resident memory (it is the coordinator's: store server and
+  supervisor).
+A worker the coordinator declares lost that the benchmark did not fail (stand-ins behind their heartbeats on an
+overloaded machine: at 16,384 ranks hundreds of nodes at once) stops the measurements with an error saying so.
 The plan provider is a user's: a plan library (planner.provider.PlanLibrary.lookup, what `recycle coordinator` is
 given) holding a plan per failure state this run meets, made before the run (bench_library: each failed worker's
 micro-batches re-routed to its stage's survivors straight in the IR on the state's canonical layout, instead of the
@@ -56,6 +60,7 @@ import json
 import multiprocessing as mp
 import os
 import pstats
+import resource
 import statistics
 import sys
 import tempfile
@@ -428,6 +433,7 @@ class _Cluster:
         self.freezes = [_pick(s, used, s.failures + i) for i in range(s.silent_failures)]
         taken = {self.node_of[r] for r in used}
         self.lost_node = next(n for n in range(self.nnodes - 1, 0, -1) if n not in taken)
+        self.failed_by_us: set[int] = set()  # the ranks the benchmark has failed so far
         states: list[frozenset[tuple[int, int]]] = []
         for rank in self.kills + self.freezes:
             states.append((states[-1] if states else frozenset()) | {self.base.worker(rank)})
@@ -667,12 +673,27 @@ def _pick(s: Settings, used: set[int], index: int) -> int:
     raise RuntimeError("no live replica left to fail")
 
 
+def _unplanned_losses(cluster: _Cluster) -> None:
+    """Stop the run if the coordinator lost workers the benchmark did not fail: stand-ins that fell behind their
+    heartbeats on an overloaded machine (at 16,384 ranks, hundreds of nodes at once). What follows is a mass
+    failure of the benchmark's making, not the protocol's timing."""
+    state = cluster.supervisor.coordinator.state
+    lost = set(range(cluster.settings.ranks)) - state.live - state.done - cluster.failed_by_us
+    if lost:
+        nodes = sorted({cluster.node_of[r] for r in lost})
+        raise RuntimeError(f"the coordinator declared {len(lost)} workers on {len(nodes)} nodes lost that the "
+                           f"benchmark did not fail (nodes {nodes[:5]}...): their stand-in fell behind its heartbeats "
+                           "(an overloaded machine); the measurements stop here")
+
+
 def _failure(cluster: _Cluster, rank: int, command: str) -> dict[str, Any]:
     generation = cluster.supervisor.coordinator.state.generation
     calls_before, reported = len(cluster.provider.calls), cluster.recoveries()
+    cluster.failed_by_us.add(rank)
     reply = cluster.ask(cluster.node_of[rank], command, rank)
     when, announced = _wait_announced(cluster, generation, lambda a: rank not in a.live)
     cluster.wait_for("the recovery to complete", cluster.settled(reported))
+    _unplanned_losses(cluster)
     written = cluster.store.written
     # The provider's call whose plan was announced: the last one (the coordinator asks a repeatable provider at the
     # abort, while the reports come in, and again only if the failed set changed by the announcement).
@@ -760,6 +781,9 @@ def run_size(settings: Settings, log: Callable[[str], None] = print) -> dict[str
     finally:
         result.update(_failure_summary(exits, silent, s.heartbeat_timeout_s))
         cluster.stop()
+        # This process is the coordinator's (store server and supervisor threads; the benchmark's own thread holds
+        # little): its peak resident memory so far (over every --ranks of one invocation).
+        result["coordinator_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
 
 
@@ -832,11 +856,13 @@ def _node_loss_and_join(cluster: _Cluster, log: Callable[[str], None], result: d
     node = cluster.lost_node
     ranks = set(node_ranks(cluster.base.live_ranks(), cluster.nnodes, node))
     generation, reported = cluster.supervisor.coordinator.state.generation, cluster.recoveries()
+    cluster.failed_by_us.update(ranks)
     down = cluster.ask(node, "node_down", node)
     when, _ = _wait_announced(cluster, generation, lambda a: not ranks & set(a.live))
     result["node_detect_to_announce_s"] = when - down["last_beat"]
     result["node_beyond_timeout_s"] = when - down["last_beat"] - s.heartbeat_timeout_s
     cluster.wait_for("the recovery from the node loss", cluster.settled(reported))
+    _unplanned_losses(cluster)
     log(f"[{s.ranks} ranks] node {node} silent: its last worker out of the generation "
         f"{when - down['last_beat']:.3f} s after its last beats")
     time.sleep(min(s.step_s, 1.0))
@@ -894,6 +920,7 @@ ROWS = [
     ("steady: store server CPU per request", "store_server_us_per_request", " us"),
     ("steady: server cores the protocol's requests need", "store_server_cores_asked", ""),
     ("a worker's plan view (largest)", "plan_bytes", " B"),
+    ("the coordinator process's peak resident memory", "coordinator_peak_rss_mb", " MB"),
 ]
 
 

@@ -433,6 +433,9 @@ class StandInNodes:
         announcement = from_json(Announcement, raw)
         live = set(announcement.live)
         readers = sorted((self.members | self.joiners) & live)
+        # The start every view shares, stored once (each real worker reads it; here once), then each worker's part.
+        shared = client.try_get(Keys.plan_shared(generation))
+        assert shared is not None, "the views' shared start is stored before the announcement"
         asks = [pack_fields(Op.GET, (_b(Keys.plan_view(generation, rank)), b"0")) for rank in readers]
         # (BATCH at a time, as the other traffic: a real worker reads its own view, 2 KB; 8,192 in one pipelined
         # burst kept 16 MB of replies queued on the store)
@@ -454,7 +457,8 @@ class StandInNodes:
         self.first_step = self.next_step = announcement.redo_step
         self.step_origin = now
         self.events.append({"kind": "resumed", "generation": self.generation, "time": now,
-                            "plan_bytes": max((len(v[0]) for _, v in views), default=0), "members": len(self.members)})
+                            "plan_bytes": len(shared) + max((len(v[0]) for _, v in views), default=0),
+                            "members": len(self.members)})
         return requests
 
     # -- the node launchers' follow loops ------------------------------------------------------------------------

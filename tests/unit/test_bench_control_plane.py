@@ -121,3 +121,18 @@ def test_a_stand_in_nodes_step_records_from_its_template_are_the_records_byte_fo
     for step, start, end in ((7, 1.25, 3.5), (8, 0.1, 0.30000000000000004)):
         filled = (template % {"step": step, "start": repr(start), "end": repr(end)}).encode()
         assert filled == node_steps_json(5, step, workers, 2, start, end, 3)
+
+
+def test_workers_lost_that_the_benchmark_did_not_fail_stop_the_measurements(bench: ModuleType) -> None:
+    """Stand-ins behind their heartbeats on an overloaded machine make the coordinator declare nodes lost (at 16,384
+    ranks hundreds at once): the benchmark says so and stops, instead of timing a mass failure of its own making."""
+    from types import SimpleNamespace
+
+    state = SimpleNamespace(live=set(range(16)) - {3}, done=set())
+    cluster = SimpleNamespace(supervisor=SimpleNamespace(coordinator=SimpleNamespace(state=state)),
+                              settings=SimpleNamespace(ranks=16), failed_by_us={3},
+                              node_of={r: r // 4 for r in range(16)})
+    bench._unplanned_losses(cluster)  # only the benchmark's own kill: fine
+    state.live -= {8, 9, 10, 11}  # node 2 declared lost
+    with pytest.raises(RuntimeError, match="declared 4 workers on 1 nodes lost that the benchmark did not fail"):
+        bench._unplanned_losses(cluster)
