@@ -11,9 +11,8 @@ What each simulated process does (and where in the runtime it comes from):
   the coordinator one NodeSteps record per step, on Channels.NODE_METRICS); on an abort (or a drain at its step) a
   StoppedReport, to its node launcher's own store too (no request here: the launcher's thread hands the coordinator
   one NodeStops digest of its workers' reports, on Channels.NODE_STOPPED); on the announcement of the next generation
-  it reads
-  it and the plan, writes Joined and, at its first action, Resumed; a worker left out of the generation exits
-  (code 4);
+  it reads it and its view of the plan (the start every view shares, once per stand-in, and its own part), writes
+  Joined and, at its first action, Resumed; a worker left out of the generation exits (code 4);
 - replacement worker (_admit): JoinReady, then admitted by the announcement that names it;
 - node launcher (_follow_once, every 0.1 s): its node heartbeat add (once per min(heartbeat_s, heartbeat timeout /
   4)), its workers' step records of the pass as one
@@ -21,6 +20,8 @@ What each simulated process does (and where in the runtime it comes from):
   then one wait on the keys of the coordinator's word (ABORT_RUN, FINISHED, FENCE per running worker, RESPAWN per
   ended one); every heartbeat_s / 2 its
   NodeWatch reads the hang limit and raises a SILENT flag for a worker silent past the heartbeat timeout (once).
+  The heartbeats go from a thread and connection of their own (a launcher beats from its own machine, whatever its
+  workers do); the rest of its traffic from the stand-in's loop.
 """
 
 from __future__ import annotations
@@ -197,6 +198,12 @@ class StandInNodes:
         # The watcher's connection: the workers react to an abort or an announcement at once, as real ones do,
         # not after this object's next pass over its periodic traffic.
         self.watch_client = PipelinedClient(spec.host, spec.port, spec.token, identity + "w", timeout_s=120.0)
+        # The node launchers' heartbeats: their own thread and connection, as each launcher beats from its own
+        # machine whatever its workers do. On the loop they waited behind a recovery's bulk (thousands of view reads
+        # and records): at 16,384 ranks a stand-in went 5.5 s without beating and the coordinator declared 171
+        # healthy nodes lost.
+        self.beat_client = PipelinedClient(spec.host, spec.port, spec.token, identity + "b", timeout_s=120.0)
+        self.beat_lock = threading.Lock()  # the heartbeat thread's pass, against a node's loss (node_down)
         self.counters = _Counters()
         self.lock = threading.Lock()  # between the loop and the watcher thread
         # Processes: a rank is running (beats, steps, reports), frozen (nothing), or ended with an exit code.
@@ -243,6 +250,8 @@ class StandInNodes:
         """Serve until told to stop: `commands` is a multiprocessing Connection (poll/recv/send)."""
         watcher = threading.Thread(target=self._watch, daemon=True, name="standin-watcher")
         watcher.start()
+        beater = threading.Thread(target=self._beat_loop, daemon=True, name="standin-beats")
+        beater.start()
         commands.send(("ready", len(self.ranks)))
         try:
             while not self.stop.is_set():
@@ -255,8 +264,10 @@ class StandInNodes:
         finally:
             self.stop.set()
             watcher.join(2.0)
+            beater.join(2.0)
             self.client.close()
             self.watch_client.close()
+            self.beat_client.close()
 
     def _tick(self) -> bool:
         """One pass: what is due now, sent as pipelined batches; False when nothing was due."""
@@ -270,7 +281,6 @@ class StandInNodes:
         if recovery:  # (as one burst, as the nodes' launchers send them: each node's at once)
             self._flush(self.client, recovery, reported, len(recovery))
         requests = self._beats(elapsed, now)
-        requests += self._node_heartbeats(elapsed, now)
         budget = len(requests) + BUDGET
         while self.metrics and len(requests) < budget:
             requests.append(self.metrics.popleft())
@@ -329,6 +339,21 @@ class StandInNodes:
                     cause = _b(f"stopped responding (no heartbeat for {silent:.1f} s; fenced)")
                     requests.append(self._send("watch", Op.SET, (_b(Flags.SILENT.name(rank)), cause)))
         return requests
+
+    def _beat_loop(self) -> None:
+        """The node launchers' heartbeats, every NODE_POLL_S, on their own connection (_node_heartbeats)."""
+        last = time.time()
+        while not self.stop.wait(NODE_POLL_S):
+            with self.beat_lock:
+                now = time.time()
+                requests = self._node_heartbeats(now - last, now)
+                last = now
+                try:
+                    self._flush(self.beat_client, requests, None)
+                except Exception:
+                    if self.stop.is_set():
+                        return
+                    raise
 
     def _watch(self) -> None:
         """One watcher for every simulated worker: the current and next generation's abort and drain keys, and the
@@ -469,7 +494,7 @@ class StandInNodes:
         if not up:
             return []
         rate = len(up) / max(NODE_POLL_S, min(self.spec.heartbeat_s, self.spec.heartbeat_timeout_s / 4))
-        self.counters.due["node"] += elapsed * rate
+        self.counters.due["node_beat"] += elapsed * rate
         self.node_credit = min(self.node_credit + elapsed * rate, float(len(up)))
         requests = []
         while self.node_credit >= 1.0:
@@ -480,7 +505,7 @@ class StandInNodes:
             beat = self.node_beat.get(node)
             if beat is None:
                 beat = self.node_beat[node] = pack_fields(Op.ADD, (_b(Keys.node_heartbeat(node)), b"1"))
-            requests.append(self._send_packed("node", beat))
+            requests.append(self._send_packed("node_beat", beat))
         return requests
 
     def _node_polls(self, elapsed: float, budget: int) -> list[Request]:
@@ -558,8 +583,9 @@ class StandInNodes:
                 self.frozen.add(rank)
             elif what == "node_down":  # the machine is gone, right after its beats: launcher and workers silent
                 (node,) = args
-                reply["last_beat"] = self._last_signs([r for r in self.nodes[node] if self._running(r)], node)
-                self.down_nodes.add(node)
+                with self.beat_lock:  # (no beat of the heartbeat thread's after its last one)
+                    reply["last_beat"] = self._last_signs([r for r in self.nodes[node] if self._running(r)], node)
+                    self.down_nodes.add(node)
             elif what == "node_up":  # repaired: a new launcher starts every worker of the node as a replacement
                 (node,) = args
                 reply.update(self._repair(node))
