@@ -37,7 +37,8 @@ Measured per size, on one coordinator process (store server thread + supervisor 
 - --profile: cProfile (thread CPU time) of the supervisor thread over a second steady window (which calls dominate
   a tick).
 - coordinator_peak_rss_mb: this process's peak resident memory (it is the coordinator's: store server and
-  supervisor).
+  supervisor); rss_after_each_failure_mb and store_keys_after_each_failure: its resident memory and the store's
+  keys after each recovery.
 A worker the coordinator declares lost that the benchmark did not fail (stand-ins behind their heartbeats on an
 overloaded machine: at 16,384 ranks hundreds of nodes at once) stops the measurements with an error saying so.
 The plan provider is a user's: a plan library (planner.provider.PlanLibrary.lookup, what `recycle coordinator` is
@@ -726,7 +727,14 @@ def _failure(cluster: _Cluster, rank: int, command: str) -> dict[str, Any]:
             "plan_to_announce_cpu": announced_cpu - plan_cpu if plan_cpu is not None and announced_cpu is not None
             else None,
             "abort_to_announce_cpu_ms": cluster.store.trace.between(Keys.abort(generation), f"announce/{announced}")
-            if cluster.store.trace is not None else None}
+            if cluster.store.trace is not None else None,
+            "rss_mb": _rss_mb(), "store_keys": cluster.server.data.num_keys()}
+
+
+def _rss_mb() -> float:
+    """This process's resident memory now (the coordinator's: store server and supervisor)."""
+    with open("/proc/self/status") as status:
+        return next((int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS")), 0.0)
 
 
 def run_size(settings: Settings, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -792,7 +800,8 @@ def _phases(row: dict[str, Any]) -> str:
     failed, abort, noticed, sent = row["failed_at"], row["abort"], row["noticed"], row["reports_sent"]
     return (f"announced after {row['announced'] - failed:.3f} s (abort {abort - failed:.3f} s, last stand-in saw it "
             f"{noticed - abort:.3f} s later, its reports sent {sent - noticed:.3f} s later and in the store "
-            f"{row['last_report_landed'] - sent:.3f} s later; plan asked {row['plan_start'] - abort:.3f} s after the "
+            f"{row['last_report_landed'] - sent:.3f} s later; coordinator RSS after it {row['rss_mb']:.0f} MB, "
+            f"{row['store_keys']:,} keys in the store; plan asked {row['plan_start'] - abort:.3f} s after the "
             f"abort, for {row['plan_end'] - row['plan_start']:.3f} s; the coordinator thread's CPU from the abort to "
             "the "
             f"announcement, ms: {_cpu_text(row.get('abort_to_announce_cpu_ms'))})")
@@ -846,6 +855,10 @@ def _failure_summary(exits: list[dict[str, Any]], silent: list[dict[str, Any]], 
         "silent_detect_to_announce_s": med(lambda r: r["announced"] - r["failed_at"], silent),
         "silent_beyond_timeout_s": med(lambda r: r["announced"] - r["failed_at"] - timeout_s, silent),
         "silent_abort_beyond_timeout_s": med(lambda r: r["abort"] - r["failed_at"] - timeout_s, silent),
+        # After each recovery, in order (kills, then frozen workers): the coordinator process's resident memory and
+        # the store's keys.
+        "rss_after_each_failure_mb": [round(r["rss_mb"], 1) for r in exits + silent],
+        "store_keys_after_each_failure": [r["store_keys"] for r in exits + silent],
     }
 
 

@@ -59,6 +59,8 @@ def test_a_tiny_run_announces_each_failure_admits_the_repaired_node_and_prints_t
     assert 0 < run["join_s"] < 30.0
     assert run["store_ops_per_s"] > 0 and 0 < run["coordinator_cpu_fraction"] < 1.5
     assert run["recoveries"] == 4  # two kills, the node's loss, its join
+    assert len(run["rss_after_each_failure_mb"]) == len(run["store_keys_after_each_failure"]) == 2
+    assert 0 < min(run["rss_after_each_failure_mb"]) <= run["coordinator_peak_rss_mb"]
     assert any("failure (exit flag) -> announce" in line for line in lines)
 
 
