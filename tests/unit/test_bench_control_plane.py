@@ -60,7 +60,7 @@ def test_a_tiny_run_announces_each_failure_admits_the_repaired_node_and_prints_t
     assert run["store_ops_per_s"] > 0 and 0 < run["coordinator_cpu_fraction"] < 1.5
     assert run["recoveries"] == 4  # two kills, the node's loss, its join
     assert len(run["rss_after_each_failure_mb"]) == len(run["store_keys_after_each_failure"]) == 2
-    assert 0 < min(run["rss_after_each_failure_mb"]) <= run["coordinator_peak_rss_mb"]
+    assert 0 < max(run["rss_after_each_failure_mb"]) <= run["coordinator_peak_rss_mb"] + 0.1  # (rounded to 0.1)
     assert any("failure (exit flag) -> announce" in line for line in lines)
 
 
