@@ -18,8 +18,10 @@ Measured per size, on one coordinator process (store server thread + supervisor 
   exit flag in the store -> the abort written, plus the last stop report (digest) in the store -> the
   announcement (reading the reports, the plan provider, each worker's plan view, the announcement). The store
   server's work to take in the reports is left out of it (it is in the end-to-end figure, and in
-  store_server_cpu_fraction's per-request cost); coordinator_announce_without_plan_s leaves out the plan provider,
-  and plan_to_announce_cpu_s is the supervisor thread's CPU time from the plan chosen to the announcement.
+  store_server_cpu_fraction's per-request cost); coordinator_announce_without_plan_s leaves out the plan provider's
+  call where it was on the path (plan_on_path_s: its part after the last report landed; the coordinator asks a
+  repeatable provider at the abort), and plan_to_announce_cpu_s is the supervisor thread's CPU time from the plan in
+  hand (or the start of the announcement's work, if later) to the announcement.
 - silent_detect_to_announce_s: a worker frozen (its heartbeat stops) -> announcement, minus the heartbeat timeout
   (the part the control plane adds to the timeout); node_detect_to_announce_s: a whole node silent, the same.
 - join_s: the repaired node's replacements say they are ready -> the announcement that admits them (it waits for
@@ -34,8 +36,18 @@ Measured per size, on one coordinator process (store server thread + supervisor 
   the benchmark's own thread sleeps meanwhile), and gc_cpu_fraction, the collector's share of it.
 - --profile: cProfile (thread CPU time) of the supervisor thread over a second steady window (which calls dominate
   a tick).
-The plan provider re-routes a failed worker's micro-batches to its stage's survivors straight in the IR (no search):
-its time is reported apart (plan_s) and is not the control plane's.
+- coordinator_peak_rss_mb: this process's peak resident memory (it is the coordinator's: store server and
+  supervisor); rss_after_each_failure_mb and store_keys_after_each_failure: its resident memory and the store's
+  keys after each recovery.
+A worker the coordinator declares lost that the benchmark did not fail (stand-ins behind their heartbeats on an
+overloaded machine: at 16,384 ranks hundreds of nodes at once) stops the measurements with an error saying so.
+The plan provider is a user's: a plan library (planner.provider.PlanLibrary.lookup, what `recycle coordinator` is
+given) holding a plan per failure state this run meets, made before the run (bench_library: each failed worker's
+micro-batches re-routed to its stage's survivors straight in the IR on the state's canonical layout, instead of the
+planner's search, which takes seconds per state at 16,384 ranks); at a failure it normalizes the failed set and
+renames the stored plan onto the real ranks. Its time is reported apart (plan_s).
+- --profile also profiles each stand-in process's loop (printed when the size ends), and the supervisor thread over
+  the kills; every failure logs the supervisor thread's CPU from the abort to the announcement by activity.
 The last line is one JSON object {"runs": [...]}, one entry per --ranks value.
 """
 
@@ -49,12 +61,15 @@ import json
 import multiprocessing as mp
 import os
 import pstats
+import resource
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing import connection as mp_connection
+from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -64,6 +79,12 @@ from control_plane_nodes import NodesSpec, StandInNodes, standin_main  # noqa: E
 from recycle.config import Config, parse_config  # noqa: E402
 from recycle.ir import Plan, PlanChoice  # noqa: E402
 from recycle.ir.actions import Action, Kind  # noqa: E402
+from recycle.planner.api import resolve_options  # noqa: E402
+from recycle.planner.failures import canonical_failed, normalize  # noqa: E402
+from recycle.planner.options import PlannerOptions  # noqa: E402
+from recycle.planner.patterns import pattern_of  # noqa: E402
+from recycle.planner.provider import PlanLibrary  # noqa: E402
+from recycle.planner.store import PlanStore  # noqa: E402
 from recycle.runtime.control.processes import WorkerProcesses, node_ranks  # noqa: E402
 from recycle.runtime.control.supervisor import Supervisor  # noqa: E402
 from recycle.runtime.options import ClusterOptions, LaunchOptions, RecoveryOptions  # noqa: E402
@@ -116,21 +137,49 @@ def rerouted_plan(base: Plan, failed: frozenset[tuple[int, int]]) -> Plan:
                                   base.meta)
 
 
-@dataclass
-class ReroutingProvider:
-    """A PlanProvider for any failure set, timed per call."""
+def bench_library(base: Plan, states: list[frozenset[tuple[int, int]]]) -> PlanLibrary:
+    """A plan library (planner.provider.PlanLibrary, what `recycle train` and `recycle coordinator` hand the
+    coordinator: a plan per failure state made before the run) holding the plans of `states` (the failure sets this
+    run will meet) and of no failure: per key (states one relabelling of pipelines maps: PlanStore) or per failure
+    pattern across pipelines (PlanLibrary.patterns), each made by rerouted_plan on the state's canonical layout
+    rather than by the planner, whose seconds per state at 16,384 ranks are no part of a failure's path. A failure
+    then costs the coordinator what it costs a user's: PlanLibrary.lookup (normalize, a renaming onto the real
+    ranks)."""
+    D, S = base.num_replicas, base.num_stages
+    config = bench_config(D, S, base.num_microbatches)
+    plans: dict[tuple[int, ...], Plan] = {(0,) * S: base}
+    patterns: dict[tuple, Plan] = {}
+    for failed in states:
+        state = normalize(failed, D, S)
+        if state.symmetric:
+            if state.key not in plans:
+                plans[state.key] = rerouted_plan(base, canonical_failed(state.key))
+        else:
+            pattern = pattern_of(failed, D, S)
+            if pattern.lost not in patterns:
+                patterns[pattern.lost] = rerouted_plan(base, pattern.canonical_failed())
+    options = resolve_options(config, PlannerOptions())
+    most = max((len(failed) for failed in states), default=0)
+    return PlanLibrary(PlanStore(Path("<memory>"), config, options, most, {}, plans), patterns)
 
-    base: Plan
+
+@dataclass
+class LibraryProvider:
+    """A PlanProvider: the library's lookup (PlanLibrary.lookup, as a user's coordinator calls it), timed per call;
+    repeatable like the library (ir.provider), so the coordinator asks at the abort, as it asks a user's library."""
+
+    library: PlanLibrary
+    repeatable: bool = True
     calls: list[tuple[float, float]] = field(default_factory=list)  # (start, end) wall clock
     ended_cpu: list[float] = field(default_factory=list)  # the calling thread's CPU clock at each call's end
 
     def __call__(self, failed: frozenset[tuple[int, int]]) -> PlanChoice:
         start = time.time()
-        plan = rerouted_plan(self.base, failed)
+        choice = self.library.lookup(failed)
         end = time.time()
         self.calls.append((start, end))
         self.ended_cpu.append(time.thread_time())  # the supervisor's thread: it calls the provider
-        return PlanChoice(plan, "heuristic", end - start, "benchmark: re-routed in the IR")
+        return choice
 
 
 # -- the coordinator's store: counted, timed, stoppable ---------------------------------------------------------
@@ -148,6 +197,7 @@ class CoordinatorStore(LocalStore):
         self.written: dict[str, float] = {}  # key (of a multi-set: its last) -> wall clock of its first write
         self.announcements: dict[int, tuple[float, Announcement]] = {}
         self.announced_cpu: dict[int, float] = {}  # generation -> the writing thread's CPU clock (the supervisor's)
+        self.trace: SupervisorTrace | None = None  # snapshots of its CPU by activity at each abort and announcement
         self.stopping = threading.Event()
 
     def _count(self) -> None:
@@ -168,9 +218,14 @@ class CoordinatorStore(LocalStore):
             now = time.time()
             self.written.setdefault(key, now)
             if key.endswith("/announce"):
+                cpu = time.thread_time()
                 record = from_json(Announcement, value)
-                self.announced_cpu[record.generation] = time.thread_time()
+                self.announced_cpu[record.generation] = cpu
                 self.announcements[record.generation] = (now, record)
+                if self.trace is not None:
+                    self.trace.snap(f"announce/{record.generation}", cpu)
+            elif key.endswith("/abort") and self.trace is not None:
+                self.trace.snap(key, time.thread_time())
 
     def try_get(self, key: str) -> bytes | None:
         self._count()
@@ -222,6 +277,51 @@ class _NoLocalWorkers(WorkerProcesses):
         else:
             time.sleep(timeout_s)
         self.tick_started_cpu = time.thread_time()
+
+
+class SupervisorTrace:
+    """The supervisor thread's CPU time by activity (reading node launchers' step batches and stop digests, the
+    reports' decision, the recovery's report afterwards, the step reports), snapshotted when an abort and an
+    announcement are written: what the coordinator's thread did between the two (its own clock, so the others'
+    load on the cores does not count)."""
+
+    ACTIVITIES = ("_take_node_steps", "_take_node_stops", "_stopped_reports", "_complete_recovery", "_drain",
+                  "_prepare_next", "_announce")
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.cpu = dict.fromkeys(self.ACTIVITIES, 0.0)
+        self.snaps: dict[str, tuple[float, dict[str, float]]] = {}
+        self.depth = 0
+        self.announce_started: list[float] = []  # the thread's CPU clock as each _announce began
+        for name in self.ACTIVITIES:
+            if hasattr(supervisor, name):  # (_prepare_next: not in the tree before it)
+                setattr(supervisor, name, self._timed(name, getattr(supervisor, name)))
+
+    def _timed(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.depth:  # (nested: counted by the outer one)
+                return method(*args, **kwargs)
+            self.depth += 1
+            started = time.thread_time()
+            if name == "_announce":
+                self.announce_started.append(started)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.depth -= 1
+                self.cpu[name] += time.thread_time() - started
+        return timed
+
+    def snap(self, label: str, cpu: float) -> None:
+        self.snaps.setdefault(label, (cpu, dict(self.cpu)))
+
+    def between(self, first: str, last: str) -> dict[str, float] | None:
+        """The thread's CPU between two snapshots: in all, and by activity (ms)."""
+        if first not in self.snaps or last not in self.snaps:
+            return None
+        (cpu0, by0), (cpu1, by1) = self.snaps[first], self.snaps[last]
+        spent = {name: 1e3 * (by1[name] - by0[name]) for name in self.ACTIVITIES if by1[name] > by0[name]}
+        return {"total": 1e3 * (cpu1 - cpu0), **spent}
 
 
 class GcClock:
@@ -291,6 +391,7 @@ class Settings:
     standins: int = 2  # 0: stand-ins as threads of this process (tests)
     profile: bool = False
     event_timeout_s: float = 120.0
+    prepare: bool = True  # the provider is repeatable (a plan library): the coordinator asks it at the abort
 
     def check(self) -> None:
         for name, value in (("--ranks", self.ranks), ("--ranks-per-node", self.ranks_per_node),
@@ -319,7 +420,30 @@ class _Cluster:
         started = time.perf_counter()
         self.base = build_schedule(config, "gpipe")
         self.setup_plan_s = time.perf_counter() - started
-        self.provider = ReroutingProvider(self.base)
+        live = self.base.live_ranks()
+        self.node_of: dict[int, int] = {}
+        groups: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in range(max(1, s.standins))]
+        for node in range(self.nnodes):
+            ranks = tuple(node_ranks(live, self.nnodes, node))
+            groups[node * len(groups) // self.nnodes].append((node, ranks))
+            self.node_of.update({r: node for r in ranks})
+        # Who fails, in order (each kill and freeze a pipeline of its own, then the lost node), and so the failure
+        # sets the run meets: their plans go into the library before the run, as a user's plan store holds its own.
+        used: set[int] = set()
+        self.kills = [_pick(s, used, i) for i in range(s.failures)]
+        self.freezes = [_pick(s, used, s.failures + i) for i in range(s.silent_failures)]
+        taken = {self.node_of[r] for r in used}
+        self.lost_node = next(n for n in range(self.nnodes - 1, 0, -1) if n not in taken)
+        self.failed_by_us: set[int] = set()  # the ranks the benchmark has failed so far
+        states: list[frozenset[tuple[int, int]]] = []
+        for rank in self.kills + self.freezes:
+            states.append((states[-1] if states else frozenset()) | {self.base.worker(rank)})
+        if s.join:
+            lost = {self.base.worker(r) for r in node_ranks(live, self.nnodes, self.lost_node)}
+            states.append((states[-1] if states else frozenset()) | lost)
+        started = time.perf_counter()
+        self.provider = LibraryProvider(bench_library(self.base, states), repeatable=s.prepare)
+        self.setup_library_s = time.perf_counter() - started
         token = new_token()
         self.server: StoreServer = host_store("127.0.0.1", 0, token)
         self.store = CoordinatorStore(self.server.data, 120.0)
@@ -332,18 +456,14 @@ class _Cluster:
         self.supervisor = Supervisor(config, self.base, options, self.store, self.workers, 0, END_STEP, time.time(),
                                      self.server, feed=Supervisor.subscribe(self.server.data))
         self.landed = LandedClock(self.server)
+        self.store.trace = SupervisorTrace(self.supervisor)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._supervise, daemon=True, name="coordinator")
-        live = self.base.live_ranks()
-        self.node_of: dict[int, int] = {}
-        groups: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in range(max(1, s.standins))]
-        for node in range(self.nnodes):
-            ranks = tuple(node_ranks(live, self.nnodes, node))
-            groups[node * len(groups) // self.nnodes].append((node, ranks))
-            self.node_of.update({r: node for r in ranks})
+        self.profile_dir = tempfile.mkdtemp(prefix="standin-profile-") if s.profile and s.standins else ""
         self.specs = [NodesSpec("127.0.0.1", self.server.port, token, tuple(g), s.num_stages, s.heartbeat_s,
-                                s.step_s, niceness=5 if s.standins else 0,
-                                heartbeat_timeout_s=s.heartbeat_timeout_s) for g in groups]
+                                s.step_s, niceness=5 if s.standins else 0, heartbeat_timeout_s=s.heartbeat_timeout_s,
+                                profile_path=os.path.join(self.profile_dir, f"{i}.prof") if self.profile_dir else "")
+                      for i, g in enumerate(groups)]
         self.links: list[Any] = []
         self.standins: list[Any] = []
 
@@ -430,6 +550,13 @@ class _Cluster:
                 pass
         for process in self.standins:
             process.join(10.0)
+        if self.profile_dir:
+            out = io.StringIO()
+            for spec in self.specs:
+                if os.path.exists(spec.profile_path):
+                    pstats.Stats(spec.profile_path, stream=out).sort_stats("tottime").print_stats(15)
+            print("cProfile (process CPU time) of each stand-in's loop thread over the whole run, by own time:\n"
+                  + out.getvalue(), flush=True)
         self.store.stopping.set()
         self.thread.join(10.0)
         self.landed.close()  # (its socket pair: nothing was queued on it)
@@ -467,10 +594,10 @@ def _steady(cluster: _Cluster, seconds: float) -> dict[str, Any]:
         due = {k: due1.get(k, 0) - due0.get(k, 0) for k in due1}
         sent = {k: sent1.get(k, 0) - sent0.get(k, 0) for k in sent1}
         if at1 > at0:
-            offered_remote += (due.get("beat", 0) + due.get("watch", 0) + due.get("node", 0)
+            offered_remote += (due.get("beat", 0) + due.get("watch", 0) + due.get("node", 0) + due.get("node_beat", 0)
                                + sent.get("metrics", 0)) / (at1 - at0)
-        sent_polls += sent.get("node", 0) + sent.get("beat", 0)
-        due_polls += due.get("node", 0) + due.get("beat", 0)
+        sent_polls += sent.get("node", 0) + sent.get("beat", 0) + sent.get("node_beat", 0)
+        due_polls += due.get("node", 0) + due.get("beat", 0) + due.get("node_beat", 0)
     offered = offered_remote + local / wall
     return {
         "window_s": wall, "store_ops_per_s": served / wall, "offered_store_ops_per_s": offered,
@@ -489,22 +616,34 @@ def _steady(cluster: _Cluster, seconds: float) -> dict[str, Any]:
 
 
 def _profile(cluster: _Cluster, seconds: float, top: int = 22) -> str:
+    ticks0 = _profile_start(cluster)
+    time.sleep(seconds)
+    ticks, text = _profile_stop(cluster, ticks0, top)
+    return (f"cProfile (thread CPU time) of the supervisor thread over {seconds:g} s ({ticks} ticks; divide ncalls "
+            "and cumtime by it for one tick), the recycle calls by cumulative time, then every call by own time:\n"
+            + text)
+
+
+def _profile_start(cluster: _Cluster) -> int:
     workers = cluster.workers
     workers.profile_wanted = True
     ticks0 = workers.ticks
     cluster.wait_for("the profiler to start", lambda: workers.profiler is not None)
-    time.sleep(seconds)
+    return ticks0
+
+
+def _profile_stop(cluster: _Cluster, ticks0: int, top: int = 22) -> tuple[int, str]:
+    workers = cluster.workers
     workers.profile_wanted = False
     ticks = max(1, workers.ticks - ticks0)
-    time.sleep(0.2)
+    cluster.wait_for("the profiler to stop", lambda: workers.ticks > ticks0 + ticks)
     assert workers.profiler is not None
     out = io.StringIO()
     stats = pstats.Stats(workers.profiler, stream=out)
     stats.sort_stats("cumulative").print_stats(r"recycle|json", top)
-    stats.sort_stats("tottime").print_stats(8)
+    stats.sort_stats("tottime").print_stats(12)
     workers.profiler = None
-    return (f"cProfile (thread CPU time) of the supervisor thread over {seconds:g} s ({ticks} ticks; divide ncalls and cumtime by it "
-            "for one tick), the recycle calls by cumulative time, then every call by own time:\n" + out.getvalue())
+    return ticks, out.getvalue()
 
 
 def _wait_announced(cluster: _Cluster, after: int, condition: Callable[[Announcement], bool]) -> tuple[float, int]:
@@ -522,9 +661,8 @@ def _wait_announced(cluster: _Cluster, after: int, condition: Callable[[Announce
     return found[0]
 
 
-def _pick(cluster: _Cluster, used: set[int], index: int) -> int:
+def _pick(s: Settings, used: set[int], index: int) -> int:
     """A live worker for failure `index`: spread over stages, nodes and stand-ins, never the same pipeline twice."""
-    s = cluster.settings
     D, S = s.ranks // s.num_stages, s.num_stages
     replicas = {r // S for r in used}
     for k in range(D):
@@ -536,19 +674,42 @@ def _pick(cluster: _Cluster, used: set[int], index: int) -> int:
     raise RuntimeError("no live replica left to fail")
 
 
+def _unplanned_losses(cluster: _Cluster) -> None:
+    """Stop the run if the coordinator lost workers the benchmark did not fail: stand-ins that fell behind their
+    heartbeats on an overloaded machine (at 16,384 ranks, hundreds of nodes at once). What follows is a mass
+    failure of the benchmark's making, not the protocol's timing."""
+    state = cluster.supervisor.coordinator.state
+    lost = set(range(cluster.settings.ranks)) - state.live - state.done - cluster.failed_by_us
+    if lost:
+        nodes = sorted({cluster.node_of[r] for r in lost})
+        raise RuntimeError(f"the coordinator declared {len(lost)} workers on {len(nodes)} nodes lost that the "
+                           f"benchmark did not fail (nodes {nodes[:5]}...): their stand-in fell behind its heartbeats "
+                           "(an overloaded machine); the measurements stop here")
+
+
 def _failure(cluster: _Cluster, rank: int, command: str) -> dict[str, Any]:
     generation = cluster.supervisor.coordinator.state.generation
     calls_before, reported = len(cluster.provider.calls), cluster.recoveries()
+    cluster.failed_by_us.add(rank)
     reply = cluster.ask(cluster.node_of[rank], command, rank)
     when, announced = _wait_announced(cluster, generation, lambda a: rank not in a.live)
     cluster.wait_for("the recovery to complete", cluster.settled(reported))
+    _unplanned_losses(cluster)
     written = cluster.store.written
-    plan_start, plan_end = cluster.provider.calls[calls_before] if len(cluster.provider.calls) > calls_before \
-        else (when, when)
-    # The supervisor thread's CPU time from the plan's choice to the announcement (its wall time, less what the
-    # thread waited for a core or the GIL: the store server thread of its process, the stand-ins).
-    plan_cpu = cluster.provider.ended_cpu[calls_before] if len(cluster.provider.ended_cpu) > calls_before else None
+    # The provider's call whose plan was announced: the last one (the coordinator asks a repeatable provider at the
+    # abort, while the reports come in, and again only if the failed set changed by the announcement).
+    asked = len(cluster.provider.calls) > calls_before
+    plan_start, plan_end = cluster.provider.calls[-1] if asked else (when, when)
+    # The supervisor thread's CPU time from the plan in hand (or, when it was asked for before, from the start of
+    # the announcement's work: Supervisor._announce) to the announcement (its wall time, less what the thread waited
+    # for a core or the GIL: the store server thread of its process, the stand-ins).
+    plan_cpu = cluster.provider.ended_cpu[-1] if asked else None
     announced_cpu = cluster.store.announced_cpu.get(announced)
+    trace = cluster.store.trace
+    if trace is not None and announced_cpu is not None:
+        started = max((cpu for cpu in trace.announce_started if cpu <= announced_cpu), default=None)
+        if started is not None and (plan_cpu is None or plan_cpu < started):
+            plan_cpu = started  # the plan was in hand when the announcement's work began
     abort = written.get(Keys.abort(generation), when)
     _, _, events = cluster.stats()
     noticed = [e["time"] for e in events if e["kind"] == "stopped" and e["generation"] == generation]
@@ -564,7 +725,16 @@ def _failure(cluster: _Cluster, rank: int, command: str) -> dict[str, Any]:
             "reports_sent": max(sent, default=abort), "plan_start": plan_start, "plan_end": plan_end,
             "plan_stored": max((t for k, t in written.items() if k.startswith(f"gen{announced}/plan/")), default=when),
             "plan_to_announce_cpu": announced_cpu - plan_cpu if plan_cpu is not None and announced_cpu is not None
-            else None}
+            else None,
+            "abort_to_announce_cpu_ms": cluster.store.trace.between(Keys.abort(generation), f"announce/{announced}")
+            if cluster.store.trace is not None else None,
+            "rss_mb": _rss_mb(), "store_keys": cluster.server.data.num_keys()}
+
+
+def _rss_mb() -> float:
+    """This process's resident memory now (the coordinator's: store server and supervisor)."""
+    with open("/proc/self/status") as status:
+        return next((int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS")), 0.0)
 
 
 def run_size(settings: Settings, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -574,7 +744,8 @@ def run_size(settings: Settings, log: Callable[[str], None] = print) -> dict[str
     cluster = _Cluster(s)
     result: dict[str, Any] = {"ranks": s.ranks, "nodes": cluster.nnodes, "ranks_per_node": s.ranks_per_node,
                               "num_stages": s.num_stages, "num_replicas": s.ranks // s.num_stages,
-                              "setup_plan_s": cluster.setup_plan_s, "step_s": s.step_s,
+                              "setup_plan_s": cluster.setup_plan_s, "setup_library_s": cluster.setup_library_s,
+                              "step_s": s.step_s,
                               "heartbeat_s": s.heartbeat_s, "heartbeat_timeout_s": s.heartbeat_timeout_s,
                               "standins": s.standins, "load_average": os.getloadavg()[0]}
     exits: list[dict[str, Any]] = []
@@ -593,16 +764,21 @@ def run_size(settings: Settings, log: Callable[[str], None] = print) -> dict[str
         if s.profile:
             result["profile"] = _profile(cluster, s.steady_s)
             log(result["profile"])
-        used: set[int] = set()
-        for i in range(s.failures):
-            exits.append(_failure(cluster, _pick(cluster, used, i), "kill"))
+        ticks0 = _profile_start(cluster) if s.profile else 0
+        for i, rank in enumerate(cluster.kills):
+            exits.append(_failure(cluster, rank, "kill"))
             log(f"[{s.ranks} ranks] kill {i + 1}/{s.failures}: {_phases(exits[-1])}")
             time.sleep(min(s.step_s, 1.0))
-        for i in range(s.silent_failures):
-            silent.append(_failure(cluster, _pick(cluster, used, s.failures + i), "freeze"))
+        if s.profile:
+            _, text = _profile_stop(cluster, ticks0, 40)
+            result["profile_kills"] = text
+            log(f"cProfile (thread CPU time) of the supervisor thread over the {s.failures} kills and their "
+                f"recoveries (and {min(s.step_s, 1.0):g} s after each):\n{text}")
+        for i, rank in enumerate(cluster.freezes):
+            silent.append(_failure(cluster, rank, "freeze"))
             log(f"[{s.ranks} ranks] freeze {i + 1}/{s.silent_failures} (from its last beat): {_phases(silent[-1])}")
         if s.join:
-            _node_loss_and_join(cluster, used, log, result)
+            _node_loss_and_join(cluster, log, result)
         _, _, events = cluster.stats()
         plan_bytes = [e["plan_bytes"] for e in events if e["kind"] == "resumed"]
         result["plan_bytes"] = max(plan_bytes) if plan_bytes else None
@@ -613,6 +789,9 @@ def run_size(settings: Settings, log: Callable[[str], None] = print) -> dict[str
     finally:
         result.update(_failure_summary(exits, silent, s.heartbeat_timeout_s))
         cluster.stop()
+        # This process is the coordinator's (store server and supervisor threads; the benchmark's own thread holds
+        # little): its peak resident memory so far (over every --ranks of one invocation).
+        result["coordinator_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
 
 
@@ -620,8 +799,21 @@ def _phases(row: dict[str, Any]) -> str:
     """One failure's recovery, phase by phase, for the log."""
     failed, abort, noticed, sent = row["failed_at"], row["abort"], row["noticed"], row["reports_sent"]
     return (f"announced after {row['announced'] - failed:.3f} s (abort {abort - failed:.3f} s, last stand-in saw it "
-            f"{noticed - abort:.3f} s later, its reports sent {sent - noticed:.3f} s later, plan asked "
-            f"{row['plan_start'] - sent:.3f} s later)")
+            f"{noticed - abort:.3f} s later, its reports sent {sent - noticed:.3f} s later and in the store "
+            f"{row['last_report_landed'] - sent:.3f} s later; coordinator RSS after it {row['rss_mb']:.0f} MB, "
+            f"{row['store_keys']:,} keys in the store; plan asked {row['plan_start'] - abort:.3f} s after the "
+            f"abort, for {row['plan_end'] - row['plan_start']:.3f} s; the coordinator thread's CPU from the abort to "
+            "the "
+            f"announcement, ms: {_cpu_text(row.get('abort_to_announce_cpu_ms'))})")
+
+
+def _cpu_text(spent: dict[str, float] | None) -> str:
+    return "-" if not spent else ", ".join(f"{name.strip('_')} {ms:.0f}" for name, ms in spent.items())
+
+
+def _plan_on_path(row: dict[str, Any]) -> float:
+    """The part of the provider's call after the last stop report landed (asked at the abort, it is mostly before)."""
+    return max(0.0, row["plan_end"] - max(row["plan_start"], row["last_report_landed"]))
 
 
 def _coordinator_part(row: dict[str, Any]) -> float:
@@ -639,8 +831,7 @@ def _failure_summary(exits: list[dict[str, Any]], silent: list[dict[str, Any]], 
         # Left out: the survivors seeing the abort and writing their reports (stand-ins on this machine's cores).
         "coordinator_announce_s": med(_coordinator_part, exits),
         "coordinator_announce_max_s": max(map(_coordinator_part, exits), default=None),
-        "coordinator_announce_without_plan_s": med(
-            lambda r: _coordinator_part(r) - (r["plan_end"] - r["plan_start"]), exits),
+        "coordinator_announce_without_plan_s": med(lambda r: _coordinator_part(r) - _plan_on_path(r), exits),
         "flag_landed_to_abort_s": med(lambda r: r["abort"] - r["flag_landed"], exits),
         "abort_to_last_report_landed_s": med(lambda r: r["last_report_landed"] - r["abort"], exits),
         "last_report_landed_to_announce_s": med(lambda r: r["announced"] - r["last_report_landed"], exits),
@@ -648,33 +839,43 @@ def _failure_summary(exits: list[dict[str, Any]], silent: list[dict[str, Any]], 
         "failures": len(exits),
         "flag_to_abort_s": med(lambda r: r["abort"] - r["failed_at"], exits),
         "abort_to_plan_s": med(lambda r: r["plan_start"] - r["abort"], exits),
+        "plan_on_path_s": med(_plan_on_path, exits),
         "abort_seen_s": med(lambda r: r["noticed"] - r["abort"], exits),
         "reports_sent_s": med(lambda r: r["reports_sent"] - r["noticed"], exits),
         "reports_read_s": med(lambda r: r["plan_start"] - r["reports_sent"], exits),
         "plan_s": med(lambda r: r["plan_end"] - r["plan_start"], exits),
-        "plan_to_announce_s": med(lambda r: r["announced"] - r["plan_end"], exits),
+        "plan_to_announce_s": med(lambda r: r["announced"] - max(r["plan_end"], r["last_report_landed"]), exits),
         "plan_to_announce_cpu_s": _median([r["plan_to_announce_cpu"] for r in exits
                                            if r["plan_to_announce_cpu"] is not None]),
-        "control_plane_s": med(lambda r: r["announced"] - r["failed_at"] - (r["plan_end"] - r["plan_start"]), exits),
+        "control_plane_s": med(lambda r: r["announced"] - r["failed_at"] - _plan_on_path(r), exits),
+        # The supervisor thread's CPU from the abort to the announcement, by activity (SupervisorTrace), median.
+        "abort_to_announce_cpu_ms": {name: _median([r["abort_to_announce_cpu_ms"].get(name, 0.0) for r in exits
+                                                    if r.get("abort_to_announce_cpu_ms")])
+                                     for name in ("total",) + SupervisorTrace.ACTIVITIES} if exits else None,
         "silent_detect_to_announce_s": med(lambda r: r["announced"] - r["failed_at"], silent),
         "silent_beyond_timeout_s": med(lambda r: r["announced"] - r["failed_at"] - timeout_s, silent),
         "silent_abort_beyond_timeout_s": med(lambda r: r["abort"] - r["failed_at"] - timeout_s, silent),
+        # After each recovery, in order (kills, then frozen workers): the coordinator process's resident memory and
+        # the store's keys.
+        "rss_after_each_failure_mb": [round(r["rss_mb"], 1) for r in exits + silent],
+        "store_keys_after_each_failure": [r["store_keys"] for r in exits + silent],
     }
 
 
-def _node_loss_and_join(cluster: _Cluster, used: set[int], log: Callable[[str], None], result: dict[str, Any]) -> None:
+def _node_loss_and_join(cluster: _Cluster, log: Callable[[str], None], result: dict[str, Any]) -> None:
     """A whole node goes silent (launcher and workers), is declared dead, then comes back repaired: its workers
     re-join as replacements (into `result` as each is measured)."""
     s = cluster.settings
-    taken = {cluster.node_of[r] for r in used}
-    node = next(n for n in range(cluster.nnodes - 1, 0, -1) if n not in taken)
+    node = cluster.lost_node
     ranks = set(node_ranks(cluster.base.live_ranks(), cluster.nnodes, node))
     generation, reported = cluster.supervisor.coordinator.state.generation, cluster.recoveries()
+    cluster.failed_by_us.update(ranks)
     down = cluster.ask(node, "node_down", node)
     when, _ = _wait_announced(cluster, generation, lambda a: not ranks & set(a.live))
     result["node_detect_to_announce_s"] = when - down["last_beat"]
     result["node_beyond_timeout_s"] = when - down["last_beat"] - s.heartbeat_timeout_s
     cluster.wait_for("the recovery from the node loss", cluster.settled(reported))
+    _unplanned_losses(cluster)
     log(f"[{s.ranks} ranks] node {node} silent: its last worker out of the generation "
         f"{when - down['last_beat']:.3f} s after its last beats")
     time.sleep(min(s.step_s, 1.0))
@@ -706,14 +907,15 @@ ROWS = [
     ("  abort -> the last stop report in the store", "abort_to_last_report_landed_s", " s"),
     ("  last stop report in the store -> announced", "last_report_landed_to_announce_s", " s"),
     ("  flag -> abort written (detection)", "flag_to_abort_s", " s"),
-    ("  abort -> plan asked (every stopped report read)", "abort_to_plan_s", " s"),
+    ("  abort -> plan asked", "abort_to_plan_s", " s"),
     ("    abort -> the last stand-in sees it", "abort_seen_s", " s"),
     ("    -> its stopped reports are all sent", "reports_sent_s", " s"),
     ("    -> the coordinator has read them all", "reports_read_s", " s"),
-    ("  plan provider (not the control plane)", "plan_s", " s"),
-    ("  plan chosen -> announced (plan JSON + store)", "plan_to_announce_s", " s"),
-    ("    ... its CPU time (the supervisor thread)", "plan_to_announce_cpu_s", " s"),
-    ("  control plane alone (without plan_s)", "control_plane_s", " s"),
+    ("  plan provider's call", "plan_s", " s"),
+    ("    ... of it after the last stop report landed", "plan_on_path_s", " s"),
+    ("  plan and last report in -> announced (views + store)", "plan_to_announce_s", " s"),
+    ("    ... CPU of the announcement's work (supervisor)", "plan_to_announce_cpu_s", " s"),
+    ("  control plane alone (without the plan on the path)", "control_plane_s", " s"),
     ("frozen worker: announce after the heartbeat timeout", "silent_beyond_timeout_s", " s"),
     ("  its abort after the heartbeat timeout (detection)", "silent_abort_beyond_timeout_s", " s"),
     ("silent node: announce after the heartbeat timeout", "node_beyond_timeout_s", " s"),
@@ -731,6 +933,7 @@ ROWS = [
     ("steady: store server CPU per request", "store_server_us_per_request", " us"),
     ("steady: server cores the protocol's requests need", "store_server_cores_asked", ""),
     ("a worker's plan view (largest)", "plan_bytes", " B"),
+    ("the coordinator process's peak resident memory", "coordinator_peak_rss_mb", " MB"),
 ]
 
 
@@ -758,13 +961,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--standins", type=int, default=2, help="stand-in processes (0: threads of this process)")
     parser.add_argument("--profile", action="store_true", help="cProfile the supervisor over a second window")
     parser.add_argument("--event-timeout-s", type=float, default=120.0, help="give up on a phase after this long")
+    parser.add_argument("--no-prepare", action="store_true", help="ask the plan provider at the announcement only "
+                        "(as a provider that is not repeatable), not at the abort")
     args = parser.parse_args(argv)
     runs = []
     for ranks in args.ranks or [1024]:
         settings = Settings(ranks, args.ranks_per_node, args.stages, args.microbatches, args.failures,
                             args.silent_failures, not args.no_join, args.steady_s, args.step_s, args.heartbeat_s,
                             args.heartbeat_timeout_s, standins=args.standins, profile=args.profile,
-                            event_timeout_s=args.event_timeout_s)
+                            event_timeout_s=args.event_timeout_s, prepare=not args.no_prepare)
         started = time.perf_counter()
         run = run_size(settings, log=lambda line: print(line, flush=True))
         run["wall_s"] = time.perf_counter() - started
@@ -773,7 +978,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in runs:
         if "error" in run:
             print(f"{run['ranks']} ranks stopped early: {run['error']}")
-    print(json.dumps({"runs": [{k: v for k, v in r.items() if k != "profile"} for r in runs]}))
+    print(json.dumps({"runs": [{k: v for k, v in r.items() if not k.startswith("profile")} for r in runs]}))
     return 0
 
 

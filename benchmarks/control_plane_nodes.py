@@ -11,9 +11,8 @@ What each simulated process does (and where in the runtime it comes from):
   the coordinator one NodeSteps record per step, on Channels.NODE_METRICS); on an abort (or a drain at its step) a
   StoppedReport, to its node launcher's own store too (no request here: the launcher's thread hands the coordinator
   one NodeStops digest of its workers' reports, on Channels.NODE_STOPPED); on the announcement of the next generation
-  it reads
-  it and the plan, writes Joined and, at its first action, Resumed; a worker left out of the generation exits
-  (code 4);
+  it reads it and its view of the plan (the start every view shares, once per stand-in, and its own part), writes
+  Joined and, at its first action, Resumed; a worker left out of the generation exits (code 4);
 - replacement worker (_admit): JoinReady, then admitted by the announcement that names it;
 - node launcher (_follow_once, every 0.1 s): its node heartbeat add (once per min(heartbeat_s, heartbeat timeout /
   4)), its workers' step records of the pass as one
@@ -21,6 +20,8 @@ What each simulated process does (and where in the runtime it comes from):
   then one wait on the keys of the coordinator's word (ABORT_RUN, FINISHED, FENCE per running worker, RESPAWN per
   ended one); every heartbeat_s / 2 its
   NodeWatch reads the hang limit and raises a SILENT flag for a worker silent past the heartbeat timeout (once).
+  The heartbeats go from a thread and connection of their own (a launcher beats from its own machine, whatever its
+  workers do); the rest of its traffic from the stand-in's loop.
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ from typing import Any, Callable
 from recycle.runtime.protocol.channels import Flags, Keys
 from recycle.runtime.protocol.records import Announcement, Joined, JoinReady, Timestamp, from_json, to_json
 from recycle.runtime.protocol.store import StoreClient
-from recycle.runtime.protocol.store.wire import Op, Status, encode_frame, pack_fields, unpack_fields
+from recycle.runtime.protocol.store.wire import Op, Status, pack_fields, unpack_fields
 
 __all__ = ["NodesSpec", "PipelinedClient", "StandInNodes", "standin_main", "beat_json", "step_json", "node_steps_json",
-           "stopped_json", "stopped_jsons", "node_stops_json",
+           "stopped_json", "node_stops_json",
            "NODE_POLL_S", "EXIT_KILLED", "EXIT_LEFT_OUT"]
 
 NODE_POLL_S = 0.1  # control/launcher.py _follow_loop: workers.wait(0.1) between two passes
@@ -47,6 +48,7 @@ EXIT_KILLED = -9  # what a SIGKILLed worker's exit code reads as
 EXIT_LEFT_OUT = 4  # worker/process.py EXIT_FENCED: not in the new generation
 BATCH = 256  # requests sent before the first reply is read
 BUDGET = 2048  # step records and flag polls sent per pass at most (beats and node heartbeats are not limited)
+HANG_LIMIT_GET = pack_fields(Op.GET, (Keys.HANG_LIMIT.encode(), b"0"))  # a NodeWatch's read of the hang limit
 
 
 class PipelinedClient(StoreClient):
@@ -54,8 +56,10 @@ class PipelinedClient(StoreClient):
     carries the traffic of many simulated processes. The server sees every request as it would from them: each is
     framed, MAC-checked, served and answered on its own."""
 
-    def pipeline(self, requests: list[tuple[Op, tuple[bytes, ...]]]) -> list[tuple[Status, list[bytes]]]:
-        if not requests:
+    def pipeline(self, payloads: list[bytes]) -> list[tuple[Status, list[bytes]]]:
+        """Send the requests (each packed: pack_fields(op, fields), or the same bytes kept from an earlier pass) and
+        read their replies, in order."""
+        if not payloads:
             return []
         with self._lock:
             if self._sock is None:
@@ -63,10 +67,10 @@ class PipelinedClient(StoreClient):
             assert self._sock is not None and self._session is not None
             session, sock = self._session, self._sock
             sock.settimeout(120.0)
-            sock.sendall(b"".join(encode_frame(session.seal(pack_fields(op, fields))) for op, fields in requests))
+            sock.sendall(session.seal_frames(payloads))
             replies: list[tuple[Status, list[bytes]]] = []
             frames: collections.deque[bytes] = collections.deque()
-            while len(replies) < len(requests):
+            while len(replies) < len(payloads):
                 if not frames:
                     data = sock.recv(1 << 20)
                     if not data:
@@ -74,7 +78,7 @@ class PipelinedClient(StoreClient):
                     frames.extend(self._reader.feed(data))
                     continue
                 status, values = unpack_fields(session.open(frames.popleft()))
-                replies.append((Status(status), values))
+                replies.append((status, values))  # (the status as its int: Status(...) per reply is a cost here)
             return replies
 
 
@@ -91,6 +95,7 @@ class NodesSpec:
     step_s: float
     niceness: int = 0  # a separate process lowers its priority: the coordinator's process is served first
     heartbeat_timeout_s: float = 5.0
+    profile_path: str = ""  # cProfile the stand-in process (CPU time) and write its stats here when it stops
 
 
 @dataclass
@@ -102,7 +107,7 @@ class _Counters:
 
 
 OnReply = Callable[[Status, list[bytes]], None]
-Request = tuple[Op, tuple[bytes, ...], OnReply | None]
+Request = tuple[bytes, OnReply | None]  # (the request packed: pack_fields(op, fields), what to do with its reply)
 
 
 def _b(text: str) -> bytes:
@@ -126,28 +131,42 @@ def step_json(replica: int, stage: int, generation: int, start: float, end: floa
 
 def stopped_json(rank: int, generation: int, applied: int, iteration: int, error: str, when: float) -> bytes:
     """to_json of a stand-in worker's StoppedReport (no work of the iteration done), byte for byte."""
-    return stopped_jsons([rank], generation, applied, iteration, error, when)[0]
-
-
-def stopped_jsons(ranks: list[int], generation: int, applied: int, iteration: int, error: str,
-                  when: float) -> list[bytes]:
-    """stopped_json of each of `ranks` (the rest of their reports alike), formatted once instead of built through
-    dataclasses.asdict per rank: a stand-in writes thousands of reports per recovery on cores it shares with the
-    coordinator, where a real worker writes one of its own."""
-    rest = (f', "generation": {generation}, "applied": {applied}, '
+    return (f'{{"kind": "stopped", "rank": {rank}, "generation": {generation}, "applied": {applied}, '
             f'"iteration": {iteration}, "current_actions": 0, "current_s": 0.0, "previous_actions": 0, '
             f'"previous_s": 0.0, "error": {json.dumps(error)}, "time": {when!r}, "weighed_current": false, '
             f'"completing": false, "reducing": false, "tp_split": ""}}').encode()
-    return [b'{"kind": "stopped", "rank": %d' % rank + rest for rank in ranks]
 
 
-def node_stops_json(node: int, generation: int, reports: list[bytes]) -> bytes:
-    """to_json of a stand-in launcher's NodeStops (its workers' reports as stopped_json makes them), byte for byte."""
-    return (f'{{"kind": "node_stops", "node": {node}, "generation": {generation}, "reports": ['.encode()
-            + b", ".join(reports) + b"]}")
+def node_stops_json(node: int, generation: int, ranks: list[int], applied: int, iteration: int, error: str,
+                    when: float) -> bytes:
+    """to_json of a stand-in launcher's NodeStops: its workers `ranks` each reported as stopped_json says (the
+    reports travel as columns), byte for byte, formatted at once: a stand-in writes a digest for each of its
+    hundreds of nodes per recovery, on cores it shares with the coordinator, where a real launcher writes one."""
+    def column(value: str) -> str:
+        return "[" + ", ".join([value] * len(ranks)) + "]"
+
+    return (f'{{"kind": "node_stops", "node": {node}, "generation": {generation}, "reports": {{"kind": "stop_rows", '
+            f'"rank": [{", ".join(map(str, ranks))}], "generation": {column(str(generation))}, '
+            f'"applied": {column(str(applied))}, "iteration": {column(str(iteration))}, '
+            f'"current_actions": {column("0")}, "current_s": {column("0.0")}, "previous_actions": {column("0")}, '
+            f'"previous_s": {column("0.0")}, "error": {column(json.dumps(error))}, "time": {column(repr(when))}, '
+            f'"weighed_current": {column("false")}, "completing": {column("false")}, "reducing": {column("false")}, '
+            f'"tp_split": {column(chr(34) * 2)}}}}}').encode()
 
 
-def node_steps_json(node: int, step: int, workers: list[tuple[int, int]], generation: int, start: float, end: float,
+class _Mark:
+    """Where node_steps_json puts a value: a %-format field, for a node's template filled in per step."""
+
+    def __init__(self, name: str) -> None:
+        self.text = f"%({name})s"
+
+    def __repr__(self) -> str:
+        return self.text
+
+    __str__ = __repr__
+
+
+def node_steps_json(node: int, step: Any, workers: list[tuple[int, int]], generation: int, start: Any, end: Any,
                     last_stage: int) -> bytes:
     """to_json of a stand-in launcher's NodeSteps (its workers' StepRecords as step_json makes them, as columns),
     byte for byte."""
@@ -179,6 +198,12 @@ class StandInNodes:
         # The watcher's connection: the workers react to an abort or an announcement at once, as real ones do,
         # not after this object's next pass over its periodic traffic.
         self.watch_client = PipelinedClient(spec.host, spec.port, spec.token, identity + "w", timeout_s=120.0)
+        # The node launchers' heartbeats: their own thread and connection, as each launcher beats from its own
+        # machine whatever its workers do. On the loop they waited behind a recovery's bulk (thousands of view reads
+        # and records): at 16,384 ranks a stand-in went 5.5 s without beating and the coordinator declared 171
+        # healthy nodes lost.
+        self.beat_client = PipelinedClient(spec.host, spec.port, spec.token, identity + "b", timeout_s=120.0)
+        self.beat_lock = threading.Lock()  # the heartbeat thread's pass, against a node's loss (node_down)
         self.counters = _Counters()
         self.lock = threading.Lock()  # between the loop and the watcher thread
         # Processes: a rank is running (beats, steps, reports), frozen (nothing), or ended with an exit code.
@@ -213,8 +238,10 @@ class StandInNodes:
         self.metrics: collections.deque[Request] = collections.deque()  # step records not sent yet
         self.node_seq: dict[int, int] = {}  # node -> its launcher's last NodeSteps write number
         self.stops_seq: dict[int, int] = {}  # node -> its launcher's last NodeStops write number
-        # node -> (its ended ranks, the fields of its wait on the coordinator's word, the reply's handler)
-        self.order_keys: dict[int, tuple[tuple[int, ...], tuple[bytes, ...], OnReply]] = {}
+        # node -> (its ended ranks, its wait on the coordinator's word, packed, the reply's handler)
+        self.order_keys: dict[int, tuple[tuple[int, ...], bytes, OnReply]] = {}
+        self.node_beat: dict[int, bytes] = {}  # node -> its heartbeat's request, packed
+        self.steps_template: dict[tuple[int, tuple[tuple[int, int], ...], int], str] = {}  # node_steps_json, to fill
         self.last_tick = time.time()
         self.stop = threading.Event()
 
@@ -223,6 +250,8 @@ class StandInNodes:
         """Serve until told to stop: `commands` is a multiprocessing Connection (poll/recv/send)."""
         watcher = threading.Thread(target=self._watch, daemon=True, name="standin-watcher")
         watcher.start()
+        beater = threading.Thread(target=self._beat_loop, daemon=True, name="standin-beats")
+        beater.start()
         commands.send(("ready", len(self.ranks)))
         try:
             while not self.stop.is_set():
@@ -235,8 +264,10 @@ class StandInNodes:
         finally:
             self.stop.set()
             watcher.join(2.0)
+            beater.join(2.0)
             self.client.close()
             self.watch_client.close()
+            self.beat_client.close()
 
     def _tick(self) -> bool:
         """One pass: what is due now, sent as pipelined batches; False when nothing was due."""
@@ -245,24 +276,28 @@ class StandInNodes:
         # What keeps the nodes alive in the coordinator's eyes goes first; the rest within a budget per pass, so
         # that an overloaded stand-in (this machine, not a real node) falls behind on flag polls, not on beats.
         with self.lock:
-            requests, reported = self._recovery(now, self.client)
+            recovery, reported = self._recovery(now, self.client)
             self._steps(now)
-        requests += self._beats(elapsed, now)
-        requests += self._node_heartbeats(elapsed, now)
+        if recovery:  # (as one burst, as the nodes' launchers send them: each node's at once)
+            self._flush(self.client, recovery, reported, len(recovery))
+        requests = self._beats(elapsed, now)
         budget = len(requests) + BUDGET
         while self.metrics and len(requests) < budget:
             requests.append(self.metrics.popleft())
         requests += self._node_polls(elapsed, budget - len(requests))
-        self._flush(self.client, requests, reported)
-        return bool(requests)
+        self._flush(self.client, requests, None)
+        return bool(requests or recovery)
 
-    def _flush(self, client: PipelinedClient, requests: list[Request], reported: int | None) -> None:
+    def _flush(self, client: PipelinedClient, requests: list[Request], reported: int | None,
+               batch: int = BATCH) -> None:
         """Send `requests` in pipelined batches and hand each reply to its callback; `reported`: the generation
-        whose stop reports are among them (timed for the benchmark)."""
-        for start in range(0, len(requests), BATCH):
-            chunk = requests[start:start + BATCH]
-            replies = client.pipeline([(op, fields) for op, fields, _ in chunk])
-            for (_, _, on_reply), (status, values) in zip(chunk, replies):
+        whose stop reports are among them (timed for the benchmark). A recovery's requests (every node's stop digest,
+        or its workers' records of the next generation) go in one batch: 2,048 launchers send theirs at once, not
+        in rounds of BATCH that each wait for the last one's replies."""
+        for start in range(0, len(requests), max(1, batch)):
+            chunk = requests[start:start + max(1, batch)]
+            replies = client.pipeline([payload for payload, _ in chunk])
+            for (_, on_reply), (status, values) in zip(chunk, replies):
                 if on_reply is not None:
                     on_reply(status, values)
         if reported is not None:
@@ -274,7 +309,13 @@ class StandInNodes:
     def _send(self, kind: str, op: Op, fields: tuple[bytes, ...],
               on_reply: Callable[[Status, list[bytes]], None] | None = None) -> Request:
         self.counters.sent[kind] += 1
-        return op, fields, on_reply
+        return pack_fields(op, fields), on_reply
+
+    def _send_packed(self, kind: str, payload: bytes, on_reply: OnReply | None = None) -> Request:
+        """_send of a request packed once and sent every pass (a node's heartbeat, its wait, the hang limit's read):
+        the same bytes each time, as a real launcher's would be."""
+        self.counters.sent[kind] += 1
+        return payload, on_reply
 
     # -- the workers' watcher threads: beats (round-robin at the protocol's rate) --------------------------------
     def _beats(self, elapsed: float, now: float) -> list[Request]:
@@ -290,7 +331,7 @@ class StandInNodes:
             if node in self.down_nodes:
                 continue
             self.counters.due["watch"] += 1
-            requests.append(self._send("watch", Op.GET, (_b(Keys.HANG_LIMIT), b"0")))
+            requests.append(self._send_packed("watch", HANG_LIMIT_GET))
             for rank in ranks:
                 silent = now - self.last_beat.get(rank, now)
                 if rank in self.frozen and rank not in self.silence_told and silent > self.spec.heartbeat_timeout_s:
@@ -298,6 +339,21 @@ class StandInNodes:
                     cause = _b(f"stopped responding (no heartbeat for {silent:.1f} s; fenced)")
                     requests.append(self._send("watch", Op.SET, (_b(Flags.SILENT.name(rank)), cause)))
         return requests
+
+    def _beat_loop(self) -> None:
+        """The node launchers' heartbeats, every NODE_POLL_S, on their own connection (_node_heartbeats)."""
+        last = time.time()
+        while not self.stop.wait(NODE_POLL_S):
+            with self.beat_lock:
+                now = time.time()
+                requests = self._node_heartbeats(now - last, now)
+                last = now
+                try:
+                    self._flush(self.beat_client, requests, None)
+                except Exception:
+                    if self.stop.is_set():
+                        return
+                    raise
 
     def _watch(self) -> None:
         """One watcher for every simulated worker: the current and next generation's abort and drain keys, and the
@@ -332,7 +388,7 @@ class StandInNodes:
                     self.announced = g
             with self.lock:
                 requests, reported = self._recovery(time.time(), self.watch_client)
-            self._flush(self.watch_client, requests, reported)
+            self._flush(self.watch_client, requests, reported, len(requests))
 
     # -- the workers' main threads: steps, stop reports, the next generation ---------------------------------------
     def _steps(self, now: float) -> None:
@@ -352,8 +408,16 @@ class StandInNodes:
             if not self._running(rank):
                 continue
             by_node.setdefault(self.node_of[rank], []).append(divmod(rank, self.spec.num_stages))
+        values = {"step": step, "start": repr(ends - self.spec.step_s), "end": repr(ends)}
         for node, workers in by_node.items():
-            batch = node_steps_json(node, step, workers, self.generation, ends - self.spec.step_s, ends, last)
+            # (formatted once per node, workers and generation: each step fills in its number and times)
+            shape = (node, tuple(workers), self.generation)
+            template = self.steps_template.get(shape)
+            if template is None:
+                self.steps_template = {k: v for k, v in self.steps_template.items() if k[2] == self.generation}
+                template = self.steps_template[shape] = node_steps_json(
+                    node, _Mark("step"), workers, self.generation, _Mark("start"), _Mark("end"), last).decode()
+            batch = (template % values).encode()
             self.node_seq[node] = self.node_seq.get(node, -1) + 1
             self.metrics.append(self._send("metrics", Op.SET, (_b(Keys.node_metrics(step, node, self.node_seq[node])),
                                                                batch)))
@@ -371,15 +435,15 @@ class StandInNodes:
                      else f"generation {self.generation} drains before step {drain[1] + 1 if drain else 0}")
             # Each worker hands its report to its node's store (no request here); each launcher's thread writes
             # the coordinator one digest of them (control/node_stops.py StopForwarder).
-            by_node: dict[int, list[bytes]] = {}
-            stopping = [rank for rank in sorted(self.members) if self._running(rank)]
-            reports = stopped_jsons(stopping, self.generation, self.next_step - 1, self.next_step, error, now)
-            for rank, report in zip(stopping, reports):
-                by_node.setdefault(self.node_of[rank], []).append(report)
-            for node, reports in by_node.items():
+            by_node: dict[int, list[int]] = {}
+            for rank in sorted(self.members):
+                if self._running(rank):
+                    by_node.setdefault(self.node_of[rank], []).append(rank)
+            for node, ranks in by_node.items():
                 self.stops_seq[node] = seq = self.stops_seq.get(node, -1) + 1
+                digest = node_stops_json(node, self.generation, ranks, self.next_step - 1, self.next_step, error, now)
                 requests.append(self._send("stopped", Op.SET, (_b(Keys.node_stopped(self.generation, node, seq)),
-                                                               node_stops_json(node, self.generation, reports))))
+                                                               digest)))
             self.events.append({"kind": "stopped", "generation": self.generation, "time": time.time()})
             reported = self.generation
         if self.announced is not None and self.announced > self.generation:
@@ -394,7 +458,13 @@ class StandInNodes:
         announcement = from_json(Announcement, raw)
         live = set(announcement.live)
         readers = sorted((self.members | self.joiners) & live)
-        views = client.pipeline([(Op.GET, (_b(Keys.plan_view(generation, rank)), b"0")) for rank in readers])
+        # The start every view shares, stored once (each real worker reads it; here once), then each worker's part.
+        shared = client.try_get(Keys.plan_shared(generation))
+        assert shared is not None, "the views' shared start is stored before the announcement"
+        asks = [pack_fields(Op.GET, (_b(Keys.plan_view(generation, rank)), b"0")) for rank in readers]
+        # (BATCH at a time, as the other traffic: a real worker reads its own view, 2 KB; 8,192 in one pipelined
+        # burst kept 16 MB of replies queued on the store)
+        views = [reply for start in range(0, len(asks), BATCH) for reply in client.pipeline(asks[start:start + BATCH])]
         assert all(status == Status.OK and values for status, values in views), "every live rank has a plan view"
         for rank in self.members | self.joiners:
             if rank not in live and self._running(rank):
@@ -412,7 +482,8 @@ class StandInNodes:
         self.first_step = self.next_step = announcement.redo_step
         self.step_origin = now
         self.events.append({"kind": "resumed", "generation": self.generation, "time": now,
-                            "plan_bytes": max((len(v[0]) for _, v in views), default=0), "members": len(self.members)})
+                            "plan_bytes": len(shared) + max((len(v[0]) for _, v in views), default=0),
+                            "members": len(self.members)})
         return requests
 
     # -- the node launchers' follow loops ------------------------------------------------------------------------
@@ -423,7 +494,7 @@ class StandInNodes:
         if not up:
             return []
         rate = len(up) / max(NODE_POLL_S, min(self.spec.heartbeat_s, self.spec.heartbeat_timeout_s / 4))
-        self.counters.due["node"] += elapsed * rate
+        self.counters.due["node_beat"] += elapsed * rate
         self.node_credit = min(self.node_credit + elapsed * rate, float(len(up)))
         requests = []
         while self.node_credit >= 1.0:
@@ -431,7 +502,10 @@ class StandInNodes:
             node = up[self.node_cursor % len(up)]
             self.node_cursor += 1
             self.last_node_beat[node] = now
-            requests.append(self._send("node", Op.ADD, (_b(Keys.node_heartbeat(node)), b"1")))
+            beat = self.node_beat.get(node)
+            if beat is None:
+                beat = self.node_beat[node] = pack_fields(Op.ADD, (_b(Keys.node_heartbeat(node)), b"1"))
+            requests.append(self._send_packed("node_beat", beat))
         return requests
 
     def _node_polls(self, elapsed: float, budget: int) -> list[Request]:
@@ -466,8 +540,8 @@ class StandInNodes:
             for rank in self.nodes[node]:
                 keys.append(_b(Flags.RESPAWN.name(rank) if rank in ended else Flags.FENCE.name(rank)))
                 fenced.append(None if rank in ended else rank)
-            cached = self.order_keys[node] = (ended, tuple(keys), self._order_reply(fenced))
-        requests.append(self._send("node", Op.WAIT_ANY, cached[1], cached[2]))
+            cached = self.order_keys[node] = (ended, pack_fields(Op.WAIT_ANY, keys), self._order_reply(fenced))
+        requests.append(self._send_packed("node", cached[1], cached[2]))
         return requests
 
     def _order_reply(self, fenced: list[int | None]) -> Callable[[Status, list[bytes]], None]:
@@ -502,15 +576,16 @@ class StandInNodes:
                 (rank,) = args
                 self.exit_code[rank] = EXIT_KILLED
                 reply["time"] = time.time()
-                self.client.pipeline([(op, fields) for op, fields, _ in self._report_exit(rank)])
+                self.client.pipeline([payload for payload, _ in self._report_exit(rank)])
             elif what == "freeze":  # SIGSTOP, right after a beat: only its silence tells, from then on
                 (rank,) = args
                 reply["last_beat"] = self._last_signs([rank], None)
                 self.frozen.add(rank)
             elif what == "node_down":  # the machine is gone, right after its beats: launcher and workers silent
                 (node,) = args
-                reply["last_beat"] = self._last_signs([r for r in self.nodes[node] if self._running(r)], node)
-                self.down_nodes.add(node)
+                with self.beat_lock:  # (no beat of the heartbeat thread's after its last one)
+                    reply["last_beat"] = self._last_signs([r for r in self.nodes[node] if self._running(r)], node)
+                    self.down_nodes.add(node)
             elif what == "node_up":  # repaired: a new launcher starts every worker of the node as a replacement
                 (node,) = args
                 reply.update(self._repair(node))
@@ -528,11 +603,11 @@ class StandInNodes:
         if node is not None:
             requests.append(self._send("node", Op.ADD, (_b(Keys.node_heartbeat(node)), b"1")))
         if requests:
-            self.client.pipeline([(op, fields) for op, fields, _ in requests])
+            self.client.pipeline([payload for payload, _ in requests])
         return time.time()
 
     def _repair(self, node: int) -> dict[str, Any]:
-        requests: list[tuple[Op, tuple[bytes, ...]]] = []
+        requests: list[bytes] = []
         self.down_nodes.discard(node)
         for rank in self.nodes[node]:
             self.exit_code.pop(rank, None)
@@ -545,13 +620,13 @@ class StandInNodes:
             # control/processes.WorkerProcesses.start(joining=True), then _follow_loop's first pass lowers FENCE.
             for key in (Keys.join_ready(rank), Keys.join_generation(rank), Keys.exited(rank), Keys.error(rank),
                         Keys.fence(rank)):
-                requests.append((Op.DELETE, (_b(key),)))
+                requests.append(pack_fields(Op.DELETE, (_b(key),)))
             self.counters.sent["join"] += 5
         self.client.pipeline(requests)
         ready = []
         now = time.time()
         for rank in self.nodes[node]:
-            ready.append((Op.SET, (_b(Keys.join_ready(rank)), _b(to_json(JoinReady(now, 0))))))
+            ready.append(pack_fields(Op.SET, (_b(Keys.join_ready(rank)), _b(to_json(JoinReady(now, 0))))))
             self.joiners.add(rank)
             self.counters.sent["join"] += 1
         self.client.pipeline(ready)
@@ -562,4 +637,15 @@ def standin_main(spec: NodesSpec, commands: Any) -> None:
     """A stand-in process's entry point."""
     if spec.niceness:
         os.nice(spec.niceness)
-    StandInNodes(spec).run(commands)
+    if not spec.profile_path:
+        StandInNodes(spec).run(commands)
+        return
+    import cProfile
+
+    profiler = cProfile.Profile(time.process_time)  # (its watcher thread's calls are not seen: the loop's are)
+    profiler.enable()
+    try:
+        StandInNodes(spec).run(commands)
+    finally:
+        profiler.disable()
+        profiler.dump_stats(spec.profile_path)

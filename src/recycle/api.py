@@ -325,7 +325,7 @@ def train(config: Config, plan: Plan | None = None, *, schedule: str | None = No
         from recycle.planner.provider import RepartitioningProvider
 
         planner_opts = PlannerOptions(decoupled=decoupled, staggered=staggered, split_microbatches=split_microbatches)
-        provider: PlanProvider = _plan_library(config, planner_opts, max_failures, plan_store, store_progress).lookup
+        provider: PlanProvider = _plan_library(config, planner_opts, max_failures, plan_store, store_progress)
         if repartition:
             provider = RepartitioningProvider(config, planner_opts, provider, prior_s=repartition_prior_s,
                                               seconds_per_unit=_seconds_per_unit(config, launch_opts.debug.emulation))

@@ -155,6 +155,19 @@ def test_frames_are_authenticated_in_order() -> None:
         Session(key, server_nonce, client_nonce, client=False).open(other.seal(b"\x01x"))
 
 
+def test_a_batch_of_frames_sealed_at_once_is_each_frame_sealed_in_turn() -> None:
+    key = token_key(TOKEN)
+    server_nonce, client_nonce = os.urandom(NONCE_BYTES), os.urandom(NONCE_BYTES)
+    one, batch = (Session(key, server_nonce, client_nonce, client=True) for _ in range(2))
+    payloads = [b"\x01a", b"\x02" + bytes(300), b"\x08c"]
+    assert batch.seal(b"\x01first") == one.seal(b"\x01first")
+    assert batch.seal_frames(payloads) == b"".join(encode_frame(one.seal(p)) for p in payloads)
+    assert batch.seal(b"\x01after") == one.seal(b"\x01after")  # the sequence went on from the batch
+    receiver = Session(key, server_nonce, client_nonce, client=False)
+    frames = FrameReader(1 << 20).feed(Session(key, server_nonce, client_nonce, client=True).seal_frames(payloads))
+    assert [receiver.open(frame) for frame in frames] == payloads
+
+
 def test_garbage_floods_and_idle_connections_cost_one_warning_and_lock_no_one_out(caplog) -> None:
     srv = StoreServer("127.0.0.1", 0, TOKEN, StoreLimits(max_unauthenticated=16, handshake_timeout_s=1.0)).start()
     try:

@@ -5,6 +5,7 @@ a restarted coordinator."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -58,10 +59,35 @@ class _Node:
 def test_a_digest_round_trips_with_every_field_of_its_reports() -> None:
     digest = NodeStops(3, 1, (_report(8), _report(9)))
     assert from_json(NodeStops, to_json(digest)) == digest
+    assert from_json(NodeStops, to_json(NodeStops(3, 1, ()))) == NodeStops(3, 1, ())
     with pytest.raises(RecordError, match="StoppedReport in a NodeStops record"):
         from_json(NodeStops, '{"kind": "node_stops", "node": 3, "generation": 1, "reports": [{"kind": "beat"}]}')
-    with pytest.raises(RecordError, match="reports are int, not a list"):
+    with pytest.raises(RecordError, match="reports are int, not StoppedReport records as columns"):
         from_json(NodeStops, '{"kind": "node_stops", "node": 3, "generation": 1, "reports": 7}')
+
+
+def test_a_digests_reports_travel_as_one_column_per_field_each_checked() -> None:
+    text = to_json(NodeStops(3, 1, (_report(8), _report(9))))
+    columns = json.loads(text)["reports"]
+    assert columns["kind"] == "stop_rows" and columns["rank"] == [8, 9] and columns["weighed_current"] == [False, True]
+    assert [r.weighed_current for r in from_json(NodeStops, text).reports] == [False, True]
+
+    def read(**change: object) -> NodeStops:
+        return from_json(NodeStops, json.dumps({**json.loads(text), "reports": {**columns, **change}}))
+
+    with pytest.raises(RecordError, match="hold '8' in the column 'rank', which takes int"):
+        read(rank=["8", 9])
+    with pytest.raises(RecordError, match="hold True in the column 'applied'"):
+        read(applied=[True, 4])
+    with pytest.raises(RecordError, match="lack the column 'time' of 2 values"):
+        read(time=[1.0])
+    with pytest.raises(RecordError, match="lack the column 'error'"):
+        read(error=None)
+    with pytest.raises(RecordError, match="have kind 'step_rows', not 'stop_rows'"):
+        read(kind="step_rows")
+    assert read(current_s=[0, 1]).reports[1].current_s == 1  # a float column takes an int
+    older = {k: v for k, v in columns.items() if k != "tp_split"}  # a field with a default: an older writer's
+    assert from_json(NodeStops, json.dumps({**json.loads(text), "reports": older})).reports[0].tp_split == ""
 
 
 def test_one_digest_goes_as_soon_as_every_running_worker_reported() -> None:

@@ -192,7 +192,7 @@ def live_failure_section(ctx: DemoContext) -> None:
     data["training"] = {**data["training"], "dtype": "float64", "steps": 6}
     cfg = parse_config(data, name="tiny-gpt-float64")
     plan = build_schedule(cfg, "zb-h1", staggered=True)
-    provider = PlanLibrary.build(cfg, PlannerOptions(), max_failures=2).lookup
+    provider = PlanLibrary.build(cfg, PlannerOptions(), max_failures=2)
     (replica, stage), fault = parse_fault("kill:1:1@3.5", cfg.num_replicas, cfg.num_stages)
     saved = {}
     for label, faults in (("fault-free", ()), ("worker 1:1 SIGKILLed before action 5 of step 3", (

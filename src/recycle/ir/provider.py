@@ -26,6 +26,10 @@ class PlanChoice:
 
 class PlanProvider(Protocol):
     """Given every (replica, stage) that is down, the plan to run. The command layer builds one from the planner
-    (planner.provider); the runtime only calls it, so it never imports the planner."""
+    (planner.provider); the runtime only calls it, so it never imports the planner.
+
+    A provider with a true `repeatable` attribute (planner.provider.PlanLibrary) gives the same plan for the same
+    failed set whenever it is asked, and a call changes nothing: the coordinator then asks as soon as it knows the
+    failed set (at the abort) and makes the plan's views while the survivors' reports come in, not after."""
 
     def __call__(self, failed: frozenset[tuple[int, int]], /) -> PlanChoice: ...

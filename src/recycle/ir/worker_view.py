@@ -156,14 +156,28 @@ class PlanViews:
             tail = self._tails[rank] = view_tail(rank, "view_actions", {r: self._line(r) for r in senders}).encode()
         return tail
 
+    @property
+    def shared(self) -> bytes:
+        """What every worker's view starts with (the metadata and the routing's exceptions), stored once per
+        generation: it grows with the micro-batches a failure moved (after a rack's loss at 16,384 workers, hundreds
+        of KB), and a copy in each of thousands of views took the coordinator's process to tens of GB."""
+        return self._shared
+
     def encoded(self, rank: int) -> bytes:
-        """Worker `rank`'s view as the store holds it (json_for's text, encoded)."""
+        """Worker `rank`'s whole view (json_for's text, encoded): `shared` + its tail."""
         return self._shared + self._tail(rank)
 
+    def encoded_tails(self, ranks: list[int]) -> list[bytes]:
+        """The part of each of `ranks`' views after `shared`, as the store holds it under the rank's key (one pass:
+        at 16,384 workers a call per view is a cost of its own)."""
+        tails, tail = self._tails, self._tail
+        return [tails.get(rank) or tail(rank) for rank in ranks]
+
     def encoded_views(self, ranks: list[int]) -> list[bytes]:
-        """encoded(rank) of each of `ranks` (one pass: at 16,384 workers a call per view is a cost of its own)."""
-        shared, tails, tail = self._shared, self._tails, self._tail
-        return [shared + (tails.get(rank) or tail(rank)) for rank in ranks]
+        """encoded(rank) of each of `ranks` (benchmarks and tests; the coordinator stores `shared` once and the
+        tails)."""
+        shared = self._shared
+        return [shared + tail for tail in self.encoded_tails(ranks)]
 
     def json_for(self, rank: int) -> str:
         """Worker `rank`'s view, for read_worker_view."""

@@ -26,6 +26,9 @@ __all__ = ["SOLVERS", "ROUTINGS", "resolve_memory_cap", "resolve_options", "plan
 SOLVERS = ("heuristic", "exact")
 _CACHE: dict[tuple, Plan] = {}
 _CACHE_LIMIT = 512  # plans kept in-process; a D=6, S=4, f=3 store is 35
+# ... and the workers of the plans kept, at most: a 16,384-worker plan takes ~30 MB, and a coordinator whose failed
+# set grows node by node (a rack going down) plans each state beyond its library online: 512 of them were 15 GB.
+_CACHE_WORKERS = 65_536
 
 
 def resolve_options(config: Config, options: PlannerOptions) -> PlannerOptions:
@@ -168,9 +171,13 @@ def period_plan_for_key(config: Config, key: Sequence[int], options: PlannerOpti
 
 
 def _remember(cache_key: tuple, plan: Plan) -> Plan:
-    if len(_CACHE) >= _CACHE_LIMIT:
-        _CACHE.pop(next(iter(_CACHE)))  # oldest first
+    """Keep `plan` under `cache_key`, forgetting the oldest plans beyond _CACHE_LIMIT plans or _CACHE_WORKERS
+    workers in all (the newest is kept whatever its size)."""
+    _CACHE.pop(cache_key, None)
     _CACHE[cache_key] = plan
+    workers = sum(p.num_workers for p in _CACHE.values())
+    while len(_CACHE) > 1 and (len(_CACHE) > _CACHE_LIMIT or workers > _CACHE_WORKERS):
+        workers -= _CACHE.pop(next(iter(_CACHE))).num_workers  # oldest first
     return plan
 
 
@@ -259,10 +266,7 @@ def plan_for_failed(config: Config, failed: frozenset[tuple[int, int]],
                           lower_bound=lower_bound, memory_cap=options.memory_cap or (),
                           notes=_with_note(f"{plan.meta.notes}; traffic-aware routing on the real ranks",
                                            settling_note))
-    if len(_CACHE) >= _CACHE_LIMIT:
-        _CACHE.pop(next(iter(_CACHE)))
-    _CACHE[cache_key] = plan
-    return plan
+    return _remember(cache_key, plan)
 
 
 def fault_free_period(config: Config, options: PlannerOptions = PlannerOptions()) -> float:

@@ -65,7 +65,7 @@ class FailureState:
             for s in range(S):
                 actions[self.perm[s][c] * S + s] = plan.actions[c * S + s]
         # one row per stage, or per chunk (relabelled with its worker's stage) when chunked
-        host = tuple(tuple(self.perm[plan.chunk_stage(s)][c] for c in row) for s, row in enumerate(plan.host))
+        host = tuple(tuple(map(self.perm[plan.chunk_stage(s)].__getitem__, row)) for s, row in enumerate(plan.host))
         return replace(plan, host=host, actions=tuple(actions), failed=self.failed)
 
 

@@ -22,7 +22,7 @@ from recycle.planner.failures import MAX_PLANNED_STATES, check_failure_states, e
 from recycle.planner.options import PlannerOptions
 from recycle.planner.partition import (PartitionChoice, configured_partition, layer_costs, make_repartitioned_plan,
                                        migration_bytes, partition_period, plan_with_partition)
-from recycle.planner.patterns import enumerate_patterns, pattern_of
+from recycle.planner.patterns import enumerate_patterns, pattern_of, row_classes, with_shared_actions
 from recycle.planner.policy import DurationEstimate, LayerDecision
 from recycle.planner.store import PlanStore
 
@@ -44,12 +44,20 @@ def _check_states(config: Config, max_failures: int) -> None:
 
 
 class PlanLibrary:
-    """A plan store in memory; `lookup(failed)` maps a real failure set to a plan on the real ranks."""
+    """A plan store in memory; `lookup(failed)` maps a real failure set to a plan on the real ranks. The library is
+    a repeatable PlanProvider itself (ir.provider): the same failed set gives the same plan, and a lookup changes
+    nothing."""
+
+    repeatable = True
 
     def __init__(self, store: PlanStore, patterns: dict[tuple, Plan] | None = None) -> None:
         self.store = store
         # Canonical failed set of a pattern (its `lost` per replica) -> its traffic-aware plan.
-        self.patterns = patterns or {}
+        self.patterns = {lost: with_shared_actions(plan) for lost, plan in (patterns or {}).items()}
+        # Before the run, so that a lookup costs a renaming of the lists the failure moved (patterns.rename_replicas).
+        store.share_actions()
+        for plan in self.patterns.values():
+            row_classes(plan)
 
     @classmethod
     def build(cls, config: Config, options: PlannerOptions, max_failures: int,
@@ -90,6 +98,9 @@ class PlanLibrary:
     def load(cls, directory: str | Path, config: Config) -> "PlanLibrary":
         return cls(PlanStore.load(directory, config))
 
+    def __call__(self, failed: frozenset[tuple[int, int]]) -> PlanChoice:
+        return self.lookup(failed)
+
     def lookup(self, failed: frozenset[tuple[int, int]]) -> PlanChoice:
         """The plan for `failed` (a PlanProvider: pass `library.lookup` to the launcher)."""
         started = time.perf_counter()
@@ -101,7 +112,7 @@ class PlanLibrary:
                 plan = pattern.to_real(self.patterns[pattern.lost], frozenset(failed))
                 return PlanChoice(plan, "store", time.perf_counter() - started)
         source: PlanSource = "store" if self.store.plan_for_key(state.key) is not None else "heuristic"
-        plan = self.store.lookup(failed)
+        plan = self.store.lookup(failed, state)
         return PlanChoice(plan, source, time.perf_counter() - started)
 
 

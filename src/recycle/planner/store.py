@@ -14,8 +14,9 @@ from recycle.errors import PlanError
 from recycle.fileio import UnsafeFile, atomic_write_text, read_inside, relative_parts
 from recycle.ir.plan import Plan
 from recycle.planner.api import plan_for_key, resolve_options
-from recycle.planner.failures import check_failure_states, enumerate_keys, normalize
+from recycle.planner.failures import FailureState, check_failure_states, enumerate_keys, normalize
 from recycle.planner.options import PlannerOptions
+from recycle.planner.patterns import row_classes, with_shared_actions
 
 __all__ = ["INDEX_NAME", "FORMAT_VERSION", "StoreEntry", "PlanStore", "build_store", "key_name"]
 
@@ -213,6 +214,14 @@ class PlanStore:
                             f"{str(exc)[:200]}); rebuild it with `recycle plan ... --out`") from None
         return cls(directory, config, options, int(index.get("max_failures", 0)), entries, plans)
 
+    def share_actions(self) -> None:
+        """Hold every plan as tuples of shared Actions with its row classes worked out (patterns.row_classes), before
+        the run: a lookup then renames only the lists a failure moved, and its lists compare with the last plan's as
+        one object per action (the coordinator's views of the new plan: ir.worker_view.PlanViews)."""
+        self._plans = {key: with_shared_actions(plan) for key, plan in self._plans.items()}
+        for plan in self._plans.values():
+            row_classes(plan)
+
     def keys(self) -> list[tuple[int, ...]]:
         return sorted(self._plans)
 
@@ -223,13 +232,15 @@ class PlanStore:
         """The stored canonical plan of a key, or None."""
         return self._plans.get(tuple(key))
 
-    def lookup(self, failed_workers: Iterable[tuple[int, int]]) -> Plan:
-        """The plan for a real set of failed (replica, stage) workers, on real ranks.
+    def lookup(self, failed_workers: Iterable[tuple[int, int]], state: FailureState | None = None) -> Plan:
+        """The plan for a real set of failed (replica, stage) workers, on real ranks (`state`: their normalize(), if
+        the caller has it).
 
         A key the store lacks (more failures than it was built for) is planned online by the heuristic with the
         store's options; the returned plan says so in meta.notes.
         """
-        state = normalize(failed_workers, self.config.num_replicas, self.config.num_stages)
+        if state is None:
+            state = normalize(failed_workers, self.config.num_replicas, self.config.num_stages)
         plan = self._plans.get(state.key)
         if plan is None:
             online = plan_for_key(self.config, state.key, self.options, "heuristic")

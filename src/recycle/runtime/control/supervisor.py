@@ -66,6 +66,17 @@ class _PendingRecovery:
     live: frozenset[int]
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """A recovery's plan and its views, made while the survivors' reports come in (a repeatable provider's: the same
+    failed set at the announcement gives this plan)."""
+
+    failed: frozenset[tuple[int, int]]
+    choice: PlanChoice
+    views: PlanViews
+    encoded: list[bytes]  # views.encoded_tails(the plan's live ranks)
+
+
 class Supervisor:
     """Node 0's loop: feed facts from the processes and the store to the Coordinator, carry out its commands, and
     report steps and recoveries."""
@@ -122,6 +133,8 @@ class Supervisor:
         # Tests only: ranks whose process the launcher must not kill (as if its node could not be reached).
         self.unfenceable = {int(r) for r in os.environ.get("RECYCLE_TEST_UNFENCEABLE", "").split(",") if r.strip()}
         self.pending: _PendingRecovery | None = None  # the recovery being completed
+        self.prepared: _Prepared | None = None  # the next generation's plan and views, while its reports come in
+        self.prepared_for: frozenset[tuple[int, int]] | None = None  # the failed set last asked for by _prepare_next
         self.failing = False
         # What decides whether an interrupted iteration can be finished rather than redone (ir.completion).
         self.collective_step = not plan.staggered or config.training.grad_clip > 0
@@ -196,12 +209,34 @@ class Supervisor:
                 self._report_evaluations(final=True)
                 self._finish_nodes()
                 return list(self.reporter.steps), list(self.reporter.recoveries), self.coordinator.state.failed
-            if not state.recovering:
+            if state.recovering:
+                self._prepare_next()
+            else:
                 # The feed wakes the loop on every key a node writes, about one per node and step: at thousands of
                 # nodes a tick per key costs more than the keys (540 ticks/s, a third of a core, at 16,384 ranks).
                 # Ticks at most every TICK_MIN_S while nothing fails; a recovery's ticks are not held back.
                 time.sleep(max(0.0, tick + TICK_MIN_S - time.monotonic()))
             self.workers.wait(0.02 if state.recovering else idle_s, also=[self.feed])
+
+    def _prepare_next(self) -> None:
+        """While a recovery waits for the survivors' reports: with a repeatable provider (ir.provider), get the plan
+        for the failed set known now and make its views, so that the announcement only writes them. At 16,384
+        workers the lookup and the views are tens of ms of CPU that the reports' wait hides; if the failed set has
+        changed by the announcement (another failure, a joiner), it asks again."""
+        provider, state = self.options.plan_provider, self.coordinator.state
+        if provider is None or not getattr(provider, "repeatable", False) or state.finished:
+            return
+        failed = state.failed - {self.plan.worker(rank) for rank in state.joining}
+        if self.prepared_for == failed:
+            return
+        self.prepared_for = failed  # (asked once per failed set, also when the provider fails)
+        with collector_paused():
+            try:
+                choice = provider(failed)
+            except Exception:  # noqa: BLE001 (asked again at the announcement, which reports what is wrong)
+                return
+            views = PlanViews(choice.plan, self.views)
+            self.prepared = _Prepared(failed, choice, views, views.encoded_tails(choice.plan.live_ranks()))
 
     def _take_feed(self) -> None:
         for key in self.feed.drain():
@@ -451,7 +486,12 @@ class Supervisor:
                        "LaunchOptions.plan_provider). Restart with --resume from the last checkpoint")
         if self.pending is not None:
             self._complete_recovery(final=True)  # a failure during a recovery: report the first one as it ended
-        choice = self.options.plan_provider(facts.failed)
+        prepared, self.prepared, self.prepared_for = self.prepared, None, None
+        if prepared is None or prepared.failed != facts.failed:
+            prepared = None
+            choice = self.options.plan_provider(facts.failed)
+        else:
+            choice = prepared.choice  # asked while the reports came in (_prepare_next)
         plan = choice.plan
         # The views and their keys are tens of thousands of young objects at 16,384 workers, and the collections they
         # set off walked the new plan (a fifth of this path's CPU).
@@ -459,8 +499,12 @@ class Supervisor:
             self._execute(self.coordinator.on_plan_chosen(plan.live_ranks()))
             if facts.restore_step is not None:
                 self._forget_steps_from(facts.restore_step, facts.generation)
-            self.views = PlanViews(plan, self.views)  # (only the views that changed are encoded again)
-            self._publish_views(facts.generation, Keys.plan_view, self.views, plan)
+            if prepared is not None:
+                self.views = prepared.views
+                self._publish_views(facts.generation, Keys.plan_view, self.views, plan, prepared.encoded)
+            else:
+                self.views = PlanViews(plan, self.views)  # (only the views that changed are encoded again)
+                self._publish_views(facts.generation, Keys.plan_view, self.views, plan)
             facts, completion = self._completion(facts, plan)
             if completion is not None:
                 self._publish_views(facts.generation, Keys.completion_view, CompletionViews(completion), plan)
@@ -512,12 +556,21 @@ class Supervisor:
                             f"{completion.resent} messages re-sent)"), completion
 
     def _publish_views(self, generation: int, key: Callable[[int, int], str], views: PlanViews | CompletionViews,
-                       plan: Plan) -> None:
+                       plan: Plan, encoded: list[bytes] | None = None) -> None:
         """Each live worker's view (of the generation's plan, or of the completion), under key(generation, rank):
-        not the whole, which at 16,384 workers is megabytes that every worker would read and take seconds to parse."""
+        not the whole, which at 16,384 workers is megabytes that every worker would read and take seconds to parse.
+        A plan's views share their start (the routing's exceptions: Keys.plan_shared), stored once; under each
+        worker's key only the rest (`encoded`: that of plan.live_ranks(), made already). A copy of the start in
+        every view is workers x moved micro-batches: 16,384 views after a rack's loss took the coordinator's process
+        past 20 GB."""
         ranks = plan.live_ranks()
         keys = [key(generation, r) for r in ranks]
-        self.store.multi_set(keys, views.encoded_views(ranks))
+        if isinstance(views, PlanViews):
+            self.store.set(Keys.plan_shared(generation), views.shared)
+            self.published.setdefault(generation, []).append(Keys.plan_shared(generation))
+            self.store.multi_set(keys, encoded if encoded is not None else views.encoded_tails(ranks))
+        else:
+            self.store.multi_set(keys, encoded if encoded is not None else views.encoded_views(ranks))
         self.published.setdefault(generation, []).extend(keys)
 
     def _delete_old_views(self, generation: int) -> None:
@@ -576,6 +629,7 @@ class Supervisor:
         self.resumed_in = {g: ranks for g, ranks in self.resumed_in.items() if g > generation}
         self.pending = None
         if not facts.deaths and not facts.joining and not facts.lost_contact:
+            self._forget_generation_records(generation, live)
             return  # a drain whose joiner never came in (the run ended first): nothing happened
         faults: dict[int, FaultRecord] = {}
         for death in facts.deaths:
@@ -586,8 +640,23 @@ class Supervisor:
         records = GenerationRecords(resumed, tuple(self._records(Channels.JOINED, generation, live)),
                                     tuple(self._records(Channels.TRANSFER, generation, sorted(facts.joining))),
                                     tuple(self._records(Channels.MIGRATION, generation, live)), faults)
+        self._forget_generation_records(generation, live, tuple(sorted(facts.joining)), bool(records.migrations))
         self.reporter.recovery(measure_recovery(facts, records, self.plan.worker, pending.announced, pending.choice,
                                                 time.time(), self.wall0))
+
+    def _forget_generation_records(self, generation: int, live: list[int], joining: tuple[int, ...] = (),
+                                   migrated: bool = False) -> None:
+        """Read once: a recovery's records of each worker (resumed, joined; a joiner's state transfer; a layer
+        migration's) leave the store once reported; kept, they were two keys per worker per recovery for the whole
+        run (32,768 a recovery at 16,384 workers, ~20 MB of the coordinator's memory)."""
+        channels: list[Channel[Any]] = [Channels.RESUMED, Channels.JOINED]
+        if migrated:
+            channels.append(Channels.MIGRATION)
+        for channel in channels:
+            for rank in live:
+                self.jobs.delete(channel, generation, rank)
+        for rank in joining:
+            self.jobs.delete(Channels.TRANSFER, generation, rank)
 
     def _drain(self) -> None:
         """Report every step all its members have finished, in order."""

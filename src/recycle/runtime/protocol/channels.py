@@ -88,8 +88,15 @@ class Keys:
 
     @staticmethod
     def plan_view(generation: int, rank: int) -> str:
-        """Worker `rank`'s view of the generation's plan (ir.worker_view): what it runs, a few KB at any scale."""
+        """Worker `rank`'s part of its view of the generation's plan (ir.worker_view.PlanViews.encoded_tails): what
+        it runs, a few KB at any scale; its view is plan_shared's value followed by this one."""
         return f"gen{generation}/plan/{rank}"
+
+    @staticmethod
+    def plan_shared(generation: int) -> str:
+        """What every worker's view of the generation's plan starts with (PlanViews.shared), stored once: it grows
+        with the micro-batches the failures moved."""
+        return f"gen{generation}/plan_shared"
 
     @staticmethod
     def completion_view(generation: int, rank: int) -> str:

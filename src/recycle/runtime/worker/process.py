@@ -452,6 +452,12 @@ class _Worker:
         announcement: Announcement = self.jobs.get(Channels.ANNOUNCE, generation)
         return announcement
 
+    def _read_plan_view(self, generation: int) -> Plan:
+        """This worker's view of `generation`'s plan: the start every view shares, stored once, then its own part."""
+        rank = self.spec.rank
+        return read_worker_view(self.store.get(Keys.plan_shared(generation)) + self.store.get(Keys.plan_view(
+            generation, rank)), rank)
+
     # -- the life of a worker ------------------------------------------------------------------------------------
     def run(self) -> None:
         spec = self.spec
@@ -552,7 +558,7 @@ class _Worker:
         self.generation = int(self.store.get(key))
         _joiner_dies_here(self.spec.joiner_dies_at, "admitted")
         self.announcement = self._take_announcement(self.generation)
-        self.plan = read_worker_view(self.store.get(Keys.plan_view(self.generation, spec.rank)), spec.rank)
+        self.plan = self._read_plan_view(self.generation)
         self._take_layout()  # this generation's layer partition; the state arrives from a replica or the checkpoint
         if self.announcement.restore_step >= 0:
             self._load_checkpoint(self.announcement.restore_step)
@@ -916,7 +922,7 @@ class _Worker:
             raise _Fenced()
         self.generation = announcement.generation
         self.announcement = announcement
-        self.plan = read_worker_view(self.store.get(Keys.plan_view(announcement.generation, spec.rank)), spec.rank)
+        self.plan = self._read_plan_view(announcement.generation)
         redo = announcement.redo_step
         self.completion = None
         if announcement.completion:  # keep the interrupted iteration's work; run only what the failure lost

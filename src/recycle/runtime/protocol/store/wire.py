@@ -68,7 +68,7 @@ def new_nonce() -> bytes:
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
-    return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
+    return hmac.digest(key, b"".join(parts), "sha256")  # (one C call: every request and reply pays it twice)
 
 
 def client_proof(key: bytes, server_nonce: bytes, client_nonce: bytes, identity: bytes) -> bytes:
@@ -93,6 +93,16 @@ class Session:
         tag = _mac(self._send_key, _SEQ.pack(self._send_seq), payload)[:MAC_BYTES]
         self._send_seq += 1
         return payload + tag
+
+    def seal_frames(self, payloads: list[bytes]) -> bytes:
+        """encode_frame(seal(p)) of each of `payloads`, in order, as one byte string (a pipelined batch of requests:
+        one call, not three per request)."""
+        key, first, mac, pack, length = self._send_key, self._send_seq, hmac.digest, _SEQ.pack, _LEN.pack
+        if any(len(p) + MAC_BYTES > MAX_FRAME_BYTES for p in payloads):
+            raise WireError(f"a message over {MAX_FRAME_BYTES:,} bytes; the store takes at most that")
+        self._send_seq += len(payloads)
+        return b"".join([part for seq, payload in enumerate(payloads, first) for part in (
+            length(len(payload) + MAC_BYTES), payload, mac(key, pack(seq) + payload, "sha256")[:MAC_BYTES])])
 
     def open(self, frame: bytes) -> bytes:
         if len(frame) < MAC_BYTES + 1:
