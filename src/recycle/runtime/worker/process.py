@@ -54,8 +54,8 @@ from recycle.runtime.worker.outbox import Outbox, SilentOutbox
 from recycle.runtime.worker.stage import BuiltStage, build_stage, tied_stages
 from recycle.runtime.worker.tensor_parallel import (RankBeats, bind_mesh, check_worker_features, rank_beat_key,
                                                     ready_key, tp_degree, worker_mesh)
-from recycle.runtime.worker.tp_agreement import StopPoint, post_stop_point, tp_split
 from recycle.runtime.worker.title import set_process_title
+from recycle.runtime.worker.tp_agreement import StopPoint, post_stop_point, tp_split
 from recycle.runtime.worker.transport import Activity, GenerationCut, Transport, is_comm_error
 
 __all__ = ["WorkerSpec", "WorkerHooks", "FaultInjection", "GenerationAborted", "worker_main", "run_worker",
