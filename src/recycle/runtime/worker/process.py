@@ -453,10 +453,11 @@ class _Worker:
         return announcement
 
     def _read_plan_view(self, generation: int) -> Plan:
-        """This worker's view of `generation`'s plan: the start every view shares, stored once, then its own part."""
+        """This worker's view of `generation`'s plan: the start every view shares, stored once, then its own part
+        (both in one request: a round trip per worker less on the way back to training)."""
         rank = self.spec.rank
-        return read_worker_view(self.store.get(Keys.plan_shared(generation)) + self.store.get(Keys.plan_view(
-            generation, rank)), rank)
+        shared, own = self.store.multi_get([Keys.plan_shared(generation), Keys.plan_view(generation, rank)])
+        return read_worker_view(shared + own, rank)
 
     # -- the life of a worker ------------------------------------------------------------------------------------
     def run(self) -> None:
