@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
-from typing import Any, Callable, Iterator
+import signal
+from typing import IO, Any, Callable, Iterator
 
 import pytest
 
@@ -19,6 +21,37 @@ if _THREADS.isdigit() and int(_THREADS) > 0:  # (in case something imported torc
     torch.set_num_threads(int(_THREADS))
 
 from recycle.config import Config, parse_config
+
+# tests/run_suite.py names a folder here: each pytest process that runs tests writes which test it starts and ends
+# there, and dumps every thread's stack there on SIGUSR1, so a run that hangs can say where.
+PROGRESS_DIR_ENV = "RECYCLE_SUITE_PROGRESS_DIR"
+
+
+class _Progress:
+    """Writes `start <test>` / `end <test>` lines as this process runs tests, flushed at once."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self.out = out
+
+    def pytest_runtest_logstart(self, nodeid: str) -> None:
+        self.out.write(f"start {nodeid}\n")
+        self.out.flush()
+
+    def pytest_runtest_logfinish(self, nodeid: str) -> None:
+        self.out.write(f"end {nodeid}\n")
+        self.out.flush()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    folder = os.environ.get(PROGRESS_DIR_ENV)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not folder or (worker is None and getattr(config.option, "numprocesses", None)):
+        return  # not asked, or an xdist controller (its workers run the tests and write their own)
+    stem = os.path.join(folder, f"{worker or 'pytest'}-{os.getpid()}")
+    progress = open(f"{stem}.progress", "w", buffering=1)
+    stacks = open(f"{stem}.stacks", "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    config.pluginmanager.register(_Progress(progress), "recycle-suite-progress")
 
 
 def make_tiny_config(D: int = 2, S: int = 2, M: int = 2, dtype: str = "float64", steps: int = 2, seed: int = 7,
