@@ -14,12 +14,12 @@ What each simulated process does (and where in the runtime it comes from):
   it reads it and its view of the plan (the start every view shares, once per stand-in, and its own part), writes
   Joined and, at its first action, Resumed; a worker left out of the generation exits (code 4);
 - replacement worker (_admit): JoinReady, then admitted by the announcement that names it;
-- node launcher (_follow_once, every 0.1 s): its node heartbeat add (once per min(heartbeat_s, heartbeat timeout /
-  4)), its workers' step records of the pass as one
-  NodeSteps record per step, the EXITED flag of a worker that ended (once),
-  then one wait on the keys of the coordinator's word (ABORT_RUN, FINISHED, FENCE per running worker, RESPAWN per
-  ended one); every heartbeat_s / 2 its
-  NodeWatch reads the hang limit and raises a SILENT flag for a worker silent past the heartbeat timeout (once).
+- node launcher (_follow_once, once per beat interval, min(heartbeat_s, heartbeat timeout / 4)): its node heartbeat
+  add, its workers' step records of the pass as one NodeSteps record per step, the EXITED flag of a worker that ended
+  (once), then one wait on the keys of the coordinator's word (ABORT_RUN, FINISHED, FENCE per running worker, RESPAWN
+  per ended one) until its next beat; a worker's end cuts that wait short (Op.CANCEL) and is reported at once; every
+  heartbeat_s its NodeWatch raises a SILENT flag for a worker silent past the heartbeat timeout (once), and it reads
+  the hang limit once per heartbeat timeout (and before it condemns a worker as hung, which no stand-in does).
   The heartbeats go from a thread and connection of their own (a launcher beats from its own machine, whatever its
   workers do); the rest of its traffic from the stand-in's loop.
 """
@@ -43,12 +43,13 @@ __all__ = ["NodesSpec", "PipelinedClient", "StandInNodes", "standin_main", "beat
            "stopped_json", "node_stops_json",
            "NODE_POLL_S", "EXIT_KILLED", "EXIT_LEFT_OUT"]
 
-NODE_POLL_S = 0.1  # control/launcher.py _follow_loop: workers.wait(0.1) between two passes
+NODE_POLL_S = 0.1  # the stand-ins' own pass: the finest grain of the rates they keep
 EXIT_KILLED = -9  # what a SIGKILLed worker's exit code reads as
 EXIT_LEFT_OUT = 4  # worker/process.py EXIT_FENCED: not in the new generation
 BATCH = 256  # requests sent before the first reply is read
 BUDGET = 2048  # step records and flag polls sent per pass at most (beats and node heartbeats are not limited)
 HANG_LIMIT_GET = pack_fields(Op.GET, (Keys.HANG_LIMIT.encode(), b"0"))  # a NodeWatch's read of the hang limit
+CANCEL = pack_fields(Op.CANCEL, ())  # a launcher's wait cut short by its worker's end
 
 
 class PipelinedClient(StoreClient):
@@ -229,6 +230,7 @@ class StandInNodes:
         self.events: list[dict[str, Any]] = []  # timestamps the benchmark reads back
         self.beat_cursor = 0
         self.next_watch = 0.0  # when the node launchers' NodeWatch next looks at their workers' beats
+        self.next_limit_read = 0.0  # when they next read the hang limit
         self.silence_told: set[int] = set()  # frozen ranks whose SILENT flag was raised
         self.node_cursor = 0
         self.beat_credit = 0.0
@@ -319,19 +321,23 @@ class StandInNodes:
 
     # -- the workers' watcher threads: beats (round-robin at the protocol's rate) --------------------------------
     def _beats(self, elapsed: float, now: float) -> list[Request]:
-        """The workers beat to their node's own store (free here); each node's NodeWatch, every heartbeat_s / 2,
-        reads the hang limit and tells the job's store about a worker silent past the timeout, once."""
+        """The workers beat to their node's own store (free here); each node's NodeWatch, every heartbeat_s, tells
+        the job's store about a worker silent past the timeout, once, and reads the hang limit once per timeout."""
         requests: list[Request] = []
         # (a running worker beats all the time: only a frozen one's last beat matters, noted when it froze by
         # _last_signs; not a pass over every rank each time round, which at 16,384 ranks was this loop's own cost)
         if now < self.next_watch:
             return requests
-        self.next_watch = now + self.spec.heartbeat_s / 2
+        self.next_watch = now + self.spec.heartbeat_s
+        read_limit = now >= self.next_limit_read
+        if read_limit:
+            self.next_limit_read = now + self.spec.heartbeat_timeout_s
         for node, ranks in self.nodes.items():
             if node in self.down_nodes:
                 continue
-            self.counters.due["watch"] += 1
-            requests.append(self._send_packed("watch", HANG_LIMIT_GET))
+            if read_limit:
+                self.counters.due["watch"] += 1
+                requests.append(self._send_packed("watch", HANG_LIMIT_GET))
             for rank in ranks:
                 silent = now - self.last_beat.get(rank, now)
                 if rank in self.frozen and rank not in self.silence_told and silent > self.spec.heartbeat_timeout_s:
@@ -513,8 +519,8 @@ class StandInNodes:
         up = [n for n in self.nodes if n not in self.down_nodes]
         if not up:
             return []
-        rate = len(up) / NODE_POLL_S
-        self.counters.due["node"] += elapsed * rate  # one wait on the node's order keys per pass
+        rate = len(up) / max(NODE_POLL_S, min(self.spec.heartbeat_s, self.spec.heartbeat_timeout_s / 4))
+        self.counters.due["node"] += elapsed * rate  # one wait on the node's order keys per beat interval
         self.poll_credit = min(self.poll_credit + elapsed * rate, float(len(up)))
         requests: list[Request] = []
         while self.poll_credit >= 1.0 and len(requests) < budget:
@@ -527,7 +533,7 @@ class StandInNodes:
     def _node_poll(self, node: int) -> list[Request]:
         """control/launcher._follow_once: its exit reports, then one wait on the keys of the coordinator's word (the
         run's failure and end, a FENCE flag per running worker, a RESPAWN flag per ended one); here with no wait (a
-        real launcher waits up to 0.1 s in the store, which costs the store no more than this)."""
+        real launcher waits until its next beat in the store, which costs the store no more than this)."""
         requests: list[Request] = []
         ended = tuple(rank for rank in self.nodes[node] if rank in self.exit_code)
         for rank in ended:
@@ -572,11 +578,12 @@ class StandInNodes:
             return
         with self.lock:
             reply: dict[str, Any] = {}
-            if what == "kill":  # the process dies; its launcher sees the exit at once and raises the EXITED flag
-                (rank,) = args
+            if what == "kill":  # the process dies: its launcher's wait is cut short, it raises the EXITED flag
+                (rank,) = args  # and waits again
                 self.exit_code[rank] = EXIT_KILLED
                 reply["time"] = time.time()
-                self.client.pipeline([payload for payload, _ in self._report_exit(rank)])
+                self.client.pipeline([CANCEL] + [payload for payload, _ in self._report_exit(rank)]
+                                     + [payload for payload, _ in self._node_poll(self.node_of[rank])])
             elif what == "freeze":  # SIGSTOP, right after a beat: only its silence tells, from then on
                 (rank,) = args
                 reply["last_beat"] = self._last_signs([rank], None)

@@ -232,6 +232,58 @@ def test_another_thread_can_cut_a_wait_short(server) -> None:
     assert c.get("after") == b"1"
 
 
+@pytest.mark.parametrize("where", ["remote", "local"])
+def test_a_long_wait_ends_when_something_of_this_process_happens_and_the_connection_goes_on(server, where) -> None:
+    """A node launcher waits on the coordinator's word until its next beat, woken when one of its workers ends
+    (`wake`: file descriptors). The store is told to end the wait (Op.CANCEL); the next calls see their own replies."""
+    store = client(server) if where == "remote" else LocalStore(server.data)
+    readable, writer = socket.socketpair()
+    try:
+        threading.Timer(0.2, lambda: writer.send(b"x")).start()
+        started = time.monotonic()
+        assert store.wait_any(["never"], 30.0, wake=[readable]) is None
+        assert time.monotonic() - started < 5.0
+        readable.recv(1)
+        store.set("k", "v")
+        assert store.try_get("k") == b"v"
+        # A key that appears still ends the wait with its index, and nothing is left waiting for the cancelled one.
+        threading.Timer(0.2, lambda: LocalStore(server.data).set("late", "1")).start()
+        assert store.wait_any(["never", "late"], 30.0, wake=[readable]) == 1
+        assert server.data._waiters == {}
+        assert store.wait_any(["never"], 0.05, wake=[readable]) is None  # and a timeout is a timeout
+    finally:
+        readable.close()
+        writer.close()
+
+
+def test_a_wait_answered_while_it_is_cancelled_gives_both_replies_in_order(server) -> None:
+    """The coordinator's thread sets a key at the moment the client cancels its wait: whichever comes first, the
+    client reads the wait's reply (the index, or a timeout), then the cancel's, and the connection stays in step."""
+    c = client(server)
+    local = LocalStore(server.data)
+    outcomes = set()
+    for round_ in range(60):
+        readable, writer = socket.socketpair()
+        key = f"race{round_}"
+        go = threading.Barrier(2)
+
+        def both() -> None:
+            go.wait()
+            writer.send(b"x")
+            local.set(key, "1")
+
+        thread = threading.Thread(target=both)
+        thread.start()
+        go.wait()
+        outcomes.add(c.wait_any([key], 30.0, wake=[readable]))
+        thread.join()
+        readable.close()
+        writer.close()
+        c.set("after", str(round_))
+        assert c.get("after") == str(round_).encode() and c.try_get(key) == b"1"
+    assert outcomes <= {0, None}
+
+
 def test_gloo_process_groups_rendezvous_through_it(server) -> None:
     results: dict[int, torch.Tensor] = {}
 

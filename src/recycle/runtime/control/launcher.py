@@ -47,6 +47,10 @@ from recycle.runtime.state import checkpoint
 from recycle.runtime.worker.data import check_data
 from recycle.runtime.worker.process import WorkerSpec
 from recycle.runtime.worker.stage import check_model
+
+# A node launcher's wait on the coordinator's word ends this much after its next beat falls due: the store counts
+# whole milliseconds, and a wait that ended a hair early would cost a second one of no length.
+WAIT_SLACK_S = 0.005
 from recycle.runtime.worker.transport import default_backend
 
 __all__ = ["StepMetrics", "Recovery", "TrainResult", "launch", "node_ranks"]
@@ -308,10 +312,14 @@ class NodeWatch:
 
     def __init__(self, server: StoreServer, options: LaunchOptions) -> None:
         recovery = options.recovery
+        # Once per heartbeat interval, in step with the node's own beat: the launcher's wait on the coordinator's
+        # word lasts until the next of the two (its workers' beats are local; only a verdict reaches the store).
         self.liveness = Liveness(JobStore(LocalStore(server.data)), range(0), recovery.heartbeat_s,
-                                 recovery.heartbeat_timeout_s)
+                                 recovery.heartbeat_timeout_s, check_every_s=recovery.heartbeat_s)
         self.explicit_hang_s, self.timeout_s = recovery.hang_timeout_s, recovery.timeout_s
         self.told: dict[int, int | None] = {}  # rank -> pid whose silence was told
+        self.limit_s: float | None = None  # the hang limit last read from the store
+        self.limit_read_at = -math.inf
 
     def started(self, rank: int) -> None:
         """A new process runs as `rank`: watched from its first beat."""
@@ -324,13 +332,22 @@ class NodeWatch:
         running = frozenset(r for r in workers.ranks if workers.exitcode(r) is None)
         causes = [(r, f"stopped responding (no heartbeat for {s:.1f} s; fenced)")
                   for r, s in self.liveness.silent_workers(running, now)]
-        limit = self._hang_limit(jobs)
+        # The limit is read again before it condemns a worker (the coordinator may have raised it for a slower
+        # plan) and once per heartbeat timeout (it may have lowered it), not on every check.
+        if self.limit_s is None or now - self.limit_read_at >= self.liveness.timeout_s or \
+                self.liveness.any_hung(running, self.limit_s):
+            self.limit_s, self.limit_read_at = self._hang_limit(jobs), now
+        limit = self.limit_s
         causes += [(r, f"is hung (its heartbeat goes on, but one action has computed for {s:.1f} s, over the "
                        f"{limit:.1f} s limit; fenced)") for r, s in self.liveness.hung_workers(running, now, limit)]
         for rank, cause in causes:
             if self.told.get(rank, -1) != workers.pid(rank):
                 self.told[rank] = workers.pid(rank)
                 jobs.raise_flag(Flags.SILENT, rank, text=cause)  # the coordinator learns of it from its store's feed
+
+    def due_in_s(self) -> float:
+        """Seconds until the next check is due (<= 0: now)."""
+        return self.liveness.next_check - time.time()
 
     def _hang_limit(self, jobs: JobStore) -> float:
         """The coordinator's limit (it knows the run's step periods), else the one --hang-timeout or the op timeout
@@ -467,6 +484,11 @@ class _Following:
         self.beat_at = -math.inf
 
 
+def _beat_every_s(options: LaunchOptions) -> float:
+    """How often a node launcher beats: once per heartbeat interval, and at least 4 times in a timeout."""
+    return min(options.recovery.heartbeat_s, options.recovery.heartbeat_timeout_s / 4)
+
+
 def _follow_once(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan,
                  following: _Following, watch: NodeWatch, forwarder: StepForwarder, stops: StopForwarder,
                  now: float) -> bool:
@@ -474,9 +496,9 @@ def _follow_once(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
     node. The word is waited for in the store on its keys (this node's FENCE and RESPAWN flags, the run's end or
     failure): one request per pass, not a poll of every worker's flags."""
     node = options.cluster.node_rank
-    # The coordinator tells a frozen or cut-off node by its silence. A beat once per heartbeat interval (at least 4
-    # in a timeout), not once per pass (10 a second): a third fewer store requests per node. `now`: monotonic.
-    if now - following.beat_at >= min(options.recovery.heartbeat_s, options.recovery.heartbeat_timeout_s / 4):
+    # The coordinator tells a frozen or cut-off node by its silence: a beat once per heartbeat interval (at least 4
+    # in a timeout). `now`: monotonic.
+    if now - following.beat_at >= _beat_every_s(options):
         jobs.raw.add(Keys.node_heartbeat(node), 1)
         following.beat_at = now
     # Before the exits: a worker that finished wrote its last record before it exited, and the coordinator must not
@@ -508,7 +530,13 @@ def _follow_once(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
             orders.append(("respawn", rank))
     keys = [Flags.ABORT_RUN.name() if what == "abort" else Flags.FINISHED.name() if what == "finished" else
             (Flags.FENCE if what == "fence" else Flags.RESPAWN).name(rank) for what, rank in orders]
-    hit = jobs.raw.wait_any(keys, 0.0 if following.finished else 0.1)
+    if following.finished:
+        hit = jobs.raw.wait_any(keys, 0.0)
+    else:
+        # Until the node's next beat or look at its workers' beats (once per heartbeat interval), cut short when one
+        # of its workers ends: two requests per interval, not one wait every 0.1 s (docs/cluster.md).
+        wait_s = min(following.beat_at + _beat_every_s(options) - time.monotonic(), watch.due_in_s())
+        hit = jobs.raw.wait_any(keys, max(0.0, wait_s) + WAIT_SLACK_S, wake=workers.running_sentinels())
     if hit is None:
         return False
     what, rank = orders[hit]

@@ -36,8 +36,10 @@ class Liveness:
     read per node (docs/cluster.md, "How the control plane scales with nodes")."""
 
     def __init__(self, jobs: JobStore, nodes: range, heartbeat_s: float, timeout_s: float,
-                 node_beats: Callable[[], Collection[int]] = _no_node_beats) -> None:
+                 node_beats: Callable[[], Collection[int]] = _no_node_beats,
+                 check_every_s: float | None = None) -> None:
         self.jobs, self.nodes, self.heartbeat_s, self.timeout_s = jobs, nodes, heartbeat_s, timeout_s
+        self.check_every_s = heartbeat_s / 2 if check_every_s is None else check_every_s
         self.node_beats = node_beats
         self.beats: dict[int, tuple[str, int]] = {}  # rank -> (incarnation, beats) of its last beat seen
         self.last_beat: dict[int, float] = {}
@@ -51,7 +53,8 @@ class Liveness:
         self.last_check: float | None = None
 
     def due(self, now: float) -> bool:
-        """Twice per heartbeat interval: reading every beat on each poll would load the store for nothing.
+        """Every `check_every_s` (twice per heartbeat interval unless told): reading every beat on each poll would load
+        the store for nothing.
 
         If this process itself did not run for a while (it was frozen, SIGSTOPped, or starved), the peers' silence
         over that gap is its own: their clocks move on by the gap, so that a watcher that wakes up does not declare
@@ -59,9 +62,9 @@ class Liveness:
         if now < self.next_check:
             return False
         if self.last_check is not None and now - self.last_check > self.timeout_s / 2:
-            self._forgive(now - self.last_check - self.heartbeat_s / 2)
+            self._forgive(now - self.last_check - self.check_every_s)
         self.last_check = now
-        self.next_check = now + self.heartbeat_s / 2
+        self.next_check = now + self.check_every_s
         return True
 
     def _forgive(self, gap: float) -> None:
@@ -91,6 +94,11 @@ class Liveness:
         step of 2 s, two fast steps between beats, then the freeze.)"""
         last = {r: self.last_beat[r] for r in ranks if r in self.last_beat}
         return [(r, last[r] - self.progress.pop(r).since) for r in hung_workers(self.progress, last, limit_s)]
+
+    def any_hung(self, ranks: frozenset[int], limit_s: float) -> bool:
+        """Whether hung_workers would name one of `ranks` at `limit_s` (it reports nobody: a look ahead)."""
+        last = {r: self.last_beat[r] for r in ranks if r in self.last_beat}
+        return bool(hung_workers(self.progress, last, limit_s))
 
     def silent_nodes(self, now: float) -> list[tuple[int, float]]:
         """The node launchers silent past the timeout, with how long they have been; counted as fenced from now

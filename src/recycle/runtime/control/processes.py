@@ -208,12 +208,16 @@ class WorkerProcesses:
     def wait(self, timeout_s: float, also: Sequence[Any] = ()) -> None:
         """Sleep until a worker exits (seen at once), one of `also` (objects with a fileno()) is readable, or
         `timeout_s` passes: a busy poll would take CPU from the workers on a small machine."""
-        waiting = [s for p in self._processes.values() if p.exitcode is None
-                   for s in (p.running_sentinels() if isinstance(p, WorkerGroup) else [p.sentinel])] + list(also)
+        waiting = self.running_sentinels() + list(also)
         if waiting:
             mp_connection.wait(waiting, timeout=timeout_s)
         else:
             time.sleep(timeout_s)
+
+    def running_sentinels(self) -> list[int]:
+        """What turns readable when a running worker process ends (one that has ended would wake every wait)."""
+        return [s for p in self._processes.values() if p.exitcode is None
+                for s in (p.running_sentinels() if isinstance(p, WorkerGroup) else [p.sentinel])]
 
     def stop(self) -> None:
         """Terminate every still-running worker (SIGTERM, then SIGKILL) and reap it."""

@@ -4,11 +4,14 @@ server's own process. Both add `try_get` and `wait_any` to c10d's calls."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import datetime
 import socket
 import threading
 import time
-from typing import Callable
+from multiprocessing import connection as mp_connection
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
@@ -72,6 +75,7 @@ class StoreClient(dist.Store):
         self._sock: socket.socket | None = None
         self._session: Session | None = None
         self._reader = FrameReader(MAX_FRAME_BYTES)
+        self._frames: collections.deque[bytes] = collections.deque()  # read, not yet taken (_recv_frame)
         self._interrupted = False
         self.fenced = False
         with self._lock:
@@ -145,11 +149,13 @@ class StoreClient(dist.Store):
         status, fields = self._call(Op.GET, (_bytes(key), b"0"))
         return fields[0] if status == Status.OK else None
 
-    def wait_any(self, keys: list[str], timeout_s: float) -> int | None:
-        """Block until one of `keys` exists: its index, or None after `timeout_s`."""
+    def wait_any(self, keys: list[str], timeout_s: float, wake: Sequence[Any] = ()) -> int | None:
+        """Block until one of `keys` exists: its index, or None after `timeout_s`, or sooner once one of `wake`
+        (file descriptors, or objects with a fileno(): a process sentinel, a pipe) is readable: the store is then
+        told to end the wait, one more request, so a long wait costs the store nothing while nothing happens."""
         timeout_ms = _ms(timeout_s)
         status, fields = self._call(Op.WAIT_ANY, (str(timeout_ms).encode(), *(_bytes(k) for k in keys)),
-                                    wait_ms=timeout_ms)
+                                    wait_ms=timeout_ms, wake=wake)
         return int(fields[0]) if status == Status.OK else None
 
     def ping(self) -> None:
@@ -178,7 +184,8 @@ class StoreClient(dist.Store):
             self._disconnect()
 
     # -- the connection ------------------------------------------------------------------------------------------
-    def _call(self, op: Op, fields: tuple[bytes, ...], wait_ms: int = 0) -> tuple[Status, list[bytes]]:
+    def _call(self, op: Op, fields: tuple[bytes, ...], wait_ms: int = 0,
+              wake: Sequence[Any] = ()) -> tuple[Status, list[bytes]]:
         with self._lock:
             if self._interrupted:
                 self._interrupted = False
@@ -192,7 +199,12 @@ class StoreClient(dist.Store):
             try:
                 self._sock.settimeout(wait_ms / 1e3 + max(30.0, self._connect_timeout_s))
                 self._sock.sendall(encode_frame(self._session.seal(pack_fields(op, fields))))
-                reply = self._session.open(self._recv_frame())
+                if wake and not self._answered_before(wake, wait_ms / 1e3):
+                    self._sock.sendall(encode_frame(self._session.seal(pack_fields(Op.CANCEL, ()))))
+                    reply = self._session.open(self._recv_frame())  # the wait's (answered, or cut short)
+                    self._session.open(self._recv_frame())  # the cancel's
+                else:
+                    reply = self._session.open(self._recv_frame())
             except (OSError, WireError, EOFError) as exc:
                 interrupted, self._interrupted = self._interrupted, False
                 self._disconnect()
@@ -216,19 +228,26 @@ class StoreClient(dist.Store):
             self._on_fenced()
         raise StoreFenced(f"this process ({self.identity}) was fenced by the job's coordinator")
 
-    def _recv_frame(self) -> bytes:
+    def _answered_before(self, wake: Sequence[Any], timeout_s: float) -> bool:
+        """Wait until the store's reply starts to arrive (True) or one of `wake` is readable or `timeout_s` (and the
+        socket's own slack) passes (False)."""
         assert self._sock is not None
-        while True:
-            frames = self._reader.feed(b"")
-            if frames:
-                # One request at a time: at most one reply is ever buffered.
-                return frames[0]
+        if self._reader.buffer:
+            return True
+        ready = mp_connection.wait([self._sock, *wake], timeout=timeout_s + max(30.0, self._connect_timeout_s))
+        return self._sock in ready
+
+    def _recv_frame(self) -> bytes:
+        """The next reply: one request at a time, and a cancelled wait's two replies are read one at a time too, so
+        the reader holds at most one more."""
+        assert self._sock is not None
+        self._frames.extend(self._reader.feed(b""))
+        while not self._frames:
             data = self._sock.recv(1 << 20)
             if not data:
                 raise EOFError("the store closed the connection")
-            frames = self._reader.feed(data)
-            if frames:
-                return frames[0]
+            self._frames.extend(self._reader.feed(data))
+        return self._frames.popleft()
 
     def _disconnect(self) -> None:
         if self._sock is not None:
@@ -238,6 +257,7 @@ class StoreClient(dist.Store):
                 pass
         self._sock, self._session = None, None
         self._reader = FrameReader(MAX_FRAME_BYTES)
+        self._frames.clear()
 
     def _connect(self) -> None:
         """Connect and authenticate, retrying a refused, reset or dropped attempt (the store may be starting, or busy
@@ -290,6 +310,28 @@ class StoreClient(dist.Store):
             self._fence()
 
 
+class _Signal:
+    """A socket pair that turns readable when a wrapped callback runs: a wait in this process can sleep on it beside
+    other file descriptors (multiprocessing.connection.wait)."""
+
+    def __enter__(self) -> "_Signal":
+        self._reader, self._writer = socket.socketpair()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._reader.close()
+        self._writer.close()
+
+    def fileno(self) -> int:
+        return self._reader.fileno()
+
+    def wrap(self, callback: Callable[[int], None]) -> Callable[[int], None]:
+        def called(index: int) -> None:
+            self._writer.send(b"x")  # first: once the callback has run, the pair may be closed
+            callback(index)
+        return called
+
+
 def _same(a: bytes, b: bytes) -> bool:
     import hmac
 
@@ -334,8 +376,8 @@ class LocalStore:
         if self._wait_for([_bytes(k) for k in keys], False, seconds) is None:
             raise dist.DistStoreError(f"timed out after {seconds:g} s waiting for {len(keys)} key(s)")
 
-    def wait_any(self, keys: list[str], timeout_s: float) -> int | None:
-        return self._wait_for([_bytes(k) for k in keys], True, timeout_s)
+    def wait_any(self, keys: list[str], timeout_s: float, wake: Sequence[Any] = ()) -> int | None:
+        return self._wait_for([_bytes(k) for k in keys], True, timeout_s, wake)
 
     def compare_set(self, key: str, expected_value: Value, desired_value: Value) -> bytes:
         return self.data.compare_set(_bytes(key), _bytes(expected_value), _bytes(desired_value))
@@ -355,16 +397,23 @@ class LocalStore:
         self.wait(keys)
         return [self.data.get(_bytes(k)) or b"" for k in keys]
 
-    def _wait_for(self, keys: list[bytes], any_of: bool, timeout_s: float) -> int | None:
+    def _wait_for(self, keys: list[bytes], any_of: bool, timeout_s: float, wake: Sequence[Any] = ()) -> int | None:
         event, found = threading.Event(), []
 
         def ready(index: int) -> None:
             found.append(index)
             event.set()
 
-        waiter = Waiter(tuple(keys), any_of, ready)
-        if not self.data.register(waiter) and not event.wait(max(0.0, timeout_s)):
-            if self.data.cancel(waiter):
+        with contextlib.ExitStack() as cleanup:
+            signal = cleanup.enter_context(_Signal()) if wake else None
+            waiter = Waiter(tuple(keys), any_of, ready if signal is None else signal.wrap(ready))
+            if self.data.register(waiter):
+                return found[0]
+            if signal is not None:
+                mp_connection.wait([signal.fileno(), *wake], timeout=max(0.0, timeout_s))
+            else:
+                event.wait(max(0.0, timeout_s))
+            if not event.is_set() and self.data.cancel(waiter):
                 return None
-            event.wait()
-        return found[0]
+            event.wait()  # it fired (the signal is written first, so this is at most a moment)
+            return found[0]

@@ -315,6 +315,15 @@ class StoreServer:
             self._reply(conn, Status.OK, ())
         elif op == Op.PING:
             self._reply(conn, Status.OK, ())
+        elif op == Op.CANCEL:
+            # Under the data's lock, which a wait's answer is given under (from any thread): the wait's reply, if it
+            # was answered, is queued before this one's, and a wait cancelled here can no longer be answered.
+            with data.lock:
+                waiter = conn.waiter
+                if waiter is not None and data.cancel(waiter):
+                    conn.waiter = None
+                    self._reply(conn, Status.TIMEOUT, ())
+                self._reply(conn, Status.OK, ())
         else:
             raise ValueError(f"unknown op {op}")
 

@@ -48,6 +48,8 @@ class Op(IntEnum):
     MULTI_SET = 11
     APPEND = 12
     PING = 13
+    CANCEL = 14  # no fields, sent while a wait of the connection is in progress: it ends now (TIMEOUT, unless it
+    # had already been answered), and then the cancel is answered (OK), in that order
 
 
 class Status(IntEnum):
