@@ -197,12 +197,26 @@ class _Watcher(threading.Thread):
         self.rank = spec.rank
         self.incarnation = spec.incarnation
         self.interval_s = spec.recovery.heartbeat_s
+        self.idle_wait_s = max(self.interval_s, spec.recovery.heartbeat_timeout_s)
         self.activity = activity
         self.on_abort = on_abort
         self.generation = 0
+        # Readable once the main thread has moved to another generation (move_to): the store wait on the keys of
+        # the one it watched ends at once, to watch the new one's.
+        self._moved, self._mover = socket.socketpair()
+        self._moved.setblocking(False)
+        self._mover.setblocking(False)
         self.aborted = -1  # the newest generation seen aborted
         self.drain: tuple[int, int] | None = None  # (generation, step): stop before that step (a joiner waits)
         self.beats = 0
+
+    def move_to(self, generation: int) -> None:
+        """The main thread's generation from now on (any thread)."""
+        self.generation = generation
+        try:
+            self._mover.send(b"g")
+        except OSError:
+            pass  # already readable
 
     def _watched(self) -> list[tuple[str, str, int]]:
         """(key, what, generation) for the current generation and the next (the main thread may move on while this
@@ -264,8 +278,16 @@ class _Watcher(threading.Thread):
                     if not self.beats_apart:
                         self._beat()
                     next_beat = now + self.interval_s
+                _drain(self._moved)
                 watched = self._watched()
-                hit = self.store.wait_any([key for key, _, _ in watched], max(0.0, next_beat - time.monotonic()))
+                keys = [key for key, _, _ in watched]
+                if self.beats_apart:
+                    # Beats go from their own thread: one wait per heartbeat timeout while nothing happens (it was
+                    # one per beat: two a second per worker at 0.5 s), ended by an abort or drain key, or when the
+                    # main thread moves to another generation.
+                    hit = self.store.wait_any(keys, self.idle_wait_s, wake=[self._moved])
+                else:
+                    hit = self.store.wait_any(keys, max(0.0, next_beat - time.monotonic()))
                 if hit is None:
                     continue
                 key, what, generation = watched[hit]
@@ -283,6 +305,14 @@ class _Watcher(threading.Thread):
                 time.sleep(self.interval_s)
             except Exception:
                 time.sleep(self.interval_s)  # keep trying
+
+
+def _drain(readable: socket.socket) -> None:
+    try:
+        while readable.recv(4096):
+            pass
+    except OSError:
+        pass  # nothing (more) to read
 
 
 def _thread_lock_for_progress_bars() -> None:
@@ -508,7 +538,7 @@ class _Worker:
     def _join(self) -> None:
         """Form this generation's process groups and take its plan."""
         generation = self.generation
-        self.heartbeat.generation = generation
+        self.heartbeat.move_to(generation)
         if self.jobs.is_set(Flags.ABORT, generation):
             raise GenerationAborted(f"generation {generation} was aborted before it formed")
         stage_ranks = {s: [self.plan.rank(p, s) for p in self.plan.live_replicas(s)]
@@ -944,7 +974,7 @@ class _Worker:
         return redo
 
     def _await_announcement(self, generation: int) -> Announcement:
-        self.heartbeat.generation = generation
+        self.heartbeat.move_to(generation)
         while True:
             try:
                 self.store.wait([Keys.announce(generation)], datetime.timedelta(seconds=5))
