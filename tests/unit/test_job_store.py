@@ -284,6 +284,22 @@ def test_a_wait_answered_while_it_is_cancelled_gives_both_replies_in_order(serve
     assert outcomes <= {0, None}
 
 
+def test_a_wait_cut_short_on_a_fenced_connection_says_fenced(server) -> None:
+    """The store answers a fenced process's wait FENCED and nothing more (not the cancel): the client says fenced,
+    as on any other call, not that the store went away."""
+    c = client(server, "worker/5/a")
+    c.set("up", "1")
+    readable, writer = socket.socketpair()
+    try:
+        writer.send(b"x")  # already woken: the cancel follows the wait at once
+        server.fence("worker/5/")
+        with pytest.raises(StoreFenced):
+            c.wait_any(["never"], 30.0, wake=[readable])
+    finally:
+        readable.close()
+        writer.close()
+
+
 def test_gloo_process_groups_rendezvous_through_it(server) -> None:
     results: dict[int, torch.Tensor] = {}
 

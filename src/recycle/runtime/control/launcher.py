@@ -47,13 +47,13 @@ from recycle.runtime.state import checkpoint
 from recycle.runtime.worker.data import check_data
 from recycle.runtime.worker.process import WorkerSpec
 from recycle.runtime.worker.stage import check_model
+from recycle.runtime.worker.transport import default_backend
+
+__all__ = ["StepMetrics", "Recovery", "TrainResult", "launch", "node_ranks"]
 
 # A node launcher's wait on the coordinator's word ends this much after its next beat falls due: the store counts
 # whole milliseconds, and a wait that ended a hair early would cost a second one of no length.
 WAIT_SLACK_S = 0.005
-from recycle.runtime.worker.transport import default_backend
-
-__all__ = ["StepMetrics", "Recovery", "TrainResult", "launch", "node_ranks"]
 
 
 @dataclass(frozen=True)

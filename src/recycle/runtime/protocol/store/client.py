@@ -202,7 +202,8 @@ class StoreClient(dist.Store):
                 if wake and not self._answered_before(wake, wait_ms / 1e3):
                     self._sock.sendall(encode_frame(self._session.seal(pack_fields(Op.CANCEL, ()))))
                     reply = self._session.open(self._recv_frame())  # the wait's (answered, or cut short)
-                    self._session.open(self._recv_frame())  # the cancel's
+                    if reply[:1] != bytes((Status.FENCED,)):  # (a fenced connection answers nothing more)
+                        self._session.open(self._recv_frame())  # the cancel's
                 else:
                     reply = self._session.open(self._recv_frame())
             except (OSError, WireError, EOFError) as exc:
@@ -232,7 +233,7 @@ class StoreClient(dist.Store):
         """Wait until the store's reply starts to arrive (True) or one of `wake` is readable or `timeout_s` (and the
         socket's own slack) passes (False)."""
         assert self._sock is not None
-        if self._reader.buffer:
+        if self._frames or self._reader.buffer:
             return True
         ready = mp_connection.wait([self._sock, *wake], timeout=timeout_s + max(30.0, self._connect_timeout_s))
         return self._sock in ready
