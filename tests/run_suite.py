@@ -83,6 +83,7 @@ def _report_hang(hung: list[str], deadline_s: int, progress: Path, sessions: lis
         except ProcessLookupError:
             pass
     time.sleep(STACK_DUMP_WAIT_S)
+    left = _processes(sessions)
     for path in sorted(progress.glob("*.progress")):
         running: dict[str, None] = {}
         for line in path.read_text().splitlines():
@@ -93,10 +94,10 @@ def _report_hang(hung: list[str], deadline_s: int, progress: Path, sessions: lis
                 running.pop(test, None)
         print(f"-- pytest process {path.stem}: tests started and not ended: {list(running) or 'none'}")
         stacks = path.with_suffix(".stacks").read_text()
-        if stacks and path.stem.rsplit("-", 1)[1] in _processes(sessions):
+        if stacks and path.stem.rsplit("-", 1)[1] in left:
             print(stacks, end="")
     print("-- processes left:")
-    for pid, (state, command) in sorted(_processes(sessions).items()):
+    for pid, (state, command) in sorted(left.items()):
         print(f"   {pid} {state} {command[:200]}")
     sys.stdout.flush()
 
