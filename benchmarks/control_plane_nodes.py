@@ -14,14 +14,15 @@ What each simulated process does (and where in the runtime it comes from):
   it reads it and its view of the plan (the start every view shares, once per stand-in, and its own part), writes
   Joined and, at its first action, Resumed; a worker left out of the generation exits (code 4);
 - replacement worker (_admit): JoinReady, then admitted by the announcement that names it;
-- node launcher (_follow_once, once per beat interval, min(heartbeat_s, heartbeat timeout / 4)): its node heartbeat
-  add, its workers' step records of the pass as one NodeSteps record per step, the EXITED flag of a worker that ended
-  (once), then one wait on the keys of the coordinator's word (ABORT_RUN, FINISHED, FENCE per running worker, RESPAWN
-  per ended one) until its next beat; a worker's end cuts that wait short (Op.CANCEL) and is reported at once; every
+- node launcher (_follow_once, once per beat interval, min(heartbeat_s, heartbeat timeout / 4)): its workers' step
+  records of the pass as one NodeSteps record per step, the EXITED flag of a worker that ended (once), then its node
+  heartbeat and one wait on the keys of the coordinator's word (ABORT_RUN, FINISHED, FENCE per running worker, RESPAWN
+  per ended one) until its next beat, as one request (Op.WAIT_ANY_BEAT); a worker's end cuts that wait short
+  (Op.CANCEL) and is reported at once; every
   heartbeat_s its NodeWatch raises a SILENT flag for a worker silent past the heartbeat timeout (once), and it reads
   the hang limit once per heartbeat timeout (and before it condemns a worker as hung, which no stand-in does).
-  The heartbeats go from a thread and connection of their own (a launcher beats from its own machine, whatever its
-  workers do); the rest of its traffic from the stand-in's loop.
+  The heartbeats and waits go from a thread and connection of their own (a launcher beats from its own machine,
+  whatever its workers do); the rest of its traffic from the stand-in's loop.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ NODE_POLL_S = 0.1  # the stand-ins' own pass: the finest grain of the rates they
 EXIT_KILLED = -9  # what a SIGKILLed worker's exit code reads as
 EXIT_LEFT_OUT = 4  # worker/process.py EXIT_FENCED: not in the new generation
 BATCH = 256  # requests sent before the first reply is read
-BUDGET = 2048  # step records and flag polls sent per pass at most (beats and node heartbeats are not limited)
+BUDGET = 2048  # step records sent per pass at most (the node launchers' beats and waits are not limited)
 HANG_LIMIT_GET = pack_fields(Op.GET, (Keys.HANG_LIMIT.encode(), b"0"))  # a NodeWatch's read of the hang limit
 CANCEL = pack_fields(Op.CANCEL, ())  # a launcher's wait cut short by its worker's end
 
@@ -199,12 +200,13 @@ class StandInNodes:
         # The watcher's connection: the workers react to an abort or an announcement at once, as real ones do,
         # not after this object's next pass over its periodic traffic.
         self.watch_client = PipelinedClient(spec.host, spec.port, spec.token, identity + "w", timeout_s=120.0)
-        # The node launchers' heartbeats: their own thread and connection, as each launcher beats from its own
-        # machine whatever its workers do. On the loop they waited behind a recovery's bulk (thousands of view reads
-        # and records): at 16,384 ranks a stand-in went 5.5 s without beating and the coordinator declared 171
-        # healthy nodes lost.
+        # The node launchers' heartbeats (with their waits): their own thread and connection, as each launcher beats
+        # from its own machine whatever its workers do. On the loop they waited behind a recovery's bulk (thousands
+        # of view reads and records): at 16,384 ranks a stand-in went 5.5 s without beating and the coordinator
+        # declared 171 healthy nodes lost.
         self.beat_client = PipelinedClient(spec.host, spec.port, spec.token, identity + "b", timeout_s=120.0)
-        self.beat_lock = threading.Lock()  # the heartbeat thread's pass, against a node's loss (node_down)
+        # The heartbeat thread's pass, against a node's loss (node_down); taken before `lock` when both are.
+        self.beat_lock = threading.Lock()
         self.counters = _Counters()
         self.lock = threading.Lock()  # between the loop and the watcher thread
         # Processes: a rank is running (beats, steps, reports), frozen (nothing), or ended with an exit code.
@@ -235,14 +237,12 @@ class StandInNodes:
         self.node_cursor = 0
         self.beat_credit = 0.0
         self.node_credit = 0.0
-        self.poll_credit = 0.0
-        self.poll_cursor = 0
         self.metrics: collections.deque[Request] = collections.deque()  # step records not sent yet
         self.node_seq: dict[int, int] = {}  # node -> its launcher's last NodeSteps write number
         self.stops_seq: dict[int, int] = {}  # node -> its launcher's last NodeStops write number
-        # node -> (its ended ranks, its wait on the coordinator's word, packed, the reply's handler)
-        self.order_keys: dict[int, tuple[tuple[int, ...], bytes, OnReply]] = {}
-        self.node_beat: dict[int, bytes] = {}  # node -> its heartbeat's request, packed
+        # node -> (its ended ranks, its wait on the coordinator's word packed, and with its heartbeat, the reply's
+        # handler)
+        self.order_keys: dict[int, tuple[tuple[int, ...], bytes, bytes, OnReply]] = {}
         self.steps_template: dict[tuple[int, tuple[tuple[int, int], ...], int], str] = {}  # node_steps_json, to fill
         self.last_tick = time.time()
         self.stop = threading.Event()
@@ -286,7 +286,6 @@ class StandInNodes:
         budget = len(requests) + BUDGET
         while self.metrics and len(requests) < budget:
             requests.append(self.metrics.popleft())
-        requests += self._node_polls(elapsed, budget - len(requests))
         self._flush(self.client, requests, None)
         return bool(requests or recovery)
 
@@ -347,7 +346,7 @@ class StandInNodes:
         return requests
 
     def _beat_loop(self) -> None:
-        """The node launchers' heartbeats, every NODE_POLL_S, on their own connection (_node_heartbeats)."""
+        """The node launchers' heartbeats and waits, every NODE_POLL_S, on their own connection (_node_heartbeats)."""
         last = time.time()
         while not self.stop.wait(NODE_POLL_S):
             with self.beat_lock:
@@ -494,46 +493,29 @@ class StandInNodes:
 
     # -- the node launchers' follow loops ------------------------------------------------------------------------
     def _node_heartbeats(self, elapsed: float, now: float) -> list[Request]:
-        """Each node launcher's heartbeat add, at its rate (once per min(heartbeat_s, heartbeat timeout / 4), as
-        _follow_once beats; at most one round per pass)."""
-        up = [n for n in self.nodes if n not in self.down_nodes]
-        if not up:
-            return []
-        rate = len(up) / max(NODE_POLL_S, min(self.spec.heartbeat_s, self.spec.heartbeat_timeout_s / 4))
-        self.counters.due["node_beat"] += elapsed * rate
-        self.node_credit = min(self.node_credit + elapsed * rate, float(len(up)))
-        requests = []
-        while self.node_credit >= 1.0:
-            self.node_credit -= 1.0
-            node = up[self.node_cursor % len(up)]
-            self.node_cursor += 1
-            self.last_node_beat[node] = now
-            beat = self.node_beat.get(node)
-            if beat is None:
-                beat = self.node_beat[node] = pack_fields(Op.ADD, (_b(Keys.node_heartbeat(node)), b"1"))
-            requests.append(self._send_packed("node_beat", beat))
-        return requests
+        """Each node launcher's pass, at its rate (once per min(heartbeat_s, heartbeat timeout / 4), as _follow_once
+        beats; at most one round per pass): its heartbeat and its wait on the coordinator's word, one request."""
+        with self.lock:
+            up = [n for n in self.nodes if n not in self.down_nodes]
+            if not up:
+                return []
+            rate = len(up) / max(NODE_POLL_S, min(self.spec.heartbeat_s, self.spec.heartbeat_timeout_s / 4))
+            self.counters.due["node"] += elapsed * rate
+            self.node_credit = min(self.node_credit + elapsed * rate, float(len(up)))
+            requests: list[Request] = []
+            while self.node_credit >= 1.0:
+                self.node_credit -= 1.0
+                node = up[self.node_cursor % len(up)]
+                self.node_cursor += 1
+                self.last_node_beat[node] = now
+                requests += self._node_poll(node, beat=True)
+            return requests
 
-    def _node_polls(self, elapsed: float, budget: int) -> list[Request]:
-        """The rest of each launcher's loop pass: its workers' flags and the run's, within `budget` requests."""
-        up = [n for n in self.nodes if n not in self.down_nodes]
-        if not up:
-            return []
-        rate = len(up) / max(NODE_POLL_S, min(self.spec.heartbeat_s, self.spec.heartbeat_timeout_s / 4))
-        self.counters.due["node"] += elapsed * rate  # one wait on the node's order keys per beat interval
-        self.poll_credit = min(self.poll_credit + elapsed * rate, float(len(up)))
-        requests: list[Request] = []
-        while self.poll_credit >= 1.0 and len(requests) < budget:
-            self.poll_credit -= 1.0
-            node = up[self.poll_cursor % len(up)]
-            self.poll_cursor += 1
-            requests += self._node_poll(node)
-        return requests
-
-    def _node_poll(self, node: int) -> list[Request]:
+    def _node_poll(self, node: int, beat: bool = False) -> list[Request]:
         """control/launcher._follow_once: its exit reports, then one wait on the keys of the coordinator's word (the
-        run's failure and end, a FENCE flag per running worker, a RESPAWN flag per ended one); here with no wait (a
-        real launcher waits until its next beat in the store, which costs the store no more than this)."""
+        run's failure and end, a FENCE flag per running worker, a RESPAWN flag per ended one), with its heartbeat
+        when `beat`; here with no wait (a real launcher waits until its next beat in the store, which costs the store
+        no more than this)."""
         requests: list[Request] = []
         ended = tuple(rank for rank in self.nodes[node] if rank in self.exit_code)
         for rank in ended:
@@ -546,16 +528,20 @@ class StandInNodes:
             for rank in self.nodes[node]:
                 keys.append(_b(Flags.RESPAWN.name(rank) if rank in ended else Flags.FENCE.name(rank)))
                 fenced.append(None if rank in ended else rank)
-            cached = self.order_keys[node] = (ended, pack_fields(Op.WAIT_ANY, keys), self._order_reply(fenced))
-        requests.append(self._send_packed("node", cached[1], cached[2]))
+            cached = self.order_keys[node] = (ended, pack_fields(Op.WAIT_ANY, keys),
+                                              pack_fields(Op.WAIT_ANY_BEAT, [_b(Keys.node_heartbeat(node)), *keys]),
+                                              self._order_reply(fenced))
+        requests.append(self._send_packed("node", cached[2] if beat else cached[1], cached[3]))
         return requests
 
     def _order_reply(self, fenced: list[int | None]) -> Callable[[Status, list[bytes]], None]:
         def on_reply(status: Status, values: list[bytes]) -> None:
             rank = fenced[int(values[0])] if status == Status.OK else None
-            if rank is not None and rank not in self.exit_code:
-                self.exit_code[rank] = EXIT_KILLED  # the launcher SIGKILLs it (frozen or not)
-                self.frozen.discard(rank)
+            if rank is not None:
+                with self.lock:  # (the heartbeat thread's replies too)
+                    if rank not in self.exit_code:
+                        self.exit_code[rank] = EXIT_KILLED  # the launcher SIGKILLs it (frozen or not)
+                        self.frozen.discard(rank)
         return on_reply
 
     def _report_exit(self, rank: int) -> list[Request]:
@@ -576,7 +562,8 @@ class StandInNodes:
             commands.send(("stats", dict(self.counters.sent), dict(self.counters.due), list(self.events),
                            self.last_tick))
             return
-        with self.lock:
+        # The heartbeat thread's lock first (its pass takes this one inside it): a node_down's last beat is the last.
+        with self.beat_lock, self.lock:
             reply: dict[str, Any] = {}
             if what == "kill":  # the process dies: its launcher's wait is cut short, it raises the EXITED flag
                 (rank,) = args  # and waits again
@@ -590,9 +577,8 @@ class StandInNodes:
                 self.frozen.add(rank)
             elif what == "node_down":  # the machine is gone, right after its beats: launcher and workers silent
                 (node,) = args
-                with self.beat_lock:  # (no beat of the heartbeat thread's after its last one)
-                    reply["last_beat"] = self._last_signs([r for r in self.nodes[node] if self._running(r)], node)
-                    self.down_nodes.add(node)
+                reply["last_beat"] = self._last_signs([r for r in self.nodes[node] if self._running(r)], node)
+                self.down_nodes.add(node)
             elif what == "node_up":  # repaired: a new launcher starts every worker of the node as a replacement
                 (node,) = args
                 reply.update(self._repair(node))

@@ -115,6 +115,45 @@ def test_something_that_is_not_a_job_store_is_named() -> None:
     listener.close()
 
 
+def test_a_job_store_of_another_version_is_named() -> None:
+    """The wire's version is the hello's last byte: a process of another recycle version is told so, not that the
+    frames' MACs are wrong."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    other = MAGIC[:-1] + bytes([MAGIC[-1] - 1])
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        conn.sendall(encode_frame(other + os.urandom(NONCE_BYTES)))
+        time.sleep(1)
+        conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    with pytest.raises(StoreAuthError, match=f"another version .*{other.decode()}.*same recycle version"):
+        StoreClient("127.0.0.1", listener.getsockname()[1], TOKEN, "worker/0/a", connect_timeout_s=5)
+    listener.close()
+
+
+@pytest.mark.parametrize("where", ["remote", "local"])
+def test_a_beat_rides_on_a_wait_in_one_request(server, where) -> None:
+    """A node launcher's heartbeat (an add) and its wait on the coordinator's word go as one request: the beat counts
+    at once, before the wait ends, and the wait is a wait."""
+    store = client(server) if where == "remote" else LocalStore(server.data)
+    requests = server.requests
+    threading.Timer(0.3, lambda: LocalStore(server.data).set("order", "1")).start()
+    seen: list[bytes | None] = []
+    threading.Timer(0.15, lambda: seen.append(server.data.get(b"beat/7"))).start()
+    assert store.wait_any(["never", "order"], 10.0, beat="beat/7") == 1
+    assert seen == [b"1"]
+    assert store.wait_any(["never"], 0.05, beat="beat/7") is None
+    assert server.data.get(b"beat/7") == b"2"
+    assert server.requests - requests == (2 if where == "remote" else 0)
+    if where == "remote":
+        with pytest.raises(Exception, match="key longer"):
+            store.wait_any(["never"], 0.05, beat="b" * 5000)
+
+
 def test_an_outsider_cannot_list_read_or_forge_keys(server) -> None:
     """torch's TCPStore client (with its list_keys) gets nothing, and a raw peer that fails the proof is cut."""
     job = client(server)

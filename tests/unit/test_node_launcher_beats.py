@@ -78,9 +78,10 @@ class _CountingStore(LocalStore):
         super().__init__(data)
         self.waits: list[float] = []
 
-    def wait_any(self, keys: list[str], timeout_s: float, wake=()) -> int | None:  # type: ignore[no-untyped-def]
+    def wait_any(self, keys: list[str], timeout_s: float, wake=(),  # type: ignore[no-untyped-def]
+                 beat=None) -> int | None:
         self.waits.append(timeout_s)
-        return super().wait_any(keys, timeout_s, wake)
+        return super().wait_any(keys, timeout_s, wake, beat)
 
 
 class _EndingWorkers(_Workers):

@@ -497,9 +497,10 @@ def _follow_once(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
     failure): one request per pass, not a poll of every worker's flags."""
     node = options.cluster.node_rank
     # The coordinator tells a frozen or cut-off node by its silence: a beat once per heartbeat interval (at least 4
-    # in a timeout). `now`: monotonic.
+    # in a timeout), sent with this pass's wait (one request for both). `now`: monotonic.
+    beat = None
     if now - following.beat_at >= _beat_every_s(options):
-        jobs.raw.add(Keys.node_heartbeat(node), 1)
+        beat = Keys.node_heartbeat(node)
         following.beat_at = now
     # Before the exits: a worker that finished wrote its last record before it exited, and the coordinator must not
     # see the exit of a member whose last step it has no record of yet.
@@ -531,12 +532,12 @@ def _follow_once(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
     keys = [Flags.ABORT_RUN.name() if what == "abort" else Flags.FINISHED.name() if what == "finished" else
             (Flags.FENCE if what == "fence" else Flags.RESPAWN).name(rank) for what, rank in orders]
     if following.finished:
-        hit = jobs.raw.wait_any(keys, 0.0)
+        hit = jobs.raw.wait_any(keys, 0.0, beat=beat)
     else:
         # Until the node's next beat or look at its workers' beats (once per heartbeat interval), cut short when one
-        # of its workers ends: two requests per interval, not one wait every 0.1 s (docs/cluster.md).
+        # of its workers ends: one request per interval, not one wait every 0.1 s (docs/cluster.md).
         wait_s = min(following.beat_at + _beat_every_s(options) - time.monotonic(), watch.due_in_s())
-        hit = jobs.raw.wait_any(keys, max(0.0, wait_s) + WAIT_SLACK_S, wake=workers.running_sentinels())
+        hit = jobs.raw.wait_any(keys, max(0.0, wait_s) + WAIT_SLACK_S, wake=workers.running_sentinels(), beat=beat)
     if hit is None:
         return False
     what, rank = orders[hit]

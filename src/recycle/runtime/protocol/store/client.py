@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 from recycle.errors import ConfigError
 from recycle.runtime.protocol.store.data import KeyValue, Waiter
-from recycle.runtime.protocol.store.wire import (AUTH_FAILED, MAGIC, MAX_FRAME_BYTES, NONCE_BYTES, FrameReader, Op,
-                                                 Session, Status, WireError, client_proof, encode_frame, new_nonce,
-                                                 pack_fields, pack_handshake, server_proof, token_key, unpack_fields)
+from recycle.runtime.protocol.store.wire import (AUTH_FAILED, MAGIC, MAGIC_FAMILY, MAX_FRAME_BYTES, NONCE_BYTES,
+                                                 FrameReader, Op, Session, Status, WireError, client_proof,
+                                                 encode_frame, new_nonce, pack_fields, pack_handshake, server_proof,
+                                                 token_key, unpack_fields)
 
 __all__ = ["StoreClient", "LocalStore", "StoreFenced", "StoreAuthError", "StoreUnavailable", "StoreInterrupted"]
 
@@ -149,12 +150,15 @@ class StoreClient(dist.Store):
         status, fields = self._call(Op.GET, (_bytes(key), b"0"))
         return fields[0] if status == Status.OK else None
 
-    def wait_any(self, keys: list[str], timeout_s: float, wake: Sequence[Any] = ()) -> int | None:
+    def wait_any(self, keys: list[str], timeout_s: float, wake: Sequence[Any] = (),
+                 beat: str | None = None) -> int | None:
         """Block until one of `keys` exists: its index, or None after `timeout_s`, or sooner once one of `wake`
         (file descriptors, or objects with a fileno(): a process sentinel, a pipe) is readable: the store is then
-        told to end the wait, one more request, so a long wait costs the store nothing while nothing happens."""
+        told to end the wait, one more request, so a long wait costs the store nothing while nothing happens.
+        `beat`: a key the store adds 1 to first, in the same request (a node launcher's heartbeat)."""
         timeout_ms = _ms(timeout_s)
-        status, fields = self._call(Op.WAIT_ANY, (str(timeout_ms).encode(), *(_bytes(k) for k in keys)),
+        head = (Op.WAIT_ANY_BEAT, (_bytes(beat),)) if beat is not None else (Op.WAIT_ANY, ())
+        status, fields = self._call(head[0], (*head[1], str(timeout_ms).encode(), *(_bytes(k) for k in keys)),
                                     wait_ms=timeout_ms, wake=wake)
         return int(fields[0]) if status == Status.OK else None
 
@@ -289,6 +293,10 @@ class StoreClient(dist.Store):
         hello = self._recv_frame()
         if not hello.startswith(MAGIC) or len(hello) != len(MAGIC) + NONCE_BYTES:
             self._disconnect()
+            if hello.startswith(MAGIC_FAMILY):
+                raise StoreAuthError(f"{self.where} is a recycle job store of another version (its wire protocol is "
+                                     f"{hello[:len(MAGIC)].decode('ascii', 'replace')!r}, this process speaks "
+                                     f"{MAGIC.decode()!r}); every process of a run must be the same recycle version")
             raise StoreAuthError(f"{self.where} answered, but not as a recycle job store; check --master-addr and "
                                  "--master-port")
         server_nonce, client_nonce = hello[len(MAGIC):], new_nonce()
@@ -377,7 +385,10 @@ class LocalStore:
         if self._wait_for([_bytes(k) for k in keys], False, seconds) is None:
             raise dist.DistStoreError(f"timed out after {seconds:g} s waiting for {len(keys)} key(s)")
 
-    def wait_any(self, keys: list[str], timeout_s: float, wake: Sequence[Any] = ()) -> int | None:
+    def wait_any(self, keys: list[str], timeout_s: float, wake: Sequence[Any] = (),
+                 beat: str | None = None) -> int | None:
+        if beat is not None:
+            self.data.add(_bytes(beat), 1)
         return self._wait_for([_bytes(k) for k in keys], True, timeout_s, wake)
 
     def compare_set(self, key: str, expected_value: Value, desired_value: Value) -> bytes:

@@ -288,7 +288,11 @@ class StoreServer:
             self._reply(conn, Status.OK, (str(data.add(f[0], int(f[1]))).encode(),))
         elif op == Op.CHECK:
             self._reply(conn, Status.OK, (b"1" if data.check(f) else b"0",))
-        elif op in (Op.WAIT, Op.WAIT_ANY, Op.MULTI_GET):
+        elif op in (Op.WAIT, Op.WAIT_ANY, Op.MULTI_GET, Op.WAIT_ANY_BEAT):
+            if op == Op.WAIT_ANY_BEAT:
+                data.add(f[0], 1)
+                f = f[1:]
+                op = Op.WAIT_ANY
             keys = tuple(f[1:])
             if not keys:
                 raise ValueError("a wait for no keys")
@@ -461,6 +465,8 @@ class StoreServer:
 def _keys_of(op: int, fields: list[bytes]) -> list[bytes]:
     if op in (Op.WAIT, Op.WAIT_ANY, Op.MULTI_GET):
         return fields[1:]
+    if op == Op.WAIT_ANY_BEAT:
+        return fields[:1] + fields[2:]
     if op in (Op.CHECK,):
         return fields
     if op == Op.MULTI_SET:
