@@ -12,7 +12,9 @@ What each simulated process does (and where in the runtime it comes from):
   StoppedReport, to its node launcher's own store too (no request here: the launcher's thread hands the coordinator
   one NodeStops digest of its workers' reports, on Channels.NODE_STOPPED); on the announcement of the next generation
   it reads it and its view of the plan (the start every view shares, once per stand-in, and its own part), writes
-  Joined and, at its first action, Resumed; a worker left out of the generation exits (code 4);
+  Joined and, at its first action, Resumed, to its node launcher's own store (no request here: the launcher's thread
+  hands the coordinator one NodeStarted digest of them, on Channels.NODE_STARTED); a worker left out of the generation
+  exits (code 4);
 - replacement worker (_admit): JoinReady, then admitted by the announcement that names it;
 - node launcher (_follow_once, once per beat interval, min(heartbeat_s, heartbeat timeout / 4)): its workers' step
   records of the pass as one NodeSteps record per step, the EXITED flag of a worker that ended (once), then its node
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from recycle.runtime.protocol.channels import Flags, Keys
-from recycle.runtime.protocol.records import Announcement, Joined, JoinReady, Timestamp, from_json, to_json
+from recycle.runtime.protocol.records import Announcement, JoinReady, NodeStarted, from_json, to_json
 from recycle.runtime.protocol.store import StoreClient
 from recycle.runtime.protocol.store.wire import Op, Status, pack_fields, unpack_fields
 
@@ -240,6 +242,7 @@ class StandInNodes:
         self.metrics: collections.deque[Request] = collections.deque()  # step records not sent yet
         self.node_seq: dict[int, int] = {}  # node -> its launcher's last NodeSteps write number
         self.stops_seq: dict[int, int] = {}  # node -> its launcher's last NodeStops write number
+        self.starts_seq: dict[int, int] = {}  # node -> its launcher's last NodeStarted write number
         # node -> (its ended ranks, its wait on the coordinator's word packed, and with its heartbeat, the reply's
         # handler)
         self.order_keys: dict[int, tuple[tuple[int, ...], bytes, bytes, OnReply]] = {}
@@ -479,10 +482,17 @@ class StandInNodes:
         self.members = {r for r in (self.members | self.joiners) & live if self._running(r)}
         self.joiners -= live
         now = time.time()
-        joined, resumed = _b(to_json(Joined(now, 0.0, "init"))), _b(to_json(Timestamp(now)))  # (the same for all)
+        # Each worker writes its Joined and Resumed records to its node's store (no request here); its launcher's
+        # thread writes the coordinator one NodeStarted digest of them (control/node_digests.py DigestForwarder).
+        by_node: dict[int, list[int]] = {}
         for rank in sorted(self.members):
-            requests.append(self._send("joined", Op.SET, (_b(Keys.joined(self.generation, rank)), joined)))
-            requests.append(self._send("resumed", Op.SET, (_b(Keys.resumed(self.generation, rank)), resumed)))
+            by_node.setdefault(self.node_of[rank], []).append(rank)
+        for node, ranks in by_node.items():
+            digest = NodeStarted(node, self.generation, tuple((rank, now, 0.0, "init") for rank in ranks),
+                                 tuple((rank, now) for rank in ranks))
+            self.starts_seq[node] = seq = self.starts_seq.get(node, -1) + 1
+            requests.append(self._send("started", Op.SET, (_b(Keys.node_started(self.generation, node, seq)),
+                                                           _b(to_json(digest)))))
         self.stopped = False
         self.first_step = self.next_step = announcement.redo_step
         self.step_origin = now

@@ -27,8 +27,8 @@ from recycle.ir.worker import Worker
 from recycle.runtime.control import preflight
 from recycle.runtime.control.coordinator import hang_limit_s
 from recycle.runtime.control.liveness import Liveness
+from recycle.runtime.control.node_digests import DIGESTED_PREFIXES, DigestForwarder
 from recycle.runtime.control.node_steps import StepForwarder
-from recycle.runtime.control.node_stops import StopForwarder
 from recycle.runtime.control.processes import Spawner, WorkerProcesses, node_ranks, start_context
 from recycle.runtime.control.reporter import Recovery, StepMetrics, last_reported_step
 from recycle.runtime.control.resync import Rebuilt, collect_hellos, collect_resyncs, is_restart, rebuild
@@ -107,7 +107,7 @@ def _launch(config: Config, plan: Plan, options: LaunchOptions) -> TrainResult:
         # Before any node can write: the coordinator learns of records and flags from the feed, not by polling.
         feed = Supervisor.subscribe(server.data)
     else:
-        # This launcher's connections to the job's store, all under one identity (the follow loop's, the stop
+        # This launcher's connections to the job's store, all under one identity (the follow loop's, the record
         # digests' thread's).
         connect = functools.partial(connect_store, cluster.master_addr, cluster.master_port, token,
                                     launcher_identity(cluster.node_rank, new_incarnation()), store_timeout_s,
@@ -135,12 +135,13 @@ def _launch(config: Config, plan: Plan, options: LaunchOptions) -> TrainResult:
     # Its workers' step records come to it there too (before any can write): one record per step to the coordinator.
     forwarder = StepForwarder(cluster.node_rank, LocalStore(node_server.data),
                               node_server.data.subscribe((b"metrics/",))) if node_server is not None else None
-    # And their stop reports, which a thread of its own writes on as one digest per generation as soon as they are in
-    # (on a connection of its own: the follow loop's waits on the coordinator's word hold its connection).
-    stops = StopForwarder(cluster.node_rank, LocalStore(node_server.data),
-                          node_server.data.subscribe((b"stopped/",))) if node_server is not None else None
-    if stops is not None:
-        stops.start(JobStore(connect()))
+    # And their stop reports and start records, which a thread of its own writes on as digests per generation as
+    # soon as they are in (on a connection of its own: the follow loop's waits on the coordinator's word hold its
+    # connection).
+    digests = DigestForwarder(cluster.node_rank, LocalStore(node_server.data),
+                            node_server.data.subscribe(DIGESTED_PREFIXES)) if node_server is not None else None
+    if digests is not None:
+        digests.start(JobStore(connect()))
     spec_for = _spec_maker(config, plan, options, resolved, start_step, end_step, mine,
                            node_server.port if node_server is not None else 0, settings.grad_norm)
     spawner = Spawner(start_context(cluster.start_method), spec_for, plan.worker)
@@ -173,8 +174,8 @@ def _launch(config: Config, plan: Plan, options: LaunchOptions) -> TrainResult:
             steps, recoveries, failed = run.run()
             chaos_events = [event.record() for event in run.reporter.chaos_events]
         else:
-            assert node_server is not None and forwarder is not None and stops is not None
-            _follow(jobs, workers, options, plan, NodeWatch(node_server, options), forwarder, stops)
+            assert node_server is not None and forwarder is not None and digests is not None
+            _follow(jobs, workers, options, plan, NodeWatch(node_server, options), forwarder, digests)
             steps, recoveries, failed, chaos_events = [], [], plan.failed, []
         finished = True
     finally:
@@ -186,9 +187,9 @@ def _launch(config: Config, plan: Plan, options: LaunchOptions) -> TrainResult:
             feed.close()
         if forwarder is not None:
             forwarder.feed.close()
-        if stops is not None:
-            stops.stop()
-            stops.feed.close()
+        if digests is not None:
+            digests.stop()
+            digests.feed.close()
         if node_server is not None:
             node_server.close()
         if not finished and options.checkpoint.dir:  # a shard being written when the run failed
@@ -360,12 +361,12 @@ class NodeWatch:
 
 
 def _follow(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan, watch: NodeWatch,
-            forwarder: StepForwarder, stops: StopForwarder) -> None:
+            forwarder: StepForwarder, digests: DigestForwarder) -> None:
     """A node whose coordinator runs elsewhere (node 0's launcher or `recycle coordinator`): hand on its workers'
     step records, report their exits, carry out fences and respawns, stop when the run ends."""
     stalls = StallClock().start()
     try:
-        _follow_loop(jobs, workers, options, plan, watch, forwarder, stops, stalls)
+        _follow_loop(jobs, workers, options, plan, watch, forwarder, digests, stalls)
     finally:
         stalls.stop()
 
@@ -398,7 +399,7 @@ def _lost(node: int, where: str, cluster: ClusterOptions) -> RuntimeFailure:
 
 
 def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan,
-                 watch: NodeWatch, forwarder: StepForwarder, stops: StopForwarder, stalls: StallClock) -> None:
+                 watch: NodeWatch, forwarder: StepForwarder, digests: DigestForwarder, stalls: StallClock) -> None:
     """Carry out the coordinator's word for this node's workers. A separate coordinator may die and come back: the
     workers train on meanwhile, and once its store answers again (a new one: it restarted) this launcher says where
     its workers stand and reports their exits again."""
@@ -420,7 +421,7 @@ def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
                     following.forget()
                     watch.told.clear()
                     forwarder.resend()
-                    stops.resend()
+                    digests.resend()
                     codes = workers.exitcodes()
                     jobs.put(Channels.HELLO, NodeHello("running", tuple(r for r in workers.ranks if r not in codes),
                                                        tuple(sorted(codes.items()))), node)
@@ -430,7 +431,7 @@ def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
                                      + (" (restarted)" if restarted else ""))
                 away_since = None
             started = time.monotonic()
-            if _follow_once(jobs, workers, options, plan, following, watch, forwarder, stops, started):
+            if _follow_once(jobs, workers, options, plan, following, watch, forwarder, digests, started):
                 return
             # Only as fresh as the pass's start: a process frozen mid-call reads, when it wakes, the reply that the
             # store sent before it went away.
@@ -490,7 +491,7 @@ def _beat_every_s(options: LaunchOptions) -> float:
 
 
 def _follow_once(jobs: JobStore, workers: WorkerProcesses, options: LaunchOptions, plan: Plan,
-                 following: _Following, watch: NodeWatch, forwarder: StepForwarder, stops: StopForwarder,
+                 following: _Following, watch: NodeWatch, forwarder: StepForwarder, digests: DigestForwarder,
                  now: float) -> bool:
     """One pass over this node's workers, then a wait for the coordinator's word; True when the run is over for this
     node. The word is waited for in the store on its keys (this node's FENCE and RESPAWN flags, the run's end or
@@ -505,10 +506,10 @@ def _follow_once(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
     # Before the exits: a worker that finished wrote its last record before it exited, and the coordinator must not
     # see the exit of a member whose last step it has no record of yet.
     forwarder.forward(jobs)
-    if stops.error is not None:
-        raise stops.error
-    # The workers whose reports a digest waits for (HOLD_S at most: a frozen one never reports).
-    stops.running = frozenset(r for r in workers.ranks if workers.exitcode(r) is None)
+    if digests.error is not None:
+        raise digests.error
+    # The workers whose records a digest waits for (a hold at most: a frozen one never reports).
+    digests.running = frozenset(r for r in workers.ranks if workers.exitcode(r) is None)
     for rank in workers.ranks:
         code = workers.exitcode(rank)
         if code is not None and following.reported.get(rank) != workers.pid(rank):

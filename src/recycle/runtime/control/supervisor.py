@@ -7,8 +7,8 @@ import gc
 import os
 import signal
 import time
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, NoReturn, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Collection, Iterable, Mapping, NoReturn, TypeVar
 
 from recycle.collector import collector_paused
 from recycle.config import Config
@@ -30,7 +30,8 @@ from recycle.runtime.control.worker_table import WorkerRow, replacement_line
 from recycle.runtime.options import LaunchOptions
 from recycle.runtime.protocol.channels import (Channel, Channels, Flags, JobStore, Keys, launcher_fence_prefix,
                                                worker_fence_prefix)
-from recycle.runtime.protocol.records import Announcement, FaultRecord, NodeSteps, RecordError, StepRows, StoppedReport
+from recycle.runtime.protocol.records import (Announcement, FaultRecord, Joined, NodeSteps, RecordError, StepRows,
+                                              StoppedReport, Timestamp)
 from recycle.runtime.protocol.store import StoreServer
 from recycle.runtime.protocol.store.data import Feed, KeyValue
 from recycle.runtime.state import checkpoint
@@ -77,13 +78,21 @@ class _Prepared:
     encoded: list[bytes]  # views.encoded_tails(the plan's live ranks)
 
 
+@dataclass
+class _Started:
+    """A generation's Joined and Resumed records that came in node launchers' digests (NodeStarted), by rank."""
+
+    joined: dict[int, Joined] = field(default_factory=dict)
+    resumed: dict[int, Timestamp] = field(default_factory=dict)
+
+
 class Supervisor:
     """Node 0's loop: feed facts from the processes and the store to the Coordinator, carry out its commands, and
     report steps and recoveries."""
 
     # The keys whose writes the loop learns from the store's feed rather than by polling each worker's key.
-    FEED_PREFIXES = (b"metrics/", b"node_metrics/", b"stopped/", b"node_stopped/", b"resumed/", b"exit/", b"silent/",
-                     b"join/", b"ckpt/", b"eval/")
+    FEED_PREFIXES = (b"metrics/", b"node_metrics/", b"stopped/", b"node_stopped/", b"resumed/", b"node_started/",
+                     b"exit/", b"silent/", b"join/", b"ckpt/", b"eval/")
 
     @classmethod
     def subscribe(cls, data: KeyValue) -> Feed:
@@ -153,6 +162,8 @@ class Supervisor:
         self.resumed_in: dict[int, set[int]] = {}
         # Per generation, the stop reports that came in node launchers' digests (NodeStops), by rank.
         self.digested: dict[int, dict[int, StoppedReport]] = {}
+        # Per generation, the Joined and Resumed records that came in node launchers' digests (NodeStarted), by rank.
+        self.started: dict[int, _Started] = {}
         if rebuilt is not None:
             self._adopt(rebuilt)
 
@@ -248,6 +259,8 @@ class Supervisor:
                 self._take_node_steps(*(int(part) for part in rest.split("/")))
             elif kind == "node_stopped":
                 self._take_node_stops(*(int(part) for part in rest.split("/")))
+            elif kind == "node_started":
+                self._take_node_started(*(int(part) for part in rest.split("/")))
             elif kind in ("exit", "silent"):
                 self.flagged.add(int(rest))
             elif kind in ("stopped", "resumed"):
@@ -280,6 +293,23 @@ class Supervisor:
         if digest is not None and generation >= self.coordinator.state.generation:
             into = self.digested.setdefault(generation, {})
             into.update((report.rank, report) for report in digest.reports if report.generation == generation)
+
+    def _take_node_started(self, generation: int, node: int, seq: int) -> None:
+        """A node launcher's digest of its workers' Joined and Resumed records of `generation` (each key is written
+        once); kept until the generation's recovery is reported."""
+        key = Keys.node_started(generation, node, seq)
+        try:
+            digest = self.jobs.read(Channels.NODE_STARTED, generation, node, seq)
+        except RecordError:
+            digest = None  # only the job's processes can write; a record of another version is no record
+        self.store.delete_key(key)  # read once, like the workers' own records
+        if digest is None or self.pending is None or self.pending.facts.generation != generation:
+            return  # (the run's first generation, or one whose recovery is not reported: a restarted coordinator's)
+        into = self.started.setdefault(generation, _Started())
+        into.joined.update(digest.joined_records)
+        resumed = digest.resumed_records
+        into.resumed.update(resumed)
+        self.resumed_in.setdefault(generation, set()).update(resumed)
 
     def _all_local_exited(self) -> bool:
         """Every local member of the run has exited (replacements never admitted are stopped afterwards)."""
@@ -402,9 +432,12 @@ class Supervisor:
         return [(done, stage) for done, stage in self.coordinator.awaited_shards()
                 if self.jobs.is_set(Flags.CHECKPOINTED, done, stage)]
 
-    def _records(self, channel: Channel[R], first: int, ranks: Iterable[int]) -> list[R]:
-        """The records of `channel` (first, rank) that exist, in the order of `ranks`."""
-        found = (self.jobs.read(channel, first, rank) for rank in ranks)
+    def _records(self, channel: Channel[R], first: int, ranks: Iterable[int],
+                 came: Mapping[int, R] | None = None) -> list[R]:
+        """The records of `channel` (first, rank) that exist, in the order of `ranks`: those that `came` in node
+        launchers' digests, the others read from their own keys."""
+        came = came or {}
+        found = (came.get(rank) or self.jobs.read(channel, first, rank) for rank in ranks)
         return [record for record in found if record is not None]
 
     def _chaos(self, now: float) -> None:
@@ -625,11 +658,13 @@ class Supervisor:
         arrived = self.resumed_in.get(generation, set())
         if facts.redo_step < self.end_step and not arrived.issuperset(live) and not final:
             return
-        resumed = tuple(t.time for t in self._records(Channels.RESUMED, generation, live))
+        started = self.started.pop(generation, _Started())
+        self.started = {g: records for g, records in self.started.items() if g > generation}
+        resumed = tuple(t.time for t in self._records(Channels.RESUMED, generation, live, started.resumed))
         self.resumed_in = {g: ranks for g, ranks in self.resumed_in.items() if g > generation}
         self.pending = None
         if not facts.deaths and not facts.joining and not facts.lost_contact:
-            self._forget_generation_records(generation, live)
+            self._forget_generation_records(generation, live, digested=started)
             return  # a drain whose joiner never came in (the run ended first): nothing happened
         faults: dict[int, FaultRecord] = {}
         for death in facts.deaths:
@@ -637,24 +672,29 @@ class Supervisor:
             if fault is not None:
                 self.jobs.delete(Channels.FAULT, death.rank)  # one record, one death: a later outside kill has none
                 faults[death.rank] = fault
-        records = GenerationRecords(resumed, tuple(self._records(Channels.JOINED, generation, live)),
+        records = GenerationRecords(resumed, tuple(self._records(Channels.JOINED, generation, live, started.joined)),
                                     tuple(self._records(Channels.TRANSFER, generation, sorted(facts.joining))),
                                     tuple(self._records(Channels.MIGRATION, generation, live)), faults)
-        self._forget_generation_records(generation, live, tuple(sorted(facts.joining)), bool(records.migrations))
+        self._forget_generation_records(generation, live, tuple(sorted(facts.joining)), bool(records.migrations),
+                                        started)
         self.reporter.recovery(measure_recovery(facts, records, self.plan.worker, pending.announced, pending.choice,
                                                 time.time(), self.wall0))
 
     def _forget_generation_records(self, generation: int, live: list[int], joining: tuple[int, ...] = (),
-                                   migrated: bool = False) -> None:
+                                   migrated: bool = False, digested: _Started | None = None) -> None:
         """Read once: a recovery's records of each worker (resumed, joined; a joiner's state transfer; a layer
         migration's) leave the store once reported; kept, they were two keys per worker per recovery for the whole
-        run (32,768 a recovery at 16,384 workers, ~20 MB of the coordinator's memory)."""
-        channels: list[Channel[Any]] = [Channels.RESUMED, Channels.JOINED]
+        run (32,768 a recovery at 16,384 workers, ~20 MB of the coordinator's memory). Those that came in a node's
+        digest have no key of their own (its key was deleted when read)."""
+        came = digested or _Started()
+        channels: list[tuple[Channel[Any], Collection[int]]] = [(Channels.RESUMED, came.resumed),
+                                                                (Channels.JOINED, came.joined)]
         if migrated:
-            channels.append(Channels.MIGRATION)
-        for channel in channels:
+            channels.append((Channels.MIGRATION, ()))
+        for channel, skip in channels:
             for rank in live:
-                self.jobs.delete(channel, generation, rank)
+                if rank not in skip:
+                    self.jobs.delete(channel, generation, rank)
         for rank in joining:
             self.jobs.delete(Channels.TRANSFER, generation, rank)
 

@@ -10,9 +10,9 @@ from typing import Any, Callable, Generic, TypeVar
 
 from recycle.errors import ConfigError
 from recycle.runtime.protocol.records import (Announcement, Beat, ErrorRecord, EvalRecord, FaultRecord, JobSettings,
-                                              Joined, JoinReady, MigrationRecord, NodeHello, NodeSteps, NodeStops,
-                                              StepRecord, StoppedReport, Timestamp, TransferRecord, WorkerResync,
-                                              from_json, to_json)
+                                              Joined, JoinReady, MigrationRecord, NodeHello, NodeStarted, NodeSteps,
+                                              NodeStops, StepRecord, StoppedReport, Timestamp, TransferRecord,
+                                              WorkerResync, from_json, to_json)
 from recycle.runtime.protocol.store import StoreClient, StoreServer
 from recycle.runtime.protocol.store.capacity import connection_limit, ensure_descriptors
 from recycle.runtime.protocol.store.server import StoreLimits
@@ -140,7 +140,8 @@ class Keys:
 
     @staticmethod
     def joined(generation: int, rank: int) -> str:
-        return f"gen{generation}/joined/{rank}"
+        # Not under gen{G}/: a node launcher learns of these from its node store's feed, by prefix (NodeStarted).
+        return f"joined/{generation}/{rank}"
 
     @staticmethod
     def resumed(generation: int, rank: int) -> str:
@@ -164,6 +165,12 @@ class Keys:
         """A node launcher's digest of its workers' stop reports of `generation`, its write number `seq`
         (records.NodeStops). Not under gen{G}/: the coordinator learns of these from its store's feed, by prefix."""
         return f"node_stopped/{generation}/{node}/{seq}"
+
+    @staticmethod
+    def node_started(generation: int, node: int, seq: int) -> str:
+        """A node launcher's digest of its workers' Joined and Resumed records of `generation`, its write number
+        `seq` (records.NodeStarted); learned of from the store's feed, by prefix."""
+        return f"node_started/{generation}/{node}/{seq}"
 
     @staticmethod
     def evaluation(done_steps: int) -> str:
@@ -244,6 +251,7 @@ class Channels:
     METRICS = Channel(Keys.metrics, StepRecord)  # (step, rank): on the job's store, or on the node's (NodeSteps)
     NODE_METRICS = Channel(Keys.node_metrics, NodeSteps)  # (step, node, seq)
     NODE_STOPPED = Channel(Keys.node_stopped, NodeStops)  # (generation, node, seq)
+    NODE_STARTED = Channel(Keys.node_started, NodeStarted)  # (generation, node, seq)
     EVAL = Channel(Keys.evaluation, EvalRecord)  # (done steps)
     ERROR = Channel(Keys.error, ErrorRecord)  # (rank)
     FAULT = Channel(Keys.fault, FaultRecord)  # (rank)

@@ -556,8 +556,10 @@ class _Worker:
             bind_mesh(self.mesh, transport.groups.tp_group)
         if self.spec.joining and self.announcement is not None and self.spec.rank in self.announcement.joining:
             _joiner_dies_here(self.spec.joiner_dies_at, "formed")
+        # With a node store, through it: its launcher writes the coordinator one digest of its workers' Joined and
+        # Resumed records (control.node_digests), not a request per worker and record.
         self.outbox.put(self.store, Channels.JOINED, Joined(time.time(), transport.formation_s, "init"), generation,
-                        self.spec.rank)
+                        self.spec.rank, background=bool(self.spec.node_store_port))
         if self.executor is None:
             self.executor = self._make_executor()
             if self.announcement is not None:  # a replacement: its weights are the state after redo_step - 1
@@ -753,7 +755,8 @@ class _Worker:
             raise GenerationAborted(f"generation {self.generation} was aborted by the coordinator")
         if self._resumed_pending:
             self._resumed_pending = False
-            self.outbox.put(self.store, Channels.RESUMED, Timestamp(time.time()), self.generation, self.spec.rank)
+            self.outbox.put(self.store, Channels.RESUMED, Timestamp(time.time()), self.generation, self.spec.rank,
+                            background=bool(self.spec.node_store_port))
 
     def _before_action(self, action: Action) -> None:
         self._starting_work()
@@ -944,7 +947,7 @@ class _Worker:
                                                            point, spec.recovery.timeout_s))
         self.phase = "stopped"
         # With a node store, through it: the node's launcher writes the coordinator one digest of its workers' reports
-        # (control.node_stops), and writes them again to a restarted coordinator.
+        # (control.node_digests), and writes them again to a restarted coordinator.
         self.outbox.put(self.store, Channels.STOPPED, report, self.generation, spec.rank, kind="stopped",
                         background=bool(spec.node_store_port))
         # One key for the coordinator to poll.

@@ -13,7 +13,7 @@ __all__ = ["CONNECTIONS_PER_PROCESS", "CONNECTIONS_PER_LAUNCHER", "connections_n
            "ensure_descriptors"]
 
 CONNECTIONS_PER_PROCESS = 3  # measured: `ss -tnp` of a running job shows three per worker process
-CONNECTIONS_PER_LAUNCHER = 2  # its follow loop's, and its stop-report digests' thread's (control.node_stops)
+CONNECTIONS_PER_LAUNCHER = 2  # its follow loop's, and its record digests' thread's (control.node_digests)
 SPARE_CONNECTIONS = 256  # replacements starting while the dying process's sockets close, tools, the listener itself
 DEFAULT_MAX_CONNECTIONS = 4096  # the store's limit for a small job (StoreLimits)
 

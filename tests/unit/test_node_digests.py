@@ -1,7 +1,7 @@
-"""Stop reports per node: a node launcher hands its workers' stop reports to the coordinator as one NodeStops digest
-per generation (control.node_stops.StopForwarder), once every running worker of the node has reported or a short hold
+"""Records per node: a node launcher hands its workers' stop reports to the coordinator as one NodeStops digest per
+generation (control.node_digests.DigestForwarder), once every running worker of the node has reported or a short hold
 after the first report (a frozen worker never reports), with late reports in a later digest, and writes them again to
-a restarted coordinator."""
+a restarted coordinator; their Joined and Resumed records likewise, as NodeStarted digests."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import time
 
 import pytest
 
-from recycle.runtime.control.node_stops import KEPT_GENERATIONS, StopForwarder
+from recycle.runtime.control.node_digests import DIGESTED_PREFIXES, KEPT_GENERATIONS, START_HOLD_S, DigestForwarder
 from recycle.runtime.protocol.channels import Channels, JobStore, Keys
-from recycle.runtime.protocol.records import NodeStops, RecordError, StoppedReport, from_json, to_json
+from recycle.runtime.protocol.records import (Joined, NodeStarted, NodeStops, RecordError, StoppedReport, Timestamp,
+                                              from_json, to_json)
 from recycle.runtime.protocol.store import LocalStore, StoreFenced, StoreUnavailable
 from recycle.runtime.protocol.store.data import KeyValue
 
@@ -31,10 +32,10 @@ class _Node:
     def __init__(self, node: int = 3, running: tuple[int, ...] = (8, 9, 10)) -> None:
         self.data = KeyValue()
         self.workers = JobStore(LocalStore(self.data))  # what the node's workers write to
-        self.forwarder = StopForwarder(node, LocalStore(self.data), self.data.subscribe((b"stopped/",)), HOLD_S)
+        self.forwarder = DigestForwarder(node, LocalStore(self.data), self.data.subscribe(DIGESTED_PREFIXES), HOLD_S)
         self.forwarder.running = frozenset(running)
         self.job_data = KeyValue()
-        self.feed = self.job_data.subscribe((b"node_stopped/",))
+        self.feed = self.job_data.subscribe((b"node_stopped/", b"node_started/"))
         self.jobs = JobStore(LocalStore(self.job_data))
 
     def report(self, rank: int, generation: int = 1) -> None:
@@ -44,14 +45,24 @@ class _Node:
         self.forwarder.take(now)
         self.forwarder.send(self.jobs, now)
 
-    def digests(self) -> list[NodeStops]:
+    def start(self, rank: int, generation: int = 1, resumed: bool = True) -> None:
+        """A worker's Joined record of `generation`, and its Resumed one (its first action) unless told not."""
+        self.workers.put(Channels.JOINED, Joined(20.0 + rank, 0.5, "init"), generation, rank)
+        if resumed:
+            self.resume(rank, generation)
+
+    def resume(self, rank: int, generation: int = 1) -> None:
+        self.workers.put(Channels.RESUMED, Timestamp(30.0 + rank), generation, rank)
+
+    def digests(self) -> list[NodeStops | NodeStarted]:
         """What the coordinator's store got since the last call, read once and deleted (as the coordinator does)."""
-        out = []
+        out: list[NodeStops | NodeStarted] = []
         for key in self.feed.drain():
-            generation, node, seq = (int(part) for part in key.decode().split("/")[1:])
-            digest = self.jobs.read(Channels.NODE_STOPPED, generation, node, seq)
+            kind, generation, node, seq = key.decode().split("/")
+            channel = Channels.NODE_STOPPED if kind == "node_stopped" else Channels.NODE_STARTED
+            digest = self.jobs.read(channel, int(generation), int(node), int(seq))  # type: ignore[attr-defined]
             assert digest is not None
-            self.jobs.raw.delete_key(Keys.node_stopped(generation, node, seq))
+            self.jobs.raw.delete_key(key.decode())
             out.append(digest)
         return out
 
@@ -168,7 +179,7 @@ def test_the_thread_writes_a_digest_as_reports_come_in_and_after_the_coordinator
         assert node.digests() == [NodeStops(3, 1, (_report(8), _report(9)))]
         away = _AwayStore(node.job_data)
         node.forwarder.stop()
-        node.forwarder = StopForwarder(3, LocalStore(node.data), node.data.subscribe((b"stopped/",)), HOLD_S)
+        node.forwarder = DigestForwarder(3, LocalStore(node.data), node.data.subscribe(DIGESTED_PREFIXES), HOLD_S)
         node.forwarder.running = frozenset((8, 9))
         node.forwarder.start(JobStore(away))
         node.report(8, generation=2)
@@ -204,3 +215,57 @@ def test_a_fenced_launchers_thread_ends_and_hands_the_fence_to_the_follow_loop()
         assert isinstance(node.forwarder.error, StoreFenced)
     finally:
         node.forwarder.stop()
+
+
+def _joined(*ranks: int) -> tuple[tuple[int, float, float, str], ...]:
+    return tuple((rank, 20.0 + rank, 0.5, "init") for rank in ranks)
+
+
+def _resumed(*ranks: int) -> tuple[tuple[int, float], ...]:
+    return tuple((rank, 30.0 + rank) for rank in ranks)
+
+
+def test_a_generations_start_goes_as_one_digest_once_every_running_worker_resumed() -> None:
+    node = _Node()
+    node.start(8)
+    node.start(9)
+    node.start(10, resumed=False)  # the last stage's first action comes last
+    node.forward(0.0)
+    assert node.digests() == []
+    node.resume(10)
+    node.forward(0.01)
+    digest = node.digests()
+    assert digest == [NodeStarted(3, 1, _joined(8, 9, 10), _resumed(8, 9, 10))]
+    assert isinstance(digest[0], NodeStarted)
+    assert digest[0].resumed_records[9] == Timestamp(39.0)
+    assert digest[0].joined_records[10] == Joined(30.0, 0.5, "init")
+    assert node.data.get(Keys.joined(1, 8).encode()) is None and node.data.get(Keys.resumed(1, 8).encode()) is None
+
+
+def test_a_start_waits_for_the_longer_hold_and_stops_and_starts_of_a_generation_go_apart() -> None:
+    node = _Node(running=(8, 9))
+    node.start(8)
+    node.start(9, resumed=False)
+    node.report(8, generation=1)
+    node.report(9, generation=1)
+    node.forward(0.0)
+    assert node.digests() == [NodeStops(3, 1, (_report(8), _report(9)))]  # every running worker's report is in
+    node.forward(HOLD_S)
+    assert node.digests() == []  # a start's hold is longer: first actions spread over the pipeline's fill
+    assert node.forwarder.next_due() == pytest.approx(START_HOLD_S)
+    node.forward(START_HOLD_S)
+    assert node.digests() == [NodeStarted(3, 1, _joined(8, 9), _resumed(8))]
+    node.resume(9)
+    node.forward(START_HOLD_S + 0.01)
+    assert node.digests() == [NodeStarted(3, 1, (), _resumed(9))]
+
+
+def test_a_start_digest_with_a_row_of_another_shape_is_refused_naming_it() -> None:
+    good = NodeStarted(3, 1, _joined(8), _resumed(8))
+    assert from_json(NodeStarted, to_json(good)) == good
+    with pytest.raises(RecordError, match="joined rows"):
+        from_json(NodeStarted, to_json(good).replace('"init"', "7"))
+    with pytest.raises(RecordError, match="resumed rows"):
+        from_json(NodeStarted, to_json(good).replace("[[8, 38.0]]", '[[8, "soon"]]'))
+    with pytest.raises(RecordError, match="resumed rows"):
+        from_json(NodeStarted, to_json(good).replace("[[8, 38.0]]", "7"))
