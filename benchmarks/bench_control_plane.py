@@ -694,6 +694,7 @@ def _failure(cluster: _Cluster, rank: int, command: str) -> dict[str, Any]:
     reply = cluster.ask(cluster.node_of[rank], command, rank)
     when, announced = _wait_announced(cluster, generation, lambda a: rank not in a.live)
     cluster.wait_for("the recovery to complete", cluster.settled(reported))
+    settled = time.time()  # every worker's start records are in (nodes' NodeStarted digests) and it is reported
     _unplanned_losses(cluster)
     written = cluster.store.written
     # The provider's call whose plan was announced: the last one (the coordinator asks a repeatable provider at the
@@ -718,7 +719,7 @@ def _failure(cluster: _Cluster, rank: int, command: str) -> dict[str, Any]:
     landed = (cluster.landed.last_under(f"stopped/{generation}/"),
               cluster.landed.last_under(f"node_stopped/{generation}/"))
     reports = max((t for t in landed if t is not None), default=None)
-    return {"rank": rank, "failed_at": reply.get("time", reply.get("last_beat")), "announced": when,
+    return {"rank": rank, "failed_at": reply.get("time", reply.get("last_beat")), "announced": when, "settled": settled,
             "flag_landed": flag if flag is not None else abort,
             "last_report_landed": reports if reports is not None else abort,
             "generation": announced, "abort": abort, "noticed": max(noticed, default=abort),
@@ -836,6 +837,9 @@ def _failure_summary(exits: list[dict[str, Any]], silent: list[dict[str, Any]], 
         "abort_to_last_report_landed_s": med(lambda r: r["last_report_landed"] - r["abort"], exits),
         "last_report_landed_to_announce_s": med(lambda r: r["announced"] - r["last_report_landed"], exits),
         "detect_to_announce_max_s": max((r["announced"] - r["failed_at"] for r in exits), default=None),
+        # The recovery's tail: from the announcement until the coordinator has every worker's Joined and Resumed
+        # records (the stand-ins' view reads, their nodes' start digests) and has reported the recovery.
+        "announce_to_reported_s": med(lambda r: r["settled"] - r["announced"], exits),
         "failures": len(exits),
         "flag_to_abort_s": med(lambda r: r["abort"] - r["failed_at"], exits),
         "abort_to_plan_s": med(lambda r: r["plan_start"] - r["abort"], exits),
@@ -899,6 +903,7 @@ def _fmt(value: Any, unit: str = "") -> str:
 
 ROWS = [
     ("failure (exit flag) -> announce, median", "detect_to_announce_s", " s"),
+    ("announce -> every worker's start records in, reported", "announce_to_reported_s", " s"),
     ("  ... max", "detect_to_announce_max_s", " s"),
     ("the coordinator's own part of it, median", "coordinator_announce_s", " s"),
     ("  ... max", "coordinator_announce_max_s", " s"),

@@ -4,14 +4,16 @@ abort at once, in the generation the main thread moved to while it waited."""
 
 from __future__ import annotations
 
+import threading
 import time
 import types
 
 from recycle.runtime.options import RecoveryOptions
-from recycle.runtime.protocol.channels import Keys
+from recycle.runtime.protocol.channels import JobStore, Keys
+from recycle.runtime.protocol.records import Announcement, to_json
 from recycle.runtime.protocol.store import StoreClient, StoreServer
 from recycle.runtime.worker.outbox import Outbox
-from recycle.runtime.worker.process import _Watcher
+from recycle.runtime.worker.process import _Watcher, _Worker
 from recycle.runtime.worker.transport import Activity
 
 TOKEN = "cd" * 24
@@ -48,3 +50,25 @@ def test_an_idle_watcher_costs_the_job_store_one_wait_per_heartbeat_timeout_and_
         job.close()
         node.close()
     assert not watcher.is_alive()
+
+
+def test_a_workers_wait_for_the_next_announcement_is_one_request_and_it_is_kept() -> None:
+    """After its stop report a worker waits for the next generation's announcement: one request to the job's store
+    (it was a wait and two reads of the key: three per worker and recovery), answered when the key is written."""
+    job = StoreServer("127.0.0.1", 0, TOKEN).start()
+    try:
+        worker = _Worker.__new__(_Worker)  # (its constructor builds a stage: only the store and outbox are used)
+        moved: list[int] = []
+        store = StoreClient("127.0.0.1", job.port, TOKEN, "worker/3/a", timeout_s=30)
+        vars(worker).update(store=store, jobs=JobStore(store), outbox=Outbox(3),
+                            heartbeat=types.SimpleNamespace(move_to=moved.append))
+        announcement = Announcement(2, (1, 3), redo_step=5, end_step=9, reason="worker 0:1 died")
+        worker.store.ping()
+        before = job.requests
+        threading.Timer(0.3, lambda: job.data.set(Keys.announce(2).encode(), to_json(announcement).encode())).start()
+        assert worker._await_announcement(2) == announcement
+        assert job.requests - before == 1
+        assert moved == [2]
+        assert worker.outbox._writes[Keys.announce(2)].value == to_json(announcement).encode()  # for a new store
+    finally:
+        job.close()
