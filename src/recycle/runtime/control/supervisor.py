@@ -282,27 +282,27 @@ class Supervisor:
         if ranks:
             self.arrived.setdefault(step, set()).update(ranks)
 
-    def _take_node_stops(self, generation: int, node: int, seq: int) -> None:
-        """A node launcher's digest of its workers' stop reports of `generation` (each key is written once)."""
-        key = Keys.node_stopped(generation, node, seq)
+    def _read_once(self, channel: Channel[R], generation: int, node: int, seq: int) -> R | None:
+        """A node launcher's digest (each key is written once), read and deleted; None if it is of another version
+        (only the job's processes can write: such a record is no record)."""
         try:
-            digest = self.jobs.read(Channels.NODE_STOPPED, generation, node, seq)
+            digest = self.jobs.read(channel, generation, node, seq)
         except RecordError:
-            digest = None  # only the job's processes can write; a record of another version is no report
-        self.store.delete_key(key)  # read once, like the workers' own reports
+            digest = None
+        self.jobs.delete(channel, generation, node, seq)  # read once, like the workers' own records
+        return digest
+
+    def _take_node_stops(self, generation: int, node: int, seq: int) -> None:
+        """A node launcher's digest of its workers' stop reports of `generation`."""
+        digest = self._read_once(Channels.NODE_STOPPED, generation, node, seq)
         if digest is not None and generation >= self.coordinator.state.generation:
             into = self.digested.setdefault(generation, {})
             into.update((report.rank, report) for report in digest.reports if report.generation == generation)
 
     def _take_node_started(self, generation: int, node: int, seq: int) -> None:
-        """A node launcher's digest of its workers' Joined and Resumed records of `generation` (each key is written
-        once); kept until the generation's recovery is reported."""
-        key = Keys.node_started(generation, node, seq)
-        try:
-            digest = self.jobs.read(Channels.NODE_STARTED, generation, node, seq)
-        except RecordError:
-            digest = None  # only the job's processes can write; a record of another version is no record
-        self.store.delete_key(key)  # read once, like the workers' own records
+        """A node launcher's digest of its workers' Joined and Resumed records of `generation`, kept until the
+        generation's recovery is reported."""
+        digest = self._read_once(Channels.NODE_STARTED, generation, node, seq)
         if digest is None or self.pending is None or self.pending.facts.generation != generation:
             return  # (the run's first generation, or one whose recovery is not reported: a restarted coordinator's)
         into = self.started.setdefault(generation, _Started())
