@@ -139,7 +139,7 @@ def _launch(config: Config, plan: Plan, options: LaunchOptions) -> TrainResult:
     # soon as they are in (on a connection of its own: the follow loop's waits on the coordinator's word hold its
     # connection).
     digests = DigestForwarder(cluster.node_rank, LocalStore(node_server.data),
-                            node_server.data.subscribe(DIGESTED_PREFIXES)) if node_server is not None else None
+                              node_server.data.subscribe(DIGESTED_PREFIXES)) if node_server is not None else None
     if digests is not None:
         digests.start(JobStore(connect()))
     spec_for = _spec_maker(config, plan, options, resolved, start_step, end_step, mine,

@@ -521,6 +521,7 @@ def _new_stopped(row: tuple[Any, ...]) -> StoppedReport:
     report.__dict__.update(zip(_STOP_FIELDS, row))
     return report
 
+
 @dataclass(frozen=True)
 class NodeStarted:
     """A node launcher's digest of its workers' records of a generation's start (key node_started/GENERATION/NODE/SEQ):

@@ -290,6 +290,8 @@ class StoreServer:
             self._reply(conn, Status.OK, (b"1" if data.check(f) else b"0",))
         elif op in (Op.WAIT, Op.WAIT_ANY, Op.MULTI_GET, Op.WAIT_ANY_BEAT):
             if op == Op.WAIT_ANY_BEAT:
+                if len(f) < 3:
+                    raise ValueError("a wait for no keys")  # (refused before its beat counts)
                 data.add(f[0], 1)
                 f = f[1:]
                 op = Op.WAIT_ANY
