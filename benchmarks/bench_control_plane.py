@@ -599,10 +599,9 @@ def _steady(cluster: _Cluster, seconds: float) -> dict[str, Any]:
         due = {k: due1.get(k, 0) - due0.get(k, 0) for k in due1}
         sent = {k: sent1.get(k, 0) - sent0.get(k, 0) for k in sent1}
         if at1 > at0:
-            offered_remote += (due.get("beat", 0) + due.get("watch", 0) + due.get("node", 0) + due.get("node_beat", 0)
-                               + sent.get("metrics", 0)) / (at1 - at0)
-        sent_polls += sent.get("node", 0) + sent.get("beat", 0) + sent.get("node_beat", 0)
-        due_polls += due.get("node", 0) + due.get("beat", 0) + due.get("node_beat", 0)
+            offered_remote += (due.get("watch", 0) + due.get("node", 0) + sent.get("metrics", 0)) / (at1 - at0)
+        sent_polls += sent.get("node", 0)
+        due_polls += due.get("node", 0)
     offered = offered_remote + local / wall
     return {
         "window_s": wall, "store_ops_per_s": served / wall, "offered_store_ops_per_s": offered,

@@ -219,7 +219,6 @@ class StandInNodes:
         self.beats = {rank: 0 for rank in self.ranks}
         self.last_beat: dict[int, float] = {}
         self.down_nodes: set[int] = set()
-        self.last_node_beat: dict[int, float] = {}
         # The generation as the workers see it.
         self.generation = 0
         self.members = set(self.ranks)  # ranks of ours in the current generation
@@ -237,7 +236,6 @@ class StandInNodes:
         self.next_limit_read = 0.0  # when they next read the hang limit
         self.silence_told: set[int] = set()  # frozen ranks whose SILENT flag was raised
         self.node_cursor = 0
-        self.beat_credit = 0.0
         self.node_credit = 0.0
         self.metrics: collections.deque[Request] = collections.deque()  # step records not sent yet
         self.node_seq: dict[int, int] = {}  # node -> its launcher's last NodeSteps write number
@@ -354,7 +352,7 @@ class StandInNodes:
         while not self.stop.wait(NODE_POLL_S):
             with self.beat_lock:
                 now = time.time()
-                requests = self._node_heartbeats(now - last, now)
+                requests = self._node_heartbeats(now - last)
                 last = now
                 try:
                     self._flush(self.beat_client, requests, None)
@@ -502,7 +500,7 @@ class StandInNodes:
         return requests
 
     # -- the node launchers' follow loops ------------------------------------------------------------------------
-    def _node_heartbeats(self, elapsed: float, now: float) -> list[Request]:
+    def _node_heartbeats(self, elapsed: float) -> list[Request]:
         """Each node launcher's pass, at its rate (once per min(heartbeat_s, heartbeat timeout / 4), as _follow_once
         beats; at most one round per pass): its heartbeat and its wait on the coordinator's word, one request."""
         with self.lock:
@@ -517,7 +515,6 @@ class StandInNodes:
                 self.node_credit -= 1.0
                 node = up[self.node_cursor % len(up)]
                 self.node_cursor += 1
-                self.last_node_beat[node] = now
                 requests += self._node_poll(node, beat=True)
             return requests
 

@@ -45,7 +45,7 @@ def test_a_digests_records_complete_the_recovery_beside_a_workers_own_and_leave_
     assert [t.time for t in loop._records(Channels.RESUMED, 2, [1, 2, 3, 4], started.resumed)] == [6.0, 7.0, 6.5]
     assert loop._records(Channels.JOINED, 2, [1, 2, 3], started.joined) == \
         [Joined(5.0, 0.5, "init"), Joined(5.5, 0.25, "init"), Joined(5.25, 0.5, "init")]
-    loop._forget_generation_records(2, [1, 2, 3], digested=started)
+    loop._forget_generation_records(2, [1, 2, 3], started)
     assert loop.store.try_get(Keys.resumed(2, 3)) is None and loop.store.try_get(Keys.joined(2, 3)) is None
 
 

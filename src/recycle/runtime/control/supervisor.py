@@ -664,7 +664,7 @@ class Supervisor:
         self.resumed_in = {g: ranks for g, ranks in self.resumed_in.items() if g > generation}
         self.pending = None
         if not facts.deaths and not facts.joining and not facts.lost_contact:
-            self._forget_generation_records(generation, live, digested=started)
+            self._forget_generation_records(generation, live, started)
             return  # a drain whose joiner never came in (the run ended first): nothing happened
         faults: dict[int, FaultRecord] = {}
         for death in facts.deaths:
@@ -675,18 +675,17 @@ class Supervisor:
         records = GenerationRecords(resumed, tuple(self._records(Channels.JOINED, generation, live, started.joined)),
                                     tuple(self._records(Channels.TRANSFER, generation, sorted(facts.joining))),
                                     tuple(self._records(Channels.MIGRATION, generation, live)), faults)
-        self._forget_generation_records(generation, live, tuple(sorted(facts.joining)), bool(records.migrations),
-                                        started)
+        self._forget_generation_records(generation, live, started, tuple(sorted(facts.joining)),
+                                        bool(records.migrations))
         self.reporter.recovery(measure_recovery(facts, records, self.plan.worker, pending.announced, pending.choice,
                                                 time.time(), self.wall0))
 
-    def _forget_generation_records(self, generation: int, live: list[int], joining: tuple[int, ...] = (),
-                                   migrated: bool = False, digested: _Started | None = None) -> None:
+    def _forget_generation_records(self, generation: int, live: list[int], came: _Started,
+                                   joining: tuple[int, ...] = (), migrated: bool = False) -> None:
         """Read once: a recovery's records of each worker (resumed, joined; a joiner's state transfer; a layer
         migration's) leave the store once reported; kept, they were two keys per worker per recovery for the whole
         run (32,768 a recovery at 16,384 workers, ~20 MB of the coordinator's memory). Those that came in a node's
-        digest have no key of their own (its key was deleted when read)."""
-        came = digested or _Started()
+        digest (`came`) have no key of their own (its key was deleted when read)."""
         channels: list[tuple[Channel[Any], Collection[int]]] = [(Channels.RESUMED, came.resumed),
                                                                 (Channels.JOINED, came.joined)]
         if migrated:

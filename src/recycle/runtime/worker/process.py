@@ -34,6 +34,7 @@ from recycle.runtime.protocol.records import (Announcement, Beat, ErrorRecord, E
                                               JoinReady, MigrationRecord, StepRecord, StoppedReport, Timestamp,
                                               TransferRecord, WorkerResync, from_json)
 from recycle.runtime.protocol.store import StoreClient, StoreFenced, StoreUnavailable
+from recycle.runtime.protocol.store.data import drain_socket
 from recycle.runtime.state import checkpoint
 from recycle.runtime.state.checkpoint_writer import CheckpointWriter
 from recycle.runtime.state.migration import (exchange_layers, layer_moves, layer_scaled_config, plan_bounds,
@@ -278,7 +279,7 @@ class _Watcher(threading.Thread):
                     if not self.beats_apart:
                         self._beat()
                     next_beat = now + self.interval_s
-                _drain(self._moved)
+                drain_socket(self._moved)
                 watched = self._watched()
                 keys = [key for key, _, _ in watched]
                 if self.beats_apart:
@@ -305,14 +306,6 @@ class _Watcher(threading.Thread):
                 time.sleep(self.interval_s)
             except Exception:
                 time.sleep(self.interval_s)  # keep trying
-
-
-def _drain(readable: socket.socket) -> None:
-    try:
-        while readable.recv(4096):
-            pass
-    except OSError:
-        pass  # nothing (more) to read
 
 
 def _thread_lock_for_progress_bars() -> None:

@@ -9,9 +9,18 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
-__all__ = ["Waiter", "KeyValue", "Feed"]
+__all__ = ["Waiter", "KeyValue", "Feed", "drain_socket"]
 
 F = TypeVar("F", bound="Feed")
+
+
+def drain_socket(reader: socket.socket) -> None:
+    """Read a non-blocking wake-up socket empty (a socket pair whose writer says "look again")."""
+    try:
+        while reader.recv(4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 @dataclass(eq=False)
@@ -89,11 +98,7 @@ class Feed:
             self._keys.clear()
             if self._signalled:
                 self._signalled = False
-                try:
-                    while self._reader.recv(4096):
-                        pass
-                except BlockingIOError:
-                    pass
+                drain_socket(self._reader)
         return keys
 
     def touched(self) -> set[bytes]:

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from recycle.runtime.protocol.store.data import KeyValue, Waiter
+from recycle.runtime.protocol.store.data import KeyValue, Waiter, drain_socket
 from recycle.runtime.protocol.store.wire import (AUTH_FAILED, MAGIC, MAX_FRAME_BYTES, MAX_HANDSHAKE_BYTES,
                                                  MAX_KEY_BYTES, FrameReader, Op, Session, Status, WireError,
                                                  client_proof, encode_frame, new_nonce, pack_fields, server_proof,
@@ -132,11 +132,7 @@ class StoreServer:
                 if key.data == "listen":
                     self._accept()
                 elif key.data == "wake":
-                    try:
-                        while self._wake_r.recv(4096):
-                            pass
-                    except BlockingIOError:
-                        pass
+                    drain_socket(self._wake_r)
                 else:
                     conn = key.data
                     if events & selectors.EVENT_READ:
@@ -289,15 +285,14 @@ class StoreServer:
         elif op == Op.CHECK:
             self._reply(conn, Status.OK, (b"1" if data.check(f) else b"0",))
         elif op in (Op.WAIT, Op.WAIT_ANY, Op.MULTI_GET, Op.WAIT_ANY_BEAT):
+            beat = None
             if op == Op.WAIT_ANY_BEAT:
-                if len(f) < 3:
-                    raise ValueError("a wait for no keys")  # (refused before its beat counts)
-                data.add(f[0], 1)
-                f = f[1:]
-                op = Op.WAIT_ANY
+                beat, f, op = f[0], f[1:], Op.WAIT_ANY
             keys = tuple(f[1:])
             if not keys:
-                raise ValueError("a wait for no keys")
+                raise ValueError("a wait for no keys")  # (refused before a beat counts)
+            if beat is not None:
+                data.add(beat, 1)
             if op == Op.MULTI_GET:
                 def answer(i: int) -> None:  # i: the key that ended the wait; a multi_get answers every value
                     self._reply(conn, Status.OK, tuple(data.get(k) or b"" for k in keys))

@@ -92,6 +92,14 @@ def _frame_mac(key: bytes) -> hashlib.blake2b:
     return hashlib.blake2b(key=key, digest_size=MAC_BYTES, person=b"recycle frame")
 
 
+def _tag(keyed: hashlib.blake2b, seq: int, payload: bytes) -> bytes:
+    """Frame number `seq`'s tag: a copy of the session's keyed BLAKE2b over the number and the payload."""
+    mac = keyed.copy()
+    mac.update(_SEQ.pack(seq))
+    mac.update(payload)
+    return mac.digest()
+
+
 class Session:
     """The MAC state of one authenticated connection, seen from one end (`client` says which)."""
 
@@ -103,33 +111,27 @@ class Session:
         self._send_seq = 0
         self._recv_seq = 0
 
-    def _tag(self, keyed: hashlib.blake2b, seq: int, payload: bytes) -> bytes:
-        mac = keyed.copy()
-        mac.update(_SEQ.pack(seq))
-        mac.update(payload)
-        return mac.digest()
-
     def seal(self, payload: bytes) -> bytes:
-        tag = self._tag(self._send_mac, self._send_seq, payload)
+        tag = _tag(self._send_mac, self._send_seq, payload)
         self._send_seq += 1
         return payload + tag
 
     def seal_frames(self, payloads: list[bytes]) -> bytes:
         """encode_frame(seal(p)) of each of `payloads`, in order, as one byte string (a pipelined batch of requests:
         one call, not three per request)."""
-        first, tag, length = self._send_seq, self._tag, _LEN.pack
+        first, length = self._send_seq, _LEN.pack
         if any(len(p) + MAC_BYTES > MAX_FRAME_BYTES for p in payloads):
             raise WireError(f"a message over {MAX_FRAME_BYTES:,} bytes; the store takes at most that")
         keyed = self._send_mac
         self._send_seq += len(payloads)
         return b"".join([part for seq, payload in enumerate(payloads, first) for part in (
-            length(len(payload) + MAC_BYTES), payload, tag(keyed, seq, payload))])
+            length(len(payload) + MAC_BYTES), payload, _tag(keyed, seq, payload))])
 
     def open(self, frame: bytes) -> bytes:
         if len(frame) < MAC_BYTES + 1:
             raise WireError("a frame too short to carry a MAC")
         payload, tag = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
-        expected = self._tag(self._recv_mac, self._recv_seq, payload)
+        expected = _tag(self._recv_mac, self._recv_seq, payload)
         if not hmac.compare_digest(tag, expected):
             raise WireError("a frame with a wrong MAC (altered, replayed or not from this session)")
         self._recv_seq += 1
