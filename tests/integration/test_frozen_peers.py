@@ -1,20 +1,25 @@
 """Recovery that needs nothing from the failed peer: a worker frozen (SIGSTOP) where its launcher cannot kill it, a
-whole node frozen (its launcher and workers), a stuck main thread whose heartbeat goes on, and a fenced worker that
-wakes up. Survivors cut their own generation's connections, so each costs about the heartbeat (or hang) timeout,
-never the 30 s op timeout; every run ends with exactly the single-process reference parameters and no stack trace."""
+whole node frozen (its launcher and workers) or cut off by the network (a namespace whose link goes down), a stuck
+main thread whose heartbeat goes on, and a fenced worker that wakes up. Survivors cut their own generation's
+connections, so each costs about the heartbeat (or hang) timeout, never the 30 s op timeout; every run ends with
+exactly the single-process reference parameters and no stack trace."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -134,44 +139,59 @@ def _assert_exact_save(save: Path, config_file: Path) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_a_frozen_node_is_fenced_and_its_wake_up_is_harmless(tmp_path: Path, tiny_config_file) -> None:
-    """Node 1's launcher and workers freeze (SIGSTOP) mid-run: node 0 declares them dead by heartbeat and goes on
-    with its own workers at once; when node 1 is continued, its launcher and workers learn they were fenced and exit
-    with one line each, having written nothing the job reads."""
+@pytest.mark.parametrize("fault", ["freeze", "cut"])
+def test_a_frozen_or_cut_off_node_is_fenced_and_its_return_is_harmless(tmp_path: Path, tiny_config_file,
+                                                                       fault: str) -> None:
+    """Node 1 freezes (its launcher and workers SIGSTOPped), or is cut off (it runs in a network namespace of its
+    own, whose link goes down: every packet either way is lost, no connection is closed), mid-run: node 0 declares it
+    dead by heartbeat and goes on with its own workers at once; when node 1 is continued, or its link comes back, its
+    launcher and workers learn they were fenced and exit with one line each, having written nothing the job reads."""
     config_file = tiny_config_file(steps=24)
     save = tmp_path / "final.pt"
-    common = [sys.executable, "-m", "recycle", "train", "--config", str(config_file), "--nnodes", "2",
-              "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "--save", str(save),
-              "--timeout", str(OP_TIMEOUT_S), "--heartbeat-timeout", "2", "--emulate-costs", "--slot-ms", "20"]
-    env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
-    node0 = subprocess.Popen([*common, "--node-rank", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env)
-    node1 = subprocess.Popen([*common, "--node-rank", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env)
-    out0 = _Lines(node0.stdout)
-    frozen: list[int] = []
-    try:
-        out0.wait_for(r"step 4/24", 150)
-        frozen = [node1.pid, *_children(node1.pid)]
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
-        match = out0.wait_for(r"training resumed ([0-9.]+) s", 60)
-        assert float(match[1]) < 2 + 5, match[0]  # the op timeout is 30 s
-        out0.wait_for(r"step 10/24", 120)  # the survivors go on while node 1 is frozen
-        for pid in frozen:
-            os.kill(pid, signal.SIGCONT)
-        out1, err1 = node1.communicate(timeout=60)
-        node0.wait(timeout=150)
-        err0 = node0.stderr.read()
-    finally:
-        for proc in (node0, node1):
-            if proc.poll() is None:
-                proc.kill()
-        for pid in frozen:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+    with contextlib.ExitStack() as stack:
+        link = stack.enter_context(_link_to_a_namespace()) if fault == "cut" else None
+        address = link.host_ip if link else "127.0.0.1"
+        common = ["train", "--config", str(config_file), "--nnodes", "2", "--master-addr", address,
+                  "--master-port", str(_free_port()), "--save", str(save), "--timeout", str(OP_TIMEOUT_S),
+                  "--heartbeat-timeout", "2", "--emulate-costs", "--slot-ms", "20"]
+        env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
+        # gloo binds where each node's address is (a user sets it per node the same way)
+        env0 = {**env, "GLOO_SOCKET_IFNAME": link.host_if} if link else env
+        node0 = subprocess.Popen([sys.executable, "-m", "recycle", *common, "--node-rank", "0"], cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env0)
+        inside = link.command(sys.executable) if link else [sys.executable]
+        node1 = subprocess.Popen([*inside, "-m", "recycle", *common, "--node-rank", "1"], cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        out0 = _Lines(node0.stdout)
+        lost: list[int] = []
+        try:
+            out0.wait_for(r"step 4/24", 150)
+            lost = [node1.pid, *_children(node1.pid)]
+            if link:
+                link.cut()
+            else:
+                for pid in lost:
+                    os.kill(pid, signal.SIGSTOP)
+            match = out0.wait_for(r"training resumed ([0-9.]+) s", 60)
+            assert float(match[1]) < 2 + 5, match[0]  # the op timeout is 30 s
+            out0.wait_for(r"step 10/24", 120)  # the survivors go on while node 1 is gone
+            if link:
+                link.restore()
+            else:
+                for pid in lost:
+                    os.kill(pid, signal.SIGCONT)
+            out1, err1 = node1.communicate(timeout=90)  # a cut-off node hears once TCP retransmits (seconds)
+            node0.wait(timeout=150)
+            err0 = node0.stderr.read()
+        finally:
+            for proc in (node0, node1):
+                if proc.poll() is None:
+                    proc.kill()
+            for pid in lost:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
     text0 = out0.text()
     assert node0.returncode == 0, err0
     assert "step 24/24" in text0 and "stopped responding" in text0
@@ -180,10 +200,57 @@ def test_a_frozen_node_is_fenced_and_its_wake_up_is_harmless(tmp_path: Path, tin
     for text in (err0, err1, out1):
         assert "Traceback" not in text and "c10d" not in text, text
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in frozen) and time.monotonic() < deadline:
+    while any(_alive(p) for p in lost) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in frozen if _alive(p)], "a process of node 1 was left behind"
+    assert not [p for p in lost if _alive(p)], "a process of node 1 was left behind"
     _assert_exact_save(save, config_file)
+
+
+@dataclass(frozen=True)
+class _Link:
+    """A network namespace joined to this one by a veth pair: a node run inside it can be cut off (the link set
+    down: packets are lost both ways, connections stay open) and restored."""
+
+    namespace: str
+    host_if: str
+    host_ip: str
+
+    def command(self, program: str) -> list[str]:
+        return ["ip", "netns", "exec", self.namespace, program]
+
+    def cut(self) -> None:
+        subprocess.run(["ip", "link", "set", self.host_if, "down"], check=True)
+
+    def restore(self) -> None:
+        subprocess.run(["ip", "link", "set", self.host_if, "up"], check=True)
+
+
+@contextlib.contextmanager
+def _link_to_a_namespace() -> Iterator[_Link]:
+    """A namespace for one node (skips the test where this process may not make one: root and iproute2 needed)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("a network cut needs root and iproute2 (ip) to make a network namespace")
+    tag = f"{os.getpid() % 100000}"
+    namespace, host_if, inner_if = f"rcy{tag}", f"rcyh{tag}", f"rcyn{tag}"
+    subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() // 50 % 250}"
+    steps = [["ip", "netns", "add", namespace],
+             ["ip", "link", "add", host_if, "type", "veth", "peer", "name", inner_if],
+             ["ip", "link", "set", inner_if, "netns", namespace],
+             ["ip", "addr", "add", f"{subnet}.1/24", "dev", host_if], ["ip", "link", "set", host_if, "up"],
+             ["ip", "netns", "exec", namespace, "ip", "addr", "add", f"{subnet}.2/24", "dev", inner_if],
+             ["ip", "netns", "exec", namespace, "ip", "link", "set", inner_if, "up"],
+             ["ip", "netns", "exec", namespace, "ip", "link", "set", "lo", "up"]]
+    try:
+        for step in steps:
+            made = subprocess.run(step, capture_output=True, text=True)
+            if made.returncode != 0:
+                if step is steps[0]:
+                    pytest.skip(f"no network namespace here ({' '.join(step)}: {made.stderr.strip()})")
+                raise AssertionError(f"{' '.join(step)} failed: {made.stderr}")
+        yield _Link(namespace, host_if, f"{subnet}.1")
+    finally:
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
 
 
 @pytest.mark.timeout(180)
