@@ -10,19 +10,17 @@ import contextlib
 import os
 import re
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
+from network_cut import namespace_link
 from test_recovery import KILL_STEP, action_index, assert_exact, config_for, run
 
 from recycle.config import load_config
@@ -149,7 +147,7 @@ def test_a_frozen_or_cut_off_node_is_fenced_and_its_return_is_harmless(tmp_path:
     config_file = tiny_config_file(steps=24)
     save = tmp_path / "final.pt"
     with contextlib.ExitStack() as stack:
-        link = stack.enter_context(_link_to_a_namespace()) if fault == "cut" else None
+        link = stack.enter_context(namespace_link()) if fault == "cut" else None
         address = link.host_ip if link else "127.0.0.1"
         common = ["train", "--config", str(config_file), "--nnodes", "2", "--master-addr", address,
                   "--master-port", str(_free_port()), "--save", str(save), "--timeout", str(OP_TIMEOUT_S),
@@ -204,53 +202,6 @@ def test_a_frozen_or_cut_off_node_is_fenced_and_its_return_is_harmless(tmp_path:
         time.sleep(0.1)
     assert not [p for p in lost if _alive(p)], "a process of node 1 was left behind"
     _assert_exact_save(save, config_file)
-
-
-@dataclass(frozen=True)
-class _Link:
-    """A network namespace joined to this one by a veth pair: a node run inside it can be cut off (the link set
-    down: packets are lost both ways, connections stay open) and restored."""
-
-    namespace: str
-    host_if: str
-    host_ip: str
-
-    def command(self, program: str) -> list[str]:
-        return ["ip", "netns", "exec", self.namespace, program]
-
-    def cut(self) -> None:
-        subprocess.run(["ip", "link", "set", self.host_if, "down"], check=True)
-
-    def restore(self) -> None:
-        subprocess.run(["ip", "link", "set", self.host_if, "up"], check=True)
-
-
-@contextlib.contextmanager
-def _link_to_a_namespace() -> Iterator[_Link]:
-    """A namespace for one node (skips the test where this process may not make one: root and iproute2 needed)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("a network cut needs root and iproute2 (ip) to make a network namespace")
-    tag = f"{os.getpid() % 100000}"
-    namespace, host_if, inner_if = f"rcy{tag}", f"rcyh{tag}", f"rcyn{tag}"
-    subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() // 50 % 250}"
-    steps = [["ip", "netns", "add", namespace],
-             ["ip", "link", "add", host_if, "type", "veth", "peer", "name", inner_if],
-             ["ip", "link", "set", inner_if, "netns", namespace],
-             ["ip", "addr", "add", f"{subnet}.1/24", "dev", host_if], ["ip", "link", "set", host_if, "up"],
-             ["ip", "netns", "exec", namespace, "ip", "addr", "add", f"{subnet}.2/24", "dev", inner_if],
-             ["ip", "netns", "exec", namespace, "ip", "link", "set", inner_if, "up"],
-             ["ip", "netns", "exec", namespace, "ip", "link", "set", "lo", "up"]]
-    try:
-        for step in steps:
-            made = subprocess.run(step, capture_output=True, text=True)
-            if made.returncode != 0:
-                if step is steps[0]:
-                    pytest.skip(f"no network namespace here ({' '.join(step)}: {made.stderr.strip()})")
-                raise AssertionError(f"{' '.join(step)} failed: {made.stderr}")
-        yield _Link(namespace, host_if, f"{subnet}.1")
-    finally:
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
-        subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
 
 
 @pytest.mark.timeout(180)

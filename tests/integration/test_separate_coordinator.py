@@ -1,6 +1,7 @@
 """`recycle coordinator` (issue 23 item 1): the store and the coordinator in a process of their own; every training
 node, node 0 included, runs `recycle train --coordinator separate` against it, so losing node 0 (its launcher and its
-workers, SIGKILLed together) is an ordinary node failure: the other node trains to the end, exact."""
+workers, SIGKILLed together) is an ordinary node failure: the other node trains to the end, exact; and a coordinator
+cut off from every node by the network declares none of them dead."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from network_cut import namespace_link
+from reference_check import LONG_RUN_TOLERANCE
 from test_train_multinode import free_port
 
 from recycle.config import load_config
@@ -98,6 +101,53 @@ def test_losing_node_0_with_a_separate_coordinator_is_an_ordinary_node_failure(t
     assert "the coordinator reports" in out1
     assert "Traceback" not in err_c + err1
     _close_to_reference(save, config_file)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_coordinator_cut_off_from_every_node_declares_none_dead_and_the_run_goes_on(tmp_path: Path,
+                                                                                      tiny_config_file) -> None:
+    """`recycle coordinator` in a network namespace of its own whose link goes down for 8 s (four heartbeat
+    timeouts) mid-run: it hears no node any more, holds off rather than declaring them all dead (which would end the
+    run), and when the link is back every node answers again; the nodes train on meanwhile, the run ends exact with
+    nobody declared dead."""
+    # 30 steps of ~0.9 s: the run goes on for a while after the link is back (float64 rounding: see reference_check)
+    config_file = tiny_config_file(steps=30)
+    save = tmp_path / "final.pt"
+    with namespace_link() as link:
+        env = {**os.environ, "RECYCLE_JOB_TOKEN": secrets.token_hex(24)}
+        flags = ["--config", str(config_file), "--nnodes", "2", "--master-addr", link.inner_ip, "--master-port",
+                 str(free_port()), "--timeout", "20", "--heartbeat-timeout", "2", "--save", str(save)]
+        coordinator = subprocess.Popen([*link.command(sys.executable), "-m", "recycle", "coordinator", *flags],
+                                       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        node = [sys.executable, "-m", "recycle", "train", *flags, "--coordinator", "separate", "--emulate-costs",
+                "--slot-ms", "120"]
+        nodes = [subprocess.Popen([*node, "--node-rank", str(rank)], cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env={**env, "GLOO_SOCKET_IFNAME": "lo"})
+                 for rank in (0, 1)]
+        try:
+            before = _wait_for(coordinator, "step 4/30", 150)
+            link.cut()
+            before += _wait_for(coordinator, "stopped responding at once", 30)
+            time.sleep(6.0)
+            link.restore()
+            # (a node's beat comes back when TCP retransmits its launcher's request: seconds after the link)
+            before += _wait_for(coordinator, "the nodes answer again", 60)
+            out_c, err_c = coordinator.communicate(timeout=150)
+            ends = [process.communicate(timeout=60) for process in nodes]
+        finally:
+            for process in (coordinator, *nodes):
+                if process.poll() is None:
+                    process.kill()
+                process.wait()
+    out_c = before + out_c
+    assert coordinator.returncode == 0, err_c
+    assert [process.returncode for process in nodes] == [0, 0], ends
+    assert "every node (2) stopped responding at once" in out_c, out_c
+    assert "the nodes answer again" in out_c and "none was declared dead" in out_c, out_c
+    assert "step 30/30" in out_c and "died" not in out_c and "fenced" not in out_c, out_c
+    assert "Traceback" not in err_c + "".join(err for _, err in ends)
+    _close_to_reference(save, config_file, LONG_RUN_TOLERANCE)
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import select
 
 import pytest
 
-from recycle.runtime.control.liveness import NODE_BEATS, Liveness, node_beats_from
+from recycle.runtime.control.liveness import NODE_BEATS, RETURN_SPREAD_S, Liveness, node_beats_from
 from recycle.runtime.protocol.channels import Channels, Flags, JobStore, Keys
 from recycle.runtime.protocol.records import Beat
 from recycle.runtime.protocol.store import LocalStore, StoreServer
@@ -66,6 +66,73 @@ def test_silent_and_hung_workers_and_silent_nodes() -> None:
         assert watch.silent_nodes(5.5) == [] and watch.fenced_nodes == set() and watch.beating_nodes(6.0) == {1}
         watch.admit(1, 6.0)
         assert watch.silent_workers(frozenset({1}), 7.0) == []  # timed from its admission
+    finally:
+        server.close()
+
+
+def _node_beat(jobs: JobStore, *nodes: int) -> None:
+    for node in nodes:
+        jobs.raw.add(Keys.node_heartbeat(node), 1)
+
+
+def test_every_node_silent_at_once_is_held_and_none_is_fenced_when_they_come_back() -> None:
+    """A coordinator apart from the nodes (hold_s > 0) that hears no node any more holds them, staggered last beats
+    and all, reports none, and fences none when they beat again; without a hold the same silence is reported."""
+    jobs, server = _jobs()
+    try:
+        watch = _liveness(server, jobs, nodes=range(0, 3), heartbeat_s=0.5, timeout_s=2.0)
+        _node_beat(jobs, 0, 1, 2)
+        assert watch.silent_nodes(0.0, hold_s=60) == []
+        _node_beat(jobs, 2)  # node 2 last seen 0.6 s after the others: they fall due at different checks
+        assert watch.silent_nodes(0.6, hold_s=60) == []
+        assert watch.silent_nodes(2.1, hold_s=60) == [] and watch.holding == {0, 1, 2}
+        assert watch.silent_nodes(2.7, hold_s=60) == [] and watch.silent_nodes(40.0, hold_s=60) == []
+        assert watch.fenced_nodes == set() and watch.holding == {0, 1, 2}
+        _node_beat(jobs, 0, 1, 2)  # the network is back
+        assert watch.silent_nodes(41.0, hold_s=60) == [] and watch.holding == frozenset()
+        assert watch.silent_nodes(42.5, hold_s=60) == [] and watch.fenced_nodes == set()
+        assert [node for node, _ in watch.silent_nodes(44.0)] == [0, 1, 2]  # no hold: reported
+    finally:
+        server.close()
+
+
+def test_a_held_node_that_does_not_follow_the_others_back_is_reported_and_so_is_a_hold_that_runs_out() -> None:
+    jobs, server = _jobs()
+    try:
+        watch = _liveness(server, jobs, nodes=range(0, 3), heartbeat_s=0.5, timeout_s=2.0)
+        _node_beat(jobs, 0, 1, 2)
+        assert watch.silent_nodes(0.0, hold_s=100) == []
+        assert watch.silent_nodes(2.5, hold_s=100) == [] and watch.holding == {0, 1, 2}
+        _node_beat(jobs, 0, 1)  # node 2 does not come back
+        assert watch.silent_nodes(10.0, hold_s=100) == [] and watch.holding == {2}
+        for now in range(11, 10 + int(RETURN_SPREAD_S)):  # 0 and 1 beat on; 2 is still held
+            _node_beat(jobs, 0, 1)
+            assert watch.silent_nodes(float(now), hold_s=100) == [] and watch.holding == {2}
+        _node_beat(jobs, 0, 1)
+        assert watch.silent_nodes(10.0 + RETURN_SPREAD_S, hold_s=100) == [(2, 10.0 + RETURN_SPREAD_S)]
+        assert watch.fenced_nodes == {2} and watch.holding == frozenset()
+
+        watch = _liveness(server, jobs, nodes=range(0, 3), heartbeat_s=0.5, timeout_s=2.0)
+        _node_beat(jobs, 0, 1, 2)
+        assert watch.silent_nodes(0.0, hold_s=10) == []
+        assert watch.silent_nodes(2.5, hold_s=10) == [] and watch.holding == {0, 1, 2}
+        assert watch.silent_nodes(12.4, hold_s=10) == []
+        assert [node for node, _ in watch.silent_nodes(12.5, hold_s=10)] == [0, 1, 2]  # the hold ran out
+        assert watch.fenced_nodes == {0, 1, 2} and watch.holding == frozenset()
+    finally:
+        server.close()
+
+
+def test_one_node_silent_while_another_beats_is_reported_at_once_even_with_a_hold() -> None:
+    jobs, server = _jobs()
+    try:
+        watch = _liveness(server, jobs, nodes=range(0, 2), heartbeat_s=0.5, timeout_s=2.0)
+        _node_beat(jobs, 0, 1)
+        assert watch.silent_nodes(0.0, hold_s=60) == []
+        _node_beat(jobs, 0)
+        assert watch.silent_nodes(0.5, hold_s=60) == []
+        _node_beat(jobs, 0)
+        assert watch.silent_nodes(2.5, hold_s=60) == [(1, 2.5)] and watch.holding == frozenset()
     finally:
         server.close()
 

@@ -102,7 +102,9 @@ def add_recovery_options(p: argparse.ArgumentParser) -> None:
                                "be reached) and its micro-batches re-routed (default 5)")
     recovery.add_argument("--coordinator-grace", type=float, default=600.0, metavar="S",
                           help="with --coordinator separate: how long a node waits for a coordinator that died to be "
-                               "restarted (same command) while its workers train on, before it stops (default 600)")
+                               "restarted (same command) while its workers train on, before it stops; and how long "
+                               "the coordinator waits when every node falls silent at once (its own network, more "
+                               "likely) before it declares them dead (default 600)")
     recovery.add_argument("--hang-timeout", type=float, default=None, metavar="S",
                           help="a worker whose heartbeat goes on while one action has computed for S seconds is "
                                "hung (a stuck compute thread): fenced like a frozen one. Default: 20 x the median "

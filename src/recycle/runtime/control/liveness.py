@@ -12,9 +12,14 @@ from recycle.runtime.protocol.channels import Channels, JobStore, Keys
 from recycle.runtime.protocol.records import Beat, RecordError
 from recycle.runtime.protocol.store.data import Feed
 
-__all__ = ["Liveness", "NODE_BEATS", "node_beats_from"]
+__all__ = ["Liveness", "NODE_BEATS", "RETURN_SPREAD_S", "node_beats_from"]
 
 NODE_BEATS = Keys.NODE_HEARTBEATS.encode()  # the prefix of the node launchers' beat keys
+# How far apart the nodes' beats may come back after this process's network does: a launcher's request in flight
+# when the link went is retransmitted by TCP with a doubling backoff (a 15 s cut: the next retransmission came 14.6 s
+# after the link was back, measured here) until its socket's timeout (the request's wait plus max(30 s, --timeout))
+# drops it, and a connection dropped is made again every 5 s at most (StoreClient).
+RETURN_SPREAD_S = 60.0
 
 
 def _no_node_beats() -> Collection[int]:
@@ -49,6 +54,9 @@ class Liveness:
         # newest beat is pushed again with it when it falls due.
         self._node_due: list[tuple[float, int]] = []
         self.fenced_nodes: set[int] = set()
+        # The nodes not reported although silent past the timeout (silent_nodes' hold_s), and until when.
+        self.holding: frozenset[int] = frozenset()
+        self.hold_began = self.hold_until = 0.0
         self.next_check = 0.0
         self.last_check: float | None = None
 
@@ -100,9 +108,16 @@ class Liveness:
         last = {r: self.last_beat[r] for r in ranks if r in self.last_beat}
         return bool(hung_workers(self.progress, last, limit_s))
 
-    def silent_nodes(self, now: float) -> list[tuple[int, float]]:
+    def silent_nodes(self, now: float, hold_s: float = 0.0) -> list[tuple[int, float]]:
         """The node launchers silent past the timeout, with how long they have been; counted as fenced from now
-        on, until a new launcher of that node beats."""
+        on, until a new launcher of that node beats.
+
+        `hold_s` > 0 (a coordinator apart from the nodes, each of which waits as long for it): when every node still
+        running is silent at once, this process has more likely lost its own network than they have all failed, and
+        declaring them dead would end the run (nothing would be left to train): they are held (`holding`), not
+        reported, for up to `hold_s`. Once one of them beats again (the network is back), the others have
+        RETURN_SPREAD_S (or the timeout, if longer) more to follow, as their connections come back one by one; then
+        those still silent are reported."""
         beaten = [node for node in self.node_beats() if node in self.nodes]
         seen = self.node_last_beat
         for node in beaten:
@@ -118,8 +133,32 @@ class Liveness:
                 silent.append(node)
             else:
                 heapq.heappush(due, (seen[node], node))  # it beat since: due again one timeout after that
+        silent = self._hold(silent, now, hold_s)
         self.fenced_nodes.update(silent)
         return [(node, now - seen[node]) for node in sorted(silent)]
+
+    def _hold(self, silent: list[int], now: float, hold_s: float) -> list[int]:
+        """`silent` less the nodes held (silent_nodes' `hold_s`). A hold begins when a node falls silent while every
+        node still running has missed two beats or more (they beat every timeout / 4 at most), so that the nodes a
+        cut silenced at once are held together, whichever check each falls due at."""
+        seen, timeout = self.node_last_beat, self.timeout_s
+        if hold_s > 0 and silent and not self.holding:
+            running = [node for node in seen if node not in self.fenced_nodes]
+            if all(now - seen[node] > timeout / 2 for node in running):
+                self.holding, self.hold_began, self.hold_until = frozenset(running), now, now + hold_s
+        if not self.holding:
+            return silent
+        back = {node for node in self.holding if seen[node] >= self.hold_began}
+        if back:  # the network is back: the others follow within RETURN_SPREAD_S, or are reported
+            self.hold_until = min(self.hold_until, now + max(timeout, RETURN_SPREAD_S))
+            self.holding -= back
+        if now >= self.hold_until or not self.holding:
+            self.holding = frozenset()
+            return silent
+        for node in silent:
+            if node in self.holding:
+                heapq.heappush(self._node_due, (seen[node], node))  # due at once: looked at again at every check
+        return [node for node in silent if node not in self.holding]
 
     def nodes_seen(self, now: float) -> None:
         """Every node counts as seen beating now (a restarted coordinator: silence counts from the restart)."""

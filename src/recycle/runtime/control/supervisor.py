@@ -392,7 +392,13 @@ class Supervisor:
             commands += self.coordinator.on_death(
                 rank, f"{self._name(rank)} is hung (its heartbeat goes on, but one action has computed for "
                       f"{computing:.1f} s, over the {limit:.1f} s limit; fenced)", now, fence=True)
-        for node, silent in self.liveness.silent_nodes(now):
+        # A coordinator apart from the nodes (none of its own) holds off on every node falling silent at once: its
+        # own network, more likely, and they wait as long for it (Liveness.silent_nodes).
+        held = self.liveness.holding
+        hold_s = self.options.recovery.coordinator_grace_s if not self.local else 0.0
+        silent_nodes = self.liveness.silent_nodes(now, hold_s)
+        self._tell_hold(held, silent_nodes, now, hold_s)
+        for node, silent in silent_nodes:
             # Fence its launcher and every worker it runs, so that nothing of it can act on the job when (if) it
             # comes back; the survivors go on without it.
             if self.server is not None:
@@ -405,6 +411,21 @@ class Supervisor:
                 self.options.progress(f"node {node} stopped responding for {silent:.1f} s (frozen or cut off): "
                                       "fenced; the run goes on without it (start its launcher again to re-join)")
         return commands
+
+    def _tell_hold(self, held: frozenset[int], silent_nodes: list[tuple[int, float]], now: float,
+                   hold_s: float) -> None:
+        """Say when a hold on silent nodes begins, and when it ends with every node back."""
+        holding, progress = self.liveness.holding, self.options.progress
+        if progress is None or bool(held) == bool(holding):
+            return
+        if holding:
+            progress(f"every node ({len(holding)}) stopped responding at once: this coordinator has more likely lost "
+                     f"its own network than they have all failed, and declaring them dead would end the run; it "
+                     f"declares none of them dead for up to {hold_s:g} s (--coordinator-grace), while they train on "
+                     "and wait as long for it")
+        elif not silent_nodes:
+            progress(f"the nodes answer again, {now - self.liveness.hold_began:.1f} s into the hold: none was "
+                     "declared dead")
 
     def _stopped_reports(self, now: float) -> list[Command]:
         """The stop reports written since the last look (the feed says whose): one read per report a worker wrote
