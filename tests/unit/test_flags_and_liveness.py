@@ -8,7 +8,8 @@ import select
 import pytest
 
 from recycle.runtime.control.liveness import NODE_BEATS, RETURN_SPREAD_S, Liveness, node_beats_from
-from recycle.runtime.protocol.channels import Channels, Flags, JobStore, Keys
+from recycle.runtime.protocol.channels import (Channels, Flags, JobStore, Keys, launcher_identity, launcher_node,
+                                               worker_identity)
 from recycle.runtime.protocol.records import Beat
 from recycle.runtime.protocol.store import LocalStore, StoreServer
 from recycle.runtime.protocol.store.data import KeyValue, Waiter
@@ -135,6 +136,24 @@ def test_one_node_silent_while_another_beats_is_reported_at_once_even_with_a_hol
         assert watch.silent_nodes(2.5, hold_s=60) == [(1, 2.5)] and watch.holding == frozenset()
     finally:
         server.close()
+
+
+def test_nodes_silent_at_once_whose_connections_closed_are_dead_not_cut_off() -> None:
+    """A node whose launcher's connections have all closed died (its kernel closed them): no hold."""
+    jobs, server = _jobs()
+    try:
+        feed = server.data.subscribe((), quiet=(NODE_BEATS,))
+        watch = Liveness(jobs, range(0, 2), 0.5, 2.0, node_beats_from(feed), connected_nodes=lambda: {0})
+        _node_beat(jobs, 0, 1)
+        assert watch.silent_nodes(0.0, hold_s=60) == []
+        assert [node for node, _ in watch.silent_nodes(2.5, hold_s=60)] == [0, 1] and watch.holding == frozenset()
+    finally:
+        server.close()
+
+
+def test_a_launchers_node_is_read_from_its_identity_and_no_other_identity_has_one() -> None:
+    assert launcher_node(launcher_identity(12, "ab12")) == 12
+    assert launcher_node(worker_identity(12, "ab12")) is None and launcher_node("launcher/x/1") is None
 
 
 def test_a_frozen_worker_in_a_long_action_is_told_silent_not_hung() -> None:

@@ -42,8 +42,12 @@ class Liveness:
 
     def __init__(self, jobs: JobStore, nodes: range, heartbeat_s: float, timeout_s: float,
                  node_beats: Callable[[], Collection[int]] = _no_node_beats,
-                 check_every_s: float | None = None) -> None:
+                 check_every_s: float | None = None,
+                 connected_nodes: Callable[[], Collection[int]] | None = None) -> None:
         self.jobs, self.nodes, self.heartbeat_s, self.timeout_s = jobs, nodes, heartbeat_s, timeout_s
+        # The nodes whose launcher holds a connection to the store open (None: not known). A node whose connections
+        # all closed has died (its kernel closed them); a cut or a freeze closes nothing.
+        self.connected_nodes = connected_nodes
         self.check_every_s = heartbeat_s / 2 if check_every_s is None else check_every_s
         self.node_beats = node_beats
         self.beats: dict[int, tuple[str, int]] = {}  # rank -> (incarnation, beats) of its last beat seen
@@ -140,11 +144,13 @@ class Liveness:
     def _hold(self, silent: list[int], now: float, hold_s: float) -> list[int]:
         """`silent` less the nodes held (silent_nodes' `hold_s`). A hold begins when a node falls silent while every
         node still running has missed two beats or more (they beat every timeout / 4 at most), so that the nodes a
-        cut silenced at once are held together, whichever check each falls due at."""
+        cut silenced at once are held together, whichever check each falls due at; and only if no silent node's
+        connections have all closed (`connected_nodes`: such a node is dead, not cut off)."""
         seen, timeout = self.node_last_beat, self.timeout_s
         if hold_s > 0 and silent and not self.holding:
             running = [node for node in seen if node not in self.fenced_nodes]
-            if all(now - seen[node] > timeout / 2 for node in running):
+            if all(now - seen[node] > timeout / 2 for node in running) and \
+                    (self.connected_nodes is None or set(silent) <= set(self.connected_nodes())):
                 self.holding, self.hold_began, self.hold_until = frozenset(running), now, now + hold_s
         if not self.holding:
             return silent

@@ -29,7 +29,7 @@ from recycle.runtime.control.resync import Rebuilt
 from recycle.runtime.control.worker_table import WorkerRow, replacement_line
 from recycle.runtime.options import LaunchOptions
 from recycle.runtime.protocol.channels import (Channel, Channels, Flags, JobStore, Keys, launcher_fence_prefix,
-                                               worker_fence_prefix)
+                                               launcher_node, worker_fence_prefix)
 from recycle.runtime.protocol.records import (Announcement, FaultRecord, Joined, NodeSteps, RecordError, StepRows,
                                               StoppedReport, Timestamp)
 from recycle.runtime.protocol.store import StoreServer
@@ -45,6 +45,11 @@ R = TypeVar("R")
 
 
 TICK_MIN_S = 0.01  # the supervisor's loop, while nothing fails: what it adds at most to noticing a failure
+
+
+def _launchers_on(server: StoreServer) -> set[int]:
+    """The nodes whose launcher holds a connection to the store open."""
+    return {node for node in map(launcher_node, server.connected()) if node is not None}
 
 
 def _freeze_long_lived(collect: bool = False) -> None:
@@ -138,7 +143,8 @@ class Supervisor:
         self.exited: set[int] = set()
         self.pids: dict[int, int | None] = {r: workers.pid(r) for r in workers.ranks}
         self.liveness = Liveness(self.jobs, options.cluster.watched_nodes, options.recovery.heartbeat_s,
-                                 options.recovery.heartbeat_timeout_s, node_beats_from(feed))
+                                 options.recovery.heartbeat_timeout_s, node_beats_from(feed),
+                                 connected_nodes=None if server is None else lambda: _launchers_on(server))
         # Tests only: ranks whose process the launcher must not kill (as if its node could not be reached).
         self.unfenceable = {int(r) for r in os.environ.get("RECYCLE_TEST_UNFENCEABLE", "").split(",") if r.strip()}
         self.pending: _PendingRecovery | None = None  # the recovery being completed

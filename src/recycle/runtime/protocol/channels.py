@@ -19,8 +19,8 @@ from recycle.runtime.protocol.store.server import StoreLimits
 from recycle.runtime.protocol.token import TOKEN_ENV, new_token, read_token
 
 __all__ = ["TOKEN_ENV", "new_token", "read_token", "host_store", "connect_store", "new_incarnation",
-           "worker_identity", "worker_fence_prefix", "launcher_identity", "launcher_fence_prefix", "Keys", "Channel",
-           "Channels", "Flag", "Flags", "JobStore"]
+           "worker_identity", "worker_fence_prefix", "launcher_identity", "launcher_fence_prefix", "launcher_node",
+           "Keys", "Channel", "Channels", "Flag", "Flags", "JobStore"]
 
 def host_store(address: str, port: int, token: str, connections: int = 0) -> StoreServer:
     """The job's store, listening on `address` only (loopback for a single-node run) and serving only processes that
@@ -65,6 +65,13 @@ def launcher_identity(node: int, incarnation: str) -> str:
 
 def launcher_fence_prefix(node: int) -> str:
     return f"launcher/{node}/"
+
+
+def launcher_node(identity: str) -> int | None:
+    """The node of a launcher_identity; None for any other identity."""
+    kind, _, rest = identity.partition("/")
+    node = rest.partition("/")[0]
+    return int(node) if kind == "launcher" and node.isdigit() else None
 
 
 class Keys:
