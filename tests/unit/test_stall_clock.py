@@ -7,10 +7,11 @@ import pytest
 import torch.distributed as dist
 
 from recycle.errors import RuntimeFailure
-from recycle.runtime.control.launcher import _check_not_stalled, _store_contact
+from recycle.runtime.control.launcher import _check_not_shut_out, _check_not_stalled, _store_contact
 from recycle.runtime.control.stall import StallClock
 from recycle.runtime.options import LaunchOptions, RecoveryOptions, with_keywords
 from recycle.runtime.protocol.store import StoreFenced, StoreUnavailable
+from recycle.runtime.worker.process import EXIT_FENCED
 
 
 class _Clock:
@@ -78,6 +79,30 @@ def test_a_launcher_stalled_past_the_node_timeout_stops_its_workers_and_says_why
     with pytest.raises(RuntimeFailure, match=r"did not run for 7\.0 s .* longer than the 5 s .* re-join"):
         _check_not_stalled(7.0, workers, options)  # type: ignore[arg-type]
     assert workers.stopped
+
+
+class _Ended:
+    """WorkerProcesses' view of a node whose workers have ended with `codes` (rank -> exit code; None: running)."""
+
+    def __init__(self, codes: dict[int, int | None]) -> None:
+        self.ranks = sorted(codes)
+        self.codes = codes
+
+    def exitcodes(self) -> dict[int, int]:
+        return {rank: code for rank, code in self.codes.items() if code is not None}
+
+
+def test_a_launcher_whose_workers_were_all_shut_out_stops_waiting_for_a_lost_coordinator() -> None:
+    """A node cut off until its run ended: its workers learnt they were fenced (EXIT_FENCED) when the network came
+    back, its launcher finds the coordinator gone; it says so instead of waiting out --coordinator-grace. Any worker
+    still running, or ended otherwise, keeps it waiting."""
+    options = with_keywords(LaunchOptions(), {"nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1",
+                                              "master_port": 29500, "coordinator": "separate", "token": "ab" * 24})
+    for codes in ({2: EXIT_FENCED, 3: None}, {2: EXIT_FENCED, 3: 0}, {2: EXIT_FENCED, 3: -9}, {}):
+        _check_not_shut_out(_Ended(codes), options)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeFailure, match=r"every worker of node 1 was shut out .* 10\.0\.0\.1:29500 no longer "
+                                             r"answers.* re-join"):
+        _check_not_shut_out(_Ended({2: EXIT_FENCED, 3: EXIT_FENCED}), options)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("coordinator,raised,says", [

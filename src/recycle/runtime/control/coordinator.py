@@ -542,8 +542,9 @@ class Coordinator:
             return []
         commands: list[Command] = []
         for rank in sorted(state.live - set(state.reports) - state.done):
-            commands += self.on_death(rank, f"did not stop within {self.report_timeout_s:g} s of the failure", now,
-                                      fence=True)
+            replica, stage = self.worker(rank)
+            commands += self.on_death(rank, f"worker {replica}:{stage} (rank {rank}) did not stop within "
+                                      f"{self.report_timeout_s:g} s of the failure (fenced)", now, fence=True)
         if self.state.restore and not self.state.finished and not commands:
             if self.state.moving and self._every_stage_held():
                 # Moved workers that evened out the stages are slow to start: go on without them; they are

@@ -45,7 +45,7 @@ from recycle.runtime.protocol.store.capacity import connections_needed
 from recycle.runtime.protocol.store.data import Feed
 from recycle.runtime.state import checkpoint
 from recycle.runtime.worker.data import check_data
-from recycle.runtime.worker.process import WorkerSpec
+from recycle.runtime.worker.process import EXIT_FENCED, WorkerSpec
 from recycle.runtime.worker.stage import check_model
 from recycle.runtime.worker.transport import default_backend
 
@@ -439,6 +439,7 @@ def _follow_loop(jobs: JobStore, workers: WorkerProcesses, options: LaunchOption
         except StoreUnavailable:
             now = time.monotonic()
             _check_not_stalled(stalls.longest_since(answered_at), workers, options)
+            _check_not_shut_out(workers, options)
             if away_since is None:
                 away_since = now
                 if grace > 0 and options.progress:
@@ -465,6 +466,22 @@ def _check_not_stalled(stalled_s: float, workers: WorkerProcesses, options: Laun
                          f"the job's coordinator at {where} no longer answers: the run went on without this node and "
                          "may have ended since. Its workers have been stopped. If the run is still going, start this "
                          "node's launcher again (the same command) to re-join it as a repaired node")
+
+
+def _check_not_shut_out(workers: WorkerProcesses, options: LaunchOptions) -> None:
+    """Every worker of this node has ended shut out by the coordinator (fenced: it was told so when the network came
+    back, or left out of the run) and the coordinator no longer answers: this launcher, whose own word to the
+    coordinator may not have got through before the run ended (a node cut off until then), has nothing left to wait
+    for. It says so instead of waiting out --coordinator-grace."""
+    codes = workers.exitcodes()
+    if not workers.ranks or not set(workers.ranks) <= set(codes) or set(codes.values()) != {EXIT_FENCED}:
+        return
+    where = f"{options.cluster.master_addr}:{options.cluster.master_port}"
+    raise RuntimeFailure(f"every worker of node {options.cluster.node_rank} was shut out by the job's coordinator "
+                         f"(fenced while it could not be reached, or left out of the run), and the coordinator at "
+                         f"{where} no longer answers: the run went on without this node and may have ended since. If "
+                         "the run is still going, start this node's launcher again (the same command) to re-join it "
+                         "as a repaired node")
 
 
 @dataclass
