@@ -460,12 +460,9 @@ def _check_not_stalled(stalled_s: float, workers: WorkerProcesses, options: Laun
     if stalled_s < limit:
         return
     workers.stop()
-    where = f"{options.cluster.master_addr}:{options.cluster.master_port}"
-    raise RuntimeFailure(f"node {options.cluster.node_rank} did not run for {stalled_s:.1f} s (frozen or paused), "
-                         f"longer than the {limit:g} s after which the coordinator declares a silent node dead, and "
-                         f"the job's coordinator at {where} no longer answers: the run went on without this node and "
-                         "may have ended since. Its workers have been stopped. If the run is still going, start this "
-                         "node's launcher again (the same command) to re-join it as a repaired node")
+    raise _left_behind(options, f"node {options.cluster.node_rank} did not run for {stalled_s:.1f} s (frozen or "
+                                f"paused), longer than the {limit:g} s after which the coordinator declares a silent "
+                                "node dead", "Its workers have been stopped. ")
 
 
 def _check_not_shut_out(workers: WorkerProcesses, options: LaunchOptions) -> None:
@@ -476,12 +473,17 @@ def _check_not_shut_out(workers: WorkerProcesses, options: LaunchOptions) -> Non
     codes = workers.exitcodes()
     if not workers.ranks or not set(workers.ranks) <= set(codes) or set(codes.values()) != {EXIT_FENCED}:
         return
+    raise _left_behind(options, f"every worker of node {options.cluster.node_rank} was shut out by the job's "
+                                "coordinator (fenced while it could not be reached, or left out of the run)")
+
+
+def _left_behind(options: LaunchOptions, why: str, done: str = "") -> RuntimeFailure:
+    """A node that knows the run went on without it and finds the coordinator gone: `why` it knows, `done` what it
+    did about its workers, and how to re-join."""
     where = f"{options.cluster.master_addr}:{options.cluster.master_port}"
-    raise RuntimeFailure(f"every worker of node {options.cluster.node_rank} was shut out by the job's coordinator "
-                         f"(fenced while it could not be reached, or left out of the run), and the coordinator at "
-                         f"{where} no longer answers: the run went on without this node and may have ended since. If "
-                         "the run is still going, start this node's launcher again (the same command) to re-join it "
-                         "as a repaired node")
+    return RuntimeFailure(f"{why}, and the job's coordinator at {where} no longer answers: the run went on without "
+                          f"this node and may have ended since. {done}If the run is still going, start this node's "
+                          "launcher again (the same command) to re-join it as a repaired node")
 
 
 @dataclass
