@@ -61,7 +61,6 @@ import json
 import multiprocessing as mp
 import os
 import pstats
-import resource
 import statistics
 import sys
 import tempfile
@@ -736,10 +735,11 @@ def _failure(cluster: _Cluster, rank: int, command: str) -> dict[str, Any]:
             "rss_mb": _rss_mb(), "store_keys": cluster.server.data.num_keys()}
 
 
-def _rss_mb() -> float:
-    """This process's resident memory now (the coordinator's: store server and supervisor)."""
+def _rss_mb(field: str = "VmRSS") -> float:
+    """This process's resident memory now (the coordinator's: store server and supervisor), or with "VmHWM" its
+    peak so far. (Both from /proc: getrusage's ru_maxrss can lag the VmRSS read just before it.)"""
     with open("/proc/self/status") as status:
-        return next((int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS")), 0.0)
+        return next((int(line.split()[1]) / 1024 for line in status if line.startswith(field + ":")), 0.0)
 
 
 def run_size(settings: Settings, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -797,7 +797,7 @@ def run_size(settings: Settings, log: Callable[[str], None] = print) -> dict[str
         cluster.stop()
         # This process is the coordinator's (store server and supervisor threads; the benchmark's own thread holds
         # little): its peak resident memory so far (over every --ranks of one invocation).
-        result["coordinator_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        result["coordinator_peak_rss_mb"] = _rss_mb("VmHWM")
     return result
 
 

@@ -1,7 +1,7 @@
 """The coordinator's CPU per worker step record (issue 23's steady-state CPU goal): one step's NodeSteps records of
 every node, as the stand-in launchers of bench_control_plane write them, read the way the supervisor reads them
-(from_json, HeldSteps.add, then the reporter's StepMetrics of the step), on this tree and, with --before DIR, on
-another checkout of recycle, side by side in one run.
+(NodeSteps.decode, or what an older tree has; HeldSteps.add; then the reporter's StepMetrics of the step), on this
+tree and, with --before DIR, on another checkout of recycle, side by side in one run.
 
 Run: .venv/bin/python benchmarks/bench_step_records.py [--ranks 4096] [--ranks-per-node 8] [--before /path/to/tree]
 Each tree is measured in a process of its own (PYTHONPATH=TREE/src, the stand-ins' writer from TREE/benchmarks), by
@@ -37,13 +37,16 @@ def batch(node):
     return b'{"kind": "node_steps", "node": %d, "step": 5, "records": [%s]}' % (node, b", ".join(lines))
 
 batches = [batch(node) for node in range(ranks // per_node)]
+# As the supervisor reads a batch in this tree (NodeSteps.decode; an older tree: its read_unchecked or from_json).
+read_batch = getattr(rec.NodeSteps, "decode", None) or getattr(rec.NodeSteps, "read_unchecked", None) or \
+    (lambda text: rec.from_json(rec.NodeSteps, text))
 rank_of = lambda replica, stage: replica * stages + stage
 best = [float("inf")] * 2
 for _ in range(repeats):
     began = time.process_time()
     held = HeldSteps()
     for text in batches:
-        held.add(rec.from_json(rec.NodeSteps, text), rank_of, 0)
+        held.add(read_batch(text), rank_of, 0)
     read = time.process_time()
     got = held.get(5)
     picks = [got[rank] for rank in range(ranks)]

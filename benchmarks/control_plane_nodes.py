@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from recycle.runtime.protocol.store import StoreClient
 from recycle.runtime.protocol.store.wire import Op, Status, pack_fields, unpack_fields
 
 __all__ = ["NodesSpec", "PipelinedClient", "StandInNodes", "standin_main", "beat_json", "step_json", "node_steps_json",
-           "stopped_json", "node_stops_json",
+           "NodeStepsWriter", "stopped_json", "node_stops_json",
            "NODE_POLL_S", "EXIT_KILLED", "EXIT_LEFT_OUT"]
 
 NODE_POLL_S = 0.1  # the stand-ins' own pass: the finest grain of the rates they keep
@@ -158,34 +159,32 @@ def node_stops_json(node: int, generation: int, ranks: list[int], applied: int, 
             f'"tp_split": {column(chr(34) * 2)}}}}}').encode()
 
 
-class _Mark:
-    """Where node_steps_json puts a value: a %-format field, for a node's template filled in per step."""
+class NodeStepsWriter:
+    """A stand-in launcher's NodeSteps (its workers' StepRecords as step_json makes them) as the store holds them
+    (NodeSteps.encode), byte for byte, for one node, its workers and generation: what does not change from step to
+    step is packed once, and each step adds its number and its start and end times."""
 
-    def __init__(self, name: str) -> None:
-        self.text = f"%({name})s"
+    def __init__(self, node: int, workers: list[tuple[int, int]], generation: int, last_stage: int) -> None:
+        # records.PackedRows: the ints (replica, stage, generation per row), then the floats (per row start and end,
+        # which change every step, then cpu_s, loss_sum, stage_loss, grad_norm, grad_sq, lr), then the presence
+        # bytes of the optional floats; no tail (no digest, no timings).
+        losses = [(1.0, 1.0) if stage == last_stage else (0.0, 0.0) for _, stage in workers]
+        self.rows_after_times = [struct.pack("<6d", 0.0, *loss, 0.0, 1.0, 0.0) for loss in losses]
+        self.ints = struct.pack(f"<{3 * len(workers)}q", *(v for replica, stage in workers
+                                                            for v in (replica, stage, generation)))
+        self.present = bytes(bit for loss in losses for bit in (int(loss[0]), int(loss[1]), 0, 1, 0))
+        self.node, self.count = node, len(workers)
 
-    def __repr__(self) -> str:
-        return self.text
+    def __call__(self, step: int, start: float, end: float) -> bytes:
+        times = struct.pack("<2d", start, end)
+        return b"".join([struct.pack("<8sqqqI", b"RCYSTEP1", self.node, step, self.count, 0), self.ints,
+                         *[times + row for row in self.rows_after_times], self.present])
 
-    __str__ = __repr__
 
-
-def node_steps_json(node: int, step: Any, workers: list[tuple[int, int]], generation: int, start: Any, end: Any,
+def node_steps_json(node: int, step: int, workers: list[tuple[int, int]], generation: int, start: float, end: float,
                     last_stage: int) -> bytes:
-    """to_json of a stand-in launcher's NodeSteps (its workers' StepRecords as step_json makes them, as columns),
-    byte for byte."""
-    def column(values: list[str]) -> str:
-        return "[" + ", ".join(values) + "]"
-
-    rows = len(workers)
-    losses = column(["1.0" if stage == last_stage else "null" for _, stage in workers])
-    return (f'{{"kind": "node_steps", "node": {node}, "step": {step}, "rows": {{"kind": "step_rows", '
-            f'"replica": {column([str(r) for r, _ in workers])}, "stage": {column([str(s) for _, s in workers])}, '
-            f'"generation": {column([str(generation)] * rows)}, "start": {column([repr(start)] * rows)}, '
-            f'"end": {column([repr(end)] * rows)}, "cpu_s": {column(["0.0"] * rows)}, "loss_sum": {losses}, '
-            f'"stage_loss": {losses}, "grad_norm": {column(["null"] * rows)}, "grad_sq": {column(["1.0"] * rows)}, '
-            f'"digest": {column([chr(34) * 2] * rows)}, "timings": {column(["[]"] * rows)}, '
-            f'"lr": {column(["null"] * rows)}}}}}').encode()
+    """A stand-in launcher's NodeSteps of one step as the store holds it, byte for byte (NodeStepsWriter's)."""
+    return NodeStepsWriter(node, workers, generation, last_stage)(step, start, end)
 
 
 class StandInNodes:
@@ -244,7 +243,7 @@ class StandInNodes:
         # node -> (its ended ranks, its wait on the coordinator's word packed, and with its heartbeat, the reply's
         # handler)
         self.order_keys: dict[int, tuple[tuple[int, ...], bytes, bytes, OnReply]] = {}
-        self.steps_template: dict[tuple[int, tuple[tuple[int, int], ...], int], str] = {}  # node_steps_json, to fill
+        self.steps_writer: dict[tuple[int, tuple[tuple[int, int], ...], int], NodeStepsWriter] = {}
         self.last_tick = time.time()
         self.stop = threading.Event()
 
@@ -414,16 +413,14 @@ class StandInNodes:
             if not self._running(rank):
                 continue
             by_node.setdefault(self.node_of[rank], []).append(divmod(rank, self.spec.num_stages))
-        values = {"step": step, "start": repr(ends - self.spec.step_s), "end": repr(ends)}
         for node, workers in by_node.items():
-            # (formatted once per node, workers and generation: each step fills in its number and times)
+            # (packed once per node, workers and generation: each step adds its number and times)
             shape = (node, tuple(workers), self.generation)
-            template = self.steps_template.get(shape)
-            if template is None:
-                self.steps_template = {k: v for k, v in self.steps_template.items() if k[2] == self.generation}
-                template = self.steps_template[shape] = node_steps_json(
-                    node, _Mark("step"), workers, self.generation, _Mark("start"), _Mark("end"), last).decode()
-            batch = (template % values).encode()
+            writer = self.steps_writer.get(shape)
+            if writer is None:
+                self.steps_writer = {k: v for k, v in self.steps_writer.items() if k[2] == self.generation}
+                writer = self.steps_writer[shape] = NodeStepsWriter(node, workers, self.generation, last)
+            batch = writer(step, ends - self.spec.step_s, ends)
             self.node_seq[node] = self.node_seq.get(node, -1) + 1
             self.metrics.append(self._send("metrics", Op.SET, (_b(Keys.node_metrics(step, node, self.node_seq[node])),
                                                                batch)))

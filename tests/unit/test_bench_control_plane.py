@@ -99,7 +99,7 @@ def test_the_stand_ins_records_are_the_workers_records_byte_for_byte(bench: Modu
     records = [StepRecord(r, s, 2, 1.25, 3.5, 0.0, *([1.0, 1.0] if s == 3 else [None, None]), None, 1.0)
                for r, s in ((0, 2), (0, 3), (1, 0))]
     assert node_steps_json(5, 7, [(0, 2), (0, 3), (1, 0)], 2, 1.25, 3.5, 3) == \
-        to_json(NodeSteps(5, 7, StepRows.of(records))).encode()
+        NodeSteps(5, 7, StepRows.of(records)).encode()
     error = 'generation 3 was aborted by the coordinator "quoted" \u00e9'
     assert stopped_json(17, 3, 4, 5, error, 1700000000.123) == \
         to_json(StoppedReport(17, 3, 4, 5, 0, 0.0, 0, 0.0, error, 1700000000.123)).encode()
@@ -115,14 +115,17 @@ def test_a_size_the_failures_do_not_fit_is_refused_with_one_line(bench: ModuleTy
         bench.main(["--ranks", "32", "--ranks-per-node", "0"])
 
 
-def test_a_stand_in_nodes_step_records_from_its_template_are_the_records_byte_for_byte(bench: ModuleType) -> None:
-    from control_plane_nodes import _Mark, node_steps_json
+def test_a_stand_in_nodes_step_records_from_its_writer_are_the_records_byte_for_byte(bench: ModuleType) -> None:
+    from control_plane_nodes import NodeStepsWriter
+
+    from recycle.runtime.protocol.records import NodeSteps, StepRecord, StepRows
 
     workers = [(0, 2), (0, 3), (1, 0)]
-    template = node_steps_json(5, _Mark("step"), workers, 2, _Mark("start"), _Mark("end"), 3).decode()
+    writer = NodeStepsWriter(5, workers, 2, 3)
     for step, start, end in ((7, 1.25, 3.5), (8, 0.1, 0.30000000000000004)):
-        filled = (template % {"step": step, "start": repr(start), "end": repr(end)}).encode()
-        assert filled == node_steps_json(5, step, workers, 2, start, end, 3)
+        records = [StepRecord(r, s, 2, start, end, 0.0, *([1.0, 1.0] if s == 3 else [None, None]), None, 1.0)
+                   for r, s in workers]
+        assert writer(step, start, end) == NodeSteps(5, step, StepRows.of(records)).encode()
 
 
 def test_workers_lost_that_the_benchmark_did_not_fail_stop_the_measurements(bench: ModuleType) -> None:

@@ -1,16 +1,22 @@
-"""A node's step records as columns (records.StepRows inside NodeSteps): they round-trip exactly, bad columns are
-clear errors, and the reporter's metrics from them are those it computed from one StepRecord per worker."""
+"""A node's step records packed (records.PackedRows inside NodeSteps) and a step's gathered as columns
+(records.StepRows): they round-trip exactly, bad packed columns are clear errors, and the reporter's metrics from
+them are those it computed from one StepRecord per worker."""
 
 from __future__ import annotations
 
 import json
+import math
+import struct
 from dataclasses import asdict, fields
 
 import pytest
 
 from recycle.runtime.control.node_steps import HeldSteps
 from recycle.runtime.control.reporter import Reporter, StepMetrics, grad_norm, learning_rate, replica_mismatch
-from recycle.runtime.protocol.records import NodeSteps, RecordError, StepRecord, StepRows, from_json, to_json
+from recycle.runtime.protocol.channels import Channels, JobStore
+from recycle.runtime.protocol.records import NodeSteps, PackedRows, RecordError, StepRecord, StepRows, to_json
+from recycle.runtime.protocol.store import LocalStore
+from recycle.runtime.protocol.store.data import KeyValue
 
 NUM_STAGES = 3
 
@@ -65,11 +71,12 @@ def _old_step_metrics(reporter: Reporter, step: int, records: list[StepRecord]) 
 
 
 def _through_nodes(records: list[StepRecord], per_node: int, step: int) -> StepRows:
-    """`records` as the coordinator gets them: one NodeSteps per node through JSON, held, then gathered by rank."""
+    """`records` as the coordinator gets them: one NodeSteps per node through its bytes, held, then gathered by
+    rank."""
     held = HeldSteps()
     for node, first in enumerate(range(0, len(records), per_node)):
-        text = to_json(NodeSteps(node, step, StepRows.of(records[first:first + per_node])))
-        held.add(from_json(NodeSteps, text), lambda replica, stage: replica * NUM_STAGES + stage, step)
+        raw = NodeSteps(node, step, StepRows.of(records[first:first + per_node])).encode()
+        held.add(NodeSteps.decode(raw), lambda replica, stage: replica * NUM_STAGES + stage, step)
     got = held.get(step)
     return StepRows.gather([got[rank] for rank in sorted(got)])
 
@@ -78,92 +85,132 @@ def test_the_columns_are_the_step_records_fields_in_order() -> None:
     assert [f.name for f in fields(StepRows)] == [f.name for f in fields(StepRecord)]
 
 
+HEADER = struct.Struct("<8sqqqI")  # NodeSteps' header: magic, node, step, rows, the tail's length
+ROW_BYTES = 3 * 8 + 8 * 8 + 5  # replica, stage, generation; eight floats; five presence bytes
+
+
 def test_a_node_batch_round_trips_exactly() -> None:
     records = _records(2)
     batch = NodeSteps(4, 9, StepRows.of(records))
-    back = from_json(NodeSteps, to_json(batch))
+    raw = batch.encode()
+    back = NodeSteps.decode(raw)
     assert back == batch and back.records == tuple(records)  # floats keep every bit, timings come back as tuples
-    assert json.loads(to_json(batch))["rows"]["start"] == [r.start for r in records]  # one array per field
+    magic, node, step, count, tail = HEADER.unpack_from(raw)
+    assert (magic, node, step, count) == (b"RCYSTEP1", 4, 9, 6)
+    assert len(raw) == HEADER.size + ROW_BYTES * len(records) + tail and tail > 0  # digests and timings: the tail
 
 
-BAD_COLUMNS = [
-    (lambda rows: rows.pop("cpu_s"), r"lack the column\(s\) cpu_s"),
-    (lambda rows: rows.update(digest="ab"), r"lack the column\(s\) digest \(or hold no list there\)"),
-    (lambda rows: rows["end"].pop(), r"column 'end' holds 5 values, not a list of 6 values like 'replica'"),
-    (lambda rows: rows["start"].__setitem__(2, "soon"), r"column 'start' holds 'soon' \(str\), not one of float, int"),
-    (lambda rows: rows["stage"].__setitem__(0, 1.0), r"column 'stage' holds 1.0 \(float\), not one of int"),
-    (lambda rows: rows["replica"].__setitem__(0, True), r"column 'replica' holds True \(bool\)"),
-    (lambda rows: rows["lr"].__setitem__(1, [1]), r"column 'lr' holds \[1\] \(list\), not one of NoneType, float"),
-    (lambda rows: rows["digest"].__setitem__(1, None), r"column 'digest' holds None \(NoneType\), not one of str"),
-    (lambda rows: rows["timings"].__setitem__(1, [["F0", 1.0]]), r"a timing is \('F0', 1.0\), not \(action, start"),
-    (lambda rows: rows["timings"].__setitem__(0, 0), r"column 'timings' holds 0 \(int\), not one of tuple"),
-    (lambda rows: rows.update(kind="step"), r"a NodeSteps record holds .* where step rows \(kind 'step_rows'\)"),
+def test_rows_with_no_digest_or_timing_have_no_tail() -> None:
+    records = [StepRecord(0, s, 1, 1.0, 2.0, 0.1, None, None, None, 1.0) for s in range(3)]
+    raw = NodeSteps(0, 1, StepRows.of(records)).encode()
+    assert len(raw) == HEADER.size + ROW_BYTES * 3
+    assert NodeSteps.decode(raw).records == tuple(records)
+
+
+def test_packed_floats_keep_every_bit_and_absent_ones_stay_absent() -> None:
+    odd = [float("nan"), float("inf"), -0.0, 5e-324, 0.0, 1.0]
+    records = [StepRecord(0, stage, 1, 1700000000.1, 1700000000.3, cpu, loss, None if stage else 0.0, None, sq)
+               for stage, (cpu, loss, sq) in enumerate(zip(odd, [None, 0.0, float("-inf")] * 2, reversed(odd)))]
+    back = NodeSteps.decode(NodeSteps(0, 1, StepRows.of(records)).encode()).records
+    for got, sent in zip(back, records):
+        for name in ("cpu_s", "loss_sum", "stage_loss", "grad_norm", "grad_sq", "lr"):
+            mine, theirs = getattr(got, name), getattr(sent, name)
+            assert (mine is None) == (theirs is None)
+            if mine is not None:
+                assert math.copysign(1.0, mine) == math.copysign(1.0, theirs)
+                assert mine == theirs or (math.isnan(mine) and math.isnan(theirs))
+
+
+def _with_header(raw: bytes, **changes: int) -> bytes:
+    magic, node, step, count, tail = HEADER.unpack_from(raw)
+    fields_now = {"node": node, "step": step, "count": count, "tail": tail, **changes}
+    return HEADER.pack(magic, *fields_now.values()) + raw[HEADER.size:]
+
+
+def _with_tail(raw: bytes, change) -> bytes:
+    """`raw` with its JSON tail (digest and timings) changed by `change` (given the parsed tail, returns bytes)."""
+    _, _, _, count, tail = HEADER.unpack_from(raw)
+    rows_end = HEADER.size + ROW_BYTES * count
+    new_tail = change(json.loads(raw[rows_end:]))
+    return _with_header(raw[:rows_end] + new_tail, tail=len(new_tail))
+
+
+def _json(change):
+    def changed(tail: dict) -> bytes:
+        change(tail)
+        return json.dumps(tail).encode()
+    return changed
+
+
+BAD_BATCHES = [
+    (lambda raw: to_json(_records(1)[0]).encode(),
+     r"""a NodeSteps record holds b'\{"kind": "step", .*', not a node's packed step records """
+     r"\(they start with b'RCYSTEP1'\)"),
+    (lambda raw: raw[:5], r"holds b'RCYST', not a node's packed step records"),
+    (lambda raw: raw[:-1],
+     r"holds \d+ bytes, not the 36 of its header, 93 for each of its 6 rows and its \d+-byte tail"),
+    (lambda raw: _with_header(raw, count=7), r"not the 36 of its header, 93 for each of its 7 rows"),
+    (lambda raw: _with_header(raw, count=-1), r"93 for each of its -1 rows"),
+    (lambda raw: _with_tail(raw, lambda tail: b"[1"), r"its tail None is not the digest and timings columns as lists"),
+    (lambda raw: _with_tail(raw, _json(lambda tail: tail.pop("timings"))), r"its tail \{'digest': .* is not the"),
+    (lambda raw: _with_tail(raw, _json(lambda tail: tail["digest"].pop())),
+     r"column 'digest' holds 5 values, not one value for each of the 6 rows"),
+    (lambda raw: _with_tail(raw, _json(lambda tail: tail["digest"].__setitem__(1, None))),
+     r"column 'digest' holds None \(NoneType\), not str"),
+    (lambda raw: _with_tail(raw, _json(lambda tail: tail["timings"].__setitem__(1, [["F0", 1.0]]))),
+     r"a timing is \('F0', 1.0\), not \(action, start"),
+    (lambda raw: _with_tail(raw, _json(lambda tail: tail["timings"].__setitem__(0, 0))),
+     r"column 'timings' holds 0 \(int\), not tuple"),
 ]
 
 
-@pytest.mark.parametrize("change, message", BAD_COLUMNS)
-def test_bad_columns_are_clear_errors(change, message) -> None:
-    data = json.loads(to_json(NodeSteps(0, 1, StepRows.of(_records(2)))))
-    change(data["rows"])
+@pytest.mark.parametrize("change, message", BAD_BATCHES)
+def test_bad_batches_are_clear_errors(change, message) -> None:
+    """The coordinator refuses every bad batch as it comes in (NodeSteps.decode): a step's gather then meets only
+    checked rows."""
+    raw = change(NodeSteps(0, 1, StepRows.of(_records(2))).encode())
     with pytest.raises(RecordError, match=message) as caught:
-        from_json(NodeSteps, json.dumps(data))
+        NodeSteps.decode(raw)
     assert str(caught.value).endswith("every process of a run must be the same recycle version")
 
 
-@pytest.mark.parametrize("change, message", BAD_COLUMNS)
-def test_a_batch_read_unchecked_is_refused_with_the_same_error_when_its_step_is_gathered(change, message) -> None:
-    """The coordinator reads a batch checking only its shape and its replica, stage and generation columns; the
-    other values are checked when the step is gathered: every bad batch is still refused, with the same words."""
-    data = json.loads(to_json(NodeSteps(0, 1, StepRows.of(_records(2)))))
-    change(data["rows"])
-    with pytest.raises(RecordError, match=message):
-        batch = NodeSteps.read_unchecked(json.dumps(data))
-        StepRows.gather([(batch.rows, i) for i in range(len(batch.rows))])
+def test_a_presence_byte_other_than_0_or_1_is_refused() -> None:
+    records = [StepRecord(0, s, 1, 1.0, 2.0, 0.1, None, None, None, 1.0) for s in range(2)]
+    raw = NodeSteps(0, 1, StepRows.of(records)).encode()
+    with pytest.raises(RecordError, match=r"a presence byte is not 0 or 1"):
+        NodeSteps.decode(raw[:-1] + b"\x02")  # (no tail: the last byte is the last row's lr's)
 
 
-def test_a_batch_read_unchecked_gathers_to_what_from_json_reads() -> None:
-    records = _records(3)
-    text = to_json(NodeSteps(2, 7, StepRows.of(records)))
-    batch = NodeSteps.read_unchecked(text)
-    assert (batch.node, batch.step) == (2, 7)
-    assert StepRows.gather([(batch.rows, i) for i in range(len(records))]) == from_json(NodeSteps, text).rows
-    with pytest.raises(RecordError, match=r"the key holds a StepRecord \(kind 'step'\)"):
-        NodeSteps.read_unchecked(to_json(records[0]))
-    with pytest.raises(RecordError, match="is not JSON"):
-        NodeSteps.read_unchecked(b"{")
+def test_the_job_store_holds_node_steps_as_their_bytes_and_other_records_as_json() -> None:
+    jobs = JobStore(LocalStore(KeyValue()))
+    batch = NodeSteps(2, 7, StepRows.of(_records(3)))
+    jobs.put(Channels.NODE_METRICS, batch, 7, 2, 0)
+    assert jobs.raw.get(Channels.NODE_METRICS.key(7, 2, 0)) == batch.encode()
+    assert jobs.read(Channels.NODE_METRICS, 7, 2, 0) == batch
+    jobs.put(Channels.METRICS, _records(1)[0], 7, 0)
+    assert jobs.raw.get(Channels.METRICS.key(7, 0)) == to_json(_records(1)[0]).encode()
+    with pytest.raises(TypeError, match="NodeSteps is not a store record"):
+        to_json(batch)  # (a JSON record it is not: its bytes are its only form)
 
 
-def test_a_held_batch_with_a_bad_value_is_left_out_when_its_step_is_gathered() -> None:
-    """Node 1's batch has a start time of another version: the step's gather refuses it, drop_unreadable leaves out
-    exactly its ranks, and the rest gathers."""
-    records = _records(2)
-    held = HeldSteps()
-    good = to_json(NodeSteps(0, 3, StepRows.of(records[:3])))
-    bad = json.loads(to_json(NodeSteps(1, 3, StepRows.of(records[3:]))))
-    bad["rows"]["start"][1] = "soon"
-    rank_of = lambda replica, stage: replica * NUM_STAGES + stage  # noqa: E731
-    assert held.add(NodeSteps.read_unchecked(good), rank_of, 0) == [0, 1, 2]
-    assert held.add(NodeSteps.read_unchecked(json.dumps(bad)), rank_of, 0) == [3, 4, 5]
-    got = held.get(3)
-    with pytest.raises(RecordError, match="column 'start' holds 'soon'"):
-        StepRows.gather([got[rank] for rank in sorted(got)])
-    assert held.drop_unreadable(3) == [3, 4, 5]
-    got = held.get(3)
-    assert StepRows.gather([got[rank] for rank in sorted(got)]) == StepRows.of(records[:3])
-
-
-def test_rows_that_are_not_a_mapping_and_rows_built_wrong_in_code_are_refused() -> None:
-    with pytest.raises(RecordError, match=r"holds \[1, 2\] where step rows"):
-        from_json(NodeSteps, '{"kind": "node_steps", "node": 0, "step": 1, "rows": [1, 2]}')
+def test_rows_built_wrong_in_code_are_refused() -> None:
+    with pytest.raises(RecordError, match=r"holds \[1, 2\] where step rows were expected"):
+        NodeSteps(0, 1, [1, 2])  # type: ignore[arg-type]
     columns = asdict(StepRows.of(_records(1)))
     with pytest.raises(RecordError, match=r"column 'generation' holds \[1, 2, 1\], not a list of 3"):
         StepRows(**{**columns, "generation": [1, 2, 1]})
+    with pytest.raises(RecordError, match=r"column 'start' holds 'soon' \(str\), not one of float, int"):
+        PackedRows.of([StepRecord(0, 0, 1, "soon", 2.0, 0.1, None, None, None, 1.0)])  # type: ignore[arg-type]
+    with pytest.raises(RecordError, match=r"the packed column 'ints' holds 0 bytes, not 24 bytes for each of the 3"):
+        PackedRows(3, b"", b"", b"")
+    with pytest.raises(RecordError, match=r"a replica, stage or generation is past int64"):
+        PackedRows.of([StepRecord(0, 0, 2 ** 63, 1.0, 2.0, 0.1, None, None, None, 1.0)])
 
 
 def test_gather_takes_picks_in_order_and_a_whole_batch_as_it_is() -> None:
     records = _records(3)
-    first, second = StepRows.of(records[:4]), StepRows.of(records[4:])
-    assert StepRows.gather([(first, i) for i in range(4)]) == first
+    first, second = PackedRows.of(records[:4]), StepRows.of(records[4:])  # a node's batch, a worker's own rows
+    assert StepRows.gather([(first, i) for i in range(4)]) == StepRows.of(records[:4])
     picked = StepRows.gather([(second, 1), (first, 0), (first, 1), (second, 0), (first, 3)])
     assert [picked.record(i) for i in range(len(picked))] == [records[5], records[0], records[1], records[4],
                                                               records[3]]

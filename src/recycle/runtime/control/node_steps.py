@@ -8,7 +8,7 @@ import itertools
 from typing import Any, Callable, Iterator, TypeVar
 
 from recycle.runtime.protocol.channels import Channel, Channels, JobStore
-from recycle.runtime.protocol.records import NodeSteps, RecordError, StepRecord, StepRows
+from recycle.runtime.protocol.records import NodeSteps, PackedRows, RecordError, StepRecord
 from recycle.runtime.protocol.store.data import Feed
 from recycle.runtime.worker.outbox import KEPT
 
@@ -65,7 +65,7 @@ class StepForwarder:
         what was not written is written on a later call."""
         for step in sorted(self.unsent):
             held = self.held[step]
-            rows = StepRows.of([held[rank] for rank in sorted(self.unsent[step])])
+            rows = PackedRows.of([held[rank] for rank in sorted(self.unsent[step])])
             jobs.put(Channels.NODE_METRICS, NodeSteps(self.node, step, rows), step, self.node, self.sent)
             del self.unsent[step]
             self.sent += 1
@@ -86,7 +86,7 @@ class HeldSteps:
 
     def __init__(self) -> None:
         # step -> rank -> its row in a batch's columns (a row is read only when its step is reported)
-        self.records: dict[int, dict[int, tuple[StepRows, int]]] = {}
+        self.records: dict[int, dict[int, tuple[PackedRows, int]]] = {}
         self.fresh_from: list[tuple[int, int]] = []  # (first step, generation) per recovery that runs steps again
 
     def add(self, batch: NodeSteps, rank_of: Callable[[int, int], int], next_step: int) -> list[int]:
@@ -95,30 +95,21 @@ class HeldSteps:
         if batch.step < next_step:
             return []
         rows, floor = batch.rows, self.fresh_generation(batch.step)
-        current = range(len(rows)) if min(rows.generation, default=floor) >= floor else \
-            [i for i, generation in enumerate(rows.generation) if generation >= floor]
+        replicas, stages, generations = rows.replica, rows.stage, rows.generation
         held = self.records.setdefault(batch.step, {})
-        ranks = list(map(rank_of, map(rows.replica.__getitem__, current), map(rows.stage.__getitem__, current)))
+        if min(generations, default=floor) >= floor:
+            ranks = list(map(rank_of, replicas, stages))
+            held.update(zip(ranks, zip(itertools.repeat(rows), range(len(ranks)))))
+            return ranks
+        current = [i for i, generation in enumerate(generations) if generation >= floor]
+        ranks = list(map(rank_of, map(replicas.__getitem__, current), map(stages.__getitem__, current)))
         held.update(zip(ranks, zip(itertools.repeat(rows), current)))
         return ranks
 
-    def drop_unreadable(self, step: int) -> list[int]:
-        """Leave out the batches of `step` with a value not of its field's type (a batch read unchecked, whose
-        values StepRows.gather checks), like any record of another version; the ranks whose rows they held."""
-        held = self.records.get(step, {})
-        bad: set[int] = set()
-        for rows in {id(rows): rows for rows, _ in held.values()}.values():
-            try:
-                StepRows.gather([(rows, i) for i in range(len(rows))])
-            except RecordError:
-                bad.add(id(rows))
-        dropped = sorted(rank for rank, (rows, _) in held.items() if id(rows) in bad)
-        for rank in dropped:
-            del held[rank]
-        return dropped
-
     def fresh_generation(self, step: int) -> int:
         """The oldest generation whose record of `step` is current."""
+        if not self.fresh_from:
+            return 0  # (no recovery has run steps again: every record is current)
         return max((generation for first, generation in self.fresh_from if step >= first), default=0)
 
     def forget_from(self, step: int, generation: int) -> None:
@@ -126,7 +117,7 @@ class HeldSteps:
         self.records = {s: records for s, records in self.records.items() if s < step}
         self.fresh_from = [(first, g) for first, g in self.fresh_from if first < step] + [(step, generation)]
 
-    def get(self, step: int) -> dict[int, tuple[StepRows, int]]:
+    def get(self, step: int) -> dict[int, tuple[PackedRows, int]]:
         return self.records.get(step, {})
 
     def pop(self, step: int) -> None:

@@ -30,8 +30,8 @@ from recycle.runtime.control.worker_table import WorkerRow, replacement_line
 from recycle.runtime.options import LaunchOptions
 from recycle.runtime.protocol.channels import (Channel, Channels, Flags, JobStore, Keys, launcher_fence_prefix,
                                                launcher_node, worker_fence_prefix)
-from recycle.runtime.protocol.records import (Announcement, FaultRecord, Joined, NodeSteps, RecordError, StepRows,
-                                              StoppedReport, Timestamp)
+from recycle.runtime.protocol.records import (Announcement, FaultRecord, Joined, NodeSteps, PackedRows, RecordError,
+                                              StepRows, StoppedReport, Timestamp)
 from recycle.runtime.protocol.store import StoreServer
 from recycle.runtime.protocol.store.data import Feed, KeyValue
 from recycle.runtime.state import checkpoint
@@ -279,8 +279,7 @@ class Supervisor:
         key = Keys.node_metrics(step, node, seq)
         raw = self.store.try_get(key)
         try:
-            # Its values are checked when the step is gathered, once for all of its nodes (_drain).
-            batch = NodeSteps.read_unchecked(raw) if raw is not None else None
+            batch = NodeSteps.decode(raw) if raw is not None else None
         except RecordError:
             batch = None  # only the job's processes can write; a record of another version is no report
         self.store.delete_key(key)  # read once, like the workers' own records
@@ -746,13 +745,7 @@ class Supervisor:
             picks = [pick for pick in found if pick is not None]
             if len(picks) < len(members):
                 return
-            try:
-                records = StepRows.gather(picks)
-            except RecordError:
-                # A node's batch holds a value of another version: left out like any such record, so the step
-                # waits for its ranks as if that batch had never come.
-                self.arrived[step].difference_update(self.held.drop_unreadable(step))
-                return
+            records = StepRows.gather(picks)  # (every batch was checked as it came in)
             self.arrived.pop(step, None)
             self.held.pop(step)
             metrics = self.reporter.step_metrics(step, records)
@@ -770,10 +763,10 @@ class Supervisor:
                 self.jobs.raise_flag(Flags.RUNNING)
             self.coordinator.on_step_reported(step)
 
-    def _own_record(self, step: int, rank: int) -> tuple[StepRows, int] | None:
+    def _own_record(self, step: int, rank: int) -> tuple[PackedRows, int] | None:
         """The step record a worker wrote to the job's store itself (not through its node launcher), as a row."""
         record = self.jobs.read(Channels.METRICS, step, rank)
-        return None if record is None else (StepRows.of([record]), 0)
+        return None if record is None else (PackedRows.of([record]), 0)
 
     def _first_eval(self, after: int) -> int:
         """The first evaluation due after `after` done steps (past the run's end when there are none)."""

@@ -12,7 +12,7 @@ from recycle.errors import ConfigError
 from recycle.runtime.protocol.records import (Announcement, Beat, ErrorRecord, EvalRecord, FaultRecord, JobSettings,
                                               Joined, JoinReady, MigrationRecord, NodeHello, NodeStarted, NodeSteps,
                                               NodeStops, StepRecord, StoppedReport, Timestamp, TransferRecord,
-                                              WorkerResync, from_json, to_json)
+                                              WorkerResync, decode, encode)
 from recycle.runtime.protocol.store import StoreClient, StoreServer
 from recycle.runtime.protocol.store.capacity import connection_limit, ensure_descriptors
 from recycle.runtime.protocol.store.server import StoreLimits
@@ -302,14 +302,14 @@ class JobStore:
         self.raw = raw
 
     def put(self, channel: Channel[R], record: R, *key: int) -> None:
-        self.raw.set(channel.key(*key), to_json(record))
+        self.raw.set(channel.key(*key), encode(record))
 
     def read(self, channel: Channel[R], *key: int) -> R | None:
         value = self.raw.try_get(channel.key(*key))
-        return None if value is None else from_json(channel.record, value)
+        return None if value is None else decode(channel.record, value)
 
     def get(self, channel: Channel[R], *key: int) -> R:
-        return from_json(channel.record, self.raw.get(channel.key(*key)))
+        return decode(channel.record, self.raw.get(channel.key(*key)))
 
     def delete(self, channel: Channel[Any], *key: int) -> None:
         self.raw.delete_key(channel.key(*key))

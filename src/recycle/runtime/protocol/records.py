@@ -3,11 +3,15 @@ with a JSON round-trip that names each record's kind, so both sides read and wri
 
 from __future__ import annotations
 
+import array
+import functools
 import itertools
 import json
 import operator
+import struct
+import sys
 from dataclasses import MISSING, dataclass, fields
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence, TypeVar
 
 from recycle.ir.worker import Worker
 
@@ -16,8 +20,8 @@ if TYPE_CHECKING:  # typeshed's type of a dataclass (what fields() takes); it ex
 
 __all__ = ["RecordError", "StepRecord", "EvalRecord", "ErrorRecord", "FaultRecord", "JoinReady", "Timestamp",
            "TransferRecord", "MigrationRecord", "StoppedReport", "Announcement", "Joined", "Beat", "JobSettings",
-           "NodeHello", "WorkerResync", "StepRows", "NodeSteps", "NodeStops", "NodeStarted", "to_json",
-           "from_json"]
+           "NodeHello", "WorkerResync", "StepRows", "PackedRows", "NodeSteps", "NodeStops", "NodeStarted", "to_json",
+           "from_json", "encode", "decode"]
 
 
 class RecordError(ValueError):
@@ -253,9 +257,10 @@ _COLUMNS = ("replica", "stage", "generation", "start", "end", "cpu_s", "loss_sum
 @dataclass(frozen=True)
 class StepRows:
     """Several workers' StepRecords of one step as columns (row i of every column is one worker's record): the
-    coordinator reads thousands a second at scale, and one JSON array per field decodes and checks in a few C-level
-    passes where a dataclass per worker cost most of its CPU (docs/cluster.md, "Step records go through the node").
-    Every column is checked on construction: same length, each value of its field's type."""
+    coordinator reports a step from its columns, at 16,384 workers a few C-level passes where a dataclass per worker
+    cost most of its CPU (docs/cluster.md, "Step records go through the node"). A node's rows travel packed
+    (PackedRows); `gather` joins a step's. Every column is checked on construction: same length, each value of its
+    field's type."""
 
     replica: tuple[int, ...]
     stage: tuple[int, ...]
@@ -285,13 +290,13 @@ class StepRows:
         return cls(*(tuple(getattr(r, name) for r in records) for name in _COLUMNS))
 
     @classmethod
-    def gather(cls, picks: list[tuple[StepRows, int]]) -> StepRows:
-        """The rows `picks` names ((rows, index) each), in that order, checked (a batch read by `unchecked` is
-        checked here, once for the whole step: RecordError if a value is not of its field's type). Consecutive rows
-        of one batch are taken as one slice per column: a step's picks, in rank order, are mostly each node's batch
-        whole."""
-        runs: list[tuple[StepRows, int, int]] = []  # (rows, first, past the last)
-        last: StepRows | None = None
+    def gather(cls, picks: Sequence[tuple[PackedRows | StepRows, int]]) -> StepRows:
+        """The rows `picks` names ((rows, index) each), in that order. Consecutive rows of one batch are taken as one
+        slice of its packed bytes: a step's picks, in rank order, are mostly each node's batch whole, so the step's
+        columns come from a few joins and strided array reads, not a Python step per value. The batches were checked
+        when they were made (PackedRows): nothing is checked again."""
+        runs: list[tuple[PackedRows | StepRows, int, int]] = []  # (rows, first, past the last)
+        last: PackedRows | StepRows | None = None
         first = past = -1
         for rows, i in picks:
             if rows is last and i == past:
@@ -302,44 +307,45 @@ class StepRows:
             last, first, past = rows, i, i + 1
         if last is not None:
             runs.append((last, first, past))
-        batches, firsts, pasts = zip(*runs) if runs else ((), (), ())
-        slices = list(map(slice, firsts, pasts))
-        columns = [tuple(itertools.chain.from_iterable(map(operator.getitem, map(attribute, batches), slices)))
-                   for attribute in _ATTRIBUTES]
-        columns[_TIMINGS] = _timings_as_tuples(columns[_TIMINGS])
-        return cls(*columns)
+        packed: dict[int, PackedRows] = {}  # a StepRows among the picks, packed once
+        batches = []
+        for rows, _, _ in runs:
+            if isinstance(rows, StepRows):
+                rows = packed.get(id(rows)) or packed.setdefault(id(rows), PackedRows.of(rows))
+            batches.append(rows)
+        firsts, pasts = [run[1] for run in runs], [run[2] for run in runs]
+        count = sum(map(operator.sub, pasts, firsts))
 
-    @classmethod
-    def unchecked(cls, data: Any, where: str) -> StepRows:
-        """Rows from the JSON data to_json wrote, with only what the coordinator acts on at once checked: 13
-        columns of one length, and int replica, stage and generation (anything else raises RecordError). The other
-        values are checked when the step is gathered (`gather`), in one pass over all of the step's rows instead of
-        one per node: the coordinator reads a node's batch per step and node, thousands a second at scale. Until
-        then the columns are the JSON's lists."""
-        if not isinstance(data, dict) or data.get("kind") != "step_rows":
-            raise RecordError(f"{where} holds {_shown(data)} where step rows (kind 'step_rows') were expected; every "
-                              "process of a run must be the same recycle version")
-        columns: list[Any] = list(map(data.get, _COLUMNS))
-        if set(map(type, columns)) != {list} or len(set(map(len, columns))) != 1 or \
-                not set(map(type, itertools.chain(*columns[:3]))) <= {int}:
-            cls.from_data(data, where)  # the full check names what is wrong
+        def joined(attribute: str, width: int) -> bytes:
+            # (each run's bytes of one packed column, joined: C-level calls per run)
+            starts, ends = (list(map(operator.mul, positions, itertools.repeat(width)))
+                            for positions in (firsts, pasts))
+            return b"".join(map(operator.getitem, map(operator.attrgetter(attribute), batches),
+                                map(slice, starts, ends)))
+
+        ints, floats = _unpacked("q", joined("ints", _INT_BYTES)), _unpacked("d", joined("floats", _FLOAT_BYTES))
+        present = joined("present", len(_OPTIONAL))
+        columns: dict[str, Any] = {name: tuple(ints[i::len(_INTS)]) for i, name in enumerate(_INTS)}
+        columns.update((name, tuple(floats[i::len(_FLOATS)])) for i, name in enumerate(_FLOATS[:len(_REQUIRED)]))
+        for i, name in enumerate(_OPTIONAL):
+            values, mask = floats[len(_REQUIRED) + i::len(_FLOATS)], present[i::len(_OPTIONAL)]
+            if 0 not in mask:
+                columns[name] = tuple(values)
+            elif 1 not in mask:
+                columns[name] = (None,) * count
+            else:  # absent values as None, in C-level passes (a dict of the present ones, read at every row)
+                columns[name] = tuple(map(dict(zip(itertools.compress(range(count), mask),
+                                                   itertools.compress(values, mask))).get, range(count)))
+        for name, empty in (("digest", ""), ("timings", ())):
+            if any(getattr(batch, name) for batch in batches):
+                columns[name] = tuple(itertools.chain.from_iterable(
+                    getattr(batch, name)[first:past] if getattr(batch, name) else (empty,) * (past - first)
+                    for batch, first, past in zip(batches, firsts, pasts)))
+            else:
+                columns[name] = (empty,) * count
         rows = object.__new__(cls)
-        rows.__dict__.update(zip(_COLUMNS, columns))  # (a frozen dataclass: no __init__, whose check comes later)
+        rows.__dict__.update((name, columns[name]) for name in _COLUMNS)  # (checked as PackedRows: no __init__)
         return rows
-
-    @classmethod
-    def from_data(cls, data: Any, where: str) -> StepRows:
-        """Rows from the JSON data to_json wrote (arrays back into tuples); anything else raises RecordError."""
-        if not isinstance(data, dict) or data.get("kind") != "step_rows":
-            raise RecordError(f"{where} holds {_shown(data)} where step rows (kind 'step_rows') were expected; every "
-                              "process of a run must be the same recycle version")
-        if set(map(type, map(data.get, _COLUMNS))) != {list}:  # one C-level pass over the 13 columns
-            missing = [name for name in _COLUMNS if type(data.get(name)) is not list]
-            raise RecordError(f"{where}: the step rows lack the column(s) {', '.join(missing)} (or hold no list "
-                              "there); every process of a run must be the same recycle version")
-        columns = [tuple(data[name]) for name in _COLUMNS]
-        columns[_TIMINGS] = _timings_as_tuples(columns[_TIMINGS])
-        return cls(*columns)
 
     def record(self, index: int) -> StepRecord:
         """Row `index` as the StepRecord it came from."""
@@ -372,7 +378,12 @@ def _check_columns(columns: tuple[Any, ...]) -> None:
             raise RecordError(f"step rows: column {name!r} holds {_shown(bad)} ({type(bad).__name__}), not one of "
                               f"{', '.join(sorted(t.__name__ for t in allowed))}; every process of a run must be the "
                               "same recycle version")
-    for timings in columns[_INDEX["timings"]] if any(columns[_INDEX["timings"]]) else ():
+    _check_timings(columns[_INDEX["timings"]])
+
+
+def _check_timings(column: tuple[Any, ...]) -> None:
+    """Raise RecordError unless each timing of each row in `column` is (action, start, end)."""
+    for timings in column if any(column) else ():
         for timing in timings:
             if not (type(timing) is tuple and len(timing) == 3 and type(timing[0]) is str
                     and type(timing[1]) in _NUMBER and type(timing[2]) in _NUMBER):
@@ -391,41 +402,216 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# PackedRows' layout: per row, _INTS as int64 and _FLOATS as float64 (an absent optional float as 0.0), and one
+# presence byte per _OPTIONAL float; little-endian.
+_INTS = ("replica", "stage", "generation")
+_REQUIRED = ("start", "end", "cpu_s")
+_OPTIONAL = ("loss_sum", "stage_loss", "grad_norm", "grad_sq", "lr")
+_FLOATS = _REQUIRED + _OPTIONAL
+_INT_BYTES, _FLOAT_BYTES = 8 * len(_INTS), 8 * len(_FLOATS)
+_BLOBS = (("ints", _INT_BYTES), ("floats", _FLOAT_BYTES), ("present", len(_OPTIONAL)))  # (field, bytes per row)
+_ROW_BYTES = sum(width for _, width in _BLOBS)
+_AGAIN = "every process of a run must be the same recycle version"
+
+
+def _unpacked(typecode: str, data: bytes) -> array.array[Any]:
+    """Little-endian `data` as an array of `typecode` values."""
+    values = array.array(typecode)
+    values.frombytes(data)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values
+
+
+def _packed(typecode: str, values: Any) -> bytes:
+    """`values` as little-endian bytes of `typecode` values."""
+    out = array.array(typecode, values)
+    if sys.byteorder != "little":
+        out.byteswap()
+    return out.tobytes()
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """A node's step records of one step (NodeSteps' rows), packed row by row: `ints` holds replica, stage and
+    generation (int64 each), `floats` start, end, cpu_s, loss_sum, stage_loss, grad_norm, grad_sq and lr (float64,
+    0.0 where absent), `present` one byte (1 or 0) per row for each of the five optional floats; little-endian.
+    `digest` and `timings` hold one value per row, or nothing when no row has one. At 16,384 workers the coordinator
+    reads 2,048 of these a step: they travel as these bytes (NodeSteps.encode), and a step's gather joins bytes
+    (StepRows.gather). Checked on construction (sizes, presence bytes, digest and timings), so nothing is checked
+    again when a step is gathered."""
+
+    count: int
+    ints: bytes
+    floats: bytes
+    present: bytes
+    digest: tuple[str, ...] = ()
+    timings: tuple[tuple[tuple[str, float, float], ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        count = self.count
+        if type(count) is not int or count < 0:
+            raise RecordError(f"step rows: the row count is {_shown(count)}, not a whole number >= 0; {_AGAIN}")
+        for name, width in _BLOBS:
+            blob = getattr(self, name)
+            if type(blob) is not bytes or len(blob) != count * width:
+                shown = f"{len(blob)} bytes" if type(blob) is bytes else _shown(blob)
+                raise RecordError(f"step rows: the packed column {name!r} holds {shown}, not {width} bytes for each "
+                                  f"of the {count} rows; {_AGAIN}")
+        self._check_rest()
+
+    def _check_rest(self) -> None:
+        """The checks past the packed columns' sizes: presence bytes, digest and timings."""
+        count = self.count
+        if self.present.translate(None, b"\0\1"):
+            raise RecordError(f"step rows: a presence byte is not 0 or 1; {_AGAIN}")
+        for name, allowed in (("digest", frozenset({str})), ("timings", frozenset({tuple}))):
+            column = getattr(self, name)
+            if not column and type(column) is tuple:
+                continue  # (most batches carry neither)
+            if type(column) is not tuple or len(column) != count:
+                shown = f"{len(column)} values" if type(column) is tuple else _shown(column)
+                raise RecordError(f"step rows: column {name!r} holds {shown}, not one value for each of the "
+                                  f"{count} rows (or none when no row has one); {_AGAIN}")
+            if not set(map(type, column)) <= allowed:
+                bad = next(value for value in column if type(value) not in allowed)
+                raise RecordError(f"step rows: column {name!r} holds {_shown(bad)} ({type(bad).__name__}), not "
+                                  f"{next(iter(allowed)).__name__}; {_AGAIN}")
+        _check_timings(self.timings)
+
+    def __len__(self) -> int:
+        return self.count
+
+    @functools.cached_property
+    def _ints(self) -> array.array[int]:
+        return _unpacked("q", self.ints)
+
+    # The columns the coordinator acts on as a batch arrives (HeldSteps.add); the others are read by StepRows.gather.
+    @property
+    def replica(self) -> Sequence[int]:
+        return self._ints[0::len(_INTS)]
+
+    @property
+    def stage(self) -> Sequence[int]:
+        return self._ints[1::len(_INTS)]
+
+    @property
+    def generation(self) -> Sequence[int]:
+        return self._ints[2::len(_INTS)]
+
+    @classmethod
+    def of(cls, records: StepRows | list[StepRecord] | tuple[StepRecord, ...]) -> PackedRows:
+        """`records` packed (RecordError if a value is not of its field's type)."""
+        rows = StepRows.of(records)
+        optional = [getattr(rows, name) for name in _OPTIONAL]
+        try:
+            ints = _packed("q", itertools.chain.from_iterable(zip(rows.replica, rows.stage, rows.generation)))
+        except OverflowError:
+            raise RecordError(f"step rows: a replica, stage or generation is past int64 ({max(rows.replica)}, "
+                              f"{max(rows.stage)}, {max(rows.generation)}); {_AGAIN}") from None
+        floats = _packed("d", itertools.chain.from_iterable(zip(
+            rows.start, rows.end, rows.cpu_s, *([0.0 if value is None else value for value in column]
+                                                for column in optional))))
+        present = bytes(itertools.chain.from_iterable(zip(*([value is not None for value in column]
+                                                            for column in optional))))
+        return cls(len(rows), ints, floats, present, rows.digest if any(rows.digest) else (),
+                   rows.timings if any(rows.timings) else ())
+
+    def record(self, index: int) -> StepRecord:
+        """Row `index` as the StepRecord it came from."""
+        return StepRows.gather([(self, index)]).record(0)
+
+
 @dataclass(frozen=True)
 class NodeSteps:
     """A node launcher's step records of one step (key node_metrics/STEP/NODE/SEQ): its workers write theirs to the
     node's own store, and the launcher hands the coordinator the ones that came in since its last look, one record per
     step, so the coordinator's reads grow with the nodes, not the workers. SEQ counts the launcher's writes: each key
-    is written once, so its reader may delete it once read. The records travel as columns (StepRows)."""
+    is written once, so its reader may delete it once read. `rows` given as StepRows or StepRecords is packed.
+
+    Unlike the other records it is not JSON: the coordinator reads 1,024 a second at 16,384 ranks, and JSON (even
+    with the rows in one base64 string) cost it 26 us a record against about 5 us for these bytes (`encode`): a
+    header (_NODE_STEPS_HEADER: magic, node, step, rows, the tail's length), the rows' packed columns (PackedRows),
+    and a JSON tail with the digest and timings columns, only when a row has one."""
 
     node: int
     step: int
-    rows: StepRows
+    rows: PackedRows
 
     def __post_init__(self) -> None:
-        # from_json hands the nested rows over as the dict JSON holds: read it as the StepRows it must be.
-        if not isinstance(self.rows, StepRows):
-            object.__setattr__(self, "rows", StepRows.from_data(self.rows, "a NodeSteps record"))
+        rows: Any = self.rows
+        if isinstance(rows, StepRows) or \
+                isinstance(rows, (list, tuple)) and all(isinstance(row, StepRecord) for row in rows):
+            object.__setattr__(self, "rows", PackedRows.of(rows))
+        elif not isinstance(rows, PackedRows):
+            raise RecordError(f"a NodeSteps record holds {_shown(rows)} where step rows were expected; {_AGAIN}")
+
+    def encode(self) -> bytes:
+        """The bytes a store key holds for this record (`decode` reads them)."""
+        rows = self.rows
+        tail = json.dumps({"digest": list(rows.digest), "timings": _data(rows.timings)}).encode() \
+            if rows.digest or rows.timings else b""
+        return _NODE_STEPS_HEADER.pack(_NODE_STEPS_MAGIC, self.node, self.step, rows.count, len(tail)) + rows.ints + \
+            rows.floats + rows.present + tail
 
     @classmethod
-    def read_unchecked(cls, text: bytes | str) -> NodeSteps:
-        """The coordinator's read of a batch: from_json's, with the rows read by `StepRows.unchecked` (their values
-        are checked when their step is gathered, for all of the step's nodes at once)."""
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            data = None
-        if not isinstance(data, dict) or data.get("kind") != "node_steps" or not _NODE_STEPS_FIELDS <= data.keys():
-            return from_json(cls, text)  # which names what is wrong
-        return cls(data["node"], data["step"], StepRows.unchecked(data["rows"], "a NodeSteps record"))
+    def decode(cls, raw: bytes | str, where: str = "a NodeSteps record") -> NodeSteps:
+        """The record `encode` wrote; anything else raises RecordError naming what is wrong."""
+        data = raw.encode() if isinstance(raw, str) else raw
+        header = _NODE_STEPS_HEADER.size
+        if type(data) is not bytes or len(data) < header or data[:len(_NODE_STEPS_MAGIC)] != _NODE_STEPS_MAGIC:
+            shown = _shown(data[:40]) if isinstance(data, bytes) else type(data).__name__
+            raise RecordError(f"{where} holds {shown}, not a node's packed step records (they start with "
+                              f"{_NODE_STEPS_MAGIC!r}); {_AGAIN}")
+        _, node, step, count, tail_length = _NODE_STEPS_HEADER.unpack_from(data)
+        if count < 0 or len(data) != header + count * _ROW_BYTES + tail_length:
+            raise RecordError(f"{where} holds {len(data)} bytes, not the {header} of its header, {_ROW_BYTES} for "
+                              f"each of its {count} rows and its {tail_length}-byte tail; {_AGAIN}")
+        ints_end = header + count * _INT_BYTES
+        floats_end = ints_end + count * _FLOAT_BYTES
+        rows_end = floats_end + count * len(_OPTIONAL)
+        digest: Any = ()
+        timings: Any = ()
+        if tail_length:
+            try:
+                tail = json.loads(data[rows_end:])
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                tail = None
+            columns: list[Any] = [tail.get(name) for name in ("digest", "timings")] if type(tail) is dict \
+                else [None, None]
+            if set(map(type, columns)) != {list}:
+                raise RecordError(f"{where}: its tail {_shown(tail)} is not the digest and timings columns as "
+                                  f"lists; {_AGAIN}")
+            digest, timings = tuple(columns[0]), _timings_as_tuples(tuple(columns[1]))
+        rows = object.__new__(PackedRows)  # (the sizes are checked above: no __init__, which sets each field by hand)
+        rows.__dict__.update(count=count, ints=data[header:ints_end], floats=data[ints_end:floats_end],
+                             present=data[floats_end:rows_end], digest=digest, timings=timings)
+        rows._check_rest()
+        batch = object.__new__(cls)
+        batch.__dict__.update(node=node, step=step, rows=rows)
+        return batch
 
     @property
     def records(self) -> tuple[StepRecord, ...]:
         """Each row as a StepRecord (tests and tools; the coordinator reads the columns)."""
-        return tuple(self.rows.record(i) for i in range(len(self.rows)))
+        rows = StepRows.gather([(self.rows, i) for i in range(len(self.rows))])
+        return tuple(rows.record(i) for i in range(len(rows)))
 
 
-_NODE_STEPS_FIELDS = frozenset({"node", "step", "rows"})
+_NODE_STEPS_MAGIC = b"RCYSTEP1"
+_NODE_STEPS_HEADER = struct.Struct("<8sqqqI")  # magic, node, step, rows, the JSON tail's length in bytes
+
+
+def encode(record: Any) -> bytes | str:
+    """What a store key holds for `record`: NodeSteps' bytes, any other record's JSON (to_json)."""
+    return record.encode() if type(record) is NodeSteps else to_json(record)
+
+
+def decode(cls: type[R], raw: bytes | str) -> R:
+    """The record of class `cls` that `encode` wrote; RecordError for anything else."""
+    if cls is NodeSteps:
+        return NodeSteps.decode(raw)  # type: ignore[return-value]
+    return from_json(cls, raw)
 
 
 @dataclass(frozen=True)
@@ -564,7 +750,7 @@ _KINDS: dict[str, type[DataclassInstance]] = {
     "fault": FaultRecord,
     "join_ready": JoinReady, "timestamp": Timestamp, "transfer": TransferRecord, "migration": MigrationRecord,
     "stopped": StoppedReport, "announce": Announcement, "node_hello": NodeHello, "worker_resync": WorkerResync,
-    "node_steps": NodeSteps, "step_rows": StepRows, "node_stops": NodeStops, "node_started": NodeStarted}
+    "node_stops": NodeStops, "node_started": NodeStarted}
 _NAMES = {cls: kind for kind, cls in _KINDS.items()}
 _FIELD_NAMES = {kind: frozenset(f.name for f in fields(cls)) for kind, cls in _KINDS.items()}  # (read per record)
 # The fields that hold tuples: only their JSON arrays are turned back into tuples (the coordinator reads thousands of
