@@ -527,8 +527,17 @@ class _Cluster:
             if self.error is not None:
                 raise RuntimeError(f"the coordinator failed while waiting for {what}: {self.error}") from self.error
             if time.time() > deadline:
-                raise RuntimeError(f"timed out after {self.settings.event_timeout_s:g} s waiting for {what}")
+                raise RuntimeError(f"timed out after {self.settings.event_timeout_s:g} s waiting for {what} "
+                                   f"({self._state_now()})")
             time.sleep(0.005)
+
+    def _state_now(self) -> str:
+        """Where the coordinator stands, for a phase that never ended (which side stopped moving)."""
+        state, supervisor = self.supervisor.coordinator.state, self.supervisor
+        pending = supervisor.pending.facts.generation if supervisor.pending is not None else None
+        return (f"coordinator: generation {state.generation}, recovering {state.recovering}, recovery being "
+                f"reported {pending}, {len(state.live)} live, joining {sorted(state.joining)}, next step "
+                f"{supervisor.coordinator.next_step}, {self.recoveries()} recoveries reported")
 
     def recoveries(self) -> int:
         return len(self.supervisor.reporter.recoveries)
