@@ -196,7 +196,10 @@ def test_a_frozen_or_cut_off_node_is_fenced_and_its_return_is_harmless(tmp_path:
     assert node0.returncode == 0, err0
     assert "step 24/24" in text0 and "stopped responding" in text0
     assert node1.returncode != 0
-    assert "was declared dead by the job's coordinator" in err1, err1
+    # Its launcher says so in one line: told by the coordinator, or, when the run ended before node 1 could reach it
+    # again (a slow machine), from its workers' fences and the coordinator gone (launcher._check_not_shut_out).
+    assert "was declared dead by the job's coordinator" in err1 or \
+        "every worker of node 1 was shut out by the job's coordinator" in err1, err1
     for text in (err0, err1, out1):
         assert "Traceback" not in text and "c10d" not in text, text
     deadline = time.monotonic() + 10
