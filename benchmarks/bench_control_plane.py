@@ -289,7 +289,8 @@ class SupervisorTrace:
 
     def __init__(self, supervisor: Supervisor) -> None:
         self.cpu = dict.fromkeys(self.ACTIVITIES, 0.0)
-        self.snaps: dict[str, tuple[float, dict[str, float]]] = {}
+        self.ticks = 0  # the loop's passes (_stopped_reports runs once in each)
+        self.snaps: dict[str, tuple[float, dict[str, float], int]] = {}
         self.depth = 0
         self.announce_started: list[float] = []  # the thread's CPU clock as each _announce began
         for name in self.ACTIVITIES:
@@ -298,6 +299,8 @@ class SupervisorTrace:
 
     def _timed(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if name == "_stopped_reports":
+                self.ticks += 1
             if self.depth:  # (nested: counted by the outer one)
                 return method(*args, **kwargs)
             self.depth += 1
@@ -312,15 +315,15 @@ class SupervisorTrace:
         return timed
 
     def snap(self, label: str, cpu: float) -> None:
-        self.snaps.setdefault(label, (cpu, dict(self.cpu)))
+        self.snaps.setdefault(label, (cpu, dict(self.cpu), self.ticks))
 
     def between(self, first: str, last: str) -> dict[str, float] | None:
-        """The thread's CPU between two snapshots: in all, and by activity (ms)."""
+        """The thread's CPU between two snapshots: in all, and by activity (ms); and "ticks", the loop's passes."""
         if first not in self.snaps or last not in self.snaps:
             return None
-        (cpu0, by0), (cpu1, by1) = self.snaps[first], self.snaps[last]
+        (cpu0, by0, ticks0), (cpu1, by1, ticks1) = self.snaps[first], self.snaps[last]
         spent = {name: 1e3 * (by1[name] - by0[name]) for name in self.ACTIVITIES if by1[name] > by0[name]}
-        return {"total": 1e3 * (cpu1 - cpu0), **spent}
+        return {"total": 1e3 * (cpu1 - cpu0), **spent, "ticks": float(ticks1 - ticks0)}
 
 
 class GcClock:
@@ -823,7 +826,11 @@ def _phases(row: dict[str, Any]) -> str:
 
 
 def _cpu_text(spent: dict[str, float] | None) -> str:
-    return "-" if not spent else ", ".join(f"{name.strip('_')} {ms:.0f}" for name, ms in spent.items())
+    if not spent:
+        return "-"
+    ticks = spent.get("ticks")
+    return ", ".join(f"{name.strip('_')} {ms:.0f}" for name, ms in spent.items() if name != "ticks") + \
+        ("" if ticks is None else f"; in {ticks:.0f} passes of its loop")
 
 
 def _plan_on_path(row: dict[str, Any]) -> float:
@@ -869,7 +876,8 @@ def _failure_summary(exits: list[dict[str, Any]], silent: list[dict[str, Any]], 
         # The supervisor thread's CPU from the abort to the announcement, by activity (SupervisorTrace), median.
         "abort_to_announce_cpu_ms": {name: _median([r["abort_to_announce_cpu_ms"].get(name, 0.0) for r in exits
                                                     if r.get("abort_to_announce_cpu_ms")])
-                                     for name in ("total",) + SupervisorTrace.ACTIVITIES} if exits else None,
+                                     for name in ("total",) + SupervisorTrace.ACTIVITIES + ("ticks",)}
+        if exits else None,
         "silent_detect_to_announce_s": med(lambda r: r["announced"] - r["failed_at"], silent),
         "silent_beyond_timeout_s": med(lambda r: r["announced"] - r["failed_at"] - timeout_s, silent),
         "silent_abort_beyond_timeout_s": med(lambda r: r["abort"] - r["failed_at"] - timeout_s, silent),

@@ -54,6 +54,15 @@ def test_c10d_calls_have_c10d_semantics(server) -> None:
         c.wait(["never"], datetime.timedelta(seconds=0.2))
 
 
+def test_the_coordinators_take_reads_each_key_once_and_a_client_sees_it_gone(server) -> None:
+    c, local = client(server), LocalStore(server.data)
+    c.set("node_stopped/1/0/0", b"first")
+    c.set("node_stopped/1/1/0", b"second")
+    assert local.take([b"node_stopped/1/1/0", b"absent", b"node_stopped/1/0/0"]) == [b"second", None, b"first"]
+    assert c.try_get("node_stopped/1/0/0") is None and c.num_keys() == 0
+    assert local.take([b"node_stopped/1/0/0"]) == [None]
+
+
 def test_a_wait_is_answered_the_moment_its_key_appears(server) -> None:
     waiter, writer = client(server, "worker/0/a"), client(server, "worker/1/a")
     threading.Timer(0.2, lambda: writer.set("late", "1")).start()

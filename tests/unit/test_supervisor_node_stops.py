@@ -70,7 +70,8 @@ def test_stale_generations_dead_workers_and_unreadable_digests_are_left_out() ->
     loop.store.set(Keys.node_stopped(2, 1, 0), '{"kind": "node_stops", "node": 1}')  # another version's
     _tick(loop)
     assert [r for reports in loop.coordinator.handed for r in reports] == []  # (an empty look, as for own reports)
-    assert loop.store.try_get(Keys.node_stopped(2, 1, 0)) is None
+    # Every digest named is read once and gone, whether or not it counted.
+    assert all(loop.store.try_get(Keys.node_stopped(*key)) is None for key in ((1, 0, 0), (2, 0, 1), (2, 1, 0)))
     loop.jobs.put(Channels.NODE_STOPPED, NodeStops(1, 3, (_report(2, 3),)), 3, 1, 1)  # ahead: kept for its turn
     _tick(loop)
     loop.coordinator.state = RunState(3, frozenset({1, 2}), frozenset())

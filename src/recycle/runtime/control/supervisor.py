@@ -30,8 +30,8 @@ from recycle.runtime.control.worker_table import WorkerRow, replacement_line
 from recycle.runtime.options import LaunchOptions
 from recycle.runtime.protocol.channels import (Channel, Channels, Flags, JobStore, Keys, launcher_fence_prefix,
                                                launcher_node, worker_fence_prefix)
-from recycle.runtime.protocol.records import (Announcement, FaultRecord, Joined, NodeSteps, PackedRows, RecordError,
-                                              StepRows, StoppedReport, Timestamp)
+from recycle.runtime.protocol.records import (Announcement, FaultRecord, Joined, NodeSteps, NodeStops, PackedRows,
+                                              RecordError, StepRows, StoppedReport, Timestamp, decode)
 from recycle.runtime.protocol.store import StoreServer
 from recycle.runtime.protocol.store.data import Feed, KeyValue
 from recycle.runtime.state import checkpoint
@@ -45,6 +45,7 @@ R = TypeVar("R")
 
 
 TICK_MIN_S = 0.01  # the supervisor's loop, while nothing fails: what it adds at most to noticing a failure
+RECOVERY_REST_MAX_S = 0.01  # the most the loop rests between a recovery's passes (as long as the last pass took)
 
 
 def _launchers_on(server: StoreServer) -> set[int]:
@@ -228,6 +229,11 @@ class Supervisor:
                 return list(self.reporter.steps), list(self.reporter.recoveries), self.coordinator.state.failed
             if state.recovering:
                 self._prepare_next()
+                # A recovery's reports come in bursts (2,048 node digests at 16,384 workers) through the store's
+                # thread, which shares this process's interpreter lock: resting as long as the pass took (at most
+                # RECOVERY_REST_MAX_S) leaves that thread the lock half the time and makes each pass take a larger
+                # batch. A small job's passes, a fraction of a millisecond, are hardly held back.
+                time.sleep(min(RECOVERY_REST_MAX_S, time.monotonic() - tick))
             else:
                 # The feed wakes the loop on every key a node writes, about one per node and step: at thousands of
                 # nodes a tick per key costs more than the keys (540 ticks/s, a third of a core, at 16,384 ranks).
@@ -256,6 +262,7 @@ class Supervisor:
             self.prepared = _Prepared(failed, choice, views, views.encoded_tails(choice.plan.live_ranks()))
 
     def _take_feed(self) -> None:
+        stops: list[tuple[bytes, int]] = []  # node launchers' stop digests: their keys and generations
         for key in self.feed.drain():
             kind, _, rest = key.decode().partition("/")
             if kind == "metrics":
@@ -264,7 +271,7 @@ class Supervisor:
             elif kind == "node_metrics":
                 self._take_node_steps(*(int(part) for part in rest.split("/")))
             elif kind == "node_stopped":
-                self._take_node_stops(*(int(part) for part in rest.split("/")))
+                stops.append((key, int(rest.partition("/")[0])))
             elif kind == "node_started":
                 self._take_node_started(*(int(part) for part in rest.split("/")))
             elif kind in ("exit", "silent"):
@@ -273,6 +280,8 @@ class Supervisor:
                 generation, _, rank = rest.partition("/")
                 into = self.stopped_in if kind == "stopped" else self.resumed_in
                 into.setdefault(int(generation), set()).add(int(rank))
+        if stops:
+            self._take_node_stops(stops)
 
     def _take_node_steps(self, step: int, node: int, seq: int) -> None:
         """A node launcher's records of `step` that came in since its previous look (each key is written once)."""
@@ -297,10 +306,18 @@ class Supervisor:
         self.jobs.delete(channel, generation, node, seq)  # read once, like the workers' own records
         return digest
 
-    def _take_node_stops(self, generation: int, node: int, seq: int) -> None:
-        """A node launcher's digest of its workers' stop reports of `generation`."""
-        digest = self._read_once(Channels.NODE_STOPPED, generation, node, seq)
-        if digest is not None and generation >= self.coordinator.state.generation:
+    def _take_node_stops(self, keys: list[tuple[bytes, int]]) -> None:
+        """Node launchers' digests of their workers' stop reports (their keys, each written once, and generations):
+        read and deleted in one hold of the store's lock, as a recovery's 2,048 digests at 16,384 workers come in
+        bursts; a digest of another version is no report (only the job's processes can write)."""
+        current = self.coordinator.state.generation
+        for (_, generation), raw in zip(keys, self.store.take([key for key, _ in keys])):
+            if raw is None or generation < current:
+                continue
+            try:
+                digest = decode(NodeStops, raw)
+            except RecordError:
+                continue
             into = self.digested.setdefault(generation, {})
             into.update((report.rank, report) for report in digest.reports if report.generation == generation)
 

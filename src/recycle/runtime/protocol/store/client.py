@@ -397,6 +397,10 @@ class LocalStore:
     def delete_key(self, key: str) -> bool:
         return self.data.delete(_bytes(key))
 
+    def take(self, keys: list[bytes]) -> list[bytes | None]:
+        """The values of `keys` (None where absent), deleted: records each read once (the coordinator's digests)."""
+        return self.data.take(keys)
+
     def num_keys(self) -> int:
         return self.data.num_keys()
 

@@ -178,6 +178,12 @@ class KeyValue:
         with self.lock:
             return self._data.pop(key, None) is not None
 
+    def take(self, keys: list[bytes]) -> list[bytes | None]:
+        """Each key's value (None where absent), deleted: records read once, many under one hold of the lock."""
+        with self.lock:
+            pop = self._data.pop
+            return [pop(key, None) for key in keys]
+
     # -- reads ---------------------------------------------------------------------------------------------------
     def get(self, key: bytes) -> bytes | None:
         with self.lock:
