@@ -8,7 +8,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Collection, Iterable, Mapping, NoReturn, TypeVar
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, NoReturn, TypeVar
 
 from recycle.collector import collector_paused
 from recycle.config import Config
@@ -30,8 +30,8 @@ from recycle.runtime.control.worker_table import WorkerRow, replacement_line
 from recycle.runtime.options import LaunchOptions
 from recycle.runtime.protocol.channels import (Channel, Channels, Flags, JobStore, Keys, launcher_fence_prefix,
                                                launcher_node, worker_fence_prefix)
-from recycle.runtime.protocol.records import (Announcement, FaultRecord, Joined, NodeSteps, NodeStops, PackedRows,
-                                              RecordError, StepRows, StoppedReport, Timestamp, decode)
+from recycle.runtime.protocol.records import (Announcement, FaultRecord, Joined, NodeStarted, NodeSteps, NodeStops,
+                                              PackedRows, RecordError, StepRows, StoppedReport, Timestamp, decode)
 from recycle.runtime.protocol.store import StoreServer
 from recycle.runtime.protocol.store.data import Feed, KeyValue
 from recycle.runtime.state import checkpoint
@@ -71,6 +71,7 @@ class _PendingRecovery:
     choice: PlanChoice
     announced: float  # wall clock of the announcement
     live: frozenset[int]
+    moves_layers: bool  # workers may write MigrationRecords (their layers may have moved)
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,7 @@ class Supervisor:
         self.digested: dict[int, dict[int, StoppedReport]] = {}
         # Per generation, the Joined and Resumed records that came in node launchers' digests (NodeStarted), by rank.
         self.started: dict[int, _Started] = {}
+        self.adopted = rebuilt is not None  # a restarted coordinator's: the run's layouts before it are unknown
         if rebuilt is not None:
             self._adopt(rebuilt)
 
@@ -262,7 +264,9 @@ class Supervisor:
             self.prepared = _Prepared(failed, choice, views, views.encoded_tails(choice.plan.live_ranks()))
 
     def _take_feed(self) -> None:
-        stops: list[tuple[bytes, int]] = []  # node launchers' stop digests: their keys and generations
+        # Node launchers' stop and start digests (their keys and generations), each kind taken in one batch.
+        stops: list[tuple[bytes, int]] = []
+        starts: list[tuple[bytes, int]] = []
         for key in self.feed.drain():
             kind, _, rest = key.decode().partition("/")
             if kind == "metrics":
@@ -273,7 +277,7 @@ class Supervisor:
             elif kind == "node_stopped":
                 stops.append((key, int(rest.partition("/")[0])))
             elif kind == "node_started":
-                self._take_node_started(*(int(part) for part in rest.split("/")))
+                starts.append((key, int(rest.partition("/")[0])))
             elif kind in ("exit", "silent"):
                 self.flagged.add(int(rest))
             elif kind in ("stopped", "resumed"):
@@ -282,6 +286,8 @@ class Supervisor:
                 into.setdefault(int(generation), set()).add(int(rank))
         if stops:
             self._take_node_stops(stops)
+        if starts:
+            self._take_node_started(starts)
 
     def _take_node_steps(self, step: int, node: int, seq: int) -> None:
         """A node launcher's records of `step` that came in since its previous look (each key is written once)."""
@@ -296,42 +302,36 @@ class Supervisor:
         if ranks:
             self.arrived.setdefault(step, set()).update(ranks)
 
-    def _read_once(self, channel: Channel[R], generation: int, node: int, seq: int) -> R | None:
-        """A node launcher's digest (each key is written once), read and deleted; None if it is of another version
-        (only the job's processes can write: such a record is no record)."""
-        try:
-            digest = self.jobs.read(channel, generation, node, seq)
-        except RecordError:
-            digest = None
-        self.jobs.delete(channel, generation, node, seq)  # read once, like the workers' own records
-        return digest
+    def _taken(self, cls: type[R], keys: list[tuple[bytes, int]]) -> Iterator[tuple[int, R]]:
+        """Node launchers' digests of class `cls` (their keys, each written once, and generations), read and deleted
+        in one hold of the store's lock: a recovery's 2,048 digests at 16,384 workers come in bursts. A digest of
+        another version is no record (only the job's processes can write)."""
+        for (_, generation), raw in zip(keys, self.store.take([key for key, _ in keys])):
+            if raw is not None:
+                try:
+                    yield generation, decode(cls, raw)
+                except RecordError:
+                    pass
 
     def _take_node_stops(self, keys: list[tuple[bytes, int]]) -> None:
-        """Node launchers' digests of their workers' stop reports (their keys, each written once, and generations):
-        read and deleted in one hold of the store's lock, as a recovery's 2,048 digests at 16,384 workers come in
-        bursts; a digest of another version is no report (only the job's processes can write)."""
+        """Node launchers' digests of their workers' stop reports, kept by generation for _stopped_reports."""
         current = self.coordinator.state.generation
-        for (_, generation), raw in zip(keys, self.store.take([key for key, _ in keys])):
-            if raw is None or generation < current:
-                continue
-            try:
-                digest = decode(NodeStops, raw)
-            except RecordError:
-                continue
-            into = self.digested.setdefault(generation, {})
-            into.update((report.rank, report) for report in digest.reports if report.generation == generation)
+        for generation, digest in self._taken(NodeStops, keys):
+            if generation >= current:
+                into = self.digested.setdefault(generation, {})
+                into.update((report.rank, report) for report in digest.reports if report.generation == generation)
 
-    def _take_node_started(self, generation: int, node: int, seq: int) -> None:
-        """A node launcher's digest of its workers' Joined and Resumed records of `generation`, kept until the
-        generation's recovery is reported."""
-        digest = self._read_once(Channels.NODE_STARTED, generation, node, seq)
-        if digest is None or self.pending is None or self.pending.facts.generation != generation:
-            return  # (the run's first generation, or one whose recovery is not reported: a restarted coordinator's)
-        into = self.started.setdefault(generation, _Started())
-        into.joined.update(digest.joined_records)
-        resumed = digest.resumed_records
-        into.resumed.update(resumed)
-        self.resumed_in.setdefault(generation, set()).update(resumed)
+    def _take_node_started(self, keys: list[tuple[bytes, int]]) -> None:
+        """Node launchers' digests of their workers' Joined and Resumed records, kept until their generation's
+        recovery is reported."""
+        for generation, digest in self._taken(NodeStarted, keys):
+            if self.pending is None or self.pending.facts.generation != generation:
+                continue  # (the run's first generation, or one not reported: a restarted coordinator's)
+            into = self.started.setdefault(generation, _Started())
+            into.joined.update(digest.joined_records)
+            resumed = digest.resumed_records
+            into.resumed.update(resumed)
+            self.resumed_in.setdefault(generation, set()).update(resumed)
 
     def _all_local_exited(self) -> bool:
         """Every local member of the run has exited (replacements never admitted are stopped afterwards)."""
@@ -589,6 +589,7 @@ class Supervisor:
                 "; ".join(d.cause for d in facts.deaths), tuple(sorted(facts.joining)),
                 -1 if facts.restore_step is None else facts.restore_step, completion is not None), facts.generation)
         self._delete_old_views(facts.generation)
+        previous = self.plan
         for rank in facts.joining:
             self.liveness.admit(rank, time.time())
             self.store.delete_key(Keys.join_ready(rank))
@@ -596,7 +597,10 @@ class Supervisor:
         self.plan = plan
         # A step redone in the new generation is recorded again.
         self._forget_arrivals_from(facts.redo_step, facts.generation)
-        self.pending = _PendingRecovery(facts, choice, time.time(), command.live)
+        # Layers move only when a plan re-partitions them (a partition that is not the config's own layout), or, after
+        # a coordinator restart, from a layout it did not see.
+        moves = bool(plan.partition or previous.partition) or self.adopted
+        self.pending = _PendingRecovery(facts, choice, time.time(), command.live, moves)
         _freeze_long_lived()
 
     def _completion(self, facts: RecoveryFacts, plan: Plan) -> tuple[RecoveryFacts, Completion | None]:
@@ -717,7 +721,9 @@ class Supervisor:
                 faults[death.rank] = fault
         records = GenerationRecords(resumed, tuple(self._records(Channels.JOINED, generation, live, started.joined)),
                                     tuple(self._records(Channels.TRANSFER, generation, sorted(facts.joining))),
-                                    tuple(self._records(Channels.MIGRATION, generation, live)), faults)
+                                    # (none without a re-partition: not 16,384 reads for nothing)
+                                    tuple(self._records(Channels.MIGRATION, generation, live))
+                                    if pending.moves_layers else (), faults)
         self._forget_generation_records(generation, live, started, tuple(sorted(facts.joining)),
                                         bool(records.migrations))
         self.reporter.recovery(measure_recovery(facts, records, self.plan.worker, pending.announced, pending.choice,
