@@ -937,7 +937,7 @@ class _Worker:
             if spec.tp_rank > 0:
                 post_stop_point(self.store, self.generation, spec.rank, spec.tp_rank, point)
             else:
-                report = replace(report, tp_split=tp_split(self.store, self.generation, spec.rank, spec.tp_degree,
+                report = report._replace(tp_split=tp_split(self.store, self.generation, spec.rank, spec.tp_degree,
                                                            point, spec.recovery.timeout_s))
         self.phase = "stopped"
         # With a node store, through it: the node's launcher writes the coordinator one digest of its workers' reports
