@@ -12,7 +12,7 @@ import json
 import operator
 import struct
 import sys
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, NamedTuple, Sequence, TypeVar
 
 from recycle.ir.worker import Worker
