@@ -242,6 +242,10 @@ class CoordinatorStore(LocalStore):
         self._count()
         return super().delete_key(key)
 
+    def take(self, keys: list[bytes]) -> list[bytes | None]:
+        self._count()  # (one call, one hold of the lock, however many records it reads)
+        return super().take(keys)
+
     def get(self, key: str) -> bytes:
         self._count()
         return super().get(key)

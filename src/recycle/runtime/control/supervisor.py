@@ -264,7 +264,9 @@ class Supervisor:
             self.prepared = _Prepared(failed, choice, views, views.encoded_tails(choice.plan.live_ranks()))
 
     def _take_feed(self) -> None:
-        # Node launchers' stop and start digests (their keys and generations), each kind taken in one batch.
+        # Node launchers' step records, stop and start digests (their keys, and the step or generation of each),
+        # each kind taken in one batch.
+        steps: list[tuple[bytes, int]] = []
         stops: list[tuple[bytes, int]] = []
         starts: list[tuple[bytes, int]] = []
         for key in self.feed.drain():
@@ -273,7 +275,7 @@ class Supervisor:
                 step, _, rank = rest.partition("/")
                 self.arrived.setdefault(int(step), set()).add(int(rank))
             elif kind == "node_metrics":
-                self._take_node_steps(*(int(part) for part in rest.split("/")))
+                steps.append((key, int(rest.partition("/")[0])))
             elif kind == "node_stopped":
                 stops.append((key, int(rest.partition("/")[0])))
             elif kind == "node_started":
@@ -284,28 +286,25 @@ class Supervisor:
                 generation, _, rank = rest.partition("/")
                 into = self.stopped_in if kind == "stopped" else self.resumed_in
                 into.setdefault(int(generation), set()).add(int(rank))
+        if steps:
+            self._take_node_steps(steps)
         if stops:
             self._take_node_stops(stops)
         if starts:
             self._take_node_started(starts)
 
-    def _take_node_steps(self, step: int, node: int, seq: int) -> None:
-        """A node launcher's records of `step` that came in since its previous look (each key is written once)."""
-        key = Keys.node_metrics(step, node, seq)
-        raw = self.store.try_get(key)
-        try:
-            batch = NodeSteps.decode(raw) if raw is not None else None
-        except RecordError:
-            batch = None  # only the job's processes can write; a record of another version is no report
-        self.store.delete_key(key)  # read once, like the workers' own records
-        ranks = self.held.add(batch, self.plan.rank, self.coordinator.next_step) if batch is not None else []
-        if ranks:
-            self.arrived.setdefault(step, set()).update(ranks)
+    def _take_node_steps(self, keys: list[tuple[bytes, int]]) -> None:
+        """Node launchers' records of a step each (NodeSteps: a node's records that came in since its previous
+        look), held until the step is reported."""
+        for step, batch in self._taken(NodeSteps, keys):
+            ranks = self.held.add(batch, self.plan.rank, self.coordinator.next_step)
+            if ranks:
+                self.arrived.setdefault(step, set()).update(ranks)
 
     def _taken(self, cls: type[R], keys: list[tuple[bytes, int]]) -> Iterator[tuple[int, R]]:
-        """Node launchers' digests of class `cls` (their keys, each written once, and generations), read and deleted
-        in one hold of the store's lock: a recovery's 2,048 digests at 16,384 workers come in bursts. A digest of
-        another version is no record (only the job's processes can write)."""
+        """Node launchers' records of class `cls` (their keys, each written once, and the step or generation each is
+        of), read and deleted in one hold of the store's lock: at 16,384 workers 2,048 come in at once, every step
+        and in a recovery. A record of another version is no record (only the job's processes can write)."""
         for (_, generation), raw in zip(keys, self.store.take([key for key, _ in keys])):
             if raw is not None:
                 try:
